@@ -1,0 +1,34 @@
+"""diag: find which operator broke an INT8 ONNX model, and what to do about it.
+
+The public API (everything else is internal and may change)::
+
+    from diag import compare_models, feed_source, load_pair, DiagError
+
+NOTE: attributes are imported lazily so that ``diag --help`` does not pay for numpy, onnx and
+onnxruntime imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "CompareOptions": "diag.compare",
+    "CompareResult": "diag.compare",
+    "compare_models": "diag.compare",
+    "load_pair": "diag.compare",
+    "DiagError": "diag.errors",
+    "feed_source": "diag.feeds",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'diag' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+"""``python -m diag``."""
+
+from diag.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""Turn per-tensor error into node findings: rankings, roles, output verdicts.
+
+Two errors per node:
+
+* **accumulated** - the node's output in the real INT8 model versus FP32: everything upstream
+  included. Tells *where* the INT8 model is wrong.
+* **local** - the node's INT8 version fed with the FP32 model's inputs: its own contribution.
+  Tells *why*.
+
+Roles (for nodes whose accumulated SQNR is below the "bad" threshold):
+
+* ``root-cause``: the node's local error is itself bad (local SQNR below threshold);
+* ``amplifier``: local error fine, but the node turns the error it receives into much more
+  (accumulated SQNR at least ``AMPLIFY_DB`` below its worst input's);
+* ``victim``: local error fine, it just inherits error from upstream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+
+from diag.graph import input_tensors
+from diag.match import NodeGroup
+from diag.metrics import ErrorStats, OutputStats
+
+#: SQNR under which a tensor counts as badly quantized. ~ 4.6 bits of effective precision.
+BAD_SQNR_DB = 20.0
+#: A node "amplifies" when its output SQNR is this much below its worst input's SQNR.
+AMPLIFY_DB = 6.0
+#: A node whose output SQNR is within this of its worst input's merely passes error on.
+INHERIT_DB = 1.0
+#: No single root cause when the best local culprit explains less than this share of the
+#: total local error energy among bad nodes.
+SINGLE_CAUSE_SHARE = 0.5
+
+#: Acceptance bands from the quantization guides our users follow (README, "Verdict bands").
+BANDS = {
+    "top1_agreement": {"excellent": 0.99, "acceptable": 0.95, "reject_below": 0.90},
+    "max_abs": {"excellent": 0.1, "acceptable": 0.3, "reject_above": 0.5},
+    "cosine_min": {"excellent": 0.999, "acceptable": 0.99, "reject_below": 0.98},
+}
+GRADES = ("excellent", "acceptable", "marginal", "reject")
+
+
+@dataclass
+class NodeFinding:
+    """One FP32 node (or fused group) with its accumulated and local error and its role."""
+
+    group: NodeGroup
+    index: int
+    tensor: str
+    accumulated: ErrorStats | None
+    local: ErrorStats | None
+    input_sqnr_db: float | None
+    role: str = "ok"
+    rank_accumulated: int = 0
+    rank_local: int = 0
+
+    @property
+    def amplification_db(self) -> float | None:
+        """How many dB of SQNR the node loses relative to its worst input (positive = adds error)."""
+        if self.accumulated is None or self.input_sqnr_db is None:
+            return None
+        if math.isinf(self.input_sqnr_db) and math.isinf(self.accumulated.sqnr_db):
+            return 0.0
+        return self.input_sqnr_db - self.accumulated.sqnr_db
+
+
+@dataclass
+class OutputVerdict:
+    """Grade of one model output against the bands in :data:`BANDS`."""
+
+    name: str
+    stats: ErrorStats
+    per_sample: OutputStats
+    grade: str
+    reasons: list[str]
+
+
+def _worst(stats: list[ErrorStats]) -> ErrorStats | None:
+    return min(stats, key=lambda s: s.sqnr_db) if stats else None
+
+
+def node_findings(groups: list[NodeGroup], accumulated: dict[str, ErrorStats],
+                  local: dict[str, ErrorStats], graph: nx.DiGraph) -> list[NodeFinding]:
+    """One finding per node group, ranked by accumulated and by local error, roles assigned."""
+    findings: list[NodeFinding] = []
+    for g in groups:
+        outs = [o for o in g.outputs if o in accumulated]
+        if not outs:
+            continue
+        worst_out = min(outs, key=lambda o: accumulated[o].sqnr_db)
+        acc = accumulated[worst_out]
+        loc = local.get(worst_out)
+        head = g.fp_nodes[0]
+        ins = [t for t in input_tensors(graph, head) if t in accumulated] if head in graph else []
+        in_sqnr = min((accumulated[t].sqnr_db for t in ins), default=None)
+        index = graph.nodes[g.key]["index"] if g.key in graph else 0
+        findings.append(NodeFinding(g, index, worst_out, acc, loc, in_sqnr))
+    _rank(findings)
+    for f in findings:
+        f.role = classify(f)
+    return findings
+
+
+def _sort_key(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
+def inherits_error(f: NodeFinding) -> bool:
+    """True when a node's output is about as bad as its worst input: it passes error on."""
+    amp = f.amplification_db
+    return amp is not None and amp < INHERIT_DB
+
+
+def _rank(findings: list[NodeFinding]) -> None:
+    # NOTE: accumulated error alone ranks a chain of victims (bias Add, GELU, ...) as high as the
+    # node that introduced the error, in arbitrary order. Nodes that lose less than INHERIT_DB
+    # relative to their worst input are therefore listed after the nodes that add error.
+    by_acc = sorted(findings, key=lambda f: (
+        inherits_error(f),
+        _sort_key(f.accumulated.sqnr_db) if f.accumulated else math.inf,
+        f.index))
+    for r, f in enumerate(by_acc, 1):
+        f.rank_accumulated = r
+    by_loc = sorted(findings, key=lambda f: (_sort_key(f.local.sqnr_db) if f.local else math.inf, f.index))
+    for r, f in enumerate(by_loc, 1):
+        f.rank_local = r
+
+
+def classify(f: NodeFinding) -> str:
+    """Role of one node: ok, root-cause, amplifier or victim (see module docstring)."""
+    if f.accumulated is None or f.accumulated.sqnr_db >= BAD_SQNR_DB:
+        return "ok"
+    if f.local is not None and f.local.sqnr_db < BAD_SQNR_DB:
+        return "root-cause"
+    amp = f.amplification_db
+    if amp is not None and amp >= AMPLIFY_DB:
+        return "amplifier"
+    return "victim"
+
+
+def single_cause(findings: list[NodeFinding]) -> tuple[bool, str]:
+    """Whether one node explains most of the local error, with a sentence saying so."""
+    bad = [f for f in findings if f.local is not None and f.local.sqnr_db < BAD_SQNR_DB and f.group.quantized]
+    if not bad:
+        return False, "no node has a bad local error: the INT8 model adds only rounding-level noise"
+    # Error energy relative to signal: 10^(-SQNR/10).
+    energy = sorted(((10 ** (-f.local.sqnr_db / 10), f) for f in bad if f.local), key=lambda t: -t[0])
+    total = sum(e for e, _ in energy)
+    top_e, top = energy[0]
+    share = top_e / total if total > 0 else 1.0
+    if len(bad) == 1 or share >= SINGLE_CAUSE_SHARE:
+        return True, f"{top.group.label} explains {share:.0%} of the local error among {len(bad)} bad node(s)"
+    return False, (f"no single root cause: {len(bad)} nodes have bad local error and the worst, "
+                   f"{top.group.label}, explains only {share:.0%} of it")
+
+
+def grade_output(name: str, stats: ErrorStats, per_sample: OutputStats) -> OutputVerdict:
+    """Grade one output: class-like outputs by top-1 agreement and max abs error (logits bands),
+    others by minimum per-sample cosine."""
+    grades: list[tuple[int, str]] = []
+    if per_sample.top1_agreement is not None:
+        a = per_sample.top1_agreement
+        b = BANDS["top1_agreement"]
+        g = "excellent" if a >= b["excellent"] else "acceptable" if a >= b["acceptable"] else (
+            "reject" if a < b["reject_below"] else "marginal")
+        grades.append((GRADES.index(g), f"top-1 agreement {a:.2%} ({g})"))
+        m = per_sample.max_abs
+        b = BANDS["max_abs"]
+        g = "excellent" if m < b["excellent"] else "acceptable" if m < b["acceptable"] else (
+            "reject" if m > b["reject_above"] else "marginal")
+        grades.append((GRADES.index(g), f"max abs error {m:.3g} ({g})"))
+    else:
+        c = per_sample.cosine_min
+        b = BANDS["cosine_min"]
+        if math.isnan(c):
+            grades.append((GRADES.index("reject"), "no finite samples to compare"))
+        else:
+            g = "excellent" if c >= b["excellent"] else "acceptable" if c >= b["acceptable"] else (
+                "reject" if c < b["reject_below"] else "marginal")
+            grades.append((GRADES.index(g), f"min per-sample cosine {c:.5f} ({g})"))
+    if stats.nonfinite_int8 > stats.nonfinite_fp:
+        grades.append((GRADES.index("reject"), f"{stats.nonfinite_int8} NaN/Inf values in INT8 output"))
+    worst = max(grades)[0]
+    return OutputVerdict(name, stats, per_sample, GRADES[worst], [r for _, r in grades])
+
+
+def overall_grade(verdicts: list[OutputVerdict]) -> str:
+    return GRADES[max((GRADES.index(v.grade) for v in verdicts), default=0)]

@@ -1,0 +1,50 @@
+"""A networkx view of the FP32 graph: producers, consumers, topological order, neighbourhoods.
+
+Nodes are FP32 node ids (name, or ``<OpType>#<index>`` when unnamed); each edge carries the
+tensor it transports. Subgraph-holding nodes (If/Loop/Scan) are single nodes whose edges include
+the values their bodies read from the outer scope.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import onnx
+
+from diag.load import outer_scope_inputs
+from diag.match import node_id
+
+
+def fp_graph(model: onnx.ModelProto) -> nx.DiGraph:
+    """Directed graph of the FP32 model's top-level nodes, in file (= topological) order.
+
+    Example:
+        >>> g = fp_graph(model)  # doctest: +SKIP
+        >>> list(g.successors("conv2"))
+        ['relu2']
+    """
+    g = nx.DiGraph()
+    producer: dict[str, str] = {}
+    for i, node in enumerate(model.graph.node):
+        nid = node_id(node, i)
+        g.add_node(nid, op_type=node.op_type, index=i, inputs=list(node.input),
+                   outputs=list(node.output))
+        for o in node.output:
+            if o:
+                producer[o] = nid
+    for i, node in enumerate(model.graph.node):
+        nid = node_id(node, i)
+        for t in list(node.input) + outer_scope_inputs(node):
+            if t in producer and producer[t] != nid:
+                g.add_edge(producer[t], nid, tensor=t)
+    return g
+
+
+def input_tensors(g: nx.DiGraph, nid: str) -> list[str]:
+    """Tensors a node reads that another node produces (weights and model inputs excluded)."""
+    return [d["tensor"] for _, _, d in g.in_edges(nid, data=True)]
+
+
+def neighbourhood(g: nx.DiGraph, nid: str, radius: int = 2) -> nx.DiGraph:
+    """The subgraph within ``radius`` hops of ``nid``, ignoring edge direction."""
+    nodes = nx.single_source_shortest_path_length(g.to_undirected(as_view=True), nid, cutoff=radius)
+    return g.subgraph(nodes).copy()

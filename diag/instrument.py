@@ -1,0 +1,129 @@
+"""Copies of a model with chosen tensors exposed as outputs, and the cut model for local error.
+
+Never mutates the caller's model: every function returns a new ``ModelProto``. Weights stored
+as external data stay where they are (the copy still refers to them by location).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import onnx
+
+from diag.match import QuantParams, TensorPair
+
+#: Suffixes for names diag invents inside the cut model; chosen to never collide in practice.
+_INT8_SUFFIX = "__diag_int8"
+_LOCAL_SUFFIX = "__diag_local"
+
+
+def exposed_model(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """Return a copy of ``model`` whose graph outputs also include ``names``.
+
+    Existing outputs are kept first and in order. Names are added without type information,
+    which onnxruntime accepts and which avoids running shape inference on large models.
+
+    Example:
+        >>> m2 = exposed_model(m, ["conv1_out"])  # doctest: +SKIP
+        >>> [o.name for o in m2.graph.output][-1]
+        'conv1_out'
+    """
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    present = {o.name for o in copy.graph.output}
+    for name in names:
+        if name not in present:
+            copy.graph.output.append(onnx.ValueInfoProto(name=name))
+            present.add(name)
+    return copy
+
+
+@dataclass(frozen=True)
+class CutInput:
+    """A graph input of the cut model: fed with FP32 tensor ``fp_name`` (quantized if ``quant``)."""
+
+    name: str
+    fp_name: str
+    quant: QuantParams | None
+    dtype: int
+
+
+@dataclass(frozen=True)
+class LocalOutput:
+    """Where the cut model writes the locally computed counterpart of FP32 tensor ``fp_name``."""
+
+    name: str
+    fp_name: str
+    dequant: QuantParams | None
+
+
+@dataclass
+class CutModel:
+    """The INT8 model cut at every matched tensor, each cut fed with FP32 values.
+
+    One pass of this model gives, for every quantized node at once, its output when fed the
+    FP32 model's inputs: that is the *local* error of every node, for the cost of about one
+    INT8 forward pass (no per-node sessions).
+    """
+
+    model: onnx.ModelProto
+    inputs: list[CutInput]
+    outputs: list[LocalOutput]
+
+
+def cut_model(int8: onnx.ModelProto, pairs: Iterable[TensorPair]) -> CutModel:
+    """Cut ``int8`` at the ``cut_name`` of every pair and expose each pair's local value.
+
+    For a pair whose INT8 tensor is reached from the cut through a tail (the output Q/DQ in QDQ,
+    the DequantizeLinear of a QOperator output), the tail is replayed on the locally computed
+    value so local and accumulated error include the same output quantization.
+    """
+    model = onnx.ModelProto()
+    model.CopyFrom(int8)
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output if o}
+    graph_inputs = {i.name for i in graph.input}
+    inputs: list[CutInput] = []
+    outputs: list[LocalOutput] = []
+    cut_done: set[str] = set()
+    new_nodes: list[onnx.NodeProto] = []
+    for p in pairs:
+        if p.cut_name in graph_inputs and p.cut_name not in cut_done:
+            # Already a model input: it is fed with the FP32 value anyway.
+            cut_done.add(p.cut_name)
+            inputs.append(CutInput(p.cut_name, p.fp_name, p.cut_quant, p.cut_dtype))
+            continue
+        node = producer.get(p.cut_name)
+        if node is None:
+            continue
+        if p.cut_name not in cut_done:
+            cut_done.add(p.cut_name)
+            for i, o in enumerate(node.output):
+                if o == p.cut_name:
+                    node.output[i] = p.cut_name + _INT8_SUFFIX
+            graph.input.append(onnx.helper.make_tensor_value_info(p.cut_name, p.cut_dtype, None))
+            inputs.append(CutInput(p.cut_name, p.fp_name, p.cut_quant, p.cut_dtype))
+        local = p.cut_name + _INT8_SUFFIX
+        rename = {p.cut_name: local}
+        for t in p.tail:
+            clone = onnx.NodeProto()
+            clone.CopyFrom(t)
+            clone.name = (t.name or t.op_type) + _LOCAL_SUFFIX + f"_{len(new_nodes)}"
+            for i, name in enumerate(clone.input):
+                if name in rename:
+                    clone.input[i] = rename[name]
+            for i, name in enumerate(clone.output):
+                rename[name] = name + _LOCAL_SUFFIX + f"_{p.fp_name}"
+                clone.output[i] = rename[name]
+            new_nodes.append(clone)
+        out_name = rename.get(p.int8_name, local)
+        outputs.append(LocalOutput(out_name, p.fp_name, p.dequant))
+    graph.node.extend(new_nodes)
+    del graph.output[:]
+    seen: set[str] = set()
+    for o in outputs:
+        if o.name not in seen:
+            graph.output.append(onnx.ValueInfoProto(name=o.name))
+            seen.add(o.name)
+    return CutModel(model, inputs, outputs)

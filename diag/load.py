@@ -1,0 +1,245 @@
+"""Open FP32 / INT8 models safely and tell which quantization format an INT8 model uses.
+
+Models are untrusted files: paths are checked before parsing, external data may only live inside
+the model's own folder, and weights are not read unless a caller needs them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from diag.errors import DiagError
+
+#: op types that only exist in quantized graphs, by the format that produces them.
+DYNAMIC_OPS = frozenset(
+    {"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul",
+     "DynamicQuantizeLSTM"}
+)
+QOPERATOR_OPS = frozenset(
+    {"QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul", "QLinearSoftmax", "QGemm",
+     "QLinearGlobalAveragePool", "QLinearAveragePool", "QLinearConcat", "QLinearLeakyRelu",
+     "QLinearSigmoid", "QLinearReduceMean", "QLinearWhere", "QAttention", "QEmbedLayerNormalization",
+     "QLinearConvTranspose"}
+)
+QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+
+#: Refuse to parse files larger than this without external data (protobuf's own hard limit).
+MAX_PROTO_BYTES = 2**31 - 1
+
+
+@dataclass
+class ModelFormat:
+    """The quantization format of a model and the evidence for it.
+
+    Attributes:
+        kind: ``fp32``, ``dynamic``, ``qdq``, ``qoperator`` or ``mixed``.
+        evidence: op type -> count of the quantization-specific ops that decided ``kind``.
+    """
+
+    kind: str
+    evidence: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kind != "fp32"
+
+
+@dataclass
+class LoadedModel:
+    """A parsed model without its external weights, plus where it came from."""
+
+    path: Path
+    proto: onnx.ModelProto
+    format: ModelFormat
+    has_external_data: bool
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.proto.graph
+
+
+def checked_path(path: str | os.PathLike[str], role: str) -> Path:
+    """Return ``path`` as a Path after checking it names a readable, non-empty file.
+
+    Example:
+        >>> checked_path("/nonexistent.onnx", "FP32 model")
+        Traceback (most recent call last):
+        ...
+        diag.errors.DiagError: FP32 model '/nonexistent.onnx' | does not exist. Hint: check the path
+    """
+    p = Path(path)
+    obj = f"{role} '{p}'"
+    if not p.exists():
+        raise DiagError("missing-file", obj, "does not exist", "check the path")
+    if p.is_dir():
+        raise DiagError("not-a-file", obj, "is a directory", "pass the .onnx file inside it")
+    if not p.is_file():
+        raise DiagError("not-a-file", obj, "is not a regular file", "pass a .onnx file")
+    if not os.access(p, os.R_OK):
+        raise DiagError("unreadable", obj, "cannot be read (permission denied)", "check permissions")
+    if p.stat().st_size == 0:
+        raise DiagError("empty-file", obj, "is empty (0 bytes)", "re-export or re-copy the model")
+    return p
+
+
+def model_from_path(path: str | os.PathLike[str], role: str = "model") -> LoadedModel:
+    """Parse an ONNX file without loading external weights; validate it and detect its format.
+
+    Never modifies the file. External data locations are checked to stay inside the model's
+    folder (symlinks resolved) and to exist.
+
+    Example:
+        >>> m = model_from_path("int8.onnx", "INT8 model")  # doctest: +SKIP
+        >>> m.format.kind
+        'dynamic'
+    """
+    p = checked_path(path, role)
+    obj = f"{role} '{p}'"
+    if p.stat().st_size > MAX_PROTO_BYTES:
+        raise DiagError(
+            "not-onnx", obj, "is larger than 2 GB, which a single ONNX protobuf cannot be",
+            "save weights as external data (onnx.save(..., save_as_external_data=True))",
+        )
+    try:
+        proto = onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # protobuf raises DecodeError, RuntimeWarning, ValueError...
+        raise DiagError(
+            "not-onnx", obj, f"is not a readable ONNX model ({type(e).__name__})",
+            "check that the file is a complete .onnx export (not truncated, not a checkpoint)",
+        ) from e
+    if not proto.HasField("graph") or (len(proto.graph.node) == 0 and len(proto.graph.output) == 0):
+        raise DiagError(
+            "not-onnx", obj, "parses but contains no graph",
+            "check that the file is an .onnx model, not another protobuf",
+        )
+    has_external = _check_external_data(proto, p, obj)
+    try:
+        onnx.checker.check_model(proto, full_check=False)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DiagError(
+            "invalid-model", obj, f"fails onnx.checker: {first[:300]}",
+            "re-export the model or fix the reported node",
+        ) from e
+    return LoadedModel(p, proto, detect_format(proto), has_external)
+
+
+def _all_tensors_with_data(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
+    tensors = list(graph.initializer)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                tensors.append(attr.t)
+            elif attr.type == onnx.AttributeProto.GRAPH:
+                tensors.extend(_all_tensors_with_data(attr.g))
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    tensors.extend(_all_tensors_with_data(g))
+    return tensors
+
+
+def _check_external_data(proto: onnx.ModelProto, path: Path, obj: str) -> bool:
+    """Refuse external data that escapes the model folder or is missing. Returns whether any."""
+    folder = path.resolve().parent
+    found = False
+    for tensor in _all_tensors_with_data(proto.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        found = True
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = (folder / location).resolve()
+        if Path(location).is_absolute() or not target.is_relative_to(folder):
+            raise DiagError(
+                "unsafe-external-data", obj,
+                f"initializer '{tensor.name}' points outside the model's folder ({location!r})",
+                "external data must sit next to the model; refusing to read other files",
+            )
+        if not target.is_file():
+            raise DiagError(
+                "missing-external-data", obj,
+                f"initializer '{tensor.name}' needs external data file {location!r}, which is missing",
+                "copy the .data file next to the model",
+            )
+    return found
+
+
+def detect_format(proto: onnx.ModelProto) -> ModelFormat:
+    """Classify a model as fp32, dynamic, qdq, qoperator or mixed from the ops it contains.
+
+    QDQ is only claimed when a QuantizeLinear feeds a DequantizeLinear on an activation, or a
+    DequantizeLinear feeds a float op: a lone DequantizeLinear at the output of a QOperator graph
+    does not make it QDQ.
+    """
+    ops = Counter(n.op_type for n in iter_nodes(proto.graph))
+    dynamic = {op: ops[op] for op in DYNAMIC_OPS if ops[op]}
+    qop = {op: ops[op] for op in QOPERATOR_OPS if ops[op]}
+    qdq = {op: ops[op] for op in QDQ_OPS if ops[op]}
+    kinds = []
+    if dynamic:
+        kinds.append("dynamic")
+    if qop:
+        kinds.append("qoperator")
+    if qdq and not qop and not dynamic:
+        kinds.append("qdq")
+    elif qdq and _has_qdq_float_compute(proto.graph):
+        kinds.append("qdq")
+    if not kinds:
+        return ModelFormat("fp32")
+    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {})}
+    return ModelFormat(kinds[0] if len(kinds) == 1 else "mixed", dict(sorted(evidence.items())))
+
+
+_QDQ_PASSTHROUGH = {"QuantizeLinear", "DequantizeLinear", "Reshape", "Flatten", "Transpose",
+                    "Squeeze", "Unsqueeze"}
+
+
+def _has_qdq_float_compute(graph: onnx.GraphProto) -> bool:
+    """True when a DequantizeLinear output feeds a compute op (the QDQ pattern)."""
+    dq_outputs = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+    return any(
+        n.op_type not in _QDQ_PASSTHROUGH and any(i in dq_outputs for i in n.input)
+        for n in graph.node
+    )
+
+
+def iter_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """All nodes of ``graph`` including those inside If/Loop/Scan subgraphs, parents first."""
+    out: list[onnx.NodeProto] = []
+    for node in graph.node:
+        out.append(node)
+        for sub in subgraphs(node):
+            out.extend(iter_nodes(sub))
+    return out
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The subgraphs held by a node's attributes (If branches, Loop/Scan bodies)."""
+    graphs: list[onnx.GraphProto] = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            graphs.append(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            graphs.extend(attr.graphs)
+    return graphs
+
+
+def outer_scope_inputs(node: onnx.NodeProto) -> list[str]:
+    """Names a node's subgraphs read from the enclosing graph (implicit inputs)."""
+    names: list[str] = []
+    for g in subgraphs(node):
+        local = {i.name for i in g.input} | {t.name for t in g.initializer}
+        for sub_node in g.node:
+            local.update(sub_node.output)
+        for sub_node in iter_nodes(g):
+            for name in list(sub_node.input) + outer_scope_inputs(sub_node):
+                if name and name not in local and name not in names:
+                    names.append(name)
+        for o in g.output:
+            if o.name not in local and o.name not in names:
+                names.append(o.name)
+    return names

@@ -1,0 +1,244 @@
+"""Pure-numpy error metrics as streaming, mergeable accumulators.
+
+An accumulator keeps a handful of running sums per tensor, never the tensors: ``update()`` once
+per batch, ``merge()`` two shards (equal to one run over both, to float tolerance), ``finalize()``
+into plain numbers. Memory is O(1) per tensor whatever the number of samples.
+
+Definitions (FP32 value ``x``, INT8 value ``y``, error ``e = y - x``, sums over all elements of
+all samples):
+
+* ``sqnr_db = 10 log10(sum x^2 / sum e^2)``  (inf when e == 0)
+* ``cosine  = sum x*y / sqrt(sum x^2 * sum y^2)``
+* ``mse = mean e^2``, ``rmse = sqrt(mse)``, ``max_abs = max |e|``, ``mean_abs = mean |e|``
+* ``rel_error = ||e|| / ||x||``
+* ``rmse_over_scale = sqrt(mean(e^2 / scale^2))`` where a quantization scale exists (static scale,
+  or the per-batch scale of dynamic quantization). Pure rounding noise gives 1/sqrt(12) = 0.289.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+ROUNDING_NOISE = 1.0 / math.sqrt(12.0)
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    """Final error figures for one tensor (see module docstring for definitions)."""
+
+    count: int
+    sqnr_db: float
+    cosine: float
+    mse: float
+    rmse: float
+    max_abs: float
+    mean_abs: float
+    rel_error: float
+    rmse_over_scale: float | None
+    fp_rms: float
+    nonfinite_fp: int
+    nonfinite_int8: int
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+
+def _as_float(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        a = a.astype(np.float32)
+    return a.reshape(-1)
+
+
+class ErrorAccumulator:
+    """Running sums for the error between one FP32 tensor and its INT8 counterpart.
+
+    Example:
+        >>> acc = ErrorAccumulator()
+        >>> acc.update(np.array([1.0, 2.0]), np.array([1.0, 2.5]))
+        >>> round(acc.finalize().max_abs, 3)
+        0.5
+    """
+
+    __slots__ = ("n", "s_xx", "s_yy", "s_xy", "s_ee", "s_abs_e", "max_abs", "n_scaled",
+                 "s_ee_scaled", "nonfinite_x", "nonfinite_y")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.s_xx = 0.0
+        self.s_yy = 0.0
+        self.s_xy = 0.0
+        self.s_ee = 0.0
+        self.s_abs_e = 0.0
+        self.max_abs = 0.0
+        self.n_scaled = 0
+        self.s_ee_scaled = 0.0
+        self.nonfinite_x = 0
+        self.nonfinite_y = 0
+
+    def update(self, fp: np.ndarray, q: np.ndarray, scale: float | None = None) -> None:
+        """Add one batch. ``scale``: the quantization step in force for this batch, if any."""
+        x = _as_float(fp)
+        y = _as_float(q)
+        if x.shape != y.shape:
+            raise ValueError(f"shape mismatch {np.shape(fp)} vs {np.shape(q)}")
+        if x.size == 0:
+            return
+        e = y - x
+        s_ee = float(np.dot(e, e))
+        if not math.isfinite(s_ee):
+            fin_x = np.isfinite(x)
+            fin_y = np.isfinite(y)
+            self.nonfinite_x += int(x.size - fin_x.sum())
+            self.nonfinite_y += int(y.size - fin_y.sum())
+            keep = fin_x & fin_y
+            x, y = x[keep], y[keep]
+            e = y - x
+            s_ee = float(np.dot(e, e))
+            if x.size == 0:
+                return
+        self.n += x.size
+        self.s_xx += float(np.dot(x, x))
+        self.s_yy += float(np.dot(y, y))
+        self.s_xy += float(np.dot(x, y))
+        self.s_ee += s_ee
+        abs_e = np.abs(e)
+        self.s_abs_e += float(abs_e.sum(dtype=np.float64))
+        self.max_abs = max(self.max_abs, float(abs_e.max()))
+        if scale is not None and scale > 0 and math.isfinite(scale):
+            self.n_scaled += x.size
+            self.s_ee_scaled += s_ee / (scale * scale)
+
+    def merge(self, other: ErrorAccumulator) -> ErrorAccumulator:
+        """Combine with another shard in place; returns self."""
+        for name in ("n", "s_xx", "s_yy", "s_xy", "s_ee", "s_abs_e", "n_scaled", "s_ee_scaled",
+                     "nonfinite_x", "nonfinite_y"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.max_abs = max(self.max_abs, other.max_abs)
+        return self
+
+    def state(self) -> dict[str, float | int]:
+        """Raw sums, for writing partial (sharded) results."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    @classmethod
+    def from_state(cls, state: dict[str, float | int]) -> ErrorAccumulator:
+        acc = cls()
+        for name in cls.__slots__:
+            setattr(acc, name, state[name])
+        return acc
+
+    def finalize(self) -> ErrorStats:
+        n = max(self.n, 1)
+        mse = self.s_ee / n
+        if self.s_ee == 0.0:
+            sqnr = math.inf
+        elif self.s_xx == 0.0:
+            sqnr = -math.inf
+        else:
+            sqnr = 10.0 * math.log10(self.s_xx / self.s_ee)
+        denom = math.sqrt(self.s_xx * self.s_yy)
+        cosine = self.s_xy / denom if denom > 0 else (1.0 if self.s_ee == 0 else 0.0)
+        rel = math.sqrt(self.s_ee / self.s_xx) if self.s_xx > 0 else (0.0 if self.s_ee == 0 else math.inf)
+        ros = math.sqrt(self.s_ee_scaled / self.n_scaled) if self.n_scaled else None
+        return ErrorStats(
+            count=self.n,
+            sqnr_db=sqnr,
+            cosine=min(1.0, cosine),
+            mse=mse,
+            rmse=math.sqrt(mse),
+            max_abs=self.max_abs,
+            mean_abs=self.s_abs_e / n,
+            rel_error=rel,
+            rmse_over_scale=ros,
+            fp_rms=math.sqrt(self.s_xx / n),
+            nonfinite_fp=self.nonfinite_x,
+            nonfinite_int8=self.nonfinite_y,
+        )
+
+
+@dataclass(frozen=True)
+class OutputStats:
+    """Per-sample figures for a model output, on top of the whole-tensor :class:`ErrorStats`."""
+
+    samples: int
+    cosine_min: float
+    cosine_mean: float
+    max_abs: float
+    top1_agreement: float | None
+
+
+class OutputAccumulator:
+    """Per-sample cosine and top-1 agreement of a model output (axis 0 = samples).
+
+    Top-1 agreement is computed when the output looks like class scores: a float tensor of rank
+    >= 2 whose last axis has 2..100000 entries; argmax over the last axis, compared per row.
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.cos_min = math.inf
+        self.cos_sum = 0.0
+        self.max_abs = 0.0
+        self.rows = 0
+        self.agree = 0
+        self.classlike = True
+
+    def update(self, fp: np.ndarray, q: np.ndarray) -> None:
+        x = np.asarray(fp, dtype=np.float32)
+        y = np.asarray(q, dtype=np.float32)
+        if x.ndim == 0 or x.size == 0:
+            self.classlike = False
+            x, y = x.reshape(1, -1), y.reshape(1, -1)
+        xs = x.reshape(x.shape[0], -1).astype(np.float64)
+        ys = y.reshape(y.shape[0], -1).astype(np.float64)
+        finite = np.isfinite(xs).all(axis=1) & np.isfinite(ys).all(axis=1)
+        xs, ys = xs[finite], ys[finite]
+        if xs.shape[0]:
+            num = (xs * ys).sum(axis=1)
+            den = np.sqrt((xs * xs).sum(axis=1) * (ys * ys).sum(axis=1))
+            same = np.all(xs == ys, axis=1)
+            cos = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(same, 1.0, 0.0))
+            self.cos_min = min(self.cos_min, float(cos.min()))
+            self.cos_sum += float(cos.sum())
+            self.samples += int(xs.shape[0])
+            self.max_abs = max(self.max_abs, float(np.abs(ys - xs).max()))
+        if self.classlike and x.ndim >= 2 and 2 <= x.shape[-1] <= 100_000:
+            a = x.reshape(-1, x.shape[-1]).argmax(axis=1)
+            b = y.reshape(-1, y.shape[-1]).argmax(axis=1)
+            self.rows += int(a.size)
+            self.agree += int((a == b).sum())
+        else:
+            self.classlike = False
+
+    def merge(self, other: OutputAccumulator) -> OutputAccumulator:
+        self.samples += other.samples
+        self.cos_min = min(self.cos_min, other.cos_min)
+        self.cos_sum += other.cos_sum
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.rows += other.rows
+        self.agree += other.agree
+        self.classlike = self.classlike and other.classlike
+        return self
+
+    def state(self) -> dict[str, float | int | bool]:
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, state: dict[str, float | int | bool]) -> OutputAccumulator:
+        acc = cls()
+        acc.__dict__.update(state)
+        return acc
+
+    def finalize(self) -> OutputStats:
+        agreement = self.agree / self.rows if (self.classlike and self.rows) else None
+        return OutputStats(
+            samples=self.samples,
+            cosine_min=self.cos_min if self.samples else math.nan,
+            cosine_mean=self.cos_sum / self.samples if self.samples else math.nan,
+            max_abs=self.max_abs,
+            top1_agreement=agreement,
+        )
