@@ -26,7 +26,7 @@ from diag.analyze import (
     single_cause,
 )
 from diag.errors import DiagError
-from diag.feeds import FeedSource, input_specs
+from diag.feeds import FeedSource, FeedSpec, input_specs
 from diag.graph import fp_graph
 from diag.instrument import cut_model, exposed_model
 from diag.load import LoadedModel, model_from_path
@@ -123,20 +123,21 @@ def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel
     return fp, q
 
 
-def compare_models(fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource,
+def compare_models(fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec,
                    options: CompareOptions | None = None) -> CompareResult:
     """Compare an FP32 model and its INT8 version tensor by tensor on ``feeds``.
 
     Example:
-        >>> from diag.feeds import feed_source
-        >>> fp, q = load_pair("fp32.onnx", "int8.onnx")  # doctest: +SKIP
-        >>> r = compare_models("fp32.onnx", "int8.onnx", feed_source(fp.proto, random=True))  # doctest: +SKIP
+        >>> from diag.feeds import FeedSpec
+        >>> r = compare_models("fp32.onnx", "int8.onnx", FeedSpec(random=True))  # doctest: +SKIP
         >>> r.findings[0].group.label  # doctest: +SKIP
         'conv3'
     """
     options = options or CompareOptions()
     start = time.perf_counter()
     fp, q = load_pair(fp32_path, int8_path)
+    if isinstance(feeds, FeedSpec):
+        feeds = feeds.source(fp.proto)
     matching = match_models(fp.proto, q.proto)
     if matching.coverage < MIN_COVERAGE:
         raise DiagError("model-mismatch", f"models '{fp.path.name}' / '{q.path.name}'",
@@ -263,3 +264,12 @@ def environment() -> dict[str, str]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
+
+
+def compare_to_dir(fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec,
+                   out_dir: str | Path, options: CompareOptions | None = None) -> tuple[CompareResult, dict[str, Path]]:
+    """`diag compare` end to end: compare, then write diag.json, report.html and summary.md."""
+    from diag.report import document_from_result, write_outputs
+
+    result = compare_models(fp32_path, int8_path, feeds, options)
+    return result, write_outputs(document_from_result(result), out_dir)

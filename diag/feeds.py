@@ -72,8 +72,10 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
         dims: list[int | str | None] = []
         if tt.HasField("shape"):
             for d in tt.shape.dim:
-                if d.HasField("dim_value"):
+                if d.HasField("dim_value") and d.dim_value > 0:
                     dims.append(int(d.dim_value))
+                elif d.HasField("dim_value"):
+                    dims.append(None)  # exporters such as paddle2onnx write -1 for "any"
                 elif d.HasField("dim_param"):
                     dims.append(d.dim_param)
                 else:
@@ -396,3 +398,21 @@ def feed_source(model: onnx.ModelProto, inputs: str | None = None, random: bool 
     if reader:
         return feeds_from_reader(reader, specs, samples)
     return random_feeds(specs, samples or 8, batch, seed, shapes or {}, int_range)
+
+
+@dataclass
+class FeedSpec:
+    """Where inputs come from, as given on the command line; resolved against a model later."""
+
+    inputs: str | None = None
+    random: bool = False
+    reader: str | None = None
+    samples: int | None = None
+    batch: int = 1
+    seed: int = 0
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    int_range: tuple[int, int] = DEFAULT_INT_RANGE
+
+    def source(self, model: onnx.ModelProto) -> FeedSource:
+        return feed_source(model, self.inputs, self.random, self.reader, self.samples, self.batch,
+                           self.seed, self.shapes, self.int_range)

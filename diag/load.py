@@ -171,40 +171,36 @@ def _check_external_data(proto: onnx.ModelProto, path: Path, obj: str) -> bool:
 def detect_format(proto: onnx.ModelProto) -> ModelFormat:
     """Classify a model as fp32, dynamic, qdq, qoperator or mixed from the ops it contains.
 
-    QDQ is only claimed when a QuantizeLinear feeds a DequantizeLinear on an activation, or a
-    DequantizeLinear feeds a float op: a lone DequantizeLinear at the output of a QOperator graph
-    does not make it QDQ.
+    QDQ is only claimed when a QuantizeLinear feeds a DequantizeLinear: a DequantizeLinear of a
+    weight (dynamic models quantize Gather tables that way) or at the output of a QOperator graph
+    does not make a model QDQ.
     """
     ops = Counter(n.op_type for n in iter_nodes(proto.graph))
     dynamic = {op: ops[op] for op in DYNAMIC_OPS if ops[op]}
     qop = {op: ops[op] for op in QOPERATOR_OPS if ops[op]}
     qdq = {op: ops[op] for op in QDQ_OPS if ops[op]}
+    qdq_pairs = _qdq_activation_pairs(proto.graph)
     kinds = []
     if dynamic:
         kinds.append("dynamic")
     if qop:
         kinds.append("qoperator")
-    if qdq and not qop and not dynamic:
+    if qdq_pairs:
         kinds.append("qdq")
-    elif qdq and _has_qdq_float_compute(proto.graph):
-        kinds.append("qdq")
+        qdq = {"QuantizeLinear->DequantizeLinear": qdq_pairs}
     if not kinds:
         return ModelFormat("fp32")
-    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {})}
+    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {})}  # type: ignore[dict-item]
     return ModelFormat(kinds[0] if len(kinds) == 1 else "mixed", dict(sorted(evidence.items())))
 
 
-_QDQ_PASSTHROUGH = {"QuantizeLinear", "DequantizeLinear", "Reshape", "Flatten", "Transpose",
-                    "Squeeze", "Unsqueeze"}
+def _qdq_activation_pairs(graph: onnx.GraphProto) -> int:
+    """Count QuantizeLinear nodes whose output feeds a DequantizeLinear: the QDQ signature.
 
-
-def _has_qdq_float_compute(graph: onnx.GraphProto) -> bool:
-    """True when a DequantizeLinear output feeds a compute op (the QDQ pattern)."""
-    dq_outputs = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"}
-    return any(
-        n.op_type not in _QDQ_PASSTHROUGH and any(i in dq_outputs for i in n.input)
-        for n in graph.node
-    )
+    A DequantizeLinear on a weight (dynamic Gather) or on a QOperator output does not count.
+    """
+    dq_inputs = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input}
+    return sum(1 for n in graph.node if n.op_type == "QuantizeLinear" and n.output and n.output[0] in dq_inputs)
 
 
 def iter_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
@@ -243,3 +239,73 @@ def outer_scope_inputs(node: onnx.NodeProto) -> list[str]:
             if o.name not in local and o.name not in names:
                 names.append(o.name)
     return names
+
+
+@dataclass
+class ModelSummary:
+    """What `diag inspect` prints about one model."""
+
+    path: str
+    format: ModelFormat
+    ir_version: int
+    opsets: dict[str, int]
+    producer: str
+    inputs: list[str]
+    outputs: list[str]
+    node_count: int
+    op_counts: dict[str, int]
+    quantized_nodes: int
+    float_nodes: int
+    subgraph_nodes: list[str]
+    unnamed_nodes: int
+    external_data: bool
+    problems: list[str]
+
+
+_QUANT_OP_TYPES = DYNAMIC_OPS | QOPERATOR_OPS | QDQ_OPS
+
+
+def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
+    """Format, opsets, op counts, quantized vs float nodes, subgraphs and visible problems.
+
+    Example:
+        >>> s = model_summary("int8.onnx")  # doctest: +SKIP
+        >>> s.format.kind, s.quantized_nodes
+        ('dynamic', 12)
+    """
+    m = model_from_path(path)
+    proto = m.proto
+    nodes = iter_nodes(proto.graph)
+    ops = Counter(n.op_type for n in nodes)
+    problems: list[str] = []
+    opsets = {(o.domain or "ai.onnx"): int(o.version) for o in proto.opset_import}
+    default_opset = opsets.get("ai.onnx", 0)
+    if m.format.kind in ("qdq", "mixed") and default_opset < 13:
+        axis_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and any(a.name == "axis" for a in n.attribute)]
+        if axis_dq:
+            problems.append(f"per-channel DequantizeLinear with 'axis' on opset {default_opset} (< 13): "
+                            "onnxruntime refuses it; convert the FP32 model to opset >= 13 first")
+    custom = sorted({o for o in opsets if o not in ("ai.onnx", "com.microsoft", "ai.onnx.ml")})
+    if custom:
+        problems.append(f"custom op domains {custom}: onnxruntime needs their library to run the model")
+    unnamed = sum(1 for n in proto.graph.node if not n.name)
+    if unnamed:
+        problems.append(f"{unnamed} node(s) without a name: nodes_to_exclude cannot refer to them")
+    consts = sum(1 for n in proto.graph.node if n.op_type == "Constant")
+    if m.format.kind == "fp32" and consts:
+        problems.append(f"{consts} Constant node(s): quantize_dynamic may fail with 'Expected ... to be an "
+                        "initializer'; run onnxruntime's quant_pre_process first")
+    if m.format.kind == "fp32" and default_opset < 13:
+        problems.append(f"opset {default_opset} < 13: per-channel QDQ quantization will produce a model "
+                        "onnxruntime cannot load; upgrade with onnx.version_converter first")
+    sub_nodes = [f"{n.name or n.op_type} ({n.op_type})" for n in proto.graph.node if subgraphs(n)]
+    quantized = sum(c for op, c in ops.items() if op in _QUANT_OP_TYPES)
+    return ModelSummary(
+        path=str(m.path), format=m.format, ir_version=int(proto.ir_version), opsets=opsets,
+        producer=f"{proto.producer_name} {proto.producer_version}".strip(),
+        inputs=[i.name for i in proto.graph.input if i.name not in {t.name for t in proto.graph.initializer}],
+        outputs=[o.name for o in proto.graph.output], node_count=len(nodes),
+        op_counts=dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),
+        quantized_nodes=quantized, float_nodes=len(nodes) - quantized, subgraph_nodes=sub_nodes,
+        unnamed_nodes=unnamed, external_data=m.has_external_data, problems=problems,
+    )

@@ -1,0 +1,48 @@
+"""`diag demo`: build a bundled fixture, quantize it with real onnxruntime, compare. Offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from diag.compare import CompareOptions, CompareResult, compare_to_dir
+from diag.errors import DiagError
+from diag.feeds import feeds_from_npz, input_specs
+
+
+def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32) -> dict[str, Path]:
+    """Write ``<fixture>.fp32.onnx``, ``<fixture>.<fmt>.onnx``, ``calib.npz`` and ``inputs.npz``.
+
+    Calibration and comparison inputs are drawn from different seeds, as in real use.
+    """
+    from diag.fixtures import models, quantize
+
+    fx = models.build(fixture)
+    folder.mkdir(parents=True, exist_ok=True)
+    fp = folder / f"{fixture}.fp32.onnx"
+    onnx.save(fx.model, fp)
+    calib = fx.make_inputs(32, 11)
+    np.savez(folder / "calib.npz", **calib)  # type: ignore[arg-type]
+    inputs = fx.make_inputs(samples, 12)
+    np.savez(folder / "inputs.npz", **inputs)  # type: ignore[arg-type]
+    q = folder / f"{fixture}.{fmt}.onnx"
+    quantize.quantize(fp, q, fmt, calib)
+    return {"fp32": fp, "int8": q, "calib": folder / "calib.npz", "inputs": folder / "inputs.npz"}
+
+
+def run_demo(out: str | Path, fixture: str = "transformer", fmt: str = "dynamic", samples: int = 32,
+             progress: bool = True) -> tuple[CompareResult, dict[str, Any]]:
+    """Build, quantize and compare one fixture; the report lands in ``out``."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiagError("bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})",
+                        "choose a writable folder") from e
+    files = build_fixture_files(out / "models", fixture, fmt, samples)
+    fp_proto = onnx.load(str(files["fp32"]), load_external_data=False)
+    feeds = feeds_from_npz(files["inputs"], input_specs(fp_proto), None, 8)
+    return compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))

@@ -1,0 +1,410 @@
+"""Results -> ``diag.json`` (versioned schema) -> view-models -> HTML and Markdown.
+
+The JSON document is the single source for every rendering: ``diag report diag.json``
+re-renders without re-running models, and HTML/Markdown never see a CompareResult. Numbers are
+formatted here; templates only loop and print (autoescaped, StrictUndefined).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diag.errors import DiagError
+
+SCHEMA = "diag/compare"
+SCHEMA_VERSION = 1
+SUMMARY_MAX_LINES = 60
+
+
+# ---------------------------------------------------------------- JSON document
+
+def _num(x: float | int | None) -> float | int | str | None:
+    """JSON has no inf/nan: they are written as the strings "inf", "-inf", "nan"."""
+    if x is None or isinstance(x, int):
+        return x
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return float(f"{x:.6g}")
+
+
+def _stats(s: Any) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {k: _num(v) for k, v in s.to_dict().items()}
+
+
+def document_from_result(result: Any) -> dict[str, Any]:
+    """The ``diag.json`` document of a CompareResult (see ``reports_templates/diag.schema.json``)."""
+    from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB
+
+    m = result.matching
+    accounted = len(m.pairs) + sum(1 for r in m.unmatched_tensors.values() if r.startswith("fused") or
+                                   r.startswith("folded"))
+    nodes = []
+    for f in sorted(result.findings, key=lambda f: f.rank_accumulated):
+        g = f.group
+        nodes.append({
+            "name": g.label,
+            "fp_nodes": g.fp_nodes,
+            "op_type": g.op_type,
+            "index": f.index,
+            "tensor": f.tensor,
+            "quantized": g.quantized,
+            "unnamed": g.unnamed,
+            "role": f.role,
+            "rank_accumulated": f.rank_accumulated,
+            "rank_local": f.rank_local,
+            "amplification_db": _num(f.amplification_db),
+            "accumulated": _stats(f.accumulated),
+            "local": _stats(f.local),
+            "int8_nodes": g.int8_nodes,
+        })
+    roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
+    exclude = [name for n in roots for name in n["fp_nodes"] if n["quantized"]]
+    unnamed = [n["name"] for n in roots if n["unnamed"]]
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "environment": result.environment,
+        "models": {
+            "fp32": {"path": str(result.fp32.path), "format": result.fp32.format.kind},
+            "int8": {"path": str(result.int8.path), "format": result.int8.format.kind,
+                     "evidence": result.int8.format.evidence},
+        },
+        "run": {
+            "inputs": result.input_description,
+            "samples": result.samples,
+            "batches": result.batches,
+            "seconds": round(result.seconds, 2),
+            "opt_level": result.options.opt_level,
+            "local_error": result.options.local,
+        },
+        "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB,
+                       "bands": BANDS},
+        "verdict": {
+            "grade": result.grade,
+            "single_cause": result.single_cause,
+            "cause": result.cause_sentence,
+            "outputs": [
+                {"name": v.name, "grade": v.grade, "reasons": v.reasons,
+                 "sqnr_db": _num(v.stats.sqnr_db), "cosine_min": _num(v.per_sample.cosine_min),
+                 "cosine_mean": _num(v.per_sample.cosine_mean), "max_abs": _num(v.per_sample.max_abs),
+                 "top1_agreement": _num(v.per_sample.top1_agreement), "samples": v.per_sample.samples}
+                for v in result.verdicts
+            ],
+        },
+        "recommendation": {
+            "nodes_to_exclude": exclude,
+            "unnamed_nodes": unnamed,
+            "verified": False,
+        },
+        "matching": {
+            "float_tensors": len(m.fp_float_tensors),
+            "compared": len(result.accumulated),
+            "accounted": accounted,
+            "coverage": _num(m.coverage),
+            "unmatched_tensors": dict(sorted({**m.unmatched_tensors, **result.runtime_unmatched}.items())),
+            "skipped_tensors": dict(sorted(m.skipped_tensors.items())),
+            "unmatched_nodes": dict(sorted(m.unmatched_nodes.items())),
+            "int8_only_nodes": m.int8_only_nodes,
+        },
+        "nodes": nodes,
+        "tensors": {
+            name: {"how": m.pairs[name].how, "int8_name": m.pairs[name].int8_name,
+                   "accumulated": _stats(result.accumulated.get(name)),
+                   "local": _stats(result.local.get(name))}
+            for name in m.fp_float_tensors if name in result.accumulated
+        },
+    }
+
+
+def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``diag.json`` and check its schema version."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise DiagError("missing-file", f"report '{p}'", "does not exist", "check the path") from e
+    except (OSError, ValueError) as e:
+        raise DiagError("bad-report", f"report '{p}'", f"is not readable JSON ({type(e).__name__})",
+                        "pass the diag.json written by diag compare") from e
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise DiagError("bad-report", f"report '{p}'", "is not a diag compare document",
+                        "pass the diag.json written by diag compare")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise DiagError("bad-report", f"report '{p}'", f"has schema version {doc.get('schema_version')}, "
+                        f"this diag reads {SCHEMA_VERSION}", "re-run diag compare with this version")
+    return doc
+
+
+# ---------------------------------------------------------------- formatting
+
+def fmt_db(v: Any) -> str:
+    if v in ("inf", None):
+        return "∞" if v == "inf" else "–"
+    if v in ("-inf", "nan"):
+        return str(v)
+    return f"{float(v):.1f}"
+
+
+def fmt_num(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, str):
+        return v
+    if v == 0:
+        return "0"
+    return f"{float(v):.{digits}g}"
+
+
+def fmt_pct(v: Any) -> str:
+    return "–" if v is None or isinstance(v, str) else f"{100 * float(v):.2f}%"
+
+
+def _sortable(v: Any) -> str:
+    """A numeric sort key for the HTML table (``data-sort``)."""
+    if v is None:
+        return ""
+    if v == "inf":
+        return "1e9"
+    if v == "-inf":
+        return "-1e9"
+    return str(v)
+
+
+@dataclass
+class NodeRow:
+    rank: int
+    rank_local: int
+    name: str
+    op_type: str
+    role: str
+    quantized: str
+    acc_sqnr: str
+    acc_sqnr_key: str
+    loc_sqnr: str
+    loc_sqnr_key: str
+    amplification: str
+    amplification_key: str
+    cosine: str
+    max_abs: str
+    rmse_scale: str
+    tensor: str
+
+
+@dataclass
+class OutputRow:
+    name: str
+    grade: str
+    reasons: str
+    sqnr: str
+    cosine_min: str
+    max_abs: str
+    agreement: str
+
+
+@dataclass
+class ReportView:
+    """Everything the templates print, already formatted."""
+
+    title: str
+    grade: str
+    cause: str
+    single_cause: bool
+    fp32_path: str
+    int8_path: str
+    int8_format: str
+    inputs: str
+    samples: int
+    seconds: str
+    environment: list[tuple[str, str]]
+    outputs: list[OutputRow]
+    root_causes: list[str]
+    victims: list[str]
+    nodes_to_exclude: list[str]
+    unnamed_nodes: list[str]
+    fix_command: str
+    nodes: list[NodeRow]
+    unmatched: list[tuple[str, str]]
+    skipped_count: int
+    compared: int
+    float_tensors: int
+    accounted: int
+    plot_error_along_graph: str
+    bad_db: str
+
+
+def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
+    """Format a ``diag.json`` document for the templates."""
+    nodes = doc["nodes"]
+    rows = []
+    for n in nodes:
+        a = n["accumulated"]
+        loc = n["local"] or {}
+        rows.append(NodeRow(
+            rank=n["rank_accumulated"], rank_local=n["rank_local"], name=n["name"],
+            op_type=n["op_type"], role=n["role"], quantized="yes" if n["quantized"] else "no",
+            acc_sqnr=fmt_db(a["sqnr_db"]), acc_sqnr_key=_sortable(a["sqnr_db"]),
+            loc_sqnr=fmt_db(loc.get("sqnr_db")), loc_sqnr_key=_sortable(loc.get("sqnr_db")),
+            amplification=fmt_db(n["amplification_db"]), amplification_key=_sortable(n["amplification_db"]),
+            cosine=fmt_num(a["cosine"], 6), max_abs=fmt_num(a["max_abs"]),
+            rmse_scale=fmt_num(a["rmse_over_scale"]), tensor=n["tensor"],
+        ))
+    by_local = sorted(nodes, key=lambda n: n["rank_local"])
+    roots = [
+        f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
+        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB"
+        for n in by_local if n["role"] == "root-cause"
+    ][:5]
+    victims = [f"{n['name']} ({n['op_type']}): accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB, "
+               f"local {fmt_db((n['local'] or {}).get('sqnr_db'))} dB"
+               for n in nodes if n["role"] in ("victim", "amplifier")][:5]
+    rec = doc["recommendation"]
+    fmt = doc["models"]["int8"]["format"]
+    verdict = doc["verdict"]
+    plot = ""
+    if with_plots and nodes:
+        from diag.plots import error_along_graph
+
+        plot = error_along_graph(nodes, doc["thresholds"]["bad_sqnr_db"])
+    m = doc["matching"]
+    return ReportView(
+        title=f"diag: {Path(doc['models']['int8']['path']).name} vs {Path(doc['models']['fp32']['path']).name}",
+        grade=verdict["grade"], cause=verdict["cause"], single_cause=verdict["single_cause"],
+        fp32_path=doc["models"]["fp32"]["path"], int8_path=doc["models"]["int8"]["path"],
+        int8_format=fmt, inputs=doc["run"]["inputs"], samples=doc["run"]["samples"],
+        seconds=f"{doc['run']['seconds']:.1f}",
+        environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
+        outputs=[OutputRow(o["name"], o["grade"], "; ".join(o["reasons"]), fmt_db(o["sqnr_db"]),
+                           fmt_num(o["cosine_min"], 6), fmt_num(o["max_abs"]), fmt_pct(o["top1_agreement"]))
+                 for o in verdict["outputs"]],
+        root_causes=roots, victims=victims, nodes_to_exclude=rec["nodes_to_exclude"],
+        unnamed_nodes=rec["unnamed_nodes"], fix_command=fix_snippet(fmt, rec["nodes_to_exclude"]),
+        nodes=rows, unmatched=sorted(m["unmatched_tensors"].items()),
+        skipped_count=len(m["skipped_tensors"]), compared=m["compared"], float_tensors=m["float_tensors"],
+        accounted=m["accounted"], plot_error_along_graph=plot,
+        bad_db=f"{doc['thresholds']['bad_sqnr_db']:g}",
+    )
+
+
+def fix_snippet(fmt: str, nodes: list[str]) -> str:
+    """Python that re-quantizes with plain onnxruntime, keeping ``nodes`` in float."""
+    if not nodes:
+        return ""
+    listed = ", ".join(json.dumps(n) for n in nodes)
+    if fmt == "dynamic":
+        return ("from onnxruntime.quantization import quantize_dynamic\n"
+                f"quantize_dynamic(\"fp32.onnx\", \"int8.onnx\", nodes_to_exclude=[{listed}])")
+    qf = "QDQ" if fmt != "qoperator" else "QOperator"
+    return ("from onnxruntime.quantization import QuantFormat, quantize_static\n"
+            f"quantize_static(\"fp32.onnx\", \"int8.onnx\", calibration_reader,\n"
+            f"                quant_format=QuantFormat.{qf}, nodes_to_exclude=[{listed}])")
+
+
+# ---------------------------------------------------------------- rendering
+
+def templates_dir() -> Path:
+    """Where the jinja2 templates live: in the installed package, or the source checkout."""
+    import diag
+
+    here = Path(diag.__file__).resolve().parent
+    for candidate in (here / "reports_templates", here.parent / "reports_templates"):
+        if (candidate / "report.html.j2").is_file():
+            return candidate
+    raise DiagError("missing-templates", f"templates folder near '{here}'",
+                    "report templates are not installed", "reinstall diag (pip install --force-reinstall diag)")
+
+
+def _environment() -> Any:
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def render_html(view: ReportView) -> str:
+    return str(_environment().get_template("report.html.j2").render(v=view))
+
+
+def render_markdown(view: ReportView) -> str:
+    """The PR-comment summary; Markdown control characters in names are escaped."""
+    env = _environment()
+    env.autoescape = False
+    env.filters["md"] = md_escape
+    text = str(env.get_template("summary.md.j2").render(v=view))
+    lines = text.splitlines()
+    if len(lines) > SUMMARY_MAX_LINES:
+        lines = [*lines[: SUMMARY_MAX_LINES - 1], "_(truncated; see report.html)_"]
+    return "\n".join(lines) + "\n"
+
+
+def md_escape(text: str) -> str:
+    """Escape Markdown/HTML control characters and drop terminal escapes from untrusted names."""
+    out = []
+    for ch in str(text):
+        if not ch.isprintable():
+            continue
+        if ch in "\\`*_[]<>|~#&":
+            out.append("\\" + ch)
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write diag.json, report.html and summary.md into ``out_dir``, each atomically.
+
+    Everything is rendered in memory first; each file is written to a temporary file in the same
+    folder and renamed over the old one, so an existing report stays intact until the new one
+    is complete and a failure leaves no half-written file.
+    """
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiagError("bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})",
+                        "choose a writable folder") from e
+    view = view_from_document(doc)
+    contents = {
+        "diag.json": json.dumps(doc, indent=1, sort_keys=False, ensure_ascii=False) + "\n",
+        "report.html": render_html(view),
+        "summary.md": render_markdown(view),
+    }
+    return {name: atomic_write(out / name, text) for name, text in contents.items()}
+
+
+def atomic_write(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` via a temp file + rename; never leaves a partial file."""
+    tmp_name = None
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_name, 0o666 & ~umask)
+        os.replace(tmp_name, path)
+        tmp_name = None
+    except OSError as e:
+        raise DiagError("bad-out", f"output '{path}'", f"cannot be written ({e.strerror or e})",
+                        "check free space and permissions of the output folder") from e
+    finally:
+        if tmp_name is not None and os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return path

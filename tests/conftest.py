@@ -1,0 +1,46 @@
+"""Shared fixtures: ground-truth models built in code and quantized by real onnxruntime, once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from diag.fixtures import models, quantize
+
+FORMATS = ("dynamic", "qdq", "qoperator")
+
+
+class Built:
+    """Paths of one fixture's FP32 model, its INT8 versions and its inputs."""
+
+    def __init__(self, folder: Path, fx: models.Fixture) -> None:
+        self.fixture = fx
+        self.fp32 = folder / f"{fx.name}.fp32.onnx"
+        onnx.save(fx.model, self.fp32)
+        self.calib = fx.make_inputs(32, 11)
+        self.inputs = fx.make_inputs(32, 12)
+        self.inputs_path = folder / f"{fx.name}.inputs.npz"
+        np.savez(self.inputs_path, **self.inputs)
+        self.int8: dict[str, Path] = {}
+        for fmt in FORMATS:
+            path = folder / f"{fx.name}.{fmt}.onnx"
+            quantize.quantize(self.fp32, path, fmt, self.calib)
+            self.int8[fmt] = path
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
+    """``built("convnet")`` -> the fixture's files, quantized in all formats (cached per session)."""
+    cache: dict[str, Built] = {}
+    root = tmp_path_factory.mktemp("fixtures")
+
+    def get(name: str) -> Built:
+        if name not in cache:
+            cache[name] = Built(root, models.build(name))
+        return cache[name]
+
+    return get

@@ -1,0 +1,92 @@
+"""Ground truth: every injected defect is found, in every format, by accumulated and local error."""
+
+from __future__ import annotations
+
+import pytest
+
+from diag.compare import CompareOptions, compare_models
+from diag.feeds import FeedSpec
+
+DEFECT_FIXTURES = ("transformer", "convnet")
+FORMATS = ("dynamic", "qdq", "qoperator")
+
+
+def _compare(built, name: str, fmt: str, samples: int = 32):
+    b = built(name)
+    return compare_models(b.fp32, b.int8[fmt], FeedSpec(inputs=str(b.inputs_path), samples=samples, batch=8),
+                          CompareOptions(progress=False))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", DEFECT_FIXTURES)
+def test_injected_defect_node_is_ranked_first_by_accumulated_and_local_error(built, name, fmt):
+    r = _compare(built, name, fmt)
+    culprit = built(name).fixture.expected.culprit_node
+    by_acc = sorted(r.findings, key=lambda f: f.rank_accumulated)
+    by_loc = sorted(r.findings, key=lambda f: f.rank_local)
+    assert culprit in by_acc[0].group.fp_nodes, [f.group.label for f in by_acc[:5]]
+    assert culprit in by_loc[0].group.fp_nodes, [f.group.label for f in by_loc[:5]]
+    assert by_loc[0].role == "root-cause"
+    assert r.single_cause, r.cause_sentence
+    # The culprit's local error is clearly worse than every other node's (not a near-tie).
+    assert by_loc[1].local.sqnr_db - by_loc[0].local.sqnr_db > 3.0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", DEFECT_FIXTURES)
+def test_a_node_downstream_of_the_defect_is_classified_as_victim(built, name, fmt):
+    r = _compare(built, name, fmt)
+    victims = {n for f in r.findings if f.role == "victim" for n in f.group.fp_nodes}
+    expected = set(built(name).fixture.expected.victims)
+    assert victims & expected, (victims, expected)
+
+
+@pytest.mark.parametrize("fmt", ("dynamic", "qdq"))
+@pytest.mark.parametrize("name", (*DEFECT_FIXTURES, "if_model"))
+def test_at_least_95_percent_of_float_tensors_are_accounted_for(built, name, fmt):
+    r = _compare(built, name, fmt, samples=8)
+    m = r.matching
+    fused = [t for t, why in m.unmatched_tensors.items() if why.startswith(("fused", "folded"))]
+    assert (len(m.pairs) + len(fused)) / len(m.fp_float_tensors) >= 0.95
+    for tensor, why in m.unmatched_tensors.items():
+        assert why, tensor
+
+
+def test_qdq_conv_relu_fusion_is_listed_with_a_reason_not_guessed(built):
+    r = _compare(built, "convnet", "qdq", samples=4)
+    why = r.matching.unmatched_tensors["conv2_out"]
+    assert "Relu 'relu2'" in why and "compared at 'relu2_out'" in why
+    assert r.matching.pairs["relu2_out"].int8_name == "relu2_out_DequantizeLinear_Output"
+
+
+def test_qoperator_relu_folded_into_conv_is_compared_after_the_relu(built):
+    r = _compare(built, "convnet", "qoperator", samples=4)
+    pair = r.matching.pairs["relu2_out"]
+    assert pair.int8_name == "conv2_out_quantized" and pair.dequant is not None
+    assert "conv2_out" in r.matching.unmatched_tensors
+    # Comparing pre-Relu FP32 against post-Relu INT8 would give ~0 dB; the right pairing is good.
+    assert r.accumulated["relu1_out"].sqnr_db > 20
+
+
+def test_dynamic_model_keeps_every_tensor_name_and_reports_per_batch_scale(built):
+    r = _compare(built, "transformer", "dynamic", samples=8)
+    assert r.matching.coverage == 1.0
+    fc1 = r.matching.pairs["layer1/ffn_norm/LayerNormalization_out"]
+    assert fc1.dynamic_scale is not None
+    # The outlier dim makes the dynamic scale ~40x too coarse for the other dims: rmse/scale
+    # is still ~rounding noise on the tensor itself, the damage shows at the consumer.
+    assert r.accumulated["layer1/ffn/fc1/MatMul_out"].sqnr_db < 16
+
+
+@pytest.mark.parametrize("name", ("clean_transformer", "clean_convnet"))
+def test_model_without_defect_has_no_root_cause(built, name):
+    r = _compare(built, name, "dynamic", samples=16)
+    assert not [f.group.label for f in r.findings if f.role == "root-cause"]
+    assert r.grade in ("excellent", "acceptable")
+
+
+def test_if_subgraph_nodes_are_listed_as_not_exposable_and_if_outputs_compared(built):
+    r = _compare(built, "if_model", "dynamic", samples=8)
+    reasons = r.matching.unmatched_nodes
+    assert any("subgraph of If 'branch/If'" in why for why in reasons.values())
+    assert "branch_out" in r.accumulated
