@@ -84,8 +84,9 @@ def _worst(stats: list[ErrorStats]) -> ErrorStats | None:
     return min(stats, key=lambda s: s.sqnr_db) if stats else None
 
 
-def node_findings(groups: list[NodeGroup], accumulated: dict[str, ErrorStats],
-                  local: dict[str, ErrorStats], graph: nx.DiGraph) -> list[NodeFinding]:
+def node_findings(
+    groups: list[NodeGroup], accumulated: dict[str, ErrorStats], local: dict[str, ErrorStats], graph: nx.DiGraph
+) -> list[NodeFinding]:
     """One finding per node group, ranked by accumulated and by local error, roles assigned."""
     findings: list[NodeFinding] = []
     for g in groups:
@@ -120,10 +121,10 @@ def _rank(findings: list[NodeFinding]) -> None:
     # NOTE: accumulated error alone ranks a chain of victims (bias Add, GELU, ...) as high as the
     # node that introduced the error, in arbitrary order. Nodes that lose less than INHERIT_DB
     # relative to their worst input are therefore listed after the nodes that add error.
-    by_acc = sorted(findings, key=lambda f: (
-        inherits_error(f),
-        _sort_key(f.accumulated.sqnr_db) if f.accumulated else math.inf,
-        f.index))
+    by_acc = sorted(
+        findings,
+        key=lambda f: (inherits_error(f), _sort_key(f.accumulated.sqnr_db) if f.accumulated else math.inf, f.index),
+    )
     for r, f in enumerate(by_acc, 1):
         f.rank_accumulated = r
     by_loc = sorted(findings, key=lambda f: (_sort_key(f.local.sqnr_db) if f.local else math.inf, f.index))
@@ -154,9 +155,13 @@ def single_cause(findings: list[NodeFinding]) -> tuple[bool, str]:
     top_e, top = energy[0]
     share = top_e / total if total > 0 else 1.0
     if len(bad) == 1 or share >= SINGLE_CAUSE_SHARE:
-        return True, f"{top.group.label} explains {share:.0%} of the local error among {len(bad)} bad node(s)"
-    return False, (f"no single root cause: {len(bad)} nodes have bad local error and the worst, "
-                   f"{top.group.label}, explains only {share:.0%} of it")
+        return True, (
+            f"single root cause: {top.group.label} ({share:.0%} of the local error of {len(bad)} bad node(s))"
+        )
+    return False, (
+        f"no single root cause: {len(bad)} nodes have bad local error and the worst, "
+        f"{top.group.label}, explains only {share:.0%} of it"
+    )
 
 
 def grade_output(name: str, stats: ErrorStats, per_sample: OutputStats) -> OutputVerdict:
@@ -166,13 +171,23 @@ def grade_output(name: str, stats: ErrorStats, per_sample: OutputStats) -> Outpu
     if per_sample.top1_agreement is not None:
         a = per_sample.top1_agreement
         b = BANDS["top1_agreement"]
-        g = "excellent" if a >= b["excellent"] else "acceptable" if a >= b["acceptable"] else (
-            "reject" if a < b["reject_below"] else "marginal")
+        g = (
+            "excellent"
+            if a >= b["excellent"]
+            else "acceptable"
+            if a >= b["acceptable"]
+            else ("reject" if a < b["reject_below"] else "marginal")
+        )
         grades.append((GRADES.index(g), f"top-1 agreement {a:.2%} ({g})"))
         m = per_sample.max_abs
         b = BANDS["max_abs"]
-        g = "excellent" if m < b["excellent"] else "acceptable" if m < b["acceptable"] else (
-            "reject" if m > b["reject_above"] else "marginal")
+        g = (
+            "excellent"
+            if m < b["excellent"]
+            else "acceptable"
+            if m < b["acceptable"]
+            else ("reject" if m > b["reject_above"] else "marginal")
+        )
         grades.append((GRADES.index(g), f"max abs error {m:.3g} ({g})"))
     else:
         c = per_sample.cosine_min
@@ -180,8 +195,13 @@ def grade_output(name: str, stats: ErrorStats, per_sample: OutputStats) -> Outpu
         if math.isnan(c):
             grades.append((GRADES.index("reject"), "no finite samples to compare"))
         else:
-            g = "excellent" if c >= b["excellent"] else "acceptable" if c >= b["acceptable"] else (
-                "reject" if c < b["reject_below"] else "marginal")
+            g = (
+                "excellent"
+                if c >= b["excellent"]
+                else "acceptable"
+                if c >= b["acceptable"]
+                else ("reject" if c < b["reject_below"] else "marginal")
+            )
             grades.append((GRADES.index(g), f"min per-sample cosine {c:.5f} ({g})"))
     if stats.nonfinite_int8 > stats.nonfinite_fp:
         grades.append((GRADES.index("reject"), f"{stats.nonfinite_int8} NaN/Inf values in INT8 output"))

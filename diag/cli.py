@@ -34,20 +34,40 @@ def _safe(text: object) -> str:
 
 def _add_feed_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("inputs (exactly one of --inputs, --random, --reader)")
-    g.add_argument("--inputs", metavar="PATH",
-                   help=".npz with one array per model input stacked along axis 0 (one row per sample), "
-                   "a .npy for single-input models, or a folder whose every .npz is one feed dict")
+    g.add_argument(
+        "--inputs",
+        metavar="PATH",
+        help=".npz with one array per model input stacked along axis 0 (one row per sample), "
+        "a .npy for single-input models, or a folder whose every .npz is one feed dict",
+    )
     g.add_argument("--random", action="store_true", help="seeded random inputs (see --shape, --int-range)")
-    g.add_argument("--reader", metavar="MOD:FACTORY",
-                   help="import MOD and call FACTORY(): an iterable of feed dicts or a CalibrationDataReader")
+    g.add_argument(
+        "--reader",
+        metavar="MOD:FACTORY",
+        help="import MOD and call FACTORY(): an iterable of feed dicts or a CalibrationDataReader",
+    )
     g.add_argument("--samples", type=int, metavar="N", help="use the first N samples (random: default 8)")
-    g.add_argument("--batch", type=int, default=1, metavar="B",
-                   help="samples per run when the model's first axis is symbolic (default 1)")
+    g.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        metavar="B",
+        help="samples per run when the model's first axis is symbolic (default 1)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed for --random (default 0)")
-    g.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,...",
-                   help="full shape for an input with symbolic dims (repeatable)")
-    g.add_argument("--int-range", default="0,100", metavar="LO,HI",
-                   help="range [LO, HI) for random integer inputs such as token ids (default 0,100)")
+    g.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=D0,D1,...",
+        help="full shape for an input with symbolic dims (repeatable)",
+    )
+    g.add_argument(
+        "--int-range",
+        default="0,100",
+        metavar="LO,HI",
+        help="range [LO, HI) for random integer inputs such as token ids (default 0,100)",
+    )
 
 
 def _feed_spec(args: argparse.Namespace) -> Any:
@@ -56,15 +76,25 @@ def _feed_spec(args: argparse.Namespace) -> Any:
     try:
         lo, hi = (int(x) for x in args.int_range.split(","))
     except ValueError as e:
-        raise DiagError("bad-option", f"--int-range {args.int_range!r}", "is not LO,HI",
-                        "write e.g. --int-range 0,30522") from e
+        raise DiagError(
+            "bad-option", f"--int-range {args.int_range!r}", "is not LO,HI", "write e.g. --int-range 0,30522"
+        ) from e
     if hi <= lo:
         raise DiagError("bad-option", f"--int-range {args.int_range!r}", "needs LO < HI", "e.g. 0,100")
-    return FeedSpec(inputs=args.inputs, random=args.random, reader=args.reader, samples=args.samples,
-                    batch=args.batch, seed=args.seed, shapes=parse_shapes(args.shape), int_range=(lo, hi))
+    return FeedSpec(
+        inputs=args.inputs,
+        random=args.random,
+        reader=args.reader,
+        samples=args.samples,
+        batch=args.batch,
+        seed=args.seed,
+        shapes=parse_shapes(args.shape),
+        int_range=(lo, hi),
+    )
 
 
 # ---------------------------------------------------------------- verbs
+
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Print a model's quantization format, opsets, op counts, subgraphs and visible problems."""
@@ -74,12 +104,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"model:      {_safe(s.path)}")
     ev = ", ".join(f"{k} x{v}" for k, v in s.format.evidence.items())
     print(f"format:     {s.format.kind}" + (f"  ({_safe(ev)})" if ev else ""))
-    print(f"opsets:     {', '.join(f'{k} {v}' for k, v in s.opsets.items())}; IR {s.ir_version}; "
-          f"producer {_safe(s.producer) or '?'}")
+    print(
+        f"opsets:     {', '.join(f'{k} {v}' for k, v in s.opsets.items())}; IR {s.ir_version}; "
+        f"producer {_safe(s.producer) or '?'}"
+    )
     print(f"inputs:     {_safe(', '.join(s.inputs))}")
     print(f"outputs:    {_safe(', '.join(s.outputs))}")
-    print(f"nodes:      {s.node_count} ({s.quantized_nodes} quantization ops, {s.float_nodes} other)"
-          + ("; external data" if s.external_data else ""))
+    print(
+        f"nodes:      {s.node_count} ({s.quantized_nodes} quantization ops, {s.float_nodes} other)"
+        + ("; external data" if s.external_data else "")
+    )
     ops = ", ".join(f"{_safe(k)} {v}" for k, v in s.op_counts.items())
     print("op counts:  " + textwrap.fill(ops, 96, subsequent_indent=" " * 12))
     if s.subgraph_nodes:
@@ -96,8 +130,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     and summary.md into --out."""
     from diag.compare import CompareOptions, compare_to_dir
 
-    options = CompareOptions(opt_level=args.ort_opt_level, threads=args.threads, local=not args.no_local,
-                             progress=not args.quiet)
+    options = CompareOptions(
+        opt_level=args.ort_opt_level, threads=args.threads, local=not args.no_local, progress=not args.quiet
+    )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
     return OK
@@ -109,12 +144,16 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
         print(f"  output {_safe(v.name)}: {v.grade} ({_safe('; '.join(v.reasons))})")
     roots = sorted((f for f in result.findings if f.role == "root-cause"), key=lambda f: f.rank_local)
     for f in roots[:3]:
-        print(f"  root cause: {_safe(f.group.label)} ({f.group.op_type}) local SQNR "
-              f"{f.local.sqnr_db:.1f} dB, accumulated {f.accumulated.sqnr_db:.1f} dB")
+        print(
+            f"  root cause: {_safe(f.group.label)} ({f.group.op_type}) local SQNR "
+            f"{f.local.sqnr_db:.1f} dB, accumulated {f.accumulated.sqnr_db:.1f} dB"
+        )
     m = result.matching
-    print(f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "
-          f"({len(m.unmatched_tensors)} unmatched, listed in the report); {result.samples} samples "
-          f"in {result.seconds:.1f} s")
+    print(
+        f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "
+        f"({len(m.unmatched_tensors)} unmatched, listed in the report); {result.samples} samples "
+        f"in {result.seconds:.1f} s"
+    )
     for name, path in files.items():
         print(f"wrote {name}: {path}")
 
@@ -124,8 +163,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     Works offline."""
     from diag.demo import run_demo
 
-    result, files = run_demo(args.out, args.fixture, args.format, samples=args.samples,
-                             progress=not args.quiet)
+    result, files = run_demo(args.out, args.fixture, args.format, samples=args.samples, progress=not args.quiet)
     _print_result(result, files)
     return OK
 
@@ -144,8 +182,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise DiagError("bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})",
-                            "choose a writable folder") from e
+            raise DiagError(
+                "bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})", "choose a writable folder"
+            ) from e
         print(f"wrote {atomic_write(out / 'report.html', render_html(view))}")
         print(f"wrote {atomic_write(out / 'summary.md', render_markdown(view))}")
     return OK
@@ -163,7 +202,8 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="diag", description="Find which operator broke your INT8 ONNX model, and what to do about it.",
+        prog="diag",
+        description="Find which operator broke your INT8 ONNX model, and what to do about it.",
         epilog="Exit codes: 0 ok, 1 internal error, 2 user error, 3 gate failed, 130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"diag {__version__}")
@@ -172,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def verb(name: str, **kw: Any) -> argparse.ArgumentParser:
         doc = (VERBS[name].__doc__ or "").strip()
-        p = sub.add_parser(name, help=doc.splitlines()[0], description=doc,
-                           formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+        p = sub.add_parser(
+            name, help=doc.splitlines()[0], description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kw
+        )
         p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
         return p
 
@@ -185,23 +226,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("int8", help="its INT8 version (quantize_dynamic or quantize_static, QDQ or QOperator)")
     _add_feed_flags(p)
     p.add_argument("--out", default="diag-out", metavar="DIR", help="output folder (default diag-out)")
-    p.add_argument("--ort-opt-level", choices=["disabled", "basic", "extended", "all"], default="disabled",
-                   help="onnxruntime graph optimizations; 'disabled' (default) keeps every tensor comparable")
+    p.add_argument(
+        "--ort-opt-level",
+        choices=["disabled", "basic", "extended", "all"],
+        default="disabled",
+        help="onnxruntime graph optimizations; 'disabled' (default) keeps every tensor comparable",
+    )
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = verb("report")
     p.add_argument("json", help="a diag.json written by diag compare")
-    p.add_argument("--out", default="diag-out", metavar="DIR|FILE.html",
-                   help="folder for report.html + summary.md, or a single .html path")
+    p.add_argument(
+        "--out",
+        default="diag-out",
+        metavar="DIR|FILE.html",
+        help="folder for report.html + summary.md, or a single .html path",
+    )
 
     p = verb("demo")
     p.add_argument("--out", default="diag-demo", metavar="DIR", help="output folder (default diag-demo)")
-    p.add_argument("--fixture", default="transformer", choices=["transformer", "convnet"],
-                   help="which bundled model (default transformer: an outlier hidden dimension)")
-    p.add_argument("--format", default="dynamic", choices=["dynamic", "qdq", "qoperator"],
-                   help="quantization format to demonstrate (default dynamic)")
+    p.add_argument(
+        "--fixture",
+        default="transformer",
+        choices=["transformer", "convnet"],
+        help="which bundled model (default transformer: an outlier hidden dimension)",
+    )
+    p.add_argument(
+        "--format",
+        default="dynamic",
+        choices=["dynamic", "qdq", "qoperator"],
+        help="quantization format to demonstrate (default dynamic)",
+    )
     p.add_argument("--samples", type=int, default=32, help="samples to compare (default 32)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -228,8 +285,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # a bug: say so, one line, keep the traceback behind --debug
         if args.debug:
             raise
-        print(f"diag: internal error: {type(e).__name__}: {_safe(e)} (re-run with --debug and report it)",
-              file=sys.stderr)
+        print(
+            f"diag: internal error: {type(e).__name__}: {_safe(e)} (re-run with --debug and report it)", file=sys.stderr
+        )
         return INTERNAL_ERROR
 
 

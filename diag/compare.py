@@ -99,32 +99,50 @@ def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel
     q = model_from_path(int8_path, "INT8 model")
     fk, qk = fp.format.kind, q.format.kind
     if fk != "fp32" and qk == "fp32":
-        raise DiagError("swapped-models", f"models '{fp.path.name}' / '{q.path.name}'",
-                        f"the first is quantized ({fk}) and the second is FP32: did you swap them?",
-                        "put the FP32 model first: diag compare FP32 INT8")
+        raise DiagError(
+            "swapped-models",
+            f"models '{fp.path.name}' / '{q.path.name}'",
+            f"the first is quantized ({fk}) and the second is FP32: did you swap them?",
+            "put the FP32 model first: diag compare FP32 INT8",
+        )
     if qk == "fp32":
-        raise DiagError("not-quantized", f"INT8 model '{q.path}'", "contains no quantized operators",
-                        "pass the output of quantize_dynamic / quantize_static as the second model")
+        raise DiagError(
+            "not-quantized",
+            f"INT8 model '{q.path}'",
+            "contains no quantized operators",
+            "pass the output of quantize_dynamic / quantize_static as the second model",
+        )
     if fk != "fp32":
-        raise DiagError("fp32-is-quantized", f"FP32 model '{fp.path}'", f"already contains "
-                        f"quantized operators ({fk})", "pass the original float model first")
+        raise DiagError(
+            "fp32-is-quantized",
+            f"FP32 model '{fp.path}'",
+            f"already contains quantized operators ({fk})",
+            "pass the original float model first",
+        )
     f_in = {s.name: s for s in input_specs(fp.proto)}
     q_in = {s.name: s for s in input_specs(q.proto)}
     if set(f_in) != set(q_in):
-        raise DiagError("model-mismatch", f"models '{fp.path.name}' / '{q.path.name}'",
-                        f"have different inputs ({sorted(f_in)} vs {sorted(q_in)})",
-                        "compare an INT8 model with the FP32 model it was quantized from")
+        raise DiagError(
+            "model-mismatch",
+            f"models '{fp.path.name}' / '{q.path.name}'",
+            f"have different inputs ({sorted(f_in)} vs {sorted(q_in)})",
+            "compare an INT8 model with the FP32 model it was quantized from",
+        )
     f_out = [o.name for o in fp.graph.output]
     q_out = [o.name for o in q.graph.output]
     if set(f_out) != set(q_out):
-        raise DiagError("model-mismatch", f"models '{fp.path.name}' / '{q.path.name}'",
-                        f"have different outputs ({sorted(f_out)} vs {sorted(q_out)})",
-                        "compare an INT8 model with the FP32 model it was quantized from")
+        raise DiagError(
+            "model-mismatch",
+            f"models '{fp.path.name}' / '{q.path.name}'",
+            f"have different outputs ({sorted(f_out)} vs {sorted(q_out)})",
+            "compare an INT8 model with the FP32 model it was quantized from",
+        )
     return fp, q
 
 
-def compare_models(fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec,
-                   options: CompareOptions | None = None) -> CompareResult:
+def compare_models(
+    fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec, options: CompareOptions | None = None
+) -> CompareResult:
     """Compare an FP32 model and its INT8 version tensor by tensor on ``feeds``.
 
     Example:
@@ -140,36 +158,46 @@ def compare_models(fp32_path: str | Path, int8_path: str | Path, feeds: FeedSour
         feeds = feeds.source(fp.proto)
     matching = match_models(fp.proto, q.proto)
     if matching.coverage < MIN_COVERAGE:
-        raise DiagError("model-mismatch", f"models '{fp.path.name}' / '{q.path.name}'",
-                        f"only {matching.coverage:.0%} of FP32 tensors exist in the INT8 model",
-                        "compare an INT8 model with the FP32 model it was quantized from")
+        raise DiagError(
+            "model-mismatch",
+            f"models '{fp.path.name}' / '{q.path.name}'",
+            f"only {matching.coverage:.0%} of FP32 tensors exist in the INT8 model",
+            "compare an INT8 model with the FP32 model it was quantized from",
+        )
     state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
-    return finish(fp, q, matching, state, runtime_unmatched, feeds.description, options,
-                  time.perf_counter() - start)
+    return finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
 
 
-def run_comparison(fp: LoadedModel, q: LoadedModel, matching: Matching, feeds: FeedSource,
-                   options: CompareOptions) -> tuple[CompareState, dict[str, str]]:
+def run_comparison(
+    fp: LoadedModel, q: LoadedModel, matching: Matching, feeds: FeedSource, options: CompareOptions
+) -> tuple[CompareState, dict[str, str]]:
     """Stream every batch through FP32, INT8 and cut models; reduce into a CompareState."""
     pairs = dict(matching.pairs)
     output_names = [o.name for o in fp.graph.output]
     fp_names = list(dict.fromkeys(list(pairs) + output_names))
-    int8_names = list(dict.fromkeys(
-        [p.int8_name for p in pairs.values()] + [p.dynamic_scale for p in pairs.values() if p.dynamic_scale]
-        + output_names))
+    int8_names = list(
+        dict.fromkeys(
+            [p.int8_name for p in pairs.values()]
+            + [p.dynamic_scale for p in pairs.values() if p.dynamic_scale]
+            + output_names
+        )
+    )
     ext_fp = fp.path.resolve().parent if fp.has_external_data else None
     ext_q = q.path.resolve().parent if q.has_external_data else None
-    fp_sess = session_from_model(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'",
-                                 options.opt_level, options.threads, ext_fp)
-    q_sess = session_from_model(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'",
-                                options.opt_level, options.threads, ext_q)
+    fp_sess = session_from_model(
+        exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", options.opt_level, options.threads, ext_fp
+    )
+    q_sess = session_from_model(
+        exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", options.opt_level, options.threads, ext_q
+    )
     cut = None
     cut_sess = None
     if options.local:
         local_pairs = [p for p in pairs.values() if p.producer is not None]
         cut = cut_model(q.proto, local_pairs)
-        cut_sess = session_from_model(cut.model, f"cut INT8 model of '{q.path}'", options.opt_level,
-                                      options.threads, ext_q)
+        cut_sess = session_from_model(
+            cut.model, f"cut INT8 model of '{q.path}'", options.opt_level, options.threads, ext_q
+        )
     state = CompareState()
     runtime_unmatched: dict[str, str] = {}
     progress = Progress(feeds.total_samples, "compare", enabled=options.progress)
@@ -183,8 +211,9 @@ def run_comparison(fp: LoadedModel, q: LoadedModel, matching: Matching, feeds: F
                     value = pair.dequant.dequantize(value)
                 ref = fp_out[name]
                 if value.shape != ref.shape:
-                    runtime_unmatched[name] = (f"shape differs at run time: FP32 {ref.shape}, INT8 "
-                                               f"'{pair.int8_name}' {value.shape}")
+                    runtime_unmatched[name] = (
+                        f"shape differs at run time: FP32 {ref.shape}, INT8 '{pair.int8_name}' {value.shape}"
+                    )
                     del pairs[name]
                     state.accumulated.pop(name, None)
                     continue
@@ -210,7 +239,8 @@ def run_comparison(fp: LoadedModel, q: LoadedModel, matching: Matching, feeds: F
                     ref = fp_out[lo.fp_name]
                     if value.shape == ref.shape:
                         state.local.setdefault(lo.fp_name, ErrorAccumulator()).update(
-                            ref, value, _scale_for(pairs[lo.fp_name], None))
+                            ref, value, _scale_for(pairs[lo.fp_name], None)
+                        )
                 del local_out
             del fp_out
             state.samples += batch.size
@@ -231,21 +261,43 @@ def _scale_for(pair: TensorPair, q_out: dict[str, np.ndarray] | None) -> float |
     return None
 
 
-def finish(fp: LoadedModel, q: LoadedModel, matching: Matching, state: CompareState,
-           runtime_unmatched: dict[str, str], description: str, options: CompareOptions,
-           seconds: float) -> CompareResult:
+def finish(
+    fp: LoadedModel,
+    q: LoadedModel,
+    matching: Matching,
+    state: CompareState,
+    runtime_unmatched: dict[str, str],
+    description: str,
+    options: CompareOptions,
+    seconds: float,
+) -> CompareResult:
     """Finalize accumulators and run the analysis (also used after merging shards)."""
     accumulated = {k: a.finalize() for k, a in state.accumulated.items()}
     local = {k: a.finalize() for k, a in state.local.items()}
     graph = fp_graph(fp.proto)
     findings = node_findings(matching.groups, accumulated, local, graph)
-    verdicts = [grade_output(name, accumulated.get(name) or ErrorAccumulator().finalize(),
-                             state.outputs[name].finalize())
-                for name in state.outputs]
+    verdicts = [
+        grade_output(name, accumulated.get(name) or ErrorAccumulator().finalize(), state.outputs[name].finalize())
+        for name in state.outputs
+    ]
     one, sentence = single_cause(findings)
     return CompareResult(
-        fp, q, matching, accumulated, local, findings, verdicts, overall_grade(verdicts), one,
-        sentence, description, state.samples, state.batches, seconds, options, runtime_unmatched,
+        fp,
+        q,
+        matching,
+        accumulated,
+        local,
+        findings,
+        verdicts,
+        overall_grade(verdicts),
+        one,
+        sentence,
+        description,
+        state.samples,
+        state.batches,
+        seconds,
+        options,
+        runtime_unmatched,
         environment(),
     )
 
@@ -265,9 +317,13 @@ def environment() -> dict[str, str]:
     }
 
 
-
-def compare_to_dir(fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec,
-                   out_dir: str | Path, options: CompareOptions | None = None) -> tuple[CompareResult, dict[str, Path]]:
+def compare_to_dir(
+    fp32_path: str | Path,
+    int8_path: str | Path,
+    feeds: FeedSource | FeedSpec,
+    out_dir: str | Path,
+    options: CompareOptions | None = None,
+) -> tuple[CompareResult, dict[str, Path]]:
     """`diag compare` end to end: compare, then write diag.json, report.html and summary.md."""
     from diag.report import document_from_result, write_outputs
 

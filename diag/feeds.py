@@ -76,7 +76,7 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
                     dims.append(int(d.dim_value))
                 elif d.HasField("dim_value"):
                     dims.append(None)  # exporters such as paddle2onnx write -1 for "any"
-                elif d.HasField("dim_param"):
+                elif d.HasField("dim_param") and d.dim_param not in ("?", "-1", "unk__"):
                     dims.append(d.dim_param)
                 else:
                     dims.append(None)
@@ -91,14 +91,17 @@ def validate_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: st
     extra = [k for k in feed if k not in names]
     if missing:
         raise DiagError(
-            "bad-inputs", f"{where}", f"has no array for model input '{missing[0]}'"
+            "bad-inputs",
+            f"{where}",
+            f"has no array for model input '{missing[0]}'"
             f" (model inputs: {', '.join(sorted(names))}; given: {', '.join(sorted(feed)) or 'none'})",
             "name each array after the model input it feeds",
         )
     if extra:
         raise DiagError(
-            "bad-inputs", f"{where}", f"has array '{extra[0]}', which is not a model input"
-            f" (model inputs: {', '.join(sorted(names))})",
+            "bad-inputs",
+            f"{where}",
+            f"has array '{extra[0]}', which is not a model input (model inputs: {', '.join(sorted(names))})",
             "rename or drop the extra array",
         )
     symbols: dict[str, tuple[int, str]] = {}
@@ -106,28 +109,47 @@ def validate_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: st
         a = feed[s.name]
         obj = f"input '{s.name}' in {where}"
         if not isinstance(a, np.ndarray):
-            raise DiagError("bad-inputs", obj, f"is a {type(a).__name__}, not a numpy array",
-                            "yield numpy arrays")
+            raise DiagError("bad-inputs", obj, f"is a {type(a).__name__}, not a numpy array", "yield numpy arrays")
         if a.dtype != s.dtype:
-            raise DiagError("bad-inputs", obj, f"has dtype {a.dtype}, model wants {s.dtype}",
-                            f"cast it with .astype(np.{s.dtype.name})")
+            raise DiagError(
+                "bad-inputs",
+                obj,
+                f"has dtype {a.dtype}, model wants {s.dtype}",
+                f"cast it with .astype(np.{s.dtype.name})",
+            )
         if s.dims and a.ndim != len(s.dims):
-            raise DiagError("bad-inputs", obj, f"has shape {a.shape} (rank {a.ndim}), model wants "
-                            f"{s.describe()} (rank {len(s.dims)})", "reshape the array")
-        for axis, (have, want) in enumerate(zip(a.shape, s.dims)):
+            raise DiagError(
+                "bad-inputs",
+                obj,
+                f"has shape {a.shape} (rank {a.ndim}), model wants {s.describe()} (rank {len(s.dims)})",
+                "reshape the array",
+            )
+        for axis, (have, want) in enumerate(zip(a.shape, s.dims, strict=False)):
             if isinstance(want, int) and have != want:
-                raise DiagError("bad-inputs", obj, f"has shape {a.shape}, model wants {s.describe()}"
-                                f" (axis {axis} must be {want})", "resize or pad the data")
+                raise DiagError(
+                    "bad-inputs",
+                    obj,
+                    f"has shape {a.shape}, model wants {s.describe()} (axis {axis} must be {want})",
+                    "resize or pad the data",
+                )
             if isinstance(want, str):
                 if want in symbols and symbols[want][0] != have:
                     other = symbols[want][1]
-                    raise DiagError("bad-inputs", obj, f"has {want}={have} but input '{other}' has "
-                                    f"{want}={symbols[want][0]}", "give all inputs the same batch size")
+                    raise DiagError(
+                        "bad-inputs",
+                        obj,
+                        f"has {want}={have} but input '{other}' has {want}={symbols[want][0]}",
+                        "give all inputs the same batch size",
+                    )
                 symbols[want] = (have, s.name)
         if a.dtype.kind == "f" and a.size and not np.isfinite(a).all():
             bad = int(a.size - np.isfinite(a).sum())
-            raise DiagError("bad-inputs", obj, f"contains {bad} NaN/Inf value(s)",
-                            "clean the data; diag compares finite inputs only")
+            raise DiagError(
+                "bad-inputs",
+                obj,
+                f"contains {bad} NaN/Inf value(s)",
+                "clean the data; diag compares finite inputs only",
+            )
 
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
@@ -136,24 +158,35 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
             return {k: z[k] for k in z.files}
     except ValueError as e:
         if "pickle" in str(e).lower() or "object" in str(e).lower():
-            raise DiagError("bad-inputs", f"inputs '{path}'", "contains pickled Python objects",
-                            "save plain numeric arrays (np.savez); pickles are never loaded") from e
-        raise DiagError("bad-inputs", f"inputs '{path}'", f"is not a readable .npz ({e})",
-                        "write it with np.savez") from e
+            raise DiagError(
+                "bad-inputs",
+                f"inputs '{path}'",
+                "contains pickled Python objects",
+                "save plain numeric arrays (np.savez); pickles are never loaded",
+            ) from e
+        raise DiagError(
+            "bad-inputs", f"inputs '{path}'", f"is not a readable .npz ({e})", "write it with np.savez"
+        ) from e
     except Exception as e:
-        raise DiagError("bad-inputs", f"inputs '{path}'", f"is not a readable .npz ({type(e).__name__})",
-                        "write it with np.savez") from e
+        raise DiagError(
+            "bad-inputs", f"inputs '{path}'", f"is not a readable .npz ({type(e).__name__})", "write it with np.savez"
+        ) from e
 
 
 def _load_npy(path: Path) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False)
     except ValueError as e:
-        raise DiagError("bad-inputs", f"inputs '{path}'", "contains pickled Python objects or is "
-                        "not a plain .npy", "save plain numeric arrays with np.save") from e
+        raise DiagError(
+            "bad-inputs",
+            f"inputs '{path}'",
+            "contains pickled Python objects or is not a plain .npy",
+            "save plain numeric arrays with np.save",
+        ) from e
     except Exception as e:
-        raise DiagError("bad-inputs", f"inputs '{path}'", f"is not a readable .npy ({type(e).__name__})",
-                        "write it with np.save") from e
+        raise DiagError(
+            "bad-inputs", f"inputs '{path}'", f"is not a readable .npy ({type(e).__name__})", "write it with np.save"
+        ) from e
 
 
 def _batchable(specs: list[InputSpec]) -> bool:
@@ -161,34 +194,38 @@ def _batchable(specs: list[InputSpec]) -> bool:
     return all(s.dims and not isinstance(s.dims[0], int) for s in specs)
 
 
-def feeds_from_npz(path: Path, specs: list[InputSpec], samples: int | None, batch: int,
-                   skip: int = 0) -> FeedSource:
+def feeds_from_npz(path: Path, specs: list[InputSpec], samples: int | None, batch: int, skip: int = 0) -> FeedSource:
     """Stacked arrays from an ``.npz``, first axis = samples (see :func:`feeds_from_arrays`)."""
     return feeds_from_arrays(_load_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
 
 
-def feeds_from_arrays(arrays: dict[str, np.ndarray], specs: list[InputSpec], samples: int | None,
-                      batch: int, where: str, skip: int = 0) -> FeedSource:
+def feeds_from_arrays(
+    arrays: dict[str, np.ndarray], specs: list[InputSpec], samples: int | None, batch: int, where: str, skip: int = 0
+) -> FeedSource:
     """Stacked arrays, first axis = samples; rows are grouped ``batch`` at a time when allowed.
 
     ``skip`` leaves out the first rows (held-out splits, shards).
     """
     if not arrays:
-        raise DiagError("bad-inputs", where, "contains no arrays",
-                        "save one array per model input with np.savez")
+        raise DiagError("bad-inputs", where, "contains no arrays", "save one array per model input with np.savez")
     counts = {k: (v.shape[0] if v.ndim else 0) for k, v in arrays.items()}
     if len(set(counts.values())) > 1:
         desc = ", ".join(f"{k}: {n}" for k, n in counts.items())
-        raise DiagError("bad-inputs", where, f"arrays have different sample counts ({desc})",
-                        "stack every input along the first axis with the same number of rows")
+        raise DiagError(
+            "bad-inputs",
+            where,
+            f"arrays have different sample counts ({desc})",
+            "stack every input along the first axis with the same number of rows",
+        )
     total = next(iter(counts.values()))
     if total - skip <= 0 or (samples is not None and samples <= 0):
-        raise DiagError("bad-inputs", where, "holds zero samples",
-                        "provide at least one row per input")
+        raise DiagError("bad-inputs", where, "holds zero samples", "provide at least one row per input")
     spec_by_name = {s.name: s for s in specs}
     # Arrays with one more axis than the model input hold one sample per row (no batching).
-    per_row = {k: (k in spec_by_name and spec_by_name[k].dims and v.ndim == len(spec_by_name[k].dims) + 1)
-               for k, v in arrays.items()}
+    per_row = {
+        k: (k in spec_by_name and spec_by_name[k].dims and v.ndim == len(spec_by_name[k].dims) + 1)
+        for k, v in arrays.items()
+    }
     step = batch if (_batchable(specs) and not any(per_row.values())) else 1
     n = total - skip if samples is None else min(samples, total - skip)
 
@@ -210,11 +247,19 @@ def feeds_from_folder(path: Path, specs: list[InputSpec], samples: int | None) -
     if samples is not None:
         files = files[:samples]
     if not files:
-        raise DiagError("bad-inputs", f"inputs folder '{path}'", "contains no .npz or .npy files",
-                        "write one feed dict per .npz (np.savez(path, **feeds))")
+        raise DiagError(
+            "bad-inputs",
+            f"inputs folder '{path}'",
+            "contains no .npz or .npy files",
+            "write one feed dict per .npz (np.savez(path, **feeds))",
+        )
     if any(p.suffix == ".npy" for p in files) and len(specs) != 1:
-        raise DiagError("bad-inputs", f"inputs folder '{path}'", f"has .npy files but the model has "
-                        f"{len(specs)} inputs", "use one .npz per feed dict for multi-input models")
+        raise DiagError(
+            "bad-inputs",
+            f"inputs folder '{path}'",
+            f"has .npy files but the model has {len(specs)} inputs",
+            "use one .npz per feed dict for multi-input models",
+        )
 
     def gen() -> Iterator[Batch]:
         for i, p in enumerate(files):
@@ -239,15 +284,22 @@ def parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
     for item in items:
         m = re.fullmatch(r"([^=]+)=(\d+(?:[,x]\d+)*)", item.strip())
         if not m:
-            raise DiagError("bad-option", f"--shape {item!r}", "is not name=d0,d1,...",
-                            "write e.g. --shape image=1,3,224,224")
+            raise DiagError(
+                "bad-option", f"--shape {item!r}", "is not name=d0,d1,...", "write e.g. --shape image=1,3,224,224"
+            )
         shapes[m.group(1)] = tuple(int(d) for d in re.split("[,x]", m.group(2)))
     return shapes
 
 
-def random_feeds(specs: list[InputSpec], samples: int, batch: int, seed: int,
-                 shapes: dict[str, tuple[int, ...]], int_range: tuple[int, int] = DEFAULT_INT_RANGE,
-                 skip: int = 0) -> FeedSource:
+def random_feeds(
+    specs: list[InputSpec],
+    samples: int,
+    batch: int,
+    seed: int,
+    shapes: dict[str, tuple[int, ...]],
+    int_range: tuple[int, int] = DEFAULT_INT_RANGE,
+    skip: int = 0,
+) -> FeedSource:
     """Seeded random inputs: normal floats, uniform integers in ``int_range``, random booleans.
 
     Symbolic dims come from ``shapes`` (full shapes per input); a symbolic first dim otherwise
@@ -257,16 +309,24 @@ def random_feeds(specs: list[InputSpec], samples: int, batch: int, seed: int,
         raise DiagError("bad-option", "--samples", "must be at least 1", "pass --samples 8")
     unknown = [k for k in shapes if k not in {s.name for s in specs}]
     if unknown:
-        raise DiagError("bad-option", f"--shape {unknown[0]}", "names no model input",
-                        f"model inputs: {', '.join(s.name for s in specs)}")
+        raise DiagError(
+            "bad-option",
+            f"--shape {unknown[0]}",
+            "names no model input",
+            f"model inputs: {', '.join(s.name for s in specs)}",
+        )
     step = batch if _batchable(specs) else 1
     concrete: dict[str, list[int]] = {}
     for s in specs:
         if s.name in shapes:
             dims = list(shapes[s.name])
             if len(dims) != len(s.dims):
-                raise DiagError("bad-option", f"--shape {s.name}", f"has rank {len(dims)}, model wants "
-                                f"{s.describe()}", "give one number per axis")
+                raise DiagError(
+                    "bad-option",
+                    f"--shape {s.name}",
+                    f"has rank {len(dims)}, model wants {s.describe()}",
+                    "give one number per axis",
+                )
         else:
             dims = []
             for axis, d in enumerate(s.dims):
@@ -275,15 +335,22 @@ def random_feeds(specs: list[InputSpec], samples: int, batch: int, seed: int,
                 elif axis == 0:
                     dims.append(-1)  # the batch axis
                 else:
-                    raise DiagError("bad-inputs", f"input '{s.name}'", f"has symbolic dim {d!r} "
-                                    f"(shape {s.describe()})", f"pass --shape {s.name}=" +
-                                    ",".join("1" if i == 0 else "N" for i in range(len(s.dims))))
+                    raise DiagError(
+                        "bad-inputs",
+                        f"input '{s.name}'",
+                        f"has symbolic dim {d!r} (shape {s.describe()})",
+                        f"pass --shape {s.name}=" + ",".join("1" if i == 0 else "N" for i in range(len(s.dims))),
+                    )
         concrete[s.name] = dims
     for s in specs:
         elems = math.prod(max(d, step) if d == -1 else d for d in concrete[s.name])
         if elems * s.dtype.itemsize > MAX_BATCH_BYTES:
-            raise DiagError("too-large", f"input '{s.name}'", f"one batch would need "
-                            f"{elems * s.dtype.itemsize / 2**30:.1f} GiB", "use smaller --shape or --batch")
+            raise DiagError(
+                "too-large",
+                f"input '{s.name}'",
+                f"one batch would need {elems * s.dtype.itemsize / 2**30:.1f} GiB",
+                "use smaller --shape or --batch",
+            )
     lo, hi = int_range
 
     def gen() -> Iterator[Batch]:
@@ -300,8 +367,12 @@ def random_feeds(specs: list[InputSpec], samples: int, batch: int, seed: int,
                 elif s.dtype.kind == "b":
                     feed[s.name] = rng.integers(0, 2, size=dims).astype(bool)
                 else:
-                    raise DiagError("bad-inputs", f"input '{s.name}'", f"has dtype {s.dtype}, which "
-                                    "random inputs cannot produce", "pass --inputs with real data")
+                    raise DiagError(
+                        "bad-inputs",
+                        f"input '{s.name}'",
+                        f"has dtype {s.dtype}, which random inputs cannot produce",
+                        "pass --inputs with real data",
+                    )
             yield Batch(b, feed, size)
 
     return FeedSource(f"random (seed {seed}, {samples} samples)", _Restartable(gen), samples, specs)
@@ -315,28 +386,39 @@ def feeds_from_reader(spec: str, specs: list[InputSpec], samples: int | None) ->
     mod_name, _, attr = spec.partition(":")
     obj = f"--reader {spec!r}"
     if not mod_name or not attr:
-        raise DiagError("bad-reader", obj, "is not 'package.module:factory'",
-                        "e.g. --reader mydata.calib:make_reader")
+        raise DiagError("bad-reader", obj, "is not 'package.module:factory'", "e.g. --reader mydata.calib:make_reader")
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except Exception as e:
-        raise DiagError("bad-reader", obj, f"cannot be imported ({type(e).__name__}: {e})",
-                        "make the module importable (PYTHONPATH) and check the name") from e
+        raise DiagError(
+            "bad-reader",
+            obj,
+            f"cannot be imported ({type(e).__name__}: {e})",
+            "make the module importable (PYTHONPATH) and check the name",
+        ) from e
 
     def gen() -> Iterator[Batch]:
         try:
             made = factory()
         except Exception as e:
-            raise DiagError("bad-reader", obj, f"raised {type(e).__name__}: {e}",
-                            "fix the factory; it must return an iterable of feed dicts") from e
+            raise DiagError(
+                "bad-reader",
+                obj,
+                f"raised {type(e).__name__}: {e}",
+                "fix the factory; it must return an iterable of feed dicts",
+            ) from e
         if hasattr(made, "get_next"):
             items: Iterator[object] = iter(made.get_next, None)
         else:
             try:
                 items = iter(made)
             except TypeError as e:
-                raise DiagError("bad-reader", obj, f"returned a {type(made).__name__}, not an iterable",
-                                "return a list/generator of dicts or a CalibrationDataReader") from e
+                raise DiagError(
+                    "bad-reader",
+                    obj,
+                    f"returned a {type(made).__name__}, not an iterable",
+                    "return a list/generator of dicts or a CalibrationDataReader",
+                ) from e
         count = 0
         while samples is None or count < samples:
             try:
@@ -344,11 +426,13 @@ def feeds_from_reader(spec: str, specs: list[InputSpec], samples: int | None) ->
             except StopIteration:
                 break
             except Exception as e:
-                raise DiagError("bad-reader", obj, f"raised {type(e).__name__} while iterating: {e}",
-                                "fix the reader") from e
+                raise DiagError(
+                    "bad-reader", obj, f"raised {type(e).__name__} while iterating: {e}", "fix the reader"
+                ) from e
             if not isinstance(item, dict):
-                raise DiagError("bad-reader", obj, f"yielded a {type(item).__name__}, not a dict",
-                                "yield {input_name: numpy array}")
+                raise DiagError(
+                    "bad-reader", obj, f"yielded a {type(item).__name__}, not a dict", "yield {input_name: numpy array}"
+                )
             validate_feed(item, specs, f"reader item {count}")
             yield Batch(count, item, _batch_size(item, specs))
             count += 1
@@ -368,16 +452,27 @@ class _Restartable:
         return self._gen()  # type: ignore[operator, no-any-return]
 
 
-def feed_source(model: onnx.ModelProto, inputs: str | None = None, random: bool = False,
-                reader: str | None = None, samples: int | None = None, batch: int = 1, seed: int = 0,
-                shapes: dict[str, tuple[int, ...]] | None = None,
-                int_range: tuple[int, int] = DEFAULT_INT_RANGE) -> FeedSource:
+def feed_source(
+    model: onnx.ModelProto,
+    inputs: str | None = None,
+    random: bool = False,
+    reader: str | None = None,
+    samples: int | None = None,
+    batch: int = 1,
+    seed: int = 0,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+    int_range: tuple[int, int] = DEFAULT_INT_RANGE,
+) -> FeedSource:
     """Pick the source from the CLI-style arguments (exactly one of inputs/random/reader)."""
     specs = input_specs(model)
     chosen = [x for x in (inputs, reader) if x] + (["random"] if random else [])
     if len(chosen) != 1:
-        raise DiagError("bad-option", "inputs", "need exactly one of --inputs, --random, --reader",
-                        "e.g. --inputs data.npz, or --random --samples 8")
+        raise DiagError(
+            "bad-option",
+            "inputs",
+            "need exactly one of --inputs, --random, --reader",
+            "e.g. --inputs data.npz, or --random --samples 8",
+        )
     if batch < 1:
         raise DiagError("bad-option", "--batch", "must be at least 1", "pass --batch 1")
     if samples is not None and samples < 1:
@@ -390,10 +485,13 @@ def feed_source(model: onnx.ModelProto, inputs: str | None = None, random: bool 
             return feeds_from_folder(p, specs, samples)
         if p.suffix == ".npy":
             if len(specs) != 1:
-                raise DiagError("bad-inputs", f"inputs '{p}'", f"is one array but the model has "
-                                f"{len(specs)} inputs", "use a .npz with one array per input")
-            return feeds_from_arrays({specs[0].name: _load_npy(p)}, specs, samples, batch,
-                                     f"inputs '{p}'")
+                raise DiagError(
+                    "bad-inputs",
+                    f"inputs '{p}'",
+                    f"is one array but the model has {len(specs)} inputs",
+                    "use a .npz with one array per input",
+                )
+            return feeds_from_arrays({specs[0].name: _load_npy(p)}, specs, samples, batch, f"inputs '{p}'")
         return feeds_from_npz(p, specs, samples, batch)
     if reader:
         return feeds_from_reader(reader, specs, samples)
@@ -414,5 +512,14 @@ class FeedSpec:
     int_range: tuple[int, int] = DEFAULT_INT_RANGE
 
     def source(self, model: onnx.ModelProto) -> FeedSource:
-        return feed_source(model, self.inputs, self.random, self.reader, self.samples, self.batch,
-                           self.seed, self.shapes, self.int_range)
+        return feed_source(
+            model,
+            self.inputs,
+            self.random,
+            self.reader,
+            self.samples,
+            self.batch,
+            self.seed,
+            self.shapes,
+            self.int_range,
+        )

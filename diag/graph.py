@@ -26,8 +26,7 @@ def fp_graph(model: onnx.ModelProto) -> nx.DiGraph:
     producer: dict[str, str] = {}
     for i, node in enumerate(model.graph.node):
         nid = node_id(node, i)
-        g.add_node(nid, op_type=node.op_type, index=i, inputs=list(node.input),
-                   outputs=list(node.output))
+        g.add_node(nid, op_type=node.op_type, index=i, inputs=list(node.input), outputs=list(node.output))
         for o in node.output:
             if o:
                 producer[o] = nid

@@ -17,14 +17,27 @@ from diag.errors import DiagError
 
 #: op types that only exist in quantized graphs, by the format that produces them.
 DYNAMIC_OPS = frozenset(
-    {"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul",
-     "DynamicQuantizeLSTM"}
+    {"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"}
 )
 QOPERATOR_OPS = frozenset(
-    {"QLinearConv", "QLinearMatMul", "QLinearAdd", "QLinearMul", "QLinearSoftmax", "QGemm",
-     "QLinearGlobalAveragePool", "QLinearAveragePool", "QLinearConcat", "QLinearLeakyRelu",
-     "QLinearSigmoid", "QLinearReduceMean", "QLinearWhere", "QAttention", "QEmbedLayerNormalization",
-     "QLinearConvTranspose"}
+    {
+        "QLinearConv",
+        "QLinearMatMul",
+        "QLinearAdd",
+        "QLinearMul",
+        "QLinearSoftmax",
+        "QGemm",
+        "QLinearGlobalAveragePool",
+        "QLinearAveragePool",
+        "QLinearConcat",
+        "QLinearLeakyRelu",
+        "QLinearSigmoid",
+        "QLinearReduceMean",
+        "QLinearWhere",
+        "QAttention",
+        "QEmbedLayerNormalization",
+        "QLinearConvTranspose",
+    }
 )
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
@@ -102,19 +115,25 @@ def model_from_path(path: str | os.PathLike[str], role: str = "model") -> Loaded
     obj = f"{role} '{p}'"
     if p.stat().st_size > MAX_PROTO_BYTES:
         raise DiagError(
-            "not-onnx", obj, "is larger than 2 GB, which a single ONNX protobuf cannot be",
+            "not-onnx",
+            obj,
+            "is larger than 2 GB, which a single ONNX protobuf cannot be",
             "save weights as external data (onnx.save(..., save_as_external_data=True))",
         )
     try:
         proto = onnx.load(str(p), load_external_data=False)
     except Exception as e:  # protobuf raises DecodeError, RuntimeWarning, ValueError...
         raise DiagError(
-            "not-onnx", obj, f"is not a readable ONNX model ({type(e).__name__})",
+            "not-onnx",
+            obj,
+            f"is not a readable ONNX model ({type(e).__name__})",
             "check that the file is a complete .onnx export (not truncated, not a checkpoint)",
         ) from e
     if not proto.HasField("graph") or (len(proto.graph.node) == 0 and len(proto.graph.output) == 0):
         raise DiagError(
-            "not-onnx", obj, "parses but contains no graph",
+            "not-onnx",
+            obj,
+            "parses but contains no graph",
             "check that the file is an .onnx model, not another protobuf",
         )
     has_external = _check_external_data(proto, p, obj)
@@ -123,7 +142,9 @@ def model_from_path(path: str | os.PathLike[str], role: str = "model") -> Loaded
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DiagError(
-            "invalid-model", obj, f"fails onnx.checker: {first[:300]}",
+            "invalid-model",
+            obj,
+            f"fails onnx.checker: {first[:300]}",
             "re-export the model or fix the reported node",
         ) from e
     return LoadedModel(p, proto, detect_format(proto), has_external)
@@ -155,13 +176,15 @@ def _check_external_data(proto: onnx.ModelProto, path: Path, obj: str) -> bool:
         target = (folder / location).resolve()
         if Path(location).is_absolute() or not target.is_relative_to(folder):
             raise DiagError(
-                "unsafe-external-data", obj,
+                "unsafe-external-data",
+                obj,
                 f"initializer '{tensor.name}' points outside the model's folder ({location!r})",
                 "external data must sit next to the model; refusing to read other files",
             )
         if not target.is_file():
             raise DiagError(
-                "missing-external-data", obj,
+                "missing-external-data",
+                obj,
                 f"initializer '{tensor.name}' needs external data file {location!r}, which is missing",
                 "copy the .data file next to the model",
             )
@@ -283,8 +306,10 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
     if m.format.kind in ("qdq", "mixed") and default_opset < 13:
         axis_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and any(a.name == "axis" for a in n.attribute)]
         if axis_dq:
-            problems.append(f"per-channel DequantizeLinear with 'axis' on opset {default_opset} (< 13): "
-                            "onnxruntime refuses it; convert the FP32 model to opset >= 13 first")
+            problems.append(
+                f"per-channel DequantizeLinear with 'axis' on opset {default_opset} (< 13): "
+                "onnxruntime refuses it; convert the FP32 model to opset >= 13 first"
+            )
     custom = sorted({o for o in opsets if o not in ("ai.onnx", "com.microsoft", "ai.onnx.ml")})
     if custom:
         problems.append(f"custom op domains {custom}: onnxruntime needs their library to run the model")
@@ -293,19 +318,31 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
         problems.append(f"{unnamed} node(s) without a name: nodes_to_exclude cannot refer to them")
     consts = sum(1 for n in proto.graph.node if n.op_type == "Constant")
     if m.format.kind == "fp32" and consts:
-        problems.append(f"{consts} Constant node(s): quantize_dynamic may fail with 'Expected ... to be an "
-                        "initializer'; run onnxruntime's quant_pre_process first")
+        problems.append(
+            f"{consts} Constant node(s): quantize_dynamic may fail with 'Expected ... to be an "
+            "initializer'; run onnxruntime's quant_pre_process first"
+        )
     if m.format.kind == "fp32" and default_opset < 13:
-        problems.append(f"opset {default_opset} < 13: per-channel QDQ quantization will produce a model "
-                        "onnxruntime cannot load; upgrade with onnx.version_converter first")
+        problems.append(
+            f"opset {default_opset} < 13: per-channel QDQ quantization will produce a model "
+            "onnxruntime cannot load; upgrade with onnx.version_converter first"
+        )
     sub_nodes = [f"{n.name or n.op_type} ({n.op_type})" for n in proto.graph.node if subgraphs(n)]
     quantized = sum(c for op, c in ops.items() if op in _QUANT_OP_TYPES)
     return ModelSummary(
-        path=str(m.path), format=m.format, ir_version=int(proto.ir_version), opsets=opsets,
+        path=str(m.path),
+        format=m.format,
+        ir_version=int(proto.ir_version),
+        opsets=opsets,
         producer=f"{proto.producer_name} {proto.producer_version}".strip(),
         inputs=[i.name for i in proto.graph.input if i.name not in {t.name for t in proto.graph.initializer}],
-        outputs=[o.name for o in proto.graph.output], node_count=len(nodes),
+        outputs=[o.name for o in proto.graph.output],
+        node_count=len(nodes),
         op_counts=dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),
-        quantized_nodes=quantized, float_nodes=len(nodes) - quantized, subgraph_nodes=sub_nodes,
-        unnamed_nodes=unnamed, external_data=m.has_external_data, problems=problems,
+        quantized_nodes=quantized,
+        float_nodes=len(nodes) - quantized,
+        subgraph_nodes=sub_nodes,
+        unnamed_nodes=unnamed,
+        external_data=m.has_external_data,
+        problems=problems,
     )

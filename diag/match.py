@@ -30,24 +30,44 @@ from diag.load import DYNAMIC_OPS, QDQ_OPS, QOPERATOR_OPS, outer_scope_inputs, s
 QUANT_OPS = DYNAMIC_OPS | QDQ_OPS | QOPERATOR_OPS | {"QGemm"}
 
 FLOAT_TYPES = {
-    onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.DOUBLE,
     onnx.TensorProto.BFLOAT16,
 }
 
 #: Where QOperator ops keep the scale / zero point of their *output* (input indices).
 _OUTPUT_QPARAMS = {
-    "QuantizeLinear": (1, 2), "QLinearConv": (6, 7), "QLinearMatMul": (6, 7),
-    "QLinearAdd": (6, 7), "QLinearMul": (6, 7), "QGemm": (7, 8),
-    "QLinearGlobalAveragePool": (3, 4), "QLinearAveragePool": (3, 4), "QLinearSoftmax": (3, 4),
-    "QLinearSigmoid": (3, 4), "QLinearLeakyRelu": (3, 4), "QLinearReduceMean": (3, 4),
-    "QLinearConcat": (0, 1), "QLinearConvTranspose": (6, 7),
+    "QuantizeLinear": (1, 2),
+    "QLinearConv": (6, 7),
+    "QLinearMatMul": (6, 7),
+    "QLinearAdd": (6, 7),
+    "QLinearMul": (6, 7),
+    "QGemm": (7, 8),
+    "QLinearGlobalAveragePool": (3, 4),
+    "QLinearAveragePool": (3, 4),
+    "QLinearSoftmax": (3, 4),
+    "QLinearSigmoid": (3, 4),
+    "QLinearLeakyRelu": (3, 4),
+    "QLinearReduceMean": (3, 4),
+    "QLinearConcat": (0, 1),
+    "QLinearConvTranspose": (6, 7),
 }
 #: Ops that read a quantized input at index i with its scale at i+1 and zero point at i+2.
 _INPUT_QPARAM_INDICES = {
-    "DequantizeLinear": (0,), "QLinearConv": (0, 3), "QLinearMatMul": (0, 3), "QLinearAdd": (0, 3),
-    "QLinearMul": (0, 3), "QGemm": (0, 3), "QLinearGlobalAveragePool": (0,),
-    "QLinearAveragePool": (0,), "QLinearSoftmax": (0,), "QLinearSigmoid": (0,),
-    "QLinearLeakyRelu": (0,), "QLinearReduceMean": (0,), "QLinearConvTranspose": (0, 3),
+    "DequantizeLinear": (0,),
+    "QLinearConv": (0, 3),
+    "QLinearMatMul": (0, 3),
+    "QLinearAdd": (0, 3),
+    "QLinearMul": (0, 3),
+    "QGemm": (0, 3),
+    "QLinearGlobalAveragePool": (0,),
+    "QLinearAveragePool": (0,),
+    "QLinearSoftmax": (0,),
+    "QLinearSigmoid": (0,),
+    "QLinearLeakyRelu": (0,),
+    "QLinearReduceMean": (0,),
+    "QLinearConvTranspose": (0, 3),
 }
 
 
@@ -251,8 +271,9 @@ def _quantized_tensor_params(idx: _GraphIndex, name: str) -> QuantParams | None:
         if node.op_type == "QLinearConcat":
             positions = [i for i in range(2, len(node.input), 3) if node.input[i] == name]
         else:
-            positions = [i for i in _INPUT_QPARAM_INDICES.get(node.op_type, ()) if
-                         i < len(node.input) and node.input[i] == name]
+            positions = [
+                i for i in _INPUT_QPARAM_INDICES.get(node.op_type, ()) if i < len(node.input) and node.input[i] == name
+            ]
         for i in positions:
             p = _node_params(idx, node, i + 1, i + 2)
             if p is not None:
@@ -297,33 +318,54 @@ def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair 
                 qnode = q.nodes[src_prod]
                 raw = qnode.input[0]
                 grid = _node_params(q, qnode, 1, 2)
-                return TensorPair(fp_name, fp_name, "qdq", raw, tail=[qnode, pnode], grid=grid,
-                                  producer=producer)
+                return TensorPair(fp_name, fp_name, "qdq", raw, tail=[qnode, pnode], grid=grid, producer=producer)
             if src in q.producer:  # QOperator: an integer op's output dequantized to a float name
                 grid = _node_params(q, pnode, 1, 2)
-                return TensorPair(fp_name, fp_name, "qoperator", src, cut_quant=grid,
-                                  cut_dtype=q.dtypes.get(src, onnx.TensorProto.UINT8),
-                                  tail=[pnode], grid=grid, producer=producer)
+                return TensorPair(
+                    fp_name,
+                    fp_name,
+                    "qoperator",
+                    src,
+                    cut_quant=grid,
+                    cut_dtype=q.dtypes.get(src, onnx.TensorProto.UINT8),
+                    tail=[pnode],
+                    grid=grid,
+                    producer=producer,
+                )
         chain = _qdq_chain_after(q, fp_name)
         if chain is not None:
             qnode, dq = chain
             grid = _node_params(q, qnode, 1, 2)
-            return TensorPair(fp_name, dq.output[0], "qdq", fp_name, tail=[qnode, dq],
-                              grid=grid, producer=producer)
+            return TensorPair(fp_name, dq.output[0], "qdq", fp_name, tail=[qnode, dq], grid=grid, producer=producer)
         grid = None
         for c in q.consumers.get(fp_name, []):
             if q.nodes[c].op_type == "QuantizeLinear" and q.nodes[c].input[0] == fp_name:
                 grid = _node_params(q, q.nodes[c], 1, 2)
-        return TensorPair(fp_name, fp_name, "same-name", fp_name, grid=grid,
-                          dynamic_scale=_dynamic_scale_of(q, fp_name), producer=producer)
+        return TensorPair(
+            fp_name,
+            fp_name,
+            "same-name",
+            fp_name,
+            grid=grid,
+            dynamic_scale=_dynamic_scale_of(q, fp_name),
+            producer=producer,
+        )
     qname = f"{fp_name}_quantized"
     if qname in q.producer:
         params = _quantized_tensor_params(q, qname)
         if params is None:
             return None
-        return TensorPair(fp_name, qname, "qoperator", qname, cut_quant=params,
-                          cut_dtype=q.dtypes.get(qname, onnx.TensorProto.UINT8), dequant=params,
-                          grid=params, producer=producer)
+        return TensorPair(
+            fp_name,
+            qname,
+            "qoperator",
+            qname,
+            cut_quant=params,
+            cut_dtype=q.dtypes.get(qname, onnx.TensorProto.UINT8),
+            dequant=params,
+            grid=params,
+            producer=producer,
+        )
     return None
 
 
@@ -373,8 +415,9 @@ def match_models(fp: onnx.ModelProto, int8: onnx.ModelProto) -> Matching:
 _FUSABLE_ACTIVATIONS = ("Relu", "Clip")
 
 
-def _move_fused_activations(f: _GraphIndex, q: _GraphIndex, pairs: dict[str, TensorPair],
-                            unmatched: dict[str, str]) -> None:
+def _move_fused_activations(
+    f: _GraphIndex, q: _GraphIndex, pairs: dict[str, TensorPair], unmatched: dict[str, str]
+) -> None:
     """QOperator fuses Relu/Clip into the producer's output range: ``t_quantized`` then holds
     the activation's output ``u``, not ``t``. Re-pair it with ``u`` instead of reporting a
     bogus huge error on ``t``."""
@@ -395,8 +438,10 @@ def _move_fused_activations(f: _GraphIndex, q: _GraphIndex, pairs: dict[str, Ten
         pair.producer = f.ids[i]
         pairs[u] = pair
         unmatched.pop(u, None)
-        unmatched[t] = (f"fused away by the quantizer: {node.op_type} '{f.ids[i]}' was folded into "
-                        f"the output range of INT8 node '{q.ids[prod]}'; compared at '{u}'")
+        unmatched[t] = (
+            f"fused away by the quantizer: {node.op_type} '{f.ids[i]}' was folded into "
+            f"the output range of INT8 node '{q.ids[prod]}'; compared at '{u}'"
+        )
 
 
 def _unmatched_reason(name: str, f: _GraphIndex, q: _GraphIndex) -> str:
@@ -407,10 +452,14 @@ def _unmatched_reason(name: str, f: _GraphIndex, q: _GraphIndex) -> str:
         p = f.nodes[prod]
         if c.op_type in ("Relu", "Clip", "BatchNormalization") and c.output and q.exists(c.output[0]):
             how = "folded" if c.op_type == "BatchNormalization" else "fused"
-            return (f"{how} away by the quantizer: {p.op_type} '{f.ids[prod]}' + {c.op_type} "
-                    f"'{f.ids[consumers[0]]}' became one INT8 node; compared at '{c.output[0]}'")
-    return (f"no INT8 tensor named '{name}', '{name}_quantized' or "
-            f"'{name}_DequantizeLinear_Output'; the quantizer removed or renamed it")
+            return (
+                f"{how} away by the quantizer: {p.op_type} '{f.ids[prod]}' + {c.op_type} "
+                f"'{f.ids[consumers[0]]}' became one INT8 node; compared at '{c.output[0]}'"
+            )
+    return (
+        f"no INT8 tensor named '{name}', '{name}_quantized' or "
+        f"'{name}_DequantizeLinear_Output'; the quantizer removed or renamed it"
+    )
 
 
 def _node_groups(
@@ -457,8 +506,9 @@ def _node_groups(
         found.sort()
         covered.update(found)
         quantized = any(q.nodes[j].op_type in QUANT_OPS for j in found)
-        groups[nid] = NodeGroup(nid, [nid], [node.op_type], [q.ids[j] for j in found], outs,
-                                quantized, unnamed=not node.name)
+        groups[nid] = NodeGroup(
+            nid, [nid], [node.op_type], [q.ids[j] for j in found], outs, quantized, unnamed=not node.name
+        )
 
     # FP32 nodes with no matched output: fused into the consumer that has one, else unmatched.
     for i, node in enumerate(f.nodes):

@@ -63,8 +63,19 @@ class ErrorAccumulator:
         0.5
     """
 
-    __slots__ = ("n", "s_xx", "s_yy", "s_xy", "s_ee", "s_abs_e", "max_abs", "n_scaled",
-                 "s_ee_scaled", "nonfinite_x", "nonfinite_y")
+    __slots__ = (
+        "n",
+        "s_xx",
+        "s_yy",
+        "s_xy",
+        "s_ee",
+        "s_abs_e",
+        "max_abs",
+        "n_scaled",
+        "s_ee_scaled",
+        "nonfinite_x",
+        "nonfinite_y",
+    )
 
     def __init__(self) -> None:
         self.n = 0
@@ -114,8 +125,18 @@ class ErrorAccumulator:
 
     def merge(self, other: ErrorAccumulator) -> ErrorAccumulator:
         """Combine with another shard in place; returns self."""
-        for name in ("n", "s_xx", "s_yy", "s_xy", "s_ee", "s_abs_e", "n_scaled", "s_ee_scaled",
-                     "nonfinite_x", "nonfinite_y"):
+        for name in (
+            "n",
+            "s_xx",
+            "s_yy",
+            "s_xy",
+            "s_ee",
+            "s_abs_e",
+            "n_scaled",
+            "s_ee_scaled",
+            "nonfinite_x",
+            "nonfinite_y",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.max_abs = max(self.max_abs, other.max_abs)
         return self

@@ -34,7 +34,7 @@ def _strip_metadata(svg: str) -> str:
     a = svg.find("<metadata>")
     b = svg.find("</metadata>")
     if a != -1 and b != -1:
-        svg = svg[:a] + svg[b + len("</metadata>"):]
+        svg = svg[:a] + svg[b + len("</metadata>") :]
     return svg
 
 
@@ -61,8 +61,14 @@ def error_along_graph(nodes: list[dict[str, Any]], bad_db: float) -> str:
     ax.axhline(bad_db, color="#7f8c8d", ls="--", lw=0.8, label=f"bad below {bad_db:g} dB")
     roots = [i for i, n in enumerate(ordered) if n["role"] == "root-cause"]
     for i in roots[:5]:
-        ax.annotate(ordered[i]["name"][:28], (i, acc[i]), textcoords="offset points", xytext=(4, -12),
-                    fontsize=7, color="#c0392b")
+        ax.annotate(
+            ordered[i]["name"][:28],
+            (i, acc[i]),
+            textcoords="offset points",
+            xytext=(4, -12),
+            fontsize=7,
+            color="#c0392b",
+        )
     ax.set_xlabel("node (topological order)")
     ax.set_ylabel("SQNR dB (capped at 80)")
     ax.legend(fontsize=7, loc="lower left")

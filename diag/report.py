@@ -24,6 +24,7 @@ SUMMARY_MAX_LINES = 60
 
 # ---------------------------------------------------------------- JSON document
 
+
 def _num(x: float | int | None) -> float | int | str | None:
     """JSON has no inf/nan: they are written as the strings "inf", "-inf", "nan"."""
     if x is None or isinstance(x, int):
@@ -46,27 +47,30 @@ def document_from_result(result: Any) -> dict[str, Any]:
     from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB
 
     m = result.matching
-    accounted = len(m.pairs) + sum(1 for r in m.unmatched_tensors.values() if r.startswith("fused") or
-                                   r.startswith("folded"))
+    accounted = len(m.pairs) + sum(
+        1 for r in m.unmatched_tensors.values() if r.startswith("fused") or r.startswith("folded")
+    )
     nodes = []
     for f in sorted(result.findings, key=lambda f: f.rank_accumulated):
         g = f.group
-        nodes.append({
-            "name": g.label,
-            "fp_nodes": g.fp_nodes,
-            "op_type": g.op_type,
-            "index": f.index,
-            "tensor": f.tensor,
-            "quantized": g.quantized,
-            "unnamed": g.unnamed,
-            "role": f.role,
-            "rank_accumulated": f.rank_accumulated,
-            "rank_local": f.rank_local,
-            "amplification_db": _num(f.amplification_db),
-            "accumulated": _stats(f.accumulated),
-            "local": _stats(f.local),
-            "int8_nodes": g.int8_nodes,
-        })
+        nodes.append(
+            {
+                "name": g.label,
+                "fp_nodes": g.fp_nodes,
+                "op_type": g.op_type,
+                "index": f.index,
+                "tensor": f.tensor,
+                "quantized": g.quantized,
+                "unnamed": g.unnamed,
+                "role": f.role,
+                "rank_accumulated": f.rank_accumulated,
+                "rank_local": f.rank_local,
+                "amplification_db": _num(f.amplification_db),
+                "accumulated": _stats(f.accumulated),
+                "local": _stats(f.local),
+                "int8_nodes": g.int8_nodes,
+            }
+        )
     roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
     exclude = [name for n in roots for name in n["fp_nodes"] if n["quantized"]]
     unnamed = [n["name"] for n in roots if n["unnamed"]]
@@ -76,8 +80,11 @@ def document_from_result(result: Any) -> dict[str, Any]:
         "environment": result.environment,
         "models": {
             "fp32": {"path": str(result.fp32.path), "format": result.fp32.format.kind},
-            "int8": {"path": str(result.int8.path), "format": result.int8.format.kind,
-                     "evidence": result.int8.format.evidence},
+            "int8": {
+                "path": str(result.int8.path),
+                "format": result.int8.format.kind,
+                "evidence": result.int8.format.evidence,
+            },
         },
         "run": {
             "inputs": result.input_description,
@@ -87,17 +94,23 @@ def document_from_result(result: Any) -> dict[str, Any]:
             "opt_level": result.options.opt_level,
             "local_error": result.options.local,
         },
-        "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB,
-                       "bands": BANDS},
+        "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB, "bands": BANDS},
         "verdict": {
             "grade": result.grade,
             "single_cause": result.single_cause,
             "cause": result.cause_sentence,
             "outputs": [
-                {"name": v.name, "grade": v.grade, "reasons": v.reasons,
-                 "sqnr_db": _num(v.stats.sqnr_db), "cosine_min": _num(v.per_sample.cosine_min),
-                 "cosine_mean": _num(v.per_sample.cosine_mean), "max_abs": _num(v.per_sample.max_abs),
-                 "top1_agreement": _num(v.per_sample.top1_agreement), "samples": v.per_sample.samples}
+                {
+                    "name": v.name,
+                    "grade": v.grade,
+                    "reasons": v.reasons,
+                    "sqnr_db": _num(v.stats.sqnr_db),
+                    "cosine_min": _num(v.per_sample.cosine_min),
+                    "cosine_mean": _num(v.per_sample.cosine_mean),
+                    "max_abs": _num(v.per_sample.max_abs),
+                    "top1_agreement": _num(v.per_sample.top1_agreement),
+                    "samples": v.per_sample.samples,
+                }
                 for v in result.verdicts
             ],
         },
@@ -118,10 +131,14 @@ def document_from_result(result: Any) -> dict[str, Any]:
         },
         "nodes": nodes,
         "tensors": {
-            name: {"how": m.pairs[name].how, "int8_name": m.pairs[name].int8_name,
-                   "accumulated": _stats(result.accumulated.get(name)),
-                   "local": _stats(result.local.get(name))}
-            for name in m.fp_float_tensors if name in result.accumulated
+            name: {
+                "how": m.pairs[name].how,
+                "int8_name": m.pairs[name].int8_name,
+                "accumulated": _stats(result.accumulated.get(name)),
+                "local": _stats(result.local.get(name)),
+            }
+            for name in m.fp_float_tensors
+            if name in result.accumulated
         },
     }
 
@@ -134,18 +151,31 @@ def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError as e:
         raise DiagError("missing-file", f"report '{p}'", "does not exist", "check the path") from e
     except (OSError, ValueError) as e:
-        raise DiagError("bad-report", f"report '{p}'", f"is not readable JSON ({type(e).__name__})",
-                        "pass the diag.json written by diag compare") from e
+        raise DiagError(
+            "bad-report",
+            f"report '{p}'",
+            f"is not readable JSON ({type(e).__name__})",
+            "pass the diag.json written by diag compare",
+        ) from e
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise DiagError("bad-report", f"report '{p}'", "is not a diag compare document",
-                        "pass the diag.json written by diag compare")
+        raise DiagError(
+            "bad-report",
+            f"report '{p}'",
+            "is not a diag compare document",
+            "pass the diag.json written by diag compare",
+        )
     if doc.get("schema_version") != SCHEMA_VERSION:
-        raise DiagError("bad-report", f"report '{p}'", f"has schema version {doc.get('schema_version')}, "
-                        f"this diag reads {SCHEMA_VERSION}", "re-run diag compare with this version")
+        raise DiagError(
+            "bad-report",
+            f"report '{p}'",
+            f"has schema version {doc.get('schema_version')}, this diag reads {SCHEMA_VERSION}",
+            "re-run diag compare with this version",
+        )
     return doc
 
 
 # ---------------------------------------------------------------- formatting
+
 
 def fmt_db(v: Any) -> str:
     if v in ("inf", None):
@@ -249,24 +279,39 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     for n in nodes:
         a = n["accumulated"]
         loc = n["local"] or {}
-        rows.append(NodeRow(
-            rank=n["rank_accumulated"], rank_local=n["rank_local"], name=n["name"],
-            op_type=n["op_type"], role=n["role"], quantized="yes" if n["quantized"] else "no",
-            acc_sqnr=fmt_db(a["sqnr_db"]), acc_sqnr_key=_sortable(a["sqnr_db"]),
-            loc_sqnr=fmt_db(loc.get("sqnr_db")), loc_sqnr_key=_sortable(loc.get("sqnr_db")),
-            amplification=fmt_db(n["amplification_db"]), amplification_key=_sortable(n["amplification_db"]),
-            cosine=fmt_num(a["cosine"], 6), max_abs=fmt_num(a["max_abs"]),
-            rmse_scale=fmt_num(a["rmse_over_scale"]), tensor=n["tensor"],
-        ))
+        rows.append(
+            NodeRow(
+                rank=n["rank_accumulated"],
+                rank_local=n["rank_local"],
+                name=n["name"],
+                op_type=n["op_type"],
+                role=n["role"],
+                quantized="yes" if n["quantized"] else "no",
+                acc_sqnr=fmt_db(a["sqnr_db"]),
+                acc_sqnr_key=_sortable(a["sqnr_db"]),
+                loc_sqnr=fmt_db(loc.get("sqnr_db")),
+                loc_sqnr_key=_sortable(loc.get("sqnr_db")),
+                amplification=fmt_db(n["amplification_db"]),
+                amplification_key=_sortable(n["amplification_db"]),
+                cosine=fmt_num(a["cosine"], 6),
+                max_abs=fmt_num(a["max_abs"]),
+                rmse_scale=fmt_num(a["rmse_over_scale"]),
+                tensor=n["tensor"],
+            )
+        )
     by_local = sorted(nodes, key=lambda n: n["rank_local"])
     roots = [
         f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
         f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB"
-        for n in by_local if n["role"] == "root-cause"
+        for n in by_local
+        if n["role"] == "root-cause"
     ][:5]
-    victims = [f"{n['name']} ({n['op_type']}): accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB, "
-               f"local {fmt_db((n['local'] or {}).get('sqnr_db'))} dB"
-               for n in nodes if n["role"] in ("victim", "amplifier")][:5]
+    victims = [
+        f"{n['name']} ({n['op_type']}): accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB, "
+        f"local {fmt_db((n['local'] or {}).get('sqnr_db'))} dB"
+        for n in nodes
+        if n["role"] in ("victim", "amplifier")
+    ][:5]
     rec = doc["recommendation"]
     fmt = doc["models"]["int8"]["format"]
     verdict = doc["verdict"]
@@ -278,19 +323,40 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     m = doc["matching"]
     return ReportView(
         title=f"diag: {Path(doc['models']['int8']['path']).name} vs {Path(doc['models']['fp32']['path']).name}",
-        grade=verdict["grade"], cause=verdict["cause"], single_cause=verdict["single_cause"],
-        fp32_path=doc["models"]["fp32"]["path"], int8_path=doc["models"]["int8"]["path"],
-        int8_format=fmt, inputs=doc["run"]["inputs"], samples=doc["run"]["samples"],
+        grade=verdict["grade"],
+        cause=verdict["cause"],
+        single_cause=verdict["single_cause"],
+        fp32_path=doc["models"]["fp32"]["path"],
+        int8_path=doc["models"]["int8"]["path"],
+        int8_format=fmt,
+        inputs=doc["run"]["inputs"],
+        samples=doc["run"]["samples"],
         seconds=f"{doc['run']['seconds']:.1f}",
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
-        outputs=[OutputRow(o["name"], o["grade"], "; ".join(o["reasons"]), fmt_db(o["sqnr_db"]),
-                           fmt_num(o["cosine_min"], 6), fmt_num(o["max_abs"]), fmt_pct(o["top1_agreement"]))
-                 for o in verdict["outputs"]],
-        root_causes=roots, victims=victims, nodes_to_exclude=rec["nodes_to_exclude"],
-        unnamed_nodes=rec["unnamed_nodes"], fix_command=fix_snippet(fmt, rec["nodes_to_exclude"]),
-        nodes=rows, unmatched=sorted(m["unmatched_tensors"].items()),
-        skipped_count=len(m["skipped_tensors"]), compared=m["compared"], float_tensors=m["float_tensors"],
-        accounted=m["accounted"], plot_error_along_graph=plot,
+        outputs=[
+            OutputRow(
+                o["name"],
+                o["grade"],
+                "; ".join(o["reasons"]),
+                fmt_db(o["sqnr_db"]),
+                fmt_num(o["cosine_min"], 6),
+                fmt_num(o["max_abs"]),
+                fmt_pct(o["top1_agreement"]),
+            )
+            for o in verdict["outputs"]
+        ],
+        root_causes=roots,
+        victims=victims,
+        nodes_to_exclude=rec["nodes_to_exclude"],
+        unnamed_nodes=rec["unnamed_nodes"],
+        fix_command=fix_snippet(fmt, rec["nodes_to_exclude"]),
+        nodes=rows,
+        unmatched=sorted(m["unmatched_tensors"].items()),
+        skipped_count=len(m["skipped_tensors"]),
+        compared=m["compared"],
+        float_tensors=m["float_tensors"],
+        accounted=m["accounted"],
+        plot_error_along_graph=plot,
         bad_db=f"{doc['thresholds']['bad_sqnr_db']:g}",
     )
 
@@ -301,15 +367,20 @@ def fix_snippet(fmt: str, nodes: list[str]) -> str:
         return ""
     listed = ", ".join(json.dumps(n) for n in nodes)
     if fmt == "dynamic":
-        return ("from onnxruntime.quantization import quantize_dynamic\n"
-                f"quantize_dynamic(\"fp32.onnx\", \"int8.onnx\", nodes_to_exclude=[{listed}])")
+        return (
+            "from onnxruntime.quantization import quantize_dynamic\n"
+            f'quantize_dynamic("fp32.onnx", "int8.onnx", nodes_to_exclude=[{listed}])'
+        )
     qf = "QDQ" if fmt != "qoperator" else "QOperator"
-    return ("from onnxruntime.quantization import QuantFormat, quantize_static\n"
-            f"quantize_static(\"fp32.onnx\", \"int8.onnx\", calibration_reader,\n"
-            f"                quant_format=QuantFormat.{qf}, nodes_to_exclude=[{listed}])")
+    return (
+        "from onnxruntime.quantization import QuantFormat, quantize_static\n"
+        f'quantize_static("fp32.onnx", "int8.onnx", calibration_reader,\n'
+        f"                quant_format=QuantFormat.{qf}, nodes_to_exclude=[{listed}])"
+    )
 
 
 # ---------------------------------------------------------------- rendering
+
 
 def templates_dir() -> Path:
     """Where the jinja2 templates live: in the installed package, or the source checkout."""
@@ -319,8 +390,12 @@ def templates_dir() -> Path:
     for candidate in (here / "reports_templates", here.parent / "reports_templates"):
         if (candidate / "report.html.j2").is_file():
             return candidate
-    raise DiagError("missing-templates", f"templates folder near '{here}'",
-                    "report templates are not installed", "reinstall diag (pip install --force-reinstall diag)")
+    raise DiagError(
+        "missing-templates",
+        f"templates folder near '{here}'",
+        "report templates are not installed",
+        "reinstall diag (pip install --force-reinstall diag)",
+    )
 
 
 def _environment() -> Any:
@@ -376,8 +451,9 @@ def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DiagError("bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})",
-                        "choose a writable folder") from e
+        raise DiagError(
+            "bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})", "choose a writable folder"
+        ) from e
     view = view_from_document(doc)
     contents = {
         "diag.json": json.dumps(doc, indent=1, sort_keys=False, ensure_ascii=False) + "\n",
@@ -402,8 +478,12 @@ def atomic_write(path: Path, text: str) -> Path:
         os.replace(tmp_name, path)
         tmp_name = None
     except OSError as e:
-        raise DiagError("bad-out", f"output '{path}'", f"cannot be written ({e.strerror or e})",
-                        "check free space and permissions of the output folder") from e
+        raise DiagError(
+            "bad-out",
+            f"output '{path}'",
+            f"cannot be written ({e.strerror or e})",
+            "check free space and permissions of the output folder",
+        ) from e
     finally:
         if tmp_name is not None and os.path.exists(tmp_name):
             os.unlink(tmp_name)

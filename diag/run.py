@@ -17,8 +17,13 @@ from diag.errors import DiagError
 OPT_LEVELS = ("disabled", "basic", "extended", "all")
 
 
-def session_from_model(model: onnx.ModelProto, role: str, opt_level: str = "disabled",
-                       threads: int | None = None, external_data_dir: Path | None = None) -> Any:
+def session_from_model(
+    model: onnx.ModelProto,
+    role: str,
+    opt_level: str = "disabled",
+    threads: int | None = None,
+    external_data_dir: Path | None = None,
+) -> Any:
     """An ``InferenceSession`` on the CPU for ``model``.
 
     ``opt_level="disabled"`` (exact mode) keeps every tensor onnxruntime would otherwise fuse
@@ -40,13 +45,14 @@ def session_from_model(model: onnx.ModelProto, role: str, opt_level: str = "disa
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
     if external_data_dir is not None:
-        so.add_session_config_entry(
-            "session.model_external_initializers_file_folder_path", str(external_data_dir))
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
     try:
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     except Exception as e:
         raise DiagError(
-            "invalid-model", role, f"fails to load in onnxruntime: {_first_line(e)}",
+            "invalid-model",
+            role,
+            f"fails to load in onnxruntime: {_first_line(e)}",
             "check the model runs with onnxruntime.InferenceSession; custom ops need their library",
         ) from e
 
@@ -59,9 +65,13 @@ def run_batch(session: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str
     except Exception as e:
         node = re.search(r"[Nn]ode(?: \(|:\s*)?'?([^'\s)]+)", str(e))
         where = f" at node '{node.group(1)}'" if node else ""
-        raise DiagError("runtime-failure", role, f"onnxruntime failed{where}: {_first_line(e)}",
-                        "check the inputs' shapes and values; run with --debug for the full error") from e
-    return dict(zip(names, values))
+        raise DiagError(
+            "runtime-failure",
+            role,
+            f"onnxruntime failed{where}: {_first_line(e)}",
+            "check the inputs' shapes and values; run with --debug for the full error",
+        ) from e
+    return dict(zip(names, values, strict=True))
 
 
 def _first_line(e: BaseException) -> str:

@@ -13,8 +13,12 @@ FORMATS = ("dynamic", "qdq", "qoperator")
 
 def _compare(built, name: str, fmt: str, samples: int = 32):
     b = built(name)
-    return compare_models(b.fp32, b.int8[fmt], FeedSpec(inputs=str(b.inputs_path), samples=samples, batch=8),
-                          CompareOptions(progress=False))
+    return compare_models(
+        b.fp32,
+        b.int8[fmt],
+        FeedSpec(inputs=str(b.inputs_path), samples=samples, batch=8),
+        CompareOptions(progress=False),
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -110,8 +110,12 @@ def test_peak_memory_does_not_grow_with_samples(tmp_path):
     """4 vs 32 samples of a 192x192 conv net (~10 MB of exposed tensors per sample)."""
 
     def peak(samples: int) -> int:
-        out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(tmp_path), str(samples)],
-                             check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY_SCRIPT, str(tmp_path), str(samples)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         return int(json.loads(out.stdout.strip().splitlines()[-1])["maxrss_kb"])
 
     peak(1)  # build and quantize once, outside the measured runs

@@ -1,0 +1,331 @@
+"""The CLI: one-line errors with slugs and exit codes, flag-to-call mapping, instant --help."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from diag import cli
+from diag.errors import SLUGS, USER_ERROR
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture()
+def conv(built):
+    return built("convnet")
+
+
+@pytest.fixture()
+def bad_files(tmp_path, conv):
+    """Bad inputs of every kind, written once per test."""
+    files = {}
+    files["empty"] = tmp_path / "empty.onnx"
+    files["empty"].write_bytes(b"")
+    files["text"] = tmp_path / "notes.onnx"
+    files["text"].write_text("this is not a model\n" * 20)
+    data = conv.fp32.read_bytes()
+    files["truncated"] = tmp_path / "truncated.onnx"
+    files["truncated"].write_bytes(data[: len(data) // 2])
+    files["dir"] = tmp_path / "a_folder.onnx"
+    files["dir"].mkdir()
+    x = conv.inputs["image"]
+    np.savez(tmp_path / "wrong_name.npz", pixels=x[:2])
+    np.savez(tmp_path / "wrong_dtype.npz", image=x[:2].astype(np.float64))
+    np.savez(tmp_path / "wrong_shape.npz", image=x[:2, :, :16, :16])
+    np.savez(tmp_path / "wrong_rank.npz", image=x[:2, 0])
+    np.savez(tmp_path / "extra.npz", image=x[:2], mask=x[:2])
+    nan = x[:2].copy()
+    nan[0, 0, 0, 0] = np.nan
+    np.savez(tmp_path / "nan.npz", image=nan)
+    np.savez(tmp_path / "zero.npz", image=x[:0])
+    np.save(tmp_path / "pickled.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    return files
+
+
+def _cases(tmp: Path, conv, transformer) -> list[tuple[str, list[object], str, str]]:
+    fp, q = conv.fp32, conv.int8["qdq"]
+    good = conv.inputs_path
+    return [
+        ("missing model", ["inspect", tmp / "nope.onnx"], "missing-file", "does not exist"),
+        ("directory", ["inspect", tmp / "a_folder.onnx"], "not-a-file", "is a directory"),
+        ("empty file", ["inspect", tmp / "empty.onnx"], "empty-file", "is empty"),
+        ("text file", ["inspect", tmp / "notes.onnx"], "not-onnx", "not a readable ONNX model"),
+        ("truncated", ["inspect", tmp / "truncated.onnx"], "not-onnx", "ONNX"),
+        ("swapped", ["compare", q, fp, "--inputs", good, "--out", tmp / "o"], "swapped-models", "did you swap"),
+        ("both fp32", ["compare", fp, fp, "--inputs", good, "--out", tmp / "o"], "not-quantized", "no quantized"),
+        (
+            "both int8",
+            ["compare", conv.int8["dynamic"], q, "--inputs", good, "--out", tmp / "o"],
+            "fp32-is-quantized",
+            "already contains",
+        ),
+        (
+            "different model",
+            ["compare", fp, transformer.int8["dynamic"], "--inputs", good, "--out", tmp / "o"],
+            "model-mismatch",
+            "different inputs",
+        ),
+        (
+            "wrong input name",
+            ["compare", fp, q, "--inputs", tmp / "wrong_name.npz", "--out", tmp / "o"],
+            "bad-inputs",
+            "has no array for model input 'image'",
+        ),
+        (
+            "extra input",
+            ["compare", fp, q, "--inputs", tmp / "extra.npz", "--out", tmp / "o"],
+            "bad-inputs",
+            "'mask', which is not a model input",
+        ),
+        (
+            "wrong dtype",
+            ["compare", fp, q, "--inputs", tmp / "wrong_dtype.npz", "--out", tmp / "o"],
+            "bad-inputs",
+            "has dtype float64, model wants float32",
+        ),
+        (
+            "wrong shape",
+            ["compare", fp, q, "--inputs", tmp / "wrong_shape.npz", "--out", tmp / "o"],
+            "bad-inputs",
+            "axis 2 must be 32",
+        ),
+        (
+            "wrong rank",
+            ["compare", fp, q, "--inputs", tmp / "wrong_rank.npz", "--out", tmp / "o"],
+            "bad-inputs",
+            "rank",
+        ),
+        ("nan input", ["compare", fp, q, "--inputs", tmp / "nan.npz", "--out", tmp / "o"], "bad-inputs", "NaN/Inf"),
+        (
+            "zero samples",
+            ["compare", fp, q, "--inputs", tmp / "zero.npz", "--out", tmp / "o"],
+            "bad-inputs",
+            "zero samples",
+        ),
+        (
+            "pickled npy",
+            ["compare", fp, q, "--inputs", tmp / "pickled.npy", "--out", tmp / "o"],
+            "bad-inputs",
+            "pickled",
+        ),
+        ("no input source", ["compare", fp, q, "--out", tmp / "o"], "bad-option", "exactly one of"),
+        (
+            "bad shape flag",
+            ["compare", fp, q, "--random", "--shape", "image:1x3", "--out", tmp / "o"],
+            "bad-option",
+            "name=d0,d1",
+        ),
+        (
+            "bad reader",
+            ["compare", fp, q, "--reader", "no_such_module_xyz:make", "--out", tmp / "o"],
+            "bad-reader",
+            "cannot be imported",
+        ),
+        ("zero batch", ["compare", fp, q, "--random", "--batch", "0", "--out", tmp / "o"], "bad-option", "--batch"),
+        ("bad report json", ["report", tmp / "notes.onnx", "--out", tmp / "r"], "bad-report", "not readable JSON"),
+    ]
+
+
+def test_bad_input_table_gives_one_line_errors_with_slug_and_exit_code(tmp_path, bad_files, conv, built, capsys):
+    transformer = built("transformer")
+    before = {p: _sha(p) for p in (conv.fp32, conv.int8["qdq"])}
+    cases = _cases(tmp_path, conv, transformer)
+    assert len(cases) >= 20
+    for label, args, slug, fragment in cases:
+        code, _out, err = run_cli(args, capsys)
+        lines = err.strip().splitlines()
+        assert code == USER_ERROR, (label, code, err)
+        assert len(lines) == 1, (label, err)
+        assert lines[0].startswith(f"diag: error[{slug}]: "), (label, lines[0])
+        assert fragment in lines[0], (label, lines[0])
+        assert "Hint:" in lines[0], (label, lines[0])
+        assert "Traceback" not in err
+        assert not (tmp_path / "o" / "report.html").exists(), label
+    assert before == {p: _sha(p) for p in before}, "an input model was modified"
+
+
+def test_every_slug_used_in_the_code_is_documented_in_readme():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for slug in SLUGS:
+        assert f"`{slug}`" in readme, slug
+
+
+def test_compare_flags_map_to_one_library_call(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def fake_compare_to_dir(fp32, int8, feeds, out, options):
+        seen.update(fp32=fp32, int8=int8, feeds=feeds, out=out, options=options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("diag.compare.compare_to_dir", fake_compare_to_dir)
+    with pytest.raises(SystemExit):
+        cli.main(
+            [
+                "compare",
+                "a.onnx",
+                "b.onnx",
+                "--random",
+                "--samples",
+                "5",
+                "--batch",
+                "2",
+                "--seed",
+                "7",
+                "--shape",
+                "x=2,3",
+                "--int-range",
+                "0,30522",
+                "--out",
+                str(tmp_path),
+                "--threads",
+                "1",
+                "--ort-opt-level",
+                "all",
+                "--no-local",
+                "--quiet",
+            ]
+        )
+    f, o = seen["feeds"], seen["options"]
+    assert (seen["fp32"], seen["int8"], seen["out"]) == ("a.onnx", "b.onnx", str(tmp_path))
+    assert (f.random, f.samples, f.batch, f.seed, f.shapes, f.int_range) == (True, 5, 2, 7, {"x": (2, 3)}, (0, 30522))
+    assert (o.opt_level, o.threads, o.local, o.progress) == ("all", 1, False, False)
+
+
+def test_help_is_instant_because_heavy_modules_are_not_imported():
+    code = (
+        "import sys; from diag import cli; cli.build_parser().format_help(); "
+        "print(sorted(m for m in ('onnxruntime', 'matplotlib', 'onnx', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_console_script_reports_errors_and_exit_code(tmp_path):
+    env = dict(os.environ)
+    out = subprocess.run(
+        [sys.executable, "-m", "diag", "inspect", str(tmp_path / "missing.onnx")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 2
+    assert out.stderr.startswith("diag: error[missing-file]: model '")
+
+
+def test_compare_writes_all_three_files_and_replaces_them_atomically(conv, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = [
+        "compare",
+        conv.fp32,
+        conv.int8["qdq"],
+        "--inputs",
+        conv.inputs_path,
+        "--samples",
+        "8",
+        "--batch",
+        "4",
+        "--out",
+        out,
+        "--quiet",
+    ]
+    code, stdout, _ = run_cli(args, capsys)
+    assert code == 0
+    assert "root cause: conv3 (+relu3)" in stdout
+    doc = json.loads((out / "diag.json").read_text())
+    assert doc["schema"] == "diag/compare" and doc["schema_version"] == 1
+    assert doc["nodes"][0]["name"] == "conv3 (+relu3)"
+    assert doc["recommendation"]["nodes_to_exclude"] == ["conv3", "relu3"]
+    assert "conv3" in (out / "report.html").read_text()
+    assert len((out / "summary.md").read_text().splitlines()) <= 60
+    old = (out / "report.html").read_text()
+    # A failing second run (bad inputs) leaves the previous report intact.
+    np.savez(tmp_path / "bad.npz", image=np.zeros((1, 3, 8, 8), np.float32))
+    code, _, _ = run_cli(
+        ["compare", conv.fp32, conv.int8["qdq"], "--inputs", tmp_path / "bad.npz", "--out", out, "--quiet"], capsys
+    )
+    assert code == USER_ERROR
+    assert (out / "report.html").read_text() == old
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], "temp files left behind"
+
+
+def test_inspect_prints_format_and_problems(built, capsys, tmp_path):
+    b = built("transformer")
+    code, out, _ = run_cli(["inspect", b.int8["qoperator"]], capsys)
+    assert code == 0
+    assert "format:     qoperator" in out and "QLinearMatMul" in out
+    m = onnx.load(str(b.fp32))
+    m.graph.node[0].name = ""
+    onnx.save(m, tmp_path / "unnamed.onnx")
+    code, out, _ = run_cli(["inspect", tmp_path / "unnamed.onnx"], capsys)
+    assert "1 node(s) without a name" in out
+
+
+def test_report_rerenders_from_json_without_models(conv, tmp_path, capsys):
+    out = tmp_path / "out"
+    run_cli(
+        [
+            "compare",
+            conv.fp32,
+            conv.int8["dynamic"],
+            "--inputs",
+            conv.inputs_path,
+            "--samples",
+            "4",
+            "--out",
+            out,
+            "--quiet",
+        ],
+        capsys,
+    )
+    code, _stdout, _ = run_cli(["report", out / "diag.json", "--out", tmp_path / "again.html"], capsys)
+    assert code == 0
+    html = (tmp_path / "again.html").read_text()
+    assert "conv3" in html and "<svg" in html
+
+
+def test_diag_json_has_every_key_the_shipped_schema_requires(conv, tmp_path, capsys):
+    from diag.report import templates_dir
+
+    schema = json.loads((templates_dir() / "diag.schema.json").read_text())
+    out = tmp_path / "out"
+    run_cli(
+        [
+            "compare",
+            conv.fp32,
+            conv.int8["qoperator"],
+            "--inputs",
+            conv.inputs_path,
+            "--samples",
+            "4",
+            "--out",
+            out,
+            "--quiet",
+        ],
+        capsys,
+    )
+    doc = json.loads((out / "diag.json").read_text())
+    assert list(doc) == schema["required"]
+    for key in ("verdict", "matching", "recommendation", "run", "thresholds"):
+        assert set(schema["properties"][key]["required"]) <= set(doc[key]), key
+    node_keys = schema["properties"]["nodes"]["items"]["required"]
+    stats_keys = schema["$defs"]["stats"]["required"]
+    for node in doc["nodes"]:
+        assert set(node_keys) <= set(node)
+        assert set(stats_keys) <= set(node["accumulated"])

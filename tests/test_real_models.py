@@ -1,0 +1,75 @@
+"""Real third-party models from a PyPI wheel (RapidOCR's PaddleOCR exports), dynamic and QDQ.
+
+The wheel is fetched once into ``$DIAG_CACHE`` (default ``~/.cache/diag``) with
+``pip download`` from the package registry; nothing is committed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from diag.compare import CompareOptions, compare_models
+from diag.feeds import FeedSpec
+from diag.fixtures import quantize, thirdparty
+
+pytestmark = pytest.mark.slow
+
+# (model, format) -> input image (H, W)
+CASES = {
+    ("cls", "dynamic"): (48, 192),
+    ("cls", "qdq"): (48, 192),
+    ("det", "dynamic"): (160, 160),
+    ("det", "qdq"): (160, 160),
+}
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("real")
+    made: dict[tuple[str, str], tuple[Path, Path, Path]] = {}
+    for (which, fmt), (h, w) in CASES.items():
+        src = onnx.load(str(thirdparty.rapidocr_model(which)))
+        fp = folder / f"{which}.fp32.onnx"
+        if not fp.exists():
+            # paddle2onnx keeps weights in Constant nodes: quantize_dynamic needs initializers.
+            onnx.save(quantize.lift_constants(src), fp)
+        name = src.graph.input[0].name
+        images = thirdparty.text_images(10, h, w, seed=3)
+        inputs = folder / f"{which}.inputs.npz"
+        np.savez(inputs, **{name: images[4:]})
+        q = folder / f"{which}.{fmt}.onnx"
+        quantize.quantize(fp, q, fmt, {name: images[:4]})
+        made[(which, fmt)] = (fp, q, inputs)
+    return made
+
+
+@pytest.mark.parametrize(("which", "fmt"), list(CASES))
+def test_compare_runs_on_real_ocr_models_with_concrete_matching_counts(real, which, fmt):
+    fp, q, inputs = real[(which, fmt)]
+    r = compare_models(fp, q, FeedSpec(inputs=str(inputs), samples=4), CompareOptions(progress=False))
+    m = r.matching
+    counts = (len(m.fp_float_tensors), len(r.accumulated))
+    expected = {
+        ("cls", "dynamic"): (EXPECTED_CLS_FLOAT, EXPECTED_CLS_FLOAT),
+        ("cls", "qdq"): (EXPECTED_CLS_FLOAT, EXPECTED_CLS_QDQ),
+        ("det", "dynamic"): (EXPECTED_DET_FLOAT, EXPECTED_DET_FLOAT),
+        ("det", "qdq"): (EXPECTED_DET_FLOAT, EXPECTED_DET_QDQ),
+    }[(which, fmt)]
+    assert counts == expected
+    # Every tensor not compared is explained, and the explanation is structural (fusion/fold).
+    for tensor, why in m.unmatched_tensors.items():
+        assert why.startswith(("fused", "folded")), (tensor, why)
+    assert r.findings and r.samples == 4
+    assert all(f.local is not None for f in r.findings if f.group.quantized)
+
+
+# Measured with onnx 1.23 / onnxruntime 1.32. Dynamic keeps every name; QDQ fuses Conv+Relu and
+# BatchNormalization+Relu pairs, whose pre-activation tensors then no longer exist.
+EXPECTED_CLS_FLOAT = 253
+EXPECTED_CLS_QDQ = 220
+EXPECTED_DET_FLOAT = 331
+EXPECTED_DET_QDQ = 295
