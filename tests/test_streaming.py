@@ -110,11 +110,13 @@ def test_peak_memory_does_not_grow_with_samples(tmp_path):
     """4 vs 32 samples of a 192x192 conv net (~10 MB of exposed tensors per sample)."""
 
     def peak(samples: int) -> int:
+        # cwd=tmp_path: the installed package is measured, not the source folder on sys.path.
         out = subprocess.run(
             [sys.executable, "-c", _MEMORY_SCRIPT, str(tmp_path), str(samples)],
             check=True,
             capture_output=True,
             text=True,
+            cwd=tmp_path,
         )
         return int(json.loads(out.stdout.strip().splitlines()[-1])["maxrss_kb"])
 
