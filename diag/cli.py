@@ -170,7 +170,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Re-render report.html and summary.md from a diag.json without re-running any model."""
-    from diag.report import atomic_write, load_document, render_html, render_markdown, view_from_document
+    from diag.report import (
+        atomic_write,
+        ensure_out_dir,
+        load_document,
+        render_html,
+        render_markdown,
+        view_from_document,
+    )
 
     view = view_from_document(load_document(args.json))
     from pathlib import Path
@@ -179,12 +186,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if out.suffix.lower() in (".html", ".htm"):
         print(f"wrote {atomic_write(out, render_html(view))}")
     else:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise DiagError(
-                "bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})", "choose a writable folder"
-            ) from e
+        ensure_out_dir(out)
         print(f"wrote {atomic_write(out / 'report.html', render_html(view))}")
         print(f"wrote {atomic_write(out / 'summary.md', render_markdown(view))}")
     return OK

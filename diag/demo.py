@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 
 from diag.compare import CompareOptions, CompareResult, compare_to_dir
-from diag.errors import DiagError
 from diag.feeds import feeds_from_npz, input_specs
+from diag.report import ensure_out_dir
 
 
 def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32) -> dict[str, Path]:
@@ -37,13 +37,7 @@ def run_demo(
     out: str | Path, fixture: str = "transformer", fmt: str = "dynamic", samples: int = 32, progress: bool = True
 ) -> tuple[CompareResult, dict[str, Any]]:
     """Build, quantize and compare one fixture; the report lands in ``out``."""
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DiagError(
-            "bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})", "choose a writable folder"
-        ) from e
+    out = ensure_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
     fp_proto = onnx.load(str(files["fp32"]), load_external_data=False)
     feeds = feeds_from_npz(files["inputs"], input_specs(fp_proto), None, 8)

@@ -447,13 +447,7 @@ def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[
     folder and renamed over the old one, so an existing report stays intact until the new one
     is complete and a failure leaves no half-written file.
     """
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DiagError(
-            "bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})", "choose a writable folder"
-        ) from e
+    out = ensure_out_dir(out_dir)
     view = view_from_document(doc)
     contents = {
         "diag.json": json.dumps(doc, indent=1, sort_keys=False, ensure_ascii=False) + "\n",
@@ -461,6 +455,18 @@ def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[
         "summary.md": render_markdown(view),
     }
     return {name: atomic_write(out / name, text) for name, text in contents.items()}
+
+
+def ensure_out_dir(out_dir: str | os.PathLike[str]) -> Path:
+    """Create the ``--out`` folder if missing; a ``bad-out`` error when that is impossible."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiagError(
+            "bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})", "choose a writable folder"
+        ) from e
+    return out
 
 
 def atomic_write(path: Path, text: str) -> Path:
