@@ -41,6 +41,7 @@ BANDS = {
     "top1_agreement": {"excellent": 0.99, "acceptable": 0.95, "reject_below": 0.90},
     "max_abs": {"excellent": 0.1, "acceptable": 0.3, "reject_above": 0.5},
     "cosine_min": {"excellent": 0.999, "acceptable": 0.99, "reject_below": 0.98},
+    "accuracy_drop": {"excellent": 0.005, "acceptable": 0.015, "reject_above": 0.02},
 }
 GRADES = ("excellent", "acceptable", "marginal", "reject")
 
@@ -78,6 +79,14 @@ class OutputVerdict:
     per_sample: OutputStats
     grade: str
     reasons: list[str]
+    accuracy_fp32: float | None = None
+    accuracy_int8: float | None = None
+
+    @property
+    def accuracy_drop(self) -> float | None:
+        if self.accuracy_fp32 is None or self.accuracy_int8 is None:
+            return None
+        return self.accuracy_fp32 - self.accuracy_int8
 
 
 def _worst(stats: list[ErrorStats]) -> ErrorStats | None:
@@ -164,7 +173,9 @@ def single_cause(findings: list[NodeFinding]) -> tuple[bool, str]:
     )
 
 
-def grade_output(name: str, stats: ErrorStats, per_sample: OutputStats) -> OutputVerdict:
+def grade_output(
+    name: str, stats: ErrorStats, per_sample: OutputStats, labelled: dict[str, int] | None = None
+) -> OutputVerdict:
     """Grade one output: class-like outputs by top-1 agreement and max abs error (logits bands),
     others by minimum per-sample cosine."""
     grades: list[tuple[int, str]] = []
@@ -203,10 +214,24 @@ def grade_output(name: str, stats: ErrorStats, per_sample: OutputStats) -> Outpu
                 else ("reject" if c < b["reject_below"] else "marginal")
             )
             grades.append((GRADES.index(g), f"min per-sample cosine {c:.5f} ({g})"))
+    acc_fp = acc_q = None
+    if labelled and labelled["n"]:
+        acc_fp = labelled["fp32"] / labelled["n"]
+        acc_q = labelled["int8"] / labelled["n"]
+        drop = acc_fp - acc_q
+        b = BANDS["accuracy_drop"]
+        g = (
+            "excellent"
+            if drop < b["excellent"]
+            else "acceptable"
+            if drop < b["acceptable"]
+            else ("reject" if drop > b["reject_above"] else "marginal")
+        )
+        grades.append((GRADES.index(g), f"accuracy {acc_fp:.2%} -> {acc_q:.2%}, drop {drop:.2%} ({g})"))
     if stats.nonfinite_int8 > stats.nonfinite_fp:
         grades.append((GRADES.index("reject"), f"{stats.nonfinite_int8} NaN/Inf values in INT8 output"))
     worst = max(grades)[0]
-    return OutputVerdict(name, stats, per_sample, GRADES[worst], [r for _, r in grades])
+    return OutputVerdict(name, stats, per_sample, GRADES[worst], [r for _, r in grades], acc_fp, acc_q)
 
 
 def overall_grade(verdicts: list[OutputVerdict]) -> str:

@@ -131,7 +131,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from diag.compare import CompareOptions, compare_to_dir
 
     options = CompareOptions(
-        opt_level=args.ort_opt_level, threads=args.threads, local=not args.no_local, progress=not args.quiet
+        opt_level=args.ort_opt_level,
+        threads=args.threads,
+        local=not args.no_local,
+        progress=not args.quiet,
+        labels=args.labels,
     )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
@@ -236,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
+    p.add_argument(
+        "--labels",
+        metavar="PATH",
+        help=".npy of class indices, one per sample in input order: grades the accuracy drop of the first output",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = verb("report")

@@ -47,6 +47,7 @@ class CompareOptions:
     threads: int | None = None
     local: bool = True
     progress: bool = True
+    labels: str | None = None
 
 
 @dataclass
@@ -56,6 +57,7 @@ class CompareState:
     accumulated: dict[str, ErrorAccumulator] = field(default_factory=dict)
     local: dict[str, ErrorAccumulator] = field(default_factory=dict)
     outputs: dict[str, OutputAccumulator] = field(default_factory=dict)
+    labelled: dict[str, int] = field(default_factory=lambda: {"n": 0, "fp32": 0, "int8": 0})
     samples: int = 0
     batches: int = 0
 
@@ -65,6 +67,8 @@ class CompareState:
                 mine.setdefault(k, ErrorAccumulator()).merge(acc)
         for k, oacc in other.outputs.items():
             self.outputs.setdefault(k, OutputAccumulator()).merge(oacc)
+        for k in self.labelled:
+            self.labelled[k] += other.labelled[k]
         self.samples += other.samples
         self.batches += other.batches
         return self
@@ -199,6 +203,7 @@ def run_comparison(
             cut.model, f"cut INT8 model of '{q.path}'", options.opt_level, options.threads, ext_q
         )
     state = CompareState()
+    labels = load_labels(options.labels) if options.labels else None
     runtime_unmatched: dict[str, str] = {}
     progress = Progress(feeds.total_samples, "compare", enabled=options.progress)
     try:
@@ -221,6 +226,8 @@ def run_comparison(
                 state.accumulated.setdefault(name, ErrorAccumulator()).update(ref, value, scale)
             for name in output_names:
                 state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name])
+            if labels is not None:
+                _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size)
             del q_out
             if cut is not None and cut_sess is not None:
                 cut_feeds = dict(batch.feeds)
@@ -253,6 +260,52 @@ def run_comparison(
     return state, runtime_unmatched
 
 
+def load_labels(path: str) -> np.ndarray:
+    """Class indices, one per sample in input order (``.npy``, or ``.npz`` with one array)."""
+    from diag.feeds import _load_npy, _load_npz
+
+    p = Path(path)
+    if not p.is_file():
+        raise DiagError("missing-file", f"labels '{p}'", "does not exist", "check the path")
+    if p.suffix == ".npz":
+        arrays = _load_npz(p)
+        if len(arrays) != 1:
+            raise DiagError("bad-inputs", f"labels '{p}'", f"holds {len(arrays)} arrays", "save exactly one array")
+        labels = next(iter(arrays.values()))
+    else:
+        labels = _load_npy(p)
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise DiagError(
+            "bad-inputs",
+            f"labels '{p}'",
+            f"has shape {labels.shape} and dtype {labels.dtype}",
+            "save a 1-D integer array of class indices, one per sample",
+        )
+    return labels
+
+
+def _count_correct(state: CompareState, labels: np.ndarray, fp: np.ndarray, q: np.ndarray, size: int) -> None:
+    start = state.samples
+    if fp.ndim != 2 or fp.shape[0] != size:
+        raise DiagError(
+            "bad-inputs",
+            "--labels",
+            f"needs the first model output to be [batch, classes], it is {fp.shape}",
+            "drop --labels for this model",
+        )
+    if start + size > len(labels):
+        raise DiagError(
+            "bad-inputs",
+            "--labels",
+            f"has {len(labels)} labels but the inputs have more samples",
+            "give one label per sample",
+        )
+    truth = labels[start : start + size]
+    state.labelled["n"] += size
+    state.labelled["fp32"] += int((fp.argmax(axis=1) == truth).sum())
+    state.labelled["int8"] += int((q.argmax(axis=1) == truth).sum())
+
+
 def _scale_for(pair: TensorPair, q_out: dict[str, np.ndarray] | None) -> float | None:
     if pair.grid is not None:
         return pair.grid.per_tensor_scale
@@ -276,9 +329,15 @@ def finish(
     local = {k: a.finalize() for k, a in state.local.items()}
     graph = fp_graph(fp.proto)
     findings = node_findings(matching.groups, accumulated, local, graph)
+    labelled = state.labelled if state.labelled["n"] else None
     verdicts = [
-        grade_output(name, accumulated.get(name) or ErrorAccumulator().finalize(), state.outputs[name].finalize())
-        for name in state.outputs
+        grade_output(
+            name,
+            accumulated.get(name) or ErrorAccumulator().finalize(),
+            state.outputs[name].finalize(),
+            labelled if i == 0 else None,
+        )
+        for i, name in enumerate(state.outputs)
     ]
     one, sentence = single_cause(findings)
     return CompareResult(

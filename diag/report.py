@@ -110,6 +110,9 @@ def document_from_result(result: Any) -> dict[str, Any]:
                     "max_abs": _num(v.per_sample.max_abs),
                     "top1_agreement": _num(v.per_sample.top1_agreement),
                     "samples": v.per_sample.samples,
+                    "accuracy_fp32": _num(v.accuracy_fp32),
+                    "accuracy_int8": _num(v.accuracy_int8),
+                    "accuracy_drop": _num(v.accuracy_drop),
                 }
                 for v in result.verdicts
             ],

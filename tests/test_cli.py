@@ -199,13 +199,15 @@ def test_compare_flags_map_to_one_library_call(monkeypatch, tmp_path, capsys):
                 "--ort-opt-level",
                 "all",
                 "--no-local",
+                "--labels",
+                "y.npy",
                 "--quiet",
             ]
         )
     f, o = seen["feeds"], seen["options"]
     assert (seen["fp32"], seen["int8"], seen["out"]) == ("a.onnx", "b.onnx", str(tmp_path))
     assert (f.random, f.samples, f.batch, f.seed, f.shapes, f.int_range) == (True, 5, 2, 7, {"x": (2, 3)}, (0, 30522))
-    assert (o.opt_level, o.threads, o.local, o.progress) == ("all", 1, False, False)
+    assert (o.opt_level, o.threads, o.local, o.progress, o.labels) == ("all", 1, False, False, "y.npy")
 
 
 def test_help_is_instant_because_heavy_modules_are_not_imported():
@@ -329,3 +331,43 @@ def test_diag_json_has_every_key_the_shipped_schema_requires(conv, tmp_path, cap
     for node in doc["nodes"]:
         assert set(node_keys) <= set(node)
         assert set(stats_keys) <= set(node["accumulated"])
+
+
+def test_labels_grade_the_accuracy_drop_of_the_first_output(built, tmp_path, capsys):
+    """Labels = the FP32 model's own argmax: FP32 accuracy is 100 % and the drop equals 1 - agreement."""
+    from diag.compare import CompareOptions, compare_models
+    from diag.feeds import FeedSpec
+
+    b = built("transformer")
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(b.fp32), providers=["CPUExecutionProvider"])
+    labels = sess.run(None, b.inputs)[0].argmax(axis=1)
+    np.save(tmp_path / "labels.npy", labels)
+    r = compare_models(
+        b.fp32,
+        b.int8["qdq"],
+        FeedSpec(inputs=str(b.inputs_path), batch=8),
+        CompareOptions(progress=False, labels=str(tmp_path / "labels.npy")),
+    )
+    v = r.verdicts[0]
+    assert v.accuracy_fp32 == 1.0
+    assert v.accuracy_drop == pytest.approx(1 - v.per_sample.top1_agreement)
+    assert any(reason.startswith("accuracy 100.00% -> ") for reason in v.reasons)
+    np.save(tmp_path / "short.npy", labels[:3])
+    code, _, err = run_cli(
+        [
+            "compare",
+            b.fp32,
+            b.int8["qdq"],
+            "--inputs",
+            b.inputs_path,
+            "--labels",
+            tmp_path / "short.npy",
+            "--out",
+            tmp_path / "o",
+            "--quiet",
+        ],
+        capsys,
+    )
+    assert code == USER_ERROR and "error[bad-inputs]: --labels | has 3 labels" in err

@@ -92,8 +92,9 @@ def prepare(folder: Path, size: int, samples: int) -> None:
 
 
 def measure(mode: str, folder: Path, samples: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(folder), str(samples)], capture_output=True,
-                         text=True, cwd=folder)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(folder), str(samples)], capture_output=True, text=True, cwd=folder
+    )
     if out.returncode != 0:
         return {"seconds": float("nan"), "peak_mb": float("nan"), "error": out.stderr.strip().splitlines()[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -110,8 +111,10 @@ def main() -> None:
         folder = Path(d)
         t = time.perf_counter()
         prepare(folder, args.size, args.samples)
-        print(f"prepared PP-OCRv4 det QDQ at {args.size}x{args.size}, {args.samples} samples "
-              f"in {time.perf_counter() - t:.0f} s")
+        print(
+            f"prepared PP-OCRv4 det QDQ at {args.size}x{args.size}, {args.samples} samples "
+            f"in {time.perf_counter() - t:.0f} s"
+        )
         results: dict[str, list[dict[str, float]]] = {}
         for mode in args.modes.split(","):
             results[mode] = [measure(mode, folder, args.samples) for _ in range(args.repeat)]
@@ -119,19 +122,25 @@ def main() -> None:
             secs = [r["seconds"] for r in runs]
             peaks = [r["peak_mb"] for r in runs]
             err = next((r["error"] for r in runs if "error" in r), "")
-            print(f"{mode:6s} wall {statistics.median(secs):7.2f} s (min {min(secs):.2f}, max {max(secs):.2f})"
-                  f"   peak RSS {statistics.median(peaks):8.0f} MB (min {min(peaks):.0f}, max {max(peaks):.0f})"
-                  + (f"   FAILED: {err}" if err else ""))
+            print(
+                f"{mode:6s} wall {statistics.median(secs):7.2f} s (min {min(secs):.2f}, max {max(secs):.2f})"
+                f"   peak RSS {statistics.median(peaks):8.0f} MB (min {min(peaks):.0f}, max {max(peaks):.0f})"
+                + (f"   FAILED: {err}" if err else "")
+            )
 
         def med(mode: str, key: str) -> float:
             return statistics.median(r[key] for r in results[mode])
 
         if "diag" in results and "floor" in results:
-            print(f"diag / floor:  wall x{med('diag', 'seconds') / med('floor', 'seconds'):.2f}, "
-                  f"peak RSS x{med('diag', 'peak_mb') / med('floor', 'peak_mb'):.2f}")
+            print(
+                f"diag / floor:  wall x{med('diag', 'seconds') / med('floor', 'seconds'):.2f}, "
+                f"peak RSS x{med('diag', 'peak_mb') / med('floor', 'peak_mb'):.2f}"
+            )
         if "diag" in results and "ort" in results:
-            print(f"ort / diag:    wall x{med('ort', 'seconds') / med('diag', 'seconds'):.2f}, "
-                  f"peak RSS x{med('ort', 'peak_mb') / med('diag', 'peak_mb'):.2f}")
+            print(
+                f"ort / diag:    wall x{med('ort', 'seconds') / med('diag', 'seconds'):.2f}, "
+                f"peak RSS x{med('ort', 'peak_mb') / med('diag', 'peak_mb'):.2f}"
+            )
 
 
 if __name__ == "__main__":
