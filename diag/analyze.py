@@ -173,6 +173,23 @@ def single_cause(findings: list[NodeFinding]) -> tuple[bool, str]:
     )
 
 
+def band_grade(value: float, metric: str) -> str:
+    """Grade ``value`` with ``BANDS[metric]``; a band has ``reject_below`` (higher is better) or
+    ``reject_above`` (lower is better). Values between acceptable and reject are "marginal"."""
+    band = BANDS[metric]
+    if "reject_below" in band:
+        if value >= band["excellent"]:
+            return "excellent"
+        if value >= band["acceptable"]:
+            return "acceptable"
+        return "reject" if value < band["reject_below"] else "marginal"
+    if value < band["excellent"]:
+        return "excellent"
+    if value < band["acceptable"]:
+        return "acceptable"
+    return "reject" if value > band["reject_above"] else "marginal"
+
+
 def grade_output(
     name: str, stats: ErrorStats, per_sample: OutputStats, labelled: dict[str, int] | None = None
 ) -> OutputVerdict:
@@ -181,52 +198,23 @@ def grade_output(
     grades: list[tuple[int, str]] = []
     if per_sample.top1_agreement is not None:
         a = per_sample.top1_agreement
-        b = BANDS["top1_agreement"]
-        g = (
-            "excellent"
-            if a >= b["excellent"]
-            else "acceptable"
-            if a >= b["acceptable"]
-            else ("reject" if a < b["reject_below"] else "marginal")
-        )
+        g = band_grade(a, "top1_agreement")
         grades.append((GRADES.index(g), f"top-1 agreement {a:.2%} ({g})"))
         m = per_sample.max_abs
-        b = BANDS["max_abs"]
-        g = (
-            "excellent"
-            if m < b["excellent"]
-            else "acceptable"
-            if m < b["acceptable"]
-            else ("reject" if m > b["reject_above"] else "marginal")
-        )
+        g = band_grade(m, "max_abs")
         grades.append((GRADES.index(g), f"max abs error {m:.3g} ({g})"))
+    elif math.isnan(per_sample.cosine_min):
+        grades.append((GRADES.index("reject"), "no finite samples to compare"))
     else:
         c = per_sample.cosine_min
-        b = BANDS["cosine_min"]
-        if math.isnan(c):
-            grades.append((GRADES.index("reject"), "no finite samples to compare"))
-        else:
-            g = (
-                "excellent"
-                if c >= b["excellent"]
-                else "acceptable"
-                if c >= b["acceptable"]
-                else ("reject" if c < b["reject_below"] else "marginal")
-            )
-            grades.append((GRADES.index(g), f"min per-sample cosine {c:.5f} ({g})"))
+        g = band_grade(c, "cosine_min")
+        grades.append((GRADES.index(g), f"min per-sample cosine {c:.5f} ({g})"))
     acc_fp = acc_q = None
     if labelled and labelled["n"]:
         acc_fp = labelled["fp32"] / labelled["n"]
         acc_q = labelled["int8"] / labelled["n"]
         drop = acc_fp - acc_q
-        b = BANDS["accuracy_drop"]
-        g = (
-            "excellent"
-            if drop < b["excellent"]
-            else "acceptable"
-            if drop < b["acceptable"]
-            else ("reject" if drop > b["reject_above"] else "marginal")
-        )
+        g = band_grade(drop, "accuracy_drop")
         grades.append((GRADES.index(g), f"accuracy {acc_fp:.2%} -> {acc_q:.2%}, drop {drop:.2%} ({g})"))
     if stats.nonfinite_int8 > stats.nonfinite_fp:
         grades.append((GRADES.index("reject"), f"{stats.nonfinite_int8} NaN/Inf values in INT8 output"))
