@@ -26,7 +26,7 @@ from diag.analyze import (
     single_cause,
 )
 from diag.errors import DiagError
-from diag.feeds import FeedSource, FeedSpec, input_specs
+from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
 from diag.graph import fp_graph
 from diag.instrument import cut_model, exposed_model
 from diag.load import LoadedModel, model_from_path
@@ -176,6 +176,14 @@ def run_comparison(
     fp: LoadedModel, q: LoadedModel, matching: Matching, feeds: FeedSource, options: CompareOptions
 ) -> tuple[CompareState, dict[str, str]]:
     """Stream every batch through FP32, INT8 and cut models; reduce into a CompareState."""
+    labels = load_labels(options.labels) if options.labels else None
+    if labels is not None and feeds.total_samples is not None and len(labels) < feeds.total_samples:
+        raise DiagError(
+            "bad-inputs",
+            "--labels",
+            f"has {len(labels)} labels but the inputs have {feeds.total_samples} samples",
+            "give one label per sample",
+        )
     pairs = dict(matching.pairs)
     output_names = [o.name for o in fp.graph.output]
     fp_names = list(dict.fromkeys(list(pairs) + output_names))
@@ -203,7 +211,6 @@ def run_comparison(
             cut.model, f"cut INT8 model of '{q.path}'", options.opt_level, options.threads, ext_q
         )
     state = CompareState()
-    labels = load_labels(options.labels) if options.labels else None
     runtime_unmatched: dict[str, str] = {}
     progress = Progress(feeds.total_samples, "compare", enabled=options.progress)
     try:
@@ -258,30 +265,6 @@ def run_comparison(
     if state.batches == 0:
         raise DiagError("bad-inputs", "inputs", "yielded zero samples", "provide at least one sample")
     return state, runtime_unmatched
-
-
-def load_labels(path: str) -> np.ndarray:
-    """Class indices, one per sample in input order (``.npy``, or ``.npz`` with one array)."""
-    from diag.feeds import _load_npy, _load_npz
-
-    p = Path(path)
-    if not p.is_file():
-        raise DiagError("missing-file", f"labels '{p}'", "does not exist", "check the path")
-    if p.suffix == ".npz":
-        arrays = _load_npz(p)
-        if len(arrays) != 1:
-            raise DiagError("bad-inputs", f"labels '{p}'", f"holds {len(arrays)} arrays", "save exactly one array")
-        labels = next(iter(arrays.values()))
-    else:
-        labels = _load_npy(p)
-    if labels.ndim != 1 or labels.dtype.kind not in "iu":
-        raise DiagError(
-            "bad-inputs",
-            f"labels '{p}'",
-            f"has shape {labels.shape} and dtype {labels.dtype}",
-            "save a 1-D integer array of class indices, one per sample",
-        )
-    return labels
 
 
 def _count_correct(state: CompareState, labels: np.ndarray, fp: np.ndarray, q: np.ndarray, size: int) -> None:

@@ -152,7 +152,7 @@ def validate_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: st
             )
 
 
-def _load_npz(path: Path) -> dict[str, np.ndarray]:
+def load_npz(path: Path) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
@@ -173,7 +173,7 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
         ) from e
 
 
-def _load_npy(path: Path) -> np.ndarray:
+def load_npy(path: Path) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False)
     except ValueError as e:
@@ -196,7 +196,7 @@ def _batchable(specs: list[InputSpec]) -> bool:
 
 def feeds_from_npz(path: Path, specs: list[InputSpec], samples: int | None, batch: int, skip: int = 0) -> FeedSource:
     """Stacked arrays from an ``.npz``, first axis = samples (see :func:`feeds_from_arrays`)."""
-    return feeds_from_arrays(_load_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
+    return feeds_from_arrays(load_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
 
 
 def feeds_from_arrays(
@@ -263,7 +263,7 @@ def feeds_from_folder(path: Path, specs: list[InputSpec], samples: int | None) -
 
     def gen() -> Iterator[Batch]:
         for i, p in enumerate(files):
-            feed = _load_npz(p) if p.suffix == ".npz" else {specs[0].name: _load_npy(p)}
+            feed = load_npz(p) if p.suffix == ".npz" else {specs[0].name: load_npy(p)}
             validate_feed(feed, specs, f"inputs '{p.name}'")
             yield Batch(i, feed, _batch_size(feed, specs))
 
@@ -491,7 +491,7 @@ def feed_source(
                     f"is one array but the model has {len(specs)} inputs",
                     "use a .npz with one array per input",
                 )
-            return feeds_from_arrays({specs[0].name: _load_npy(p)}, specs, samples, batch, f"inputs '{p}'")
+            return feeds_from_arrays({specs[0].name: load_npy(p)}, specs, samples, batch, f"inputs '{p}'")
         return feeds_from_npz(p, specs, samples, batch)
     if reader:
         return feeds_from_reader(reader, specs, samples)
@@ -523,3 +523,25 @@ class FeedSpec:
             self.shapes,
             self.int_range,
         )
+
+
+def load_labels(path: str) -> np.ndarray:
+    """Class indices, one per sample in input order (``.npy``, or ``.npz`` with one array)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DiagError("missing-file", f"labels '{p}'", "does not exist", "check the path")
+    if p.suffix == ".npz":
+        arrays = load_npz(p)
+        if len(arrays) != 1:
+            raise DiagError("bad-inputs", f"labels '{p}'", f"holds {len(arrays)} arrays", "save exactly one array")
+        labels = next(iter(arrays.values()))
+    else:
+        labels = load_npy(p)
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+        raise DiagError(
+            "bad-inputs",
+            f"labels '{p}'",
+            f"has shape {labels.shape} and dtype {labels.dtype}",
+            "save a 1-D integer array of class indices, one per sample",
+        )
+    return labels

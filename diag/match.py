@@ -175,6 +175,11 @@ class Matching:
     fp_float_tensors: list[str]
 
     @property
+    def fused_away(self) -> list[str]:
+        """Unmatched FP32 tensors the quantizer fused or folded away (structurally explained)."""
+        return [t for t, why in self.unmatched_tensors.items() if why.startswith(FUSED_PREFIXES)]
+
+    @property
     def coverage(self) -> float:
         """Fraction of FP32 float tensors that have an INT8 counterpart."""
         total = len(self.fp_float_tensors)
@@ -413,6 +418,8 @@ def match_models(fp: onnx.ModelProto, int8: onnx.ModelProto) -> Matching:
 
 
 _FUSABLE_ACTIVATIONS = ("Relu", "Clip")
+#: Every reason for a fused/folded tensor starts with one of these (see ``Matching.fused_away``).
+FUSED_PREFIXES = ("fused away", "folded away")
 
 
 def _move_fused_activations(

@@ -78,17 +78,8 @@ class ErrorAccumulator:
     )
 
     def __init__(self) -> None:
-        self.n = 0
-        self.s_xx = 0.0
-        self.s_yy = 0.0
-        self.s_xy = 0.0
-        self.s_ee = 0.0
-        self.s_abs_e = 0.0
-        self.max_abs = 0.0
-        self.n_scaled = 0
-        self.s_ee_scaled = 0.0
-        self.nonfinite_x = 0
-        self.nonfinite_y = 0
+        for name in self.__slots__:
+            setattr(self, name, 0 if name in ("n", "n_scaled", "nonfinite_x", "nonfinite_y") else 0.0)
 
     def update(self, fp: np.ndarray, q: np.ndarray, scale: float | None = None) -> None:
         """Add one batch. ``scale``: the quantization step in force for this batch, if any."""
@@ -124,20 +115,10 @@ class ErrorAccumulator:
             self.s_ee_scaled += s_ee / (scale * scale)
 
     def merge(self, other: ErrorAccumulator) -> ErrorAccumulator:
-        """Combine with another shard in place; returns self."""
-        for name in (
-            "n",
-            "s_xx",
-            "s_yy",
-            "s_xy",
-            "s_ee",
-            "s_abs_e",
-            "n_scaled",
-            "s_ee_scaled",
-            "nonfinite_x",
-            "nonfinite_y",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        """Combine with another shard in place; returns self. Every sum adds; ``max_abs`` maxes."""
+        for name in self.__slots__:
+            if name != "max_abs":
+                setattr(self, name, getattr(self, name) + getattr(other, name))
         self.max_abs = max(self.max_abs, other.max_abs)
         return self
 

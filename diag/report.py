@@ -47,9 +47,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
     from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB
 
     m = result.matching
-    accounted = len(m.pairs) + sum(
-        1 for r in m.unmatched_tensors.values() if r.startswith("fused") or r.startswith("folded")
-    )
+    accounted = len(m.pairs) + len(m.fused_away)
     nodes = []
     for f in sorted(result.findings, key=lambda f: f.rank_accumulated):
         g = f.group
