@@ -225,10 +225,39 @@ class _GraphIndex:
         return name in self.producer or name in self.graph_inputs
 
 
+#: Initializers up to this many elements keep their data for shape inference (shape tensors,
+#: axes); larger ones (weights) are described by type and shape only.
+_SMALL_INITIALIZER = 4096
+
+
+def _structure_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without weight data: large initializers become typed graph inputs.
+
+    NOTE: shape inference serializes the whole model; on a model with inline weights that means
+    two transient copies of every weight just to learn element types. Types need no weights.
+    """
+    g = model.graph
+    lite = onnx.ModelProto()
+    lite.ir_version = model.ir_version
+    lite.opset_import.extend(model.opset_import)
+    graph = lite.graph
+    graph.node.extend(g.node)
+    graph.input.extend(g.input)
+    graph.output.extend(g.output)
+    graph.value_info.extend(g.value_info)
+    declared = {i.name for i in g.input}
+    for t in g.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL and np.prod(t.dims, dtype=np.int64) <= _SMALL_INITIALIZER:
+            graph.initializer.append(t)
+        elif t.name not in declared:
+            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return lite
+
+
 def _value_dtypes(model: onnx.ModelProto) -> dict[str, int]:
     """Element type of every top-level value, using shape inference where the model lacks it."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(_structure_only(model), strict_mode=False)
     except Exception:  # inference is a help, not a requirement
         inferred = model
     g = inferred.graph
