@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from diag import __version__
-from diag.errors import GATE_FAILED, INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
+from diag.errors import INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
 
 TARGET_HELP = """\
 Metrics (all computed over every element of every sample, FP32 x vs INT8 y, e = y - x):
@@ -300,6 +300,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"diag: internal error: {type(e).__name__}: {_safe(e)} (re-run with --debug and report it)", file=sys.stderr
         )
         return INTERNAL_ERROR
-
-
-__all__ = ["GATE_FAILED", "main"]

@@ -41,9 +41,3 @@ def fp_graph(model: onnx.ModelProto) -> nx.DiGraph:
 def input_tensors(g: nx.DiGraph, nid: str) -> list[str]:
     """Tensors a node reads that another node produces (weights and model inputs excluded)."""
     return [d["tensor"] for _, _, d in g.in_edges(nid, data=True)]
-
-
-def neighbourhood(g: nx.DiGraph, nid: str, radius: int = 2) -> nx.DiGraph:
-    """The subgraph within ``radius`` hops of ``nid``, ignoring edge direction."""
-    nodes = nx.single_source_shortest_path_length(g.to_undirected(as_view=True), nid, cutoff=radius)
-    return g.subgraph(nodes).copy()

@@ -122,17 +122,6 @@ class ErrorAccumulator:
         self.max_abs = max(self.max_abs, other.max_abs)
         return self
 
-    def state(self) -> dict[str, float | int]:
-        """Raw sums, for writing partial (sharded) results."""
-        return {name: getattr(self, name) for name in self.__slots__}
-
-    @classmethod
-    def from_state(cls, state: dict[str, float | int]) -> ErrorAccumulator:
-        acc = cls()
-        for name in cls.__slots__:
-            setattr(acc, name, state[name])
-        return acc
-
     def finalize(self) -> ErrorStats:
         n = max(self.n, 1)
         mse = self.s_ee / n
@@ -225,15 +214,6 @@ class OutputAccumulator:
         self.agree += other.agree
         self.classlike = self.classlike and other.classlike
         return self
-
-    def state(self) -> dict[str, float | int | bool]:
-        return dict(vars(self))
-
-    @classmethod
-    def from_state(cls, state: dict[str, float | int | bool]) -> OutputAccumulator:
-        acc = cls()
-        acc.__dict__.update(state)
-        return acc
 
     def finalize(self) -> OutputStats:
         agreement = self.agree / self.rows if (self.classlike and self.rows) else None

@@ -14,8 +14,6 @@ import onnx
 
 from diag.errors import DiagError
 
-OPT_LEVELS = ("disabled", "basic", "extended", "all")
-
 
 def session_from_model(
     model: onnx.ModelProto,
