@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 from diag.compare import CompareOptions, CompareResult, compare_to_dir
-from diag.feeds import feeds_from_npz, input_specs
+from diag.feeds import FeedSpec
 from diag.report import ensure_out_dir
 
 
@@ -39,6 +39,5 @@ def run_demo(
     """Build, quantize and compare one fixture; the report lands in ``out``."""
     out = ensure_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
-    fp_proto = onnx.load(str(files["fp32"]), load_external_data=False)
-    feeds = feeds_from_npz(files["inputs"], input_specs(fp_proto), None, 8)
+    feeds = FeedSpec(inputs=str(files["inputs"]), batch=8)
     return compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))

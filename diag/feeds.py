@@ -236,7 +236,7 @@ def feeds_from_arrays(
             validate_feed(feed, specs, f"{where} rows {start}..{stop - 1}")
             yield Batch(b, feed, stop - start)
 
-    validate_feed(next(iter(gen())).feeds, specs, where)
+    next(iter(gen()))  # validates the first batch now, before any model runs
     label = where.removeprefix("inputs ").strip("'")
     return FeedSource(f"{Path(label).name} ({n} samples, batch {step})", _Restartable(gen), n, specs)
 

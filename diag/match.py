@@ -514,7 +514,7 @@ def _node_groups(
     groups: dict[str, NodeGroup] = {}
     covered: set[int] = set()
     unmatched_nodes: dict[str, str] = {}
-    fused_into: dict[str, str] = {}
+    fused_into: dict[str, tuple[str, str]] = {}
     for i, node in enumerate(f.nodes):
         nid = f.ids[i]
         if node.op_type == "Constant":
@@ -522,24 +522,24 @@ def _node_groups(
         outs = [o for o in node.output if o in pairs]
         if not outs:
             continue
-        stop = boundary - own[nid]
-        found: list[int] = []
+        mine = own[nid]
+        walked: set[int] = set()
         seen: set[str] = set()
         stack = [pairs[o].int8_name for o in outs]
-        while stack and len(found) < 500:
+        while stack and len(walked) < 500:
             t = stack.pop()
             if t in seen:
                 continue
             seen.add(t)
-            if t in stop and t not in own[nid]:
+            if t in boundary and t not in mine:  # another FP32 tensor, a weight or a model input
                 continue
             prod = q.producer.get(t)
-            if prod is None or prod in found:
+            if prod is None or prod in walked:
                 continue
-            found.append(prod)
+            walked.add(prod)
             pn = q.nodes[prod]
             stack.extend(x for x in list(pn.input) + outer_scope_inputs(pn) if x)
-        found.sort()
+        found = sorted(walked)
         covered.update(found)
         quantized = any(q.nodes[j].op_type in QUANT_OPS for j in found)
         groups[nid] = NodeGroup(
@@ -557,13 +557,13 @@ def _node_groups(
         consumers = {f.ids[c] for o in float_outs for c in f.consumers.get(o, [])}
         target = next((c for c in consumers if c in groups), None) if len(consumers) == 1 else None
         if target is not None:
-            fused_into[nid] = target
+            fused_into[nid] = (target, node.op_type)
         else:
             unmatched_nodes[nid] = "none of its outputs has an INT8 counterpart (see unmatched tensors)"
-    for nid, target in fused_into.items():
+    for nid, (target, op_type) in fused_into.items():
         g = groups[target]
         g.fp_nodes.insert(0, nid)
-        g.op_types.insert(0, f.nodes[f.ids.index(nid)].op_type)
+        g.op_types.insert(0, op_type)
     for i, node in enumerate(f.nodes):
         for sub in subgraphs(node):
             for j, sn in enumerate(sub.node):
