@@ -62,6 +62,10 @@ def bad_files(tmp_path, conv):
 def _cases(tmp: Path, conv, transformer) -> list[tuple[str, list[object], str, str]]:
     fp, q = conv.fp32, conv.int8["qdq"]
     good = conv.inputs_path
+
+    def feed(name: str) -> list[object]:
+        return ["compare", fp, q, "--inputs", tmp / name, "--out", tmp / "o"]
+
     return [
         ("missing model", ["inspect", tmp / "nope.onnx"], "missing-file", "does not exist"),
         ("directory", ["inspect", tmp / "a_folder.onnx"], "not-a-file", "is a directory"),
@@ -84,44 +88,44 @@ def _cases(tmp: Path, conv, transformer) -> list[tuple[str, list[object], str, s
         ),
         (
             "wrong input name",
-            ["compare", fp, q, "--inputs", tmp / "wrong_name.npz", "--out", tmp / "o"],
+            feed("wrong_name.npz"),
             "bad-inputs",
             "has no array for model input 'image'",
         ),
         (
             "extra input",
-            ["compare", fp, q, "--inputs", tmp / "extra.npz", "--out", tmp / "o"],
+            feed("extra.npz"),
             "bad-inputs",
             "'mask', which is not a model input",
         ),
         (
             "wrong dtype",
-            ["compare", fp, q, "--inputs", tmp / "wrong_dtype.npz", "--out", tmp / "o"],
+            feed("wrong_dtype.npz"),
             "bad-inputs",
             "has dtype float64, model wants float32",
         ),
         (
             "wrong shape",
-            ["compare", fp, q, "--inputs", tmp / "wrong_shape.npz", "--out", tmp / "o"],
+            feed("wrong_shape.npz"),
             "bad-inputs",
             "axis 2 must be 32",
         ),
         (
             "wrong rank",
-            ["compare", fp, q, "--inputs", tmp / "wrong_rank.npz", "--out", tmp / "o"],
+            feed("wrong_rank.npz"),
             "bad-inputs",
             "rank",
         ),
-        ("nan input", ["compare", fp, q, "--inputs", tmp / "nan.npz", "--out", tmp / "o"], "bad-inputs", "NaN/Inf"),
+        ("nan input", feed("nan.npz"), "bad-inputs", "NaN/Inf"),
         (
             "zero samples",
-            ["compare", fp, q, "--inputs", tmp / "zero.npz", "--out", tmp / "o"],
+            feed("zero.npz"),
             "bad-inputs",
             "zero samples",
         ),
         (
             "pickled npy",
-            ["compare", fp, q, "--inputs", tmp / "pickled.npy", "--out", tmp / "o"],
+            feed("pickled.npy"),
             "bad-inputs",
             "pickled",
         ),
