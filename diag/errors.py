@@ -37,6 +37,8 @@ SLUGS: dict[str, str] = {
     "bad-out": "the output folder cannot be created or written",
     "bad-report": "a diag.json file is unreadable or has an unknown schema version",
     "missing-templates": "the report templates are not installed with the package",
+    "bad-recipe": "a recipe file is not valid JSON/TOML or has an unknown key or value",
+    "quantize-failed": "onnxruntime's quantizer failed, or its output does not load in onnxruntime",
 }
 
 

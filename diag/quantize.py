@@ -1,0 +1,504 @@
+"""Guarded quantization: onnxruntime's own quantizer, with the pre-flight fixes real models need.
+
+``quantize_model`` runs ``quantize_dynamic`` or ``quantize_static`` with a :class:`~diag.recipe.Recipe`
+and first fixes what makes onnxruntime fail or write a broken model on real exports, saying what
+it did in plain sentences (:attr:`QuantizeReport.actions`):
+
+* weights stored as ``Constant`` nodes (paddle2onnx) are lifted to initializers: the quantizer
+  only quantizes initializer weights and ``quantize_dynamic`` fails with "Expected ... to be an
+  initializer";
+* per-channel QDQ on opset < 13 writes ``DequantizeLinear`` with an ``axis`` attribute that such
+  an opset forbids: the model is upgraded with ``onnx.version_converter`` first;
+* ``quant_pre_process`` needs ``sympy`` and its symbolic shape inference fails on some exports:
+  it is retried without symbolic shape inference;
+* models with external data (or over 2 GB) are quantized with ``use_external_data_format``.
+
+Guarantees: the input model is never modified; the output is written to a temp file in the
+output's folder and renamed only after onnxruntime has loaded it in an ``InferenceSession``;
+onnxruntime's temp files and augmented models live in a private temp folder that is always
+removed; onnxruntime's logging is captured into :attr:`QuantizeReport.log`, not printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from diag.errors import DiagError
+from diag.feeds import FeedSource, FeedSpec
+from diag.load import detect_format, iter_nodes, model_from_path
+from diag.recipe import Recipe
+
+#: Above this many bytes of weights a model cannot be one protobuf: quantize with external data.
+EXTERNAL_DATA_BYTES = 2**31 - 2**26  # 2 GiB minus headroom for the graph itself
+#: Opset that first allows per-axis (per-channel) QuantizeLinear / DequantizeLinear.
+PER_AXIS_OPSET = 13
+
+
+@dataclass
+class QuantizeReport:
+    """What ``quantize_model`` wrote and what its guards did.
+
+    Attributes:
+        output: the INT8 model (verified to load in onnxruntime).
+        actions: plain sentences, one per thing diag did on the user's behalf or noticed.
+        seconds: wall time of the whole call.
+        format: the output's detected format (``dynamic``, ``qdq``, ``qoperator``, ``mixed``, ``fp32``).
+        log: onnxruntime's own warnings and messages, captured instead of printed.
+    """
+
+    output: Path
+    actions: list[str]
+    seconds: float
+    format: str = ""
+    log: list[str] = field(default_factory=list)
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's ``ai.onnx`` opset version (0 when it imports none).
+
+    Example:
+        >>> default_opset(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []),
+        ...     opset_imports=[onnx.helper.make_opsetid("", 12)]))
+        12
+    """
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Return a copy whose tensor ``Constant`` nodes are initializers, and how many were lifted.
+
+    paddle2onnx stores weights as Constant nodes; onnxruntime's quantizer only treats initializers
+    as weights ("Expected <w> to be an initializer" in ``quantize_dynamic``). Lifting is exact:
+    the same tensor under the same name. Never modifies ``model``.
+
+    Example:
+        >>> lifted, n = lift_constants(onnx.load("det.onnx"))  # doctest: +SKIP
+        >>> n
+        163
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    keep = []
+    lifted = 0
+    for node in out.graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            t = onnx.TensorProto()
+            t.CopyFrom(node.attribute[0].t)
+            t.name = node.output[0]
+            out.graph.initializer.append(t)
+            lifted += 1
+        else:
+            keep.append(node)
+    if lifted:
+        del out.graph.node[:]
+        out.graph.node.extend(keep)
+    return out, lifted
+
+
+def upgrade_opset(model: onnx.ModelProto, target: int = PER_AXIS_OPSET) -> onnx.ModelProto:
+    """Convert ``model`` to ``ai.onnx`` opset ``target`` with ``onnx.version_converter``.
+
+    Raises ``quantize-failed`` when the converter has no adapter for one of the model's ops.
+
+    Example:
+        >>> default_opset(upgrade_opset(onnx.load("det.onnx")))  # doctest: +SKIP
+        13
+    """
+    try:
+        converted = onnx.version_converter.convert_version(model, target)
+        onnx.checker.check_model(converted)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise DiagError(
+            "quantize-failed",
+            "FP32 model",
+            f"cannot be upgraded from opset {default_opset(model)} to {target} ({first})",
+            "re-export the model with opset >= 13, or set per_channel to false",
+        ) from e
+    return converted
+
+
+# ---------------------------------------------------------------- public entry point
+
+
+def quantize_model(
+    fp32_path: str | os.PathLike[str],
+    recipe: Recipe,
+    out_path: str | os.PathLike[str],
+    calibration: FeedSource | FeedSpec | None = None,
+    progress: bool = False,
+) -> QuantizeReport:
+    """Quantize ``fp32_path`` with ``recipe`` into ``out_path``, guarded and verified.
+
+    Static recipes calibrate on ``calibration`` (a feed source or spec), or on the recipe's own
+    ``calibration`` path when it is None. The output is written atomically and only after it
+    loads in onnxruntime; the input model is never modified.
+
+    Example:
+        >>> r = quantize_model("det.onnx", Recipe(mode="dynamic"), "det.int8.onnx")  # doctest: +SKIP
+        >>> r.actions[0]
+        'lifted 163 Constant nodes to initializers: ...'
+    """
+    start = time.perf_counter()
+    loaded = model_from_path(fp32_path, "FP32 model")
+    if loaded.format.is_quantized:
+        ev = ", ".join(f"{k} x{v}" for k, v in loaded.format.evidence.items())
+        raise DiagError(
+            "fp32-is-quantized",
+            f"FP32 model '{loaded.path}'",
+            f"is already quantized ({loaded.format.kind}: {ev})",
+            "pass the float model that was exported, not a quantized one",
+        )
+    out = _checked_out(out_path, loaded.path)
+    _check_node_names(recipe, loaded.proto)
+    source = _calibration_source(recipe, calibration, loaded.proto) if recipe.mode == "static" else None
+
+    actions: list[str] = []
+    log: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name:
+        tmp = Path(tmp_name)
+        model = onnx.load(str(loaded.path))  # with weights: the quantizer needs them
+        external = loaded.has_external_data or _weight_bytes(model) > EXTERNAL_DATA_BYTES
+        if external:
+            actions.append(
+                "quantized with use_external_data_format=True: the model's weights are stored as external data "
+                f"(written next to the output as {out.name}.data)"
+            )
+        model, lifted = lift_constants(model)
+        if lifted:
+            actions.append(
+                f"lifted {lifted} Constant node(s) to initializers: onnxruntime's quantizer only quantizes "
+                "initializer weights (quantize_dynamic fails with 'Expected ... to be an initializer')"
+            )
+        upgraded = False
+        opset = default_opset(model)
+        if _needs_per_axis(recipe) and 0 < opset < PER_AXIS_OPSET:
+            model = upgrade_opset(model)
+            upgraded = True
+            actions.append(
+                f"upgraded opset {opset} -> {PER_AXIS_OPSET} with onnx.version_converter: per-channel QDQ writes "
+                "DequantizeLinear with an axis attribute, which opset < 13 forbids (the INT8 model would not load)"
+            )
+        with _captured_ort_logging(log):
+            src = _save(model, tmp / "fp32" / "model.onnx", external)
+            del model
+            if recipe.preprocess:
+                src = _preprocess(src, tmp / "pre" / "model.onnx", external, actions, log)
+            _check_names_survived(recipe, src, actions)
+            staged = tmp / "int8" / out.name
+            _run_quantizer(recipe, src, staged, source, external, actions, progress)
+            error = _load_error(staged)
+            if error and "axis" in error and not upgraded and 0 < default_opset(_structure(src)) < PER_AXIS_OPSET:
+                old = default_opset(_structure(src))
+                src = _save(upgrade_opset(onnx.load(str(src))), tmp / "fp32-upgraded" / "model.onnx", external)
+                actions.append(
+                    f"upgraded opset {old} -> {PER_AXIS_OPSET} with onnx.version_converter and quantized again: "
+                    f"the first INT8 model did not load in onnxruntime ({error})"
+                )
+                shutil.rmtree(staged.parent)
+                _run_quantizer(recipe, src, staged, source, external, actions, False)
+                error = _load_error(staged)
+        if error:
+            raise DiagError(
+                "quantize-failed",
+                f"INT8 model for '{loaded.path}'",
+                f"does not load in onnxruntime ({error})",
+                "nothing was written; try per_channel=false or preprocess=true, or report the model",
+            )
+        fmt = detect_format(_structure(staged))
+        if not fmt.is_quantized:
+            actions.append(
+                "warning: no operator was quantized (check op_types_to_quantize / nodes_to_quantize "
+                "against the model's op types)"
+            )
+        actions.append(f"verified: the INT8 model loads in onnxruntime (format {fmt.kind})")
+        _publish(staged, out)
+    return QuantizeReport(out, list(dict.fromkeys(actions)), time.perf_counter() - start, fmt.kind, log)
+
+
+# ---------------------------------------------------------------- steps
+
+
+def _checked_out(out_path: str | os.PathLike[str], source: Path) -> Path:
+    """The output path; its folder is created; it may not be the input model."""
+    out = Path(out_path)
+    if out.suffix.lower() != ".onnx":
+        raise DiagError("bad-option", f"-o '{out}'", "does not end in .onnx", "name the output e.g. model.int8.onnx")
+    if out.exists() and out.resolve() == source.resolve():
+        raise DiagError("bad-out", f"-o '{out}'", "is the FP32 model itself", "write the INT8 model to another file")
+    if out.is_dir():
+        raise DiagError("bad-out", f"-o '{out}'", "is a directory", "give a file name ending in .onnx")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DiagError(
+            "bad-out", f"-o '{out}'", f"folder cannot be created ({e.strerror})", "choose a writable folder"
+        ) from e
+    if not os.access(out.parent, os.W_OK):
+        raise DiagError("bad-out", f"-o '{out}'", "folder is not writable", "choose a writable folder")
+    return out
+
+
+def _check_node_names(recipe: Recipe, model: onnx.ModelProto) -> None:
+    """Node names onnxruntime would silently ignore are a user error here."""
+    import difflib
+
+    names = {n.name for n in iter_nodes(model.graph) if n.name}
+    types = {n.op_type for n in iter_nodes(model.graph)}
+    for key in ("nodes_to_exclude", "nodes_to_quantize"):
+        for name in getattr(recipe, key) or []:
+            if name not in names:
+                close = difflib.get_close_matches(name, sorted(names), n=1)
+                hint = f"did you mean '{close[0]}'?" if close else "use FP32 node names (diag inspect lists the model)"
+                raise DiagError("bad-recipe", f"{key} entry '{name}'", "names no node of the FP32 model", hint)
+    for t in recipe.op_types_to_quantize or []:
+        if t not in types:
+            raise DiagError(
+                "bad-recipe",
+                f"op_types_to_quantize entry '{t}'",
+                "is not an op type of the FP32 model",
+                f"the model has: {', '.join(sorted(types))}",
+            )
+
+
+def _calibration_source(
+    recipe: Recipe, calibration: FeedSource | FeedSpec | None, model: onnx.ModelProto
+) -> FeedSource:
+    if isinstance(calibration, FeedSource):
+        return calibration
+    if calibration is None:
+        path = recipe.calibration_path()
+        if path is None:
+            raise DiagError(
+                "bad-recipe",
+                "static quantization",
+                "needs calibration inputs and none were given",
+                'set "calibration": "calib.npz" in the recipe or pass --calib PATH (or use mode dynamic)',
+            )
+        calibration = FeedSpec(inputs=str(path), samples=recipe.calibration_samples)
+    elif calibration.samples is None and recipe.calibration_samples is not None:
+        calibration = FeedSpec(**{**calibration.__dict__, "samples": recipe.calibration_samples})
+    return calibration.source(model)
+
+
+def _needs_per_axis(recipe: Recipe) -> bool:
+    return recipe.per_channel and recipe.mode == "static" and recipe.quant_format == "QDQ"
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    return sum(len(t.raw_data) for t in model.graph.initializer)
+
+
+def _structure(path: Path) -> onnx.ModelProto:
+    return onnx.load(str(path), load_external_data=False)
+
+
+def _save(model: onnx.ModelProto, path: Path, external: bool) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data")
+    else:
+        onnx.save_model(model, str(path))
+    return path
+
+
+def _preprocess(src: Path, dst: Path, external: bool, actions: list[str], log: list[str]) -> Path:
+    """``quant_pre_process``, retried without symbolic shape inference when that part fails."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {"save_as_external_data": external, "all_tensors_to_one_file": True}
+    if external:
+        kwargs["external_data_location"] = dst.name + ".data"
+    before = len(log)
+    try:
+        quant_pre_process(str(src), str(dst), **kwargs)
+        how = "quant_pre_process"
+    except ImportError as e:
+        if "sympy" not in str(e):
+            raise
+        quant_pre_process(str(src), str(dst), skip_symbolic_shape=True, **kwargs)
+        actions.append(
+            "ran quant_pre_process without symbolic shape inference: sympy is not installed "
+            "(pip install sympy to enable it)"
+        )
+        how = None
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        try:
+            quant_pre_process(str(src), str(dst), skip_symbolic_shape=True, **kwargs)
+        except Exception as e2:
+            raise DiagError(
+                "quantize-failed",
+                "quant_pre_process",
+                f"failed with and without symbolic shape inference ({type(e2).__name__}: {str(e2)[:200]})",
+                'set "preprocess": false in the recipe',
+            ) from e2
+        actions.append(
+            f"quant_pre_process failed in symbolic shape inference ({first}); "
+            "retried with skip_symbolic_shape=True, which worked"
+        )
+        how = None
+    if any("Optimization Failed" in line for line in log[before:]):
+        actions.append("quant_pre_process: onnxruntime's graph optimization step failed and was skipped")
+    if how:
+        actions.append("ran quant_pre_process (shape inference and graph optimization) before quantizing")
+    return dst
+
+
+def _check_names_survived(recipe: Recipe, src: Path, actions: list[str]) -> None:
+    """Pre-processing and opset conversion may rename or fuse nodes that the recipe names."""
+    names = {n.name for n in iter_nodes(_structure(src).graph)}
+    for key in ("nodes_to_exclude", "nodes_to_quantize"):
+        gone = [n for n in getattr(recipe, key) or [] if n not in names]
+        if gone:
+            shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+            actions.append(
+                f"warning: {len(gone)} {key} name(s) no longer exist after pre-processing ({shown}); "
+                "onnxruntime ignores them (set preprocess to false to keep FP32 node names)"
+            )
+
+
+def _run_quantizer(
+    recipe: Recipe,
+    src: Path,
+    dst: Path,
+    source: FeedSource | None,
+    external: bool,
+    actions: list[str],
+    progress: bool,
+) -> None:
+    from onnxruntime.quantization import quantize_dynamic, quantize_static
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    kwargs = recipe.ort_kwargs()
+    kwargs["use_external_data_format"] = external
+    try:
+        if recipe.mode == "dynamic":
+            quantize_dynamic(str(src), str(dst), **kwargs)
+        else:
+            assert source is not None
+            reader = _reader(source, progress)
+            quantize_static(str(src), str(dst), reader, **kwargs)
+            actions.append(
+                f"calibrated with {recipe.calibrate_method} on {reader.samples} sample(s) from {source.description}"
+            )
+    except DiagError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise DiagError(
+            "quantize-failed",
+            f"quantize_{recipe.mode}",
+            f"raised {type(e).__name__}: {first}",
+            'try "preprocess": true, exclude the node it names, or re-run with --debug for the traceback',
+        ) from e
+
+
+def _reader(source: FeedSource, progress: bool) -> Any:
+    """Wrap a feed source into an onnxruntime ``CalibrationDataReader`` (one batch per get_next)."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    from diag.progress import Progress
+
+    class _FeedReader(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self._batches: Iterator[Any] | None = None
+            self.samples = 0
+            self._bar = Progress(source.total_samples, "calibrating", progress)
+
+        def get_next(self) -> dict[str, Any] | None:
+            if self._batches is None:
+                self._batches = iter(source)
+            batch = next(self._batches, None)
+            if batch is None:
+                self._bar.close()
+                return None
+            self.samples += batch.size
+            self._bar.advance(batch.size)
+            return batch.feeds
+
+        def rewind(self) -> None:
+            self._batches = None
+            self.samples = 0
+
+    return _FeedReader()
+
+
+def _load_error(path: Path) -> str | None:
+    """None when onnxruntime can build a session for the model, else the first line of its error."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        text = str(e).strip().splitlines() or [type(e).__name__]
+        return text[0][:300]
+    return None
+
+
+def _publish(staged: Path, out: Path) -> None:
+    """Move the verified model (and its external data, first) into place, each by rename."""
+    parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
+    moved: list[Path] = []
+    try:
+        for p in parts:
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=out.parent)
+            os.close(fd)
+            shutil.copyfile(p, tmp_name)  # a copy: the temp folder may be on another device
+            moved.append(Path(tmp_name))
+            os.replace(tmp_name, out.parent / p.name)
+            moved.pop()
+    except OSError as e:
+        raise DiagError("bad-out", f"-o '{out}'", f"cannot be written ({e.strerror or e})", "check free space") from e
+    finally:
+        for p in moved:
+            p.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _captured_ort_logging(log: list[str]) -> Iterator[None]:
+    """Route onnxruntime's Python logging, prints and warnings into ``log``; quiet its C++ logger.
+
+    NOTE: the quantizer logs through the root logger and ``print``; left alone it floods the
+    terminal with advice ("Please consider to run pre-processing...") that diag acts on itself.
+    """
+    import onnxruntime as ort
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            log.append(f"{record.levelname.lower()}: {record.getMessage()}")
+
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    root.handlers = [_Collect(logging.INFO)]
+    root.setLevel(logging.WARNING)
+    out = io.StringIO()
+    ort.set_default_logger_severity(3)
+    with contextlib.ExitStack() as stack:
+        caught = stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("always")
+        stack.enter_context(contextlib.redirect_stdout(out))
+        try:
+            yield
+        finally:
+            root.handlers = saved_handlers
+            root.setLevel(saved_level)
+            ort.set_default_logger_severity(2)
+            log.extend(line for line in out.getvalue().splitlines() if line.strip())
+            log.extend(f"warning: {w.message}" for w in caught or [])

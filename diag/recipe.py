@@ -1,0 +1,405 @@
+"""Recipe files: onnxruntime's own quantization arguments, one to one, in ``recipe.json`` or ``.toml``.
+
+A recipe names exactly what a user would type in Python::
+
+    quantize_static(fp32, int8, reader, quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+
+becomes ``{"mode": "static", "quant_format": "QDQ", "per_channel": true, "activation_type": "QUInt8",
+"weight_type": "QInt8"}``. Only three keys are diag's own: ``mode`` (which of the two functions),
+``calibration`` / ``calibration_samples`` (where the calibration reader's data comes from) and
+``preprocess`` (run ``quant_pre_process`` first).
+
+NOTE: unknown keys are an error, never ignored. onnxruntime silently ignores misspelled
+``extra_options`` keys and node names; a recipe that silently ignored ``op_type_to_quantize`` would
+hand the user a model quantized with settings they did not ask for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diag.errors import DiagError
+
+MODES = ("dynamic", "static")
+QUANT_FORMATS = ("QDQ", "QOperator")
+#: onnxruntime ``QuantType`` member names diag accepts for activations and weights.
+QUANT_TYPES = ("QInt8", "QUInt8", "QInt16", "QUInt16", "QInt4", "QUInt4", "QFLOAT8E4M3FN")
+#: onnxruntime ``CalibrationMethod`` member names.
+CALIBRATE_METHODS = ("MinMax", "Entropy", "Percentile", "Distribution")
+#: keys that only ``quantize_static`` takes.
+STATIC_ONLY = ("quant_format", "activation_type", "calibrate_method", "calibration", "calibration_samples")
+
+
+@dataclass
+class Recipe:
+    """onnxruntime's ``quantize_dynamic`` / ``quantize_static`` arguments, by their Python names.
+
+    Attributes:
+        mode: ``dynamic`` (``quantize_dynamic``) or ``static`` (``quantize_static``).
+        quant_format: ``QDQ`` or ``QOperator`` (static only).
+        activation_type: a ``QuantType`` name (static only; dynamic picks its own).
+        weight_type: a ``QuantType`` name.
+        per_channel: per-output-channel weight scales.
+        reduce_range: 7-bit weights (for CPUs without VNNI).
+        op_types_to_quantize: only these op types (None: every type the quantizer supports).
+        nodes_to_quantize: only these FP32 node names (None: all).
+        nodes_to_exclude: FP32 node names kept in float.
+        calibrate_method: a ``CalibrationMethod`` name (static only).
+        extra_options: passed to onnxruntime as is.
+        calibration: calibration inputs (``.npz`` or folder), relative to the recipe file.
+        calibration_samples: use the first N calibration samples.
+        preprocess: run ``quant_pre_process`` (shape inference + graph cleanup) first.
+        base_dir: the folder ``calibration`` is relative to (the recipe file's folder when loaded
+            from a file); not part of the recipe itself, never written.
+    """
+
+    mode: str = "static"
+    quant_format: str = "QDQ"
+    activation_type: str = "QInt8"
+    weight_type: str = "QInt8"
+    per_channel: bool = False
+    reduce_range: bool = False
+    op_types_to_quantize: list[str] | None = None
+    nodes_to_quantize: list[str] | None = None
+    nodes_to_exclude: list[str] = field(default_factory=list)
+    calibrate_method: str = "MinMax"
+    extra_options: dict[str, Any] = field(default_factory=dict)
+    calibration: str | None = None
+    calibration_samples: int | None = None
+    preprocess: bool = False
+    base_dir: str | None = field(default=None, compare=False, repr=False)
+
+    def with_excluded(self, nodes: Iterable[str]) -> Recipe:
+        """A copy with ``nodes`` added to ``nodes_to_exclude`` (order kept, no duplicates).
+
+        Example:
+            >>> Recipe(nodes_to_exclude=["a"]).with_excluded(["b", "a"]).nodes_to_exclude
+            ['a', 'b']
+        """
+        merged = list(dict.fromkeys([*self.nodes_to_exclude, *nodes]))
+        return dataclasses.replace(self, nodes_to_exclude=merged, extra_options=dict(self.extra_options))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as plain JSON types in a stable key order (the dataclass field order).
+
+        ``None`` values are left out (TOML has no null); ``base_dir`` is never written.
+
+        Example:
+            >>> list(Recipe(mode="dynamic").to_dict())[:3]
+            ['mode', 'quant_format', 'activation_type']
+        """
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "base_dir":
+                continue
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            out[f.name] = json.loads(json.dumps(value))  # deep copy, plain types only
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "recipe") -> Recipe:
+        """Validate ``data`` (parsed JSON/TOML) and build a Recipe.
+
+        Raises ``bad-recipe`` on unknown keys (with a did-you-mean), wrong types, unknown enum
+        names, and static-only settings in a dynamic recipe.
+
+        Example:
+            >>> Recipe.from_dict({"mode": "dynamic", "weight_type": "QUInt8"}).weight_type
+            'QUInt8'
+            >>> Recipe.from_dict({"op_type_to_quantize": ["Conv"]})
+            Traceback (most recent call last):
+            ...
+            diag.errors.DiagError: recipe key 'op_type_to_quantize' | is not a recipe key. Hint: did you mean 'op_types_to_quantize'?
+        """  # noqa: E501
+        if not isinstance(data, dict):
+            raise DiagError("bad-recipe", source, f"is a {type(data).__name__}, not a table of settings", _EXAMPLE)
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "base_dir"]
+        for key in data:
+            if key not in names:
+                raise DiagError("bad-recipe", f"{source} key '{key}'", "is not a recipe key", _suggest(key, names))
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            values[key] = _check_value(key, value, f"{source} key '{key}'")
+        recipe = cls(**values)
+        if recipe.mode == "dynamic":
+            defaults = cls()
+            for key in STATIC_ONLY:
+                if key in data and getattr(recipe, key) != getattr(defaults, key):
+                    raise DiagError(
+                        "bad-recipe",
+                        f"{source} key '{key}'",
+                        "only applies to quantize_static but mode is 'dynamic'",
+                        f'remove \'{key}\' or set "mode": "static"',
+                    )
+        return recipe
+
+    def ort_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments for ``quantize_dynamic`` / ``quantize_static``, enums resolved.
+
+        Model paths and the calibration reader are not included: the caller supplies them.
+
+        Example:
+            >>> Recipe(mode="dynamic", weight_type="QUInt8").ort_kwargs()["weight_type"]  # doctest: +SKIP
+            <QuantType.QUInt8: 1>
+        """
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
+
+        kwargs: dict[str, Any] = {
+            "op_types_to_quantize": list(self.op_types_to_quantize) if self.op_types_to_quantize is not None else None,
+            "per_channel": self.per_channel,
+            "reduce_range": self.reduce_range,
+            "weight_type": QuantType[self.weight_type],
+            "nodes_to_quantize": list(self.nodes_to_quantize) if self.nodes_to_quantize is not None else None,
+            "nodes_to_exclude": list(self.nodes_to_exclude),
+            "extra_options": json.loads(json.dumps(self.extra_options)),
+        }
+        if self.mode == "static":
+            kwargs["quant_format"] = QuantFormat[self.quant_format]
+            kwargs["activation_type"] = QuantType[self.activation_type]
+            kwargs["calibrate_method"] = CalibrationMethod[self.calibrate_method]
+        return kwargs
+
+    def calibration_path(self) -> Path | None:
+        """``calibration`` resolved against the recipe file's folder (None when not set).
+
+        Example:
+            >>> Recipe(calibration="calib.npz", base_dir="cfg").calibration_path()
+            PosixPath('cfg/calib.npz')
+        """
+        if self.calibration is None:
+            return None
+        p = Path(self.calibration).expanduser()
+        if not p.is_absolute() and self.base_dir is not None:
+            p = Path(self.base_dir) / p
+        return p
+
+
+_EXAMPLE = 'write e.g. {"mode": "dynamic", "weight_type": "QInt8", "per_channel": true}'
+
+_ENUMS: dict[str, tuple[str, ...]] = {
+    "mode": MODES,
+    "quant_format": QUANT_FORMATS,
+    "activation_type": QUANT_TYPES,
+    "weight_type": QUANT_TYPES,
+    "calibrate_method": CALIBRATE_METHODS,
+}
+_ENUM_CLASS = {
+    "quant_format": "QuantFormat",
+    "activation_type": "QuantType",
+    "weight_type": "QuantType",
+    "calibrate_method": "CalibrationMethod",
+}
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    choices = list(choices)
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    lower = {c.lower(): c for c in choices}
+    if not close and word.lower() in lower:
+        close = [lower[word.lower()]]
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return f"one of: {', '.join(choices)}"
+
+
+def _check_value(key: str, value: Any, obj: str) -> Any:
+    """Type-check one recipe value; return it normalised (enum prefixes stripped)."""
+    if key in _ENUMS:
+        if not isinstance(value, str):
+            raise DiagError("bad-recipe", obj, f"is {value!r}, not a name", f"one of: {', '.join(_ENUMS[key])}")
+        prefix = _ENUM_CLASS.get(key)
+        if prefix and value.startswith(prefix + "."):
+            value = value[len(prefix) + 1 :]  # "QuantType.QInt8", as typed in Python
+        if value not in _ENUMS[key]:
+            raise DiagError("bad-recipe", obj, f"has unknown value {value!r}", _suggest(value, _ENUMS[key]))
+        return value
+    if key in ("per_channel", "reduce_range", "preprocess"):
+        if not isinstance(value, bool):
+            raise DiagError("bad-recipe", obj, f"is {value!r}, not true/false", "write true or false")
+        return value
+    if key in ("op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude"):
+        if value is None and key != "nodes_to_exclude":
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise DiagError("bad-recipe", obj, "is not a list of names", 'write e.g. ["Conv", "MatMul"]')
+        return list(value)
+    if key == "extra_options":
+        if not isinstance(value, dict):
+            raise DiagError(
+                "bad-recipe", obj, f"is a {type(value).__name__}, not a table", 'e.g. {"WeightSymmetric": true}'
+            )
+        _check_plain(value, obj)
+        return json.loads(json.dumps(value))
+    if key == "calibration":
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise DiagError("bad-recipe", obj, "is not a path", 'write e.g. "calib.npz" (relative to the recipe file)')
+        return value
+    if key == "calibration_samples":
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DiagError("bad-recipe", obj, f"is {value!r}, not a positive integer", "write e.g. 64")
+        return value
+    raise AssertionError(f"unhandled recipe key {key}")  # pragma: no cover - keys are checked first
+
+
+def _check_plain(value: Any, obj: str) -> None:
+    """Only JSON types (TOML dates and NaN would not survive a round trip)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise DiagError("bad-recipe", obj, f"has a non-string key {k!r}", "use string keys")
+            _check_plain(v, obj)
+    elif isinstance(value, list):
+        for v in value:
+            _check_plain(v, obj)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise DiagError("bad-recipe", obj, f"holds {value!r}", "use finite numbers")
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise DiagError("bad-recipe", obj, f"holds a {type(value).__name__}", "use strings, numbers, lists and tables")
+
+
+def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a recipe file (``.toml`` by suffix, JSON otherwise) into a dict, without validating keys.
+
+    Syntax errors become ``bad-recipe`` with the line and column, so the linter and
+    :func:`load_recipe` report them alike.
+
+    Example:
+        >>> read_recipe_file("recipe.json")  # doctest: +SKIP
+        {'mode': 'dynamic', 'per_channel': True}
+    """
+    p = Path(path)
+    obj = f"recipe '{p}'"
+    if not p.exists():
+        raise DiagError("missing-file", obj, "does not exist", "check the path")
+    if not p.is_file():
+        raise DiagError("not-a-file", obj, "is not a regular file", "pass a .json or .toml file")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise DiagError("unreadable", obj, f"cannot be read ({e.strerror})", "check permissions") from e
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DiagError("bad-recipe", obj, "is not UTF-8 text", "save it as UTF-8 JSON or TOML") from e
+    if p.suffix.lower() == ".toml":
+        toml = _tomllib()
+        try:
+            data: Any = toml.loads(text)
+        except toml.TOMLDecodeError as e:
+            raise DiagError("bad-recipe", obj, f"is not valid TOML ({e})", "fix the syntax at the reported line") from e
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DiagError(
+                "bad-recipe",
+                obj,
+                f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
+                "fix the syntax (JSON has no comments or trailing commas); or use a .toml file",
+            ) from e
+    if not isinstance(data, dict):
+        raise DiagError("bad-recipe", obj, f"holds a {type(data).__name__}, not a table of settings", _EXAMPLE)
+    return data
+
+
+def _tomllib() -> Any:
+    try:
+        import tomllib  # Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError as e:
+            raise DiagError(
+                "bad-recipe",
+                "TOML recipe",
+                "needs Python >= 3.11 or the tomli package",
+                "pip install tomli, or use JSON",
+            ) from e
+    return tomllib
+
+
+def load_recipe(path: str | os.PathLike[str]) -> Recipe:
+    """Read and validate a recipe file; ``calibration`` stays relative to the file's folder.
+
+    Example:
+        >>> load_recipe("recipe.json").mode  # doctest: +SKIP
+        'dynamic'
+    """
+    p = Path(path)
+    recipe = Recipe.from_dict(read_recipe_file(p), f"recipe '{p}'")
+    recipe.base_dir = str(p.parent)
+    return recipe
+
+
+def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
+    """Write ``recipe`` atomically as JSON, or TOML when ``path`` ends in ``.toml``.
+
+    ``calibration`` is written as stored; when the recipe came from a file in another folder,
+    the path is rebased so that it still names the same data from the new file's folder.
+
+    Example:
+        >>> save_recipe(Recipe(mode="dynamic"), "recipe.json")  # doctest: +SKIP
+        PosixPath('recipe.json')
+    """
+    p = Path(path)
+    data = recipe.to_dict()
+    calib = recipe.calibration_path()
+    if calib is not None and recipe.base_dir is not None and not Path(recipe.calibration or "").is_absolute():
+        data["calibration"] = os.path.relpath(calib, p.parent if str(p.parent) else ".")
+    text = _to_toml(data, p) if p.suffix.lower() == ".toml" else json.dumps(data, indent=2) + "\n"
+    tmp_name = None
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_name, 0o666 & ~umask)
+        os.replace(tmp_name, p)
+        tmp_name = None
+    except OSError as e:
+        raise DiagError("bad-out", f"recipe '{p}'", f"cannot be written ({e.strerror or e})", "check the folder") from e
+    finally:
+        if tmp_name is not None and os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return p
+
+
+def _toml_value(value: Any, obj: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic strings
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v, obj) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v, obj)}" for k, v in value.items()) + "}"
+    raise DiagError("bad-recipe", obj, f"holds {value!r}, which TOML cannot write", "save the recipe as .json")
+
+
+def _to_toml(data: dict[str, Any], path: Path) -> str:
+    obj = f"recipe '{path}'"
+    lines = [f"{k} = {_toml_value(v, obj)}" for k, v in data.items() if k != "extra_options"]
+    extra = data.get("extra_options") or {}
+    if extra:
+        lines += ["", "[extra_options]"]
+        lines += [f"{json.dumps(k)} = {_toml_value(v, obj)}" for k, v in extra.items()]
+    return "\n".join(lines) + "\n"
