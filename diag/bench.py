@@ -278,3 +278,45 @@ def _with_speedup(s: LatencyStats, ref_p50: float) -> LatencyStats:
     d = s.to_dict()
     d["speedup"] = ref_p50 / s.p50_ms if s.p50_ms > 0 else None
     return LatencyStats(**d)
+
+
+def bench_to_json(
+    paths: list[str | Path],
+    feeds: FeedSource | FeedSpec,
+    runs: int = 50,
+    warmup: int = 5,
+    threads: int | None = None,
+    progress: bool = True,
+    json_path: str | Path | None = None,
+) -> tuple[list[LatencyStats], str, Path | None]:
+    """`diag bench` end to end: bench, format the table, write the JSON file when asked.
+
+    The JSON file is ``{"schema": "diag/bench", "schema_version": 1, "environment": ...,
+    "models": [LatencyStats.to_dict(), ...]}``, written atomically.
+
+    Example:
+        >>> stats, table, path = bench_to_json(["fp32.onnx", "int8.onnx"], FeedSpec(random=True),
+        ...                                    json_path="bench.json")  # doctest: +SKIP
+    """
+    import json
+
+    from diag.compare import environment
+    from diag.report import atomic_write
+
+    if json_path is not None:
+        folder = Path(json_path).parent
+        if not folder.is_dir():
+            raise DiagError("bad-out", f"--json '{json_path}'", "is in a folder that does not exist", "create it first")
+    stats = bench_models(paths, feeds, runs, warmup, threads, progress)
+    table = format_table(stats)
+    written = None
+    if json_path is not None:
+        doc = {
+            "schema": "diag/bench",
+            "schema_version": 1,
+            "environment": environment(),
+            "opt_level": DEPLOY_OPT_LEVEL,
+            "models": [s.to_dict() for s in stats],
+        }
+        written = atomic_write(Path(json_path), json.dumps(doc, indent=2) + "\n")
+    return stats, table, written
