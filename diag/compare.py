@@ -33,7 +33,7 @@ from diag.load import LoadedModel, model_from_path
 from diag.match import Matching, TensorPair, match_models
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator
 from diag.progress import Progress
-from diag.run import run_batch, session_from_model
+from diag.run import check_memory, run_batch, session_from_model
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
 MIN_COVERAGE = 0.3
@@ -158,6 +158,11 @@ def compare_models(
     options = options or CompareOptions()
     start = time.perf_counter()
     fp, q = load_pair(fp32_path, int8_path)
+    # Pre-flight: refuse declared shapes that cannot fit before any session allocates them.
+    check_memory(
+        [(fp.proto, "FP32 model", 1), (q.proto, "INT8 model", 2 if options.local else 1)],
+        feeds.batch if isinstance(feeds, FeedSpec) else 1,
+    )
     if isinstance(feeds, FeedSpec):
         feeds = feeds.source(fp.proto)
     matching = match_models(fp.proto, q.proto)

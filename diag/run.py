@@ -5,6 +5,8 @@ Heavy import: onnxruntime is imported inside the functions so ``diag --help`` st
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ def session_from_model(
     }
     so = ort.SessionOptions()
     so.graph_optimization_level = levels[opt_level]
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # errors reach the user as one DiagError line, not as onnxruntime's log
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
@@ -57,11 +59,15 @@ def session_from_model(
 
 def run_batch(session: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str, np.ndarray]:
     """Run one batch; returns every output by name. Failures name the node onnxruntime reported."""
+    import onnxruntime as ort
+
     names = [o.name for o in session.get_outputs()]
+    run_options = ort.RunOptions()
+    run_options.log_severity_level = 4
     try:
-        values = session.run(names, feeds)
+        values = session.run(names, feeds, run_options)
     except Exception as e:
-        node = re.search(r"[Nn]ode(?: \(|:\s*)?'?([^'\s)]+)", str(e))
+        node = re.search(r"Name:\s*'([^']*)'", str(e)) or re.search(r"[Nn]ode(?: \(|:\s*)?'([^'\s)]+)", str(e))
         where = f" at node '{node.group(1)}'" if node else ""
         raise DiagError(
             "runtime-failure",
@@ -75,3 +81,93 @@ def run_batch(session: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:400]
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the OS says are available now (``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def tensor_bytes(model: onnx.ModelProto) -> list[tuple[int, str, tuple[int | str, ...]]]:
+    """Bytes per sample of every tensor whose shape onnx shape inference knows, largest first.
+
+    Symbolic dims count as 1 (one sample; unknown sizes are not guessed), so the estimate is a
+    lower bound: it catches declared shapes that can never fit, never refuses a model for a dim
+    it cannot see. Runs on a weight-free copy of the model.
+
+    Example:
+        >>> tensor_bytes(model)[0]  # doctest: +SKIP
+        (4000000000000, 'huge', (1000000, 1000000))
+    """
+    from diag.match import _structure_only
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(_structure_only(model), strict_mode=False)
+    except Exception:  # inference is a help, not a requirement
+        inferred = model
+    g = inferred.graph
+    sizes: dict[str, tuple[int, str, tuple[int | str, ...]]] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not tt.HasField("shape") or not tt.elem_type:
+            continue
+        dims: tuple[int | str, ...] = tuple(
+            int(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim
+        )
+        try:
+            itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)).itemsize
+        except Exception:
+            itemsize = 4
+        elems = math.prod(d if isinstance(d, int) and d > 0 else 1 for d in dims)
+        sizes[vi.name] = (elems * itemsize, vi.name, dims)
+    return sorted(sizes.values(), reverse=True)
+
+
+def check_memory(models: list[tuple[onnx.ModelProto, str, int]], batch: int, limit: int | None = None) -> int:
+    """Refuse up front (``too-large``) when one batch's exposed tensors cannot fit in memory.
+
+    ``models`` are ``(model, role, copies)``: the INT8 model's tensors are held twice (the INT8
+    pass and the cut model of the local-error pass). ``limit`` defaults to the memory available
+    now. Returns the estimate in bytes.
+
+    Example:
+        >>> check_memory([(fp32, "FP32 model", 1), (int8, "INT8 model", 2)], batch=8)  # doctest: +SKIP
+        1048576
+    """
+    limit = available_memory() if limit is None else limit
+    total = 0
+    largest: tuple[int, str, tuple[int | str, ...], str] | None = None
+    for model, role, copies in models:
+        sizes = tensor_bytes(model)
+        total += copies * batch * sum(s[0] for s in sizes)
+        if sizes and (largest is None or sizes[0][0] > largest[0]):
+            largest = (*sizes[0], role)
+    if limit is not None and largest is not None and total > limit:
+        nbytes, name, dims, role = largest
+        shape = "x".join(str(d) for d in dims)
+        raise DiagError(
+            "too-large",
+            f"{role} tensor '{name}'",
+            f"one batch of {batch} sample(s) needs at least {_human(total)} of tensors, {_human(limit)} available "
+            f"(the largest, '{name}' [{shape}], alone takes {_human(nbytes * batch)} per batch)",
+            "check the declared shape of that tensor, or lower --batch",
+        )
+    return total
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
