@@ -97,7 +97,14 @@ def _feed_spec(args: argparse.Namespace) -> Any:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """Print a model's quantization format, opsets, op counts, subgraphs and visible problems."""
+    """Print a model's quantization format, opsets, op counts, subgraphs and visible problems.
+
+    With --recipe, print instead the recipe that made an INT8 model (mode, format, types,
+    per-channel, symmetric, reduce_range, excluded nodes) as a TOML recipe file; fields a model
+    cannot tell (calibrate_method) are commented out with the reason. --recipe-out FILE writes it
+    (.toml with the comments, .json without)."""
+    if args.recipe or args.recipe_out:
+        return _inspect_recipe(args)
     from diag.load import model_summary
 
     s = model_summary(args.model)
@@ -196,6 +203,102 @@ def cmd_report(args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """CI gate on a diag.json: every gate is applied to every model output and printed as PASS, FAIL or
+    SKIP with its margin; exit code 3 when any gate fails.
+
+    A gate on a metric an output does not have (top-1 agreement of a non-class-like output, accuracy
+    drop without --labels) is skipped for that output with a printed note, and FAILS when it applies
+    to no output at all: a gate that cannot measure anything never passes."""
+    from diag.errors import GATE_FAILED
+    from diag.gate import Gates, check_file, summary_line
+
+    gates = Gates(
+        min_sqnr=args.min_sqnr,
+        min_cosine=args.min_cosine,
+        max_abs=args.max_abs,
+        min_agreement=args.min_agreement,
+        max_accuracy_drop=args.max_accuracy_drop,
+        max_grade=args.max_grade,
+        outputs=tuple(args.output),
+    )
+    results = check_file(args.json, gates)
+    for r in results:
+        print(_safe(r.line()))
+    print(summary_line(results))
+    return GATE_FAILED if any(r.failed for r in results) else OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Show what got better or worse between two diag.json runs (b relative to a): grade, per-output
+    metric deltas, nodes whose quantized status or role changed, largest SQNR changes, nodes in one
+    run only, changed settings and versions."""
+    import json
+
+    from diag.diff import diff_files
+
+    diff = diff_files(args.a, args.b, top=args.top)
+    if args.json:
+        print(json.dumps(diff.to_dict(), indent=2))
+    else:
+        for line in diff.lines():
+            print(_safe(line))
+    return OK
+
+
+def _inspect_recipe(args: argparse.Namespace) -> int:
+    from diag.infer import recipe_to_file, recipe_to_toml
+
+    if args.recipe_out:
+        path, notes = recipe_to_file(args.model, args.recipe_out)
+        print(f"wrote recipe: {_safe(path)}")
+        for note in notes:
+            print(f"note: {_safe(note)}")
+    else:
+        print(_safe_lines(recipe_to_toml(args.model)))
+    return OK
+
+
+def _safe_lines(text: str) -> str:
+    return "\n".join(_safe(line) for line in text.splitlines())
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Latency of FP32, INT8 (and mixed) models on the same inputs: p50 / p90 / p99, noise (min-max),
+    samples per second and speedup vs the first model.
+
+    Sessions use onnxruntime's default optimization level (all), as deployed, with the same
+    intra-op thread count each (default: physical cores); models run interleaved, batch by batch,
+    so background load hits them alike. One batch = one timed run; batches are cycled."""
+    from diag.bench import bench_to_json
+
+    stats, table, written = bench_to_json(
+        args.models, _feed_spec(args), args.runs, args.warmup, args.threads, not args.quiet, args.json
+    )
+    print(_safe_lines(table))
+    if written is not None:
+        print(f"wrote {_safe(written)}")
+    return OK
+
+
+def cmd_lint(args: argparse.Namespace) -> int:
+    """Check a recipe file before quantizing: extra_options keys the installed onnxruntime never
+    reads (OpTypesToExclude, QuantizationPrecision), node names and op types that match no node of
+    the FP32 model (PyTorch module names get the ONNX node names that contain them), and options
+    that contradict each other or the format.
+
+    Every finding is one line, error or warning. Exit code 3 when there is an error (onnxruntime
+    would ignore or reject part of the recipe), 0 with warnings only (legal but probably not meant)."""
+    from diag.errors import GATE_FAILED
+    from diag.lint import lint_recipe_file, summary_line
+
+    findings = lint_recipe_file(args.recipe, args.model)
+    for f in findings:
+        print(_safe(f.line()))
+    print(_safe(summary_line(args.recipe, findings)))
+    return GATE_FAILED if any(f.severity == "error" for f in findings) else OK
+
+
 # ---------------------------------------------------------------- parser
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -203,6 +306,10 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "compare": cmd_compare,
     "report": cmd_report,
     "demo": cmd_demo,
+    "bench": cmd_bench,
+    "lint": cmd_lint,
+    "check": cmd_check,
+    "diff": cmd_diff,
 }
 
 
@@ -226,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("inspect")
     p.add_argument("model", help="an .onnx model (FP32 or INT8)")
+    p.add_argument("--recipe", action="store_true", help="print the recipe that made this INT8 model (TOML)")
+    p.add_argument("--recipe-out", metavar="FILE", help="write that recipe to FILE (.toml or .json)")
 
     p = verb("compare", epilog=TARGET_HELP)
     p.add_argument("fp32", help="the FP32 model")
@@ -272,6 +381,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--samples", type=int, default=32, help="samples to compare (default 32)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = verb("check", epilog=TARGET_HELP)
+    p.add_argument("json", help="a diag.json written by diag compare")
+    p.add_argument("--min-sqnr", type=float, metavar="DB", help="fail when an output's SQNR is below DB")
+    p.add_argument("--min-cosine", type=float, metavar="C", help="fail when an output's min per-sample cosine < C")
+    p.add_argument("--max-abs", type=float, metavar="E", help="fail when an output's max abs error > E")
+    p.add_argument(
+        "--min-agreement", type=float, metavar="F", help="fail when a class-like output's top-1 agreement < F (0.99)"
+    )
+    p.add_argument(
+        "--max-accuracy-drop",
+        type=float,
+        metavar="F",
+        help="fail when the FP32 - INT8 top-1 accuracy drop (run with --labels) > F (0.005 = 0.5 %%)",
+    )
+    p.add_argument(
+        "--max-grade",
+        choices=["excellent", "acceptable", "marginal", "reject"],
+        help="fail when the model's verdict grade is worse",
+    )
+    p.add_argument(
+        "--output",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="apply the metric gates to this output only (repeatable; default: every output)",
+    )
+
+    p = verb("diff")
+    p.add_argument("a", help="the baseline diag.json")
+    p.add_argument("b", help="the new diag.json (deltas are b - a)")
+    p.add_argument("--top", type=int, default=10, metavar="N", help="nodes per SQNR ranking (default 10)")
+    p.add_argument("--json", action="store_true", help="machine-readable JSON instead of text")
+
+    p = verb("bench")
+    p.add_argument("models", nargs="+", help="models to time, FP32 first (speedup is relative to the first)")
+    _add_feed_flags(p)
+    p.add_argument("--runs", type=int, default=50, help="timed runs per model, one batch each (default 50)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed runs per model first (default 5)")
+    p.add_argument("--threads", type=int, help="intra-op threads per session (default: physical cores)")
+    p.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = verb("lint")
+    p.add_argument("recipe", help="a recipe file (.json or .toml)")
+    p.add_argument("--model", metavar="FP32", help="the FP32 model: check node names and op types against it")
     return parser
 
 

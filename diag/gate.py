@@ -1,0 +1,258 @@
+"""`diag check`: a CI gate over a ``diag.json`` — thresholds on every model output, one line per gate.
+
+A gate is a bound on one metric of the verdict (``verdict.outputs[*]`` in ``diag.json``), applied to
+every model output, or on the model's overall grade. Every gate prints a line, passed or failed, with
+the value, the bound and the margin, so a red CI job says which gate failed and by how much.
+
+NOTE: metrics that only exist for some outputs (top-1 agreement needs a class-like output, accuracy
+drop needs ``--labels``) are *skipped with a printed note* on the outputs where they are null, but a
+gate that applies to *no* output at all FAILS ("not applicable to any output"). A gate the run cannot
+measure must never pass vacuously: a CI job that asked for ``--min-agreement`` on an embedding model
+would otherwise stay green forever. Non-finite values fail too (``nan`` cosine is not >= anything),
+except an SQNR of ``inf`` (identical outputs), which passes every ``--min-sqnr``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from diag.errors import DiagError
+
+#: Verdict grades, best first; ``--max-grade`` fails on any grade after the bound.
+GRADES = ("excellent", "acceptable", "marginal", "reject")
+
+#: gate -> (diag.json key in verdict.outputs[*], "min" or "max", number format)
+METRIC_GATES: dict[str, tuple[str, str, str]] = {
+    "min-sqnr": ("sqnr_db", "min", ".2f"),
+    "min-cosine": ("cosine_min", "min", ".5f"),
+    "max-abs": ("max_abs", "max", ".4g"),
+    "min-agreement": ("top1_agreement", "min", ".5f"),
+    "max-accuracy-drop": ("accuracy_drop", "max", ".5f"),
+}
+
+_WHY_NULL = {
+    "top1_agreement": "has no top-1 agreement (not class-like)",
+    "accuracy_drop": "has no accuracy drop (run without --labels, or not the first output)",
+}
+
+
+@dataclass(frozen=True)
+class Gates:
+    """The bounds ``diag check`` enforces; ``None`` means "no gate".
+
+    Attributes:
+        min_sqnr: lowest acceptable output SQNR in dB.
+        min_cosine: lowest acceptable per-sample cosine (``cosine_min``) of every output.
+        max_abs: highest acceptable max abs error of every output.
+        min_agreement: lowest acceptable top-1 agreement (fraction, 0.99 = 99 %) of class-like outputs.
+        max_accuracy_drop: highest acceptable FP32 - INT8 top-1 accuracy drop (fraction) with ``--labels``.
+        max_grade: worst acceptable model grade (``excellent`` … ``reject``).
+        outputs: restrict the metric gates to these output names (all outputs when empty).
+    """
+
+    min_sqnr: float | None = None
+    min_cosine: float | None = None
+    max_abs: float | None = None
+    min_agreement: float | None = None
+    max_accuracy_drop: float | None = None
+    max_grade: str | None = None
+    outputs: tuple[str, ...] = ()
+
+    def metric_bounds(self) -> list[tuple[str, float]]:
+        """The metric gates that were given, in a fixed order: ``[(gate, bound), ...]``.
+
+        Example:
+            >>> Gates(max_abs=0.1, min_cosine=0.999).metric_bounds()
+            [('min-cosine', 0.999), ('max-abs', 0.1)]
+        """
+        values = {
+            "min-sqnr": self.min_sqnr,
+            "min-cosine": self.min_cosine,
+            "max-abs": self.max_abs,
+            "min-agreement": self.min_agreement,
+            "max-accuracy-drop": self.max_accuracy_drop,
+        }
+        return [(gate, float(v)) for gate, v in values.items() if v is not None]
+
+    def validate(self) -> None:
+        """Refuse bounds that cannot mean anything, before any file is read.
+
+        Raises:
+            DiagError: ``bad-option`` when no gate is given or a bound is out of range.
+
+        Example:
+            >>> Gates(min_cosine=2.0).validate()
+            Traceback (most recent call last):
+            ...
+            diag.errors.DiagError: --min-cosine 2.0 | is outside [-1, 1]. Hint: cosine is at most 1, e.g. 0.999
+        """
+        if not self.metric_bounds() and self.max_grade is None:
+            raise DiagError(
+                "bad-option",
+                "diag check",
+                "no gate given",
+                "add at least one of --min-sqnr, --min-cosine, --max-abs, --min-agreement, "
+                "--max-accuracy-drop, --max-grade",
+            )
+        ranges = {
+            "min-cosine": (-1.0, 1.0, "cosine is at most 1, e.g. 0.999"),
+            "max-abs": (0.0, math.inf, "an absolute error is >= 0, e.g. 0.1"),
+            "min-agreement": (0.0, 1.0, "a fraction, e.g. 0.99 for 99 %"),
+            "max-accuracy-drop": (-1.0, 1.0, "a fraction, e.g. 0.005 for 0.5 %"),
+            "min-sqnr": (-math.inf, math.inf, "in dB, e.g. 20"),
+        }
+        for gate, bound in self.metric_bounds():
+            lo, hi, hint = ranges[gate]
+            if math.isnan(bound) or not lo <= bound <= hi:
+                interval = f"[{lo:g}, {hi:g}]"
+                raise DiagError("bad-option", f"--{gate} {bound}", f"is outside {interval}", hint)
+        if self.max_grade is not None and self.max_grade not in GRADES:
+            raise DiagError(
+                "bad-option", f"--max-grade {self.max_grade}", "is not a grade", f"one of {', '.join(GRADES)}"
+            )
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """One gate on one subject (an output or the model).
+
+    Attributes:
+        gate: the gate's flag name without dashes, e.g. ``min-cosine``.
+        subject: ``output 'logits'`` or ``model``.
+        status: ``pass``, ``fail`` or ``skip`` (metric absent for this output; printed, never silent).
+        value: the measured value (a float, a grade, or None when absent).
+        bound: the bound the user gave.
+        margin: how far on the good side (>= 0) or the bad side (< 0) of the bound; grade gates count
+            bands; None when there is nothing to measure.
+        detail: the rest of the printed line.
+    """
+
+    gate: str
+    subject: str
+    status: str
+    value: float | str | None
+    bound: float | str
+    margin: float | None
+    detail: str
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "fail"
+
+    def line(self) -> str:
+        """The printed line, e.g. ``FAIL min-cosine: output 'logits' cosine_min 0.99120 < 0.999 (short by 0.00780)``.
+
+        Example:
+            >>> GateResult("max-grade", "model", "pass", "acceptable", "acceptable", 0, "grade acceptable").line()
+            'PASS max-grade: model grade acceptable'
+        """
+        return f"{self.status.upper()} {self.gate}: {self.subject} {self.detail}"
+
+
+def _value(raw: Any) -> float | None:
+    """diag.json writes non-finite numbers as strings; None stays None (metric not applicable)."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        return float(raw)  # "inf", "-inf", "nan"
+    return float(raw)
+
+
+def _metric_results(outputs: list[dict[str, Any]], gate: str, bound: float) -> list[GateResult]:
+    key, kind, fmt = METRIC_GATES[gate]
+    results: list[GateResult] = []
+    for out in outputs:
+        subject = f"output '{out['name']}'"
+        value = _value(out.get(key))
+        if value is None:
+            detail = f"{_WHY_NULL.get(key, f'has no {key}')}; gate not applied"
+            results.append(GateResult(gate, subject, "skip", None, bound, None, detail))
+            continue
+        ok = value >= bound if kind == "min" else value <= bound
+        margin = value - bound if kind == "min" else bound - value
+        if math.isnan(margin):  # nan value, or inf - inf
+            margin = 0.0 if ok else -math.inf
+        op = (">=" if ok else "<") if kind == "min" else ("<=" if ok else ">")
+        detail = f"{key} {value:{fmt}} {op} {bound:g}"
+        if math.isnan(value):
+            detail += " (not a number: the outputs contain nan)"
+        elif math.isfinite(margin):
+            word = "margin" if ok else ("short by" if kind == "min" else "over by")
+            detail += f" ({word} {abs(margin):{fmt}})"
+        results.append(GateResult(gate, subject, "pass" if ok else "fail", value, bound, margin, detail))
+    if results and all(r.status == "skip" for r in results):
+        names = ", ".join(f"'{o['name']}'" for o in outputs)
+        detail = f"{key} is not applicable to any output ({names}); the gate cannot pass"
+        results.append(GateResult(gate, "model", "fail", None, bound, None, detail))
+    return results
+
+
+def _grade_result(grade: str, bound: str) -> GateResult:
+    bands = GRADES.index(bound) - GRADES.index(grade)
+    if bands >= 0:
+        return GateResult("max-grade", "model", "pass", grade, bound, bands, f"grade {grade} is within {bound}")
+    s = "s" if bands < -1 else ""
+    detail = f"grade {grade} is worse than {bound} (by {-bands} band{s})"
+    return GateResult("max-grade", "model", "fail", grade, bound, bands, detail)
+
+
+def check_document(doc: dict[str, Any], gates: Gates) -> list[GateResult]:
+    """Apply ``gates`` to a loaded ``diag.json``: one result per gate and output, in gate order.
+
+    Never raises for a failing gate (that is a result, not an error); raises ``DiagError`` for gates
+    that cannot be evaluated at all (none given, out-of-range bound, unknown ``outputs`` name).
+
+    Example:
+        >>> from diag.report import load_document
+        >>> results = check_document(load_document("demo/diag.json"), Gates(min_cosine=0.999))  # doctest: +SKIP
+        >>> [r.line() for r in results]  # doctest: +SKIP
+        ["FAIL min-cosine: output 'logits' cosine_min 0.99629 < 0.999 (short by 0.00271)"]
+    """
+    gates.validate()
+    outputs: list[dict[str, Any]] = list(doc["verdict"]["outputs"])
+    if gates.outputs:
+        known = [o["name"] for o in outputs]
+        unknown = [n for n in gates.outputs if n not in known]
+        if unknown:
+            raise DiagError(
+                "bad-option",
+                f"--output {unknown[0]}",
+                "is not an output of the compared model",
+                f"outputs are: {', '.join(known)}",
+            )
+        outputs = [o for o in outputs if o["name"] in gates.outputs]
+    results: list[GateResult] = []
+    for gate, bound in gates.metric_bounds():
+        results.extend(_metric_results(outputs, gate, bound))
+    if gates.max_grade is not None:
+        results.append(_grade_result(doc["verdict"]["grade"], gates.max_grade))
+    return results
+
+
+def check_file(path: str | os.PathLike[str], gates: Gates) -> list[GateResult]:
+    """`diag check` as one call: validate the gates, load ``path`` (schema checked), apply them.
+
+    Example:
+        >>> results = check_file("demo/diag.json", Gates(max_grade="acceptable"))  # doctest: +SKIP
+        >>> any(r.failed for r in results)  # doctest: +SKIP
+        False
+    """
+    from diag.report import load_document
+
+    gates.validate()  # a missing gate is reported before a missing file
+    return check_document(load_document(path), gates)
+
+
+def summary_line(results: list[GateResult]) -> str:
+    """The last line ``diag check`` prints: the verdict of the gate and the counts.
+
+    Example:
+        >>> summary_line([GateResult("max-grade", "model", "pass", "excellent", "acceptable", 1, "")])
+        'check passed: 1 passed, 0 failed, 0 skipped'
+    """
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "skip")}
+    verdict = "FAILED" if counts["fail"] else "passed"
+    return f"check {verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
