@@ -1,0 +1,1077 @@
+"""Derive, re-quantize, verify and prune an exclusion list (`diag exclude`).
+
+The question a user asks after `diag compare`: *which nodes do I keep in float so that the INT8
+model is good enough, and how few can I get away with?* The answer is searched, not guessed:
+
+1. The samples are split: the first part ranks the nodes (and calibrates a static recipe that
+   has no calibration data of its own); the rest is **held out** and every verdict is measured
+   on it only, so the list is not fitted to the samples it is judged on.
+2. The baseline INT8 model is compared with FP32 on the ranking split; quantized node groups are
+   ordered by local error (worst first; accumulated error where no local error exists).
+3. The smallest prefix of that order that meets the target is found by exponential then binary
+   search on the prefix length: O(log n) re-quantizations for n candidates.
+4. The prefix is **pruned**: each excluded group is re-included in turn and stays quantized when
+   the target still holds. Each try costs one re-quantization, so the total is
+   O(log n + prefix length).
+5. A list that keeps every candidate in float is not a fix: when only that meets the target the
+   verdict is "not reachable", with the cheaper alternatives worth trying instead.
+
+Every re-quantization and held-out evaluation is counted and timed; the trajectory (excluded
+count vs metric) is kept for the report.
+
+NOTE: candidates are *groups* (:class:`diag.match.NodeGroup`): nodes the quantizer fused
+(Conv+Relu in QDQ) are excluded together, because excluding only one of them changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diag.errors import DiagError
+from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
+from diag.metrics import OutputAccumulator
+
+#: target metric -> (direction, how it is computed); the CLI's --help prints this table.
+TARGET_METRICS: dict[str, tuple[str, str]] = {
+    "cosine": (
+        ">=",
+        "min over held-out samples and model outputs of the per-sample cosine sum(x*y)/sqrt(sum x^2 * sum y^2), "
+        "x = FP32 output, y = INT8 output",
+    ),
+    "max_abs": ("<=", "max |y - x| over every element of every held-out output"),
+    "agreement": (
+        ">=",
+        "top-1 agreement: share of rows (last axis = classes) whose argmax agrees with FP32; worst class-like output",
+    ),
+    "accuracy_drop": ("<=", "top-1 accuracy of FP32 minus INT8 on the first output, against --labels"),
+    "f1_drop": ("<=", "macro-F1 (mean over the labelled classes) of FP32 minus INT8 on the first output, --labels"),
+}
+#: An op type is suggested for exclusion when more than this share of its nodes end up excluded.
+OP_TYPE_SHARE = 0.5
+#: FP32 held-out outputs are cached for reuse by every evaluation up to this many bytes.
+CACHE_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal such as ``cosine>=0.999``: one metric, a direction, a threshold.
+
+    Example:
+        >>> t = parse_target("cosine>=0.999")
+        >>> t.met(0.9995), t.met(0.99)
+        (True, False)
+    """
+
+    metric: str
+    op: str
+    value: float
+
+    def met(self, measured: float | None) -> bool:
+        if measured is None or math.isnan(measured):
+            return False
+        return measured >= self.value if self.op == ">=" else measured <= self.value
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.value:g}"
+
+
+def parse_target(text: str) -> Target:
+    """Parse ``metric>=value`` / ``metric<=value`` (see :data:`TARGET_METRICS`).
+
+    Example:
+        >>> parse_target("max_abs<=0.1")
+        Target(metric='max_abs', op='<=', value=0.1)
+    """
+    m = re.fullmatch(r"\s*([a-z_0-9]+)\s*(>=|<=)\s*([-+0-9.eE]+)\s*", text or "")
+    names = ", ".join(f"{k}{d}" for k, (d, _) in TARGET_METRICS.items())
+    if not m:
+        raise DiagError("bad-option", f"--target {text!r}", "is not metric>=value or metric<=value", f"one of {names}")
+    metric, op, raw = m.groups()
+    if metric not in TARGET_METRICS:
+        raise DiagError("bad-option", f"--target {text!r}", f"has unknown metric '{metric}'", f"one of {names}")
+    want = TARGET_METRICS[metric][0]
+    if op != want:
+        better = "higher" if want == ">=" else "lower"
+        raise DiagError(
+            "bad-option", f"--target {text!r}", f"{metric}: {better} is better", f"write {metric}{want}{raw}"
+        )
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise DiagError("bad-option", f"--target {text!r}", f"'{raw}' is not a number", "e.g. cosine>=0.999") from e
+    return Target(metric, op, value)
+
+
+@dataclass(frozen=True)
+class HeldOutMetrics:
+    """Output metrics of one INT8 (or mixed) model against FP32 on the held-out samples.
+
+    ``cosine`` is the min per-sample cosine over all outputs (as :class:`OutputAccumulator`),
+    ``max_abs`` the max over all outputs, ``agreement`` the worst top-1 agreement of class-like
+    outputs (``None`` when no output is class-like); accuracy and macro-F1 need labels.
+    """
+
+    samples: int
+    cosine: float
+    cosine_mean: float
+    max_abs: float
+    agreement: float | None
+    accuracy_fp32: float | None = None
+    accuracy_int8: float | None = None
+    f1_fp32: float | None = None
+    f1_int8: float | None = None
+
+    @property
+    def accuracy_drop(self) -> float | None:
+        if self.accuracy_fp32 is None or self.accuracy_int8 is None:
+            return None
+        return self.accuracy_fp32 - self.accuracy_int8
+
+    @property
+    def f1_drop(self) -> float | None:
+        if self.f1_fp32 is None or self.f1_int8 is None:
+            return None
+        return self.f1_fp32 - self.f1_int8
+
+    def value(self, metric: str) -> float | None:
+        """The figure a target is checked against."""
+        return float(getattr(self, metric)) if getattr(self, metric) is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["accuracy_drop"] = self.accuracy_drop
+        d["f1_drop"] = self.f1_drop
+        return {k: _json_float(v) for k, v in d.items()}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One re-quantization + held-out evaluation of the search."""
+
+    phase: str
+    excluded_groups: int
+    excluded_nodes: list[str]
+    metric: float | None
+    met: bool
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["metric"] = _json_float(self.metric)
+        return d
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One quantized node group, in ranking order: what ``nodes_to_exclude`` takes to keep it in float."""
+
+    rank: int
+    label: str
+    op_type: str
+    fp_nodes: list[str]
+    local_sqnr_db: float | None
+    accumulated_sqnr_db: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["local_sqnr_db"] = _json_float(self.local_sqnr_db)
+        d["accumulated_sqnr_db"] = _json_float(self.accumulated_sqnr_db)
+        return d
+
+
+@dataclass
+class ExclusionResult:
+    """Everything `diag exclude` found; :meth:`to_dict` is ``exclusion.json`` (JSON-ready).
+
+    ``reachable`` is False when no list short of keeping every candidate in float meets the
+    target: ``nodes_to_exclude`` is then empty and ``alternatives`` says what to try instead.
+    """
+
+    fp32: str
+    target: Target
+    reachable: bool
+    already_met: bool
+    nodes_to_exclude: list[str]
+    excluded: list[Candidate]
+    candidates: list[Candidate]
+    recipe: dict[str, Any]
+    op_types_to_quantize: list[str] | None
+    op_type_suggestions: list[dict[str, Any]]
+    before: HeldOutMetrics
+    after: HeldOutMetrics | None
+    trajectory: list[Step]
+    quantizations: int
+    evaluations: int
+    ranking_passes: int
+    seconds: float
+    split: dict[str, Any]
+    calibration: str | None
+    alternatives: list[dict[str, Any]]
+    latency: list[dict[str, Any]] = field(default_factory=list)
+    model: str | None = None
+    snippet: str = ""
+
+    @property
+    def verdict(self) -> str:
+        if self.already_met:
+            return "already met"
+        return "met" if self.reachable else "not reachable"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``exclusion.json``; embeddable in a report).
+
+        Example:
+            >>> r = derive_exclusions("m.onnx", recipe, FeedSpec(inputs="d.npz"), "cosine>=0.999")  # doctest: +SKIP
+            >>> json.dumps(r.to_dict())  # doctest: +SKIP
+        """
+        return {
+            "schema": "diag.exclusion/1",
+            "fp32": self.fp32,
+            "target": str(self.target),
+            "verdict": self.verdict,
+            "reachable": self.reachable,
+            "nodes_to_exclude": list(self.nodes_to_exclude),
+            "op_types_to_quantize": self.op_types_to_quantize,
+            "excluded": [c.to_dict() for c in self.excluded],
+            "recipe": self.recipe,
+            "op_type_suggestions": self.op_type_suggestions,
+            "metrics": {
+                "held_out": self.split["held_out"],
+                "before": self.before.to_dict(),
+                "after": self.after.to_dict() if self.after else None,
+            },
+            "split": self.split,
+            "calibration": self.calibration,
+            "search": {
+                "quantizations": self.quantizations,
+                "evaluations": self.evaluations,
+                "ranking_passes": self.ranking_passes,
+                "seconds": round(self.seconds, 3),
+                "candidates": len(self.candidates),
+                "trajectory": [s.to_dict() for s in self.trajectory],
+            },
+            "candidates": [c.to_dict() for c in self.candidates],
+            "alternatives": self.alternatives,
+            "latency": self.latency,
+            "model": self.model,
+            "snippet": self.snippet,
+        }
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+# ---------------------------------------------------------------- held-out split
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which samples rank (and calibrate) and which are held out, in input order."""
+
+    ranking: FeedSource
+    held_out: FeedSource
+    ranking_samples: int
+    held_out_first: int
+    held_out_samples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranking": f"samples 0..{self.ranking_samples - 1}",
+            "held_out": f"samples {self.held_out_first}..{self.held_out_first + self.held_out_samples - 1}",
+            "ranking_samples": self.ranking_samples,
+            "held_out_first": self.held_out_first,
+            "held_out_samples": self.held_out_samples,
+        }
+
+
+def split_feeds(feeds: FeedSource, holdout: float) -> Split:
+    """Cut a feed stream into a ranking part (first samples) and a held-out part (the rest).
+
+    Cuts fall on batch boundaries (a batch is never split), so the held-out share is as close to
+    ``holdout`` as the batch size allows. Each part stays a restartable stream.
+
+    Example:
+        >>> s = split_feeds(source, 0.5)  # doctest: +SKIP
+        >>> s.to_dict()["held_out"]  # doctest: +SKIP
+        'samples 16..31'
+    """
+    if not 0.0 < holdout < 1.0:
+        raise DiagError("bad-option", f"--holdout {holdout}", "must be between 0 and 1 (exclusive)", "e.g. 0.5")
+    sizes = [b.size for b in feeds]
+    total = sum(sizes)
+    if len(sizes) < 2:
+        raise DiagError(
+            "bad-inputs",
+            "inputs",
+            f"hold {total} sample(s) in {len(sizes)} batch(es); ranking and held-out need one batch each",
+            "give more samples (or a smaller --batch)",
+        )
+    want_rank = total - max(1, round(total * holdout))
+    cut, seen = 0, 0
+    while cut < len(sizes) - 1 and seen + sizes[cut] <= max(want_rank, sizes[0]):
+        seen += sizes[cut]
+        cut += 1
+    cut = max(cut, 1)
+    seen = sum(sizes[:cut])
+
+    def part(first: int, last: int) -> Callable[[], Iterator[Batch]]:
+        def gen() -> Iterator[Batch]:
+            for i, b in enumerate(feeds):
+                if first <= i < last:
+                    yield Batch(i - first, b.feeds, b.size)
+
+        return gen
+
+    from diag.feeds import _Restartable
+
+    ranking = FeedSource(f"{feeds.description}, samples 0..{seen - 1}", _Restartable(part(0, cut)), seen, feeds.specs)
+    held = FeedSource(
+        f"{feeds.description}, samples {seen}..{total - 1}",
+        _Restartable(part(cut, len(sizes))),
+        total - seen,
+        feeds.specs,
+    )
+    return Split(ranking, held, seen, seen, total - seen)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+class HeldOutEvaluator:
+    """Runs a model on the held-out split and measures its outputs against FP32.
+
+    FP32 outputs are computed once and cached when they fit in :data:`CACHE_BYTES`; otherwise
+    FP32 runs again next to every candidate (memory stays O(one batch)).
+    """
+
+    def __init__(
+        self,
+        fp32_path: Path,
+        held_out: FeedSource,
+        first_sample: int,
+        labels: np.ndarray | None,
+        threads: int | None,
+    ) -> None:
+        from diag.load import model_from_path
+        from diag.run import session_from_model
+
+        self.held_out = held_out
+        self.first = first_sample
+        self.labels = labels
+        self.threads = threads
+        fp = model_from_path(fp32_path, "FP32 model")
+        ext = fp.path.resolve().parent if fp.has_external_data else None
+        self._fp_sess = session_from_model(fp.proto, f"FP32 model '{fp32_path}'", "disabled", threads, ext)
+        self.output_names = [o.name for o in fp.graph.output]
+        self._cache: list[dict[str, np.ndarray]] | None = []
+        size = 0
+        for batch in held_out:
+            out = self._run(self._fp_sess, batch.feeds, "FP32 model")
+            size += sum(v.nbytes for v in out.values())
+            if size > CACHE_BYTES:
+                self._cache = None
+                break
+            self._cache.append(out)  # type: ignore[union-attr]
+
+    def _run(self, sess: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str, np.ndarray]:
+        from diag.run import run_batch
+
+        return {k: v for k, v in run_batch(sess, feeds, role).items() if k in self.output_names}
+
+    def evaluate(self, model_path: Path) -> HeldOutMetrics:
+        """Metrics of ``model_path`` vs FP32 on every held-out sample.
+
+        Example:
+            >>> ev.evaluate(Path("mixed.onnx")).cosine  # doctest: +SKIP
+            0.9994
+        """
+        from diag.load import model_from_path
+        from diag.run import session_from_model
+
+        q = model_from_path(model_path, "quantized model")
+        sess = session_from_model(q.proto, f"quantized model '{model_path.name}'", "disabled", self.threads)
+        accs = {name: OutputAccumulator() for name in self.output_names}
+        truth: list[np.ndarray] = []
+        pred_fp: list[np.ndarray] = []
+        pred_q: list[np.ndarray] = []
+        start = self.first
+        for i, batch in enumerate(self.held_out):
+            ref = self._cache[i] if self._cache is not None else self._run(self._fp_sess, batch.feeds, "FP32 model")
+            got = self._run(sess, batch.feeds, f"quantized model '{model_path.name}'")
+            for name in self.output_names:
+                accs[name].update(ref[name], got[name])
+            if self.labels is not None:
+                first = self.output_names[0]
+                if ref[first].ndim != 2 or ref[first].shape[0] != batch.size:
+                    raise DiagError(
+                        "bad-inputs",
+                        "--labels",
+                        f"needs the first model output to be [batch, classes], it is {ref[first].shape}",
+                        "use a cosine, max_abs or agreement target for this model",
+                    )
+                if start + batch.size > len(self.labels):
+                    raise DiagError(
+                        "bad-inputs",
+                        "--labels",
+                        f"has {len(self.labels)} labels but the inputs have more samples",
+                        "give one label per sample",
+                    )
+                truth.append(self.labels[start : start + batch.size])
+                pred_fp.append(ref[first].argmax(axis=1))
+                pred_q.append(got[first].argmax(axis=1))
+            start += batch.size
+        stats = [a.finalize() for a in accs.values()]
+        agreements = [s.top1_agreement for s in stats if s.top1_agreement is not None]
+        metrics = HeldOutMetrics(
+            samples=stats[0].samples,
+            cosine=min(s.cosine_min for s in stats),
+            cosine_mean=min(s.cosine_mean for s in stats),
+            max_abs=max(s.max_abs for s in stats),
+            agreement=min(agreements) if agreements else None,
+        )
+        if truth:
+            t, f, q8 = np.concatenate(truth), np.concatenate(pred_fp), np.concatenate(pred_q)
+            metrics = dataclasses.replace(
+                metrics,
+                accuracy_fp32=float((f == t).mean()),
+                accuracy_int8=float((q8 == t).mean()),
+                f1_fp32=macro_f1(t, f),
+                f1_int8=macro_f1(t, q8),
+            )
+        return metrics
+
+
+def macro_f1(truth: np.ndarray, pred: np.ndarray) -> float:
+    """Macro-F1 over the classes present in ``truth``: mean of 2·TP / (2·TP + FP + FN).
+
+    Example:
+        >>> macro_f1(np.array([0, 0, 1, 1]), np.array([0, 1, 1, 1]))
+        0.7333333333333334
+    """
+    scores = []
+    for c in np.unique(truth):
+        tp = int(((pred == c) & (truth == c)).sum())
+        fp = int(((pred == c) & (truth != c)).sum())
+        fn = int(((pred != c) & (truth == c)).sum())
+        scores.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0)
+    return float(np.mean(scores)) if scores else math.nan
+
+
+# ---------------------------------------------------------------- candidates
+
+
+def ranked_candidates(findings: list[Any], already_excluded: set[str]) -> list[Candidate]:
+    """Quantized node groups, worst local error first (accumulated error where no local exists).
+
+    Groups already in the recipe's ``nodes_to_exclude`` and unnamed nodes (which
+    ``nodes_to_exclude`` cannot name) are left out.
+
+    Example:
+        >>> [c.label for c in ranked_candidates(result.findings, set())][:1]  # doctest: +SKIP
+        ['layer1/ffn/fc1/MatMul']
+    """
+
+    def sqnr(stats: Any) -> float | None:
+        return None if stats is None else float(stats.sqnr_db)
+
+    def key(f: Any) -> tuple[float, int]:
+        v = sqnr(f.local)
+        if v is None:
+            v = sqnr(f.accumulated)
+        return (math.inf if v is None or math.isnan(v) else v, f.index)
+
+    usable = [
+        f
+        for f in findings
+        if f.group.quantized and not f.group.unnamed and not set(f.group.fp_nodes) <= already_excluded
+    ]
+    return [
+        Candidate(
+            r,
+            f.group.label,
+            f.group.op_types[0] if f.group.op_types else "?",
+            list(f.group.fp_nodes),
+            sqnr(f.local),
+            sqnr(f.accumulated),
+        )
+        for r, f in enumerate(sorted(usable, key=key), 1)
+    ]
+
+
+def default_op_types(recipe: Any) -> list[str]:
+    """The op types onnxruntime quantizes for this recipe when ``op_types_to_quantize`` is unset.
+
+    Dynamic: ``IntegerOpsRegistry``; static: ``QLinearOpsRegistry`` ∪ ``QDQRegistry`` (what
+    ``quantize_static`` does with ``op_types_to_quantize=None``).
+
+    Example:
+        >>> "MatMul" in default_op_types(Recipe(mode="dynamic"))  # doctest: +SKIP
+        True
+    """
+    if recipe.op_types_to_quantize:
+        return list(recipe.op_types_to_quantize)
+    from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry, QLinearOpsRegistry
+
+    if _name(recipe.mode) == "dynamic":
+        return sorted(IntegerOpsRegistry)
+    return sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
+
+
+def _name(v: Any) -> Any:
+    """Enum member -> its name; strings and other values unchanged."""
+    return getattr(v, "name", v)
+
+
+# ---------------------------------------------------------------- the search
+
+
+class _Search:
+    """Quantize-and-evaluate with a cache keyed by the set of excluded groups."""
+
+    def __init__(
+        self,
+        fp32: Path,
+        recipe: Any,
+        base_excluded: list[str],
+        candidates: list[Candidate],
+        evaluator: HeldOutEvaluator,
+        target: Target,
+        calibration: FeedSource | None,
+        work: Path,
+        progress: bool,
+    ) -> None:
+        self.fp32 = fp32
+        self.recipe = recipe
+        self.base = base_excluded
+        self.candidates = candidates
+        self.evaluator = evaluator
+        self.target = target
+        self.calibration = calibration
+        self.work = work
+        self.progress = progress
+        self.cache: dict[frozenset[int], tuple[HeldOutMetrics, Path]] = {}
+        self.trajectory: list[Step] = []
+        self.quantizations = 0
+        self.evaluations = 0
+
+    def nodes(self, groups: frozenset[int] | list[int]) -> list[str]:
+        picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
+        return list(dict.fromkeys([*self.base, *picked]))
+
+    def quantize(self, nodes: list[str], out: Path, recipe: Any | None = None) -> Path:
+        from diag.quantize import quantize_model
+
+        r = (recipe or self.recipe).with_excluded(nodes)
+        quantize_model(self.fp32, r, out, calibration=self.calibration, progress=False)
+        self.quantizations += 1
+        return out
+
+    def evaluate(self, path: Path) -> HeldOutMetrics:
+        m = self.evaluator.evaluate(path)
+        self.evaluations += 1
+        return m
+
+    def try_groups(self, groups: frozenset[int], phase: str) -> tuple[HeldOutMetrics, bool]:
+        """Quantize with ``groups`` kept in float (cached), evaluate, record one trajectory step."""
+        if groups in self.cache:
+            m = self.cache[groups][0]
+            return m, self.target.met(m.value(self.target.metric))
+        t0 = time.perf_counter()
+        path = self.work / f"step{len(self.trajectory):03d}.onnx"
+        self.quantize(self.nodes(groups), path)
+        m = self.evaluate(path)
+        self.cache[groups] = (m, path)
+        value = m.value(self.target.metric)
+        met = self.target.met(value)
+        self.trajectory.append(
+            Step(phase, len(groups), self.nodes(groups)[len(self.base) :], value, met, time.perf_counter() - t0)
+        )
+        if self.progress:
+            import sys
+
+            shown = "n/a" if value is None else f"{value:.6g}"
+            sys.stderr.write(
+                f"exclude: {phase:<8} {len(groups):>4} group(s) in float -> {self.target.metric} {shown}"
+                f" ({'met' if met else 'missed'})\n"
+            )
+        return m, met
+
+    def prefix(self, k: int, phase: str) -> bool:
+        return self.try_groups(frozenset(range(k)), phase)[1]
+
+    def smallest_prefix(self) -> int | None:
+        """Exponential then binary search for the shortest met prefix shorter than all candidates."""
+        n = len(self.candidates)
+        lo, hi, k = 0, None, 1
+        while k <= n - 1:
+            if self.prefix(k, "search"):
+                hi = k
+                break
+            lo = k
+            if k == n - 1:
+                break
+            k = min(2 * k, n - 1)
+        if hi is None:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.prefix(mid, "search"):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def prune(self, k: int) -> frozenset[int]:
+        """Re-include each group of the prefix, least suspicious first; keep it quantized if still met."""
+        current = frozenset(range(k))
+        for i in reversed(range(k)):
+            trial = current - {i}
+            if self.try_groups(trial, "prune")[1]:
+                current = trial
+        return current
+
+
+def derive_exclusions(
+    fp32_path: str | Path,
+    recipe: Any,
+    feeds: FeedSource | FeedSpec,
+    target: str | Target,
+    holdout: float = 0.5,
+    labels: str | None = None,
+    threads: int | None = None,
+    bench_runs: int = 20,
+    progress: bool = True,
+    work_dir: str | Path | None = None,
+) -> ExclusionResult:
+    """Find a minimal ``nodes_to_exclude`` list that makes ``recipe`` meet ``target`` on held-out inputs.
+
+    Args:
+        fp32_path: the FP32 model.
+        recipe: a :class:`diag.recipe.Recipe` (its own ``nodes_to_exclude`` stay excluded).
+        feeds: all samples; the first ``1 - holdout`` rank the nodes (and calibrate a static recipe
+            without calibration data), the rest are held out for every verdict.
+        target: ``metric>=value`` / ``metric<=value`` (see :data:`TARGET_METRICS`).
+        holdout: share of the samples held out (cut on batch boundaries).
+        labels: ``.npy`` of class indices for ``accuracy_drop`` / ``f1_drop`` targets.
+        threads: intra-op threads for evaluation sessions.
+        bench_runs: timed runs per model for the latency table (0 skips it).
+        progress: one line per step on stderr.
+        work_dir: where the final mixed model is kept (a temp folder is used for the trials).
+
+    Returns:
+        The result; ``reachable`` False (and an empty list) when only keeping every candidate in
+        float meets the target. Never a fake success.
+
+    Example:
+        >>> from diag.recipe import Recipe
+        >>> r = derive_exclusions("fp32.onnx", Recipe(mode="dynamic"), FeedSpec(inputs="d.npz"),
+        ...                       "cosine>=0.999")  # doctest: +SKIP
+        >>> r.nodes_to_exclude  # doctest: +SKIP
+        ['layer1/ffn/fc1/MatMul']
+    """
+    from diag.compare import CompareOptions, compare_models
+    from diag.load import model_from_path
+
+    start = time.perf_counter()
+    tgt = parse_target(target) if isinstance(target, str) else target
+    if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
+        raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
+    fp32 = Path(fp32_path)
+    fp = model_from_path(fp32, "FP32 model")
+    if fp.format.kind != "fp32":
+        raise DiagError(
+            "fp32-is-quantized",
+            f"FP32 model '{fp32}'",
+            f"already contains quantized operators ({fp.format.kind})",
+            "pass the original float model",
+        )
+    label_array = load_labels(labels) if labels else None
+    source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
+    split = split_feeds(source, holdout)
+    if label_array is not None and len(label_array) < split.held_out_first + split.held_out_samples:
+        raise DiagError(
+            "bad-inputs",
+            "--labels",
+            f"has {len(label_array)} labels but the inputs have {split.held_out_first + split.held_out_samples}",
+            "give one label per sample",
+        )
+    static = _name(recipe.mode) == "static"
+    calibration: FeedSource | None = None
+    calib_note: str | None = None
+    if static:
+        if getattr(recipe, "calibration", None):
+            calib_note = f"recipe calibration {recipe.calibration}"
+        else:
+            calibration = split.ranking
+            calib_note = f"ranking split ({split.to_dict()['ranking']})"
+    evaluator = HeldOutEvaluator(fp32, split.held_out, split.held_out_first, label_array, threads)
+    base = list(recipe.nodes_to_exclude or [])
+    tmp = Path(tempfile.mkdtemp(prefix="diag-exclude-"))
+    try:
+        search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress)
+        before, met0 = search.try_groups(frozenset(), "baseline")
+        baseline_path = search.cache[frozenset()][1]
+        ranking_passes = 0
+        candidates: list[Candidate] = []
+        chosen: frozenset[int] | None = frozenset() if met0 else None
+        if not met0:
+            compared = compare_models(
+                fp32, baseline_path, split.ranking, CompareOptions(progress=False, threads=threads)
+            )
+            ranking_passes = 1
+            candidates = ranked_candidates(compared.findings, set(base))
+            search.candidates = candidates
+            k = search.smallest_prefix()
+            if k is not None:
+                chosen = search.prune(k)
+        after = search.cache[chosen][0] if chosen is not None else None
+        excluded = [candidates[i] for i in sorted(chosen)] if chosen else []
+        nodes = search.nodes(chosen) if chosen is not None else []
+        suggestions = _op_type_suggestions(search, fp, candidates, chosen) if chosen else []
+        model_out: Path | None = None
+        if chosen is not None and work_dir is not None:
+            model_out = Path(work_dir) / "mixed.onnx"
+            shutil.copyfile(search.cache[chosen][1], model_out)
+        latency: list[dict[str, Any]] = []
+        if bench_runs > 0:
+            from diag.bench import bench_models
+
+            paths: list[str | Path] = [fp32, baseline_path]
+            if chosen:
+                paths.append(search.cache[chosen][1])
+            stats = bench_models(paths, split.held_out, runs=bench_runs, warmup=3, threads=threads, progress=False)
+            names = ["fp32", "int8", "mixed"]
+            latency = [{**s.to_dict(), "model": names[i]} for i, s in enumerate(stats)]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    final_recipe = recipe.with_excluded(nodes) if chosen is not None else recipe
+    result = ExclusionResult(
+        fp32=str(fp32),
+        target=tgt,
+        reachable=chosen is not None,
+        already_met=met0,
+        nodes_to_exclude=nodes,
+        excluded=excluded,
+        candidates=candidates,
+        recipe=_recipe_dict(final_recipe),
+        op_types_to_quantize=list(recipe.op_types_to_quantize) if recipe.op_types_to_quantize else None,
+        op_type_suggestions=suggestions,
+        before=before,
+        after=after,
+        trajectory=search.trajectory,
+        quantizations=search.quantizations,
+        evaluations=search.evaluations,
+        ranking_passes=ranking_passes,
+        seconds=time.perf_counter() - start,
+        split=split.to_dict(),
+        calibration=calib_note,
+        alternatives=[] if chosen is not None else alternatives(recipe, candidates),
+        latency=latency,
+        model=str(model_out) if model_out else None,
+    )
+    return result
+
+
+def _since(t0: float) -> float:
+    return time.perf_counter() - t0
+
+
+def _recipe_dict(recipe: Any) -> dict[str, Any]:
+    d = recipe.to_dict()
+    return json.loads(json.dumps(d, default=_name))
+
+
+def _op_type_suggestions(
+    search: _Search, fp: Any, candidates: list[Candidate], chosen: frozenset[int]
+) -> list[dict[str, Any]]:
+    """Op types most of whose candidate nodes ended up excluded, as an ``op_types_to_quantize`` complement.
+
+    Each suggestion is verified: re-quantized with that ``op_types_to_quantize`` (plus the
+    remaining node exclusions of other types) and evaluated on the held-out split.
+    """
+    present = {n.op_type for n in fp.graph.node}
+    out = []
+    for op in sorted({c.op_type for c in candidates}):
+        total = [i for i, c in enumerate(candidates) if c.op_type == op]
+        picked = [i for i in total if i in chosen]
+        if len(picked) < 2 or len(picked) / len(total) <= OP_TYPE_SHARE:
+            continue
+        keep = sorted((set(default_op_types(search.recipe)) & present) - {op})
+        rest = frozenset(i for i in chosen if candidates[i].op_type != op)
+        recipe = dataclasses.replace(search.recipe, op_types_to_quantize=keep)
+        t0 = time.perf_counter()
+        path = search.work / f"optype-{op}.onnx"
+        search.quantize(search.nodes(rest), path, recipe)
+        m = search.evaluate(path)
+        value = m.value(search.target.metric)
+        met = search.target.met(value)
+        search.trajectory.append(
+            Step(f"op-type {op}", len(rest), search.nodes(rest)[len(search.base) :], value, met, _since(t0))
+        )
+        out.append(
+            {
+                "op_type": op,
+                "excluded": len(picked),
+                "of": len(total),
+                "op_types_to_quantize": keep,
+                "nodes_to_exclude": search.nodes(rest),
+                "metric": _json_float(value),
+                "met": met,
+            }
+        )
+    return out
+
+
+def alternatives(recipe: Any, candidates: list[Candidate]) -> list[dict[str, Any]]:
+    """Cheaper changes worth trying when node exclusion cannot meet the target.
+
+    Example:
+        >>> [a["change"] for a in alternatives(Recipe(mode="dynamic"), [])]  # doctest: +SKIP
+        ['per_channel=True', 'static QDQ instead of dynamic', ...]
+    """
+    out: list[dict[str, Any]] = []
+    mode = _name(recipe.mode)
+    if not recipe.per_channel:
+        out.append(
+            {
+                "change": "per_channel=True",
+                "why": "one scale per output channel of each weight: outlier channels stop crushing the others",
+            }
+        )
+    if mode == "dynamic":
+        out.append(
+            {
+                "change": "static QDQ instead of dynamic",
+                "why": "calibrated activation ranges (mode static, quant_format QDQ) and a per-tensor choice of types",
+            }
+        )
+    else:
+        method = _name(recipe.calibrate_method) or "MinMax"
+        others = [m for m in ("MinMax", "Percentile", "Entropy") if m != method]
+        out.append(
+            {
+                "change": f"calibrate_method {' or '.join(others)}",
+                "why": f"{method} ranges are set by the extremes; another method trades clipping for resolution",
+            }
+        )
+    tensors = [c.fp_nodes[0] for c in candidates[:3]]
+    if tensors:
+        out.append(
+            {
+                "change": "QInt16 for the worst nodes' tensors",
+                "why": "static QDQ with extra_options TensorQuantOverrides {tensor: [{'quant_type': QInt16}]} and "
+                "UseQDQContribOps for the inputs/outputs of " + ", ".join(tensors),
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def reproduce_snippet(
+    result: ExclusionResult, model_out: str, calibration: str | None = None, calibration_samples: int | None = None
+) -> str:
+    """Python code that rebuilds the mixed-precision model with plain onnxruntime calls (no diag).
+
+    ``calibration`` is the ``.npz`` a static recipe calibrates on (its first
+    ``calibration_samples`` rows, all when None).
+
+    Example:
+        >>> print(reproduce_snippet(result, "mixed.onnx"))  # doctest: +SKIP
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        ...
+    """
+    r = result.recipe
+    static = r.get("mode") == "static"
+    args: list[str] = []
+
+    def enum(kind: str, key: str) -> None:
+        args.append(f"    {key}={kind}.{r[key]},")
+
+    if static:
+        enum("QuantFormat", "quant_format")
+        enum("QuantType", "activation_type")
+    enum("QuantType", "weight_type")
+    for key in ("per_channel", "reduce_range"):
+        args.append(f"    {key}={bool(r.get(key))!r},")
+    for key in ("op_types_to_quantize", "nodes_to_quantize"):
+        if r.get(key) is not None:
+            args.append(f"    {key}={r[key]!r},")
+    args.append(f"    nodes_to_exclude={result.nodes_to_exclude!r},")
+    if static:
+        enum("CalibrationMethod", "calibrate_method")
+    if r.get("extra_options"):
+        args.append(f"    extra_options={r['extra_options']!r},")
+    fp32 = result.fp32
+    lines = [
+        "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnxruntime calls.",
+        f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float.",
+    ]
+    if r.get("preprocess"):
+        lines += [
+            "from onnxruntime.quantization.shape_inference import quant_pre_process",
+            "",
+            f"quant_pre_process({fp32!r}, 'preprocessed.onnx')",
+        ]
+        fp32 = "preprocessed.onnx"
+    if static:
+        lines += [
+            "import numpy as np",
+            "from onnxruntime.quantization import (",
+            "    CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static,",
+            ")",
+            "",
+            "",
+            "class Reader(CalibrationDataReader):",
+            '    """One sample per get_next from a stacked .npz (MinMax ranges do not depend on batching)."""',
+            "",
+            "    def __init__(self, path, count=None):",
+            "        with np.load(path) as z:",
+            "            arrays = {k: z[k] for k in z.files}",
+            "        n = len(next(iter(arrays.values()))) if count is None else count",
+            "        self.rows = iter([{k: v[i : i + 1] for k, v in arrays.items()} for i in range(n)])",
+            "",
+            "    def get_next(self):",
+            "        return next(self.rows, None)",
+            "",
+            "",
+            "quantize_static(",
+            f"    {fp32!r},",
+            f"    {model_out!r},",
+            f"    Reader({calibration or 'CALIBRATION.npz'!r}, {calibration_samples!r}),",
+        ]
+    else:
+        lines += [
+            "from onnxruntime.quantization import QuantType, quantize_dynamic",
+            "",
+            "quantize_dynamic(",
+            f"    {fp32!r},",
+            f"    {model_out!r},",
+        ]
+    lines += [*args, ")"]
+    return "\n".join(lines) + "\n"
+
+
+def exclude_to_dir(
+    fp32_path: str | Path,
+    recipe: Any,
+    feeds: FeedSpec,
+    target: str,
+    out_dir: str | Path,
+    holdout: float = 0.5,
+    labels: str | None = None,
+    threads: int | None = None,
+    bench_runs: int = 20,
+    progress: bool = True,
+) -> tuple[ExclusionResult, dict[str, Path]]:
+    """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
+
+    The mixed model and the snippet are written only when the target is reachable.
+
+    Example:
+        >>> res, files = exclude_to_dir("fp32.onnx", recipe, FeedSpec(inputs="d.npz"), "cosine>=0.999",
+        ...                             "out")  # doctest: +SKIP
+        >>> sorted(files)  # doctest: +SKIP
+        ['exclusion.json', 'mixed.onnx', 'reproduce.py']
+    """
+    from diag.report import atomic_write, ensure_out_dir
+
+    out = ensure_out_dir(out_dir)
+    stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
+    with tempfile.TemporaryDirectory(prefix=".diag-exclude-", dir=out) as work:
+        result = derive_exclusions(
+            fp32_path, recipe, feeds, target, holdout, labels, threads, bench_runs, progress, work
+        )
+        files: dict[str, Path] = {}
+        if result.reachable and result.model:
+            model = out / f"{stem}.mixed.onnx"
+            Path(result.model).replace(model)
+            result.model = str(model)
+            files["model"] = model
+            if recipe.calibration:
+                calib, count = recipe.calibration_path(), recipe.calibration_samples
+            else:
+                calib, count = feeds.inputs, result.split["ranking_samples"]
+            result.snippet = reproduce_snippet(result, str(model), str(calib) if calib else None, count)
+            files["reproduce.py"] = atomic_write(out / "reproduce.py", result.snippet)
+    text = json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n"
+    files = {"exclusion.json": atomic_write(out / "exclusion.json", text), **files}
+    return result, files
+
+
+def summary_lines(result: ExclusionResult) -> list[str]:
+    """What `diag exclude` prints: the verdict first, counts and time last (ends "in N s").
+
+    Example:
+        >>> summary_lines(result)[0]  # doctest: +SKIP
+        'target cosine>=0.999 met on 16 held-out samples: cosine 0.9672 -> 0.9994 by keeping 1 node in float ...'
+    """
+    t = result.target
+    held = result.split["held_out_samples"]
+    b = result.before.value(t.metric)
+    lines: list[str] = []
+    if result.already_met:
+        lines.append(f"target {t} already met on {held} held-out samples: {t.metric} {_fmt(b, t)}; nothing to exclude")
+    elif result.reachable and result.after is not None:
+        a = result.after.value(t.metric)
+        n = len(result.nodes_to_exclude)
+        names = ", ".join(result.nodes_to_exclude)
+        lines.append(
+            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)} -> {_fmt(a, t)} by keeping {n} "
+            f"node{'s' if n != 1 else ''} in float ({names})"
+        )
+        for s in result.op_type_suggestions:
+            lines.append(
+                f"  op types: {s['excluded']}/{s['of']} {s['op_type']} nodes excluded; op_types_to_quantize="
+                f"{s['op_types_to_quantize']} gives {t.metric} {_fmt(s['metric'], t)}"
+                f" ({'met' if s['met'] else 'missed'})"
+            )
+    else:
+        best = max(
+            (s for s in result.trajectory if s.metric is not None),
+            key=lambda s: s.metric if t.op == ">=" else -s.metric,  # type: ignore[operator]
+            default=None,
+        )
+        tail = f"; best tried: {_fmt(best.metric, t)} with {best.excluded_groups} group(s) in float" if best else ""
+        lines.append(
+            f"target {t} NOT REACHABLE on {held} held-out samples: {t.metric} {_fmt(b, t)} quantized; no list short of "
+            f"keeping all {len(result.candidates)} quantized node groups in float meets it{tail}"
+        )
+        for alt in result.alternatives:
+            lines.append(f"  try: {alt['change']} - {alt['why']}")
+    if result.latency:
+        p = " / ".join(
+            f"{x['p50_ms']:.2f} ms {x['model'].upper() if x['model'] != 'mixed' else 'mixed'}" for x in result.latency
+        )
+        lines.append(f"  latency p50 {p}")
+    lines.append(
+        f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; {result.quantizations} "
+        f"quantizations, {result.evaluations} evaluations in {result.seconds:.1f} s"
+    )
+    return lines
+
+
+def _fmt(v: float | None, target: Target | None = None) -> str:
+    """Four decimals, or one more than the target has, so that 0.99995 never prints as 1.0000."""
+    if v is None:
+        return "n/a"
+    digits = 4
+    if target is not None:
+        digits = max(4, len(f"{target.value:g}".partition(".")[2]) + 1)
+    return f"{v:.{digits}f}" if abs(v) < 10 else f"{v:.4g}"
