@@ -1,0 +1,754 @@
+"""Weight error: every quantized weight of an INT8 model, dequantized and compared with its FP32 weight.
+
+Activation error tells *where* a model breaks; weight error tells whether the weights alone already
+explain it (one huge output channel that a per-tensor scale spreads over every other channel, a
+folded BatchNorm with a tiny variance, ...). It needs no inputs and runs in milliseconds.
+
+What counts as a quantized weight (measured on onnxruntime 1.32 graphs, see the tests):
+
+* QDQ: an integer initializer read by ``DequantizeLinear`` (``axis`` for per-channel). That covers
+  Conv/MatMul/Gemm weights, constant operands of Mul/Add (often 0-d or 1-d) and int32 biases
+  (scale = input scale x weight scale).
+* QOperator: the weight inputs of ``QLinearConv`` / ``QLinearMatMul`` / ``QGemm`` / ``QLinearAdd`` /
+  ``QLinearMul`` with their scale / zero point at fixed input indices, and the int32 bias of
+  ``QLinearConv`` / ``QGemm`` (zero point 0, scale = input scale x weight scale).
+* Dynamic: the weight input of ``MatMulInteger`` / ``ConvInteger`` (its scale is found where the
+  output is rescaled: ``Mul(Cast(out), Mul(input_scale, weight_scale))``), ``DynamicQuantizeMatMul``
+  (com.microsoft) and ``Gather`` of an integer table followed by ``DequantizeLinear``.
+
+Which FP32 weight an INT8 weight is compared with is decided structurally:
+
+* onnxruntime names a quantized weight ``<w>_quantized``; when the FP32 model has an initializer
+  ``<w>`` of the same shape, that is it.
+* Otherwise the weight was *folded* (``quant_pre_process`` runs onnxruntime's optimizer, which folds
+  BatchNormalization, a constant Mul and a constant Add into the Conv and renames the weight to
+  ``ConvBnFusion_W_...``). The INT8 consumer's output is followed to the FP32 tensor it computes,
+  the FP32 chain that produced that tensor is walked back to the compute node with the original
+  weight, and the fold is replayed in float64 (``W * gamma / sqrt(var + eps)`` per output channel,
+  bias ``(b - mean) * gamma / sqrt(var + eps) + beta``, constant Mul / Add / Sub / Div). A weight
+  that cannot be explained this way is listed in :attr:`WeightReport.unmatched` with the reason;
+  nothing is paired by a similar-looking name.
+
+NOTE: onnxruntime's own ``create_weight_matching`` + ``compute_weight_error`` crash on 0-d weights
+(``len()`` of a numpy scalar); here 0-d and 1-d weights get tensor metrics and no channel list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+#: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
+_CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
+_MATMUL_OPS = {"MatMul", "MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul", "Gemm", "QGemm"}
+#: FP32 ops onnxruntime's optimizer folds into a preceding Conv (ConvBNFusion, ConvMulFusion, ConvAddFusion).
+_FOLDABLE = {"BatchNormalization", "Mul", "Add", "Sub", "Div"}
+#: Ops a quantized compute node's result flows through before it is the FP32 tensor again.
+_INT8_TAIL = {"QuantizeLinear", "DequantizeLinear", "Cast", "Mul", "Add", "Relu", "Clip"}
+#: FP32 activations the quantizer fuses into the producer's output range (no effect on weights).
+_FUSED_ACTIVATIONS = {"Relu", "Clip"}
+
+#: QOperator / dynamic ops: quantized input index -> (scale index, zero point index, FP32 input index).
+_QOP_INPUTS: dict[str, dict[int, tuple[int, int, int]]] = {
+    "QLinearConv": {0: (1, 2, 0), 3: (4, 5, 1)},
+    "QLinearConvTranspose": {0: (1, 2, 0), 3: (4, 5, 1)},
+    "QLinearMatMul": {0: (1, 2, 0), 3: (4, 5, 1)},
+    "QGemm": {0: (1, 2, 0), 3: (4, 5, 1)},
+    "QLinearAdd": {0: (1, 2, 0), 3: (4, 5, 1)},
+    "QLinearMul": {0: (1, 2, 0), 3: (4, 5, 1)},
+    "DynamicQuantizeMatMul": {1: (2, 3, 1)},
+}
+#: QOperator int32 bias inputs: bias index -> (input scale index, weight scale index, FP32 input index).
+_QOP_BIAS: dict[str, tuple[int, int, int, int]] = {
+    "QLinearConv": (8, 1, 4, 2),
+    "QLinearConvTranspose": (8, 1, 4, 2),
+    "QGemm": (6, 1, 4, 2),
+}
+#: Dynamic integer ops: weight index -> (zero point index, FP32 input index); the scale is found downstream.
+_INTEGER_INPUTS: dict[str, dict[int, tuple[int, int]]] = {
+    "ConvInteger": {1: (3, 1)},
+    "MatMulInteger": {0: (2, 0), 1: (3, 1)},
+}
+_FLOAT_OP_OF = {
+    "QLinearConv": "Conv",
+    "QLinearConvTranspose": "ConvTranspose",
+    "QLinearMatMul": "MatMul",
+    "QGemm": "Gemm",
+    "QLinearAdd": "Add",
+    "QLinearMul": "Mul",
+    "ConvInteger": "Conv",
+    "MatMulInteger": "MatMul",
+    "DynamicQuantizeMatMul": "MatMul",
+}
+
+
+@dataclass(frozen=True)
+class ChannelError:
+    """Error of one output channel of a weight.
+
+    Attributes:
+        channel: index along the op's output-channel axis.
+        sqnr_db: ``10·log10(Σx² / Σe²)`` over the channel; inf when identical.
+        max_abs: largest ``|dequantized - fp32|`` in the channel.
+        rmse_over_scale: ``√mean(e² / scale²)`` with the channel's scale (None when the scale is 0).
+    """
+
+    channel: int
+    sqnr_db: float
+    max_abs: float
+    rmse_over_scale: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; non-finite floats as "inf"/"-inf"/"nan" strings.
+
+        Example:
+            >>> ChannelError(0, math.inf, 0.0, 0.0).to_dict()["sqnr_db"]
+            'inf'
+        """
+        return {
+            "channel": self.channel,
+            "sqnr_db": _num(self.sqnr_db),
+            "max_abs": _num(self.max_abs),
+            "rmse_over_scale": _num(self.rmse_over_scale),
+        }
+
+
+@dataclass(frozen=True)
+class WeightFinding:
+    """One quantized weight of the INT8 model compared with the FP32 weight it stands for.
+
+    Attributes:
+        fp_name: FP32 initializer name, or ``"<w> folded with <bn>"`` when the INT8 weight is a fold.
+        int8_name: the quantized initializer in the INT8 model.
+        fp_nodes: FP32 nodes that consume it (what ``nodes_to_exclude`` takes; every folded node too).
+        op_type: FP32 op type of the consumer (``Conv``, ``MatMul``, ``Mul``, ...).
+        shape: shape of the weight.
+        dtype: element type of the quantized weight (``int8``, ``uint8``, ``int32``, ...).
+        axis: per-channel quantization axis, None for per-tensor.
+        symmetric: every zero point is the middle of the range (0 for signed, 128 for uint8).
+        folded: FP32 nodes folded into this weight (comma-separated), None when not folded.
+        is_bias: an int32 bias (scale = input scale x weight scale); its error is normally negligible.
+        sqnr_db: ``10·log10(Σx² / Σe²)`` over the whole weight; inf when identical.
+        max_abs: largest ``|dequantized - fp32|``.
+        rmse_over_scale: ``√mean(e² / scale²)`` with the (per-channel) scale; rounding alone gives ≈ 0.289.
+        cosine: ``Σxy / √(Σx²·Σy²)``.
+        channels: per output channel of the op (axis 0 of a Conv weight, the output axis of a
+            MatMul/Gemm weight); empty for 0-d and 1-d weights.
+    """
+
+    fp_name: str
+    int8_name: str
+    fp_nodes: list[str]
+    op_type: str
+    shape: tuple[int, ...]
+    dtype: str
+    axis: int | None
+    symmetric: bool
+    folded: str | None
+    sqnr_db: float
+    max_abs: float
+    rmse_over_scale: float
+    cosine: float
+    channels: list[ChannelError] = field(default_factory=list)
+    is_bias: bool = False
+
+    @property
+    def worst_sqnr_db(self) -> float:
+        """The lower of the tensor SQNR and its worst channel's SQNR (what the ranking uses).
+
+        A per-tensor SQNR looks fine on a weight whose one huge channel carries the energy while
+        every other channel rounds to a few levels; the worst channel does not hide that.
+        """
+        values = [self.sqnr_db] + [c.sqnr_db for c in self.channels]
+        finite = [v for v in values if not math.isnan(v)]
+        return min(finite) if finite else math.nan
+
+    @property
+    def worst_channel(self) -> ChannelError | None:
+        """The channel with the lowest SQNR, None for 0-d / 1-d weights."""
+        return min(self.channels, key=lambda c: c.sqnr_db) if self.channels else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; non-finite floats as "inf"/"-inf"/"nan" strings (like report.py).
+
+        Example:
+            >>> f = weight_errors(fp_proto, int8_proto)[0]  # doctest: +SKIP
+            >>> json.dumps(f.to_dict())  # doctest: +SKIP
+        """
+        return {
+            "fp_name": self.fp_name,
+            "int8_name": self.int8_name,
+            "fp_nodes": list(self.fp_nodes),
+            "op_type": self.op_type,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "axis": self.axis,
+            "symmetric": self.symmetric,
+            "folded": self.folded,
+            "is_bias": self.is_bias,
+            "sqnr_db": _num(self.sqnr_db),
+            "worst_sqnr_db": _num(self.worst_sqnr_db),
+            "max_abs": _num(self.max_abs),
+            "rmse_over_scale": _num(self.rmse_over_scale),
+            "cosine": _num(self.cosine),
+            "channels": [c.to_dict() for c in self.channels],
+        }
+
+
+@dataclass(frozen=True)
+class WeightReport:
+    """All weight findings (worst first) and the quantized weights that could not be paired, with why."""
+
+    findings: list[WeightFinding]
+    unmatched: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready.
+
+        Example:
+            >>> WeightReport([], {"w_quantized": "why"}).to_dict()["unmatched"]
+            {'w_quantized': 'why'}
+        """
+        return {"findings": [f.to_dict() for f in self.findings], "unmatched": dict(self.unmatched)}
+
+
+def weight_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[WeightFinding]:
+    """Every quantized weight of ``int8`` against its FP32 weight, worst first.
+
+    Ranked by :attr:`WeightFinding.worst_sqnr_db` (the lower of tensor and worst-channel SQNR), so
+    a weight with one ruined channel ranks above a weight with uniform rounding noise. Weights that
+    cannot be paired are left out here; :func:`weight_report` lists them with the reason.
+    Never modifies either model. Needs the weights (``onnx.load(path)``, external data loaded).
+
+    Example:
+        >>> findings = weight_errors(onnx.load("m.fp32.onnx"), onnx.load("m.qdq.onnx"))  # doctest: +SKIP
+        >>> findings[0].fp_name, round(findings[0].worst_sqnr_db, 1)  # doctest: +SKIP
+        ('conv2.weight', 3.1)
+    """
+    return weight_report(fp32, int8).findings
+
+
+def weight_report(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> WeightReport:
+    """Like :func:`weight_errors`, plus the quantized weights that could not be paired and why.
+
+    Example:
+        >>> r = weight_report(onnx.load("m.fp32.onnx"), onnx.load("m.qdq.onnx"))  # doctest: +SKIP
+        >>> r.unmatched  # doctest: +SKIP
+        {}
+    """
+    f = _Graph(fp32.graph)
+    q = _Graph(int8.graph)
+    findings: list[WeightFinding] = []
+    unmatched: dict[str, str] = {}
+    for qw in _quantized_weights(q):
+        if qw.name in unmatched or any(x.int8_name == qw.name for x in findings):
+            continue
+        try:
+            findings.append(_finding(qw, f, q))
+        except _Unmatched as e:
+            unmatched[qw.name] = str(e)
+    findings.sort(key=lambda x: (math.isnan(x.worst_sqnr_db), x.worst_sqnr_db, x.int8_name))
+    return WeightReport(findings, unmatched)
+
+
+# --- reading the graphs -------------------------------------------------------------------------
+
+
+class _Unmatched(Exception):
+    """A quantized weight whose FP32 counterpart cannot be determined structurally."""
+
+
+class _Graph:
+    """Nodes, producers, consumers and initializers (Constant outputs included) of one graph."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.nodes = list(graph.node)
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+        for n in self.nodes:
+            for o in n.output:
+                if o:
+                    self.producer[o] = n
+            for i, name in enumerate(n.input):
+                if name:
+                    self.consumers[name].append((n, i))
+        self.inits: dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
+        for n in self.nodes:
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR:
+                self.inits.setdefault(n.output[0], n.attribute[0].t)
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def array(self, name: str) -> np.ndarray | None:
+        if name not in self.inits:
+            return None
+        if name not in self._arrays:
+            t = self.inits[name]
+            if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
+                raise _Unmatched(f"initializer '{name}' has unloaded external data (load the model with its weights)")
+            self._arrays[name] = numpy_helper.to_array(t)
+        return self._arrays[name]
+
+    def const(self, name: str) -> np.ndarray | None:
+        """An initializer or Constant value, None for computed tensors."""
+        return self.array(name) if name and name in self.inits else None
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+@dataclass
+class _QuantizedWeight:
+    """An integer initializer and how the INT8 graph turns it back into real numbers."""
+
+    name: str
+    consumer: onnx.NodeProto  # the compute node that reads the weight (float op in QDQ)
+    fp_index: int  # index of the weight among the inputs of the equivalent FP32 op
+    scale: np.ndarray
+    zero_point: np.ndarray
+    axis: int | None
+    is_bias: bool = False
+
+
+def _quantized_weights(q: _Graph) -> Iterable[_QuantizedWeight]:
+    """Every integer initializer the INT8 graph dequantizes, with its grid and compute consumer."""
+    for node in q.nodes:
+        op = node.op_type
+        if op == "DequantizeLinear" and node.input[0] in q.inits:
+            yield from _qdq_weight(q, node, node.input[0])
+        elif op == "DequantizeLinear" and node.input[0] in q.producer:
+            gather = q.producer[node.input[0]]
+            if gather.op_type == "Gather" and gather.input[0] in q.inits:
+                yield from _qdq_weight(q, node, gather.input[0], via=gather)
+        elif op in _QOP_INPUTS:
+            for idx, (s, z, fp_idx) in _QOP_INPUTS[op].items():
+                if len(node.input) > idx and node.input[idx] in q.inits:
+                    scale = q.array(node.input[s])
+                    zp_name = node.input[z] if len(node.input) > z else ""
+                    if scale is None:
+                        continue
+                    zp = q.array(zp_name) if zp_name else None
+                    w = q.array(node.input[idx])
+                    zp = np.zeros(1, dtype=w.dtype) if zp is None or w is None else zp
+                    yield _QuantizedWeight(
+                        node.input[idx], node, fp_idx, scale, zp, _channel_axis_of_grid(op, fp_idx, w, scale, node)
+                    )
+            if op in _QOP_BIAS:
+                b_idx, in_s, w_s, fp_idx = _QOP_BIAS[op]
+                if len(node.input) > b_idx and node.input[b_idx] in q.inits:
+                    x_scale, w_scale = q.array(node.input[in_s]), q.array(node.input[w_s])
+                    if x_scale is None or w_scale is None:
+                        continue
+                    scale = (x_scale.astype(np.float64) * w_scale.astype(np.float64)).reshape(-1)
+                    yield _QuantizedWeight(
+                        node.input[b_idx],
+                        node,
+                        fp_idx,
+                        scale.astype(np.float32),
+                        np.zeros(1, dtype=np.int32),
+                        0 if scale.size > 1 else None,
+                        is_bias=True,
+                    )
+        elif op in _INTEGER_INPUTS:
+            for idx, (z, fp_idx) in _INTEGER_INPUTS[op].items():
+                if len(node.input) > idx and node.input[idx] in q.inits:
+                    w = q.array(node.input[idx])
+                    scale = _dynamic_weight_scale(q, node, node.input[idx])
+                    if w is None or scale is None:
+                        continue
+                    zp_name = node.input[z] if len(node.input) > z else ""
+                    zp = q.array(zp_name) if zp_name else None
+                    zp = np.zeros(1, dtype=w.dtype) if zp is None else zp
+                    yield _QuantizedWeight(
+                        node.input[idx], node, fp_idx, scale, zp, _channel_axis_of_grid(op, fp_idx, w, scale, node)
+                    )
+
+
+def _qdq_weight(
+    q: _Graph, dq: onnx.NodeProto, name: str, via: onnx.NodeProto | None = None
+) -> Iterable[_QuantizedWeight]:
+    """A DequantizeLinear of an initializer (or of a Gather over one): one weight, first consumer wins."""
+    scale = q.array(dq.input[1])
+    if scale is None:
+        return
+    zp = q.array(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
+    w = q.array(name)
+    if w is None:
+        return
+    if zp is None:
+        zp = np.zeros(1, dtype=w.dtype)
+    if _attr(dq, "block_size", 0):
+        raise_later = _QuantizedWeight(name, dq, -1, scale, zp, None)
+        yield raise_later  # blocked quantization: reported as unmatched by _finding
+        return
+    axis = None
+    if scale.size > 1:
+        axis = int(_attr(dq, "axis", 1))
+        axis = axis + w.ndim if axis < 0 else axis
+    if via is not None:  # Gather of a quantized table: the table is the FP32 Gather's input 0
+        yield _QuantizedWeight(name, via, 0, scale, zp, axis)
+        return
+    consumers = q.consumers.get(dq.output[0], [])
+    if not consumers:
+        return
+    node, idx = consumers[0]
+    is_bias = w.dtype == np.int32  # onnxruntime quantizes biases (and only biases) to int32
+    yield _QuantizedWeight(name, node, idx, scale, zp, axis, is_bias=is_bias)
+
+
+def _dynamic_weight_scale(q: _Graph, node: onnx.NodeProto, weight: str) -> np.ndarray | None:
+    """The weight scale of a dynamic integer op, read where its output is rescaled.
+
+    onnxruntime writes ``Mul(Cast(out), Mul(input_scale, weight_scale))``; the weight scale is the
+    constant operand of the inner Mul. Falls back to the ``<w>_scale`` initializer it also writes.
+    """
+    for cast, _ in q.consumers.get(node.output[0], []):
+        if cast.op_type != "Cast":
+            continue
+        for mul, i in q.consumers.get(cast.output[0], []):
+            if mul.op_type != "Mul":
+                continue
+            scales = q.producer.get(mul.input[1 - i])
+            if scales is not None and scales.op_type == "Mul":
+                consts = [q.const(x) for x in scales.input]
+                found = [c for c in consts if c is not None]
+                if len(found) == 1:
+                    return found[0]
+            direct = q.const(mul.input[1 - i])
+            if direct is not None:
+                return direct
+    base = weight.removesuffix("_quantized")
+    return q.const(f"{base}_scale") if base != weight else None
+
+
+def _channel_axis_of_grid(
+    op: str, fp_idx: int, w: np.ndarray | None, scale: np.ndarray, node: onnx.NodeProto
+) -> int | None:
+    """The per-channel quantization axis of a QOperator / dynamic weight (None for per-tensor)."""
+    if scale.size <= 1 or w is None:
+        return None
+    fp_op = _FLOAT_OP_OF.get(op, op)
+    return _output_axis(fp_op, fp_idx, w.ndim, node)
+
+
+def _output_axis(fp_op: str, fp_idx: int, ndim: int, node: onnx.NodeProto | None) -> int | None:
+    """The axis of a weight that indexes the op's output channels (None when it has none)."""
+    if ndim < 2:
+        return None
+    if fp_op == "Conv":
+        return 0
+    if fp_op == "ConvTranspose":
+        return 1
+    if fp_op in ("MatMul", "MatMulInteger", "DynamicQuantizeMatMul"):
+        return ndim - 1 if fp_idx == 1 else None
+    if fp_op in ("Gemm", "QGemm"):
+        if fp_idx != 1 or node is None:
+            return None
+        return 0 if _attr(node, "transB", 0) else 1
+    return None
+
+
+# --- pairing with the FP32 weight ---------------------------------------------------------------
+
+
+def _finding(qw: _QuantizedWeight, f: _Graph, q: _Graph) -> WeightFinding:
+    if qw.fp_index < 0:
+        raise _Unmatched("blocked quantization (block_size) is not supported")
+    qarr = q.array(qw.name)
+    assert qarr is not None
+    fp_op = _FLOAT_OP_OF.get(qw.consumer.op_type, qw.consumer.op_type)
+    base = qw.name.removesuffix("_quantized")
+    direct = f.const(base) if base != qw.name else None
+    if direct is not None and direct.shape == qarr.shape:
+        ref = direct.astype(np.float64)
+        fp_name = base
+        fp_nodes = [n.name for n, _ in f.consumers.get(base, [])]
+        folded = None
+        fp_node = f.consumers[base][0][0] if f.consumers.get(base) else None
+        op_type = fp_node.op_type if fp_node is not None else fp_op
+        out_axis = None if qw.is_bias else _output_axis(op_type, qw.fp_index, qarr.ndim, fp_node)
+    else:
+        ref, fp_name, fp_nodes, folded, fp_node, out_axis = _folded_reference(qw, f, q, qarr.shape)
+        op_type = fp_node.op_type
+    deq = _dequantize(qarr, qw.scale, qw.zero_point, qw.axis)
+    # NOTE: only weights of ops with output channels (Conv, MatMul, Gemm) get a channel list. A
+    # (C, 1, 1) operand of Mul/Add is a 1-d weight in disguise: one value per "channel" gives an
+    # SQNR of 0 dB whenever that value rounds to zero, which is noise, not a finding.
+    return _measure(
+        fp_name=fp_name,
+        int8_name=qw.name,
+        fp_nodes=fp_nodes,
+        op_type=op_type,
+        ref=ref,
+        deq=deq,
+        qarr=qarr,
+        qw=qw,
+        folded=folded,
+        out_axis=out_axis,
+    )
+
+
+def _folded_reference(
+    qw: _QuantizedWeight, f: _Graph, q: _Graph, shape: tuple[int, ...]
+) -> tuple[np.ndarray, str, list[str], str | None, onnx.NodeProto, int | None]:
+    """Rebuild the FP32 value of a weight the optimizer folded (Conv+BN, Conv+Mul, Conv+Add).
+
+    The INT8 consumer's result is followed to the FP32 tensor it computes; the FP32 nodes that
+    produced that tensor are walked back to a compute node of the same kind with an initializer
+    weight, and the fold is replayed forward in float64. Also covers a ``Gemm(transB=1)`` that
+    dynamic quantization turns into ``MatMulInteger`` over a transposed copy of the weight
+    (``<w>_Transposed_quantized``). Returns the reference in the INT8 weight's orientation and
+    the output-channel axis in that orientation.
+    """
+    target = _fp_tensor_of(qw.consumer, f, q)
+    if target is None:
+        raise _Unmatched(
+            f"no FP32 initializer '{qw.name.removesuffix('_quantized')}' and the output of "
+            f"{qw.consumer.op_type} '{qw.consumer.name}' has no FP32 counterpart"
+        )
+    chain: list[onnx.NodeProto] = []
+    node = f.producer.get(target)
+    fp_op = _FLOAT_OP_OF.get(qw.consumer.op_type, qw.consumer.op_type)
+    family = _CONV_OPS if fp_op in _CONV_OPS else _MATMUL_OPS if fp_op in _MATMUL_OPS else {fp_op}
+    while node is not None and node.op_type not in family:
+        if node.op_type not in _FOLDABLE | _FUSED_ACTIVATIONS or len(chain) > 8:
+            node = None
+            break
+        chain.append(node)
+        data_in = [x for x in node.input if x and f.const(x) is None]
+        if len(data_in) != 1:
+            node = None
+            break
+        node = f.producer.get(data_in[0])
+    if node is None:
+        raise _Unmatched(
+            f"FP32 tensor '{target}' (computed by INT8 {qw.consumer.op_type} '{qw.consumer.name}') is not "
+            f"a {fp_op} followed by foldable ops"
+        )
+    chain.reverse()
+    compute = node
+    w_name = compute.input[1] if len(compute.input) > 1 else ""
+    w = f.const(w_name)
+    if w is None:
+        raise _Unmatched(f"FP32 {compute.op_type} '{compute.name}' has no initializer weight")
+    b_name = compute.input[2] if len(compute.input) > 2 else ""
+    b0 = f.const(b_name)
+    out_axis = _output_axis(compute.op_type, 1, w.ndim, compute)
+    if out_axis is None:
+        raise _Unmatched(f"FP32 {compute.op_type} '{compute.name}' has no output-channel axis to fold along")
+    channels = w.shape[out_axis]
+    weight = w.astype(np.float64)
+    bias = np.zeros(channels) if b0 is None else b0.astype(np.float64).reshape(channels)
+    w_folds: list[str] = []
+    b_folds: list[str] = []
+    fp_nodes = [compute.name]
+    for n in chain:
+        if n.op_type in _FUSED_ACTIVATIONS:  # fused into the output range, not into the weight
+            continue
+        fp_nodes.append(n.name)
+        per_channel = _per_channel_operand(n, f, channels, compute.op_type)
+        if n.op_type == "BatchNormalization":
+            gamma, beta, mean, var = per_channel
+            factor = gamma / np.sqrt(var + float(_attr(n, "epsilon", 1e-5)))
+            weight = weight * _along(factor, out_axis, weight.ndim)
+            bias = (bias - mean) * factor + beta
+            w_folds.append(n.name)
+        elif n.op_type in ("Mul", "Div"):
+            (c,) = per_channel
+            factor = c if n.op_type == "Mul" else 1.0 / c
+            weight = weight * _along(factor, out_axis, weight.ndim)
+            bias = bias * factor
+            w_folds.append(n.name)
+        else:  # Add / Sub: only the bias moves
+            (c,) = per_channel
+            bias = bias + c if n.op_type == "Add" else bias - c
+        b_folds.append(n.name)
+    if qw.fp_index == 1:
+        ref, src, folds = weight, w_name, w_folds
+        if compute.op_type == "Gemm" and _attr(compute, "transB", 0) and fp_op != "Gemm":
+            ref, src, out_axis = ref.T, f"{w_name} transposed", 1  # MatMul(Integer) reads W^T
+    elif qw.fp_index == 2:
+        ref, src, folds = bias, b_name or f"bias of {compute.name}", b_folds
+    else:
+        raise _Unmatched(f"input {qw.fp_index} of {compute.op_type} '{compute.name}' is not a weight or bias")
+    if ref.shape != tuple(shape):
+        raise _Unmatched(f"FP32 value of '{src}' has shape {ref.shape}, INT8 weight has {tuple(shape)}")
+    name = f"{src} folded with {', '.join(folds)}" if folds else src
+    return ref, name, fp_nodes, ", ".join(folds) or None, compute, out_axis if qw.fp_index == 1 else None
+
+
+def _per_channel_operand(n: onnx.NodeProto, f: _Graph, channels: int, compute_op: str) -> list[np.ndarray]:
+    """The constant operands of a foldable node as per-output-channel float64 vectors.
+
+    Raises _Unmatched when an operand does not broadcast per output channel (then the optimizer
+    could not have folded it either): Conv outputs are NCHW, so a per-channel operand is shaped
+    ``(C, 1, 1)``; MatMul/Gemm outputs have their channels last.
+    """
+    if n.op_type == "BatchNormalization":
+        raw = [f.const(x) for x in n.input[1:5]]
+    else:
+        if f.const(n.input[0]) is not None and n.op_type in ("Sub", "Div"):
+            raise _Unmatched(f"{n.op_type} '{n.name}' has its constant first: not foldable into a weight")
+        raw = [c for c in (f.const(x) for x in n.input) if c is not None]
+    out: list[np.ndarray] = []
+    for c in raw:
+        if c is None:
+            raise _Unmatched(f"{n.op_type} '{n.name}' has a non-constant parameter")
+        c = c.astype(np.float64)
+        if c.size == 1:
+            out.append(np.full(channels, float(c.reshape(-1)[0])))
+            continue
+        if n.op_type != "BatchNormalization":
+            want_from_right = 3 if compute_op in ("Conv", "ConvTranspose") else 1
+            big = [c.ndim - i for i, d in enumerate(c.shape) if d > 1]  # position counted from the right
+            if c.size != channels or big != [want_from_right]:
+                raise _Unmatched(f"{n.op_type} '{n.name}' has an operand of shape {c.shape} that is not per-channel")
+        elif c.size != channels:
+            raise _Unmatched(f"BatchNormalization '{n.name}' has {c.size} parameters for {channels} channels")
+        out.append(c.reshape(-1))
+    return out
+
+
+def _along(v: np.ndarray, axis: int, ndim: int) -> np.ndarray:
+    shape = [1] * ndim
+    shape[axis] = v.size
+    return v.reshape(shape)
+
+
+def _fp_tensor_of(node: onnx.NodeProto, f: _Graph, q: _Graph) -> str | None:
+    """The FP32 tensor an INT8 compute node's result stands for, following Q/DQ, Cast and rescale ops."""
+    frontier = [o for o in node.output if o]
+    for _ in range(6):
+        nxt: list[str] = []
+        for t in frontier:
+            if t in f.producer:
+                return t
+            base = t.removesuffix("_quantized")
+            if base != t and base in f.producer:
+                return base
+            consumers = q.consumers.get(t, [])
+            if len(consumers) == 1 and consumers[0][0].op_type in _INT8_TAIL:
+                nxt.extend(o for o in consumers[0][0].output[:1] if o)
+        frontier = nxt
+    return None
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+def _dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, axis: int | None) -> np.ndarray:
+    s, z = _grid(scale, zp, axis, q.ndim)
+    return (q.astype(np.float64) - z) * s
+
+
+def _grid(scale: np.ndarray, zp: np.ndarray, axis: int | None, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    s = scale.astype(np.float64)
+    z = zp.astype(np.float64)
+    if axis is not None and s.size > 1:
+        return _along(s.reshape(-1), axis, ndim), _along(z.reshape(-1), axis, ndim) if z.size > 1 else z.reshape(-1)[0]
+    return np.float64(s.reshape(-1)[0]), np.float64(z.reshape(-1)[0]) if z.size else np.float64(0)
+
+
+def _sqnr(x: np.ndarray, e: np.ndarray) -> float:
+    signal = float(np.sum(x * x))
+    noise = float(np.sum(e * e))
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def _cosine(x: np.ndarray, y: np.ndarray) -> float:
+    nx, ny = float(np.sum(x * x)), float(np.sum(y * y))
+    if nx == 0.0 and ny == 0.0:
+        return 1.0
+    if nx == 0.0 or ny == 0.0:
+        return 0.0
+    return float(np.sum(x * y)) / math.sqrt(nx * ny)
+
+
+def _rmse_over_scale(e: np.ndarray, s: np.ndarray) -> float | None:
+    s = np.broadcast_to(s, e.shape)
+    ok = s > 0
+    if not ok.any():
+        return None
+    return math.sqrt(float(np.mean((e[ok] / s[ok]) ** 2)))
+
+
+def _is_symmetric(zp: np.ndarray, dtype: np.dtype) -> bool:
+    if np.issubdtype(dtype, np.signedinteger):
+        middle = 0
+    else:
+        middle = (int(np.iinfo(dtype).max) + 1) // 2
+    return bool(np.all(zp.astype(np.int64) == middle))
+
+
+def _measure(
+    *,
+    fp_name: str,
+    int8_name: str,
+    fp_nodes: list[str],
+    op_type: str,
+    ref: np.ndarray,
+    deq: np.ndarray,
+    qarr: np.ndarray,
+    qw: _QuantizedWeight,
+    folded: str | None,
+    out_axis: int | None,
+) -> WeightFinding:
+    e = deq - ref
+    s, _ = _grid(qw.scale, qw.zero_point, qw.axis, qarr.ndim)
+    channels: list[ChannelError] = []
+    if out_axis is not None and qarr.ndim >= 2:
+        xs = np.moveaxis(ref, out_axis, 0).reshape(qarr.shape[out_axis], -1)
+        es = np.moveaxis(e, out_axis, 0).reshape(qarr.shape[out_axis], -1)
+        ss = np.moveaxis(np.broadcast_to(s, e.shape), out_axis, 0).reshape(qarr.shape[out_axis], -1)
+        for c in range(xs.shape[0]):
+            channels.append(
+                ChannelError(
+                    c,
+                    _sqnr(xs[c], es[c]),
+                    float(np.max(np.abs(es[c]))) if es[c].size else 0.0,
+                    _rmse_over_scale(es[c], ss[c]),
+                )
+            )
+    ros = _rmse_over_scale(e, s)
+    return WeightFinding(
+        fp_name=fp_name,
+        int8_name=int8_name,
+        fp_nodes=fp_nodes,
+        op_type=op_type,
+        shape=tuple(int(d) for d in qarr.shape),
+        dtype=str(qarr.dtype),
+        axis=qw.axis,
+        symmetric=_is_symmetric(qw.zero_point, qarr.dtype),
+        folded=folded,
+        sqnr_db=_sqnr(ref, e),
+        max_abs=float(np.max(np.abs(e))) if e.size else 0.0,
+        rmse_over_scale=math.nan if ros is None else ros,
+        cosine=_cosine(ref, deq),
+        channels=channels,
+        is_bias=qw.is_bias,
+    )
+
+
+def _num(x: float | int | None) -> float | int | str | None:
+    """JSON has no inf/nan: they are written as the strings "inf", "-inf", "nan" (as in report.py)."""
+    if x is None or isinstance(x, int):
+        return x
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return float(f"{x:.6g}")
