@@ -329,3 +329,19 @@ def test_diff_user_errors_exit_2(runs, capsys, tmp_path):
     assert capsys.readouterr().err.startswith("diag: error[missing-file]: ")
     assert cli.main(["diff", str(runs.base), str(runs.excl), "--top", "0"]) == USER_ERROR
     assert capsys.readouterr().err.startswith("diag: error[bad-option]: --top 0 ")
+
+
+def test_readme_failing_check_example_is_real_output(tmp_path, monkeypatch, capsys):
+    """test_readme runs only examples that exit 0; this one runs the README's exit-3 example."""
+    from diag.demo import run_demo
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    start = readme.index("A failing run (exit code 3):") + 4
+    end = readme.index("```", start)
+    command, expected = readme[start - 1], readme[start:end]
+    assert command.startswith("diag check demo/diag.json ")
+    monkeypatch.chdir(tmp_path)
+    run_demo("demo", progress=False)
+    capsys.readouterr()
+    assert cli.main(command.split()[1:]) == GATE_FAILED
+    assert capsys.readouterr().out.splitlines() == expected
