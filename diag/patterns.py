@@ -3,9 +3,9 @@
 A node id such as ``node_Add_213`` means little to the person who has to fix the model; "LayerNorm
 in layer1 (ffn_norm)" or "Conv+HardSwish #12" does. This module finds LayerNorm (decomposed or
 fused), RMSNorm, GELU (Erf and Tanh forms, or fused), Softmax (op or Exp/ReduceSum/Div), attention
-(MatMul-Softmax-MatMul), residual Adds, Conv+activation blocks, squeeze-and-excitation blocks and
-the heads feeding each graph output, and sums local / accumulated error over each instance and
-each kind.
+(MatMul-Softmax-MatMul), linear layers (MatMul/Gemm on a constant weight, + bias), residual Adds,
+Conv+activation blocks, squeeze-and-excitation blocks and the heads feeding each graph output, and
+sums local / accumulated error over each instance and each kind.
 
 Matching looks only at op types, graph structure (producer / consumer edges) and constant operands
 (the 0.5, sqrt(2) and 1 of GELU, the pow 2 and eps of LayerNorm, the 3 and 6 of HardSwish), never at
@@ -41,6 +41,7 @@ KIND_NAMES = {
     "gelu": "GELU",
     "softmax": "Softmax",
     "attention": "Attention",
+    "linear": "Linear",
     "residual": "Residual Add",
     "conv-act": "Conv+activation",
     "se": "SE block",
@@ -526,6 +527,19 @@ def _conv_act_at(ix: _Index, conv: int) -> tuple[list[int], str, str] | None:
     return nodes, f"{conv_name}+{name}", out
 
 
+def _linear_at(ix: _Index, i: int) -> _Match | None:
+    """MatMul / Gemm with a constant weight, plus its constant bias Add when separate."""
+    if len(ix.data_inputs(i)) != 1 or len([t for t in ix.nodes[i].input if t]) < 2:
+        return None
+    nodes = [i]
+    t = ix.out(i)
+    c = ix.only_consumer(t)
+    if c is not None and ix.op(c) == "Add" and ix.other_input(c, t) in ix.const:
+        nodes.append(c)
+        t = ix.out(c)
+    return nodes, t
+
+
 def _se_at(ix: _Index, pool: int) -> _Match | None:
     """Squeeze-and-excitation: GlobalAveragePool(x) -> Conv -> act -> Conv -> gate -> Mul(x, gate)."""
     x = ix.nodes[pool].input[0]
@@ -611,8 +625,9 @@ def _head_for(ix: _Index, output: str) -> tuple[list[int], str] | None:
 def _where(names: Iterable[str]) -> str | None:
     """Where a group of nodes lives, from the common ``/``-separated prefix of their names.
 
-    The deepest prefix component carrying an index (``layer1``, ``layer.3``, ``blocks.2``) is the
-    block; what follows it is added in parentheses so two LayerNorms of one layer stay apart:
+    The outermost prefix component carrying an index (``layer1``, ``layer.3``, ``blocks.2``) is the
+    block (inner indexed parts such as ``fc1`` name a layer, not a block); what follows it is added
+    in parentheses so two LayerNorms of one layer stay apart:
     ``layer1/ffn_norm/Add`` -> ``layer1 (ffn_norm)``; ``/encoder/layer.3/attention/self/Softmax``
     -> ``layer.3 (attention/self)``. None when the nodes are unnamed or share no prefix.
     """
@@ -629,7 +644,7 @@ def _where(names: Iterable[str]) -> str | None:
     indexed = [k for k, p in enumerate(common) if re.search(r"\d", p)]
     if not indexed:
         return "/".join(common)
-    k = indexed[-1]
+    k = indexed[0]
     rest = "/".join(common[k + 1 :])
     return f"{common[k]} ({rest})" if rest else common[k]
 
@@ -710,6 +725,8 @@ def find_patterns(model: onnx.ModelProto) -> list[PatternInstance]:
     for i, n in enumerate(ix.nodes):
         if n.op_type in _CONV and (ca := _conv_act_at(ix, i)) is not None:
             add("conv-act", ca[1], ca[0], ca[2])
+        elif n.op_type in ("MatMul", "Gemm") and (m := _linear_at(ix, i)) is not None:
+            add("linear", "Linear", *m)
         elif n.op_type == "GlobalAveragePool" and (m := _se_at(ix, i)) is not None:
             add("se", "SE block", *m)
     taken = by_kind["layernorm"] | by_kind["rmsnorm"] | by_kind["gelu"] | by_kind["softmax"] | by_kind["attention"]
