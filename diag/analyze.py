@@ -153,6 +153,29 @@ def classify(f: NodeFinding) -> str:
     return "victim"
 
 
+def nonfinite_origins(findings: list[NodeFinding]) -> dict[str, NodeFinding]:
+    """Where NaN/Inf first appear: the first node in graph order whose output holds them, per model.
+
+    ``"FP32"`` names the first node whose FP32 output is non-finite (the float model itself is
+    broken on these inputs); ``"INT8"`` the first whose INT8 output holds more non-finite values
+    than FP32 (quantization created them, e.g. a Log or Div of a value rounded to zero).
+
+    Example:
+        >>> nonfinite_origins(result.findings)["INT8"].group.label  # doctest: +SKIP
+        'the_log'
+    """
+    origins: dict[str, NodeFinding] = {}
+    for f in sorted(findings, key=lambda f: f.index):
+        s = f.accumulated
+        if s is None:
+            continue
+        if s.nonfinite_fp and "FP32" not in origins:
+            origins["FP32"] = f
+        if s.nonfinite_int8 > s.nonfinite_fp and "INT8" not in origins:
+            origins["INT8"] = f
+    return origins
+
+
 def single_cause(findings: list[NodeFinding]) -> tuple[bool, str]:
     """Whether one node explains most of the local error, with a sentence saying so."""
     bad = [f for f in findings if f.local is not None and f.local.sqnr_db < BAD_SQNR_DB and f.group.quantized]

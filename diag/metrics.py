@@ -196,7 +196,7 @@ class OutputAccumulator:
             self.cos_min = min(self.cos_min, float(cos.min()))
             self.cos_sum += float(cos.sum())
             self.samples += int(xs.shape[0])
-            self.max_abs = max(self.max_abs, float(np.abs(ys - xs).max()))
+            self.max_abs = max(self.max_abs, float(np.abs(ys - xs).max(initial=0.0)))  # zero-size outputs
         if self.classlike and x.ndim >= 2 and 2 <= x.shape[-1] <= 100_000:
             a = x.reshape(-1, x.shape[-1]).argmax(axis=1)
             b = y.reshape(-1, y.shape[-1]).argmax(axis=1)

@@ -70,7 +70,8 @@ def document_from_result(result: Any) -> dict[str, Any]:
             }
         )
     roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
-    exclude = [name for n in roots for name in n["fp_nodes"] if n["quantized"]]
+    # Unnamed nodes only have diag's stand-in ids (``MatMul#2``), which nodes_to_exclude cannot take.
+    exclude = [name for n in roots for name in n["fp_nodes"] if n["quantized"] and not n["unnamed"]]
     unnamed = [n["name"] for n in roots if n["unnamed"]]
     return {
         "schema": SCHEMA,
@@ -131,6 +132,8 @@ def document_from_result(result: Any) -> dict[str, Any]:
             "int8_only_nodes": m.int8_only_nodes,
         },
         "nodes": nodes,
+        "distributions": _distributions(result),
+        "suggestions": [x.to_dict() for x in result.suggestions],
         "tensors": {
             name: {
                 "how": m.pairs[name].how,
@@ -140,6 +143,76 @@ def document_from_result(result: Any) -> dict[str, Any]:
             }
             for name in m.fp_float_tensors
             if name in result.accumulated
+        },
+    }
+
+
+#: Tensors whose histograms and channel charts go into diag.json and the report.
+PLOTTED_TENSORS = 6
+
+
+def _health_dict(h: Any) -> dict[str, Any]:
+    return {
+        "grid": h.grid,
+        "scale": _num(h.scale),
+        "zero_point": _num(h.zero_point),
+        "zero_point_position": _num(h.zero_point_position),
+        "clip_fraction": _num(h.clip_fraction),
+        "clip_noise_ratio": _num(h.clip_noise_ratio),
+        "effective_bits": _num(h.effective_bits),
+        "grid_bits": _num(h.grid_bits),
+        "min": _num(h.fp_min),
+        "max": _num(h.fp_max),
+        "mean": _num(h.mean),
+        "std": _num(h.std),
+        "kurtosis": _num(h.kurtosis),
+        "bulk": [_num(h.bulk_low), _num(h.bulk_high)],
+        "range_over_bulk": _num(h.range_over_bulk),
+        "dynamic_scale": (
+            {"min": _num(h.dynamic_scale_min), "max": _num(h.dynamic_scale_max), "batches": h.dynamic_batches}
+            if h.dynamic_batches
+            else None
+        ),
+        "axis": h.axis,
+        "channels": h.channels,
+        "median_channel_max": _num(h.median_channel_max),
+        "median_channel_levels": _num(h.median_channel_levels),
+        "grid_range": [_num(v) for v in h.grid_range] if h.grid_range else None,
+        "outliers": [
+            {
+                "index": o.index,
+                "max_abs": _num(o.max_abs),
+                "mean": _num(o.mean),
+                "times_median": _num(o.times_median),
+                "scale_share": _num(o.scale_share),
+            }
+            for o in h.outliers
+        ],
+        "reasons": h.unhealthy_reasons,
+    }
+
+
+def _distributions(result: Any) -> dict[str, Any] | None:
+    """Per-tensor health for every compared tensor; histograms for the worst few only."""
+    if not result.health:
+        return None
+    from diag.distributions import worst_tensors
+
+    worst = worst_tensors(result.health, PLOTTED_TENSORS)
+    return {
+        "outlier_factor": result.options.outlier_factor,
+        "persistent_outliers": [
+            {"index": p.index, "channels": p.channels, "tensors": p.tensors, "of_tensors": p.of_tensors}
+            for p in result.persistent
+        ],
+        "tensors": {name: _health_dict(h) for name, h in result.health.items()},
+        "plotted": {
+            name: {
+                "fp32": result.health[name].fp_hist.state(),
+                "int8": result.health[name].int8_hist.state(),
+                "channel_max": [round(v, 6) for v in result.health[name].channel_max],
+            }
+            for name in worst
         },
     }
 
@@ -399,10 +472,18 @@ def templates_dir() -> Path:
     )
 
 
+def _printable(value: Any) -> Any:
+    """Drop terminal control characters from untrusted names (newlines and tabs stay; Markup passes)."""
+    if isinstance(value, str) and not hasattr(value, "__html__"):
+        return "".join(ch for ch in value if ch.isprintable() or ch in "\n\t")
+    return value
+
+
 def _environment() -> Any:
     import jinja2
 
     return jinja2.Environment(
+        finalize=_printable,
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         autoescape=True,
         undefined=jinja2.StrictUndefined,
