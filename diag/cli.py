@@ -159,6 +159,14 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
             f"  root cause: {_safe(f.group.label)} ({f.group.op_type}) local SQNR "
             f"{f.local.sqnr_db:.1f} dB, accumulated {f.accumulated.sqnr_db:.1f} dB"
         )
+    from diag.analyze import nonfinite_origins
+
+    for model, f in nonfinite_origins(result.findings).items():
+        count = f.accumulated.nonfinite_fp if model == "FP32" else f.accumulated.nonfinite_int8
+        print(
+            f"  NaN/Inf: first produced in the {model} model by {_safe(f.group.label)} ({f.group.op_type}): "
+            f"{count} value(s) in '{_safe(f.tensor)}'"
+        )
     m = result.matching
     print(
         f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "

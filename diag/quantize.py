@@ -22,6 +22,7 @@ removed; onnxruntime's logging is captured into :attr:`QuantizeReport.log`, not 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -39,7 +40,7 @@ import onnx
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
 from diag.load import detect_format, iter_nodes, model_from_path
-from diag.recipe import Recipe
+from diag.recipe import Recipe, recipe_from_option
 
 #: Above this many bytes of weights a model cannot be one protobuf: quantize with external data.
 EXTERNAL_DATA_BYTES = 2**31 - 2**26  # 2 GiB minus headroom for the graph itself
@@ -136,10 +137,11 @@ def upgrade_opset(model: onnx.ModelProto, target: int = PER_AXIS_OPSET) -> onnx.
 
 def quantize_model(
     fp32_path: str | os.PathLike[str],
-    recipe: Recipe,
+    recipe: Recipe | str | os.PathLike[str],
     out_path: str | os.PathLike[str],
     calibration: FeedSource | FeedSpec | None = None,
     progress: bool = False,
+    samples: int | None = None,
 ) -> QuantizeReport:
     """Quantize ``fp32_path`` with ``recipe`` into ``out_path``, guarded and verified.
 
@@ -147,12 +149,33 @@ def quantize_model(
     ``calibration`` path when it is None. The output is written atomically and only after it
     loads in onnxruntime; the input model is never modified.
 
+    Args:
+        fp32_path: the float model (external data next to it is read, never written).
+        recipe: a :class:`Recipe`, or a recipe file / inline JSON as ``--recipe`` takes it.
+        out_path: the INT8 ``.onnx`` to write (its folder is created).
+        calibration: calibration inputs for static recipes; None uses ``recipe.calibration``.
+        progress: show a calibration progress bar on a terminal.
+        samples: calibrate on the first N samples (overrides ``recipe.calibration_samples``).
+
     Example:
         >>> r = quantize_model("det.onnx", Recipe(mode="dynamic"), "det.int8.onnx")  # doctest: +SKIP
         >>> r.actions[0]
         'lifted 163 Constant nodes to initializers: ...'
     """
     start = time.perf_counter()
+    if not isinstance(recipe, Recipe):
+        recipe = recipe_from_option(recipe)
+    if samples is not None:
+        if samples < 1:
+            raise DiagError("bad-option", "--samples", "must be at least 1", "pass e.g. --samples 64")
+        recipe = dataclasses.replace(recipe, calibration_samples=samples)
+    if recipe.mode == "dynamic" and calibration is not None:
+        raise DiagError(
+            "bad-option",
+            "calibration inputs",
+            "only apply to static quantization but the recipe's mode is 'dynamic'",
+            'drop --calib/--reader, or set "mode": "static" in the recipe',
+        )
     loaded = model_from_path(fp32_path, "FP32 model")
     if loaded.format.is_quantized:
         ev = ", ".join(f"{k} x{v}" for k, v in loaded.format.evidence.items())
@@ -192,7 +215,7 @@ def quantize_model(
                 f"upgraded opset {opset} -> {PER_AXIS_OPSET} with onnx.version_converter: per-channel QDQ writes "
                 "DequantizeLinear with an axis attribute, which opset < 13 forbids (the INT8 model would not load)"
             )
-        with _captured_ort_logging(log):
+        with _captured_ort_logging(log), _working_dir(tmp):
             src = _save(model, tmp / "fp32" / "model.onnx", external)
             del model
             if recipe.preprocess:
@@ -456,11 +479,14 @@ def _publish(staged: Path, out: Path) -> None:
     """Move the verified model (and its external data, first) into place, each by rename."""
     parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
     moved: list[Path] = []
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         for p in parts:
             fd, tmp_name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=out.parent)
             os.close(fd)
             shutil.copyfile(p, tmp_name)  # a copy: the temp folder may be on another device
+            os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp's 0600 would surprise whoever deploys the model
             moved.append(Path(tmp_name))
             os.replace(tmp_name, out.parent / p.name)
             moved.pop()
@@ -469,6 +495,23 @@ def _publish(staged: Path, out: Path) -> None:
     finally:
         for p in moved:
             p.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _working_dir(path: Path) -> Iterator[None]:
+    """Run with ``path`` as the current folder.
+
+    NOTE: onnxruntime's symbolic shape inference, when it fails, saves ``sym_shape_infer_temp.onnx``
+    and a ``<uuid>.data`` file into the *current* folder and never removes them (seen on PP-OCRv4
+    det). Running the quantizer from diag's own temp folder keeps the user's folders clean. The
+    current folder is process-wide: do not quantize from several threads at once.
+    """
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
 
 
 @contextlib.contextmanager

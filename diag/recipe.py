@@ -347,6 +347,32 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     return recipe
 
 
+def recipe_from_option(value: str | os.PathLike[str]) -> Recipe:
+    """A recipe from a ``--recipe`` value: a ``.json`` / ``.toml`` file, or inline JSON starting with ``{``.
+
+    An inline recipe's ``calibration`` is relative to the current folder.
+
+    Example:
+        >>> recipe_from_option('{"mode": "dynamic", "per_channel": true}').per_channel
+        True
+    """
+    text = str(value)
+    if not text.lstrip().startswith("{"):
+        return load_recipe(value)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DiagError(
+            "bad-recipe",
+            "inline --recipe",
+            f"is not valid JSON ({e.msg} at column {e.colno})",
+            'quote it for the shell: --recipe \'{"mode": "dynamic"}\'',
+        ) from e
+    recipe = Recipe.from_dict(data, "inline recipe")
+    recipe.base_dir = "."
+    return recipe
+
+
 def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
     """Write ``recipe`` atomically as JSON, or TOML when ``path`` ends in ``.toml``.
 
