@@ -21,6 +21,11 @@ _LAZY = {
     "load_pair": "diag.compare",
     "DiagError": "diag.errors",
     "feed_source": "diag.feeds",
+    "Gates": "diag.gate",
+    "GateResult": "diag.gate",
+    "check_document": "diag.gate",
+    "DocumentDiff": "diag.diff",
+    "diff_documents": "diag.diff",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

@@ -226,13 +226,34 @@ def test_check_bad_files_exit_2(runs, capsys, tmp_path):
         assert err.startswith(f"diag: error[{slug}]: "), err
 
 
-def test_check_flags_map_to_gates_in_a_fixed_order():
-    args = cli.build_parser().parse_args(
-        ["check", "x.json", "--max-abs", "0.1", "--min-sqnr", "20", "--min-agreement", "0.99", "--output", "logits"]
-    )
-    gates = Gates(min_sqnr=args.min_sqnr, max_abs=args.max_abs, min_agreement=args.min_agreement)
-    assert gates.metric_bounds() == [("min-sqnr", 20.0), ("max-abs", 0.1), ("min-agreement", 0.99)]
-    assert args.output == ["logits"] and args.min_cosine is None and args.max_grade is None
+def test_check_and_diff_flags_map_onto_one_library_call_each(monkeypatch):
+    import diag.diff
+    import diag.gate
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(diag.gate, "check_file", lambda path, gates: calls.append((path, gates)) or [])
+    argv = ["check", "x.json", "--max-abs", "0.1", "--min-sqnr", "20", "--min-agreement", "0.99"]
+    argv += ["--min-cosine", "0.9", "--max-accuracy-drop", "0.02", "--max-grade", "marginal", "--output", "logits"]
+    assert cli.main(argv) == OK
+    assert calls == [
+        (
+            "x.json",
+            Gates(
+                min_sqnr=20.0,
+                min_cosine=0.9,
+                max_abs=0.1,
+                min_agreement=0.99,
+                max_accuracy_drop=0.02,
+                max_grade="marginal",
+                outputs=("logits",),
+            ),
+        )
+    ]
+    assert calls[0][1].metric_bounds()[0] == ("min-sqnr", 20.0)  # fixed order, not flag order
+    empty = diag.diff.DocumentDiff("a", "b", ("excellent", "excellent", "same"))
+    monkeypatch.setattr(diag.diff, "diff_files", lambda a, b, top: calls.append((a, b, top)) or empty)
+    assert cli.main(["diff", "a.json", "b.json", "--top", "4"]) == OK
+    assert calls[-1] == ("a.json", "b.json", 4)
 
 
 # ---------------------------------------------------------------- diag diff
