@@ -192,7 +192,7 @@ def quantize_model(
     actions: list[str] = []
     log: list[str] = []
     with tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name:
-        tmp = Path(tmp_name)
+        tmp = Path(tmp_name).resolve()
         model = onnx.load(str(loaded.path))  # with weights: the quantizer needs them
         external = loaded.has_external_data or _weight_bytes(model) > EXTERNAL_DATA_BYTES
         if external:
@@ -215,7 +215,7 @@ def quantize_model(
                 f"upgraded opset {opset} -> {PER_AXIS_OPSET} with onnx.version_converter: per-channel QDQ writes "
                 "DequantizeLinear with an axis attribute, which opset < 13 forbids (the INT8 model would not load)"
             )
-        with _captured_ort_logging(log), _working_dir(tmp):
+        with _captured_ort_logging(log):
             src = _save(model, tmp / "fp32" / "model.onnx", external)
             del model
             if recipe.preprocess:
@@ -347,39 +347,39 @@ def _preprocess(src: Path, dst: Path, external: bool, actions: list[str], log: l
     if external:
         kwargs["external_data_location"] = dst.name + ".data"
     before = len(log)
-    try:
-        quant_pre_process(str(src), str(dst), **kwargs)
-        how = "quant_pre_process"
-    except ImportError as e:
-        if "sympy" not in str(e):
-            raise
-        quant_pre_process(str(src), str(dst), skip_symbolic_shape=True, **kwargs)
-        actions.append(
-            "ran quant_pre_process without symbolic shape inference: sympy is not installed "
-            "(pip install sympy to enable it)"
-        )
-        how = None
-    except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        try:
-            quant_pre_process(str(src), str(dst), skip_symbolic_shape=True, **kwargs)
-        except Exception as e2:
-            raise DiagError(
-                "quantize-failed",
-                "quant_pre_process",
-                f"failed with and without symbolic shape inference ({type(e2).__name__}: {str(e2)[:200]})",
-                'set "preprocess": false in the recipe',
-            ) from e2
-        actions.append(
-            f"quant_pre_process failed in symbolic shape inference ({first}); "
-            "retried with skip_symbolic_shape=True, which worked"
-        )
-        how = None
+    with _working_dir(dst.parent):
+        how = _run_preprocess(quant_pre_process, src, dst, kwargs, actions)
     if any("Optimization Failed" in line for line in log[before:]):
         actions.append("quant_pre_process: onnxruntime's graph optimization step failed and was skipped")
     if how:
         actions.append("ran quant_pre_process (shape inference and graph optimization) before quantizing")
     return dst
+
+
+def _run_preprocess(quant_pre_process: Any, src: Path, dst: Path, kwargs: dict[str, Any], actions: list[str]) -> bool:
+    """Returns True when the full pre-processing ran, False when it was retried without symbolic shapes."""
+    try:
+        quant_pre_process(str(src), str(dst), **kwargs)
+        return True
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if isinstance(e, ImportError) and "sympy" in str(e):
+            why = "sympy is not installed (pip install sympy to enable symbolic shape inference)"
+        elif "symbolic" in str(e).lower():
+            why = f"symbolic shape inference failed ({first})"
+        else:
+            why = f"it failed with {type(e).__name__}: {first}"
+    try:
+        quant_pre_process(str(src), str(dst), skip_symbolic_shape=True, **kwargs)
+    except Exception as e2:
+        raise DiagError(
+            "quantize-failed",
+            "quant_pre_process",
+            f"failed with and without symbolic shape inference ({type(e2).__name__}: {str(e2)[:200]})",
+            'set "preprocess": false in the recipe',
+        ) from e2
+    actions.append(f"ran quant_pre_process with skip_symbolic_shape=True because {why}")
+    return False
 
 
 def _check_names_survived(recipe: Recipe, src: Path, actions: list[str]) -> None:
