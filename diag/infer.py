@@ -1,0 +1,344 @@
+"""Recipe inference: from an INT8 model alone, the onnxruntime settings that made it.
+
+Users inherit INT8 models (a colleague's, a model zoo's) and need the recipe to reproduce or
+change them: quantize again with one more node excluded, or per-channel instead of per-tensor.
+Everything onnxruntime decides leaves a trace in the graph:
+
+* mode and format: the quantized op types (``diag.load.detect_format``);
+* weight / activation types: the dtype of weight initializers and of activation zero points;
+* per_channel: a weight scale with more than one element;
+* symmetric: every zero point is 0 (signed) or the midpoint 128 / 32768 (unsigned). Written as
+  ``WeightSymmetric`` / ``ActivationSymmetric`` only where it differs from onnxruntime's default
+  (weights: symmetric for signed types; activations: asymmetric);
+* reduce_range: every weight fits in 7 bits (onnxruntime's reduced ranges);
+* nodes_to_exclude: nodes of an op type onnxruntime's registry would quantize, with a constant
+  weight, still in float although the model is quantized around them.
+
+NOTE: Exclusions are inferred for weighted ops only (Conv, ConvTranspose, MatMul, Gemm with a
+constant weight): a float weight initializer feeding them is proof that they were skipped. For
+weightless ops (Add, Softmax, Reshape...) the graph has no such proof: onnxruntime quantizes
+some only when their input is quantized, and a Q/DQ pair is shared by quantized and skipped
+consumers alike. Guessing there would produce exclusion lists nobody asked for.
+
+NOTE: What the graph cannot tell is said, not guessed: ``calibrate_method`` (MinMax, Entropy and
+Percentile all end as a scale), calibration data, ``preprocess``, and whether a whole op type was
+skipped via ``op_types_to_quantize`` or node by node (both give the same graph; diag writes node
+names, which reproduce it either way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from diag.errors import DiagError
+from diag.load import model_from_path
+
+#: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+#: integer dtype -> onnxruntime QuantType name.
+QUANT_TYPE_NAMES = {
+    onnx.TensorProto.INT8: "QInt8",
+    onnx.TensorProto.UINT8: "QUInt8",
+    onnx.TensorProto.INT16: "QInt16",
+    onnx.TensorProto.UINT16: "QUInt16",
+}
+#: zero points of symmetric quantization: the midpoint of the full or the reduced range (quant_utils).
+SYMMETRIC_ZERO_POINTS = {
+    onnx.TensorProto.INT8: (0,),
+    onnx.TensorProto.INT16: (0,),
+    onnx.TensorProto.UINT8: (128, 64),
+    onnx.TensorProto.UINT16: (32768, 16384),
+}
+#: widest span (max q - min q) of one weight quantized with reduce_range: 7 bits (+1 for the
+#: symmetric ranges -64..64 and 0..128). Full-range weights span 127 (symmetric) to 255.
+REDUCED_SPAN = {
+    onnx.TensorProto.INT8: 128,
+    onnx.TensorProto.UINT8: 128,
+    onnx.TensorProto.INT16: 32768,
+    onnx.TensorProto.UINT16: 32768,
+}
+#: input index of the quantized weight, its scale and zero point, for quantized weighted ops.
+_WEIGHT_INPUTS = {
+    "MatMulInteger": (1, None, 3),
+    "ConvInteger": (1, None, 3),
+    "DynamicQuantizeMatMul": (1, 2, 3),
+    "QLinearConv": (3, 4, 5),
+    "QLinearMatMul": (3, 4, 5),
+    "QGemm": (3, 4, 5),
+}
+
+UNKNOWN_FIELDS = {
+    "calibrate_method": "MinMax, Entropy, Percentile and Distribution all end as a scale in the model",
+    "calibration": "the calibration data is not stored in the model",
+    "preprocess": "quant_pre_process leaves no mark that survives quantization",
+}
+
+
+@dataclass
+class InferredRecipe:
+    """A recipe read back from an INT8 model, with the evidence and what stays unknown.
+
+    Attributes:
+        recipe: the recipe as a plain dict in recipe-file form (``diag.recipe`` key names).
+        unknown: recipe field -> why the model cannot tell it.
+        evidence: one line per inferred field saying what in the graph decided it.
+    """
+
+    recipe: dict[str, Any]
+    unknown: dict[str, str] = field(default_factory=dict)
+    evidence: list[str] = field(default_factory=list)
+
+    def to_toml(self) -> str:
+        """The recipe as a TOML recipe file; unknown fields are comments with the reason.
+
+        Example:
+            >>> print(InferredRecipe({"mode": "dynamic", "weight_type": "QInt8"}).to_toml())
+            mode = "dynamic"
+            weight_type = "QInt8"
+        """
+        lines = [f"{k} = {_toml(v)}" for k, v in self.recipe.items() if k != "extra_options"]
+        for key, why in self.unknown.items():
+            lines.append(f"# {key}: cannot be inferred from the model ({why})")
+        extra = self.recipe.get("extra_options") or {}
+        if extra:
+            lines += ["", "[extra_options]"] + [f"{k} = {_toml(v)}" for k, v in extra.items()]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The recipe as a JSON recipe file (JSON has no comments: unknown fields are left out)."""
+        return json.dumps(self.recipe, indent=2) + "\n"
+
+
+def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
+    """Infer the quantization recipe that produced the INT8 model at ``path``.
+
+    Reads weights (zero points, scales, quantized weights) but never modifies the file.
+
+    Example:
+        >>> r = infer_recipe("int8.onnx")  # doctest: +SKIP
+        >>> r.recipe["mode"], r.recipe.get("quant_format")  # doctest: +SKIP
+        ('static', 'QDQ')
+    """
+    loaded = model_from_path(path, "INT8 model")
+    kind = loaded.format.kind
+    obj = f"INT8 model '{loaded.path}'"
+    if kind == "fp32":
+        raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
+    if kind == "mixed":
+        ev = ", ".join(loaded.format.evidence)
+        raise DiagError(
+            "bad-option",
+            obj,
+            f"mixes quantization formats ({ev}); one recipe cannot have made it",
+            "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
+        )
+    proto = loaded.proto
+    if loaded.has_external_data:
+        onnx.load_external_data_for_model(proto, str(loaded.path.resolve().parent))
+    return _infer(proto, kind)
+
+
+def recipe_to_toml(path: str | os.PathLike[str]) -> str:
+    """`diag inspect --recipe`: the inferred recipe as TOML text (see :func:`infer_recipe`).
+
+    Example:
+        >>> print(recipe_to_toml("int8.onnx"))  # doctest: +SKIP
+        mode = "dynamic"
+        ...
+    """
+    inferred = infer_recipe(path)
+    header = [f"# recipe inferred by diag from {Path(path).name}"]
+    header += [f"# evidence: {e}" for e in inferred.evidence]
+    return "\n".join(header) + "\n" + inferred.to_toml()
+
+
+def recipe_to_file(model: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Path, list[str]]:
+    """`diag inspect --recipe-out FILE`: write the inferred recipe (.toml with comments, else JSON).
+
+    Returns the path and the notes for fields that could not be inferred (a JSON file cannot
+    hold them as comments, so the caller prints them).
+
+    Example:
+        >>> recipe_to_file("int8.onnx", "recipe.toml")  # doctest: +SKIP
+        (PosixPath('recipe.toml'), ['calibrate_method: cannot be inferred ...'])
+    """
+    from diag.report import atomic_write
+
+    inferred = infer_recipe(model)
+    p = Path(out)
+    if not (p.parent if str(p.parent) else Path(".")).is_dir():
+        raise DiagError("bad-out", f"--recipe-out '{p}'", "is in a folder that does not exist", "create it first")
+    text = recipe_to_toml(model) + "\n" if p.suffix.lower() == ".toml" else inferred.to_json()
+    notes = [f"{k}: cannot be inferred from the model ({why})" for k, why in inferred.unknown.items()]
+    return atomic_write(p, text), notes
+
+
+# ---------------------------------------------------------------- inference
+
+
+def _infer(model: onnx.ModelProto, kind: str) -> InferredRecipe:
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    weights = _quantized_weights(graph, inits, producers, kind)
+    evidence: list[str] = []
+    recipe: dict[str, Any] = {"mode": "dynamic" if kind == "dynamic" else "static"}
+    if kind != "dynamic":
+        recipe["quant_format"] = "QDQ" if kind == "qdq" else "QOperator"
+        act_zps = _activation_zero_points(graph, inits)
+        act_types = Counter(zp.data_type for zp in act_zps)
+        if act_types:
+            dtype = act_types.most_common(1)[0][0]
+            recipe["activation_type"] = QUANT_TYPE_NAMES.get(dtype, str(dtype))
+            evidence.append(f"activation_type from {len(act_zps)} activation zero point(s)")
+    extra: dict[str, Any] = {}
+    if weights:
+        w_types = Counter(q.data_type for q, _, _ in weights)
+        w_dtype = w_types.most_common(1)[0][0]
+        recipe["weight_type"] = QUANT_TYPE_NAMES.get(w_dtype, str(w_dtype))
+        recipe["per_channel"] = any(_size(s) > 1 for _, s, _ in weights if s is not None) or any(
+            _size(z) > 1 for _, _, z in weights if z is not None
+        )
+        recipe["reduce_range"] = all(_fits_reduced(q) for q, _, _ in weights)
+        evidence.append(f"weight_type, per_channel, reduce_range from {len(weights)} quantized weight(s)")
+        w_zps = [z for _, _, z in weights if z is not None]
+        symmetric = bool(w_zps) and all(_is_symmetric(z) for z in w_zps)
+        default_symmetric = w_dtype in (onnx.TensorProto.INT8, onnx.TensorProto.INT16)
+        if w_zps and symmetric != default_symmetric:
+            extra["WeightSymmetric"] = symmetric
+    if kind != "dynamic":
+        act_zps = _activation_zero_points(graph, inits)
+        if act_zps and all(_is_symmetric(z) for z in act_zps):
+            extra["ActivationSymmetric"] = True
+    excluded = _excluded_nodes(graph, inits, producers, kind)
+    recipe["nodes_to_exclude"] = excluded
+    evidence.append(
+        f"nodes_to_exclude: {len(excluded)} node(s) of a quantizable weighted op type left in float"
+        if excluded
+        else "nodes_to_exclude: every quantizable weighted node is quantized"
+    )
+    if extra:
+        recipe["extra_options"] = extra
+    unknown = dict(UNKNOWN_FIELDS)
+    if kind == "dynamic":
+        del unknown["calibrate_method"], unknown["calibration"]
+    return InferredRecipe(recipe, unknown, evidence)
+
+
+def _quantized_weights(
+    graph: onnx.GraphProto,
+    inits: dict[str, onnx.TensorProto],
+    producers: dict[str, onnx.NodeProto],
+    kind: str,
+) -> list[tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]]:
+    """(quantized weight, scale, zero point) of every quantized weighted op."""
+    found: dict[str, tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]] = {}
+
+    def get(node: onnx.NodeProto, i: int | None) -> onnx.TensorProto | None:
+        if i is None or i >= len(node.input) or not node.input[i]:
+            return None
+        return inits.get(node.input[i])
+
+    for node in graph.node:
+        if node.op_type in _WEIGHT_INPUTS:
+            wi, si, zi = _WEIGHT_INPUTS[node.op_type]
+            q = get(node, wi)
+            if q is None or q.data_type not in QUANT_TYPE_NAMES:
+                continue
+            scale = get(node, si)
+            if scale is None and q.name.endswith("_quantized"):
+                scale = inits.get(q.name[: -len("_quantized")] + "_scale")
+            found[q.name] = (q, scale, get(node, zi))
+        elif kind == "qdq" and node.op_type in WEIGHTED_OPS and len(node.input) > 1:
+            dq = producers.get(node.input[1])
+            if dq is None or dq.op_type != "DequantizeLinear":
+                continue
+            q = get(dq, 0)
+            if q is None or q.data_type not in QUANT_TYPE_NAMES:
+                continue
+            found[q.name] = (q, get(dq, 1), get(dq, 2))
+    return list(found.values())
+
+
+def _activation_zero_points(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto]) -> list[onnx.TensorProto]:
+    """Zero points of QuantizeLinear nodes that quantize activations (not constant weights)."""
+    out = []
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] not in inits and len(node.input) > 2:
+            zp = inits.get(node.input[2])
+            if zp is not None and zp.data_type in QUANT_TYPE_NAMES:
+                out.append(zp)
+    return out
+
+
+def _excluded_nodes(
+    graph: onnx.GraphProto,
+    inits: dict[str, onnx.TensorProto],
+    producers: dict[str, onnx.NodeProto],
+    kind: str,
+) -> list[str]:
+    """Weighted nodes onnxruntime would have quantized, still reading a float weight initializer.
+
+    The quantizable op types come from the installed onnxruntime's registries: IntegerOpsRegistry
+    for dynamic, QDQRegistry / QLinearOpsRegistry for static (its default op_types_to_quantize).
+    """
+    quantizable = set(_registry_ops(kind)) & set(WEIGHTED_OPS)
+    out = []
+    for node in graph.node:
+        if node.op_type not in quantizable or len(node.input) < 2:
+            continue
+        w = inits.get(node.input[1])
+        if w is None or w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+            continue  # activation x activation MatMul, or a weight behind a DequantizeLinear
+        out.append(node.name)
+    return out
+
+
+def _registry_ops(kind: str) -> list[str]:
+    """The op types the installed onnxruntime quantizes by default in this format."""
+    from onnxruntime.quantization import registry
+
+    if kind == "dynamic":
+        return list(registry.IntegerOpsRegistry)
+    return list(set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry))
+
+
+def _size(t: onnx.TensorProto) -> int:
+    return int(np.prod(t.dims)) if t.dims else 1
+
+
+def _is_symmetric(zp: onnx.TensorProto) -> bool:
+    values = numpy_helper.to_array(zp).astype(np.int64).ravel()
+    return bool(values.size) and any(bool(np.all(values == w)) for w in SYMMETRIC_ZERO_POINTS.get(zp.data_type, ()))
+
+
+def _fits_reduced(q: onnx.TensorProto) -> bool:
+    """True when the weight's integer values span no more than a reduced (7-bit) range."""
+    limit = REDUCED_SPAN.get(q.data_type)
+    values = numpy_helper.to_array(q).astype(np.int64)
+    if limit is None or not values.size:
+        return False
+    return bool(values.max() - values.min() <= limit)
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
