@@ -307,6 +307,10 @@ def test_diff_lists_version_changes_and_nodes_in_one_run_only(runs):
     assert f"environment onnxruntime: 1.17.0 -> {b['environment']['onnxruntime']}" in text
     assert f"nodes only in a (1): {dropped}" in text
     assert text[-1].endswith("no metric moved")
+    b["verdict"]["outputs"][0]["name"] = "scores"
+    renamed = diff_documents(a, b)
+    assert renamed.outputs_only == {"a": ["logits"], "b": ["scores"]} and renamed.outputs == []
+    assert "outputs only in b: scores" in renamed.lines()
 
 
 def test_diff_cli_text_and_json(runs, capsys):
