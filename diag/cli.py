@@ -329,6 +329,52 @@ data for large models. The INT8 model is written (atomically) only after it load
     return OK
 
 
+def cmd_exclude(args: argparse.Namespace) -> int:
+    """Find the fewest nodes to keep in float so that the quantized model meets --target on held-out
+    inputs; write exclusion.json, the mixed-precision model and reproduce.py into --out.
+
+    The first part of the samples ranks the nodes (diag compare on the recipe's INT8 model) and
+    calibrates a static recipe without calibration data; the rest (--holdout) is held out and judges
+    every candidate list. Search: exponential then binary search on the ranked prefix, then each
+    excluded node is re-included in turn and stays quantized when the target still holds. Exit code
+    3 when no list short of keeping every quantized node in float meets the target."""
+    from diag.errors import GATE_FAILED
+    from diag.exclude import exclude_to_dir, summary_lines
+    from diag.recipe import Recipe, load_recipe
+
+    recipe = load_recipe(args.recipe) if args.recipe else Recipe(mode="dynamic")
+    result, files = exclude_to_dir(
+        args.fp32,
+        recipe,
+        _feed_spec(args),
+        args.target,
+        args.out,
+        holdout=args.holdout,
+        labels=args.labels,
+        threads=args.threads,
+        bench_runs=args.bench_runs,
+        progress=not args.quiet,
+    )
+    for line in summary_lines(result):
+        print(_safe(line))
+    for name, path in files.items():
+        print(f"wrote {name}: {path}")
+    return OK if result.reachable else GATE_FAILED
+
+
+EXCLUDE_TARGET_HELP = """\
+Targets (--target METRIC>=VALUE or METRIC<=VALUE), measured on the held-out samples only,
+FP32 output x vs quantized output y:
+  cosine>=V         min over samples and outputs of the per-sample cosine sum(x*y)/sqrt(sum x^2 * sum y^2)
+  max_abs<=V        max |y - x| over every element of every output
+  agreement>=V      top-1 agreement: share of rows (last axis = classes) whose argmax equals FP32's
+                    (worst class-like output)
+  accuracy_drop<=V  top-1 accuracy FP32 minus quantized on the first output, against --labels
+  f1_drop<=V        macro-F1 (mean over labelled classes of 2TP/(2TP+FP+FN)) FP32 minus quantized,
+                    first output, against --labels
+"""
+
+
 # ---------------------------------------------------------------- parser
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -341,6 +387,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "lint": cmd_lint,
     "check": cmd_check,
     "diff": cmd_diff,
+    "exclude": cmd_exclude,
 }
 
 
@@ -395,6 +442,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR|FILE.html",
         help="folder for report.html + summary.md, or a single .html path",
     )
+
+    p = verb("exclude", epilog=EXCLUDE_TARGET_HELP)
+    p.add_argument("fp32", help="the FP32 model")
+    p.add_argument(
+        "--recipe",
+        metavar="PATH",
+        help="recipe .json/.toml (onnxruntime's argument names); default {\"mode\": \"dynamic\"}",
+    )
+    p.add_argument("--target", required=True, metavar="METRIC>=V", help="goal on held-out inputs, e.g. cosine>=0.999")
+    _add_feed_flags(p)
+    p.add_argument(
+        "--holdout",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="share of the samples held out for verification, cut on batch boundaries (default 0.5)",
+    )
+    p.add_argument("--labels", metavar="PATH", help=".npy of class indices (accuracy_drop / f1_drop targets)")
+    p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
+    p.add_argument(
+        "--bench-runs", type=int, default=20, metavar="N", help="timed runs per model for latency (0: skip; default 20)"
+    )
+    p.add_argument("--out", default="diag-exclude", metavar="DIR", help="output folder (default diag-exclude)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
 
     p = verb("demo")
     p.add_argument("--out", default="diag-demo", metavar="DIR", help="output folder (default diag-demo)")

@@ -1003,7 +1003,7 @@ def exclude_to_dir(
             model = out / f"{stem}.mixed.onnx"
             Path(result.model).replace(model)
             result.model = str(model)
-            files["model"] = model
+            files["mixed model"] = model
             if recipe.calibration:
                 calib, count = recipe.calibration_path(), recipe.calibration_samples
             else:
