@@ -603,7 +603,8 @@ def _head_for(ix: _Index, output: str) -> tuple[list[int], str] | None:
     """Classification head (pool -> flatten -> Gemm/MatMul -> [softmax]) or dense head (last convs)."""
     chain = _tail(ix, output)
     ops = [ix.op(i) for i in chain]
-    lin = [k for k, o in enumerate(ops) if o in _LINEAR]
+    # Only layers with a constant weight count: a MatMul of two activations (attention) is no head.
+    lin = [k for k, i in enumerate(chain) if ops[k] in _LINEAR and ix.nodes[i].input[1] in ix.const]
     if not lin:
         return None
     last = next((k for k in reversed(lin) if all(o in _AFTER_CLASSIFIER for o in ops[k + 1 :])), None)
