@@ -14,7 +14,8 @@ What counts as a quantized weight (measured on onnxruntime 1.32 graphs, see the 
   ``QLinearConv`` / ``QGemm`` (zero point 0, scale = input scale x weight scale).
 * Dynamic: the weight input of ``MatMulInteger`` / ``ConvInteger`` (its scale is found where the
   output is rescaled: ``Mul(Cast(out), Mul(input_scale, weight_scale))``), ``DynamicQuantizeMatMul``
-  (com.microsoft) and ``Gather`` of an integer table followed by ``DequantizeLinear``.
+  and ``MatMulIntegerToFloat`` (com.microsoft; onnxruntime's optimizer makes them from the dynamic
+  graph at the "extended" level) and ``Gather`` of an integer table followed by ``DequantizeLinear``.
 
 Which FP32 weight an INT8 weight is compared with is decided structurally:
 
@@ -45,15 +46,27 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from diag.errors import DiagError
+
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
-_MATMUL_OPS = {"MatMul", "MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul", "Gemm", "QGemm"}
+_MATMUL_OPS = {
+    "MatMul",
+    "MatMulInteger",
+    "QLinearMatMul",
+    "DynamicQuantizeMatMul",
+    "MatMulIntegerToFloat",
+    "Gemm",
+    "QGemm",
+}
 #: FP32 ops onnxruntime's optimizer folds into a preceding Conv (ConvBNFusion, ConvMulFusion, ConvAddFusion).
 _FOLDABLE = {"BatchNormalization", "Mul", "Add", "Sub", "Div"}
 #: Ops a quantized compute node's result flows through before it is the FP32 tensor again.
 _INT8_TAIL = {"QuantizeLinear", "DequantizeLinear", "Cast", "Mul", "Add", "Relu", "Clip"}
 #: FP32 activations the quantizer fuses into the producer's output range (no effect on weights).
 _FUSED_ACTIVATIONS = {"Relu", "Clip"}
+#: Initializers up to this size (scales, zero points, BN parameters) are converted once and cached.
+_CACHED_ELEMENTS = 4096
 
 #: QOperator / dynamic ops: quantized input index -> (scale index, zero point index, FP32 input index).
 _QOP_INPUTS: dict[str, dict[int, tuple[int, int, int]]] = {
@@ -64,6 +77,7 @@ _QOP_INPUTS: dict[str, dict[int, tuple[int, int, int]]] = {
     "QLinearAdd": {0: (1, 2, 0), 3: (4, 5, 1)},
     "QLinearMul": {0: (1, 2, 0), 3: (4, 5, 1)},
     "DynamicQuantizeMatMul": {1: (2, 3, 1)},
+    "MatMulIntegerToFloat": {0: (2, 4, 0), 1: (3, 5, 1)},
 }
 #: QOperator int32 bias inputs: bias index -> (input scale index, weight scale index, FP32 input index).
 _QOP_BIAS: dict[str, tuple[int, int, int, int]] = {
@@ -86,6 +100,7 @@ _FLOAT_OP_OF = {
     "ConvInteger": "Conv",
     "MatMulInteger": "MatMul",
     "DynamicQuantizeMatMul": "MatMul",
+    "MatMulIntegerToFloat": "MatMul",
 }
 
 
@@ -166,9 +181,8 @@ class WeightFinding:
         A per-tensor SQNR looks fine on a weight whose one huge channel carries the energy while
         every other channel rounds to a few levels; the worst channel does not hide that.
         """
-        values = [self.sqnr_db] + [c.sqnr_db for c in self.channels]
-        finite = [v for v in values if not math.isnan(v)]
-        return min(finite) if finite else math.nan
+        values = [v for v in [self.sqnr_db] + [c.sqnr_db for c in self.channels] if not math.isnan(v)]
+        return min(values) if values else math.nan
 
     @property
     def worst_channel(self) -> ChannelError | None:
@@ -254,7 +268,7 @@ def weight_report(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> WeightReport:
             findings.append(_finding(qw, f, q))
         except _Unmatched as e:
             unmatched[qw.name] = str(e)
-    findings.sort(key=lambda x: (math.isnan(x.worst_sqnr_db), x.worst_sqnr_db, x.int8_name))
+    findings.sort(key=lambda x: (math.isnan(x.worst_sqnr_db), x.worst_sqnr_db, x.sqnr_db, x.int8_name))
     return WeightReport(findings, unmatched)
 
 
@@ -283,17 +297,30 @@ class _Graph:
         for n in self.nodes:
             if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR:
                 self.inits.setdefault(n.output[0], n.attribute[0].t)
-        self._arrays: dict[str, np.ndarray] = {}
+        self._small: dict[str, np.ndarray] = {}
 
     def array(self, name: str) -> np.ndarray | None:
+        """The value of an initializer; scales and zero points are cached, weights are not.
+
+        NOTE: weights are converted on demand and dropped after use, so peak memory is one
+        weight (and its float64 reference), not a second copy of the model.
+        """
         if name not in self.inits:
             return None
-        if name not in self._arrays:
-            t = self.inits[name]
-            if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
-                raise _Unmatched(f"initializer '{name}' has unloaded external data (load the model with its weights)")
-            self._arrays[name] = numpy_helper.to_array(t)
-        return self._arrays[name]
+        if name in self._small:
+            return self._small[name]
+        t = self.inits[name]
+        if t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data"):
+            raise DiagError(
+                "missing-external-data",
+                f"initializer '{name}'",
+                "has its data in an external file that was not loaded",
+                "load the model with onnx.load(path) from its own folder so the weights are read",
+            )
+        value = numpy_helper.to_array(t)
+        if value.size <= _CACHED_ELEMENTS:
+            self._small[name] = value
+        return value
 
     def const(self, name: str) -> np.ndarray | None:
         """An initializer or Constant value, None for computed tensors."""

@@ -261,3 +261,42 @@ def test_real_ppocr_det_qdq_every_quantized_weight_is_found(tmp_path: Path):
     # (scale = input scale x gamma scale), which rounds every value to 0: SQNR exactly 0 dB.
     bn_bias = [f for f in report.findings if f.op_type == "BatchNormalization" and f.is_bias]
     assert bn_bias and min(f.sqnr_db for f in bn_bias) < 1.0
+
+
+def test_dynamic_graph_fused_by_onnxruntime_keeps_every_weight(tmp_path):
+    import onnxruntime as ort
+
+    from diag.fixtures.models import transformer
+
+    fx = transformer()
+    fp = tmp_path / "t.fp32.onnx"
+    onnx.save(fx.model, fp)
+    dyn = quantize_variant(fp, tmp_path / "t.dynamic.onnx", "dynamic")
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / "t.fused.onnx")
+    ort.InferenceSession(str(dyn), so, providers=["CPUExecutionProvider"])
+    fused = onnx.load(tmp_path / "t.fused.onnx")
+    ops = {n.op_type for n in fused.graph.node}
+    assert {"DynamicQuantizeMatMul", "MatMulIntegerToFloat"} <= ops and "MatMulInteger" not in ops
+    plain = {f.int8_name: f.sqnr_db for f in weight_errors(fx.model, onnx.load(dyn))}
+    after = {f.int8_name: f.sqnr_db for f in weight_errors(fx.model, fused)}
+    assert after.keys() == plain.keys() and len(plain) == 14  # 13 MatMul weights + the embedding table
+    assert after == pytest.approx(plain, abs=1e-9)
+
+
+def test_weights_not_loaded_is_a_user_error(made, tmp_path):
+    from diag.errors import DiagError
+
+    fp, q = made["qdq"]
+    path = tmp_path / "ext.onnx"
+    copy = onnx.ModelProto()
+    copy.CopyFrom(q)  # onnx.save(save_as_external_data=True) rewrites the proto it is given
+    onnx.save(
+        copy, path, save_as_external_data=True, all_tensors_to_one_file=True, location="ext.data", size_threshold=0
+    )
+    lazy = onnx.load(path, load_external_data=False)
+    with pytest.raises(DiagError) as err:
+        weight_errors(fp, lazy)
+    assert err.value.slug == "missing-external-data"
+    assert len(weight_errors(fp, onnx.load(path))) == len(weight_errors(fp, q))
