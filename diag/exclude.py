@@ -281,16 +281,22 @@ def _json_float(v: Any) -> Any:
 
 @dataclass(frozen=True)
 class Split:
-    """Which samples rank (and calibrate) and which are held out, in input order."""
+    """Which samples rank (and calibrate) and which are held out, in input order.
+
+    ``batch`` (rows per run) is recorded because dynamic quantization picks its activation scale
+    per run: the same model scores differently on the same rows batched differently.
+    """
 
     ranking: FeedSource
     held_out: FeedSource
     ranking_samples: int
     held_out_first: int
     held_out_samples: int
+    batch: int
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "batch": self.batch,
             "ranking": f"samples 0..{self.ranking_samples - 1}",
             "held_out": f"samples {self.held_out_first}..{self.held_out_first + self.held_out_samples - 1}",
             "ranking_samples": self.ranking_samples,
@@ -346,7 +352,7 @@ def split_feeds(feeds: FeedSource, holdout: float) -> Split:
         total - seen,
         feeds.specs,
     )
-    return Split(ranking, held, seen, seen, total - seen)
+    return Split(ranking, held, seen, seen, total - seen, max(sizes))
 
 
 # ---------------------------------------------------------------- evaluation
