@@ -291,7 +291,7 @@ def _excluded_nodes(
     The quantizable op types come from the installed onnxruntime's registries: IntegerOpsRegistry
     for dynamic, QDQRegistry / QLinearOpsRegistry for static (its default op_types_to_quantize).
     """
-    quantizable = set(_registry_ops(kind)) & set(WEIGHTED_OPS)
+    quantizable = set(quantizable_op_types(kind)) & set(WEIGHTED_OPS)
     out = []
     for node in graph.node:
         if node.op_type not in quantizable or len(node.input) < 2:
@@ -303,8 +303,16 @@ def _excluded_nodes(
     return out
 
 
-def _registry_ops(kind: str) -> list[str]:
-    """The op types the installed onnxruntime quantizes by default in this format."""
+def quantizable_op_types(kind: str) -> list[str]:
+    """The op types the installed onnxruntime quantizes by default in this format.
+
+    ``kind`` is ``dynamic`` (IntegerOpsRegistry) or a static format (the union of QDQRegistry and
+    QLinearOpsRegistry: quantize_static's default ``op_types_to_quantize``).
+
+    Example:
+        >>> "MatMul" in quantizable_op_types("dynamic")
+        True
+    """
     from onnxruntime.quantization import registry
 
     if kind == "dynamic":
