@@ -345,83 +345,77 @@ class _QuantizedWeight:
     zero_point: np.ndarray
     axis: int | None
     is_bias: bool = False
+    unsupported: str | None = None  # why it cannot be measured (listed as unmatched)
 
 
 def _quantized_weights(q: _Graph) -> Iterable[_QuantizedWeight]:
-    """Every integer initializer the INT8 graph dequantizes, with its grid and compute consumer."""
+    """Every integer initializer the INT8 graph dequantizes, with its grid and compute consumer.
+
+    Only scales and zero points are converted here; the weights themselves are read one at a time
+    when they are measured.
+    """
     for node in q.nodes:
         op = node.op_type
+        inputs = list(node.input) + [""] * 9  # optional inputs read as ""
         if op == "DequantizeLinear" and node.input[0] in q.inits:
             yield from _qdq_weight(q, node, node.input[0])
         elif op == "DequantizeLinear" and node.input[0] in q.producer:
             gather = q.producer[node.input[0]]
             if gather.op_type == "Gather" and gather.input[0] in q.inits:
                 yield from _qdq_weight(q, node, gather.input[0], via=gather)
-        elif op in _QOP_INPUTS:
-            for idx, (s, z, fp_idx) in _QOP_INPUTS[op].items():
-                if len(node.input) > idx and node.input[idx] in q.inits:
-                    scale = q.array(node.input[s])
-                    zp_name = node.input[z] if len(node.input) > z else ""
-                    if scale is None:
-                        continue
-                    zp = q.array(zp_name) if zp_name else None
-                    w = q.array(node.input[idx])
-                    zp = np.zeros(1, dtype=w.dtype) if zp is None or w is None else zp
-                    yield _QuantizedWeight(
-                        node.input[idx], node, fp_idx, scale, zp, _channel_axis_of_grid(op, fp_idx, w, scale, node)
-                    )
+        elif op in _QOP_INPUTS or op in _INTEGER_INPUTS:
+            for idx, (s, z, fp_idx) in _weight_inputs(op).items():
+                name = inputs[idx]
+                if name not in q.inits:
+                    continue
+                scale = q.array(inputs[s]) if s >= 0 else _dynamic_weight_scale(q, node, name)
+                if scale is None:
+                    continue
+                zp = _zero_point(q, inputs[z], name)
+                axis = _output_axis(_FLOAT_OP_OF[op], fp_idx, len(q.inits[name].dims), node) if scale.size > 1 else None
+                yield _QuantizedWeight(name, node, fp_idx, scale, zp, axis)
             if op in _QOP_BIAS:
                 b_idx, in_s, w_s, fp_idx = _QOP_BIAS[op]
-                if len(node.input) > b_idx and node.input[b_idx] in q.inits:
-                    x_scale, w_scale = q.array(node.input[in_s]), q.array(node.input[w_s])
-                    if x_scale is None or w_scale is None:
-                        continue
+                x_scale, w_scale = q.array(inputs[in_s]), q.array(inputs[w_s])
+                if inputs[b_idx] in q.inits and x_scale is not None and w_scale is not None:
+                    # onnxruntime quantizes the bias with scale = input scale x weight scale, zero point 0.
                     scale = (x_scale.astype(np.float64) * w_scale.astype(np.float64)).reshape(-1)
-                    yield _QuantizedWeight(
-                        node.input[b_idx],
-                        node,
-                        fp_idx,
-                        scale.astype(np.float32),
-                        np.zeros(1, dtype=np.int32),
-                        0 if scale.size > 1 else None,
-                        is_bias=True,
-                    )
-        elif op in _INTEGER_INPUTS:
-            for idx, (z, fp_idx) in _INTEGER_INPUTS[op].items():
-                if len(node.input) > idx and node.input[idx] in q.inits:
-                    w = q.array(node.input[idx])
-                    scale = _dynamic_weight_scale(q, node, node.input[idx])
-                    if w is None or scale is None:
-                        continue
-                    zp_name = node.input[z] if len(node.input) > z else ""
-                    zp = q.array(zp_name) if zp_name else None
-                    zp = np.zeros(1, dtype=w.dtype) if zp is None else zp
-                    yield _QuantizedWeight(
-                        node.input[idx], node, fp_idx, scale, zp, _channel_axis_of_grid(op, fp_idx, w, scale, node)
-                    )
+                    axis = 0 if scale.size > 1 else None
+                    zp = np.zeros(1, dtype=np.int32)
+                    yield _QuantizedWeight(inputs[b_idx], node, fp_idx, scale, zp, axis, is_bias=True)
+
+
+def _weight_inputs(op: str) -> dict[int, tuple[int, int, int]]:
+    """Weight input index -> (scale index or -1 when found downstream, zero point index, FP32 index)."""
+    if op in _QOP_INPUTS:
+        return _QOP_INPUTS[op]
+    return {idx: (-1, z, fp_idx) for idx, (z, fp_idx) in _INTEGER_INPUTS[op].items()}
+
+
+def _zero_point(q: _Graph, zp_name: str, weight: str) -> np.ndarray:
+    """The zero point (0 of the weight's type when the input is omitted, as the ONNX spec says)."""
+    zp = q.array(zp_name) if zp_name else None
+    if zp is not None:
+        return zp
+    return np.zeros(1, dtype=onnx.helper.tensor_dtype_to_np_dtype(q.inits[weight].data_type))
 
 
 def _qdq_weight(
     q: _Graph, dq: onnx.NodeProto, name: str, via: onnx.NodeProto | None = None
 ) -> Iterable[_QuantizedWeight]:
-    """A DequantizeLinear of an initializer (or of a Gather over one): one weight, first consumer wins."""
+    """A DequantizeLinear of an initializer (or of a Gather over one); the first consumer is the op."""
     scale = q.array(dq.input[1])
     if scale is None:
         return
-    zp = q.array(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
-    w = q.array(name)
-    if w is None:
-        return
-    if zp is None:
-        zp = np.zeros(1, dtype=w.dtype)
+    zp = _zero_point(q, dq.input[2] if len(dq.input) > 2 else "", name)
+    ndim = len(q.inits[name].dims)
     if _attr(dq, "block_size", 0):
-        raise_later = _QuantizedWeight(name, dq, -1, scale, zp, None)
-        yield raise_later  # blocked quantization: reported as unmatched by _finding
+        yield _QuantizedWeight(name, dq, -1, scale, zp, None, unsupported="blocked quantization (block_size)")
         return
     axis = None
     if scale.size > 1:
         axis = int(_attr(dq, "axis", 1))
-        axis = axis + w.ndim if axis < 0 else axis
+        axis = axis + ndim if axis < 0 else axis
     if via is not None:  # Gather of a quantized table: the table is the FP32 Gather's input 0
         yield _QuantizedWeight(name, via, 0, scale, zp, axis)
         return
@@ -429,7 +423,7 @@ def _qdq_weight(
     if not consumers:
         return
     node, idx = consumers[0]
-    is_bias = w.dtype == np.int32  # onnxruntime quantizes biases (and only biases) to int32
+    is_bias = q.inits[name].data_type == onnx.TensorProto.INT32  # onnxruntime quantizes only biases to int32
     yield _QuantizedWeight(name, node, idx, scale, zp, axis, is_bias=is_bias)
 
 
@@ -458,16 +452,6 @@ def _dynamic_weight_scale(q: _Graph, node: onnx.NodeProto, weight: str) -> np.nd
     return q.const(f"{base}_scale") if base != weight else None
 
 
-def _channel_axis_of_grid(
-    op: str, fp_idx: int, w: np.ndarray | None, scale: np.ndarray, node: onnx.NodeProto
-) -> int | None:
-    """The per-channel quantization axis of a QOperator / dynamic weight (None for per-tensor)."""
-    if scale.size <= 1 or w is None:
-        return None
-    fp_op = _FLOAT_OP_OF.get(op, op)
-    return _output_axis(fp_op, fp_idx, w.ndim, node)
-
-
 def _output_axis(fp_op: str, fp_idx: int, ndim: int, node: onnx.NodeProto | None) -> int | None:
     """The axis of a weight that indexes the op's output channels (None when it has none)."""
     if ndim < 2:
@@ -489,8 +473,8 @@ def _output_axis(fp_op: str, fp_idx: int, ndim: int, node: onnx.NodeProto | None
 
 
 def _finding(qw: _QuantizedWeight, f: _Graph, q: _Graph) -> WeightFinding:
-    if qw.fp_index < 0:
-        raise _Unmatched("blocked quantization (block_size) is not supported")
+    if qw.unsupported:
+        raise _Unmatched(f"{qw.unsupported} is not supported")
     qarr = q.array(qw.name)
     assert qarr is not None
     fp_op = _FLOAT_OP_OF.get(qw.consumer.op_type, qw.consumer.op_type)
