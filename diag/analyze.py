@@ -59,6 +59,8 @@ class NodeFinding:
     role: str = "ok"
     rank_accumulated: int = 0
     rank_local: int = 0
+    #: Compared tensors the node reads (from other nodes; weights and model inputs excluded).
+    inputs: tuple[str, ...] = ()
 
     @property
     def amplification_db(self) -> float | None:
@@ -109,7 +111,7 @@ def node_findings(
         ins = [t for t in input_tensors(graph, head) if t in accumulated] if head in graph else []
         in_sqnr = min((accumulated[t].sqnr_db for t in ins), default=None)
         index = graph.nodes[g.key]["index"] if g.key in graph else 0
-        findings.append(NodeFinding(g, index, worst_out, acc, loc, in_sqnr))
+        findings.append(NodeFinding(g, index, worst_out, acc, loc, in_sqnr, inputs=tuple(ins)))
     _rank(findings)
     for f in findings:
         f.role = classify(f)

@@ -25,14 +25,23 @@ from diag.analyze import (
     overall_grade,
     single_cause,
 )
+from diag.distributions import (
+    OUTLIER_FACTOR,
+    DistributionAccumulator,
+    GridInfo,
+    PersistentOutlier,
+    TensorHealth,
+    persistent_outliers,
+)
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
 from diag.graph import fp_graph
 from diag.instrument import cut_model, exposed_model
 from diag.load import LoadedModel, model_from_path
-from diag.match import Matching, TensorPair, match_models
+from diag.match import Matching, TensorPair, match_models, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator
 from diag.progress import Progress
+from diag.remedies import Suggestion, all_suggestions
 from diag.run import check_memory, run_batch, session_from_model
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
@@ -48,6 +57,8 @@ class CompareOptions:
     local: bool = True
     progress: bool = True
     labels: str | None = None
+    distributions: bool = True
+    outlier_factor: float = OUTLIER_FACTOR
 
 
 @dataclass
@@ -57,6 +68,7 @@ class CompareState:
     accumulated: dict[str, ErrorAccumulator] = field(default_factory=dict)
     local: dict[str, ErrorAccumulator] = field(default_factory=dict)
     outputs: dict[str, OutputAccumulator] = field(default_factory=dict)
+    distributions: dict[str, DistributionAccumulator] = field(default_factory=dict)
     labelled: dict[str, int] = field(default_factory=lambda: {"n": 0, "fp32": 0, "int8": 0})
     samples: int = 0
     batches: int = 0
@@ -67,6 +79,11 @@ class CompareState:
                 mine.setdefault(k, ErrorAccumulator()).merge(acc)
         for k, oacc in other.outputs.items():
             self.outputs.setdefault(k, OutputAccumulator()).merge(oacc)
+        for k, dacc in other.distributions.items():
+            if k in self.distributions:
+                self.distributions[k].merge(dacc)
+            else:
+                self.distributions[k] = dacc
         for k in self.labelled:
             self.labelled[k] += other.labelled[k]
         self.samples += other.samples
@@ -95,6 +112,9 @@ class CompareResult:
     options: CompareOptions
     runtime_unmatched: dict[str, str]
     environment: dict[str, str]
+    health: dict[str, TensorHealth] = field(default_factory=dict)
+    persistent: list[PersistentOutlier] = field(default_factory=list)
+    suggestions: list[Suggestion] = field(default_factory=list)
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -216,6 +236,11 @@ def run_comparison(
             cut.model, f"cut INT8 model of '{q.path}'", options.opt_level, options.threads, ext_q
         )
     state = CompareState()
+    if options.distributions:
+        ops = {node_id(n, i): n.op_type for i, n in enumerate(fp.graph.node)}
+        for name, pair in pairs.items():
+            grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
+            state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""))
     runtime_unmatched: dict[str, str] = {}
     progress = Progress(feeds.total_samples, "compare", enabled=options.progress)
     try:
@@ -233,9 +258,13 @@ def run_comparison(
                     )
                     del pairs[name]
                     state.accumulated.pop(name, None)
+                    state.distributions.pop(name, None)
                     continue
                 scale = _scale_for(pair, q_out)
                 state.accumulated.setdefault(name, ErrorAccumulator()).update(ref, value, scale)
+                if name in state.distributions:
+                    dyn = scale if pair.dynamic_scale else None
+                    state.distributions[name].update(ref, value, dyn)
             for name in output_names:
                 state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name])
             if labels is not None:
@@ -328,6 +357,8 @@ def finish(
         for i, name in enumerate(state.outputs)
     ]
     one, sentence = single_cause(findings)
+    health = {k: d.finalize(options.outlier_factor) for k, d in state.distributions.items()}
+    suggestions = all_suggestions(fp.proto, matching, health, q.format.kind)
     return CompareResult(
         fp,
         q,
@@ -346,6 +377,9 @@ def finish(
         options,
         runtime_unmatched,
         environment(),
+        health,
+        persistent_outliers(health),
+        suggestions,
     )
 
 

@@ -74,3 +74,85 @@ def error_along_graph(nodes: list[dict[str, Any]], bad_db: float) -> str:
     ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
     return _svg(fig)
+
+
+def _display_bins(state: dict[str, Any], lo: int, hi: int, target: int = 300) -> tuple[list[float], list[float]]:
+    """Rebin a stored histogram's bins [lo, hi) to at most ``target`` bins for display."""
+    from diag.distributions import BINS
+
+    limit = math.ldexp(1.0, state["exponent"])
+    width = 2 * limit / BINS
+    counts = [0] * (hi - lo)
+    for i, c in enumerate(state["counts"]):
+        j = state["first"] + i - lo
+        if 0 <= j < len(counts):
+            counts[j] += c
+    step = max(1, math.ceil(len(counts) / target))
+    xs, ys = [], []
+    for k in range(0, len(counts), step):
+        xs.append(-limit + (lo + k) * width)
+        ys.append(float(sum(counts[k : k + step])))
+    xs.append(-limit + (lo + len(counts)) * width)
+    return xs, ys
+
+
+def distribution(name: str, plotted: dict[str, Any], health: dict[str, Any]) -> str:
+    """FP32 vs INT8 histogram (log y) with the quantization grid's representable range marked.
+
+    Values outside the shaded band are clipped by a static grid; a tall FP32 spike inside a few
+    INT8 levels means the grid is too coarse where the data lives.
+    """
+    plt = _pyplot()
+    fp, q = plotted["fp32"], plotted["int8"]
+    exponent = max(e for e in (fp["exponent"], q["exponent"]) if e is not None)
+    from diag.distributions import Pow2Histogram
+
+    hists = []
+    for st in (fp, q):
+        h = Pow2Histogram.from_state(st)
+        h._grow_to(exponent)
+        hists.append(h.state())
+    used = [i for st in hists for i in (st["first"], st["first"] + len(st["counts"])) if st["counts"]]
+    lo, hi = (min(used), max(used)) if used else (0, 1)
+    fig, ax = plt.subplots(figsize=(5.2, 2.6), dpi=80)
+    for st, label, color in ((hists[0], "FP32", "#2471a3"), (hists[1], "INT8 (dequantized)", "#e67e22")):
+        if not st["counts"]:
+            continue
+        xs, ys = _display_bins(st, lo, hi)
+        ax.stairs(ys, xs, label=label, color=color, lw=1.1)
+    grid_range = health.get("grid_range")
+    if grid_range and all(isinstance(v, float) for v in grid_range):
+        low, high = grid_range
+        ax.axvspan(low, high, color="#27ae60", alpha=0.08, label="representable range")
+        ax.axvline(low, color="#27ae60", lw=0.8)
+        ax.axvline(high, color="#27ae60", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_title(name[:60], fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6, loc="upper right")
+    ax.grid(alpha=0.25)
+    return _svg(fig)
+
+
+def channel_ranges(name: str, channel_max: list[float], outliers: list[int], factor: float) -> str:
+    """Per-channel max |x| with outlier channels in red and the flagging threshold dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.2, 2.6), dpi=80)
+    xs = list(range(len(channel_max)))
+    bad = set(outliers)
+    med = sorted(channel_max)[len(channel_max) // 2] if channel_max else 0.0
+    if len(channel_max) <= 256:
+        colors = ["#c0392b" if i in bad else "#5d6d7e" for i in xs]
+        ax.bar(xs, channel_max, color=colors, width=0.9)
+    else:
+        ax.plot(xs, channel_max, color="#5d6d7e", lw=0.6)
+        ax.scatter(sorted(bad), [channel_max[i] for i in sorted(bad)], color="#c0392b", s=10, zorder=3)
+    for i in sorted(bad)[:8]:
+        ax.annotate(str(i), (i, channel_max[i]), textcoords="offset points", xytext=(0, 2), fontsize=7, color="#c0392b")
+    if med > 0:
+        ax.axhline(med * factor, color="#c0392b", ls="--", lw=0.8, label=f"{factor:g}x median channel")
+        ax.legend(fontsize=6, loc="upper right")
+    ax.set_title(f"{name[:50]}: max |x| per channel", fontsize=8)
+    ax.set_xlabel("channel / hidden dim", fontsize=7)
+    ax.tick_params(labelsize=7)
+    return _svg(fig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
                 "op_type": g.op_type,
                 "index": f.index,
                 "tensor": f.tensor,
+                "inputs": list(f.inputs),
                 "quantized": g.quantized,
                 "unnamed": g.unnamed,
                 "role": f.role,
@@ -316,6 +318,48 @@ class OutputRow:
 
 
 @dataclass
+class OutlierRow:
+    tensor: str
+    grid: str
+    axis: str
+    channels: int
+    outliers: str
+    typical_levels: str
+
+
+@dataclass
+class HealthRow:
+    tensor: str
+    grid: str
+    effective_bits: str
+    effective_bits_key: str
+    clip: str
+    clip_key: str
+    range_over_bulk: str
+    kurtosis: str
+    zero_point: str
+    dynamic_scale: str
+    reasons: str
+
+
+@dataclass
+class SuggestionItem:
+    tensor: str
+    problem: str
+    remedy: str
+    python: str
+    applies_to: str
+    note: str
+
+
+@dataclass
+class DistributionPlot:
+    tensor: str
+    histogram: str
+    channels: str
+
+
+@dataclass
 class ReportView:
     """Everything the templates print, already formatted."""
 
@@ -344,6 +388,11 @@ class ReportView:
     accounted: int
     plot_error_along_graph: str
     bad_db: str
+    outliers: list[OutlierRow]
+    persistent: list[str]
+    health: list[HealthRow]
+    suggestions: list[SuggestionItem]
+    distribution_plots: list[DistributionPlot]
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
@@ -374,9 +423,11 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             )
         )
     by_local = sorted(nodes, key=lambda n: n["rank_local"])
+    dist = doc.get("distributions") or {}
+    dist_tensors = dist.get("tensors", {})
     roots = [
         f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
-        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB"
+        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB" + _input_outliers(n, doc, dist_tensors)
         for n in by_local
         if n["role"] == "root-cause"
     ][:5]
@@ -432,7 +483,88 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         accounted=m["accounted"],
         plot_error_along_graph=plot,
         bad_db=f"{doc['thresholds']['bad_sqnr_db']:g}",
+        outliers=_outlier_rows(dist_tensors),
+        persistent=[
+            f"channel {p['index']} is an outlier in {len(p['tensors'])} of the {p['of_tensors']} tensors "
+            f"with {p['channels']} channels: " + ", ".join(p["tensors"][:8]) + (" ..." if len(p["tensors"]) > 8 else "")
+            for p in dist.get("persistent_outliers", [])
+        ],
+        health=_health_rows(dist_tensors),
+        suggestions=[
+            SuggestionItem(x["tensor"], x["problem"], x["remedy"], x["python"], x["applies_to"], x["note"])
+            for x in doc.get("suggestions", [])
+        ],
+        distribution_plots=_distribution_plots(dist) if with_plots else [],
     )
+
+
+def _input_outliers(node: dict[str, Any], doc: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
+    """ "; input 'x' has outlier channel 7 (42x the median)" for a root cause, when it does."""
+    parts = []
+    for t in node.get("inputs", []):
+        h = dist_tensors.get(t)
+        if h and h["outliers"]:
+            o = h["outliers"][0]
+            parts.append(f"input '{t}' has outlier channel {o['index']} ({fmt_num(o['times_median'], 3)}x the median)")
+    return "; " + "; ".join(parts[:2]) if parts else ""
+
+
+def _outlier_rows(dist_tensors: dict[str, Any]) -> list[OutlierRow]:
+    rows = []
+    for name, h in dist_tensors.items():
+        if not h["outliers"]:
+            continue
+        shown = ", ".join(
+            f"{o['index']} ({fmt_num(o['times_median'], 3)}x, {fmt_pct(o['scale_share'])} of range)"
+            for o in h["outliers"][:6]
+        )
+        more = f" +{len(h['outliers']) - 6} more" if len(h["outliers"]) > 6 else ""
+        rows.append(
+            OutlierRow(
+                name, h["grid"], str(h["axis"]), h["channels"], shown + more, fmt_num(h["median_channel_levels"], 3)
+            )
+        )
+    quantized_first = sorted(rows, key=lambda r: (r.grid == "none",))
+    return quantized_first[:200]
+
+
+def _health_rows(dist_tensors: dict[str, Any]) -> list[HealthRow]:
+    rows = []
+    for name, h in dist_tensors.items():
+        if h["grid"] == "none":
+            continue
+        dyn = h["dynamic_scale"]
+        rows.append(
+            HealthRow(
+                name,
+                h["grid"],
+                fmt_num(h["effective_bits"], 3),
+                _sortable(h["effective_bits"]),
+                fmt_pct(h["clip_fraction"]),
+                _sortable(h["clip_fraction"]),
+                fmt_num(h["range_over_bulk"], 3),
+                fmt_num(h["kurtosis"], 3),
+                fmt_pct(h["zero_point_position"]),
+                f"{fmt_num(dyn['min'])}–{fmt_num(dyn['max'])} over {dyn['batches']} batches" if dyn else "",
+                "; ".join(h["reasons"]),
+            )
+        )
+    rows.sort(key=lambda r: (not r.reasons, float(r.effective_bits_key or 99)))
+    return rows[:300]
+
+
+def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
+    from diag.plots import channel_ranges, distribution
+
+    plots = []
+    factor = dist.get("outlier_factor", 6.0)
+    for name, p in dist.get("plotted", {}).items():
+        h = dist["tensors"][name]
+        chans = ""
+        if p["channel_max"]:
+            chans = channel_ranges(name, p["channel_max"], [o["index"] for o in h["outliers"]], factor)
+        plots.append(DistributionPlot(name, distribution(name, p, h), chans))
+    return plots
 
 
 def fix_snippet(fmt: str, nodes: list[str]) -> str:
@@ -502,11 +634,25 @@ def render_markdown(view: ReportView) -> str:
     env = _environment()
     env.autoescape = False
     env.filters["md"] = md_escape
+    env.filters["mdcode"] = md_code
     text = str(env.get_template("summary.md.j2").render(v=view))
     lines = text.splitlines()
     if len(lines) > SUMMARY_MAX_LINES:
         lines = [*lines[: SUMMARY_MAX_LINES - 1], "_(truncated; see report.html)_"]
     return "\n".join(lines) + "\n"
+
+
+def md_code(text: str) -> str:
+    """An inline code span that no content can break out of (HTML inside it stays text).
+
+    Example:
+        >>> md_code("a`b")
+        '`` a`b ``'
+    """
+    clean = "".join(ch for ch in str(text) if ch.isprintable())
+    longest = max((len(run) for run in re.findall(r"`+", clean)), default=0)
+    fence = "`" * (longest + 1)
+    return f"{fence} {clean} {fence}" if longest else f"`{clean}`"
 
 
 def md_escape(text: str) -> str:

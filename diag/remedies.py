@@ -1,0 +1,227 @@
+"""Concrete remedies for unhealthy tensors, in onnxruntime's own argument names.
+
+Every :class:`Suggestion` carries a *recipe delta* in the names `quantize_dynamic` /
+`quantize_static` take (the recipe file uses the same names), and the exact Python text to paste.
+A test applies each kind with real onnxruntime quantization and checks that the named tensor
+improves, so nothing here is folklore.
+
+NOTE: there is no ``OpTypesToExclude`` option in onnxruntime; keeping nodes in float is
+``nodes_to_exclude``. 16-bit activations exist only in QDQ format (``TensorQuantOverrides``).
+SmoothQuant needs the separate ``neural-compressor`` package; it is suggested only with that
+caveat and never as the first remedy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+
+from diag.distributions import TensorHealth
+from diag.match import Matching, node_id
+
+#: Effective bits this far below the grid's bits mean the tails waste the grid.
+WASTED_BITS = 3.0
+#: Ops SmoothQuant can migrate activation outliers into (a weight on the other operand).
+SMOOTHABLE = frozenset({"MatMul", "Gemm"})
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One remedy for one tensor: what is wrong, the onnxruntime argument that fixes it, and why."""
+
+    tensor: str
+    problem: str
+    remedy: str
+    recipe: dict[str, Any]
+    python: str
+    applies_to: str
+    note: str = ""
+    consumers: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "problem": self.problem,
+            "remedy": self.remedy,
+            "recipe": self.recipe,
+            "python": self.python,
+            "applies_to": self.applies_to,
+            "note": self.note,
+            "consumers": self.consumers,
+        }
+
+
+def _py(value: Any) -> str:
+    """Python literal text for a recipe value, with QuantType names as enum members."""
+    text = json.dumps(value, ensure_ascii=False)
+    for qt in ("QInt16", "QUInt16", "QInt8", "QUInt8"):
+        text = text.replace(f'"{qt}"', f"QuantType.{qt}")
+    return text.replace("true", "True").replace("false", "False").replace("null", "None")
+
+
+def quantized_consumers(model: onnx.ModelProto, matching: Matching, tensor: str) -> tuple[list[str], list[str]]:
+    """FP32 node names (for ``nodes_to_exclude``) and op types of the quantized nodes reading ``tensor``."""
+    group_of: dict[str, Any] = {}
+    for g in matching.groups:
+        for n in g.fp_nodes:
+            group_of[n] = g
+    names: list[str] = []
+    ops: list[str] = []
+    for i, node in enumerate(model.graph.node):
+        if tensor in node.input:
+            nid = node_id(node, i)
+            g = group_of.get(nid)
+            if g is not None and g.quantized:
+                for n in g.fp_nodes:
+                    if n not in names:
+                        names.append(n)
+                ops.append(node.op_type)
+    return names, ops
+
+
+def suggestions_for(
+    name: str, health: TensorHealth, fmt: str, consumers: list[str], consumer_ops: list[str]
+) -> list[Suggestion]:
+    """Remedies for one tensor, most targeted first. Empty when the tensor is healthy.
+
+    Example:
+        >>> suggestions_for("t", health, "qdq", ["fc1"], ["MatMul"])[0].remedy  # doctest: +SKIP
+        'qint16-activation'
+    """
+    out: list[Suggestion] = []
+    if health.grid == "none":
+        return out
+    static = fmt in ("qdq", "qoperator", "mixed")
+    if health.outliers:
+        top = health.outliers[0]
+        dims = ", ".join(str(o.index) for o in health.outliers[:5])
+        levels = f"{health.median_channel_levels:.1f}" if health.median_channel_levels is not None else "few"
+        problem = (
+            f"channel {dims} reaches {top.max_abs:.3g}, {top.times_median:.0f}x the median channel; "
+            f"with one per-tensor scale a typical channel spans only {levels} levels"
+        )
+        if static:
+            override = {"TensorQuantOverrides": {name: [{"quant_type": "QInt16"}]}}
+            recipe: dict[str, Any] = {"extra_options": override}
+            note = "16-bit activations exist only in QDQ format"
+            if fmt == "qoperator":
+                recipe = {"quant_format": "QDQ", "extra_options": override}
+                note += ": this also switches the model to QDQ"
+            out.append(
+                Suggestion(
+                    name,
+                    problem,
+                    "qint16-activation",
+                    recipe,
+                    f"extra_options={_py(override)}" + (", quant_format=QuantFormat.QDQ" if fmt == "qoperator" else ""),
+                    "quantize_static",
+                    note,
+                    consumers,
+                )
+            )
+        if consumers:
+            out.append(_exclude(name, problem, consumers, fmt))
+        if static and health.axis is not None and set(consumer_ops) & SMOOTHABLE:
+            opts = {"SmoothQuant": True, "SmoothQuantAlpha": 0.5}
+            out.append(
+                Suggestion(
+                    name,
+                    problem,
+                    "smoothquant",
+                    {"extra_options": opts},
+                    f"extra_options={_py(opts)}",
+                    "quantize_static",
+                    "needs `pip install neural-compressor`; migrates the outlier into the MatMul weights",
+                    consumers,
+                )
+            )
+        return out
+    if static and health.clips and health.clip_fraction is not None:
+        rng = {"rmin": round(health.fp_min, 6), "rmax": round(health.fp_max, 6)}
+        override = {"TensorQuantOverrides": {name: [rng]}}
+        out.append(
+            Suggestion(
+                name,
+                f"{health.clip_fraction:.2%} of values fall outside the calibrated range "
+                f"[{_range(health)}] (inputs reach [{health.fp_min:.4g}, {health.fp_max:.4g}])",
+                "calibration-range",
+                {"extra_options": override},
+                f"extra_options={_py(override)}",
+                "quantize_static",
+                "or calibrate on inputs that cover this range (more / more representative samples)",
+                consumers,
+            )
+        )
+    wasted = (
+        health.effective_bits is not None
+        and health.grid_bits is not None
+        and health.effective_bits < health.grid_bits - WASTED_BITS
+    )
+    if wasted:
+        problem = (
+            f"the bulk (P0.1..P99.9) spans {health.effective_bits:.1f} of {health.grid_bits:.0f} bits: "
+            f"rare tail values set the range ({health.range_over_bulk:.0f}x the bulk)"
+        )
+        if static:
+            opts = {"CalibPercentile": 99.99}
+            out.append(
+                Suggestion(
+                    name,
+                    problem,
+                    "percentile-calibration",
+                    {"calibrate_method": "Percentile", "extra_options": opts},
+                    f"calibrate_method=CalibrationMethod.Percentile, extra_options={_py(opts)}",
+                    "quantize_static",
+                    "applies to every activation; clips the rarest 0.01 % of values",
+                    consumers,
+                )
+            )
+        if consumers:
+            out.append(_exclude(name, problem, consumers, fmt))
+    return out
+
+
+def _range(h: TensorHealth) -> str:
+    if h.scale is None or h.zero_point is None:
+        return "?"
+    lo = (-h.zero_point) * h.scale
+    return f"{lo:.4g} + {h.scale:.3g} x levels"
+
+
+def _exclude(name: str, problem: str, consumers: list[str], fmt: str) -> Suggestion:
+    api = "quantize_dynamic" if fmt == "dynamic" else "quantize_static"
+    return Suggestion(
+        name,
+        problem,
+        "exclude-consumers",
+        {"nodes_to_exclude": consumers},
+        f"nodes_to_exclude={_py(consumers)}",
+        api,
+        "keeps the reading node(s) in float; costs their INT8 speed-up",
+        consumers,
+    )
+
+
+def all_suggestions(
+    model: onnx.ModelProto, matching: Matching, health: dict[str, TensorHealth], fmt: str
+) -> list[Suggestion]:
+    """Suggestions for every unhealthy tensor, worst first (outliers, then clipping, then tails)."""
+
+    def badness(item: tuple[str, TensorHealth]) -> tuple[int, float]:
+        h = item[1]
+        if h.outliers:
+            return (0, -h.outliers[0].times_median)
+        if h.clips and h.clip_fraction is not None:
+            return (1, -h.clip_fraction)
+        return (2, h.effective_bits if h.effective_bits is not None else 99.0)
+
+    out: list[Suggestion] = []
+    for name, h in sorted(health.items(), key=badness):
+        if not h.unhealthy_reasons:
+            continue
+        consumers, ops = quantized_consumers(model, matching, name)
+        out.extend(suggestions_for(name, h, fmt, consumers, ops))
+    return out
