@@ -1068,7 +1068,8 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         lines.append(f"  latency p50 {p}")
     lines.append(
         f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; {result.quantizations} "
-        f"quantizations, {result.evaluations} evaluations in {result.seconds:.1f} s"
+        f"quantizations, {result.evaluations} evaluations, {result.ranking_passes} ranking pass(es) "
+        f"in {result.seconds:.1f} s"
     )
     return lines
 

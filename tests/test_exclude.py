@@ -18,6 +18,7 @@ from diag.errors import DiagError
 from diag.exclude import TARGET_METRICS, derive_exclusions, parse_target, split_feeds
 from diag.feeds import FeedSpec
 from diag.fixtures import models
+from diag.plots_exclude import trajectory_plot
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
 
@@ -125,6 +126,14 @@ def test_convnet_qdq_list_holds_conv3_and_pruning_leaves_only_needed_groups(tmp_
     assert r.candidates[0].label.startswith("conv3"), "the culprit is ranked first"
     assert r.after.cosine >= 0.9999
     assert r.calibration and "ranking split" in r.calibration
+    [sug] = r.op_type_suggestions  # conv2 and conv3 of 3 Convs: the op-type complement is offered, verified
+    assert sug["op_type"] == "Conv" and sug["excluded"] == 2 and sug["of"] == 3
+    assert "Conv" not in sug["op_types_to_quantize"] and "Gemm" in sug["op_types_to_quantize"]
+    assert sug["met"] == r.target.met(sug["metric"])
+    doc = r.to_dict()
+    json.dumps(doc, allow_nan=False)
+    svg = trajectory_plot(doc)
+    assert svg.startswith("<svg") and "cosine&gt;=0.9999" in svg
     calib = FeedSpec(inputs=str(npz), batch=8, samples=r.split["ranking_samples"])
     assert_minimal(fp, QDQ, r, arrays, tmp_path, calib)
 
