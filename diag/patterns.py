@@ -199,7 +199,7 @@ class _Index:
         if t not in self._values:
             value: np.ndarray | None = None
             proto = self._protos.get(t)
-            if proto is not None:
+            if proto is not None and math.prod(proto.dims) <= 4096:  # never decode a weight matrix
                 try:
                     value = numpy_helper.to_array(proto)
                 except (ValueError, TypeError, OSError):  # external data not loaded, odd dtypes
@@ -560,6 +560,28 @@ def _se_at(ix: _Index, pool: int) -> _Match | None:
     return None
 
 
+def _depends_on(g: nx.DiGraph, later: str, earlier: str) -> bool:
+    """Whether node ``earlier`` is an ancestor of node ``later``.
+
+    NOTE: walks up from ``later`` and never below ``earlier``'s position in the (topologically
+    sorted) file, so a skip connection costs the size of its branch, not of the whole graph.
+    """
+    floor = g.nodes[earlier]["index"]
+    if g.nodes[later]["index"] <= floor:
+        return False
+    seen = {later}
+    stack = [later]
+    while stack:
+        n = stack.pop()
+        for p in g.predecessors(n):
+            if p == earlier:
+                return True
+            if p not in seen and g.nodes[p]["index"] > floor:
+                seen.add(p)
+                stack.append(p)
+    return False
+
+
 def _residual_adds(ix: _Index, taken: set[int]) -> list[int]:
     """Adds of two activations where one operand is computed from the other (a skip connection)."""
     found = []
@@ -570,13 +592,13 @@ def _residual_adds(ix: _Index, taken: set[int]) -> list[int]:
         a, b = n.input
         pa, pb = ix.producer.get(a), ix.producer.get(b)
         if pa is not None and pb is not None:
-            ida, idb = ix.ids[pa], ix.ids[pb]
-            if nx.has_path(g, ida, idb) or nx.has_path(g, idb, ida):
+            first, second = sorted((pa, pb))
+            if _depends_on(g, ix.ids[second], ix.ids[first]):
                 found.append(i)
         elif (pa is None) != (pb is None):  # one operand is a graph input: does the other depend on it?
             src, other = (a, pb) if pa is None else (b, pa)
             assert other is not None
-            if any(c != i and nx.has_path(g, ix.ids[c], ix.ids[other]) for c in ix.consumers.get(src, [])):
+            if any(c != i and (c == other or _depends_on(g, ix.ids[other], ix.ids[c])) for c in ix.consumers[src]):
                 found.append(i)
     return found
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import networkx as nx
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -19,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from diag.compare import CompareOptions, compare_models
 from diag.feeds import FeedSpec
 from diag.fixtures import models, thirdparty
+from diag.graph import fp_graph
 from diag.match import node_id
 from diag.metrics import ErrorStats
 from diag.patterns import PatternInstance, find_patterns, node_patterns, pattern_totals
@@ -367,6 +369,24 @@ def test_squeeze_excitation_blocks_of_real_ocr_models_are_found(ocr, which):
     assert all(ops[p.nodes[0]] == "GlobalAveragePool" and ops[p.nodes[-1]] == "Mul" for p in se)
 
 
+@pytest.mark.parametrize("which", ["det", "cls"])
+def test_residual_adds_of_real_ocr_models_are_the_adds_with_one_operand_upstream_of_the_other(ocr, which):
+    model = ocr[which]
+    g = fp_graph(model)  # full ancestor sets here; the matcher walks a pruned window instead
+    producer = {o: node_id(n, i) for i, n in enumerate(model.graph.node) for o in n.output}
+    constant = {node_id(n, i) for i, n in enumerate(model.graph.node) if n.op_type in ("Constant", "Reshape")}
+    expected = []
+    for i, n in enumerate(model.graph.node):
+        ps = [producer.get(t) for t in n.input]
+        if n.op_type == "Add" and len(ps) == 2 and None not in ps and not set(ps) & constant:
+            a, b = ps
+            if a in nx.ancestors(g, b) or b in nx.ancestors(g, a):
+                expected.append(node_id(n, i))
+    found = [p.nodes for p in find_patterns(model) if p.kind == "residual"]
+    assert found == [(n,) for n in expected]
+    assert len(expected) >= 7  # PP-LCNet / PP-LCNetV3 blocks and the RSE neck have skip connections
+
+
 def test_det_head_is_the_conv_transpose_sigmoid_chain_after_the_fpn_concat(ocr):
     model = ocr["det"]
     heads = [p for p in find_patterns(model) if p.kind == "head"]
@@ -438,10 +458,11 @@ def test_pattern_totals_without_any_local_error_give_zero_shares():
     assert per_kind[0].measured == 0
 
 
-def test_injected_transformer_defect_is_attributed_to_the_fc1_linear_layer(built):
+@pytest.mark.parametrize("fmt", ["dynamic", "qdq", "qoperator"])
+def test_injected_transformer_defect_is_attributed_to_the_fc1_linear_layer(built, fmt):
     b = built("transformer")
     r = compare_models(
-        b.fp32, b.int8["dynamic"], FeedSpec(inputs=str(b.inputs_path), samples=8), CompareOptions(progress=False)
+        b.fp32, b.int8[fmt], FeedSpec(inputs=str(b.inputs_path), samples=8), CompareOptions(progress=False)
     )
     tensor_of_node = {n: f.tensor for f in r.findings for n in f.group.fp_nodes}
     per_instance, per_kind = pattern_totals(
