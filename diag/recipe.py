@@ -163,7 +163,7 @@ class Recipe:
             "weight_type": QuantType[self.weight_type],
             "nodes_to_quantize": list(self.nodes_to_quantize) if self.nodes_to_quantize is not None else None,
             "nodes_to_exclude": list(self.nodes_to_exclude),
-            "extra_options": json.loads(json.dumps(self.extra_options)),
+            "extra_options": resolve_quant_types(json.loads(json.dumps(self.extra_options))),
         }
         if self.mode == "static":
             kwargs["quant_format"] = QuantFormat[self.quant_format]
@@ -184,6 +184,28 @@ class Recipe:
         if not p.is_absolute() and self.base_dir is not None:
             p = Path(self.base_dir) / p
         return p
+
+
+def resolve_quant_types(extra_options: dict[str, Any]) -> dict[str, Any]:
+    """Turn QuantType names inside ``TensorQuantOverrides`` into enum members (in place).
+
+    A recipe file is JSON/TOML, so ``{"quant_type": "QInt16"}`` arrives as a string; onnxruntime
+    compares it with ``QuantType`` members and would silently ignore a string.
+
+    Example:
+        >>> resolve_quant_types({"TensorQuantOverrides": {"t": [{"quant_type": "QInt16"}]}})  # doctest: +SKIP
+        {'TensorQuantOverrides': {'t': [{'quant_type': <QuantType.QInt16: 3>}]}}
+    """
+    from onnxruntime.quantization import QuantType
+
+    overrides = extra_options.get("TensorQuantOverrides")
+    if isinstance(overrides, dict):
+        for entries in overrides.values():
+            for entry in entries if isinstance(entries, list) else []:
+                for holder in (entry, entry.get("convert") if isinstance(entry, dict) else None):
+                    if isinstance(holder, dict) and isinstance(holder.get("quant_type"), str):
+                        holder["quant_type"] = QuantType[holder["quant_type"]]
+    return extra_options
 
 
 _EXAMPLE = 'write e.g. {"mode": "dynamic", "weight_type": "QInt8", "per_channel": true}'
