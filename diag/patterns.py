@@ -236,8 +236,13 @@ class _Index:
             return None
         return ins[1] if ins[0] == t else ins[0]
 
+    def has_const_weight(self, i: int) -> bool:
+        ins = self.nodes[i].input
+        return len(ins) > 1 and ins[1] in self.const
+
     def out(self, i: int) -> str:
-        return self.nodes[i].output[0]
+        outs = self.nodes[i].output
+        return outs[0] if outs else ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +270,7 @@ def _variance_tail(ix: _Index, d: str) -> _Match | None:
     """``d / sqrt(mean(d²) + eps)`` starting from ``d``: the part LayerNorm and RMSNorm share."""
     for sq in ix.consumers.get(d, []):
         n = ix.nodes[sq]
-        if n.op_type == "Pow" and n.input[0] == d and ix.is_scalar(n.input[1], 2.0):
+        if n.op_type == "Pow" and len(n.input) == 2 and n.input[0] == d and ix.is_scalar(n.input[1], 2.0):
             pass
         elif not (n.op_type == "Mul" and list(n.input) == [d, d]):
             continue
@@ -311,7 +316,7 @@ def _layernorm_at(ix: _Index, i: int) -> _Match | None:
 def _rmsnorm_at(ix: _Index, i: int, taken: set[int]) -> _Match | None:
     """Decomposed RMSNorm anchored at ``Pow(x, 2)``: x / sqrt(mean(x²) + eps) * g."""
     n = ix.nodes[i]
-    if i in taken or not ix.is_scalar(n.input[1], 2.0):
+    if i in taken or len(n.input) != 2 or not ix.is_scalar(n.input[1], 2.0):
         return None
     tail = _variance_tail(ix, n.input[0])
     if tail is None or tail[0][0] != i:
@@ -626,7 +631,7 @@ def _head_for(ix: _Index, output: str) -> tuple[list[int], str] | None:
     chain = _tail(ix, output)
     ops = [ix.op(i) for i in chain]
     # Only layers with a constant weight count: a MatMul of two activations (attention) is no head.
-    lin = [k for k, i in enumerate(chain) if ops[k] in _LINEAR and ix.nodes[i].input[1] in ix.const]
+    lin = [k for k, i in enumerate(chain) if ops[k] in _LINEAR and ix.has_const_weight(i)]
     if not lin:
         return None
     last = next((k for k in reversed(lin) if all(o in _AFTER_CLASSIFIER for o in ops[k + 1 :])), None)

@@ -133,6 +133,21 @@ def test_nested_patterns_are_listed_outermost_first(transformer_patterns):
     assert "embeddings/Gather" not in by_node
 
 
+@pytest.mark.parametrize("name", sorted(models.ALL_BUILDERS))
+def test_every_fixture_gets_unique_labels_over_existing_nodes(name):
+    model = models.build(name).model
+    found = find_patterns(model)
+    ids = {node_id(n, i) for i, n in enumerate(model.graph.node)}
+    produced = {o for n in model.graph.node for o in n.output}
+    assert found
+    assert len({p.label for p in found}) == len(found)
+    assert all(p.nodes and set(p.nodes) <= ids and p.output in produced for p in found)
+
+
+def test_empty_graph_has_no_patterns():
+    assert find_patterns(_model([], [_vi("x", [1])], [_vi("x", [1])])) == []
+
+
 def test_matching_ignores_node_names_and_falls_back_to_ordinals():
     model = models.transformer().model
     named = find_patterns(model)
