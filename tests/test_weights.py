@@ -300,3 +300,25 @@ def test_weights_not_loaded_is_a_user_error(made, tmp_path):
         weight_errors(fp, lazy)
     assert err.value.slug == "missing-external-data"
     assert len(weight_errors(fp, onnx.load(path))) == len(weight_errors(fp, q))
+
+
+@pytest.mark.slow
+def test_real_ppocr_det_batchnorm_folds_match_the_replayed_fold(tmp_path: Path):
+    from diag.fixtures import quantize, thirdparty
+
+    src = onnx.load(str(thirdparty.rapidocr_model("det")))
+    fp = tmp_path / "det.fp32.onnx"
+    onnx.save(quantize.lift_constants(src), fp)
+    name = src.graph.input[0].name
+    calib = {name: thirdparty.text_images(2, 64, 64)}
+    q = onnx.load(quantize_variant(fp, tmp_path / "det.qdq.onnx", "qdq", calib, preprocess=True))
+    report = weight_report(onnx.load(fp), q)
+    assert report.unmatched == {}
+    folds = [f for f in report.findings if f.folded]
+    renamed = {
+        t.name for t in q.graph.initializer if t.name.startswith("ConvBnFusion_W_") and t.name.endswith("_quantized")
+    }
+    assert {f.int8_name for f in folds if not f.is_bias} == renamed and renamed
+    # A wrong fold (or the unfolded weight) would be near 0 dB; per-tensor int8 rounding is ~30-45 dB.
+    assert min(f.sqnr_db for f in folds) > 25
+    assert all("BatchNormalization" in (f.folded or "") for f in folds)
