@@ -731,6 +731,13 @@ def derive_exclusions(
     try:
         search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress)
         before, met0 = search.try_groups(frozenset(), "baseline")
+        if before.value(tgt.metric) is None:
+            raise DiagError(
+                "bad-option",
+                f"--target {tgt}",
+                "cannot be measured on this model: no output is class-like ([..., classes] scores)",
+                "use a cosine or max_abs target",
+            )
         baseline_path = search.cache[frozenset()][1]
         ranking_passes = 0
         candidates: list[Candidate] = []
@@ -928,6 +935,7 @@ def reproduce_snippet(
     lines = [
         "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnxruntime calls.",
         f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float.",
+        "# Paths are as given to diag exclude: run this from the folder diag exclude ran in.",
     ]
     if r.get("preprocess"):
         lines += [
@@ -1067,11 +1075,15 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         )
         lines.append(f"  latency p50 {p}")
     lines.append(
-        f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; {result.quantizations} "
-        f"quantizations, {result.evaluations} evaluations, {result.ranking_passes} ranking pass(es) "
-        f"in {result.seconds:.1f} s"
+        f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; "
+        f"{_count(result.quantizations, 'quantization')}, {_count(result.evaluations, 'evaluation')}, "
+        f"{_count(result.ranking_passes, 'ranking pass', 'ranking passes')} in {result.seconds:.1f} s"
     )
     return lines
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _fmt(v: float | None, target: Target | None = None) -> str:
