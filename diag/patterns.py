@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from diag.graph import fp_graph
 from diag.match import node_id
@@ -124,7 +124,9 @@ class PatternTotal:
     Energies are sums of squared error (``mse * count``) over the distinct tensors of the nodes
     (nodes fused into one group share a tensor and count once); ``local_share`` is that energy over
     the local error energy of every measured tensor of the model, so shares of disjoint instances
-    add up and say how much of the damage a pattern explains.
+    add up and say how much of the damage a pattern explains. Energy is absolute: a tensor with a
+    large range (an outlier channel) weighs more than a small one at the same SQNR, which is why
+    the scale-free worst local SQNR is reported next to it.
 
     Attributes:
         kind: pattern kind.
@@ -160,7 +162,6 @@ class _Index:
         graph = model.graph
         self.nodes = list(graph.node)
         self.ids = [node_id(n, i) for i, n in enumerate(self.nodes)]
-        self.position = {nid: i for i, nid in enumerate(self.ids)}
         self.producer: dict[str, int] = {}
         self.consumers: dict[str, list[int]] = defaultdict(list)
         for i, n in enumerate(self.nodes):
@@ -171,7 +172,9 @@ class _Index:
                 if t:
                     self.consumers[t].append(i)
         self.outputs = [o.name for o in graph.output]
+        self.output_set = set(self.outputs)
         self._protos: dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
+        self._values: dict[str, np.ndarray | None] = {}
         self.const: set[str] = set(self._protos)
         for n in self.nodes:
             if n.op_type in ("Constant", "ConstantOfShape"):
@@ -179,9 +182,10 @@ class _Index:
                 for a in n.attribute:
                     if n.op_type == "Constant" and a.name == "value":
                         self._protos[n.output[0]] = a.t
+                    elif n.op_type == "Constant" and a.name in ("value_float", "value_floats", "value_int"):
+                        self._values[n.output[0]] = np.asarray(helper.get_attribute_value(a))
             elif n.op_type in _FOLDABLE and all(t in self.const for t in n.input if t):
                 self.const.update(o for o in n.output if o)
-        self._values: dict[str, np.ndarray | None] = {}
         self._graph: nx.DiGraph | None = None
         self._model = model
 
@@ -224,7 +228,7 @@ class _Index:
     def only_consumer(self, t: str) -> int | None:
         """The single node reading ``t``, or None when several read it or it is a graph output."""
         cons = self.consumers.get(t, [])
-        return cons[0] if len(cons) == 1 and t not in self.outputs else None
+        return cons[0] if len(cons) == 1 and t not in self.output_set else None
 
     def consumers_of(self, t: str, op: str) -> list[int]:
         return [c for c in self.consumers.get(t, []) if self.op(c) == op]
@@ -465,7 +469,7 @@ def _attention_at(ix: _Index, softmax: _Match) -> _Match | None:
 def _activation_after(ix: _Index, t: str) -> tuple[list[int], str, str] | None:
     """An activation applied to ``t``: single op, x*HardSigmoid(x), x*Sigmoid(x), or x*Clip(x+3,0,6)/6."""
     cons = ix.consumers.get(t, [])
-    if t in ix.outputs or not cons:
+    if t in ix.output_set or not cons:
         return None
     if len(cons) == 1 and ix.op(cons[0]) in _ACTIVATIONS:
         c = cons[0]
@@ -620,7 +624,7 @@ def _tail(ix: _Index, output: str) -> list[int]:
             break
         q = ix.producer.get(ins[0])
         readers = [c for c in ix.consumers.get(ins[0], []) if ix.op(c) not in _SHAPE_ONLY]
-        if q is None or readers != [chain[0]] or ins[0] in ix.outputs or q in chain:
+        if q is None or readers != [chain[0]] or ins[0] in ix.output_set or q in chain:
             break
         chain.insert(0, q)
     return chain

@@ -489,3 +489,18 @@ def test_injected_transformer_defect_is_attributed_to_the_fc1_linear_layer(built
     linear_rows = [t for t in per_instance if t.kind == "linear"]
     assert sum(t.local_share for t in linear_rows) == pytest.approx(per_kind[0].local_share)
     assert 0.5 < per_kind[0].local_share <= 1.0
+
+
+def test_constants_from_constant_nodes_count_and_constant_nodes_stay_out_of_instances():
+    nodes = [
+        helper.make_node("Constant", [], ["half"], value_float=0.5),
+        helper.make_node("Constant", [], ["one"], value_float=1.0),
+        helper.make_node("Constant", [], ["s2"], value=_c("s2v", math.sqrt(2.0))),
+        helper.make_node("Div", ["x", "s2"], ["d"]),
+        helper.make_node("Erf", ["d"], ["e"]),
+        helper.make_node("Add", ["e", "one"], ["p"]),
+        helper.make_node("Mul", ["x", "p"], ["m"]),
+        helper.make_node("Mul", ["m", "half"], ["y"]),
+    ]
+    found = find_patterns(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]))
+    assert found == [PatternInstance("gelu", "GELU #1", ("Div#3", "Erf#4", "Add#5", "Mul#6", "Mul#7"), "y")]
