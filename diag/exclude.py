@@ -42,6 +42,7 @@ import numpy as np
 from diag.errors import DiagError
 from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
 from diag.metrics import OutputAccumulator
+from diag.recipe import Recipe
 
 #: target metric -> (direction, how it is computed); the CLI's --help prints this table.
 TARGET_METRICS: dict[str, tuple[str, str]] = {
@@ -519,7 +520,7 @@ def ranked_candidates(findings: list[Any], already_excluded: set[str]) -> list[C
     ]
 
 
-def default_op_types(recipe: Any) -> list[str]:
+def default_op_types(recipe: Recipe) -> list[str]:
     """The op types onnxruntime quantizes for this recipe when ``op_types_to_quantize`` is unset.
 
     Dynamic: ``IntegerOpsRegistry``; static: ``QLinearOpsRegistry`` ∪ ``QDQRegistry`` (what
@@ -552,7 +553,7 @@ class _Search:
     def __init__(
         self,
         fp32: Path,
-        recipe: Any,
+        recipe: Recipe,
         base_excluded: list[str],
         candidates: list[Candidate],
         evaluator: HeldOutEvaluator,
@@ -579,7 +580,7 @@ class _Search:
         picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
         return list(dict.fromkeys([*self.base, *picked]))
 
-    def quantize(self, nodes: list[str], out: Path, recipe: Any | None = None) -> Path:
+    def quantize(self, nodes: list[str], out: Path, recipe: Recipe | None = None) -> Path:
         from diag.quantize import quantize_model
 
         r = (recipe or self.recipe).with_excluded(nodes)
@@ -654,7 +655,7 @@ class _Search:
 
 def derive_exclusions(
     fp32_path: str | Path,
-    recipe: Any,
+    recipe: Recipe,
     feeds: FeedSource | FeedSpec,
     target: str | Target,
     holdout: float = 0.5,
@@ -804,7 +805,7 @@ def _since(t0: float) -> float:
     return time.perf_counter() - t0
 
 
-def _recipe_dict(recipe: Any) -> dict[str, Any]:
+def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
     d = recipe.to_dict()
     return json.loads(json.dumps(d, default=_name))
 
@@ -850,7 +851,7 @@ def _op_type_suggestions(
     return out
 
 
-def alternatives(recipe: Any, candidates: list[Candidate]) -> list[dict[str, Any]]:
+def alternatives(recipe: Recipe, candidates: list[Candidate]) -> list[dict[str, Any]]:
     """Cheaper changes worth trying when node exclusion cannot meet the target.
 
     Example:
@@ -984,7 +985,7 @@ def reproduce_snippet(
 
 def exclude_to_dir(
     fp32_path: str | Path,
-    recipe: Any,
+    recipe: Recipe,
     feeds: FeedSpec,
     target: str,
     out_dir: str | Path,

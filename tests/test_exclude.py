@@ -256,3 +256,16 @@ def test_bad_targets_are_user_errors(text, problem):
 def test_help_explains_every_target_metric():
     for metric, (direction, _) in TARGET_METRICS.items():
         assert f"{metric}{direction}V" in EXCLUDE_TARGET_HELP
+
+
+def test_cli_flags_reach_the_library(tmp_path, capsys):
+    fp, npz, _ = write_chain(tmp_path, defect=20)
+    (tmp_path / "r.json").write_text(json.dumps({"mode": "dynamic", "per_channel": True}))
+    out = tmp_path / "flags"
+    argv = ["exclude", str(fp), "--inputs", str(npz), "--batch", "4", "--holdout", "0.25", "--target", "max_abs<=5"]
+    assert main([*argv, "--recipe", str(tmp_path / "r.json"), "--bench-runs", "0", "--quiet", "--out", str(out)]) == 0
+    doc = json.loads((out / "exclusion.json").read_text())
+    assert doc["target"] == "max_abs<=5"
+    assert doc["split"]["held_out"] == "samples 24..31" and doc["split"]["batch"] == 4
+    assert doc["recipe"]["per_channel"] is True and doc["recipe"]["mode"] == "dynamic"
+    assert "samples 24..31" in capsys.readouterr().out
