@@ -8,10 +8,17 @@ valid models must succeed and say the right thing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
+import signal
+import subprocess
+import sys
 import textwrap
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +27,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from diag import cli
-from diag.errors import USER_ERROR
-from diag.fixtures import quantize
+from diag.errors import INTERRUPTED, OK, USER_ERROR
+from diag.fixtures import models, quantize
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 
@@ -65,15 +72,15 @@ def mlp(
 ) -> onnx.ModelProto:
     """x[batch,8] -> MatMul -> Relu -> MatMul -> y; with ``outlier`` fc2 is the injected root cause.
 
-    Hidden unit 3 of fc1 is scaled x40 and fc2's row 3 /40 (FP32 function unchanged): the
+    Hidden unit 3 of fc1 is scaled x200 and fc2's row 3 /200 (FP32 function unchanged): the
     per-tensor activation scale of fc2's input then crushes every other unit.
     """
     rng = np.random.default_rng(seed)
     w1 = (rng.standard_normal((8, hidden)) / 3).astype(np.float32)
     w2 = (rng.standard_normal((hidden, 4)) / 3).astype(np.float32)
     if outlier:
-        w1[:, 3] *= 40
-        w2[3] /= 40
+        w1[:, 3] *= 200
+        w2[3] /= 200
     nodes = [
         helper.make_node("MatMul", ["x", "w1"], [tensor], name=names[0]),
         helper.make_node("Relu", [tensor], [tensor + "_relu"], name="relu"),
@@ -168,6 +175,13 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     )
     m.graph.node.insert(0, helper.make_node("DequantizeLinear", ["w1_q", "w1_scale", "w1_zp"], ["w1"], name="dq_w1"))
     z["weight_only"] = _save(m, d / "weight_only.int8.onnx")
+
+    # A Reshape that fails at run time (4 values into rows of 3), after a quantizable MatMul.
+    m = mlp()
+    m.graph.node[2].output[0] = "y0"
+    m.graph.node.append(helper.make_node("Reshape", ["y0", "rows_of_3"], ["y"], name="bad_reshape"))
+    m.graph.initializer.append(numpy_helper.from_array(np.array([3, -1], np.int64), "rows_of_3"))
+    z["reshape"] = _pair(d, "reshape", m, {"x": _x()})
 
     # FP32 with one more output than its INT8 version.
     m = mlp()
@@ -286,6 +300,7 @@ def _rows(z: dict[str, object], out: Path) -> list[Row]:
     p: Pair = z["mlp"]  # type: ignore[assignment]
     two: Pair = z["two"]  # type: ignore[assignment]
     huge: Pair = z["huge"]  # type: ignore[assignment]
+    rs: Pair = z["reshape"]  # type: ignore[assignment]
 
     def cmp(fp: object, q: object, *flags: object) -> list[object]:
         return ["compare", fp, q, *flags, "--out", out, "--quiet"]
@@ -310,6 +325,12 @@ def _rows(z: dict[str, object], out: Path) -> list[Row]:
             cmp(z["ort_fail"], p.int8, *good),
             "invalid-model",
             "FP32 model '",
+        ),
+        Row(
+            "fails at run time",
+            cmp(rs.fp32, rs.int8, "--inputs", rs.inputs),
+            "runtime-failure",
+            "FP32 model 'reshape.fp32.onnx' | onnxruntime failed at node 'bad_reshape'",
         ),
         # 3. not a pair
         Row("swapped", cmp(p.int8, p.fp32, *good), "swapped-models", "did you swap them?"),
@@ -436,3 +457,365 @@ def test_every_broken_input_gives_one_line_error_with_slug_and_exit_code(zoo, tm
     after = _tree_hashes(d)
     changed = {k for k in before if before.get(k) != after.get(k)}
     assert not changed, f"inputs modified: {changed}"
+
+
+def test_onnxruntime_failure_is_one_line_on_the_real_stderr(zoo, tmp_path):
+    """onnxruntime logs kernel failures to the process's stderr itself; diag silences that log."""
+    rs: Pair = zoo["reshape"]
+    cmd = [sys.executable, "-m", "diag", "compare", rs.fp32, rs.int8, "--inputs", rs.inputs, "--out", tmp_path / "o"]
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=120)
+    assert out.returncode == USER_ERROR
+    assert out.stderr.splitlines() == [out.stderr.strip()], out.stderr
+    assert out.stderr.startswith("diag: error[runtime-failure]: FP32 model 'reshape.fp32.onnx' | onnxruntime failed")
+    assert not (tmp_path / "o").exists()
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "diag", "inspect", str(tmp_path / "missing.onnx"), "--debug"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode != OK
+    assert "Traceback (most recent call last)" in out.stderr
+    assert "diag.errors.DiagError: model '" in out.stderr and "does not exist" in out.stderr
+
+
+# ---------------------------------------------------------------- unusual but valid models
+
+
+def _vi(name: str, dtype: int, dims: list | None) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, dims)
+
+
+def _w(name: str, shape: tuple[int, ...], seed: int = 5) -> onnx.TensorProto:
+    return numpy_helper.from_array((np.random.default_rng(seed).standard_normal(shape) / 3).astype(np.float32), name)
+
+
+def _int_model() -> onnx.ModelProto:
+    """An integer-only path (int64 Add, output as is) next to a float MatMul."""
+    nodes = [
+        helper.make_node("Add", ["ids", "ids"], ["ids2"], name="int_add"),
+        helper.make_node("Cast", ["ids2"], ["idsf"], name="cast", to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["x", "w"], ["xw"], name="mm"),
+        helper.make_node("Add", ["xw", "idsf"], ["y"], name="add"),
+    ]
+    ins = [_vi("x", TensorProto.FLOAT, ["batch", 8]), _vi("ids", TensorProto.INT64, ["batch", 8])]
+    outs = [_vi("y", TensorProto.FLOAT, ["batch", 8]), _vi("ids2", TensorProto.INT64, ["batch", 8])]
+    return _model(nodes, ins, outs, [_w("w", (8, 8))])
+
+
+def _zero_size_model() -> onnx.ModelProto:
+    """A Slice that yields a [batch, 0] tensor, concatenated back and also a model output."""
+    nodes = [
+        helper.make_node("Slice", ["x", "zero", "zero", "one"], ["empty"], name="slice_empty"),
+        helper.make_node("Concat", ["x", "empty"], ["xc"], name="concat", axis=1),
+        helper.make_node("MatMul", ["xc", "w"], ["y"], name="mm"),
+    ]
+    inits = [
+        _w("w", (8, 8)),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+    ]
+    outs = [_vi("y", TensorProto.FLOAT, ["batch", 8]), _vi("empty", TensorProto.FLOAT, ["batch", 0])]
+    return _model(nodes, [_vi("x", TensorProto.FLOAT, ["batch", 8])], outs, inits)
+
+
+def _scalar_output_model() -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+        helper.make_node("ReduceSum", ["y"], ["total"], name="total_sum", keepdims=0),
+    ]
+    outs = [_vi("y", TensorProto.FLOAT, [1, 8]), _vi("total", TensorProto.FLOAT, [])]
+    return _model(nodes, [_vi("x", TensorProto.FLOAT, [1, 8])], outs, [_w("w", (8, 8))])
+
+
+def _passthrough_model() -> onnx.ModelProto:
+    """Input ``x`` is also a graph output."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    outs = [_vi("y", TensorProto.FLOAT, ["batch", 8]), _vi("x", TensorProto.FLOAT, ["batch", 8])]
+    return _model(nodes, [_vi("x", TensorProto.FLOAT, ["batch", 8])], outs, [_w("w", (8, 8))])
+
+
+def _loop_model() -> onnx.ModelProto:
+    body = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["acc_in", "lw"], ["acc_mm"], name="loop/MatMul"),
+            helper.make_node("Tanh", ["acc_mm"], ["acc_out"], name="loop/Tanh"),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"], name="loop/cond"),
+        ],
+        "body",
+        [_vi("i", TensorProto.INT64, []), _vi("cond_in", TensorProto.BOOL, []), _vi("acc_in", TensorProto.FLOAT, None)],
+        [_vi("cond_out", TensorProto.BOOL, []), _vi("acc_out", TensorProto.FLOAT, None)],
+    )
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["xw"], name="pre/MatMul"),
+        helper.make_node("Loop", ["trip", "", "xw"], ["looped"], name="the_loop", body=body),
+        helper.make_node("MatMul", ["looped", "w2"], ["y"], name="post/MatMul"),
+    ]
+    inits = [
+        _w("w", (8, 8)),
+        _w("w2", (8, 8), 6),
+        _w("lw", (8, 8), 7),
+        numpy_helper.from_array(np.array(3, np.int64), "trip"),
+    ]
+    return _model(
+        nodes, [_vi("x", TensorProto.FLOAT, ["batch", 8])], [_vi("y", TensorProto.FLOAT, ["batch", 8])], inits
+    )
+
+
+def _log_model() -> onnx.ModelProto:
+    """MatMul then Log: NaN wherever the MatMul is negative (FP32 and INT8 alike), then MatMul."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["xw"], name="mm"),
+        helper.make_node("Log", ["xw"], ["lg"], name="the_log"),
+        helper.make_node("MatMul", ["lg", "w2"], ["y"], name="mm2"),
+    ]
+    ins, outs = [_vi("x", TensorProto.FLOAT, ["batch", 8])], [_vi("y", TensorProto.FLOAT, ["batch", 8])]
+    return _model(nodes, ins, outs, [_w("w", (8, 8)), _w("w2", (8, 8), 6)])
+
+
+def _int8_log_model() -> tuple[onnx.ModelProto, np.ndarray]:
+    """Log of a MatMul that is > 0 in FP32 but exactly 0 in INT8: -inf only in the INT8 model.
+
+    Feature 0 is 100 (weight 0) and the others are ~0.05 (weight 1): dynamic quantization's step
+    of 100/255 rounds every small feature to 0, so the INT8 MatMul is 0 and its Log is -inf.
+    """
+    w = np.ones((8, 8), np.float32)
+    w[0] = 0
+    x = np.full((6, 8), 0.05, np.float32) + np.arange(6, dtype=np.float32)[:, None] * 0.01
+    x[:, 0] = 100
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["xw"], name="mm"),
+        helper.make_node("Log", ["xw"], ["y"], name="the_log"),
+    ]
+    ins, outs = [_vi("x", TensorProto.FLOAT, ["batch", 8])], [_vi("y", TensorProto.FLOAT, ["batch", 8])]
+    return _model(nodes, ins, outs, [numpy_helper.from_array(w, "w")]), x
+
+
+HOSTILE_NODE = "<script>alert(1)</script>"
+HOSTILE_ROOT = "**bold** | `x` [l](http://e) \x1b[31mred\x1b[0m"
+HOSTILE_TENSOR = "<img src=x onerror=alert(2)>"
+
+
+@dataclass
+class Valid:
+    """An unusual but valid model: compare must succeed and print / write the right things."""
+
+    label: str
+    model: onnx.ModelProto
+    feeds: dict[str, np.ndarray]
+    stdout: list[str]
+    files: Callable[[dict[str, str]], list[str]] = field(default=lambda f: [])
+
+
+def _doc(files: dict[str, str]) -> dict:
+    return json.loads(files["diag.json"])
+
+
+def _valid_cases() -> list[Valid]:
+    log8, x8 = _int8_log_model()
+    unnamed = mlp()
+    for n in unnamed.graph.node:
+        n.name = ""
+    if_fx = models.build("if_model")
+
+    def subgraph_listed(node: str, holder: str) -> Callable[[dict[str, str]], list[str]]:
+        def check(f: dict[str, str]) -> list[str]:
+            m = _doc(f)["matching"]
+            reasons = {**m["unmatched_tensors"], **m["unmatched_nodes"], **m["skipped_tensors"]}
+            hits = [k for k, why in reasons.items() if node in k and f"inside a subgraph of {holder}" in why]
+            return [] if hits else [f"{node} not listed as inside {holder}"]
+
+        return check
+
+    def hostile_files(f: dict[str, str]) -> list[str]:
+        html, md = f["report.html"], f["summary.md"]
+        bad = []
+        for raw in ("<script>alert", "<img src=x", "\x1b"):
+            if raw in html:
+                bad.append(f"raw {raw!r} in report.html")
+        if "&lt;script&gt;alert(1)&lt;/script&gt;" not in html:
+            bad.append("escaped <script> node missing from report.html")
+        if "\x1b" in md or "\\*\\*bold\\*\\* \\| \\`x\\` \\[l\\](http://e) \\[31mred\\[0m" not in md:
+            bad.append("summary.md does not escape the root-cause name")
+        if _doc(f)["recommendation"]["nodes_to_exclude"] != [HOSTILE_ROOT]:
+            bad.append("diag.json must keep the exact node name for nodes_to_exclude")
+        return bad
+
+    def unnamed_files(f: dict[str, str]) -> list[str]:
+        rec = _doc(f)["recommendation"]
+        bad = (
+            [] if rec["nodes_to_exclude"] == [] and rec["unnamed_nodes"] == ["MatMul#2"] else [f"recommendation {rec}"]
+        )
+        hint = "have no name, so `nodes_to_exclude` cannot refer to them: give every node a name"
+        if hint not in f["summary.md"]:
+            bad.append("summary.md does not say what to do about the unnamed node")
+        if "give every node a name before quantizing" not in f["report.html"]:
+            bad.append("report.html does not say what to do about the unnamed node")
+        return bad
+
+    return [
+        Valid(
+            "integer-only tensors",
+            _int_model(),
+            {"x": _x(), "ids": np.arange(48).reshape(6, 8)},
+            ["output ids2: excellent (top-1"],
+        ),
+        Valid("zero-size tensor", _zero_size_model(), {"x": _x()}, ["output empty: excellent", "output y: "]),
+        Valid("scalar output", _scalar_output_model(), {"x": _x()[:, None, :]}, ["output total: excellent"]),
+        Valid("input is also an output", _passthrough_model(), {"x": _x()}, ["output x: excellent"]),
+        Valid(
+            "unicode and duplicate-looking names",
+            mlp(names=("层1/矩阵乘 ", "层1/矩阵乘"), tensor="h_quantized"),
+            {"x": _x(32)},
+            ["root cause: 层1/矩阵乘 (MatMul)"],
+            lambda f: [] if _doc(f)["recommendation"]["nodes_to_exclude"] == ["层1/矩阵乘"] else ["wrong exclusion"],
+        ),
+        Valid("unnamed nodes", unnamed, {"x": _x(32)}, ["root cause: MatMul#2 (MatMul)"], unnamed_files),
+        Valid("If subgraphs", if_fx.model, if_fx.make_inputs(6), ["output y: "], subgraph_listed("then/MatMul", "If")),
+        Valid("Loop subgraph", _loop_model(), {"x": _x()}, ["output y: "], subgraph_listed("loop/MatMul", "Loop")),
+        Valid(
+            "NaN produced in FP32",
+            _log_model(),
+            {"x": _x()},
+            ["NaN/Inf: first produced in the FP32 model by the_log (Log): "],
+        ),
+        Valid(
+            "-inf produced only in INT8",
+            log8,
+            {"x": x8},
+            [
+                "48 NaN/Inf values in INT8 output",
+                "NaN/Inf: first produced in the INT8 model by the_log (Log): 48 value(s) in 'y'",
+            ],
+        ),
+        Valid(
+            "hostile names",
+            mlp(names=(HOSTILE_NODE, HOSTILE_ROOT), tensor=HOSTILE_TENSOR),
+            {"x": _x(32)},
+            ["root cause: **bold** | `x` [l](http://e) ?[31mred?[0m (MatMul)"],
+            hostile_files,
+        ),
+    ]
+
+
+def test_unusual_but_valid_models_are_compared_and_reported(tmp_path, capsys):
+    cases = _valid_cases()
+    failures = []
+    for i, case in enumerate(cases):
+        folder = tmp_path / f"case{i}"
+        folder.mkdir()
+        onnx.checker.check_model(case.model)
+        pair = _pair(folder, "m", case.model, case.feeds)
+        before = _tree_hashes(folder)
+        out = folder / "out"
+        code, stdout, err = run_cli(
+            ["compare", pair.fp32, pair.int8, "--inputs", pair.inputs, "--out", out, "--quiet"], capsys
+        )
+        problems = [] if code == OK else [f"exit {code}: {err.strip()}"]
+        problems += [f"stdout lacks {frag!r}" for frag in case.stdout if frag not in stdout]
+        if "\x1b" in stdout:
+            problems.append("terminal escape in stdout")
+        if code == OK:
+            names = sorted(p.name for p in out.iterdir())
+            if names != ["diag.json", "report.html", "summary.md"]:
+                problems.append(f"--out holds {names}")
+            files = {n: (out / n).read_text() for n in ("diag.json", "report.html", "summary.md")}
+            problems += case.files(files)
+        changed = [k for k, v in before.items() if _tree_hashes(folder).get(k) != v]
+        if changed:
+            problems.append(f"inputs modified: {changed}")
+        if problems:
+            failures.append(f"{case.label}: {problems}\n{stdout}")
+    assert not failures, "\n".join(failures)
+
+
+def test_inspect_prints_hostile_names_without_terminal_escapes(tmp_path, capsys):
+    path = _save(mlp(names=(HOSTILE_NODE, HOSTILE_ROOT)), tmp_path / "m.onnx")
+    m = onnx.load(str(path))
+    m.graph.output[0].name = "y\x1b]0;pwned\x07"
+    m.graph.node[2].output[0] = m.graph.output[0].name
+    _save(m, path)
+    code, stdout, _ = run_cli(["inspect", path], capsys)
+    assert code == OK
+    assert "outputs:    y?]0;pwned?" in stdout
+    assert "\x1b" not in stdout and "\x07" not in stdout
+
+
+# ---------------------------------------------------------------- output folder: replace, disk full, Ctrl-C
+
+
+def _compare_args(p: Pair, out: Path) -> list[object]:
+    return ["compare", p.fp32, p.int8, "--inputs", p.inputs, "--out", out, "--quiet"]
+
+
+def test_existing_report_is_replaced_whole_and_survives_disk_full(zoo, tmp_path, capsys, monkeypatch):
+    p: Pair = zoo["mlp"]
+    out = tmp_path / "out"
+    code, _, err = run_cli(_compare_args(p, out), capsys)
+    assert code == OK, err
+    old = _tree_hashes(out)
+    assert sorted(old) == ["diag.json", "report.html", "summary.md"]
+
+    # Disk full while the new report is written: the write fails with a bad-out line and the
+    # previous report stays byte-identical, with no temp file left next to it.
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    code, _, err = run_cli(_compare_args(p, out), capsys)
+    monkeypatch.undo()
+    assert code == USER_ERROR
+    assert err.startswith("diag: error[bad-out]: output '") and "No space left on device" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert _tree_hashes(out) == old
+
+    # A successful run over an existing report replaces every file and leaves no temp file.
+    two: Pair = zoo["two"]
+    code, _, _ = run_cli(["compare", two.fp32, two.int8, "--inputs", two.inputs, "--out", out, "--quiet"], capsys)
+    assert code == OK
+    new = _tree_hashes(out)
+    assert sorted(new) == sorted(old) and all(new[k] != old[k] for k in old)
+    assert json.loads((out / "diag.json").read_text())["models"]["fp32"]["path"].endswith("two.fp32.onnx")
+
+
+SLOW_READER = """
+import time
+from pathlib import Path
+
+import numpy as np
+
+def make():
+    marker = Path(__file__).with_name("reader_started")
+    for i in range(200):
+        marker.touch()
+        yield {"x": np.full((1, 8), 0.1 * (i % 7), np.float32)}
+        time.sleep(0.1)
+"""
+
+
+def test_ctrl_c_mid_run_exits_130_and_leaves_the_old_report(zoo, tmp_path, capsys):
+    p: Pair = zoo["mlp"]
+    out = tmp_path / "out"
+    code, _, err = run_cli(_compare_args(p, out), capsys)
+    assert code == OK, err
+    old = _tree_hashes(out)
+    (tmp_path / "slow_reader.py").write_text(SLOW_READER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "diag", "compare", p.fp32, p.int8, "--reader", "slow_reader:make", "--out", out]
+    proc = subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "reader_started").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few batches into the run
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == INTERRUPTED, stderr
+    assert stderr.strip().splitlines()[-1] == "diag: interrupted; no output was written"
+    assert "Traceback" not in stderr
+    assert stdout == ""
+    assert _tree_hashes(out) == old
