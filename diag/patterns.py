@@ -2,7 +2,7 @@
 
 A node id such as ``node_Add_213`` means little to the person who has to fix the model; "LayerNorm
 in layer1 (ffn_norm)" or "Conv+HardSwish #12" does. This module finds LayerNorm (decomposed or
-fused), RMSNorm, GELU (Erf and Tanh forms, or fused), Softmax (op or Exp/ReduceSum/Div), attention
+fused), RMSNorm, GELU (Erf, Tanh and Sigmoid forms, or fused), Softmax (op or Exp/ReduceSum/Div), attention
 (MatMul-Softmax-MatMul), linear layers (MatMul/Gemm on a constant weight, + bias), residual Adds,
 Conv+activation blocks, squeeze-and-excitation blocks and the heads feeding each graph output, and
 sums local / accumulated error over each instance and each kind.
@@ -415,6 +415,22 @@ def _gelu_at(ix: _Index, core: int) -> _Match | None:
     return [*inner, core, a, *outer_nodes], output
 
 
+def _quick_gelu_at(ix: _Index, sig: int) -> _Match | None:
+    """Sigmoid-approximated GELU (CLIP's QuickGELU): x * Sigmoid(1.702 * x)."""
+    p = ix.producer.get(ix.nodes[sig].input[0])
+    if p is None or ix.op(p) != "Mul" or ix.only_consumer(ix.out(p)) != sig:
+        return None
+    ins = list(ix.nodes[p].input)
+    k = next((t for t in ins if ix.is_scalar(t, 1.702)), None)
+    if k is None:
+        return None
+    x = ins[1] if ins[0] == k else ins[0]
+    m = ix.only_consumer(ix.out(sig))
+    if m is None or ix.op(m) != "Mul" or ix.other_input(m, ix.out(sig)) != x:
+        return None
+    return [p, sig, m], ix.out(m)
+
+
 def _softmax_at(ix: _Index, e: int) -> _Match | None:
     """Decomposed softmax anchored at ``Exp``: [x - max(x)] -> Exp -> ReduceSum -> Div."""
     ex = ix.out(e)
@@ -456,9 +472,13 @@ def _attention_at(ix: _Index, softmax: _Match) -> _Match | None:
     if qk is None or len(ix.data_inputs(qk)) != 2:
         return None
     probs = softmax[1]
+    passthrough: list[int] = []  # Dropout / Cast / Identity some exporters leave after the softmax
+    while (c := ix.only_consumer(probs)) is not None and ix.op(c) in ("Dropout", "Cast", "Identity"):
+        passthrough.append(c)
+        probs = ix.out(c)
     for pv in ix.consumers_of(probs, "MatMul"):
         if ix.nodes[pv].input[0] == probs and len(ix.data_inputs(pv)) == 2:
-            nodes = [qk, *inner, *softmax[0], pv]
+            nodes = [qk, *inner, *softmax[0], *passthrough, pv]
             kt = ix.producer.get(ix.nodes[qk].input[1])
             if kt is not None and ix.op(kt) == "Transpose" and ix.only_consumer(ix.out(kt)) == qk:
                 nodes.append(kt)
@@ -744,6 +764,8 @@ def find_patterns(model: onnx.ModelProto) -> list[PatternInstance]:
         elif op == "ReduceMean" and (m := _layernorm_at(ix, i)) is not None:
             add("layernorm", "LayerNorm", *m)
         elif op in ("Erf", "Tanh") and (m := _gelu_at(ix, i)) is not None:
+            add("gelu", "GELU", *m)
+        elif op == "Sigmoid" and (m := _quick_gelu_at(ix, i)) is not None:
             add("gelu", "GELU", *m)
         elif op == "Exp" and (m := _softmax_at(ix, i)) is not None:
             add("softmax", "Softmax", *m)

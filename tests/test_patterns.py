@@ -236,6 +236,19 @@ def test_gelu_is_found_in_every_exporter_spelling(variant):
     assert found[0].output == "y"
 
 
+def test_sigmoid_form_gelu_is_found_but_a_plain_swish_is_not():
+    def model(k: float) -> onnx.ModelProto:
+        nodes = [
+            helper.make_node("Mul", ["x", "k"], ["kx"], name="clip/mlp/Mul"),
+            helper.make_node("Sigmoid", ["kx"], ["s"], name="clip/mlp/Sigmoid"),
+            helper.make_node("Mul", ["x", "s"], ["y"], name="clip/mlp/Mul_1"),
+        ]
+        return _model(nodes, [_vi("x", [2, 4])], [_vi("y", [2, 4])], [_c("k", k)])
+
+    assert [(p.kind, p.label, len(p.nodes)) for p in find_patterns(model(1.702))] == [("gelu", "GELU in clip/mlp", 3)]
+    assert find_patterns(model(1.0)) == []
+
+
 def test_tanh_with_other_constants_is_not_a_gelu():
     assert not [p for p in find_patterns(_gelu_model("tanh-pow", cubic=0.05)) if p.kind == "gelu"]
 
@@ -258,7 +271,8 @@ def _attention_model() -> onnx.ModelProto:
         helper.make_node("Exp", ["z"], ["e"], name=f"{p}/Exp"),
         helper.make_node("ReduceSum", ["e", "axis"], ["se"], name=f"{p}/ReduceSum", keepdims=1),
         helper.make_node("Div", ["e", "se"], ["probs"], name=f"{p}/Div_1"),
-        helper.make_node("MatMul", ["probs", "v"], ["ctx"], name=f"{p}/MatMul_1"),
+        helper.make_node("Dropout", ["probs"], ["dropped"], name=f"{p}/Dropout"),
+        helper.make_node("MatMul", ["dropped", "v"], ["ctx"], name=f"{p}/MatMul_1"),
     ]
     inits = [_c("scale", 4.0), numpy_helper.from_array(np.array([-1], np.int64), "axis")]
     ins = [_vi(n, [2, 5, 16]) for n in ("q", "k", "v")] + [_vi("mask", [2, 5, 5])]
