@@ -1,0 +1,213 @@
+"""The recipe linter: invented extra_options, misspelled and PyTorch-style node names, contradictions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from diag import cli
+from diag.errors import GATE_FAILED
+from diag.fixtures import models
+from diag.lint import (
+    FALLBACK_EXTRA_OPTIONS,
+    lint_recipe,
+    lint_recipe_file,
+    module_to_onnx_prefix,
+    onnxruntime_extra_options,
+)
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _bert_like(path: Path) -> Path:
+    """Two MatMul+Add nodes named the way torch.onnx.export names BERT's query/key projections."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    nodes, inits = [], []
+    cur = "x"
+    for proj in ("query", "key"):
+        p = f"/encoder/layer.0/attention/self/{proj}"
+        inits += [
+            numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), f"{proj}.weight"),
+            numpy_helper.from_array(np.zeros(8, np.float32), f"{proj}.bias"),
+        ]
+        nodes += [
+            helper.make_node("MatMul", [cur, f"{proj}.weight"], [f"{p}/MatMul_output_0"], name=f"{p}/MatMul"),
+            helper.make_node("Add", [f"{p}/MatMul_output_0", f"{proj}.bias"], [f"{p}/Add_output_0"], name=f"{p}/Add"),
+        ]
+        cur = f"{p}/Add_output_0"
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info(cur, TensorProto.FLOAT, ["n", 8])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Path:
+    return _bert_like(tmp_path_factory.mktemp("lint") / "bert.onnx")
+
+
+def _codes(findings) -> list[tuple[str, str, str]]:
+    return [(f.severity, f.code, f.where) for f in findings]
+
+
+def test_done_means_invented_key_misspelled_node_and_module_name_are_flagged(bert, tmp_path):
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(
+        json.dumps(
+            {
+                "mode": "dynamic",
+                "nodes_to_exclude": [
+                    "/encoder/layer.0/attention/self/query/Matmul",
+                    "encoder.layer.0.attention.self.key",
+                ],
+                "extra_options": {"OpTypesToExclude": ["Add"]},
+            }
+        )
+    )
+    findings = lint_recipe_file(recipe, bert)
+    assert _codes(findings) == [
+        ("error", "unknown-extra-option", "extra_options.OpTypesToExclude"),
+        ("error", "unknown-node", "nodes_to_exclude '/encoder/layer.0/attention/self/query/Matmul'"),
+        ("error", "module-name", "nodes_to_exclude 'encoder.layer.0.attention.self.key'"),
+    ]
+    by_code = {f.code: f for f in findings}
+    assert f"onnxruntime {onnxruntime.__version__} ignores this key" in by_code["unknown-extra-option"].message
+    assert '"op_types_to_quantize": ["MatMul"]' in by_code["unknown-extra-option"].hint
+    assert "did you mean '/encoder/layer.0/attention/self/query/MatMul'?" == by_code["unknown-node"].hint
+    assert by_code["module-name"].hint == (
+        "the module's nodes: /encoder/layer.0/attention/self/key/MatMul, /encoder/layer.0/attention/self/key/Add"
+    )
+
+
+def test_quantization_precision_and_misspelled_keys_are_errors_with_the_real_key():
+    findings = lint_recipe(
+        {"mode": "static", "extra_options": {"QuantizationPrecision": "int8", "ActivationSymetric": True}}
+    )
+    assert _codes(findings) == [
+        ("error", "unknown-extra-option", "extra_options.QuantizationPrecision"),
+        ("error", "unknown-extra-option", "extra_options.ActivationSymetric"),
+    ]
+    assert findings[1].hint == "did you mean 'ActivationSymmetric'?"
+
+
+def test_calibrator_keys_point_to_the_name_quantize_static_maps():
+    (f,) = lint_recipe({"mode": "static", "calibrate_method": "Percentile", "extra_options": {"percentile": 99.9}})
+    assert (f.code, f.hint) == ("calibrator-option", "write 'CalibPercentile'")
+
+
+def test_a_clean_recipe_has_no_findings(bert):
+    data = {
+        "mode": "static",
+        "quant_format": "QDQ",
+        "per_channel": True,
+        "op_types_to_quantize": ["MatMul", "Add"],
+        "nodes_to_exclude": ["/encoder/layer.0/attention/self/key/MatMul"],
+        "extra_options": {"WeightSymmetric": True, "CalibMovingAverage": True},
+    }
+    assert lint_recipe(data, onnx.load(str(bert))) == []
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"mode": "dynamic", "quant_format": "QDQ"}, ("error", "contradiction", "quant_format")),
+        ({"mode": "dynamic", "calibrate_method": "Entropy"}, ("error", "contradiction", "calibrate_method")),
+        (
+            {"mode": "static", "quant_format": "QOperator", "activation_type": "QInt16"},
+            ("error", "contradiction", "activation_type"),
+        ),
+        (
+            {"nodes_to_quantize": ["a", "b"], "nodes_to_exclude": ["b"]},
+            ("error", "contradiction", "nodes_to_exclude 'b'"),
+        ),
+        (
+            {"mode": "dynamic", "extra_options": {"ActivationSymmetric": True}},
+            ("warning", "static-only-option", "extra_options.ActivationSymmetric"),
+        ),
+        ({"op_type_to_quantize": ["Conv"]}, ("error", "unknown-key", "op_type_to_quantize")),
+        ({"weight_type": "INT8"}, ("error", "bad-value", "weight_type")),
+        ({"calibration_samples": 8}, ("warning", "unused-option", "calibration_samples")),
+    ],
+)
+def test_contradictions_and_bad_values(data, expected):
+    assert _codes(lint_recipe(data)) == [expected]
+
+
+def test_per_channel_qdq_on_opset_12_is_an_error_and_op_types_are_checked(tmp_path):
+    fx = models.build("convnet")
+    m = onnx.ModelProto()
+    m.CopyFrom(fx.model)
+    m.opset_import[0].version = 12
+    data = {"mode": "static", "per_channel": True, "op_types_to_quantize": ["Conv", "MatMul", "Softplus"]}
+    assert _codes(lint_recipe(data, m)) == [
+        ("error", "contradiction", "per_channel"),
+        ("warning", "unknown-op-type", "op_types_to_quantize 'MatMul'"),
+        ("warning", "unquantizable-op-type", "op_types_to_quantize 'Softplus'"),
+    ]
+
+
+def test_extra_option_keys_are_read_from_the_installed_onnxruntime_and_match_the_fallback():
+    keys = onnxruntime_extra_options()
+    assert keys.scanned and keys.version == onnxruntime.__version__
+    assert "OpTypesToExclude" not in keys.quantizer and "QuantizationPrecision" not in keys.quantizer
+    assert {"WeightSymmetric", "ActivationSymmetric", "CalibPercentile", "extra.Sigmoid.nnapi"} <= keys.quantizer
+    if onnxruntime.__version__.startswith("1.32."):
+        assert keys.quantizer == FALLBACK_EXTRA_OPTIONS  # update the fallback when onnxruntime moves
+
+
+def test_without_onnxruntime_sources_the_fallback_list_is_used(tmp_path):
+    keys = onnxruntime_extra_options(tmp_path)
+    assert not keys.scanned and keys.quantizer == FALLBACK_EXTRA_OPTIONS
+    assert keys.calibrator["percentile"] == "CalibPercentile"
+
+
+def test_module_path_becomes_the_exporter_prefix():
+    assert module_to_onnx_prefix("encoder.layer.0.attention.self.query") == "/encoder/layer.0/attention/self/query/"
+    assert module_to_onnx_prefix("blocks.11.mlp.fc1") == "/blocks.11/mlp/fc1/"
+
+
+def test_cli_exit_code_is_3_on_errors_and_0_on_warnings(bert, tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('mode = "dynamic"\n[extra_options]\nOpTypesToExclude = ["Add"]\n')
+    assert cli.main(["lint", str(bad), "--model", str(bert)]) == GATE_FAILED
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("error[unknown-extra-option] extra_options.OpTypesToExclude: onnxruntime ")
+    assert out[-1] == "bad.toml: 1 error, 0 warnings"
+    warn = tmp_path / "warn.json"
+    warn.write_text('{"mode": "static", "calibration_samples": 8}')
+    assert cli.main(["lint", str(warn)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "warn.json: 0 errors, 1 warning"
+
+
+def test_readme_lint_example_prints_what_the_readme_shows(tmp_path):
+    """The README's failing-recipe example (exit 3, so test_readme cannot run it) runs here."""
+    text = README.read_text()
+    section = text[text.index("### `diag lint") :]
+    recipe = section[section.index("```json\n") + 8 : section.index("```", section.index("```json\n") + 8)]
+    block = section[section.index("```\ndiag lint recipe.json") + 4 :]
+    block = block[: block.index("```")].splitlines()
+    import subprocess
+    import sys
+
+    from diag.demo import build_fixture_files
+
+    build_fixture_files(tmp_path / "demo" / "models", "transformer", "dynamic")
+    (tmp_path / "recipe.json").write_text(recipe)
+    argv = block[0].split()[1:]  # no '$ ': test_readme runs only examples that exit 0
+    out = subprocess.run([sys.executable, "-m", "diag", *argv], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == GATE_FAILED, out.stderr
+    assert out.stdout.splitlines() == block[1:]
