@@ -644,12 +644,22 @@ class _Search:
         return hi
 
     def prune(self, k: int) -> frozenset[int]:
-        """Re-include each group of the prefix, least suspicious first; keep it quantized if still met."""
+        """Re-include each group of the prefix, least suspicious first; keep it quantized if still met.
+
+        Passes repeat until one removes nothing, so that on return every group left in the list
+        was tried against the final list itself: re-including any of them misses the target. A
+        second pass only happens when the first removed something, and its tries against
+        unchanged lists come from the cache.
+        """
         current = frozenset(range(k))
-        for i in reversed(range(k)):
-            trial = current - {i}
-            if self.try_groups(trial, "prune")[1]:
-                current = trial
+        changed = True
+        while changed:
+            changed = False
+            for i in sorted(current, reverse=True):
+                trial = current - {i}
+                if self.try_groups(trial, "prune")[1]:
+                    current = trial
+                    changed = True
         return current
 
 
@@ -1025,6 +1035,11 @@ def exclude_to_dir(
                 calib, count = feeds.inputs, result.split["ranking_samples"]
             result.snippet = reproduce_snippet(result, str(model), str(calib) if calib else None, count)
             files["reproduce.py"] = atomic_write(out / "reproduce.py", result.snippet)
+        else:
+            # NOTE: a mixed model left by an earlier run in the same folder would read as this
+            # run's answer; when there is no answer, there must be no model.
+            for stale in (out / f"{stem}.mixed.onnx", out / "reproduce.py"):
+                stale.unlink(missing_ok=True)
     text = json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n"
     files = {"exclusion.json": atomic_write(out / "exclusion.json", text), **files}
     return result, files

@@ -185,6 +185,8 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
 
     fp2, npz2, _ = write_chain(tmp_path, defect=None)
     out2 = tmp_path / "ex2"
+    out2.mkdir()
+    (out2 / "chain.mixed.onnx").write_text("left by an earlier run")
     rc = main(
         [
             "exclude",
