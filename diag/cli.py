@@ -280,7 +280,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     so background load hits them alike. One batch = one timed run; batches are cycled."""
     from diag.bench import bench_to_json
 
-    stats, table, written = bench_to_json(
+    _, table, written = bench_to_json(
         args.models, _feed_spec(args), args.runs, args.warmup, args.threads, not args.quiet, args.json
     )
     print(_safe_lines(table))
