@@ -274,9 +274,8 @@ def _variance_tail(ix: _Index, d: str) -> _Match | None:
     """``d / sqrt(mean(d²) + eps)`` starting from ``d``: the part LayerNorm and RMSNorm share."""
     for sq in ix.consumers.get(d, []):
         n = ix.nodes[sq]
-        if n.op_type == "Pow" and len(n.input) == 2 and n.input[0] == d and ix.is_scalar(n.input[1], 2.0):
-            pass
-        elif not (n.op_type == "Mul" and list(n.input) == [d, d]):
+        pow2 = n.op_type == "Pow" and len(n.input) == 2 and n.input[0] == d and ix.is_scalar(n.input[1], 2.0)
+        if not (pow2 or (n.op_type == "Mul" and list(n.input) == [d, d])):
             continue
         r = ix.only_consumer(ix.out(sq))
         if r is None or ix.op(r) != "ReduceMean":
@@ -354,7 +353,7 @@ def _gelu_outer(ix: _Index, plus: str) -> tuple[list[int], str, str] | None:
         return None
     p = ix.producer.get(other)
     if p is not None and ix.op(p) in ("Mul", "Div") and ix.only_consumer(other) == m1:
-        x = ix.nodes[p].input[0]
+        x = ix.nodes[p].input[0] if ix.op(p) == "Div" else next(iter(ix.data_inputs(p)), "")
         if half(p, x):  # (x * 0.5) * (1 + core)
             return [p, m1], x, ix.out(m1)
     m2 = ix.only_consumer(ix.out(m1))  # (x * (1 + core)) * 0.5
@@ -381,12 +380,16 @@ def _gelu_at(ix: _Index, core: int) -> _Match | None:
     if outer is None:
         return None
     outer_nodes, x, output = outer
+    if x in ix.const:
+        return None
     inner: list[int] = []
     consts: list[float] = []
+    reached_x = False
     stack = [ix.nodes[core].input[0]]
     while stack:
         t = stack.pop()
         if t == x:
+            reached_x = True
             continue
         if t in ix.const:
             v = ix.scalar(t)
@@ -400,7 +403,7 @@ def _gelu_at(ix: _Index, core: int) -> _Match | None:
         if p not in inner:
             inner.append(p)
             stack.extend(ix.nodes[p].input)
-    if not inner:
+    if not inner or not reached_x:
         return None
 
     def has(value: float) -> bool:

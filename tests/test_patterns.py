@@ -210,8 +210,8 @@ def _gelu_model(variant: str, cubic: float = 0.044715, prefix: str = "block3/mlp
     elif order == "b":  # ((1 + t) * 0.5) * x
         n("Mul", ["plus", "half"], "hp")
         n("Mul", ["hp", "x"], "y")
-    else:  # (x * 0.5) * (1 + t)
-        n("Mul", ["x", "half"], "hx")
+    else:  # (0.5 * x) * (1 + t)
+        n("Mul", ["half", "x"], "hx")
         n("Mul", ["hx", "plus"], "y")
     nodes.append(helper.make_node("Relu", ["y"], ["out"], name="block3/mlp/Relu"))
     return _model(nodes, [_vi("in", [4, 8])], [_vi("out", [4, 8])], inits)
