@@ -240,6 +240,9 @@ class _Index:
             return None
         return ins[1] if ins[0] == t else ins[0]
 
+    def has_subgraph(self, i: int) -> bool:
+        return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in self.nodes[i].attribute)
+
     def has_const_weight(self, i: int) -> bool:
         ins = self.nodes[i].input
         return len(ins) > 1 and ins[1] in self.const
@@ -638,7 +641,7 @@ def _residual_adds(ix: _Index, taken: set[int]) -> list[int]:
 def _tail(ix: _Index, output: str) -> list[int]:
     """The linear chain of nodes ending at a graph output (stops at joins and branches)."""
     p = ix.producer.get(output)
-    if p is None:
+    if p is None or ix.has_subgraph(p):
         return []
     chain = [p]
     while True:
@@ -647,8 +650,8 @@ def _tail(ix: _Index, output: str) -> list[int]:
             break
         q = ix.producer.get(ins[0])
         readers = [c for c in ix.consumers.get(ins[0], []) if ix.op(c) not in _SHAPE_ONLY]
-        if q is None or readers != [chain[0]] or ins[0] in ix.output_set or q in chain:
-            break
+        if q is None or readers != [chain[0]] or ins[0] in ix.output_set or q in chain or ix.has_subgraph(q):
+            break  # NOTE: If/Loop bodies read outer-scope values their inputs do not list: not a chain
         chain.insert(0, q)
     return chain
 
@@ -669,7 +672,9 @@ def _head_for(ix: _Index, output: str) -> tuple[list[int], str] | None:
         if k >= 0 and ops[k] in _GLOBAL_POOL:
             return chain[k:], "Classification head"
     start = lin[-DENSE_HEAD_MAX_LINEAR] if len(lin) >= DENSE_HEAD_MAX_LINEAR else lin[0]
-    return chain[start:], "Detection/segmentation head"
+    if any(ops[k] in _CONV for k in lin if k >= start):
+        return chain[start:], "Detection/segmentation head"
+    return chain[start:], "Output head"  # e.g. a language-model or token-classification projection
 
 
 # --------------------------------------------------------------------------------------------

@@ -518,3 +518,24 @@ def test_constants_from_constant_nodes_count_and_constant_nodes_stay_out_of_inst
     ]
     found = find_patterns(_model(nodes, [_vi("x", [2])], [_vi("y", [2])]))
     assert found == [PatternInstance("gelu", "GELU #1", ("Div#3", "Erf#4", "Add#5", "Mul#6", "Mul#7"), "y")]
+
+
+def test_convnet_fixture_has_three_conv_relu_blocks_and_a_pool_flatten_gemm_head():
+    found = find_patterns(models.convnet().model)
+    assert [(p.label, p.nodes) for p in found if p.kind == "conv-act"] == [
+        (f"Conv+ReLU #{i}", (f"conv{i}", f"relu{i}")) for i in (1, 2, 3)
+    ]
+    assert [(p.label, p.nodes) for p in found if p.kind == "head"] == [
+        ("Classification head (logits)", ("pool", "flatten", "fc"))
+    ]
+
+
+def test_a_projection_without_pooling_or_conv_is_an_output_head():
+    nodes = [
+        helper.make_node("LayerNormalization", ["h", "g", "b"], ["hn"], name="final/LayerNorm", axis=-1),
+        helper.make_node("MatMul", ["hn", "w"], ["logits"], name="lm_head/MatMul"),
+    ]
+    inits = [_c("g", np.ones(4)), _c("b", np.zeros(4)), _c("w", np.ones((4, 10)))]
+    found = find_patterns(_model(nodes, [_vi("h", [2, 3, 4])], [_vi("logits", [2, 3, 10])], inits))
+    heads = [(p.label, p.nodes) for p in found if p.kind == "head"]
+    assert heads == [("Output head (logits)", ("lm_head/MatMul",))]
