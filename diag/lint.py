@@ -393,12 +393,13 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
         if opset < 13:
             findings.append(
                 Finding(
-                    "error",
-                    "contradiction",
+                    "warning",
+                    "old-opset",
                     "per_channel",
                     f"QDQ per-channel writes DequantizeLinear with 'axis', which opset {opset} forbids:"
-                    " the INT8 model will not load",
-                    "convert the model to opset 13+ first (onnx.version_converter.convert_version(m, 17))",
+                    " quantize_static's INT8 model will not load",
+                    "diag quantize upgrades the opset to 13 first; with onnxruntime directly, run"
+                    " onnx.version_converter.convert_version(model, 13) before quantizing",
                 )
             )
 
