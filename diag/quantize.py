@@ -4,9 +4,9 @@
 and first fixes what makes onnxruntime fail or write a broken model on real exports, saying what
 it did in plain sentences (:attr:`QuantizeReport.actions`):
 
-* weights stored as ``Constant`` nodes (paddle2onnx) are lifted to initializers: the quantizer
-  only quantizes initializer weights and ``quantize_dynamic`` fails with "Expected ... to be an
-  initializer";
+* weights stored as ``Constant`` nodes (paddle2onnx) are lifted to initializers: ``quantize_dynamic``
+  fails with "Expected ... to be an initializer", and ``quantize_static`` quantizes such weights
+  like activations (runtime QuantizeLinear, activation type, per-tensor; seen on PP-OCRv4 det);
 * per-channel QDQ on opset < 13 writes ``DequantizeLinear`` with an ``axis`` attribute that such
   an opset forbids: the model is upgraded with ``onnx.version_converter`` first;
 * ``quant_pre_process`` needs ``sympy`` and its symbolic shape inference fails on some exports:
@@ -26,9 +26,9 @@ import dataclasses
 import io
 import logging
 import os
-import shutil
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -191,8 +191,12 @@ def quantize_model(
 
     actions: list[str] = []
     log: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name:
+    with (
+        tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name,
+        tempfile.TemporaryDirectory(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent) as stage_name,
+    ):
         tmp = Path(tmp_name).resolve()
+        staged = Path(stage_name).resolve() / out.name  # same folder as the output: publishing is a rename
         model = onnx.load(str(loaded.path))  # with weights: the quantizer needs them
         external = loaded.has_external_data or _weight_bytes(model) > EXTERNAL_DATA_BYTES
         if external:
@@ -202,10 +206,13 @@ def quantize_model(
             )
         model, lifted = lift_constants(model)
         if lifted:
-            actions.append(
-                f"lifted {lifted} Constant node(s) to initializers: onnxruntime's quantizer only quantizes "
-                "initializer weights (quantize_dynamic fails with 'Expected ... to be an initializer')"
+            why = (
+                "quantize_dynamic fails with 'Expected ... to be an initializer' on any other weight"
+                if recipe.mode == "dynamic"
+                else "quantize_static would quantize those weights like activations (a QuantizeLinear at run time, "
+                "activation_type, per-tensor), ignoring weight_type and per_channel"
             )
+            actions.append(f"lifted {lifted} Constant node(s) to initializers: {why}")
         upgraded = False
         opset = default_opset(model)
         if _needs_per_axis(recipe) and 0 < opset < PER_AXIS_OPSET:
@@ -221,7 +228,6 @@ def quantize_model(
             if recipe.preprocess:
                 src = _preprocess(src, tmp / "pre" / "model.onnx", external, actions, log)
             _check_names_survived(recipe, src, actions)
-            staged = tmp / "int8" / out.name
             _run_quantizer(recipe, src, staged, source, external, actions, progress)
             error = _load_error(staged)
             if error and "axis" in error and not upgraded and 0 < default_opset(_structure(src)) < PER_AXIS_OPSET:
@@ -231,7 +237,8 @@ def quantize_model(
                     f"upgraded opset {old} -> {PER_AXIS_OPSET} with onnx.version_converter and quantized again: "
                     f"the first INT8 model did not load in onnxruntime ({error})"
                 )
-                shutil.rmtree(staged.parent)
+                for p in staged.parent.iterdir():
+                    p.unlink()
                 _run_quantizer(recipe, src, staged, source, external, actions, False)
                 error = _load_error(staged)
         if error:
@@ -241,6 +248,7 @@ def quantize_model(
                 f"does not load in onnxruntime ({error})",
                 "nothing was written; try per_channel=false or preprocess=true, or report the model",
             )
+        actions.extend(_notable(log))
         fmt = detect_format(_structure(staged))
         if not fmt.is_quantized:
             actions.append(
@@ -365,8 +373,8 @@ def _run_preprocess(quant_pre_process: Any, src: Path, dst: Path, kwargs: dict[s
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         if isinstance(e, ImportError) and "sympy" in str(e):
             why = "sympy is not installed (pip install sympy to enable symbolic shape inference)"
-        elif "symbolic" in str(e).lower():
-            why = f"symbolic shape inference failed ({first})"
+        elif "symbolic" in str(e).lower() or _raised_in(e, "symbolic_shape_infer"):
+            why = f"symbolic shape inference failed ({first}{_where(e)})"
         else:
             why = f"it failed with {type(e).__name__}: {first}"
     try:
@@ -380,6 +388,32 @@ def _run_preprocess(quant_pre_process: Any, src: Path, dst: Path, kwargs: dict[s
         ) from e2
     actions.append(f"ran quant_pre_process with skip_symbolic_shape=True because {why}")
     return False
+
+
+#: onnxruntime log messages worth a line of their own (the rest stays in ``QuantizeReport.log``).
+NOTABLE = (
+    (
+        "Please use QuantFormat.QDQ for activation type QInt8 and weight type QInt8",
+        "note: onnxruntime warns that QOperator with QInt8 activations and weights is slow on x64 "
+        "(use quant_format QDQ or activation_type QUInt8)",
+    ),
+)
+
+
+def _notable(log: list[str]) -> list[str]:
+    return [sentence for needle, sentence in NOTABLE if any(needle in line for line in log)]
+
+
+def _raised_in(e: BaseException, module: str) -> bool:
+    return any(module in frame.filename for frame in traceback.extract_tb(e.__traceback__))
+
+
+def _where(e: BaseException) -> str:
+    """`` in _infer_Concat`` for a bare assertion: the only clue symbolic shape inference gives."""
+    if str(e).strip():
+        return ""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" in {frames[-1].name}" if frames else ""
 
 
 def _check_names_survived(recipe: Recipe, src: Path, actions: list[str]) -> None:
@@ -476,25 +510,20 @@ def _load_error(path: Path) -> str | None:
 
 
 def _publish(staged: Path, out: Path) -> None:
-    """Move the verified model (and its external data, first) into place, each by rename."""
-    parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
-    moved: list[Path] = []
+    """Rename the verified model into place: its external data first, the ``.onnx`` last.
+
+    ``staged`` sits in a temp folder inside the output's folder, so each step is an atomic rename
+    and a reader never sees a half-written ``.onnx``.
+    """
     umask = os.umask(0)
     os.umask(umask)
+    parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
     try:
         for p in parts:
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=out.parent)
-            os.close(fd)
-            shutil.copyfile(p, tmp_name)  # a copy: the temp folder may be on another device
-            os.chmod(tmp_name, 0o666 & ~umask)  # mkstemp's 0600 would surprise whoever deploys the model
-            moved.append(Path(tmp_name))
-            os.replace(tmp_name, out.parent / p.name)
-            moved.pop()
+            os.chmod(p, 0o666 & ~umask)  # like any file the user writes, not a temp file's 0600
+            os.replace(p, out.parent / p.name)
     except OSError as e:
         raise DiagError("bad-out", f"-o '{out}'", f"cannot be written ({e.strerror or e})", "check free space") from e
-    finally:
-        for p in moved:
-            p.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
