@@ -180,3 +180,31 @@ def test_an_fp32_model_has_no_recipe(fp32_models):
     with pytest.raises(DiagError) as e:
         infer_recipe(fp32_models["convnet"][0])
     assert e.value.slug == "not-quantized"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["static-qdq-per-channel", "dynamic-u8-excluded"])
+def test_inferred_recipe_of_a_real_paddle_model(case, tmp_path):
+    """PaddleOCR's direction classifier (paddle2onnx export, Constant weights, opset 11)."""
+    from onnx import version_converter
+
+    from diag.fixtures import quantize, thirdparty
+
+    src = quantize.lift_constants(onnx.load(str(thirdparty.rapidocr_model("cls"))))
+    fp32 = tmp_path / "cls.fp32.onnx"
+    onnx.save(version_converter.convert_version(src, 13), fp32)
+    convs = [n.name for n in onnx.load(str(fp32)).graph.node if n.op_type == "Conv"]
+    excluded = [convs[0], convs[len(convs) // 2]]
+    if case == "static-qdq-per-channel":
+        used = {"mode": "static", "activation_type": "QUInt8", "per_channel": True, "nodes_to_exclude": excluded}
+    else:
+        used = {"mode": "dynamic", "weight_type": "QUInt8", "nodes_to_exclude": excluded}
+    name = src.graph.input[0].name
+    calib = {name: thirdparty.text_images(4, 48, 192, seed=3)}
+    recipe = Recipe.from_dict(used)
+    int8 = _quantize(fp32, tmp_path / "cls.int8.onnx", recipe, calib)
+
+    inferred = infer_recipe(int8)
+
+    assert _normalised(Recipe.from_dict(inferred.recipe)) == _normalised(recipe)
+    assert len(convs) > 10
