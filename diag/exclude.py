@@ -10,9 +10,10 @@ model is good enough, and how few can I get away with?* The answer is searched, 
    ordered by local error (worst first; accumulated error where no local error exists).
 3. The smallest prefix of that order that meets the target is found by exponential then binary
    search on the prefix length: O(log n) re-quantizations for n candidates.
-4. The prefix is **pruned**: each excluded group is re-included in turn and stays quantized when
-   the target still holds. Each try costs one re-quantization, so the total is
-   O(log n + prefix length).
+4. The prefix is **pruned**: excluded groups are re-included (in blocks first, then one by
+   one) and stay quantized when the target still holds. Each try costs one re-quantization, so
+   the total is O(log n + prefix length), and about O(log n + m log(prefix/m)) when m groups are
+   really needed.
 5. A list that keeps every candidate in float is not a fix: when only that meets the target the
    verdict is "not reachable", with the cheaper alternatives worth trying instead.
 
@@ -644,14 +645,30 @@ class _Search:
         return hi
 
     def prune(self, k: int) -> frozenset[int]:
-        """Re-include each group of the prefix, least suspicious first; keep it quantized if still met.
+        """Shrink the met prefix to a list where re-including any group misses the target.
 
-        Passes repeat until one removes nothing, so that on return every group left in the list
-        was tried against the final list itself: re-including any of them misses the target. A
-        second pass only happens when the first removed something, and its tries against
-        unchanged lists come from the cache.
+        First blocks are re-included at once, least suspicious half first, and split only when
+        the block as a whole is needed (delta debugging): m needed groups among k cost about
+        2·m·log2(k/m) tries instead of k, which matters when a noisy metric made the prefix long.
+        Then single groups are re-included in passes until a pass removes nothing, so every
+        group left was tried against the final list itself; tries already made come from the
+        cache.
         """
         current = frozenset(range(k))
+
+        def drop(block: list[int]) -> None:
+            nonlocal current
+            trial = current - set(block)
+            if trial != current and self.try_groups(trial, "prune")[1]:
+                current = trial
+                return
+            if len(block) > 1:
+                mid = len(block) // 2
+                drop(block[mid:])
+                drop(block[:mid])
+
+        if k > 1:
+            drop(list(range(k)))
         changed = True
         while changed:
             changed = False
