@@ -1127,3 +1127,61 @@ def _fmt(v: float | None, target: Target | None = None) -> str:
     if target is not None:
         digits = max(4, len(f"{target.value:g}".partition(".")[2]) + 1)
     return f"{v:.{digits}f}" if abs(v) < 10 else f"{v:.4g}"
+
+
+def report_section(doc: dict[str, Any]) -> dict[str, Any]:
+    """View-model for the report's exclusion section, from ``exclusion.json`` alone (numbers formatted here).
+
+    Keys: ``verdict``, ``target``, ``nodes`` (the final list), ``metrics`` (rows of name / before /
+    after), ``latency`` (rows of model / p50 / p90 / speedup), ``counts`` (one sentence),
+    ``trajectory_svg`` (see :func:`diag.plots_exclude.trajectory_plot`), ``snippet`` and
+    ``alternatives``. Templates only loop and print.
+
+    Example:
+        >>> view = report_section(json.load(open("exclusion.json")))  # doctest: +SKIP
+        >>> view["nodes"]  # doctest: +SKIP
+        ['layer1/ffn/fc1/MatMul']
+    """
+    from diag.plots_exclude import trajectory_plot
+
+    before = doc["metrics"]["before"]
+    after = doc["metrics"]["after"] or {}
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, str):
+            return v
+        return f"{v:.6f}" if isinstance(v, float) else str(v)
+
+    names = ("cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop")
+    rows = [
+        {"name": n, "before": cell(before.get(n)), "after": cell(after.get(n))}
+        for n in names
+        if before.get(n) is not None
+    ]
+    latency = [
+        {
+            "model": x["model"],
+            "p50": f"{x['p50_ms']:.2f} ms",
+            "p90": f"{x['p90_ms']:.2f} ms",
+            "speedup": "ref" if x["speedup"] is None else f"{x['speedup']:.2f}x",
+        }
+        for x in doc["latency"]
+    ]
+    s = doc["search"]
+    return {
+        "verdict": doc["verdict"],
+        "target": doc["target"],
+        "held_out": doc["split"]["held_out"],
+        "nodes": list(doc["nodes_to_exclude"]),
+        "metrics": rows,
+        "latency": latency,
+        "counts": f"{_count(s['quantizations'], 'quantization')}, {_count(s['evaluations'], 'evaluation')}, "
+        f"{_count(s['ranking_passes'], 'ranking pass', 'ranking passes')} over {s['candidates']} candidate "
+        f"groups in {s['seconds']:.1f} s",
+        "trajectory_svg": trajectory_plot(doc) if s["trajectory"] else "",
+        "snippet": doc["snippet"],
+        "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
+        "op_type_suggestions": doc["op_type_suggestions"],
+    }

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from diag.cli import EXCLUDE_TARGET_HELP, main
 from diag.errors import DiagError
-from diag.exclude import TARGET_METRICS, derive_exclusions, parse_target, split_feeds
+from diag.exclude import TARGET_METRICS, derive_exclusions, parse_target, report_section, split_feeds
 from diag.feeds import FeedSpec
 from diag.fixtures import models
 from diag.plots_exclude import trajectory_plot
@@ -182,6 +182,11 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
     assert doc["search"]["quantizations"] == len(doc["search"]["trajectory"])
     assert (out / "transformer.mixed.onnx").is_file() and "quantize_dynamic(" in (out / "reproduce.py").read_text()
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "no temp files left"
+    view = report_section(doc)
+    assert view["nodes"] == ["layer1/ffn/fc1/MatMul"] and view["verdict"] == "met"
+    assert [r["name"] for r in view["metrics"]][:3] == ["cosine", "cosine_mean", "max_abs"]
+    assert view["metrics"][0]["after"] == f"{doc['metrics']['after']['cosine']:.6f}"
+    assert view["latency"][0]["speedup"] == "ref" and "quantize_dynamic(" in view["snippet"]
 
     fp2, npz2, _ = write_chain(tmp_path, defect=None)
     out2 = tmp_path / "ex2"
