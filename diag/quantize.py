@@ -122,7 +122,7 @@ def upgrade_opset(model: onnx.ModelProto, target: int = PER_AXIS_OPSET) -> onnx.
         converted = onnx.version_converter.convert_version(model, target)
         onnx.checker.check_model(converted)
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
         raise DiagError(
             "quantize-failed",
             "FP32 model",
@@ -189,7 +189,7 @@ def quantize_model(
     _check_node_names(recipe, loaded.proto)
     source = _calibration_source(recipe, calibration, loaded.proto) if recipe.mode == "static" else None
 
-    actions: list[str] = []
+    actions: list[str] = _unread_extra_options(recipe)
     log: list[str] = []
     with (
         tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name,
@@ -305,6 +305,26 @@ def _check_node_names(recipe: Recipe, model: onnx.ModelProto) -> None:
             )
 
 
+def _unread_extra_options(recipe: Recipe) -> list[str]:
+    """A warning per ``extra_options`` key the installed onnxruntime never reads (it ignores them silently)."""
+    import difflib
+
+    from diag.lint import onnxruntime_extra_options
+
+    known = onnxruntime_extra_options()
+    names = set(known.quantizer) | set(known.calibrator)
+    out = []
+    for key in recipe.extra_options:
+        if key not in names:
+            close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.8)
+            maybe = f" (did you mean '{close[0]}'?)" if close else ""
+            out.append(
+                f"warning: extra_options key '{key}' is not read by onnxruntime {known.version}: "
+                f"it has no effect{maybe}"
+            )
+    return out
+
+
 def _calibration_source(
     recipe: Recipe, calibration: FeedSource | FeedSpec | None, model: onnx.ModelProto
 ) -> FeedSource:
@@ -370,7 +390,7 @@ def _run_preprocess(quant_pre_process: Any, src: Path, dst: Path, kwargs: dict[s
         quant_pre_process(str(src), str(dst), **kwargs)
         return True
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200].rstrip(".")
         if isinstance(e, ImportError) and "sympy" in str(e):
             why = "sympy is not installed (pip install sympy to enable symbolic shape inference)"
         elif "symbolic" in str(e).lower() or _raised_in(e, "symbolic_shape_infer"):
@@ -456,12 +476,12 @@ def _run_quantizer(
     except DiagError:
         raise
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
         raise DiagError(
             "quantize-failed",
             f"quantize_{recipe.mode}",
             f"raised {type(e).__name__}: {first}",
-            'try "preprocess": true, exclude the node it names, or re-run with --debug for the traceback',
+            "fix the recipe setting onnxruntime names, or exclude the node it names; --debug shows the traceback",
         ) from e
 
 

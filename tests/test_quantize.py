@@ -122,6 +122,31 @@ def test_recipe_mistakes_onnxruntime_would_ignore_are_errors(
     assert not (tmp_path / "q.onnx").exists()
 
 
+def test_extra_options_onnxruntime_does_not_read_are_warned_about(convnet: dict[str, Path], tmp_path: Path) -> None:
+    recipe = Recipe(mode="dynamic", extra_options={"WeightSymetric": True, "QuantizationPrecision": "int8"})
+    report = quantize_model(convnet["fp32"], recipe, tmp_path / "q.onnx")
+    assert report.actions[0].startswith("warning: extra_options key 'WeightSymetric' is not read by onnxruntime ")
+    assert report.actions[0].endswith("it has no effect (did you mean 'WeightSymmetric'?)")
+    assert report.actions[1].endswith(
+        "'QuantizationPrecision' is not read by onnxruntime " + ort.__version__ + ": it has no effect"
+    )
+    ok = quantize_model(
+        convnet["fp32"], Recipe(mode="dynamic", extra_options={"WeightSymmetric": True}), tmp_path / "k.onnx"
+    )
+    assert not any("extra_options" in a for a in ok.actions)
+
+
+def test_quantizer_failure_is_one_line_and_writes_nothing(convnet: dict[str, Path], tmp_path: Path) -> None:
+    recipe = Recipe(quant_format="QOperator", activation_type="QInt16")
+    with pytest.raises(DiagError) as e:
+        quantize_model(convnet["fp32"], recipe, tmp_path / "out" / "q.onnx", FeedSpec(inputs=str(convnet["calib"])))
+    assert e.value.slug == "quantize-failed"
+    assert "quantize_static | raised ValueError: Only QuantFormat.QDQ supports 16-bit quantization types." in str(
+        e.value
+    )
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_output_may_not_overwrite_the_input_and_dynamic_takes_no_calibration(
     convnet: dict[str, Path], tmp_path: Path
 ) -> None:
