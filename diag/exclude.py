@@ -606,6 +606,10 @@ class _Search:
         self.cache[groups] = (m, path)
         value = m.value(self.target.metric)
         met = self.target.met(value)
+        if not met and groups:
+            # NOTE: only the baseline (ranking, latency) and met lists (the answer is one of them)
+            # are ever read again; dropping the rest keeps disk use at a few model copies.
+            path.unlink(missing_ok=True)
         self.trajectory.append(
             Step(phase, len(groups), self.nodes(groups)[len(self.base) :], value, met, time.perf_counter() - t0)
         )
@@ -859,6 +863,7 @@ def _op_type_suggestions(
         path = search.work / f"optype-{op}.onnx"
         search.quantize(search.nodes(rest), path, recipe)
         m = search.evaluate(path)
+        path.unlink(missing_ok=True)
         value = m.value(search.target.metric)
         met = search.target.met(value)
         search.trajectory.append(
