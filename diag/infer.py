@@ -11,14 +11,15 @@ Everything onnxruntime decides leaves a trace in the graph:
   ``WeightSymmetric`` / ``ActivationSymmetric`` only where it differs from onnxruntime's default
   (weights: symmetric for signed types; activations: asymmetric);
 * reduce_range: every weight fits in 7 bits (onnxruntime's reduced ranges);
-* nodes_to_exclude: nodes of an op type onnxruntime's registry would quantize, with a constant
-  weight, still in float although the model is quantized around them.
+* nodes_to_exclude: nodes of an op type onnxruntime's registry would quantize still in float.
 
-NOTE: Exclusions are inferred for weighted ops only (Conv, ConvTranspose, MatMul, Gemm with a
-constant weight): a float weight initializer feeding them is proof that they were skipped. For
-weightless ops (Add, Softmax, Reshape...) the graph has no such proof: onnxruntime quantizes
-some only when their input is quantized, and a Q/DQ pair is shared by quantized and skipped
-consumers alike. Guessing there would produce exclusion lists nobody asked for.
+NOTE: Exclusions are inferred only where the graph holds proof. Weighted ops (Conv,
+ConvTranspose, MatMul, Gemm with a constant weight), all formats: a float weight initializer
+feeding them. QOperator Add / Mul / Softmax / activation MatMul on float tensors: onnxruntime's
+QLinear quantizers for them quantize any float input themselves, so a float one was skipped.
+Other weightless ops are not listed: onnxruntime quantizes Reshape, Transpose, Relu... only when
+their input is quantized, and in QDQ a Q/DQ pair is shared by quantized and skipped consumers
+alike. Guessing there would produce exclusion lists nobody asked for.
 
 NOTE: What the graph cannot tell is said, not guessed: ``calibrate_method`` (MinMax, Entropy and
 Percentile all end as a scale), calibration data, ``preprocess``, and whether a whole op type was
@@ -41,6 +42,7 @@ from onnx import numpy_helper
 
 from diag.errors import DiagError
 from diag.load import model_from_path
+from diag.match import _value_dtypes  # element types via shape inference on a weight-free copy
 
 #: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
@@ -219,12 +221,13 @@ def _infer(model: onnx.ModelProto, kind: str) -> InferredRecipe:
         act_zps = _activation_zero_points(graph, inits)
         if act_zps and all(_is_symmetric(z) for z in act_zps):
             extra["ActivationSymmetric"] = True
-    excluded = _excluded_nodes(graph, inits, producers, kind)
+    dtypes = _value_dtypes(model) if kind == "qoperator" else None
+    excluded = _excluded_nodes(graph, inits, producers, kind, dtypes)
     recipe["nodes_to_exclude"] = excluded
     evidence.append(
-        f"nodes_to_exclude: {len(excluded)} node(s) of a quantizable weighted op type left in float"
+        f"nodes_to_exclude: {len(excluded)} quantizable node(s) left in float"
         if excluded
-        else "nodes_to_exclude: every quantizable weighted node is quantized"
+        else "nodes_to_exclude: every quantizable node with a float weight is quantized"
     )
     if extra:
         recipe["extra_options"] = extra
@@ -285,22 +288,40 @@ def _excluded_nodes(
     inits: dict[str, onnx.TensorProto],
     producers: dict[str, onnx.NodeProto],
     kind: str,
+    dtypes: dict[str, int] | None = None,
 ) -> list[str]:
-    """Weighted nodes onnxruntime would have quantized, still reading a float weight initializer.
+    """FP32 nodes onnxruntime would have quantized that are still float, in graph order.
 
-    The quantizable op types come from the installed onnxruntime's registries: IntegerOpsRegistry
-    for dynamic, QDQRegistry / QLinearOpsRegistry for static (its default op_types_to_quantize).
+    Weighted ops (all formats): a Conv / ConvTranspose / MatMul / Gemm still reading a float
+    weight initializer. QOperator only: an Add / Mul / Softmax / MatMul on float activations;
+    onnxruntime's QLinear quantizers for these types quantize their inputs
+    themselves, so a float one was skipped. The quantizable op types come from the installed
+    onnxruntime's registries: IntegerOpsRegistry for dynamic, QDQRegistry / QLinearOpsRegistry for
+    static (its default op_types_to_quantize).
     """
-    quantizable = set(quantizable_op_types(kind)) & set(WEIGHTED_OPS)
+    quantizable = set(quantizable_op_types(kind))
+    weighted = quantizable & set(WEIGHTED_OPS)
+    unconditional = _unconditional_qoperator_ops() & quantizable if kind == "qoperator" else set()
     out = []
     for node in graph.node:
-        if node.op_type not in quantizable or len(node.input) < 2:
+        if node.op_type in weighted and len(node.input) > 1 and node.input[1] in inits:
+            w = inits[node.input[1]]
+            if w.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                out.append(node.name)
             continue
-        w = inits.get(node.input[1])
-        if w is None or w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
-            continue  # activation x activation MatMul, or a weight behind a DequantizeLinear
-        out.append(node.name)
+        if node.op_type in unconditional and dtypes is not None:
+            acts = [i for i in node.input if i and i not in inits]
+            if acts and all(dtypes.get(i) == onnx.TensorProto.FLOAT for i in acts):
+                out.append(node.name)  # (integer shape arithmetic, or unknown types: no proof)
     return out
+
+
+def _unconditional_qoperator_ops() -> set[str]:
+    """Op types whose QOperator quantizer quantizes float inputs itself (QLinearAdd, QLinearSoftmax...)."""
+    from onnxruntime.quantization import registry
+
+    classes = {"QLinearBinaryOp", "QLinearSoftmax", "QLinearMatMul"}
+    return {op for op, cls in registry.QLinearOpsRegistry.items() if cls.__name__ in classes}
 
 
 def quantizable_op_types(kind: str) -> list[str]:

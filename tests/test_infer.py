@@ -67,6 +67,22 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "extra_options": {"ActivationSymmetric": True},
         },
     ),
+    "qoperator-transformer-weightless-excluded": (
+        "transformer",
+        {
+            "mode": "static",
+            "quant_format": "QOperator",
+            "activation_type": "QUInt8",
+            "nodes_to_exclude": [
+                "layer0/attn/residual",
+                "layer0/attn/Mul",
+                "layer0/attn/Softmax",
+                "layer0/attn/MatMul",
+                "layer1/ffn/fc1/Add",
+            ],
+        },
+    ),
+    "qoperator-transformer-defaults": ("transformer", {"mode": "static", "quant_format": "QOperator"}),
     "qdq-asymmetric-int8-weights": (
         "convnet",
         {
