@@ -340,6 +340,15 @@ def _dynamic_scale_of(idx: _GraphIndex, name: str) -> str | None:
     return None
 
 
+def _integer_dtype(q: _GraphIndex, name: str, grid: QuantParams | None) -> int:
+    """Element type of a quantized tensor: declared, else its zero point's (QGemm outputs carry none)."""
+    if name in q.dtypes:
+        return q.dtypes[name]
+    if grid is not None and grid.zero_point.dtype.kind in "iu":
+        return onnx.helper.np_dtype_to_tensor_dtype(grid.zero_point.dtype)
+    return onnx.TensorProto.UINT8
+
+
 def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair | None:
     """Find the INT8 counterpart of one FP32 tensor, or None."""
     if q.exists(fp_name):
@@ -361,7 +370,7 @@ def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair 
                     "qoperator",
                     src,
                     cut_quant=grid,
-                    cut_dtype=q.dtypes.get(src, onnx.TensorProto.UINT8),
+                    cut_dtype=_integer_dtype(q, src, grid),
                     tail=[pnode],
                     grid=grid,
                     producer=producer,
@@ -395,7 +404,7 @@ def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair 
             "qoperator",
             qname,
             cut_quant=params,
-            cut_dtype=q.dtypes.get(qname, onnx.TensorProto.UINT8),
+            cut_dtype=_integer_dtype(q, qname, params),
             dequant=params,
             grid=params,
             producer=producer,

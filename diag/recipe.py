@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from diag.errors import DiagError
 
 MODES = ("dynamic", "static")
@@ -187,7 +189,9 @@ class Recipe:
 
 
 def resolve_quant_types(extra_options: dict[str, Any]) -> dict[str, Any]:
-    """Turn QuantType names inside ``TensorQuantOverrides`` into enum members (in place).
+    """Turn recipe values inside ``TensorQuantOverrides`` into what onnxruntime expects (in place).
+
+    QuantType names become enum members; ``rmin`` / ``rmax`` / ``scale`` numbers become float32.
 
     A recipe file is JSON/TOML, so ``{"quant_type": "QInt16"}`` arrives as a string; onnxruntime
     compares it with ``QuantType`` members and would silently ignore a string.
@@ -205,6 +209,10 @@ def resolve_quant_types(extra_options: dict[str, Any]) -> dict[str, Any]:
                 for holder in (entry, entry.get("convert") if isinstance(entry, dict) else None):
                     if isinstance(holder, dict) and isinstance(holder.get("quant_type"), str):
                         holder["quant_type"] = QuantType[holder["quant_type"]]
+                    # onnxruntime does numpy arithmetic on these (rmin.dtype): plain floats crash it.
+                    for key in ("rmin", "rmax", "scale"):
+                        if isinstance(holder, dict) and isinstance(holder.get(key), (int, float)):
+                            holder[key] = np.float32(holder[key])
     return extra_options
 
 

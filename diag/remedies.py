@@ -63,7 +63,12 @@ def _py(value: Any) -> str:
 
 
 def quantized_consumers(model: onnx.ModelProto, matching: Matching, tensor: str) -> tuple[list[str], list[str]]:
-    """FP32 node names (for ``nodes_to_exclude``) and op types of the quantized nodes reading ``tensor``."""
+    """FP32 node names (for ``nodes_to_exclude``) and op types of the quantized nodes reading ``tensor``.
+
+    The names of a quantized *producer* come last in the list (op types cover consumers only):
+    in static formats a quantized producer writes its output through a Q/DQ pair whatever its
+    consumers are, so keeping the tensor in float means excluding the producer too.
+    """
     group_of: dict[str, Any] = {}
     for g in matching.groups:
         for n in g.fp_nodes:
@@ -79,6 +84,10 @@ def quantized_consumers(model: onnx.ModelProto, matching: Matching, tensor: str)
                     if n not in names:
                         names.append(n)
                 ops.append(node.op_type)
+    pair = matching.pairs.get(tensor)
+    producer = group_of.get(pair.producer) if pair is not None and pair.producer else None
+    if producer is not None and producer.quantized and names:
+        names.extend(n for n in producer.fp_nodes if n not in names)
     return names, ops
 
 
@@ -193,6 +202,9 @@ def _range(h: TensorHealth) -> str:
 
 def _exclude(name: str, problem: str, consumers: list[str], fmt: str) -> Suggestion:
     api = "quantize_dynamic" if fmt == "dynamic" else "quantize_static"
+    note = "keeps the reading node(s) in float; costs their INT8 speed-up"
+    if fmt != "dynamic":
+        note = "keeps the tensor and the nodes around it in float (static formats quantize a quantized node's output)"
     return Suggestion(
         name,
         problem,
@@ -200,7 +212,7 @@ def _exclude(name: str, problem: str, consumers: list[str], fmt: str) -> Suggest
         {"nodes_to_exclude": consumers},
         f"nodes_to_exclude={_py(consumers)}",
         api,
-        "keeps the reading node(s) in float; costs their INT8 speed-up",
+        note,
         consumers,
     )
 
@@ -222,6 +234,8 @@ def all_suggestions(
     for name, h in sorted(health.items(), key=badness):
         if not h.unhealthy_reasons:
             continue
-        consumers, ops = quantized_consumers(model, matching, name)
-        out.extend(suggestions_for(name, h, fmt, consumers, ops))
+        nodes, ops = quantized_consumers(model, matching, name)
+        if fmt == "dynamic":
+            nodes = nodes[: len(ops)] if ops else nodes  # dynamic quantizes activations at the consumer only
+        out.extend(suggestions_for(name, h, fmt, nodes, ops))
     return out
