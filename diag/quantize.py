@@ -468,7 +468,7 @@ def _run_quantizer(
             quantize_dynamic(str(src), str(dst), **kwargs)
         else:
             assert source is not None
-            reader = _reader(source, progress)
+            reader = _reader(source, progress, recipe.calibration_samples)
             quantize_static(str(src), str(dst), reader, **kwargs)
             actions.append(
                 f"calibrated with {recipe.calibrate_method} on {reader.samples} sample(s) from {source.description}"
@@ -485,28 +485,39 @@ def _run_quantizer(
         ) from e
 
 
-def _reader(source: FeedSource, progress: bool) -> Any:
-    """Wrap a feed source into an onnxruntime ``CalibrationDataReader`` (one batch per get_next)."""
+def _reader(source: FeedSource, progress: bool, limit: int | None = None) -> Any:
+    """Wrap a feed source into an onnxruntime ``CalibrationDataReader`` (one batch per get_next).
+
+    ``limit`` stops after that many samples; the last batch is cut when its arrays share the
+    sample axis, so the count is exact.
+    """
     from onnxruntime.quantization import CalibrationDataReader
 
     from diag.progress import Progress
+
+    total = source.total_samples if limit is None or source.total_samples is None else min(limit, source.total_samples)
 
     class _FeedReader(CalibrationDataReader):  # type: ignore[misc]
         def __init__(self) -> None:
             self._batches: Iterator[Any] | None = None
             self.samples = 0
-            self._bar = Progress(source.total_samples, "calibrating", progress)
+            self._bar = Progress(total, "calibrating", progress)
 
         def get_next(self) -> dict[str, Any] | None:
             if self._batches is None:
                 self._batches = iter(source)
-            batch = next(self._batches, None)
+            batch = None if limit is not None and self.samples >= limit else next(self._batches, None)
             if batch is None:
                 self._bar.close()
                 return None
-            self.samples += batch.size
-            self._bar.advance(batch.size)
-            return batch.feeds
+            feeds, size = batch.feeds, batch.size
+            if limit is not None and self.samples + size > limit:
+                keep = limit - self.samples
+                if size > 1 and all(getattr(a, "ndim", 0) and a.shape[0] == size for a in feeds.values()):
+                    feeds, size = {k: a[:keep] for k, a in feeds.items()}, keep
+            self.samples += size
+            self._bar.advance(size)
+            return feeds
 
         def rewind(self) -> None:
             self._batches = None

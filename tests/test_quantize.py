@@ -105,6 +105,35 @@ def test_recipe_calibration_path_is_relative_to_the_recipe_file(convnet: dict[st
     assert "calibrated with MinMax on 5 sample(s) from c.npz (5 samples, batch 1)" in report.actions
 
 
+def test_calibration_from_a_reader_a_folder_or_a_feed_source_honours_samples(
+    convnet: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from diag.feeds import feed_source
+
+    arrays = dict(np.load(convnet["calib"]))
+    (tmp_path / "calib").mkdir()
+    for i in range(4):
+        np.savez(tmp_path / "calib" / f"{i}.npz", image=arrays["image"][i : i + 1])
+    (tmp_path / "calib_reader.py").write_text(
+        "import numpy as np\n"
+        f"DATA = np.load({str(convnet['calib'])!r})['image']\n"
+        "class Reader:\n"
+        "    def __init__(self):\n"
+        "        self.rows = iter([{'image': DATA[i : i + 1]} for i in range(len(DATA))])\n"
+        "    def get_next(self):\n"
+        "        return next(self.rows, None)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fp32 = convnet["fp32"]
+    via_reader = quantize_model(fp32, QDQ, tmp_path / "r.onnx", FeedSpec(reader="calib_reader:Reader"), samples=5)
+    assert "calibrated with MinMax on 5 sample(s) from reader calib_reader:Reader" in via_reader.actions
+    via_folder = quantize_model(fp32, QDQ, tmp_path / "f.onnx", FeedSpec(inputs=str(tmp_path / "calib")))
+    assert "calibrated with MinMax on 4 sample(s) from folder calib (4 feed files)" in via_folder.actions
+    source = feed_source(onnx.load(str(fp32)), inputs=str(convnet["calib"]), batch=3)
+    via_source = quantize_model(fp32, QDQ, tmp_path / "s.onnx", source, samples=4)
+    assert "calibrated with MinMax on 4 sample(s) from calib.npz (8 samples, batch 3)" in via_source.actions
+
+
 @pytest.mark.parametrize(
     ("recipe", "slug", "expected"),
     [
