@@ -562,7 +562,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return USER_ERROR
     try:
-        return VERBS[args.verb](args)
+        with warnings.catch_warnings():
+            if not args.debug:
+                # NOTE: library warnings (numpy overflow, matplotlib glyphs, onnxruntime advice) would
+                # break the one-line contract of stdout/stderr; --debug shows them.
+                warnings.simplefilter("ignore")
+            return VERBS[args.verb](args)
     except DiagError as e:
         if args.debug:
             raise
