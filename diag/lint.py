@@ -210,7 +210,15 @@ def lint_recipe_file(
     if model_path is not None:
         from diag.load import model_from_path
 
-        model = model_from_path(model_path, "FP32 model").proto
+        loaded = model_from_path(model_path, "FP32 model")
+        if loaded.format.is_quantized:
+            raise DiagError(
+                "fp32-is-quantized",
+                f"FP32 model '{loaded.path}'",
+                f"is already quantized ({loaded.format.kind}); recipe names refer to the float model",
+                "pass the FP32 model the recipe will quantize",
+            )
+        model = loaded.proto
     return lint_recipe(data, model)
 
 
@@ -382,6 +390,17 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                 "list the node in one of the two",
             )
         )
+    for key, means in (("op_types_to_quantize", "every op type"), ("nodes_to_quantize", "every node")):
+        if valid.get(key) == []:
+            findings.append(
+                Finding(
+                    "warning",
+                    "empty-list",
+                    key,
+                    f"is empty, which onnxruntime reads as {means} (not none)",
+                    f"remove '{key}', or list what to quantize",
+                )
+            )
     if "calibration_samples" in valid and "calibration" not in valid:
         findings.append(
             Finding(

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from diag import cli
-from diag.errors import GATE_FAILED
+from diag.errors import GATE_FAILED, DiagError
 from diag.fixtures import models
 from diag.lint import (
     FALLBACK_EXTRA_OPTIONS,
@@ -141,6 +141,7 @@ def test_a_clean_recipe_has_no_findings(bert):
         ({"op_type_to_quantize": ["Conv"]}, ("error", "unknown-key", "op_type_to_quantize")),
         ({"weight_type": "INT8"}, ("error", "bad-value", "weight_type")),
         ({"calibration_samples": 8}, ("warning", "unused-option", "calibration_samples")),
+        ({"mode": "dynamic", "op_types_to_quantize": []}, ("warning", "empty-list", "op_types_to_quantize")),
     ],
 )
 def test_contradictions_and_bad_values(data, expected):
@@ -211,3 +212,15 @@ def test_readme_lint_example_prints_what_the_readme_shows(tmp_path):
     out = subprocess.run([sys.executable, "-m", "diag", *argv], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == GATE_FAILED, out.stderr
     assert out.stdout.splitlines() == block[1:]
+
+
+def test_names_are_checked_against_a_float_model_only(built, tmp_path):
+    q = built("convnet").int8["qdq"]
+    with pytest.raises(DiagError) as e:
+        lint_recipe_file(_recipe(tmp_path / "r.json"), q)
+    assert e.value.slug == "fp32-is-quantized"
+
+
+def _recipe(path: Path) -> Path:
+    path.write_text('{"mode": "dynamic", "nodes_to_exclude": ["conv3"]}')
+    return path
