@@ -139,7 +139,7 @@ def test_calibration_from_a_reader_a_folder_or_a_feed_source_honours_samples(
     [
         (QDQ, "bad-recipe", "needs calibration inputs and none were given"),
         (DYNAMIC.with_excluded(["conv_3"]), "bad-recipe", "did you mean 'conv3'?"),
-        (Recipe(mode="dynamic", op_types_to_quantize=["MatMul"]), "bad-recipe", "is not an op type of the FP32 model"),
+        (Recipe(mode="dynamic", op_types_to_quantize=["Matmul"]), "bad-recipe", "did you mean 'MatMul'?"),
     ],
 )
 def test_recipe_mistakes_onnxruntime_would_ignore_are_errors(
@@ -174,6 +174,14 @@ def test_quantizer_failure_is_one_line_and_writes_nothing(convnet: dict[str, Pat
         e.value
     )
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_op_types_the_model_lacks_are_allowed_but_quantizing_nothing_is_said(
+    convnet: dict[str, Path], tmp_path: Path
+) -> None:
+    report = quantize_model(convnet["fp32"], Recipe(mode="dynamic", op_types_to_quantize=["LSTM"]), tmp_path / "q.onnx")
+    assert report.format == "fp32"
+    assert report.actions[-2].startswith("warning: no operator was quantized")
 
 
 def test_output_may_not_overwrite_the_input_and_dynamic_takes_no_calibration(
