@@ -9,6 +9,7 @@ Heavy modules (numpy, onnx, onnxruntime, matplotlib) are imported inside the ver
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -272,12 +273,13 @@ def _safe_lines(text: str) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Latency of FP32, INT8 (and mixed) models on the same inputs: p50 / p90 / p99, noise (min-max),
-    samples per second and speedup vs the first model.
+    """Time FP32, INT8 and mixed models on the same inputs: p50/p90/p99, noise, speedup.
 
-    Sessions use onnxruntime's default optimization level (all), as deployed, with the same
-    intra-op thread count each (default: physical cores); models run interleaved, batch by batch,
-    so background load hits them alike. One batch = one timed run; batches are cycled."""
+    Prints p50 / p90 / p99 latency, the noise band (min-max), samples per second and the speedup
+    of each model's p50 over the first model's. Sessions use onnxruntime's default optimization
+    level (all), as deployed, with the same intra-op thread count each (default: physical cores);
+    models run interleaved, batch by batch, so background load hits them alike. One batch = one
+    timed run; batches are cycled."""
     from diag.bench import bench_to_json
 
     _, table, written = bench_to_json(
@@ -290,10 +292,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
-    """Check a recipe file before quantizing: extra_options keys the installed onnxruntime never
-    reads (OpTypesToExclude, QuantizationPrecision), node names and op types that match no node of
-    the FP32 model (PyTorch module names get the ONNX node names that contain them), and options
-    that contradict each other or the format.
+    """Check a recipe file for what onnxruntime would silently ignore or reject.
+
+    Flags extra_options keys the installed onnxruntime never reads (OpTypesToExclude,
+    QuantizationPrecision), node names and op types that match no node of the FP32 model (PyTorch
+    module names get the ONNX node names that contain them), and options that contradict each
+    other or the format.
 
     Every finding is one line, error or warning. Exit code 3 when there is an error (onnxruntime
     would ignore or reject part of the recipe), 0 with warnings only (legal but probably not meant)."""
@@ -402,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
 
     def verb(name: str, **kw: Any) -> argparse.ArgumentParser:
-        doc = (VERBS[name].__doc__ or "").strip()
+        doc = inspect.cleandoc(VERBS[name].__doc__ or "")
         p = sub.add_parser(
             name, help=doc.splitlines()[0], description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kw
         )
