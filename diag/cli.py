@@ -314,9 +314,11 @@ def cmd_lint(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Quantize an FP32 model with onnxruntime as a recipe says, guarded and verified.
 
-Pre-flight fixes, each reported: Constant-node weights lifted to initializers, opset upgraded to 13
-for per-channel QDQ, quant_pre_process retried without symbolic shape inference (or sympy), external
-data for large models. The INT8 model is written (atomically) only after it loads in onnxruntime."""
+    Pre-flight fixes, each reported: Constant-node weights lifted to initializers, opset upgraded to
+    13 for per-channel QDQ, quant_pre_process retried without symbolic shape inference (or sympy),
+    external data for large models. The INT8 model is written (atomically) only after it loads in
+    onnxruntime.
+    """
     from diag.feeds import FeedSpec
     from diag.quantize import quantize_model
 
