@@ -79,17 +79,20 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 
 def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """Return a copy whose tensor ``Constant`` nodes are initializers, and how many were lifted.
+    """Return the model with its tensor ``Constant`` nodes as initializers, and how many were lifted.
 
     paddle2onnx stores weights as Constant nodes; onnxruntime's quantizer only treats initializers
     as weights ("Expected <w> to be an initializer" in ``quantize_dynamic``). Lifting is exact:
-    the same tensor under the same name. Never modifies ``model``.
+    the same tensor under the same name. Never modifies ``model``: the result is a copy when
+    anything was lifted, ``model`` itself otherwise.
 
     Example:
         >>> lifted, n = lift_constants(onnx.load("det.onnx"))  # doctest: +SKIP
         >>> n
         163
     """
+    if not any(n.op_type == "Constant" for n in model.graph.node):
+        return model, 0  # nothing to lift: no copy of a possibly huge model
     out = onnx.ModelProto()
     out.CopyFrom(model)
     keep = []
