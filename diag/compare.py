@@ -40,9 +40,11 @@ from diag.instrument import cut_model, exposed_model
 from diag.load import LoadedModel, model_from_path
 from diag.match import Matching, TensorPair, match_models, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator
+from diag.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.progress import Progress
 from diag.remedies import Suggestion, all_suggestions
 from diag.run import check_memory, run_batch, session_from_model
+from diag.weights import WeightReport, weight_report
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
 MIN_COVERAGE = 0.3
@@ -115,6 +117,10 @@ class CompareResult:
     health: dict[str, TensorHealth] = field(default_factory=dict)
     persistent: list[PersistentOutlier] = field(default_factory=list)
     suggestions: list[Suggestion] = field(default_factory=list)
+    weights: WeightReport | None = None
+    patterns: list[PatternInstance] = field(default_factory=list)
+    pattern_instances: list[PatternTotal] = field(default_factory=list)
+    pattern_kinds: list[PatternTotal] = field(default_factory=list)
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -358,7 +364,11 @@ def finish(
     ]
     one, sentence = single_cause(findings)
     health = {k: d.finalize(options.outlier_factor) for k, d in state.distributions.items()}
-    suggestions = all_suggestions(fp.proto, matching, health, q.format.kind)
+    weights = weight_report(fp.proto, q.proto)
+    suggestions = all_suggestions(fp.proto, matching, health, q.format.kind, weights.findings)
+    patterns = find_patterns(fp.proto)
+    tensor_of_node = {n: f.tensor for f in findings for n in f.group.fp_nodes}
+    per_instance, per_kind = pattern_totals(patterns, accumulated, local, tensor_of_node)
     return CompareResult(
         fp,
         q,
@@ -380,6 +390,10 @@ def finish(
         health,
         persistent_outliers(health),
         suggestions,
+        weights,
+        patterns,
+        per_instance,
+        per_kind,
     )
 
 

@@ -194,10 +194,9 @@ def suggestions_for(
 
 
 def _range(h: TensorHealth) -> str:
-    if h.scale is None or h.zero_point is None:
+    if h.grid_range is None:
         return "?"
-    lo = (-h.zero_point) * h.scale
-    return f"{lo:.4g} + {h.scale:.3g} x levels"
+    return f"{h.grid_range[0]:.4g}, {h.grid_range[1]:.4g}"
 
 
 def _exclude(name: str, problem: str, consumers: list[str], fmt: str) -> Suggestion:
@@ -217,10 +216,54 @@ def _exclude(name: str, problem: str, consumers: list[str], fmt: str) -> Suggest
     )
 
 
+#: A per-tensor weight whose worst output channel is below this SQNR while per-channel would fix it.
+BAD_CHANNEL_DB = 20.0
+
+
+def per_channel_suggestions(weights: list[Any], fmt: str) -> list[Suggestion]:
+    """``per_channel=True`` when per-tensor weights ruin some output channels.
+
+    One suggestion (it is a model-wide switch) naming the worst weights.
+
+    Example:
+        >>> per_channel_suggestions([], "qdq")
+        []
+    """
+    ruined = [
+        w
+        for w in weights
+        if w.axis is None and not w.is_bias and w.channels and min(c.sqnr_db for c in w.channels) < BAD_CHANNEL_DB
+    ]
+    if not ruined:
+        return []
+    worst = ruined[0]
+    ch = min(worst.channels, key=lambda c: c.sqnr_db)
+    names = ", ".join(w.fp_name for w in ruined[:3]) + (f" and {len(ruined) - 3} more" if len(ruined) > 3 else "")
+    api = "quantize_dynamic" if fmt == "dynamic" else "quantize_static"
+    return [
+        Suggestion(
+            worst.fp_name,
+            f"per-tensor weight scale: channel {ch.channel} of {worst.fp_name} keeps {ch.sqnr_db:.1f} dB SQNR "
+            f"(whole tensor {worst.sqnr_db:.1f} dB); {len(ruined)} weight(s) affected: {names}",
+            "per-channel-weights",
+            {"per_channel": True},
+            "per_channel=True",
+            api,
+            "one scale per output channel; onnxruntime needs opset >= 13 for per-channel QDQ",
+            list(worst.fp_nodes),
+        )
+    ]
+
+
 def all_suggestions(
-    model: onnx.ModelProto, matching: Matching, health: dict[str, TensorHealth], fmt: str
+    model: onnx.ModelProto,
+    matching: Matching,
+    health: dict[str, TensorHealth],
+    fmt: str,
+    weights: list[Any] | None = None,
 ) -> list[Suggestion]:
-    """Suggestions for every unhealthy tensor, worst first (outliers, then clipping, then tails)."""
+    """Suggestions for every unhealthy tensor, worst first (outliers, then clipping, then tails),
+    then ``per_channel=True`` when per-tensor weights ruin channels."""
 
     def badness(item: tuple[str, TensorHealth]) -> tuple[int, float]:
         h = item[1]
@@ -238,4 +281,4 @@ def all_suggestions(
         if fmt == "dynamic":
             nodes = nodes[: len(ops)] if ops else nodes  # dynamic quantizes activations at the consumer only
         out.extend(suggestions_for(name, h, fmt, nodes, ops))
-    return out
+    return out + per_channel_suggestions(weights or [], fmt)

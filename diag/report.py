@@ -49,6 +49,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
 
     m = result.matching
     accounted = len(m.pairs) + len(m.fused_away)
+    pattern_of = _innermost_patterns(result.patterns)
     nodes = []
     for f in sorted(result.findings, key=lambda f: f.rank_accumulated):
         g = f.group
@@ -60,6 +61,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
                 "index": f.index,
                 "tensor": f.tensor,
                 "inputs": list(f.inputs),
+                "pattern": next((pattern_of[n] for n in g.fp_nodes if n in pattern_of), None),
                 "quantized": g.quantized,
                 "unnamed": g.unnamed,
                 "role": f.role,
@@ -136,6 +138,8 @@ def document_from_result(result: Any) -> dict[str, Any]:
         "nodes": nodes,
         "distributions": _distributions(result),
         "suggestions": [x.to_dict() for x in result.suggestions],
+        "weights": _weights(result.weights),
+        "patterns": _patterns(result),
         "tensors": {
             name: {
                 "how": m.pairs[name].how,
@@ -151,6 +155,54 @@ def document_from_result(result: Any) -> dict[str, Any]:
 
 #: Tensors whose histograms and channel charts go into diag.json and the report.
 PLOTTED_TENSORS = 6
+#: Per-channel entries kept per weight in diag.json (the worst ones).
+WEIGHT_CHANNELS = 8
+
+
+def _innermost_patterns(instances: list[Any]) -> dict[str, str]:
+    """Node id -> label of the smallest pattern instance containing it ("GELU in layer1 (ffn/gelu)")."""
+    best: dict[str, tuple[int, str]] = {}
+    for p in instances:
+        for n in p.nodes:
+            if n not in best or len(p.nodes) < best[n][0]:
+                best[n] = (len(p.nodes), p.label)
+    return {n: label for n, (_, label) in best.items()}
+
+
+def _weights(report: Any) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    weights = []
+    for w in report.findings:
+        d = w.to_dict()
+        chans = sorted(d.get("channels", []), key=lambda c: c["sqnr_db"] if isinstance(c["sqnr_db"], float) else 1e9)
+        d["channels_total"] = len(d.get("channels", []))
+        d["channels"] = chans[:WEIGHT_CHANNELS]
+        weights.append(d)
+    return {"findings": weights, "unmatched": dict(sorted(report.unmatched.items()))}
+
+
+def _pattern_total(t: Any) -> dict[str, Any]:
+    return {
+        "kind": t.kind,
+        "label": t.label,
+        "instances": t.instances,
+        "nodes": t.nodes,
+        "measured": t.measured,
+        "worst_local_sqnr_db": _num(t.worst_local_sqnr_db),
+        "worst_local_node": t.worst_local_node,
+        "worst_accumulated_sqnr_db": _num(t.worst_accumulated_sqnr_db),
+        "output_accumulated_sqnr_db": _num(t.output_accumulated_sqnr_db),
+        "local_energy": _num(t.local_energy),
+        "local_share": _num(t.local_share),
+    }
+
+
+def _patterns(result: Any) -> dict[str, Any]:
+    return {
+        "kinds": [_pattern_total(t) for t in result.pattern_kinds],
+        "instances": [_pattern_total(t) for t in result.pattern_instances],
+    }
 
 
 def _health_dict(h: Any) -> dict[str, Any]:
@@ -304,6 +356,7 @@ class NodeRow:
     max_abs: str
     rmse_scale: str
     tensor: str
+    pattern: str
 
 
 @dataclass
@@ -353,10 +406,46 @@ class SuggestionItem:
 
 
 @dataclass
+class RemedyGroup:
+    """All remedies for one tensor: its problem once, then each onnxruntime argument."""
+
+    tensor: str
+    problem: str
+    remedies: list[SuggestionItem]
+
+
+@dataclass
 class DistributionPlot:
     tensor: str
     histogram: str
     channels: str
+
+
+@dataclass
+class PatternRow:
+    label: str
+    instances: int
+    nodes: int
+    worst_local: str
+    worst_local_key: str
+    worst_node: str
+    output_acc: str
+    share: str
+    share_key: str
+
+
+@dataclass
+class WeightRow:
+    name: str
+    op_type: str
+    shape: str
+    granularity: str
+    sqnr: str
+    sqnr_key: str
+    worst_channel: str
+    worst_key: str
+    rmse_scale: str
+    nodes: str
 
 
 @dataclass
@@ -392,7 +481,12 @@ class ReportView:
     persistent: list[str]
     health: list[HealthRow]
     suggestions: list[SuggestionItem]
+    remedy_groups: list[RemedyGroup]
     distribution_plots: list[DistributionPlot]
+    pattern_kinds: list[PatternRow]
+    pattern_instances: list[PatternRow]
+    weights: list[WeightRow]
+    weights_total: int
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
@@ -420,13 +514,15 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
                 max_abs=fmt_num(a["max_abs"]),
                 rmse_scale=fmt_num(a["rmse_over_scale"]),
                 tensor=n["tensor"],
+                pattern=n.get("pattern") or "",
             )
         )
     by_local = sorted(nodes, key=lambda n: n["rank_local"])
     dist = doc.get("distributions") or {}
     dist_tensors = dist.get("tensors", {})
     roots = [
-        f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
+        (f"{n['pattern']}: " if n.get("pattern") else "")
+        + f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
         f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB" + _input_outliers(n, doc, dist_tensors)
         for n in by_local
         if n["role"] == "root-cause"
@@ -494,8 +590,62 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             SuggestionItem(x["tensor"], x["problem"], x["remedy"], x["python"], x["applies_to"], x["note"])
             for x in doc.get("suggestions", [])
         ],
+        remedy_groups=_remedy_groups(doc.get("suggestions", [])),
         distribution_plots=_distribution_plots(dist) if with_plots else [],
+        pattern_kinds=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("kinds", [])],
+        pattern_instances=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:25]],
+        weights=_weight_rows(doc.get("weights")),
+        weights_total=len((doc.get("weights") or {}).get("findings", [])),
     )
+
+
+def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
+    groups: dict[tuple[str, str], RemedyGroup] = {}
+    for x in suggestions:
+        key = (x["tensor"], x["problem"])
+        g = groups.setdefault(key, RemedyGroup(x["tensor"], x["problem"], []))
+        g.remedies.append(
+            SuggestionItem(x["tensor"], x["problem"], x["remedy"], x["python"], x["applies_to"], x["note"])
+        )
+    return list(groups.values())
+
+
+def _pattern_row(t: dict[str, Any]) -> PatternRow:
+    return PatternRow(
+        t["label"],
+        t["instances"],
+        t["nodes"],
+        fmt_db(t["worst_local_sqnr_db"]),
+        _sortable(t["worst_local_sqnr_db"]),
+        t["worst_local_node"] or "",
+        fmt_db(t["output_accumulated_sqnr_db"]),
+        fmt_pct(t["local_share"]),
+        _sortable(t["local_share"]),
+    )
+
+
+def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[WeightRow]:
+    rows = []
+    for w in (weights or {}).get("findings", [])[:limit]:
+        worst = w["channels"][0] if w["channels"] else None
+        gran = "per-tensor" if w["axis"] is None else f"per-channel (axis {w['axis']})"
+        if w["folded"]:
+            gran += f"; folded {w['folded']}"
+        rows.append(
+            WeightRow(
+                w["fp_name"],
+                w["op_type"] + (" bias" if w["is_bias"] else ""),
+                "×".join(str(d) for d in w["shape"]) or "scalar",
+                f"{w['dtype']} {gran}",
+                fmt_db(w["sqnr_db"]),
+                _sortable(w["sqnr_db"]),
+                f"#{worst['channel']}: {fmt_db(worst['sqnr_db'])} dB" if worst else "",
+                _sortable(w["worst_sqnr_db"]),
+                fmt_num(w["rmse_over_scale"]),
+                ", ".join(w["fp_nodes"][:3]),
+            )
+        )
+    return rows
 
 
 def _input_outliers(node: dict[str, Any], doc: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
