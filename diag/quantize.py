@@ -44,6 +44,8 @@ from diag.recipe import Recipe, recipe_from_option
 
 #: Above this many bytes of weights a model cannot be one protobuf: quantize with external data.
 EXTERNAL_DATA_BYTES = 2**31 - 2**26  # 2 GiB minus headroom for the graph itself
+#: Above this many bytes of weights, ``upgrade_opset`` converts the graph without them.
+STRIP_WEIGHTS_BYTES = EXTERNAL_DATA_BYTES
 #: Opset that first allows per-axis (per-channel) QuantizeLinear / DequantizeLinear.
 PER_AXIS_OPSET = 13
 
@@ -115,12 +117,24 @@ def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
 def upgrade_opset(model: onnx.ModelProto, target: int = PER_AXIS_OPSET) -> onnx.ModelProto:
     """Convert ``model`` to ``ai.onnx`` opset ``target`` with ``onnx.version_converter``.
 
-    Raises ``quantize-failed`` when the converter has no adapter for one of the model's ops.
+    Models whose weights would not fit one protobuf (> 2 GB) are converted without their weights,
+    which are put back by name afterwards: the converter serializes the model, and the 12 -> 13
+    adapters only add new constants, they do not read existing initializers. Raises
+    ``quantize-failed`` when the converter has no adapter for one of the model's ops.
 
     Example:
         >>> default_opset(upgrade_opset(onnx.load("det.onnx")))  # doctest: +SKIP
         13
     """
+    weights: dict[str, bytes] = {}
+    if _weight_bytes(model) > STRIP_WEIGHTS_BYTES:
+        stripped = onnx.ModelProto()
+        stripped.CopyFrom(model)
+        for t in stripped.graph.initializer:
+            if t.raw_data:
+                weights[t.name] = t.raw_data
+                t.ClearField("raw_data")
+        model = stripped
     try:
         converted = onnx.version_converter.convert_version(model, target)
         onnx.checker.check_model(converted)
@@ -132,6 +146,16 @@ def upgrade_opset(model: onnx.ModelProto, target: int = PER_AXIS_OPSET) -> onnx.
             f"cannot be upgraded from opset {default_opset(model)} to {target} ({first})",
             "re-export the model with opset >= 13, or set per_channel to false",
         ) from e
+    for t in converted.graph.initializer:
+        if t.name in weights:
+            t.raw_data = weights.pop(t.name)
+    if weights:
+        raise DiagError(
+            "quantize-failed",
+            "FP32 model",
+            f"lost {len(weights)} weight(s) in the opset {target} conversion (e.g. '{next(iter(weights))}')",
+            "re-export the model with opset >= 13, or set per_channel to false",
+        )
     return converted
 
 

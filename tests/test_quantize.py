@@ -12,12 +12,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+import diag.quantize
 from diag.cli import main
 from diag.errors import DiagError
 from diag.feeds import FeedSpec
 from diag.fixtures import models
 from diag.load import detect_format
-from diag.quantize import default_opset, lift_constants, quantize_model
+from diag.quantize import default_opset, lift_constants, quantize_model, upgrade_opset
 from diag.recipe import Recipe
 
 QDQ = Recipe(quant_format="QDQ", activation_type="QUInt8")
@@ -331,7 +332,7 @@ def test_det_per_channel_qdq_on_opset_12_is_upgraded_and_preprocess_retried(
 
 
 @pytest.mark.slow
-def test_the_opset_trap_is_real_without_the_guard(tmp_path: Path) -> None:
+def test_the_opset_trap_is_real_without_the_guard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Control: onnxruntime alone writes a per-channel QDQ model that does not load on opset 11 (cls)."""
     from onnxruntime.quantization import QuantType, quantize_static
 
@@ -362,6 +363,16 @@ def test_the_opset_trap_is_real_without_the_guard(tmp_path: Path) -> None:
         FeedSpec(inputs=str(tmp_path / "calib.npz")),
     )
     assert any(a.startswith("upgraded opset 11 -> 13") for a in report.actions)
+    # The > 2 GB path: the same conversion without weights in the converter, weights put back by name.
+    monkeypatch.setattr(diag.quantize, "STRIP_WEIGHTS_BYTES", 0)
+    upgraded = upgrade_opset(lifted)
+    assert {
+        t.name: t.raw_data for t in upgraded.graph.initializer if t.name in {i.name for i in lifted.graph.initializer}
+    } == {t.name: t.raw_data for t in lifted.graph.initializer}
+    feed = {"x": images[:1]}
+    want = ort.InferenceSession(str(tmp_path / "lifted.onnx"), providers=["CPUExecutionProvider"]).run(None, feed)
+    got = ort.InferenceSession(upgraded.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert (
         "ran quant_pre_process with skip_symbolic_shape=True because symbolic shape inference failed "
         "(AssertionError in _infer_Concat)"
