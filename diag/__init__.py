@@ -26,6 +26,11 @@ _LAZY = {
     "check_document": "diag.gate",
     "DocumentDiff": "diag.diff",
     "diff_documents": "diag.diff",
+    "Recipe": "diag.recipe",
+    "load_recipe": "diag.recipe",
+    "save_recipe": "diag.recipe",
+    "QuantizeReport": "diag.quantize",
+    "quantize_model": "diag.quantize",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])
