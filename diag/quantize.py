@@ -192,6 +192,10 @@ def quantize_model(
     start = time.perf_counter()
     if not isinstance(recipe, Recipe):
         recipe = recipe_from_option(recipe)
+    else:  # built in code: the same checks as a recipe file (enum names, types, static-only keys)
+        base_dir = recipe.base_dir
+        recipe = Recipe.from_dict(recipe.to_dict(), "recipe")
+        recipe.base_dir = base_dir
     if samples is not None:
         if samples < 1:
             raise DiagError("bad-option", "--samples", "must be at least 1", "pass e.g. --samples 64")

@@ -141,6 +141,7 @@ def test_calibration_from_a_reader_a_folder_or_a_feed_source_honours_samples(
         (QDQ, "bad-recipe", "needs calibration inputs and none were given"),
         (DYNAMIC.with_excluded(["conv_3"]), "bad-recipe", "did you mean 'conv3'?"),
         (Recipe(mode="dynamic", op_types_to_quantize=["Matmul"]), "bad-recipe", "did you mean 'MatMul'?"),
+        (Recipe(mode="dynamic", weight_type="QUint8"), "bad-recipe", "did you mean 'QUInt8'?"),
     ],
 )
 def test_recipe_mistakes_onnxruntime_would_ignore_are_errors(
