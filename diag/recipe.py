@@ -437,17 +437,30 @@ def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
     return p
 
 
+def _toml_string(text: str) -> str:
+    """A TOML basic string. Not ``json.dumps``: its surrogate-pair escapes (``\\ud83d``) are invalid TOML."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def _toml_value(value: Any, obj: str) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)  # JSON string escapes are valid TOML basic strings
+        return _toml_string(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v, obj) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v, obj)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_string(k)} = {_toml_value(v, obj)}" for k, v in value.items()) + "}"
     raise DiagError("bad-recipe", obj, f"holds {value!r}, which TOML cannot write", "save the recipe as .json")
 
 
@@ -457,5 +470,5 @@ def _to_toml(data: dict[str, Any], path: Path) -> str:
     extra = data.get("extra_options") or {}
     if extra:
         lines += ["", "[extra_options]"]
-        lines += [f"{json.dumps(k)} = {_toml_value(v, obj)}" for k, v in extra.items()]
+        lines += [f"{_toml_string(k)} = {_toml_value(v, obj)}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
