@@ -335,7 +335,11 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise DiagError("bad-recipe", obj, f"is not valid TOML ({e})", "fix the syntax at the reported line") from e
     else:
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            raise DiagError(
+                "bad-recipe", obj, f"has key '{e.args[0]}' twice", "JSON keeps only the last one; merge them"
+            ) from e
         except json.JSONDecodeError as e:
             raise DiagError(
                 "bad-recipe",
@@ -346,6 +350,20 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise DiagError("bad-recipe", obj, f"holds a {type(data).__name__}, not a table of settings", _EXAMPLE)
     return data
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook: a key given twice would silently lose its first value."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
 
 
 def _tomllib() -> Any:

@@ -123,6 +123,8 @@ def test_dynamic_recipe_round_trips_although_static_defaults_are_written() -> No
             "is not valid JSON (Expecting property name enclosed in double quotes at line 1",
         ),
         ("r.json", '["mode"]', "holds a list, not a table"),
+        ("r.json", '{"nodes_to_exclude": ["a"], "nodes_to_exclude": ["b"]}', "has key 'nodes_to_exclude' twice"),
+        ("r.toml", 'mode = "dynamic"\nmode = "static"\n', "is not valid TOML"),
         ("r.toml", 'mode = "dynamic"\nper_channel = \n', "is not valid TOML"),
         ("r.json", b"\xff\xfe{", "is not UTF-8"),
     ],
