@@ -286,6 +286,10 @@ def quantize_model(
                 "warning: no operator was quantized (check op_types_to_quantize / nodes_to_quantize "
                 "against the model's op types)"
             )
+        wanted = "dynamic" if recipe.mode == "dynamic" else recipe.quant_format.lower()
+        if fmt.is_quantized and fmt.kind != wanted:
+            ev = ", ".join(f"{k} x{v}" for k, v in fmt.evidence.items())
+            actions.append(f"note: the recipe asked for {wanted} but the output is {fmt.kind} ({ev})")
         actions.append(f"verified: the INT8 model loads in onnxruntime (format {fmt.kind})")
         _publish(staged, out)
     return QuantizeReport(out, list(dict.fromkeys(actions)), time.perf_counter() - start, fmt.kind, log)

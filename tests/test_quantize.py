@@ -186,6 +186,34 @@ def test_op_types_the_model_lacks_are_allowed_but_quantizing_nothing_is_said(
     assert report.actions[-2].startswith("warning: no operator was quantized")
 
 
+def test_a_recipe_node_that_pre_processing_fuses_away_is_warned_about(tmp_path: Path) -> None:
+    h, tp = onnx.helper, onnx.TensorProto
+    rng = np.random.default_rng(0)
+    inits = [
+        onnx.numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+        *(onnx.numpy_helper.from_array(rng.random(4).astype(np.float32) + 0.5, n) for n in ("s", "b", "m", "v")),
+    ]
+    graph = h.make_graph(
+        [
+            h.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+            h.make_node("BatchNormalization", ["c", "s", "b", "m", "v"], ["bn"], name="bn"),
+            h.make_node("Relu", ["bn"], ["y"], name="relu"),
+        ],
+        "g",
+        [h.make_tensor_value_info("x", tp.FLOAT, [1, 3, 8, 8])],
+        [h.make_tensor_value_info("y", tp.FLOAT, [1, 4, 8, 8])],
+        inits,
+    )
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), tmp_path / "bn.onnx")
+    recipe = Recipe(mode="dynamic", preprocess=True, nodes_to_exclude=["bn"])
+    report = quantize_model(tmp_path / "bn.onnx", recipe, tmp_path / "q.onnx")
+    assert any(
+        a.startswith("warning: 1 nodes_to_exclude name(s) no longer exist after pre-processing (bn)")
+        for a in report.actions
+    )
+    assert "bn" not in _nodes(report.output)
+
+
 def test_output_may_not_overwrite_the_input_and_dynamic_takes_no_calibration(
     convnet: dict[str, Path], tmp_path: Path
 ) -> None:
