@@ -11,10 +11,13 @@ it did in plain sentences (:attr:`QuantizeReport.actions`):
   an opset forbids: the model is upgraded with ``onnx.version_converter`` first;
 * ``quant_pre_process`` needs ``sympy`` and its symbolic shape inference fails on some exports:
   it is retried without symbolic shape inference;
-* models with external data (or over 2 GB) are quantized with ``use_external_data_format``.
+* models with external data (or over 2 GB) are quantized with ``use_external_data_format``;
+* what onnxruntime would silently ignore is caught first: node names the model lacks and op types
+  no model can have are errors, ``extra_options`` keys it never reads are warnings.
 
 Guarantees: the input model is never modified; the output is written to a temp file in the
-output's folder and renamed only after onnxruntime has loaded it in an ``InferenceSession``;
+output's folder and renamed only after onnxruntime has loaded it in an ``InferenceSession``
+(default optimization level, as deployed);
 onnxruntime's temp files and augmented models live in a private temp folder that is always
 removed; onnxruntime's logging is captured into :attr:`QuantizeReport.log`, not printed.
 """
