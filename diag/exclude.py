@@ -224,6 +224,9 @@ class ExclusionResult:
     latency: list[dict[str, Any]] = field(default_factory=list)
     model: str | None = None
     snippet: str = ""
+    #: The CompareResult of the ranking pass (None when the baseline already met the target);
+    #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
+    diagnosis: Any = None
 
     @property
     def verdict(self) -> str:
@@ -829,6 +832,7 @@ def derive_exclusions(
         latency=latency,
         model=str(model_out) if model_out else None,
     )
+    result.diagnosis = compared if ranking_passes else None
     return result
 
 
@@ -1062,8 +1066,16 @@ def exclude_to_dir(
             # run's answer; when there is no answer, there must be no model.
             for stale in (out / f"{stem}.mixed.onnx", out / "reproduce.py"):
                 stale.unlink(missing_ok=True)
-    text = json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n"
+    exclusion = result.to_dict()
+    text = json.dumps(exclusion, indent=1, ensure_ascii=False) + "\n"
     files = {"exclusion.json": atomic_write(out / "exclusion.json", text), **files}
+    if result.diagnosis is not None:
+        from diag.report import document_from_result, write_outputs
+
+        # One report: the diagnosis of the baseline INT8 model, then the verified fix.
+        doc = document_from_result(result.diagnosis)
+        doc["exclusion"] = exclusion
+        files.update(write_outputs(doc, out))
     return result, files
 
 

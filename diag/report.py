@@ -487,6 +487,7 @@ class ReportView:
     pattern_instances: list[PatternRow]
     weights: list[WeightRow]
     weights_total: int
+    exclusion: dict[str, Any] | None
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
@@ -596,7 +597,20 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         pattern_instances=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:25]],
         weights=_weight_rows(doc.get("weights")),
         weights_total=len((doc.get("weights") or {}).get("findings", [])),
+        exclusion=_exclusion_view(doc.get("exclusion"), with_plots),
     )
+
+
+def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> dict[str, Any] | None:
+    """The verified-fix section, from an ``exclusion.json`` document (see diag.exclude.report_section)."""
+    if not exclusion:
+        return None
+    from diag.exclude import report_section
+
+    view = report_section(exclusion)
+    if not with_plots:
+        view["trajectory_svg"] = ""
+    return view
 
 
 def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:

@@ -187,6 +187,12 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
     assert [r["name"] for r in view["metrics"]][:3] == ["cosine", "cosine_mean", "max_abs"]
     assert view["metrics"][0]["after"] == f"{doc['metrics']['after']['cosine']:.6f}"
     assert view["latency"][0]["speedup"] == "ref" and "quantize_dynamic(" in view["snippet"]
+    # One report: the baseline's diagnosis, then the verified fix with its trajectory and snippet.
+    html = (out / "report.html").read_text()
+    assert html.index('id="root-causes"') < html.index('id="exclusion"') < html.index('id="nodes"')
+    assert 'id="plot-exclusion"><svg' in html and "quantize_dynamic(" in html
+    assert json.loads((out / "diag.json").read_text())["exclusion"]["nodes_to_exclude"] == doc["nodes_to_exclude"]
+    assert "keep in float: `layer1/ffn/fc1/MatMul`" in (out / "summary.md").read_text()
 
     fp2, npz2, _ = write_chain(tmp_path, defect=None)
     out2 = tmp_path / "ex2"
@@ -211,8 +217,12 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
     )
     assert rc == 3
     assert "NOT REACHABLE" in capsys.readouterr().out
-    assert sorted(p.name for p in out2.iterdir()) == ["exclusion.json"]
+    # No model and no snippet: only the verdict, and the diagnosis report that explains it.
+    assert sorted(p.name for p in out2.iterdir()) == ["diag.json", "exclusion.json", "report.html", "summary.md"]
     assert json.loads((out2 / "exclusion.json").read_text())["verdict"] == "not reachable"
+    html = (out2 / "report.html").read_text()
+    assert "Verified fix" in html and "not reachable" in html and "Cheaper alternatives" in html
+    assert "Verified fix**: not reachable" in (out2 / "summary.md").read_text()
 
 
 def test_target_already_met_costs_one_quantization(tmp_path):
