@@ -12,6 +12,7 @@ import argparse
 import inspect
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -311,30 +312,6 @@ def cmd_lint(args: argparse.Namespace) -> int:
     return GATE_FAILED if any(f.severity == "error" for f in findings) else OK
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
-    """Quantize an FP32 model with onnxruntime as a recipe says, guarded and verified.
-
-    Pre-flight fixes, each reported: Constant-node weights lifted to initializers, opset upgraded to
-    13 for per-channel QDQ, quant_pre_process retried without symbolic shape inference (or sympy),
-    external data for large models. The INT8 model is written (atomically) only after it loads in
-    onnxruntime.
-    """
-    from diag.feeds import FeedSpec
-    from diag.quantize import quantize_model
-
-    calib = FeedSpec(inputs=args.calib, reader=args.reader, batch=args.batch) if args.calib or args.reader else None
-    report = quantize_model(args.fp32, args.recipe, args.o, calib, progress=not args.quiet, samples=args.samples)
-    for action in report.actions:
-        print(_safe(action))
-    if args.verbose:
-        for line in report.log:
-            print(f"onnxruntime: {_safe(line)}")
-    elif report.log:
-        print(f"onnxruntime logged {len(report.log)} message(s) (--verbose shows them)")
-    print(f"wrote {_safe(report.output)} ({report.format}) in {report.seconds:.1f} s")
-    return OK
-
-
 def cmd_exclude(args: argparse.Namespace) -> int:
     """Find the fewest nodes to keep in float so that the quantized model meets --target on held-out
     inputs; write exclusion.json, the mixed-precision model and reproduce.py into --out.
@@ -379,6 +356,30 @@ FP32 output x vs quantized output y:
   f1_drop<=V        macro-F1 (mean over labelled classes of 2TP/(2TP+FP+FN)) FP32 minus quantized,
                     first output, against --labels
 """
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Quantize an FP32 model with onnxruntime as a recipe says, guarded and verified.
+
+    Pre-flight fixes, each reported: Constant-node weights lifted to initializers, opset upgraded to
+    13 for per-channel QDQ, quant_pre_process retried without symbolic shape inference (or sympy),
+    external data for large models. The INT8 model is written (atomically) only after it loads in
+    onnxruntime.
+    """
+    from diag.feeds import FeedSpec
+    from diag.quantize import quantize_model
+
+    calib = FeedSpec(inputs=args.calib, reader=args.reader, batch=args.batch) if args.calib or args.reader else None
+    report = quantize_model(args.fp32, args.recipe, args.o, calib, progress=not args.quiet, samples=args.samples)
+    for action in report.actions:
+        print(_safe(action))
+    if args.verbose:
+        for line in report.log:
+            print(f"onnxruntime: {_safe(line)}")
+    elif report.log:
+        print(f"onnxruntime logged {len(report.log)} message(s) (--verbose shows them)")
+    print(f"wrote {_safe(report.output)} ({report.format}) in {report.seconds:.1f} s")
+    return OK
 
 
 # ---------------------------------------------------------------- parser
@@ -490,6 +491,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=32, help="samples to compare (default 32)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    p = verb("quantize")
+    p.add_argument("fp32", help="the FP32 model (never modified)")
+    p.add_argument(
+        "--recipe",
+        required=True,
+        metavar="R",
+        help="recipe file (.json or .toml; see README 'Recipe file') or inline JSON such as '{\"mode\": \"dynamic\"}'",
+    )
+    p.add_argument("-o", required=True, metavar="OUT.onnx", help="the INT8 model to write")
+    g = p.add_argument_group('calibration inputs (static recipes; default: the recipe\'s "calibration")')
+    g.add_argument(
+        "--calib",
+        metavar="PATH",
+        help=".npz with one array per model input stacked along axis 0, or a folder whose every .npz is one feed dict",
+    )
+    g.add_argument(
+        "--reader", metavar="MOD:FACTORY", help="FACTORY(): an iterable of feed dicts or a CalibrationDataReader"
+    )
+    g.add_argument("--samples", type=int, metavar="N", help="calibrate on the first N samples")
+    g.add_argument("--batch", type=int, default=1, metavar="B", help="samples per calibration run (default 1)")
+    p.add_argument("--verbose", action="store_true", help="print onnxruntime's own log messages")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
     p = verb("check", epilog=TARGET_HELP)
     p.add_argument("json", help="a diag.json written by diag compare")
     p.add_argument("--min-sqnr", type=float, metavar="DB", help="fail when an output's SQNR is below DB")
@@ -535,29 +559,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("lint")
     p.add_argument("recipe", help="a recipe file (.json or .toml)")
     p.add_argument("--model", metavar="FP32", help="the FP32 model: check node names and op types against it")
-
-    p = verb("quantize")
-    p.add_argument("fp32", help="the FP32 model (never modified)")
-    p.add_argument(
-        "--recipe",
-        required=True,
-        metavar="R",
-        help="recipe file (.json or .toml; see README 'Recipe file') or inline JSON such as '{\"mode\": \"dynamic\"}'",
-    )
-    p.add_argument("-o", required=True, metavar="OUT.onnx", help="the INT8 model to write")
-    g = p.add_argument_group('calibration inputs (static recipes; default: the recipe\'s "calibration")')
-    g.add_argument(
-        "--calib",
-        metavar="PATH",
-        help=".npz with one array per model input stacked along axis 0, or a folder whose every .npz is one feed dict",
-    )
-    g.add_argument(
-        "--reader", metavar="MOD:FACTORY", help="FACTORY(): an iterable of feed dicts or a CalibrationDataReader"
-    )
-    g.add_argument("--samples", type=int, metavar="N", help="calibrate on the first N samples")
-    g.add_argument("--batch", type=int, default=1, metavar="B", help="samples per calibration run (default 1)")
-    p.add_argument("--verbose", action="store_true", help="print onnxruntime's own log messages")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
