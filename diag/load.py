@@ -138,7 +138,9 @@ def model_from_path(path: str | os.PathLike[str], role: str = "model") -> Loaded
         )
     has_external = _check_external_data(proto, p, obj)
     try:
-        onnx.checker.check_model(proto, full_check=False)
+        # NOTE: the checker resolves external data relative to the current folder when given a
+        # proto; given the path it resolves next to the model (and does not load the weights).
+        onnx.checker.check_model(str(p) if has_external else proto, full_check=False)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DiagError(
