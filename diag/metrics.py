@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from diag.errors import DiagError
+
 ROUNDING_NOISE = 1.0 / math.sqrt(12.0)
 
 
@@ -130,7 +132,8 @@ class ErrorAccumulator:
         elif self.s_xx == 0.0:
             sqnr = -math.inf
         else:
-            sqnr = 10.0 * math.log10(self.s_xx / self.s_ee)
+            ratio = self.s_xx / self.s_ee
+            sqnr = 10.0 * math.log10(ratio) if ratio > 0 else -math.inf  # s_ee overflowed to inf
         denom = math.sqrt(self.s_xx * self.s_yy)
         cosine = self.s_xy / denom if denom > 0 else (1.0 if self.s_ee == 0 else 0.0)
         rel = math.sqrt(self.s_ee / self.s_xx) if self.s_xx > 0 else (0.0 if self.s_ee == 0 else math.inf)
@@ -181,6 +184,13 @@ class OutputAccumulator:
     def update(self, fp: np.ndarray, q: np.ndarray) -> None:
         x = np.asarray(fp, dtype=np.float32)
         y = np.asarray(q, dtype=np.float32)
+        if x.shape != y.shape:
+            raise DiagError(
+                "model-mismatch",
+                "a model output",
+                f"has shape {x.shape} in the FP32 model but {y.shape} in the INT8 model",
+                "compare an INT8 model with the FP32 model it was quantized from",
+            )
         if x.ndim == 0 or x.size == 0:
             self.classlike = False
             x, y = x.reshape(1, -1), y.reshape(1, -1)

@@ -160,6 +160,19 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     q.opset_import.append(helper.make_opsetid("com.acme", 1))
     z["custom_int8"] = _save(q, d / "custom.int8.onnx")
 
+    # INT8 whose output has another shape at run time (found by the fuzz test).
+    q = onnx.load(str(z["mlp"].int8))  # type: ignore[attr-defined]
+    last = next(n for n in q.graph.node if "y" in n.output)
+    last.output[0] = "y_half"
+    q.graph.node.append(helper.make_node("Concat", ["y_half", "y_half"], ["y"], name="twice", axis=1))
+    z["wide_int8"] = _save(q, d / "wide.int8.onnx")
+
+    # INT8 with an absurd weight scale: finite, but the error energy overflows (found by the fuzz test).
+    q = onnx.load(str(z["mlp"].int8))  # type: ignore[attr-defined]
+    scale = next(t for t in q.graph.initializer if t.name == "w1_scale")
+    scale.CopyFrom(numpy_helper.from_array(np.array([-1e30], np.float32), "w1_scale"))
+    z["absurd_scale"] = _save(q, d / "absurd_scale.int8.onnx")
+
     # "INT8" from an unknown quantizer: weight-only DequantizeLinear, no activation quantization.
     m = mlp()
     w1 = numpy_helper.to_array(m.graph.initializer[0])
@@ -338,6 +351,12 @@ def _rows(z: dict[str, object], out: Path) -> list[Row]:
         Row("both int8", cmp(p.int8, p.int8, *good), "fp32-is-quantized", "already contains quantized"),
         Row("different inputs", cmp(p.fp32, two.int8, *good), "model-mismatch", "have different inputs"),
         Row("different outputs", cmp(z["extra_output"], p.int8, *good), "model-mismatch", "have different outputs"),
+        Row(
+            "output shape differs at run time",
+            cmp(p.fp32, z["wide_int8"], *good),
+            "model-mismatch",
+            "has shape (1, 4) in the FP32 model but (1, 8) in the INT8 model",
+        ),
         # 4. unknown quantizer / custom ops
         Row("weight-only quantizer", cmp(p.fp32, z["weight_only"], *good), "not-quantized", "no quantized"),
         Row("custom-domain op", cmp(p.fp32, z["custom_int8"], *good), "invalid-model", "INT8 model '"),
@@ -726,6 +745,15 @@ def test_unusual_but_valid_models_are_compared_and_reported(tmp_path, capsys):
         if problems:
             failures.append(f"{case.label}: {problems}\n{stdout}")
     assert not failures, "\n".join(failures)
+
+
+def test_absurd_int8_scale_is_graded_not_crashed(zoo, tmp_path, capsys):
+    p: Pair = zoo["mlp"]
+    code, stdout, err = run_cli(_compare_args(Pair(p.fp32, zoo["absurd_scale"], p.inputs), tmp_path / "o"), capsys)
+    assert code == OK, err
+    assert "verdict: REJECT" in stdout and "output y: reject" in stdout
+    doc = json.loads((tmp_path / "o" / "diag.json").read_text())
+    assert doc["verdict"]["outputs"][0]["sqnr_db"] == "-inf"
 
 
 def test_inspect_prints_hostile_names_without_terminal_escapes(tmp_path, capsys):
