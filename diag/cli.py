@@ -145,6 +145,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         local=not args.no_local,
         progress=not args.quiet,
         labels=args.labels,
+        distributions=not args.no_distributions,
+        outlier_factor=args.outlier_factor,
+        sensitivity=args.sensitivity,
+        recipe=args.recipe,
     )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
@@ -168,6 +172,14 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
         print(
             f"  NaN/Inf: first produced in the {model} model by {_safe(f.group.label)} ({f.group.op_type}): "
             f"{count} value(s) in '{_safe(f.tensor)}'"
+        )
+    for s in result.suggestions[:2]:
+        print(f"  remedy for {_safe(s.tensor)}: {_safe(s.python)}")
+    if result.sensitivity is not None and result.sensitivity.rows:
+        best = result.sensitivity.rows[0]
+        print(
+            f"  sensitivity: keeping {_safe(best.candidate.label)} in float recovers "
+            f"{best.cosine_recovered:+.4f} output cosine ({result.sensitivity.quantizations} quantizations)"
         )
     m = result.matching
     print(
@@ -434,6 +446,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
+    p.add_argument(
+        "--no-distributions",
+        action="store_true",
+        help="skip histograms, quantization health and outlier channels (faster)",
+    )
+    p.add_argument(
+        "--outlier-factor",
+        type=float,
+        default=6.0,
+        metavar="X",
+        help="a channel is an outlier when its max |x| exceeds the median channel's X times (default 6)",
+    )
+    p.add_argument(
+        "--sensitivity",
+        type=int,
+        nargs="?",
+        const=5,
+        default=0,
+        metavar="K",
+        help="skip-one sensitivity: re-quantize with each of the top K (default 5) local-ranking nodes kept in "
+        "float and measure the outputs; needs --recipe",
+    )
+    p.add_argument(
+        "--recipe",
+        metavar="R",
+        help="the recipe that made the INT8 model (file or inline JSON; diag inspect INT8 --recipe writes one)",
+    )
     p.add_argument(
         "--labels",
         metavar="PATH",

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -61,6 +62,10 @@ class CompareOptions:
     labels: str | None = None
     distributions: bool = True
     outlier_factor: float = OUTLIER_FACTOR
+    #: Skip-one sensitivity for the top-K local-ranking nodes (0 = off); needs ``recipe``.
+    sensitivity: int = 0
+    #: The recipe that made the INT8 model (a path or a Recipe), for ``sensitivity``.
+    recipe: Any = None
 
 
 @dataclass
@@ -121,6 +126,7 @@ class CompareResult:
     patterns: list[PatternInstance] = field(default_factory=list)
     pattern_instances: list[PatternTotal] = field(default_factory=list)
     pattern_kinds: list[PatternTotal] = field(default_factory=list)
+    sensitivity: Any = None
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -200,7 +206,30 @@ def compare_models(
             "compare an INT8 model with the FP32 model it was quantized from",
         )
     state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
-    return finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
+    result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
+    if options.sensitivity > 0:
+        result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options)
+        result.seconds = time.perf_counter() - start
+    return result
+
+
+def _sensitivity(
+    fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource, result: CompareResult, options: CompareOptions
+) -> Any:
+    from diag.recipe import Recipe, recipe_from_option
+    from diag.sensitivity import skip_one_sensitivity
+
+    if options.recipe is None:
+        raise DiagError(
+            "bad-option",
+            "--sensitivity",
+            "needs the recipe that made the INT8 model",
+            "add --recipe recipe.json (diag inspect INT8 --recipe writes one)",
+        )
+    recipe = options.recipe if isinstance(options.recipe, Recipe) else recipe_from_option(options.recipe)
+    return skip_one_sensitivity(
+        fp32_path, int8_path, recipe, feeds, result.findings, options.sensitivity, options.threads, options.progress
+    )
 
 
 def run_comparison(

@@ -140,6 +140,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
         "suggestions": [x.to_dict() for x in result.suggestions],
         "weights": _weights(result.weights),
         "patterns": _patterns(result),
+        "sensitivity": result.sensitivity.to_dict() if result.sensitivity is not None else None,
         "tensors": {
             name: {
                 "how": m.pairs[name].how,
@@ -449,6 +450,16 @@ class WeightRow:
 
 
 @dataclass
+class SensitivityRowView:
+    label: str
+    local_sqnr: str
+    cosine: str
+    recovered: str
+    recovered_key: str
+    max_abs: str
+
+
+@dataclass
 class ReportView:
     """Everything the templates print, already formatted."""
 
@@ -488,6 +499,8 @@ class ReportView:
     weights: list[WeightRow]
     weights_total: int
     exclusion: dict[str, Any] | None
+    sensitivity: list[SensitivityRowView]
+    sensitivity_note: str
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
@@ -598,7 +611,34 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         weights=_weight_rows(doc.get("weights")),
         weights_total=len((doc.get("weights") or {}).get("findings", [])),
         exclusion=_exclusion_view(doc.get("exclusion"), with_plots),
+        sensitivity=[
+            SensitivityRowView(
+                r["label"],
+                fmt_db(r["local_sqnr_db"]),
+                fmt_num(r["cosine"], 6),
+                ("+" if isinstance(r["cosine_recovered"], float) and r["cosine_recovered"] >= 0 else "")
+                + fmt_num(r["cosine_recovered"], 4),
+                _sortable(r["cosine_recovered"]),
+                fmt_num(r["max_abs"]),
+            )
+            for r in (doc.get("sensitivity") or {}).get("rows", [])
+        ],
+        sensitivity_note=_sensitivity_note(doc.get("sensitivity")),
     )
+
+
+def _sensitivity_note(sens: dict[str, Any] | None) -> str:
+    if not sens:
+        return ""
+    b, g = sens["baseline"], sens["given"]
+    note = (
+        f"Recipe re-applied as given: min cosine {fmt_num(b['cosine'], 6)} "
+        f"(the diagnosed INT8 model: {fmt_num(g['cosine'], 6)}); {sens['quantizations']} quantizations, "
+        f"{sens['seconds']:.1f} s."
+    )
+    if not sens["reproduces"]:
+        note += " The recipe does not reproduce the diagnosed model: read the rows with care."
+    return note
 
 
 def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> dict[str, Any] | None:

@@ -93,3 +93,12 @@ def test_if_subgraph_nodes_are_listed_as_not_exposable_and_if_outputs_compared(b
     reasons = r.matching.unmatched_nodes
     assert any("subgraph of If 'branch/If'" in why for why in reasons.values())
     assert "branch_out" in r.accumulated
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_error_spread_over_every_matmul_is_no_single_root_cause(built, fmt):
+    r = _compare(built, "spread_mlp", fmt)
+    bad = [f for f in r.findings if f.role == "root-cause"]
+    assert len(bad) >= 3, [(f.group.label, f.local.sqnr_db) for f in r.findings]
+    assert not r.single_cause
+    assert r.cause_sentence.startswith("no single root cause"), r.cause_sentence
