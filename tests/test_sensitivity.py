@@ -23,7 +23,7 @@ def test_keeping_the_injected_culprit_in_float_recovers_the_most(built):
     s = r.sensitivity
     assert s.quantizations == 4  # the recipe as given, then one per candidate: K, never one per node
     assert s.reproduces, (s.baseline.cosine, s.given.cosine)
-    assert [row.candidate.label for row in s.rows][0] == b.fixture.expected.culprit_node
+    assert s.rows[0].candidate.label == b.fixture.expected.culprit_node
     first, second = s.rows[0].cosine_recovered, s.rows[1].cosine_recovered
     assert first > 0 and first > 3 * max(second, 1e-9), (first, second)
     # Every row is the model re-quantized with that node alone in float, measured against FP32.
