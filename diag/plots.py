@@ -156,3 +156,66 @@ def channel_ranges(name: str, channel_max: list[float], outliers: list[int], fac
     ax.set_xlabel("channel / hidden dim", fontsize=7)
     ax.tick_params(labelsize=7)
     return _svg(fig)
+
+
+def neighbourhood(nodes: list[dict[str, Any]], center: str, bad_db: float, hops: int = 2) -> str:
+    """The graph around one root cause: nodes within ``hops`` edges, left to right in graph order,
+    coloured by accumulated SQNR (red = bad), the root cause outlined.
+
+    Edges come from the document alone (a node's ``inputs`` are other nodes' ``tensor``), so
+    ``diag report`` can redraw it.
+    """
+    import networkx as nx
+
+    plt = _pyplot()
+    by_name = {n["name"]: n for n in nodes}
+    producer = {n["tensor"]: n["name"] for n in nodes}
+    g = nx.DiGraph()
+    for n in nodes:
+        g.add_node(n["name"])
+        for t in n.get("inputs", []):
+            if t in producer and producer[t] != n["name"]:
+                g.add_edge(producer[t], n["name"])
+    if center not in g:
+        return ""
+    keep = set(nx.single_source_shortest_path_length(g.to_undirected(as_view=True), center, cutoff=hops))
+    sub = g.subgraph(keep)
+    order = sorted(keep, key=lambda name: by_name[name]["index"])
+    depth = {name: i for i, name in enumerate(order)}
+    layers: dict[int, list[str]] = {}
+    for name in order:
+        layer = max((depth[p] for p in sub.predecessors(name)), default=-1) + 1
+        depth[name] = layer
+        layers.setdefault(layer, []).append(name)
+    pos = {name: (x, -i + (len(col) - 1) / 2) for x, col in layers.items() for i, name in enumerate(col)}
+    tallest = max(len(col) for col in layers.values())
+    fig, ax = plt.subplots(figsize=(min(9.0, 1.6 + 1.3 * len(layers)), 0.9 + 0.55 * tallest), dpi=80)
+    cmap = plt.get_cmap("RdYlGn")
+    colors = [cmap(min(1.0, max(0.0, _clip_db(by_name[n]["accumulated"]["sqnr_db"], 60.0) / 60.0))) for n in sub]
+    nx.draw_networkx_edges(sub, pos, ax=ax, arrows=True, arrowsize=8, edge_color="#999", node_size=500)
+    nx.draw_networkx_nodes(
+        sub,
+        pos,
+        ax=ax,
+        node_color=colors,
+        node_size=500,
+        edgecolors=["#000" if n == center else "#fff" for n in sub],
+        linewidths=[2.5 if n == center else 0.5 for n in sub],
+    )
+    labels = {n: (n if len(n) <= 22 else "…" + n[-21:]) for n in sub}
+    for n, (x, y) in pos.items():
+        ax.annotate(labels[n], (x, y), textcoords="offset points", xytext=(0, -16), ha="center", fontsize=6)
+        sqnr = by_name[n]["accumulated"]["sqnr_db"]
+        ax.annotate(_db_text(sqnr), (x, y), ha="center", va="center", fontsize=6)
+    ax.set_title(f"around {center[:60]} (accumulated SQNR dB; red below {bad_db:g})", fontsize=8)
+    ax.axis("off")
+    ax.margins(0.15)
+    return _svg(fig)
+
+
+def _db_text(v: float | str | None) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, str):
+        return "∞" if v == "inf" else v
+    return f"{v:.0f}"

@@ -500,6 +500,8 @@ class ReportView:
     weights_total: int
     exclusion: dict[str, Any] | None
     sensitivity: list[SensitivityRowView]
+    neighbourhoods: list[tuple[str, str]]
+    versions: str
     sensitivity_note: str
 
 
@@ -624,7 +626,23 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             for r in (doc.get("sensitivity") or {}).get("rows", [])
         ],
         sensitivity_note=_sensitivity_note(doc.get("sensitivity")),
+        versions=" · ".join(
+            f"{k} {doc['environment'][k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in doc["environment"]
+        ),
+        neighbourhoods=_neighbourhoods(nodes, doc["thresholds"]["bad_sqnr_db"]) if with_plots else [],
     )
+
+
+#: Root causes drawn with their graph neighbourhood.
+NEIGHBOURHOODS = 3
+
+
+def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[tuple[str, str]]:
+    from diag.plots import neighbourhood
+
+    roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
+    drawn = [(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
+    return [(name, svg) for name, svg in drawn if svg]
 
 
 def _sensitivity_note(sens: dict[str, Any] | None) -> str:
