@@ -23,6 +23,9 @@ from diag.errors import DiagError
 DEFAULT_INT_RANGE = (0, 100)
 #: Refuse a random/loaded batch larger than this many bytes up front (per input).
 MAX_BATCH_BYTES = 8 * 2**30
+#: Refuse more random samples than this up front: error statistics settle within a few hundred
+#: samples, and a mistyped --samples 100000000000 would otherwise run for days.
+MAX_RANDOM_SAMPLES = 10**6
 
 
 @dataclass(frozen=True)
@@ -342,6 +345,15 @@ def random_feeds(
                         f"pass --shape {s.name}=" + ",".join("1" if i == 0 else "N" for i in range(len(s.dims))),
                     )
         concrete[s.name] = dims
+    if samples > MAX_RANDOM_SAMPLES:
+        per_sample = sum(math.prod(1 if d == -1 else d for d in concrete[s.name]) * s.dtype.itemsize for s in specs)
+        raise DiagError(
+            "too-large",
+            f"--samples {samples}",
+            f"would draw {samples * per_sample / 2**30:,.1f} GiB of random inputs in {-(-samples // step):,} runs "
+            f"of each model (limit {MAX_RANDOM_SAMPLES:,} samples)",
+            "error statistics settle within a few hundred samples: use e.g. --samples 256",
+        )
     for s in specs:
         elems = math.prod(max(d, step) if d == -1 else d for d in concrete[s.name])
         if elems * s.dtype.itemsize > MAX_BATCH_BYTES:

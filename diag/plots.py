@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from typing import Any
 
 
@@ -27,6 +28,8 @@ def _svg(fig: Any) -> str:
     # Drop the XML prolog/doctype so the SVG can be inlined in HTML; metadata carries a date.
     start = text.find("<svg")
     text = text[start:]
+    # Node names come from untrusted models and matplotlib copies control characters verbatim.
+    text = re.sub("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]", "", text)
     return _strip_metadata(text)
 
 

@@ -150,7 +150,7 @@ def test_compare_survives_mutated_int8_models(seed_pair, tmp_path, capsys):
     model = onnx.load(str(q))
     path = tmp_path / "mutant.int8.onnx"
 
-    @settings(SETTINGS, max_examples=60)
+    @settings(SETTINGS, max_examples=40)
     @given(st.one_of(mutated_bytes(q.read_bytes()), mutated_graph(model), mutated_graph(model)))
     def check(blob: bytes) -> None:
         path.write_bytes(blob)
@@ -166,7 +166,7 @@ def test_compare_survives_mutated_fp32_graphs(seed_pair, tmp_path, capsys):
     model = onnx.load(str(fp))
     path = tmp_path / "mutant.fp32.onnx"
 
-    @settings(SETTINGS, max_examples=40)
+    @settings(SETTINGS, max_examples=30)
     @given(mutated_graph(model))
     def check(blob: bytes) -> None:
         path.write_bytes(blob)
@@ -209,7 +209,7 @@ def test_compare_survives_random_feed_dicts(seed_pair, tmp_path, capsys):
     fp, q, _ = seed_pair
     path = tmp_path / "feeds.npz"
 
-    @settings(SETTINGS, max_examples=60)
+    @settings(SETTINGS, max_examples=50)
     @given(feed_dicts(), st.sampled_from(["1", "2", "64"]), st.sampled_from([None, "1", "3"]))
     def check(feeds: dict[str, np.ndarray], batch: str, samples: str | None) -> None:
         np.savez(path, **feeds)

@@ -112,6 +112,10 @@ def two_inputs() -> onnx.ModelProto:
     )
 
 
+def _w8(name: str, shape: tuple[int, ...]) -> onnx.TensorProto:
+    return numpy_helper.from_array((np.random.default_rng(9).standard_normal(shape) / 3).astype(np.float32), name)
+
+
 @dataclass
 class Pair:
     fp32: Path
@@ -195,6 +199,24 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     m.graph.node.append(helper.make_node("Reshape", ["y0", "rows_of_3"], ["y"], name="bad_reshape"))
     m.graph.initializer.append(numpy_helper.from_array(np.array([3, -1], np.int64), "rows_of_3"))
     z["reshape"] = _pair(d, "reshape", m, {"x": _x()})
+
+    # A different FP32 model with the same input and output names: x -> 4 x (MatMul, Relu) -> MatMul -> y.
+    nodes, inits, t = [], [], "x"
+    for i in range(5):
+        width = 4 if i == 4 else 8
+        inits.append(_w8(f"deep{i}", (8, width)))
+        nodes.append(helper.make_node("MatMul", [t, f"deep{i}"], [f"d{i}" if i < 4 else "y"], name=f"deep{i}"))
+        t = f"d{i}"
+        if i < 4:
+            nodes.append(helper.make_node("Relu", [t], [f"r{i}"], name=f"relu{i}"))
+            t = f"r{i}"
+    deep = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        inits,
+    )
+    z["deep"] = _save(deep, d / "deep.fp32.onnx")
 
     # FP32 with one more output than its INT8 version.
     m = mlp()
@@ -350,6 +372,12 @@ def _rows(z: dict[str, object], out: Path) -> list[Row]:
         Row("both fp32", cmp(p.fp32, p.fp32, *good), "not-quantized", "contains no quantized operators"),
         Row("both int8", cmp(p.int8, p.int8, *good), "fp32-is-quantized", "already contains quantized"),
         Row("different inputs", cmp(p.fp32, two.int8, *good), "model-mismatch", "have different inputs"),
+        Row(
+            "a different model altogether",
+            cmp(z["deep"], p.int8, *good),
+            "model-mismatch",
+            "only 20% of FP32 tensors exist in the INT8 model",
+        ),
         Row("different outputs", cmp(z["extra_output"], p.int8, *good), "model-mismatch", "have different outputs"),
         Row(
             "output shape differs at run time",
@@ -434,6 +462,12 @@ def _rows(z: dict[str, object], out: Path) -> list[Row]:
             cmp(z["big_input"], p.int8, "--random"),
             "too-large",
             "FP32 model tensor 'x' | one batch of 1 sample(s) needs at least 3.6 TiB",
+        ),
+        Row(
+            "absurd --samples",
+            cmp(p.fp32, p.int8, "--random", "--samples", str(10**11)),
+            "too-large",
+            "would draw 2,980.2 GiB of random inputs in 100,000,000,000 runs",
         ),
         Row("absurd --batch", cmp(p.fp32, p.int8, "--random", "--batch", str(10**12)), "too-large", "GiB"),
     ]
@@ -761,10 +795,14 @@ def test_inspect_prints_hostile_names_without_terminal_escapes(tmp_path, capsys)
     m = onnx.load(str(path))
     m.graph.output[0].name = "y\x1b]0;pwned\x07"
     m.graph.node[2].output[0] = m.graph.output[0].name
+    m.graph.node[1].op_type = "Evil\x1b[2J<b>"
+    m.graph.node[1].domain = "com.evil"
+    m.opset_import.append(helper.make_opsetid("com.evil", 1))
     _save(m, path)
     code, stdout, _ = run_cli(["inspect", path], capsys)
     assert code == OK
     assert "outputs:    y?]0;pwned?" in stdout
+    assert "Evil?[2J<b> 1" in stdout and "custom op domains ['com.evil']" in stdout
     assert "\x1b" not in stdout and "\x07" not in stdout
 
 
