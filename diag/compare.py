@@ -37,14 +37,21 @@ from diag.distributions import (
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
 from diag.graph import fp_graph
-from diag.instrument import cut_model, exposed_model
+from diag.instrument import CutModel, cut_model, exposed_model, pruned_cut
 from diag.load import LoadedModel, model_from_path
 from diag.match import Matching, TensorPair, match_models, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator
 from diag.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.progress import Progress
 from diag.remedies import Suggestion, all_suggestions
-from diag.run import check_memory, run_batch, session_from_model
+from diag.run import (
+    batch_tensor_bytes,
+    check_memory,
+    default_threads,
+    plan_passes,
+    run_batch,
+    session_from_model,
+)
 from diag.weights import WeightReport, weight_report
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
@@ -62,6 +69,10 @@ class CompareOptions:
     labels: str | None = None
     distributions: bool = True
     outlier_factor: float = OUTLIER_FACTOR
+    #: Bytes one batch's exposed tensors may take; above it the tensors are split into passes.
+    max_memory: int | None = None
+    #: ``(k, n)``: run only batches k, k + n, k + 2n, ... and keep the mergeable state.
+    shard: tuple[int, int] | None = None
     #: Skip-one sensitivity for the top-K local-ranking nodes (0 = off); needs ``recipe``.
     sensitivity: int = 0
     #: The recipe that made the INT8 model (a path or a Recipe), for ``sensitivity``.
@@ -79,6 +90,8 @@ class CompareState:
     labelled: dict[str, int] = field(default_factory=lambda: {"n": 0, "fp32": 0, "int8": 0})
     samples: int = 0
     batches: int = 0
+    #: Passes over the inputs the memory budget needed (1 = every tensor exposed at once).
+    passes: int = 1
 
     def merge(self, other: CompareState) -> CompareState:
         for mine, theirs in ((self.accumulated, other.accumulated), (self.local, other.local)):
@@ -95,6 +108,7 @@ class CompareState:
             self.labelled[k] += other.labelled[k]
         self.samples += other.samples
         self.batches += other.batches
+        self.passes = max(self.passes, other.passes)
         return self
 
 
@@ -126,6 +140,9 @@ class CompareResult:
     patterns: list[PatternInstance] = field(default_factory=list)
     pattern_instances: list[PatternTotal] = field(default_factory=list)
     pattern_kinds: list[PatternTotal] = field(default_factory=list)
+    passes: int = 1
+    #: The mergeable accumulators behind this result (written into shard files).
+    state: CompareState | None = None
     sensitivity: Any = None
 
 
@@ -190,11 +207,13 @@ def compare_models(
     options = options or CompareOptions()
     start = time.perf_counter()
     fp, q = load_pair(fp32_path, int8_path)
-    # Pre-flight: refuse declared shapes that cannot fit before any session allocates them.
-    check_memory(
-        [(fp.proto, "FP32 model", 1), (q.proto, "INT8 model", 2 if options.local else 1)],
-        feeds.batch if isinstance(feeds, FeedSpec) else 1,
-    )
+    # Pre-flight: refuse declared shapes that cannot fit before any session allocates them
+    # (with --max-memory the user chose the budget and the tensors are split to fit it).
+    if options.max_memory is None:
+        check_memory(
+            [(fp.proto, "FP32 model", 1), (q.proto, "INT8 model", 2 if options.local else 1)],
+            feeds.batch if isinstance(feeds, FeedSpec) else 1,
+        )
     if isinstance(feeds, FeedSpec):
         feeds = feeds.source(fp.proto)
     matching = match_models(fp.proto, q.proto)
@@ -235,7 +254,20 @@ def _sensitivity(
 def run_comparison(
     fp: LoadedModel, q: LoadedModel, matching: Matching, feeds: FeedSource, options: CompareOptions
 ) -> tuple[CompareState, dict[str, str]]:
-    """Stream every batch through FP32, INT8 and cut models; reduce into a CompareState."""
+    """Stream every batch through FP32, INT8 and cut models; reduce into a CompareState.
+
+    Memory is O(one batch of exposed tensors). With ``options.max_memory`` the matched tensors
+    are split, in graph order, into groups whose values for one batch fit the budget; each group
+    gets its own pass over the inputs with sessions that expose only its tensors (and a cut model
+    pruned to its nodes), so every accumulator sees exactly the values of a single pass. With
+    ``options.shard = (k, n)`` only batches k, k + n, k + 2n, ... are run (``diag merge`` adds
+    the shards up).
+
+    Example:
+        >>> state, _ = run_comparison(fp, q, match_models(fp.proto, q.proto), feeds, CompareOptions())  # doctest: +SKIP
+        >>> state.samples, state.passes  # doctest: +SKIP
+        (32, 1)
+    """
     labels = load_labels(options.labels) if options.labels else None
     if labels is not None and feeds.total_samples is not None and len(labels) < feeds.total_samples:
         raise DiagError(
@@ -244,91 +276,28 @@ def run_comparison(
             f"has {len(labels)} labels but the inputs have {feeds.total_samples} samples",
             "give one label per sample",
         )
+    if options.shard is not None:
+        k, n = options.shard
+        if not 0 <= k < n:
+            raise DiagError("bad-option", f"--shard {k}/{n}", "needs 0 <= k < n", "shards of 8 are 0/8 ... 7/8")
     pairs = dict(matching.pairs)
-    output_names = [o.name for o in fp.graph.output]
-    fp_names = list(dict.fromkeys(list(pairs) + output_names))
-    int8_names = list(
-        dict.fromkeys(
-            [p.int8_name for p in pairs.values()]
-            + [p.dynamic_scale for p in pairs.values() if p.dynamic_scale]
-            + output_names
-        )
-    )
-    ext_fp = fp.path.resolve().parent if fp.has_external_data else None
-    ext_q = q.path.resolve().parent if q.has_external_data else None
-    fp_sess = session_from_model(
-        exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", options.opt_level, options.threads, ext_fp
-    )
-    q_sess = session_from_model(
-        exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", options.opt_level, options.threads, ext_q
-    )
     cut = None
-    cut_sess = None
     if options.local:
-        local_pairs = [p for p in pairs.values() if p.producer is not None]
-        cut = cut_model(q.proto, local_pairs)
-        cut_sess = session_from_model(
-            cut.model, f"cut INT8 model of '{q.path}'", options.opt_level, options.threads, ext_q
-        )
-    state = CompareState()
+        cut = cut_model(q.proto, [p for p in pairs.values() if p.producer is not None])
+    groups = _plan_passes(fp, pairs, feeds, options)
+    state = CompareState(passes=len(groups))
     if options.distributions:
         ops = {node_id(n, i): n.op_type for i, n in enumerate(fp.graph.node)}
         for name, pair in pairs.items():
             grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
             state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""))
     runtime_unmatched: dict[str, str] = {}
-    progress = Progress(feeds.total_samples, "compare", enabled=options.progress)
+    total = feeds.total_samples * len(groups) if feeds.total_samples is not None else None
+    progress = Progress(total, "compare", enabled=options.progress)
     try:
-        for batch in feeds:
-            fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
-            q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
-            for name, pair in list(pairs.items()):
-                value = q_out[pair.int8_name]
-                if pair.dequant is not None:
-                    value = pair.dequant.dequantize(value)
-                ref = fp_out[name]
-                if value.shape != ref.shape:
-                    runtime_unmatched[name] = (
-                        f"shape differs at run time: FP32 {ref.shape}, INT8 '{pair.int8_name}' {value.shape}"
-                    )
-                    del pairs[name]
-                    state.accumulated.pop(name, None)
-                    state.distributions.pop(name, None)
-                    continue
-                scale = _scale_for(pair, q_out)
-                state.accumulated.setdefault(name, ErrorAccumulator()).update(ref, value, scale)
-                if name in state.distributions:
-                    dyn = scale if pair.dynamic_scale else None
-                    state.distributions[name].update(ref, value, dyn)
-            for name in output_names:
-                state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name])
-            if labels is not None:
-                _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size)
-            del q_out
-            if cut is not None and cut_sess is not None:
-                cut_feeds = dict(batch.feeds)
-                for ci in cut.inputs:
-                    v = fp_out[ci.fp_name]
-                    if ci.quant is not None:
-                        v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
-                    cut_feeds[ci.name] = v
-                local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
-                for lo in cut.outputs:
-                    if lo.fp_name not in pairs:
-                        continue
-                    value = local_out[lo.name]
-                    if lo.dequant is not None:
-                        value = lo.dequant.dequantize(value)
-                    ref = fp_out[lo.fp_name]
-                    if value.shape == ref.shape:
-                        state.local.setdefault(lo.fp_name, ErrorAccumulator()).update(
-                            ref, value, _scale_for(pairs[lo.fp_name], None)
-                        )
-                del local_out
-            del fp_out
-            state.samples += batch.size
-            state.batches += 1
-            progress.advance(batch.size)
+        for i, group in enumerate(groups):
+            part = cut if cut is None or len(groups) == 1 else pruned_cut(cut, group)
+            _run_pass(fp, q, pairs, group, i == 0, part, feeds, options, state, runtime_unmatched, labels, progress)
     finally:
         progress.close()
     if state.batches == 0:
@@ -336,8 +305,125 @@ def run_comparison(
     return state, runtime_unmatched
 
 
-def _count_correct(state: CompareState, labels: np.ndarray, fp: np.ndarray, q: np.ndarray, size: int) -> None:
-    start = state.samples
+def _plan_passes(
+    fp: LoadedModel, pairs: dict[str, TensorPair], feeds: FeedSource, options: CompareOptions
+) -> list[list[str]]:
+    """Groups of matched FP32 tensors, one per pass; a single group unless a budget needs more."""
+    position = {i.name: -1 for i in fp.graph.input}
+    for i, node in enumerate(fp.graph.node):
+        for o in node.output:
+            position.setdefault(o, i)
+    names = sorted(pairs, key=lambda n: position.get(n, len(position)))
+    if options.max_memory is None:
+        return [names]
+    first = next(iter(feeds), None)
+    if first is None:
+        return [names]
+    sizes = batch_tensor_bytes(fp.proto, first.feeds)
+    # NOTE: a matched tensor is held three times per batch: its FP32 value, its INT8 value and
+    # its locally recomputed value (the INT8 one may be smaller; counting it as float is safe).
+    copies = 3 if options.local else 2
+    return plan_passes(names, {n: copies * sizes.get(n, 0) for n in names}, options.max_memory)
+
+
+def _run_pass(
+    fp: LoadedModel,
+    q: LoadedModel,
+    pairs: dict[str, TensorPair],
+    group: list[str],
+    first: bool,
+    cut: CutModel | None,
+    feeds: FeedSource,
+    options: CompareOptions,
+    state: CompareState,
+    runtime_unmatched: dict[str, str],
+    labels: np.ndarray | None,
+    progress: Progress,
+) -> None:
+    """One pass over the inputs for the tensors of ``group`` (model outputs and counts on the first)."""
+    mine = {name: pairs[name] for name in group if name in pairs}
+    output_names = [o.name for o in fp.graph.output] if first else []
+    fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (cut.inputs if cut else [])] + output_names))
+    int8_names = list(
+        dict.fromkeys(
+            [p.int8_name for p in mine.values()] + [p.dynamic_scale for p in mine.values() if p.dynamic_scale]
+        )
+    )
+    int8_names += [n for n in output_names if n not in int8_names]
+    threads = options.threads or default_threads()
+    ext_fp = fp.path.resolve().parent if fp.has_external_data else None
+    ext_q = q.path.resolve().parent if q.has_external_data else None
+
+    def session(model: onnx.ModelProto, role: str, ext: Path | None) -> Any:
+        return session_from_model(model, role, options.opt_level, threads, ext, spinning=False)
+
+    fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", ext_fp)
+    q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)
+    cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
+    cut_inputs = {i.name for i in cut_sess.get_inputs()} if cut_sess is not None else set()
+    offset = 0
+    for index, batch in enumerate(feeds):
+        if options.shard is not None and index % options.shard[1] != options.shard[0]:
+            offset += batch.size
+            progress.advance(batch.size)
+            continue
+        fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
+        q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
+        for name, pair in list(mine.items()):
+            value = q_out[pair.int8_name]
+            if pair.dequant is not None:
+                value = pair.dequant.dequantize(value)
+            ref = fp_out[name]
+            if value.shape != ref.shape:
+                runtime_unmatched[name] = (
+                    f"shape differs at run time: FP32 {ref.shape}, INT8 '{pair.int8_name}' {value.shape}"
+                )
+                del mine[name]
+                pairs.pop(name, None)
+                state.accumulated.pop(name, None)
+                state.distributions.pop(name, None)
+                continue
+            scale = _scale_for(pair, q_out)
+            state.accumulated.setdefault(name, ErrorAccumulator()).update(ref, value, scale)
+            if name in state.distributions:
+                dyn = scale if pair.dynamic_scale else None
+                state.distributions[name].update(ref, value, dyn)
+        for name in output_names:
+            state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name])
+        if labels is not None and first:
+            _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size, offset)
+        del q_out
+        if cut is not None and cut_sess is not None:
+            cut_feeds = {k: v for k, v in batch.feeds.items() if k in cut_inputs}
+            for ci in cut.inputs:
+                v = fp_out[ci.fp_name]
+                if ci.quant is not None:
+                    v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
+                cut_feeds[ci.name] = v
+            local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
+            for lo in cut.outputs:
+                if lo.fp_name not in mine:
+                    continue
+                value = local_out[lo.name]
+                if lo.dequant is not None:
+                    value = lo.dequant.dequantize(value)
+                ref = fp_out[lo.fp_name]
+                if value.shape == ref.shape:
+                    state.local.setdefault(lo.fp_name, ErrorAccumulator()).update(
+                        ref, value, _scale_for(mine[lo.fp_name], None)
+                    )
+            del local_out
+        del fp_out
+        if first:
+            state.samples += batch.size
+            state.batches += 1
+        offset += batch.size
+        progress.advance(batch.size)
+
+
+def _count_correct(
+    state: CompareState, labels: np.ndarray, fp: np.ndarray, q: np.ndarray, size: int, start: int
+) -> None:
     if fp.ndim != 2 or fp.shape[0] != size:
         raise DiagError(
             "bad-inputs",
@@ -423,6 +509,8 @@ def finish(
         patterns,
         per_instance,
         per_kind,
+        passes=state.passes,
+        state=state,
     )
 
 

@@ -127,3 +127,68 @@ def cut_model(int8: onnx.ModelProto, pairs: Iterable[TensorPair]) -> CutModel:
             graph.output.append(onnx.ValueInfoProto(name=o.name))
             seen.add(o.name)
     return CutModel(model, inputs, outputs)
+
+
+def pruned_cut(cut: CutModel, fp_names: Iterable[str]) -> CutModel:
+    """The part of ``cut`` that computes the local values of ``fp_names`` only.
+
+    Used when a memory budget splits the tensors into passes: each pass's cut model keeps the
+    nodes those outputs need (walking back to the cut inputs) and asks only for the cut inputs
+    it reads, so a pass never needs the FP32 values of other passes' tensors. Every kept node
+    computes exactly what it computes in the full cut model (same inputs, same kernel).
+
+    Example:
+        >>> part = pruned_cut(cut, ["conv1_out"])  # doctest: +SKIP
+        >>> [o.fp_name for o in part.outputs]  # doctest: +SKIP
+        ['conv1_out']
+    """
+    wanted = set(fp_names)
+    outputs = [o for o in cut.outputs if o.fp_name in wanted]
+    graph = cut.model.graph
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    needed: set[str] = set()
+    keep: set[int] = set()
+    stack = [o.name for o in outputs]
+    while stack:
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        i = producer.get(name)
+        if i is not None and i not in keep:
+            keep.add(i)
+            stack.extend(x for x in graph.node[i].input if x)
+            for sub in _subgraph_inputs(graph.node[i]):
+                stack.append(sub)
+    model = onnx.ModelProto()
+    # NOTE: copy everything but the nodes, inputs and outputs (initializers included: onnxruntime
+    # drops the ones no kept node reads), then add back only what the kept nodes need.
+    model.CopyFrom(cut.model)
+    g = model.graph
+    del g.node[:]
+    g.node.extend(n for i, n in enumerate(graph.node) if i in keep)
+    initializers = {t.name for t in g.initializer}
+    del g.input[:]
+    g.input.extend(vi for vi in graph.input if vi.name in needed or vi.name in initializers)
+    del g.output[:]
+    seen: set[str] = set()
+    for o in outputs:
+        if o.name not in seen:
+            g.output.append(onnx.ValueInfoProto(name=o.name))
+            seen.add(o.name)
+    inputs = [ci for ci in cut.inputs if ci.name in needed]
+    return CutModel(model, inputs, outputs)
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
+    """Names a node's subgraphs (If / Loop / Scan bodies) read from the outer scope."""
+    names: list[str] = []
+    for attr in node.attribute:
+        graphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+        for sub in graphs:
+            produced = {o for n in sub.node for o in n.output} | {i.name for i in sub.input}
+            produced |= {t.name for t in sub.initializer}
+            for n in sub.node:
+                names.extend(x for x in n.input if x and x not in produced)
+                names.extend(_subgraph_inputs(n))
+    return names

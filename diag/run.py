@@ -23,12 +23,22 @@ def session_from_model(
     opt_level: str = "disabled",
     threads: int | None = None,
     external_data_dir: Path | None = None,
+    optimized_path: Path | None = None,
+    spinning: bool = True,
 ) -> Any:
     """An ``InferenceSession`` on the CPU for ``model``.
 
     ``opt_level="disabled"`` (exact mode) keeps every tensor onnxruntime would otherwise fuse
     away. ``external_data_dir`` lets a model whose weights stay in external files be loaded from
-    memory without copying the weights.
+    memory without copying the weights: ``model`` holds only the references, onnxruntime reads the
+    files from that folder. ``threads`` sets intra-op threads (default: onnxruntime's; ``diag compare`` passes
+    :func:`default_threads`); ``spinning=False`` for sessions that take turns.
+    ``optimized_path`` makes onnxruntime save the graph it really runs there (fused kernels).
+
+    Example:
+        >>> s = session_from_model(onnx.load("m.onnx"), "FP32 model", threads=2)  # doctest: +SKIP
+        >>> s.get_session_options().intra_op_num_threads  # doctest: +SKIP
+        2
     """
     import onnxruntime as ort
 
@@ -44,6 +54,13 @@ def session_from_model(
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+    if not spinning:
+        # NOTE: idle onnxruntime workers spin for a while after each run; when sessions take turns
+        # (FP32, INT8, cut) that spinning steals the cores from the next session and from the
+        # numpy reductions between runs.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if optimized_path is not None:
+        so.optimized_model_filepath = str(optimized_path)
     if external_data_dir is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
     try:
@@ -55,6 +72,19 @@ def session_from_model(
             f"fails to load in onnxruntime: {_first_line(e)}",
             "check the model runs with onnxruntime.InferenceSession; custom ops need their library",
         ) from e
+
+
+def default_threads() -> int:
+    """Cores this process may run on: every session gets all of them, one session at a time.
+
+    Example:
+        >>> default_threads() >= 1
+        True
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def run_batch(session: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str, np.ndarray]:
@@ -171,3 +201,93 @@ def _human(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4GB``, ``512MB``, ``1.5GiB`` or a plain number (``--max-memory``).
+
+    Units are powers of 1024 whether written ``GB`` or ``GiB``, as memory is counted.
+
+    Example:
+        >>> parse_size("4GB"), parse_size("512 MiB"), parse_size("1000")
+        (4294967296, 536870912, 1000)
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*", text, flags=re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise DiagError("bad-option", f"size '{text}'", "is not a positive size", "write e.g. 4GB, 512MB or 1.5GiB")
+    power = " KMGT".index((m.group(2) or " ").upper())
+    return int(float(m.group(1)) * 1024**power)
+
+
+def batch_tensor_bytes(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """Bytes of every tensor of ``model`` for one batch ``feeds``, by shape inference on its shapes.
+
+    The model's inputs are pinned to the batch's real shapes first, so symbolic dims (batch,
+    height, width) become numbers. A tensor whose shape stays unknown (data-dependent) is
+    counted as large as the largest input of its producer (elementwise ops keep sizes), or as
+    the largest known tensor when none of those is known: overestimating costs an extra pass,
+    underestimating could cost the memory the budget protects. Runs on a weight-free copy.
+
+    Example:
+        >>> sizes = batch_tensor_bytes(model, {"x": np.zeros((8, 3, 64, 64), np.float32)})  # doctest: +SKIP
+        >>> sizes["conv1_out"]  # doctest: +SKIP
+        4194304
+    """
+    from diag.match import _structure_only
+
+    shell = _structure_only(model)
+    for vi in shell.graph.input:
+        if vi.name in feeds and vi.type.HasField("tensor_type"):
+            shape = vi.type.tensor_type.shape
+            shape.ClearField("dim")
+            for d in np.shape(feeds[vi.name]):
+                shape.dim.add().dim_value = int(d)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True)
+    except Exception:  # inference is a help: unknown sizes fall back below
+        inferred = shell
+    g = inferred.graph
+    sizes: dict[str, int] = {k: int(np.asarray(v).nbytes) for k, v in feeds.items()}
+    for vi in list(g.value_info) + list(g.output):
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not tt.HasField("shape") or not tt.elem_type:
+            continue
+        if not all(d.HasField("dim_value") for d in tt.shape.dim):
+            continue
+        try:
+            itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)).itemsize
+        except Exception:
+            itemsize = 4
+        sizes[vi.name] = math.prod(int(d.dim_value) for d in tt.shape.dim) * itemsize
+    largest = max(sizes.values(), default=0)
+    initializers = {i.name for i in g.initializer}
+    for node in g.node:
+        for out in node.output:
+            if out and out not in sizes:
+                known = [sizes[i] for i in node.input if i in sizes and i not in initializers]
+                sizes[out] = max(known) if known else largest
+    return sizes
+
+
+def plan_passes(names: list[str], cost: dict[str, int], budget: int | None) -> list[list[str]]:
+    """Split ``names`` (in graph order) into consecutive groups whose summed ``cost`` fits ``budget``.
+
+    One group (one pass) when there is no budget or everything fits. A tensor larger than the
+    budget alone gets a pass of its own: it cannot be split further.
+
+    Example:
+        >>> plan_passes(["a", "b", "c"], {"a": 3, "b": 3, "c": 3}, 7)
+        [['a', 'b'], ['c']]
+    """
+    if budget is None or sum(cost.get(n, 0) for n in names) <= budget:
+        return [list(names)]
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        c = cost.get(name, 0)
+        if groups[-1] and used + c > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += c
+    return groups
