@@ -173,6 +173,15 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
             f"  NaN/Inf: first produced in the {model} model by {_safe(f.group.label)} ({f.group.op_type}): "
             f"{count} value(s) in '{_safe(f.tensor)}'"
         )
+    flagged = [(k, h) for k, h in result.health.items() if h.outliers and h.grid != "none"]
+    for name, h in sorted(flagged, key=lambda kv: -kv[1].outliers[0].times_median)[:2]:
+        o = h.outliers[0]
+        print(f"  outlier: channel {o.index} of {_safe(name)} is {o.times_median:.0f}x the median channel")
+    for p in result.persistent[:1]:
+        print(
+            f"  persistent outlier: channel {p.index} in {len(p.tensors)} of {p.of_tensors} tensors "
+            f"of width {p.channels}"
+        )
     for s in result.suggestions[:2]:
         print(f"  remedy for {_safe(s.tensor)}: {_safe(s.python)}")
     if result.sensitivity is not None and result.sensitivity.rows:
