@@ -44,7 +44,8 @@ def _sha(path: Path) -> str:
 
 
 def _tree_hashes(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): _sha(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+    files = [p for p in sorted(folder.rglob("*")) if p.is_file() and os.access(p, os.R_OK)]  # skips locked.onnx
+    return {str(p.relative_to(folder)): _sha(p) for p in files}
 
 
 # ---------------------------------------------------------------- tiny models built in code
