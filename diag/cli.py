@@ -138,10 +138,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Compare an FP32 model and its INT8 version tensor by tensor; write diag.json, report.html
     and summary.md into --out."""
     from diag.compare import CompareOptions, compare_to_dir
+    from diag.run import parse_shard, parse_size
 
     options = CompareOptions(
         opt_level=args.ort_opt_level,
         threads=args.threads,
+        max_memory=parse_size(args.max_memory) if args.max_memory else None,
+        shard=parse_shard(args.shard) if args.shard else None,
         local=not args.no_local,
         progress=not args.quiet,
         labels=args.labels,
@@ -194,10 +197,21 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
     print(
         f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "
         f"({len(m.unmatched_tensors)} unmatched, listed in the report); {result.samples} samples "
-        f"in {result.seconds:.1f} s"
+        + (f"({result.passes} passes, memory budget) " if getattr(result, "passes", 1) > 1 else "")
+        + f"in {result.seconds:.1f} s"
     )
     for name, path in files.items():
         print(f"wrote {name}: {path}")
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Merge the diag.json files of diag compare --shard K/N runs into the result of one run; write
+    diag.json, report.html and summary.md into --out."""
+    from diag.merge import merge_to_dir
+
+    result, files = merge_to_dir(args.parts, args.out, args.fp32, args.int8)
+    _print_result(result, files)
+    return OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -408,6 +422,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "inspect": cmd_inspect,
     "compare": cmd_compare,
+    "merge": cmd_merge,
     "report": cmd_report,
     "demo": cmd_demo,
     "quantize": cmd_quantize,
@@ -453,7 +468,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="disabled",
         help="onnxruntime graph optimizations; 'disabled' (default) keeps every tensor comparable",
     )
-    p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads of every session; they run one after the other (default: every core)",
+    )
+    p.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="budget for one batch's exposed tensors (e.g. 4GB); above it they are split into passes",
+    )
+    p.add_argument(
+        "--shard",
+        metavar="K/N",
+        help="run batches K, K+N, K+2N, ... only and keep the mergeable state (combine with diag merge)",
+    )
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
     p.add_argument(
         "--no-distributions",
@@ -488,6 +517,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=".npy of class indices, one per sample in input order: grades the accuracy drop of the first output",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = verb("merge")
+    p.add_argument("parts", nargs="+", metavar="PART", help="diag.json of every shard (diag compare --shard K/N)")
+    p.add_argument("--out", default="diag-out", metavar="DIR", help="output folder (default diag-out)")
+    p.add_argument("--fp32", metavar="PATH", help="the FP32 model, when it moved since the shards ran")
+    p.add_argument("--int8", metavar="PATH", help="the INT8 model, when it moved since the shards ran")
 
     p = verb("report")
     p.add_argument("json", help="a diag.json written by diag compare")

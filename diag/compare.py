@@ -540,4 +540,9 @@ def compare_to_dir(
     from diag.report import document_from_result, write_outputs
 
     result = compare_models(fp32_path, int8_path, feeds, options)
-    return result, write_outputs(document_from_result(result), out_dir)
+    doc = document_from_result(result)
+    if result.options.shard is not None:
+        from diag.merge import add_shard_state
+
+        add_shard_state(doc, result)
+    return result, write_outputs(doc, out_dir)

@@ -96,6 +96,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
             "seconds": round(result.seconds, 2),
             "opt_level": result.options.opt_level,
             "local_error": result.options.local,
+            "passes": getattr(result, "passes", 1),
         },
         "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB, "bands": BANDS},
         "verdict": {
@@ -503,6 +504,13 @@ class ReportView:
     neighbourhoods: list[tuple[str, str]]
     versions: str
     sensitivity_note: str
+    #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
+    run_note: str = ""
+
+
+def _run_note(run: dict[str, Any]) -> str:
+    passes = int(run.get("passes", 1))
+    return f" · {passes} passes (memory budget)" if passes > 1 else ""
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
@@ -569,6 +577,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         inputs=doc["run"]["inputs"],
         samples=doc["run"]["samples"],
         seconds=f"{doc['run']['seconds']:.1f}",
+        run_note=_run_note(doc["run"]),
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
         outputs=[
             OutputRow(

@@ -291,3 +291,18 @@ def plan_passes(names: list[str], cost: dict[str, int], budget: int | None) -> l
         groups[-1].append(name)
         used += c
     return groups
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"3/8"`` -> ``(3, 8)``: shard 3 of 8 runs batches 3, 11, 19, ... (``--shard``).
+
+    Example:
+        >>> parse_shard("3/8")
+        (3, 8)
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise DiagError(
+            "bad-option", f"--shard '{text}'", "must be K/N with 0 <= K < N", "shards of 4 are 0/4, 1/4, 2/4, 3/4"
+        )
+    return int(m.group(1)), int(m.group(2))

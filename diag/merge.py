@@ -1,0 +1,297 @@
+"""Shard files and ``diag merge``: a run's mergeable state as JSON, and shards added back into one run.
+
+``diag compare --shard k/n`` runs batches k, k + n, k + 2n, ... and writes, next to its own
+(partial) report, the accumulators themselves into ``diag.json["shard"]["state"]``: running sums,
+maxima, per-channel arrays and histogram bins. ``diag merge part*/diag.json --out all/`` reads
+them back, merges them and runs the same analysis as one run over every batch.
+
+NOTE: the state is plain JSON, never pickles (shard files travel between machines and users).
+Floats are written with Python's shortest round-trip repr, so a number read back is bit for bit
+the number written; only the order of the sums differs from one run (equal to float tolerance),
+and histograms are exactly equal (their bins do not depend on batch order).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
+from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
+from diag.errors import DiagError
+from diag.match import match_models
+from diag.metrics import ErrorAccumulator, OutputAccumulator
+
+#: Version of the ``shard.state`` layout; ``diag merge`` refuses others.
+STATE_VERSION = 1
+
+
+def _f(x: float) -> float | str:
+    """A float for JSON: finite values as is (exact round trip), others as "inf" / "-inf" / "nan"."""
+    x = float(x)
+    if math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def _u(v: float | str | int) -> float:
+    return float(v)  # float("inf"), float("-inf"), float("nan") parse the strings written above
+
+
+def _error_state(acc: ErrorAccumulator) -> dict[str, Any]:
+    return {k: (getattr(acc, k) if isinstance(getattr(acc, k), int) else _f(getattr(acc, k))) for k in acc.__slots__}
+
+
+def _error_from(d: dict[str, Any]) -> ErrorAccumulator:
+    acc = ErrorAccumulator()
+    for k in acc.__slots__:
+        setattr(acc, k, int(d[k]) if isinstance(getattr(acc, k), int) else _u(d[k]))
+    return acc
+
+
+_OUTPUT_INTS = ("samples", "rows", "agree")
+_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs")
+
+
+def _output_state(acc: OutputAccumulator) -> dict[str, Any]:
+    d: dict[str, Any] = {k: getattr(acc, k) for k in _OUTPUT_INTS}
+    d.update({k: _f(getattr(acc, k)) for k in _OUTPUT_FLOATS})
+    d["classlike"] = acc.classlike
+    return d
+
+
+def _output_from(d: dict[str, Any]) -> OutputAccumulator:
+    acc = OutputAccumulator()
+    for k in _OUTPUT_INTS:
+        setattr(acc, k, int(d[k]))
+    for k in _OUTPUT_FLOATS:
+        setattr(acc, k, _u(d[k]))
+    acc.classlike = bool(d["classlike"])
+    return acc
+
+
+def _array(a: np.ndarray | None) -> list[float | str] | None:
+    return None if a is None else [_f(x) for x in a.tolist()]
+
+
+def _unarray(v: list[float | str] | None) -> np.ndarray | None:
+    return None if v is None else np.array([_u(x) for x in v], dtype=np.float64)
+
+
+def _distribution_state(acc: DistributionAccumulator) -> dict[str, Any]:
+    g = acc.grid
+    return {
+        "grid": None if g is None else {"scale": g.scale, "zero_point": g.zero_point, "qmin": g.qmin, "qmax": g.qmax},
+        "channel_hint": acc.channel_hint,
+        "fp": acc.fp.state(),
+        "int8": acc.int8.state(),
+        "count": acc.count,
+        "clipped_low": acc.clipped_low,
+        "clipped_high": acc.clipped_high,
+        "fp_min": _f(acc.fp_min),
+        "fp_max": _f(acc.fp_max),
+        "axis": acc.axis,
+        "rank": acc.rank,
+        "ch_min": _array(acc.ch_min),
+        "ch_max": _array(acc.ch_max),
+        "ch_sum": _array(acc.ch_sum),
+        "ch_count": acc.ch_count,
+        "channel_consistent": acc.channel_consistent,
+        "dyn_scales": [_f(x) for x in acc.dyn_scales],
+    }
+
+
+def _distribution_from(d: dict[str, Any]) -> DistributionAccumulator:
+    grid = None if d["grid"] is None else GridInfo(**d["grid"])
+    acc = DistributionAccumulator(grid, d["channel_hint"])
+    acc.fp = Pow2Histogram.from_state(d["fp"])
+    acc.int8 = Pow2Histogram.from_state(d["int8"])
+    for k in ("count", "clipped_low", "clipped_high", "ch_count"):
+        setattr(acc, k, int(d[k]))
+    acc.fp_min, acc.fp_max = _u(d["fp_min"]), _u(d["fp_max"])
+    acc.axis, acc.rank = d["axis"], d["rank"]
+    acc.ch_min, acc.ch_max, acc.ch_sum = _unarray(d["ch_min"]), _unarray(d["ch_max"]), _unarray(d["ch_sum"])
+    acc.channel_consistent = bool(d["channel_consistent"])
+    acc.dyn_scales = [_u(x) for x in d["dyn_scales"]]
+    return acc
+
+
+def state_to_json(state: CompareState) -> dict[str, Any]:
+    """The accumulators of ``state`` as a JSON-ready dict (no tensors: sums, maxima, bins).
+
+    Example:
+        >>> s = state_to_json(CompareState())
+        >>> s["version"], s["samples"]
+        (1, 0)
+    """
+    return {
+        "version": STATE_VERSION,
+        "samples": state.samples,
+        "batches": state.batches,
+        "passes": state.passes,
+        "labelled": dict(state.labelled),
+        "accumulated": {k: _error_state(a) for k, a in state.accumulated.items()},
+        "local": {k: _error_state(a) for k, a in state.local.items()},
+        "outputs": {k: _output_state(a) for k, a in state.outputs.items()},
+        "distributions": {k: _distribution_state(a) for k, a in state.distributions.items()},
+    }
+
+
+def state_from_json(d: dict[str, Any]) -> CompareState:
+    """Rebuild a :class:`CompareState` written by :func:`state_to_json`.
+
+    Example:
+        >>> state_from_json(state_to_json(CompareState())).samples
+        0
+    """
+    return CompareState(
+        accumulated={k: _error_from(v) for k, v in d["accumulated"].items()},
+        local={k: _error_from(v) for k, v in d["local"].items()},
+        outputs={k: _output_from(v) for k, v in d["outputs"].items()},
+        distributions={k: _distribution_from(v) for k, v in d["distributions"].items()},
+        labelled={k: int(v) for k, v in d["labelled"].items()},
+        samples=int(d["samples"]),
+        batches=int(d["batches"]),
+        passes=int(d["passes"]),
+    )
+
+
+def add_shard_state(doc: dict[str, Any], result: CompareResult) -> dict[str, Any]:
+    """Put the shard's mergeable state into its ``diag.json`` document (in place; returns it).
+
+    The rest of the document stays the shard's own partial view; ``run.inputs`` says which
+    shard it is so nobody mistakes it for the whole run.
+
+    Example:
+        >>> doc = add_shard_state(document_from_result(result), result)  # doctest: +SKIP
+        >>> doc["shard"]["index"], doc["shard"]["count"]  # doctest: +SKIP
+        (3, 8)
+    """
+    assert result.options.shard is not None and result.state is not None
+    k, n = result.options.shard
+    doc["shard"] = {
+        "index": k,
+        "count": n,
+        "inputs": result.input_description,
+        "outlier_factor": result.options.outlier_factor,
+        "runtime_unmatched": dict(result.runtime_unmatched),
+        "state": state_to_json(result.state),
+    }
+    doc["run"]["shard"] = f"{k}/{n}"
+    doc["run"]["inputs"] = f"{result.input_description}, shard {k}/{n} (batches {k}, {k + n}, ...)"
+    return doc
+
+
+def merge_shards(
+    paths: list[str | os.PathLike[str]],
+    fp32: str | os.PathLike[str] | None = None,
+    int8: str | os.PathLike[str] | None = None,
+) -> CompareResult:
+    """Merge the states of shard files into the result one run over every batch would give.
+
+    Every shard 0/n ... (n-1)/n must be given exactly once, all from the same models, inputs and
+    settings. The models are read again (by the paths the shards recorded, or ``fp32`` /
+    ``int8`` when they moved) for the analysis; no model is run. ``seconds`` is the sum of the
+    shards' times (compute spent, not wall time).
+
+    Example:
+        >>> r = merge_shards(["part0/diag.json", "part1/diag.json"])  # doctest: +SKIP
+        >>> r.samples  # doctest: +SKIP
+        32
+    """
+    from diag.report import load_document
+
+    start = time.perf_counter()
+    if not paths:
+        raise DiagError("bad-option", "diag merge", "needs at least one shard diag.json", "diag merge part*/diag.json")
+    docs = [(str(p), load_document(p)) for p in paths]
+    for p, doc in docs:
+        shard = doc.get("shard")
+        if not isinstance(shard, dict) or not isinstance(shard.get("state"), dict):
+            raise DiagError(
+                "bad-report",
+                f"'{p}'",
+                "has no shard state (it was not written by diag compare --shard k/n)",
+                "merge the diag.json files of diag compare --shard runs",
+            )
+        if shard["state"].get("version") != STATE_VERSION:
+            raise DiagError(
+                "bad-report",
+                f"'{p}'",
+                f"has shard state version {shard['state'].get('version')}, this diag reads {STATE_VERSION}",
+                "merge shards written by the same diag version",
+            )
+    first_path, first = docs[0]
+    n = first["shard"]["count"]
+
+    def same(key: str, get: Any) -> None:
+        for p, doc in docs[1:]:
+            if get(doc) != get(first):
+                raise DiagError(
+                    "bad-report",
+                    f"'{p}'",
+                    f"has {key} {get(doc)!r}, '{first_path}' has {get(first)!r}",
+                    "merge shards of one run only (same models, inputs and options)",
+                )
+
+    same("shard count", lambda d: d["shard"]["count"])
+    same("FP32 model", lambda d: d["models"]["fp32"]["path"])
+    same("INT8 model", lambda d: d["models"]["int8"]["path"])
+    same("inputs", lambda d: d["shard"]["inputs"])
+    same("opt_level", lambda d: d["run"]["opt_level"])
+    same("local_error", lambda d: d["run"]["local_error"])
+    seen: dict[int, str] = {}
+    for p, doc in docs:
+        k = doc["shard"]["index"]
+        if k in seen:
+            raise DiagError(
+                "bad-report", f"'{p}'", f"is shard {k}/{n} again (also '{seen[k]}')", "give each shard once"
+            )
+        seen[k] = p
+    missing = [f"{k}/{n}" for k in range(n) if k not in seen]
+    if missing:
+        raise DiagError(
+            "bad-report",
+            "shards",
+            f"{', '.join(missing)} missing ({len(seen)} of {n} given)",
+            "merge every shard of the run, or the result is not the whole run",
+        )
+    fp, q = load_pair(fp32 or first["models"]["fp32"]["path"], int8 or first["models"]["int8"]["path"])
+    matching = match_models(fp.proto, q.proto)
+    state = CompareState()
+    unmatched: dict[str, str] = {}
+    for _, doc in sorted(docs, key=lambda pd: pd[1]["shard"]["index"]):
+        state.merge(state_from_json(doc["shard"]["state"]))
+        unmatched.update(doc["shard"]["runtime_unmatched"])
+    options = CompareOptions(
+        opt_level=first["run"]["opt_level"],
+        local=bool(first["run"]["local_error"]),
+        progress=False,
+        outlier_factor=float(first["shard"]["outlier_factor"]),
+    )
+    seconds = sum(float(doc["run"]["seconds"]) for _, doc in docs) + (time.perf_counter() - start)
+    return finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
+
+
+def merge_to_dir(
+    paths: list[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    fp32: str | os.PathLike[str] | None = None,
+    int8: str | os.PathLike[str] | None = None,
+) -> tuple[CompareResult, dict[str, Path]]:
+    """`diag merge` end to end: merge the shards, then write diag.json, report.html and summary.md.
+
+    Example:
+        >>> r, files = merge_to_dir(["part0/diag.json", "part1/diag.json"], "all")  # doctest: +SKIP
+        >>> sorted(files)  # doctest: +SKIP
+        ['diag.json', 'report.html', 'summary.md']
+    """
+    from diag.report import document_from_result, write_outputs
+
+    result = merge_shards(paths, fp32, int8)
+    return result, write_outputs(document_from_result(result), out_dir)
