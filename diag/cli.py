@@ -393,6 +393,26 @@ FP32 output x vs quantized output y:
 """
 
 
+SWEEP_HELP = """\
+Objectives (--objective), accuracy on held-out samples, FP32 output x vs INT8 output y:
+  cosine         min over samples and outputs of sum(x*y)/sqrt(sum x^2 * sum y^2) (higher is better)
+  cosine_mean    mean per-sample cosine, worst output
+  max_abs        max |y - x| over every output element (lower is better)
+  agreement      top-1 agreement with FP32, worst class-like output
+  accuracy_drop  FP32 minus INT8 top-1 accuracy, first output, --labels
+  f1_drop        FP32 minus INT8 macro-F1, first output, --labels
+  latency        speedup = FP32 p50 / INT8 p50 (median over --repeats); recipes whose speedup ranges
+                 overlap or differ by < 5 % share a rank ("no measurable difference")
+  size           INT8 model file size
+Grid file (TOML): a list is an axis, a scalar is fixed, e.g.
+  mode = ["dynamic", "static"]
+  quant_format = ["QDQ", "QOperator"]
+  per_channel = [false, true]
+  [extra_options]
+  ActivationSymmetric = [false, true]
+"""
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Quantize an FP32 model with onnxruntime as a recipe says, guarded and verified.
 
@@ -417,6 +437,54 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return OK
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Quantize a model with every recipe of a grid and measure each: metrics, size, latency, noise.
+
+    Default grid: mode {dynamic, static QDQ, static QOperator} x weight_type {QInt8, QUInt8} x
+    per_channel x reduce_range x ActivationSymmetric (48 recipes; static recipes use QUInt8
+    activations). --grid FILE (.toml/.json) or inline JSON: a list is an axis, a scalar a fixed key.
+    Metrics on held-out samples (all of --inputs with --calib, else the last --holdout share; the
+    first part calibrates). Latency: --repeats x (--runs timed runs) of FP32 and INT8 interleaved;
+    speed differences inside the noise are "no measurable difference". Recipes onnxruntime rejects
+    are skipped with its reason. Writes sweep.json, sweep.md, sweep.html, pareto.svg and
+    best.recipe.json into --out; every finished recipe is appended to sweep.jsonl, so an interrupted
+    sweep resumes where it stopped when run again."""
+    from diag.errors import INTERRUPTED
+    from diag.feeds import FeedSpec
+    from diag.sweep import summary_lines, sweep_to_dir
+
+    calib = FeedSpec(inputs=args.calib, batch=args.batch) if args.calib else None
+    try:
+        result, files = sweep_to_dir(
+            args.fp32,
+            _feed_spec(args),
+            args.out,
+            grid=args.grid,
+            calib=calib,
+            objective=args.objective,
+            target=args.target,
+            labels=args.labels,
+            holdout=args.holdout,
+            runs=args.runs,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            threads=args.threads,
+            progress=not args.quiet,
+        )
+    except KeyboardInterrupt:
+        print(
+            f"diag: interrupted; finished recipes are in {_safe(args.out)}/sweep.jsonl: run the same command "
+            "again to resume",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
+    for line in summary_lines(result):
+        print(_safe(line))
+    for name, path in files.items():
+        print(f"wrote {name}: {_safe(path)}")
+    return OK
+
+
 # ---------------------------------------------------------------- parser
 
 VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -431,6 +499,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "check": cmd_check,
     "diff": cmd_diff,
     "exclude": cmd_exclude,
+    "sweep": cmd_sweep,
 }
 
 
@@ -642,6 +711,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb("lint")
     p.add_argument("recipe", help="a recipe file (.json or .toml)")
     p.add_argument("--model", metavar="FP32", help="the FP32 model: check node names and op types against it")
+
+    p = verb("sweep", epilog=SWEEP_HELP)
+    p.add_argument("fp32", help="the FP32 model (never modified)")
+    _add_feed_flags(p)
+    p.add_argument(
+        "--calib",
+        metavar="PATH",
+        help="calibration inputs for static recipes (.npz or folder); then every --inputs sample is held out",
+    )
+    p.add_argument("--grid", metavar="FILE|JSON", help="grid .toml/.json file or inline JSON (default: the 48 recipes)")
+    p.add_argument(
+        "--objective",
+        default="cosine",
+        choices=["cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop", "latency", "size"],
+        help="what the table is sorted by and the best recipe is chosen on (default cosine)",
+    )
+    p.add_argument("--target", metavar="METRIC>=V", help="the best recipe must meet this, e.g. cosine>=0.999")
+    p.add_argument("--labels", metavar="PATH", help=".npy of class indices (accuracy_drop / f1_drop)")
+    p.add_argument(
+        "--holdout",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="without --calib: share of the samples held out for metrics and latency (default 0.5)",
+    )
+    p.add_argument("--runs", type=int, default=20, help="timed runs per model and repeat (0: no latency; default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs per model and repeat (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="latency repeats; their spread is the noise (default 3)")
+    p.add_argument("--threads", type=int, help="intra-op threads per session (default: physical cores)")
+    p.add_argument("--out", default="diag-sweep", metavar="DIR", help="output folder (default diag-sweep)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
 
 
