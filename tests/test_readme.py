@@ -30,7 +30,7 @@ def _scrub(line: str) -> str:
 
 
 def _scrub_numbers(line: str) -> str:
-    """diag bench prints timings: compare its layout, names and units, not its numbers."""
+    """diag bench and diag sweep print timings: compare their layout, names and units, not their numbers."""
     return " ".join(re.sub(r"\d+(\.\d+)?", "#", line).split())
 
 
@@ -45,7 +45,7 @@ def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path):
         argv = shlex.split(cmd)
         out = subprocess.run([sys.executable, "-m", "diag", *argv[1:]], cwd=tmp_path, capture_output=True, text=True)
         assert out.returncode == 0, (cmd, out.stderr)
-        scrub = _scrub_numbers if argv[1] == "bench" else _scrub
+        scrub = _scrub_numbers if argv[1] in ("bench", "sweep") else _scrub
         got = [scrub(x) for x in out.stdout.splitlines()]
         assert got == [scrub(x) for x in expected], cmd
 
