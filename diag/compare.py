@@ -479,7 +479,12 @@ def finish(
     ]
     one, sentence = single_cause(findings)
     health = {k: d.finalize(options.outlier_factor) for k, d in state.distributions.items()}
-    weights = weight_report(fp.proto, q.proto)
+    weights = weight_report(
+        fp.proto,
+        q.proto,
+        fp.path.resolve().parent if fp.has_external_data else None,
+        q.path.resolve().parent if q.has_external_data else None,
+    )
     suggestions = all_suggestions(fp.proto, matching, health, q.format.kind, weights.findings)
     patterns = find_patterns(fp.proto)
     tensor_of_node = {n: f.tensor for f in findings for n in f.group.fp_nodes}

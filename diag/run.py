@@ -146,8 +146,11 @@ def tensor_bytes(model: onnx.ModelProto) -> list[tuple[int, str, tuple[int | str
     except Exception:  # inference is a help, not a requirement
         inferred = model
     g = inferred.graph
+    weights = {t.name for t in model.graph.initializer}  # held once by the session, not per batch
     sizes: dict[str, tuple[int, str, tuple[int | str, ...]]] = {}
     for vi in list(g.input) + list(g.value_info) + list(g.output):
+        if vi.name in weights:
+            continue
         tt = vi.type.tensor_type
         if not vi.type.HasField("tensor_type") or not tt.HasField("shape") or not tt.elem_type:
             continue

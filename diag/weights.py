@@ -40,6 +40,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -249,16 +250,25 @@ def weight_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[WeightFi
     return weight_report(fp32, int8).findings
 
 
-def weight_report(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> WeightReport:
+def weight_report(
+    fp32: onnx.ModelProto,
+    int8: onnx.ModelProto,
+    fp32_dir: Path | None = None,
+    int8_dir: Path | None = None,
+) -> WeightReport:
     """Like :func:`weight_errors`, plus the quantized weights that could not be paired and why.
+
+    ``fp32_dir`` / ``int8_dir``: the folders of models loaded without their external data; the
+    weights this report needs are then read from the files one at a time (the large tensors
+    nobody quantized are never read).
 
     Example:
         >>> r = weight_report(onnx.load("m.fp32.onnx"), onnx.load("m.qdq.onnx"))  # doctest: +SKIP
         >>> r.unmatched  # doctest: +SKIP
         {}
     """
-    f = _Graph(fp32.graph)
-    q = _Graph(int8.graph)
+    f = _Graph(fp32.graph, fp32_dir)
+    q = _Graph(int8.graph, int8_dir)
     findings: list[WeightFinding] = []
     unmatched: dict[str, str] = {}
     for qw in _quantized_weights(q):
@@ -282,7 +292,8 @@ class _Unmatched(Exception):
 class _Graph:
     """Nodes, producers, consumers and initializers (Constant outputs included) of one graph."""
 
-    def __init__(self, graph: onnx.GraphProto) -> None:
+    def __init__(self, graph: onnx.GraphProto, base_dir: Path | None = None) -> None:
+        self.base_dir = base_dir
         self.nodes = list(graph.node)
         self.producer: dict[str, onnx.NodeProto] = {}
         self.consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
@@ -310,14 +321,24 @@ class _Graph:
         if name in self._small:
             return self._small[name]
         t = self.inits[name]
-        if t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data"):
+        if t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data") and self.base_dir is not None:
+            # NOTE: only this tensor's bytes are read (diag.load checked the location stays inside
+            # the model's folder); the model proto keeps its references, no weight is rewritten.
+            info = {e.key: e.value for e in t.external_data}
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+            count = int(np.prod(t.dims, dtype=np.int64))
+            path = self.base_dir / info["location"]
+            value = np.fromfile(path, dtype=dtype.newbyteorder("<"), count=count, offset=int(info.get("offset", 0)))
+            value = value.astype(dtype, copy=False).reshape(tuple(t.dims))
+        elif t.data_location == onnx.TensorProto.EXTERNAL and not t.HasField("raw_data"):
             raise DiagError(
                 "missing-external-data",
                 f"initializer '{name}'",
                 "has its data in an external file that was not loaded",
                 "load the model with onnx.load(path) from its own folder so the weights are read",
             )
-        value = numpy_helper.to_array(t)
+        else:
+            value = numpy_helper.to_array(t)
         if value.size <= _CACHED_ELEMENTS:
             self._small[name] = value
         return value
