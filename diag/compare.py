@@ -297,6 +297,8 @@ def run_comparison(
     try:
         for i, group in enumerate(groups):
             part = cut if cut is None or len(groups) == 1 else pruned_cut(cut, group)
+            if part is not None and not part.outputs:
+                part = None  # e.g. a pass of model inputs only: nothing to recompute locally
             _run_pass(fp, q, pairs, group, i == 0, part, feeds, options, state, runtime_unmatched, labels, progress)
     finally:
         progress.close()
