@@ -27,8 +27,9 @@ def pareto_plot(doc: dict[str, Any]) -> str:
     """Speedup over FP32 (x, with the min-max over repeats as a bar) vs the accuracy axis (y).
 
     Reading it: one dot per measured recipe, coloured by format; the Pareto front is joined by a
-    line; the star is the best recipe; the dashed vertical line is FP32 speed (1x). Two dots whose
-    horizontal bars overlap are not measurably different in speed. Without latency (``--runs 0``)
+    line and numbered as in the report's list; the star is the best recipe; the dashed vertical
+    line is FP32 speed (1x). Two dots whose horizontal bars overlap are not measurably different
+    in speed; a log scale is used when speedups span more than 4x. Without latency (``--runs 0``)
     every dot sits at x = 1. Returns an ``<svg>`` string.
 
     Example:
@@ -73,14 +74,17 @@ def pareto_plot(doc: dict[str, Any]) -> str:
     if front:
         pts = sorted(xy(e)[:2] for e in front)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], color="#27ae60", lw=1.2, zorder=2, label="Pareto front")
-        for e in front:
+        for i, e in enumerate(front, 1):  # numbered as in the report's list: long labels would overlap
             x, y = xy(e)[:2]
-            ax.annotate(e["label"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points", color="#333")
+            ax.annotate(str(i), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color="#333")
     best = (doc.get("best") or {}).get("label")
     if best in by_label:
         x, y = xy(by_label[best])[:2]
         ax.scatter([x], [y], marker="*", s=180, color="#27ae60", zorder=4, label="best")
     ax.axvline(1.0, color="#7f8c8d", ls="--", lw=0.9, label="FP32 speed")
+    xs = [xy(e)[0] for e in ok if math.isfinite(xy(e)[0]) and xy(e)[0] > 0]
+    if xs and max(xs) / min(xs) > 4:  # e.g. dynamic ConvInteger at 0.06x next to 1.1x static models
+        ax.set_xscale("log")
     ax.set_xlabel("speedup over FP32 (p50; bar = min-max over repeats)")
     ax.set_ylabel(f"{axis} (held-out)")
     ax.set_title(f"{len(ok)} measured recipes, {len(front)} on the Pareto front", fontsize=9)

@@ -180,7 +180,9 @@ def varying_keys(recipes: list[Recipe]) -> list[str]:
 
 
 def _flat(d: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in d.items() if k != "extra_options"}
+    """Keys as ``extra_options.X`` for options; a dynamic recipe's static-only keys (inert defaults) left out."""
+    dynamic = d.get("mode") == "dynamic"
+    out = {k: v for k, v in d.items() if k != "extra_options" and not (dynamic and k in STATIC_ONLY)}
     out.update({f"extra_options.{k}": v for k, v in (d.get("extra_options") or {}).items()})
     return out
 
@@ -348,7 +350,8 @@ def objective_value(entry: SweepEntry, objective: str) -> float | None:
 def rank_entries(entries: list[SweepEntry], objective: str) -> list[tuple[str, SweepEntry]]:
     """Measured entries sorted by ``objective`` (best first), each with its rank label.
 
-    Accuracy metrics and size are deterministic: equal values share a rank, ties keep grid order.
+    Accuracy metrics and size are deterministic: equal values share a rank and are ordered by
+    measured speed (:func:`compare_latency`), then grid order.
     For ``latency`` a rank is a noise group: an entry starts a new rank only when it is measurably
     slower (:func:`compare_latency`) than the first entry of the current rank; inside a rank
     entries are ordered by min cosine, not by their (unmeasurable) speed difference. Shared ranks
@@ -1317,6 +1320,12 @@ def summary_lines(result: SweepResult) -> list[str]:
         v = objective_value(best, result.objective)
         shown = f"{v:.2f}x FP32" if result.objective == "latency" else _fmt(v)
         lines.append(f"best by {result.objective}: {result.labels[best.key]} ({result.objective} {shown})")
+        r = result.best_recipe
+        if r is not None and r.mode == "static" and r.calibration is None:
+            lines.append(
+                "  note: best.recipe.json names no calibration data (the inputs came from --random or --reader): "
+                "give diag quantize --calib or --reader"
+            )
     front = pareto_front(result.entries, result.accuracy)
     lines.append(
         f"pareto front ({result.accuracy} vs latency): {len(front)} recipe(s), listed in sweep.md; "

@@ -471,3 +471,44 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
     plain_quantize(fp32, out / "best.recipe.json", plain, tmp_path)
     got = plain_min_cosine(fp32, plain, arrays, doc["split"]["held_out_first"], doc["split"]["batch"])
     assert got == pytest.approx(best["metrics"]["cosine"], abs=1e-6)
+
+
+READER = '''
+import numpy as np
+
+CALLS = {"n": 0, "stop_at": None}
+
+
+def make():
+    """Four batches of the saved inputs; raises KeyboardInterrupt (Ctrl-C) on call number stop_at."""
+    CALLS["n"] += 1
+    if CALLS["n"] == CALLS["stop_at"]:
+        raise KeyboardInterrupt
+    with np.load(__file__.replace("sweep_reader.py", "inputs.npz")) as z:
+        arrays = {k: z[k] for k in z.files}
+    return [{k: v[i : i + 4] for k, v in arrays.items()} for i in range(0, 16, 4)]
+'''
+
+
+def test_ctrl_c_in_the_cli_exits_130_and_the_same_command_resumes(tmp_path, monkeypatch, capsys):
+    import importlib
+
+    fp32, _, _ = write_fixture(tmp_path, "transformer", samples=16)
+    (tmp_path / "sweep_reader.py").write_text(READER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reader = importlib.import_module("sweep_reader")
+    out = tmp_path / "cli"
+    argv = ["sweep", str(fp32), "--reader", "sweep_reader:make", "--runs", "2", "--warmup", "0", "--repeats", "1"]
+    argv += ["--grid", '{"mode": "dynamic", "weight_type": ["QInt8", "QUInt8"], "per_channel": [false, true]}']
+    argv += ["--out", str(out), "--quiet"]
+    reader.CALLS.update(n=0, stop_at=7)  # a few passes in: after some recipes finished, before all did
+    assert main(argv) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    finished = (out / "sweep.jsonl").read_text().splitlines()
+    assert 1 <= len(finished) < 4 and not (out / "sweep.json").exists()
+
+    reader.CALLS.update(n=0, stop_at=None)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"{4 - len(finished)} measured now, {len(finished)} resumed from sweep.jsonl" in text
+    assert (out / "sweep.jsonl").read_text().splitlines()[: len(finished)] == finished
