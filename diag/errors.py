@@ -35,7 +35,7 @@ SLUGS: dict[str, str] = {
     "too-large": "the request would need more memory than allowed; refused up front",
     "runtime-failure": "onnxruntime failed while running a model (node named)",
     "bad-out": "the output folder cannot be created or written",
-    "bad-report": "a diag.json file is unreadable or has an unknown schema version",
+    "bad-report": "a diag.json file is unreadable or has an unknown schema version, or shard files do not form one run",
     "missing-templates": "the report templates are not installed with the package",
     "bad-recipe": "a recipe file is not valid JSON/TOML or has an unknown key or value",
     "quantize-failed": "onnxruntime's quantizer failed, or its output does not load in onnxruntime",
