@@ -31,6 +31,14 @@ _LAZY = {
     "save_recipe": "diag.recipe",
     "QuantizeReport": "diag.quantize",
     "quantize_model": "diag.quantize",
+    "compare_to_dir": "diag.compare",
+    "FeedSpec": "diag.feeds",
+    "derive_exclusions": "diag.exclude",
+    "exclude_to_dir": "diag.exclude",
+    "bench_models": "diag.bench",
+    "weight_report": "diag.weights",
+    "find_patterns": "diag.patterns",
+    "skip_one_sensitivity": "diag.sensitivity",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

@@ -276,3 +276,20 @@ def test_calibration_range_override_removes_the_clipping_it_reports(built, tmp_p
     assert before.health[s.tensor].clips
     assert after.health[s.tensor].clip_fraction < before.health[s.tensor].clip_fraction / 10
     assert not after.health[s.tensor].clips
+
+
+def test_sections_for_analyses_that_did_not_run_are_absent_not_empty(built, tmp_path):
+    from diag.compare import compare_to_dir
+
+    b = built("convnet")
+    feeds = FeedSpec(inputs=str(b.inputs_path), samples=8, batch=8)
+    _, files = compare_to_dir(
+        b.fp32, b.int8["qdq"], feeds, tmp_path / "off", CompareOptions(progress=False, distributions=False)
+    )
+    html = files["report.html"].read_text()
+    for section in ("Outlier channels", "Quantization health", "Distributions of the worst", "Sensitivity"):
+        assert section not in html, section
+    assert "Weights" in html and "Error by pattern" in html  # static analyses still ran
+    _, files = compare_to_dir(b.fp32, b.int8["qdq"], feeds, tmp_path / "on", CompareOptions(progress=False))
+    html = files["report.html"].read_text()
+    assert "Outlier channels" in html and "Quantization health" in html and 'id="distribution-plots"' in html
