@@ -162,6 +162,19 @@ def expand_grid(grid: dict[str, Any], base_dir: str | None = None, source: str =
     return out
 
 
+def recipe_file_dict(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as a recipe file holds it; a dynamic one without static-only keys (`diag lint` flags them).
+
+    Example:
+        >>> "quant_format" in recipe_file_dict(Recipe(mode="dynamic"))
+        False
+    """
+    d = recipe.to_dict()
+    if recipe.mode == "dynamic":
+        d = {k: v for k, v in d.items() if k not in STATIC_ONLY}
+    return d
+
+
 def _canonical(recipe: Recipe) -> str:
     return json.dumps(recipe.to_dict(), sort_keys=True)
 
@@ -653,7 +666,7 @@ class SweepResult:
         return _json_safe(doc)
 
     def best_recipe_dict(self) -> dict[str, Any] | None:
-        return self.best_recipe.to_dict() if self.best_recipe else None
+        return recipe_file_dict(self.best_recipe) if self.best_recipe else None
 
 
 def _target_value(e: SweepEntry, metric: str) -> float | None:
@@ -965,7 +978,7 @@ def _measure(
     bench_models: Callable[..., Any],
 ) -> SweepEntry:
     """Quantize, evaluate and time one recipe; onnxruntime's rejections become a skipped entry."""
-    d = recipe.to_dict()
+    d = recipe_file_dict(recipe)
     calib = calibration if recipe.mode == "static" and recipe.calibration is None else None
     try:
         rep = quantize_model(fp32, recipe, path, calibration=calib, progress=False)
@@ -1273,7 +1286,11 @@ def sweep_to_dir(
     }
     best_path = out / "best.recipe.json"
     if result.best_recipe is not None:
-        files["best.recipe.json"] = save_recipe(result.best_recipe, best_path)
+        if result.best_recipe.mode == "dynamic":  # save_recipe would write inert static-only keys
+            text = json.dumps(recipe_file_dict(result.best_recipe), indent=2) + "\n"
+            files["best.recipe.json"] = atomic_write(best_path, text)
+        else:  # rebases the calibration path onto the recipe's folder
+            files["best.recipe.json"] = save_recipe(result.best_recipe, best_path)
     else:
         best_path.unlink(missing_ok=True)
     return result, files

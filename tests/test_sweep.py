@@ -27,6 +27,7 @@ from diag.cli import build_parser, main
 from diag.errors import DiagError
 from diag.feeds import FeedSpec
 from diag.fixtures import models
+from diag.lint import lint_recipe_file
 from diag.recipe import load_recipe
 from diag.sweep import (
     DEFAULT_GRID,
@@ -288,6 +289,7 @@ def test_default_grid_on_the_convnet_fixture_writes_table_front_and_a_best_recip
     assert (out / "pareto.svg").read_text().startswith("<svg")
 
     # best.recipe.json is a recipe file diag reads, and plain onnxruntime reproduces its metric
+    assert lint_recipe_file(out / "best.recipe.json", fp32) == []
     best = load_recipe(out / "best.recipe.json")
     assert best.mode == "static" and best.calibration_path() is not None
     plain = tmp_path / "plain.onnx"
@@ -404,6 +406,9 @@ def test_cli_sweep_maps_flags_to_one_call_and_prints_the_best_recipe(tmp_path, c
     best = next(e for e in doc["entries"] if e["key"] == doc["best"]["key"])
     assert best["metrics"]["max_abs"] == min(values)
     assert f"wrote best.recipe.json: {out / 'best.recipe.json'}" in text
+    # a dynamic best recipe is a clean recipe file: no inert static-only keys for diag lint to flag
+    assert "quant_format" not in json.loads((out / "best.recipe.json").read_text())
+    assert lint_recipe_file(out / "best.recipe.json", fp32) == []
     # latency objective without latency runs is a user error, one line
     assert main([*argv[:-2], "--objective", "latency"]) == 2
     assert "error[bad-option]" in capsys.readouterr().err
