@@ -108,8 +108,10 @@ def suggestions_for(
         top = health.outliers[0]
         dims = ", ".join(str(o.index) for o in health.outliers[:5])
         levels = f"{health.median_channel_levels:.1f}" if health.median_channel_levels is not None else "few"
+        n = len(health.outliers)
+        which = f"channel {dims} reaches" if n == 1 else f"{n} channels ({dims}{', ...' if n > 5 else ''}) reach up to"
         problem = (
-            f"channel {dims} reaches {top.max_abs:.3g}, {top.times_median:.0f}x the median channel; "
+            f"{which} {top.max_abs:.3g}, {top.times_median:.0f}x the median channel; "
             f"with one per-tensor scale a typical channel spans only {levels} levels"
         )
         if static:
