@@ -439,7 +439,7 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
     from diag.fixtures.thirdparty import rapidocr_model, text_images
 
     fp32 = rapidocr_model("cls")
-    images = np.asarray(text_images(16, 48, 192, seed=3), dtype=np.float32)
+    images = np.asarray(text_images(12, 48, 192, seed=3), dtype=np.float32)
     arrays = {"x": images}
     np.savez(tmp_path / "inputs.npz", **arrays)
     grid = json.dumps(
@@ -457,9 +457,10 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
         FeedSpec(inputs=str(tmp_path / "inputs.npz"), batch=4),
         out,
         grid=grid,
-        runs=5,
+        runs=4,
         warmup=1,
         repeats=2,
+        threads=1,
         progress=False,
     )
     doc = json.loads((out / "sweep.json").read_text())
