@@ -357,7 +357,7 @@ def _run_pass(
     ext_q = q.path.resolve().parent if q.has_external_data else None
 
     def session(model: onnx.ModelProto, role: str, ext: Path | None) -> Any:
-        return session_from_model(model, role, options.opt_level, threads, ext, spinning=False)
+        return session_from_model(model, role, options.opt_level, threads, ext, takes_turns=True)
 
     fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", ext_fp)
     q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)

@@ -2,16 +2,21 @@
 
 Not collected by pytest (no ``test_`` prefix). Run from anywhere after ``pip install .``::
 
-    python tests/perf/bench_compare.py --size 320 --samples 8 --repeat 2
+    python tests/perf/bench_compare.py --size 320 --samples 8 --repeat 3
 
-It fetches RapidOCR's PP-OCRv4 detector from its PyPI wheel (cached), quantizes it to QDQ with
-onnxruntime, draws text-like images, and prints wall time and peak RSS of:
+It fetches RapidOCR's PP-OCRv4 detector from its PyPI wheel (cached), quantizes it with
+onnxruntime (QDQ and dynamic, ``--formats``), draws text-like images, and prints wall time and
+peak RSS (min-max over ``--repeat`` runs, each in a fresh process) of:
 
 * floor: the instrumented FP32 and INT8 models run once over the inputs, every output touched,
-  nothing kept;
-* diag: ``diag.compare_models`` (accumulated + local error), exact mode;
-* ort: ``modify_model_output_intermediate_tensors`` + ``collect_activations`` +
-  ``create_activation_matching`` + ``compute_activation_error``.
+  nothing kept (the unavoidable cost of looking at every tensor);
+* diag: ``diag.compare_models`` (accumulated + local error + histograms + outliers), exact mode;
+* ort (QDQ only; it matches no tensor of a dynamic model): ``modify_model_output_intermediate_tensors``
+  + ``collect_activations`` + ``create_activation_matching`` + ``compute_activation_error``.
+
+Then the ratios the issue sets targets for (diag / floor wall <= 1.5, RSS <= 1.25; ort / diag
+wall >= 5, RSS >= 3), the time of one local-error pass (the cut model) over one INT8 pass with
+every tensor exposed (<= 2), and with ``--flat 4,64`` diag's peak RSS at 64 samples over 4.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
 import numpy as np
-mode, folder, samples = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-fp, q, inputs = folder / "fp32.onnx", folder / "qdq.onnx", folder / "inputs.npz"
+mode, folder, samples, fmt = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+fp, q, inputs = folder / "fp32.onnx", folder / f"{fmt}.onnx", folder / "inputs.npz"
 start = time.perf_counter()
+extra = {}
 if mode == "diag":
     from diag.compare import CompareOptions, compare_models
     from diag.feeds import FeedSpec
@@ -52,6 +58,37 @@ elif mode == "floor":
         for s in sessions:
             for v in s.run(None, {name: data[name][i:i + 1]}):
                 float(np.asarray(v).ravel()[:1].sum()) if v.size else 0.0
+elif mode == "passes":
+    # One INT8 pass with every matched tensor exposed vs one pass of the cut model (local error),
+    # built exactly as diag builds them; feeds of the cut model are the FP32 values.
+    import onnx
+    from diag.compare import load_pair
+    from diag.instrument import cut_model, exposed_model
+    from diag.match import match_models
+    from diag.run import default_threads, run_batch, session_from_model
+    f, qm = load_pair(fp, q)
+    pairs = match_models(f.proto, qm.proto).pairs
+    th = default_threads()
+    fs = session_from_model(exposed_model(f.proto, list(pairs)), "fp", threads=th, takes_turns=True)
+    names = [p.int8_name for p in pairs.values()] + [p.dynamic_scale for p in pairs.values() if p.dynamic_scale]
+    qs = session_from_model(exposed_model(qm.proto, names), "int8", threads=th, takes_turns=True)
+    cut = cut_model(qm.proto, [p for p in pairs.values() if p.producer is not None])
+    cs = session_from_model(cut.model, "cut", threads=th, takes_turns=True)
+    data = np.load(inputs)
+    name = data.files[0]
+    t_fp = t_q = t_cut = 0.0
+    for i in range(samples + 1):
+        feeds = {name: data[name][i % len(data[name]):i % len(data[name]) + 1]}
+        t = time.perf_counter(); fo = run_batch(fs, feeds, "fp"); a = time.perf_counter() - t
+        t = time.perf_counter(); run_batch(qs, feeds, "int8"); b = time.perf_counter() - t
+        cf = dict(feeds)
+        for ci in cut.inputs:
+            v = fo[ci.fp_name]
+            cf[ci.name] = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype)) if ci.quant else v
+        t = time.perf_counter(); run_batch(cs, cf, "cut"); c = time.perf_counter() - t
+        if i:  # the first run warms up
+            t_fp += a; t_q += b; t_cut += c
+    extra = {"fp32_s": t_fp, "int8_s": t_q, "cut_s": t_cut}
 elif mode == "ort":
     from onnxruntime.quantization.qdq_loss_debug import (
         collect_activations, compute_activation_error, create_activation_matching,
@@ -73,11 +110,11 @@ elif mode == "ort":
     b = collect_activations(str(folder / "q_aug.onnx"), R())
     compute_activation_error(create_activation_matching(b, a))
 print(json.dumps({"seconds": time.perf_counter() - start,
-                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}))
 """
 
 
-def prepare(folder: Path, size: int, samples: int) -> None:
+def prepare(folder: Path, size: int, samples: int, formats: list[str]) -> None:
     import numpy as np
     import onnx
 
@@ -87,60 +124,92 @@ def prepare(folder: Path, size: int, samples: int) -> None:
     name = src.graph.input[0].name
     onnx.save(quantize.lift_constants(src), folder / "fp32.onnx")
     images = thirdparty.text_images(samples + 4, size, size, seed=5)
-    quantize.quantize(folder / "fp32.onnx", folder / "qdq.onnx", "qdq", {name: images[:4]})
+    for fmt in formats:
+        quantize.quantize(folder / "fp32.onnx", folder / f"{fmt}.onnx", fmt, {name: images[:4]})
     np.savez(folder / "inputs.npz", **{name: images[4:]})
 
 
-def measure(mode: str, folder: Path, samples: int) -> dict[str, float]:
+def measure(mode: str, folder: Path, samples: int, fmt: str) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(folder), str(samples)], capture_output=True, text=True, cwd=folder
+        [sys.executable, "-c", CHILD, mode, str(folder), str(samples), fmt],
+        capture_output=True,
+        text=True,
+        cwd=folder,
     )
     if out.returncode != 0:
         return {"seconds": float("nan"), "peak_mb": float("nan"), "error": out.stderr.strip().splitlines()[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _span(values: list[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} (min {min(values):{fmt}}, max {max(values):{fmt}})"
+
+
+def _ratio(num: list[float], den: list[float]) -> str:
+    """Median ratio, with the extremes the noise allows (min/max and max/min)."""
+    mid = statistics.median(num) / statistics.median(den)
+    return f"x{mid:.2f} (noise x{min(num) / max(den):.2f}-x{max(num) / min(den):.2f})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=320, help="image side (PP-OCR det takes any multiple of 32)")
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=2, help="runs per mode; min-max shown as noise")
-    ap.add_argument("--modes", default="floor,diag,ort")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per mode, each in a fresh process; min-max shown")
+    ap.add_argument("--modes", default="floor,diag,ort,passes")
+    ap.add_argument("--formats", default="qdq,dynamic", help="INT8 formats to benchmark")
+    ap.add_argument("--flat", metavar="A,B", help="also diag's peak RSS at A and at B samples, e.g. 4,64")
     args = ap.parse_args()
+    formats = args.formats.split(",")
+    flat = [int(x) for x in args.flat.split(",")] if args.flat else []
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
         t = time.perf_counter()
-        prepare(folder, args.size, args.samples)
+        prepare(folder, args.size, max([args.samples, *flat]), formats)
         print(
-            f"prepared PP-OCRv4 det QDQ at {args.size}x{args.size}, {args.samples} samples "
+            f"prepared PP-OCRv4 det ({', '.join(formats)}) at {args.size}x{args.size}, {args.samples} samples "
             f"in {time.perf_counter() - t:.0f} s"
         )
-        results: dict[str, list[dict[str, float]]] = {}
-        for mode in args.modes.split(","):
-            results[mode] = [measure(mode, folder, args.samples) for _ in range(args.repeat)]
-            runs = results[mode]
-            secs = [r["seconds"] for r in runs]
-            peaks = [r["peak_mb"] for r in runs]
-            err = next((r["error"] for r in runs if "error" in r), "")
-            print(
-                f"{mode:6s} wall {statistics.median(secs):7.2f} s (min {min(secs):.2f}, max {max(secs):.2f})"
-                f"   peak RSS {statistics.median(peaks):8.0f} MB (min {min(peaks):.0f}, max {max(peaks):.0f})"
-                + (f"   FAILED: {err}" if err else "")
-            )
+        for fmt in formats:
+            results: dict[str, list[dict[str, float]]] = {}
+            for mode in args.modes.split(","):
+                if mode == "ort" and fmt != "qdq":
+                    continue  # qdq_loss_debug only understands QDQ tensor names
+                results[mode] = [measure(mode, folder, args.samples, fmt) for _ in range(args.repeat)]
+                runs = results[mode]
+                err = next((r["error"] for r in runs if "error" in r), "")
+                print(
+                    f"{fmt:8s} {mode:6s} wall {_span([r['seconds'] for r in runs], '6.2f')} s"
+                    f"   peak RSS {_span([r['peak_mb'] for r in runs], '5.0f')} MB"
+                    + (f"   FAILED: {err}" if err else "")
+                )
 
-        def med(mode: str, key: str) -> float:
-            return statistics.median(r[key] for r in results[mode])
+            def col(mode: str, key: str, results: dict[str, list[dict[str, float]]] = results) -> list[float]:
+                return [r[key] for r in results[mode]]
 
-        if "diag" in results and "floor" in results:
-            print(
-                f"diag / floor:  wall x{med('diag', 'seconds') / med('floor', 'seconds'):.2f}, "
-                f"peak RSS x{med('diag', 'peak_mb') / med('floor', 'peak_mb'):.2f}"
-            )
-        if "diag" in results and "ort" in results:
-            print(
-                f"ort / diag:    wall x{med('ort', 'seconds') / med('diag', 'seconds'):.2f}, "
-                f"peak RSS x{med('ort', 'peak_mb') / med('diag', 'peak_mb'):.2f}"
-            )
+            if "diag" in results and "floor" in results:
+                print(
+                    f"{fmt:8s} diag / floor:  wall {_ratio(col('diag', 'seconds'), col('floor', 'seconds'))}, "
+                    f"peak RSS {_ratio(col('diag', 'peak_mb'), col('floor', 'peak_mb'))}"
+                )
+            if "diag" in results and "ort" in results:
+                print(
+                    f"{fmt:8s} ort / diag:    wall {_ratio(col('ort', 'seconds'), col('diag', 'seconds'))}, "
+                    f"peak RSS {_ratio(col('ort', 'peak_mb'), col('diag', 'peak_mb'))}"
+                )
+            if "passes" in results and "error" not in results["passes"][0]:
+                print(
+                    f"{fmt:8s} local-error pass / INT8 pass (all tensors exposed): "
+                    f"{_ratio(col('passes', 'cut_s'), col('passes', 'int8_s'))}; "
+                    f"INT8 / FP32 pass: {_ratio(col('passes', 'int8_s'), col('passes', 'fp32_s'))}"
+                )
+            if flat:
+                peaks = {n: [measure("diag", folder, n, fmt)["peak_mb"] for _ in range(args.repeat)] for n in flat}
+                a, b = flat[0], flat[-1]
+                print(
+                    f"{fmt:8s} diag peak RSS at {a} samples {_span(peaks[a], '5.0f')} MB, at {b}: "
+                    f"{_span(peaks[b], '5.0f')} MB; {b} / {a}: {_ratio(peaks[b], peaks[a])}"
+                )
 
 
 if __name__ == "__main__":
