@@ -9,6 +9,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -363,64 +364,97 @@ def _run_pass(
     q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)
     cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
     cut_inputs = {i.name for i in cut_sess.get_inputs()} if cut_sess is not None else set()
-    offset = 0
-    for index, batch in enumerate(feeds):
-        if options.shard is not None and index % options.shard[1] != options.shard[0]:
+    # NOTE: between runs onnxruntime is idle, so the numpy reductions of one batch run on every
+    # core, one tensor per task. Each accumulator is touched by exactly one task per batch and
+    # batches are reduced in order, so the sums are the same as a sequential loop's, bit for bit.
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+
+    def reduce_all(jobs: list[tuple[Any, ...]]) -> None:
+        if pool is None:
+            for job in jobs:
+                _reduce(*job)
+        else:
+            for done in [pool.submit(_reduce, *job) for job in jobs]:
+                done.result()
+
+    try:
+        offset = 0
+        for index, batch in enumerate(feeds):
+            if options.shard is not None and index % options.shard[1] != options.shard[0]:
+                offset += batch.size
+                progress.advance(batch.size)
+                continue
+            fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
+            q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
+            jobs: list[tuple[Any, ...]] = []
+            for name, pair in list(mine.items()):
+                value = q_out[pair.int8_name]
+                ref = fp_out[name]
+                if value.shape != ref.shape:  # dequantizing keeps the shape
+                    runtime_unmatched[name] = (
+                        f"shape differs at run time: FP32 {ref.shape}, INT8 '{pair.int8_name}' {value.shape}"
+                    )
+                    del mine[name]
+                    pairs.pop(name, None)
+                    state.accumulated.pop(name, None)
+                    state.distributions.pop(name, None)
+                    continue
+                scale = _scale_for(pair, q_out)
+                acc = state.accumulated.setdefault(name, ErrorAccumulator())
+                dist = state.distributions.get(name)
+                jobs.append((acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None))
+            reduce_all(jobs)
+            jobs.clear()  # the INT8 values go with q_out below
+            for name in output_names:
+                state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name])
+            if labels is not None and first:
+                _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size, offset)
+            del q_out
+            if cut is not None and cut_sess is not None:
+                cut_feeds = {k: v for k, v in batch.feeds.items() if k in cut_inputs}
+                for ci in cut.inputs:
+                    v = fp_out[ci.fp_name]
+                    if ci.quant is not None:
+                        v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
+                    cut_feeds[ci.name] = v
+                local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
+                jobs = []
+                for lo in cut.outputs:
+                    if lo.fp_name not in mine:
+                        continue
+                    value = local_out[lo.name]
+                    ref = fp_out[lo.fp_name]
+                    if value.shape == ref.shape:
+                        acc = state.local.setdefault(lo.fp_name, ErrorAccumulator())
+                        jobs.append((acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None))
+                reduce_all(jobs)
+                del jobs, local_out
+            del fp_out
+            if first:
+                state.samples += batch.size
+                state.batches += 1
             offset += batch.size
             progress.advance(batch.size)
-            continue
-        fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
-        q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
-        for name, pair in list(mine.items()):
-            value = q_out[pair.int8_name]
-            if pair.dequant is not None:
-                value = pair.dequant.dequantize(value)
-            ref = fp_out[name]
-            if value.shape != ref.shape:
-                runtime_unmatched[name] = (
-                    f"shape differs at run time: FP32 {ref.shape}, INT8 '{pair.int8_name}' {value.shape}"
-                )
-                del mine[name]
-                pairs.pop(name, None)
-                state.accumulated.pop(name, None)
-                state.distributions.pop(name, None)
-                continue
-            scale = _scale_for(pair, q_out)
-            state.accumulated.setdefault(name, ErrorAccumulator()).update(ref, value, scale)
-            if name in state.distributions:
-                dyn = scale if pair.dynamic_scale else None
-                state.distributions[name].update(ref, value, dyn)
-        for name in output_names:
-            state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name])
-        if labels is not None and first:
-            _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size, offset)
-        del q_out
-        if cut is not None and cut_sess is not None:
-            cut_feeds = {k: v for k, v in batch.feeds.items() if k in cut_inputs}
-            for ci in cut.inputs:
-                v = fp_out[ci.fp_name]
-                if ci.quant is not None:
-                    v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
-                cut_feeds[ci.name] = v
-            local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
-            for lo in cut.outputs:
-                if lo.fp_name not in mine:
-                    continue
-                value = local_out[lo.name]
-                if lo.dequant is not None:
-                    value = lo.dequant.dequantize(value)
-                ref = fp_out[lo.fp_name]
-                if value.shape == ref.shape:
-                    state.local.setdefault(lo.fp_name, ErrorAccumulator()).update(
-                        ref, value, _scale_for(mine[lo.fp_name], None)
-                    )
-            del local_out
-        del fp_out
-        if first:
-            state.samples += batch.size
-            state.batches += 1
-        offset += batch.size
-        progress.advance(batch.size)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+
+
+def _reduce(
+    acc: ErrorAccumulator,
+    dist: DistributionAccumulator | None,
+    ref: np.ndarray,
+    value: np.ndarray,
+    dequant: Any,
+    scale: float | None,
+    dynamic_scale: float | None,
+) -> None:
+    """Reduce one tensor of one batch into its accumulators (one task of the reduction pool)."""
+    if dequant is not None:
+        value = dequant.dequantize(value)
+    acc.update(ref, value, scale)
+    if dist is not None:
+        dist.update(ref, value, dynamic_scale)
 
 
 def _count_correct(
