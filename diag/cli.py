@@ -162,6 +162,20 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
     print(f"verdict: {result.grade.upper()} - {_safe(result.cause_sentence)}")
     for v in result.verdicts:
         print(f"  output {_safe(v.name)}: {v.grade} ({_safe('; '.join(v.reasons))})")
+    exact = {v.name: v.per_sample for v in result.verdicts}
+    for name, d in getattr(result, "deployed", {}).items():
+        e = exact.get(name)
+        print(
+            f"  deployed ({result.options.opt_level}) output {_safe(name)}: cosine min {d.cosine_min:.6f}, "
+            f"max abs {d.max_abs:.3g}"
+            + (f" (exact mode: cosine min {e.cosine_min:.6f}, max abs {e.max_abs:.3g})" if e is not None else "")
+        )
+    if getattr(result, "fused", None):
+        hidden = {n for k in result.fused for n in k.fp_nodes}
+        print(
+            f"  {len(result.fused)} fused onnxruntime kernel(s) hide {len(hidden)} FP32 node(s) "
+            "(diag.json deployed.fused_kernels)"
+        )
     roots = sorted((f for f in result.findings if f.role == "root-cause"), key=lambda f: f.rank_local)
     for f in roots[:3]:
         print(

@@ -38,10 +38,10 @@ from diag.distributions import (
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
 from diag.graph import fp_graph
-from diag.instrument import CutModel, cut_model, exposed_model, pruned_cut
+from diag.instrument import CutModel, FusedKernel, cut_model, exposed_model, fused_kernels, pruned_cut
 from diag.load import LoadedModel, model_from_path
 from diag.match import Matching, TensorPair, match_models, node_id
-from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator
+from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats
 from diag.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.progress import Progress
 from diag.remedies import Suggestion, all_suggestions
@@ -93,6 +93,10 @@ class CompareState:
     batches: int = 0
     #: Passes over the inputs the memory budget needed (1 = every tensor exposed at once).
     passes: int = 1
+    #: Model outputs as onnxruntime really runs the models at ``--ort-opt-level`` (not disabled).
+    deployed: dict[str, OutputAccumulator] = field(default_factory=dict)
+    #: Kernels of the optimized INT8 graph that hide nodes of the model as written.
+    fused: list[FusedKernel] = field(default_factory=list)
 
     def merge(self, other: CompareState) -> CompareState:
         for mine, theirs in ((self.accumulated, other.accumulated), (self.local, other.local)):
@@ -110,6 +114,9 @@ class CompareState:
         self.samples += other.samples
         self.batches += other.batches
         self.passes = max(self.passes, other.passes)
+        for k, dep in other.deployed.items():
+            self.deployed.setdefault(k, OutputAccumulator()).merge(dep)
+        self.fused = self.fused or list(other.fused)
         return self
 
 
@@ -142,6 +149,9 @@ class CompareResult:
     pattern_instances: list[PatternTotal] = field(default_factory=list)
     pattern_kinds: list[PatternTotal] = field(default_factory=list)
     passes: int = 1
+    #: Output figures of what onnxruntime really runs at ``options.opt_level`` (empty when disabled).
+    deployed: dict[str, OutputStats] = field(default_factory=dict)
+    fused: list[FusedKernel] = field(default_factory=list)
     #: The mergeable accumulators behind this result (written into shard files).
     state: CompareState | None = None
     sensitivity: Any = None
@@ -293,6 +303,7 @@ def run_comparison(
             grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
             state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""))
     runtime_unmatched: dict[str, str] = {}
+    deployed = _deployed_sessions(fp, q, matching, options, state) if options.opt_level != "disabled" else None
     total = feeds.total_samples * len(groups) if feeds.total_samples is not None else None
     progress = Progress(total, "compare", enabled=options.progress)
     try:
@@ -300,12 +311,54 @@ def run_comparison(
             part = cut if cut is None or len(groups) == 1 else pruned_cut(cut, group)
             if part is not None and not part.outputs:
                 part = None  # e.g. a pass of model inputs only: nothing to recompute locally
-            _run_pass(fp, q, pairs, group, i == 0, part, feeds, options, state, runtime_unmatched, labels, progress)
+            _run_pass(
+                fp,
+                q,
+                pairs,
+                group,
+                i == 0,
+                part,
+                feeds,
+                options,
+                state,
+                runtime_unmatched,
+                labels,
+                progress,
+                deployed if i == 0 else None,
+            )
     finally:
         progress.close()
     if state.batches == 0:
         raise DiagError("bad-inputs", "inputs", "yielded zero samples", "provide at least one sample")
     return state, runtime_unmatched
+
+
+def _deployed_sessions(
+    fp: LoadedModel, q: LoadedModel, matching: Matching, options: CompareOptions, state: CompareState
+) -> tuple[Any, Any]:
+    """FP32 and INT8 sessions at ``options.opt_level`` with only the model outputs: what really runs.
+
+    The INT8 graph onnxruntime optimizes is saved to a temp file to see which fused kernels hide
+    which nodes (``state.fused``). Skipped for models with external data, whose saved graph
+    would carry a copy of the weights.
+    """
+    import tempfile
+
+    threads = options.threads or default_threads()
+    ext_fp = fp.path.resolve().parent if fp.has_external_data else None
+    ext_q = q.path.resolve().parent if q.has_external_data else None
+    role = f"FP32 model '{fp.path}' ({options.opt_level})"
+    fp_sess = session_from_model(fp.proto, role, options.opt_level, threads, ext_fp, takes_turns=True)
+    role = f"INT8 model '{q.path}' ({options.opt_level})"
+    if ext_q is not None:
+        return fp_sess, session_from_model(q.proto, role, options.opt_level, threads, ext_q, takes_turns=True)
+    with tempfile.TemporaryDirectory(prefix="diag-opt-") as tmp:
+        saved = Path(tmp) / "int8.optimized.onnx"
+        q_sess = session_from_model(q.proto, role, options.opt_level, threads, None, saved, takes_turns=True)
+        if saved.exists():
+            fp_nodes_of = {n: g.fp_nodes for g in matching.groups for n in g.int8_nodes}
+            state.fused = fused_kernels(q.proto, onnx.load(str(saved), load_external_data=False), fp_nodes_of)
+    return fp_sess, q_sess
 
 
 def _plan_passes(
@@ -342,6 +395,7 @@ def _run_pass(
     runtime_unmatched: dict[str, str],
     labels: np.ndarray | None,
     progress: Progress,
+    deployed: tuple[Any, Any] | None = None,
 ) -> None:
     """One pass over the inputs for the tensors of ``group`` (model outputs and counts on the first)."""
     mine = {name: pairs[name] for name in group if name in pairs}
@@ -358,7 +412,10 @@ def _run_pass(
     ext_q = q.path.resolve().parent if q.has_external_data else None
 
     def session(model: onnx.ModelProto, role: str, ext: Path | None) -> Any:
-        return session_from_model(model, role, options.opt_level, threads, ext, takes_turns=True)
+        # Exposed tensors are compared in exact mode whatever --ort-opt-level says: exposing a
+        # tensor blocks the fusions that would hide it, so an optimized exposed session is neither
+        # exact nor what really runs. What really runs is measured by the deployed sessions.
+        return session_from_model(model, role, "disabled", threads, ext, takes_turns=True)
 
     fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", ext_fp)
     q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)
@@ -407,6 +464,12 @@ def _run_pass(
             jobs.clear()  # the INT8 values go with q_out below
             for name in output_names:
                 state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name])
+            if deployed is not None:
+                dep_fp = run_batch(deployed[0], batch.feeds, f"FP32 model '{fp.path.name}' ({options.opt_level})")
+                dep_q = run_batch(deployed[1], batch.feeds, f"INT8 model '{q.path.name}' ({options.opt_level})")
+                for name in output_names:
+                    state.deployed.setdefault(name, OutputAccumulator()).update(dep_fp[name], dep_q[name])
+                del dep_fp, dep_q
             if labels is not None and first:
                 _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size, offset)
             del q_out
@@ -551,6 +614,8 @@ def finish(
         per_instance,
         per_kind,
         passes=state.passes,
+        deployed={k: a.finalize() for k, a in state.deployed.items()},
+        fused=list(state.fused),
         state=state,
     )
 

@@ -192,3 +192,64 @@ def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
                 names.extend(x for x in n.input if x and x not in produced)
                 names.extend(_subgraph_inputs(n))
     return names
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """A kernel onnxruntime runs in place of several nodes of the model as written.
+
+    ``hidden`` are the original nodes it replaced (their outputs no longer exist, so exact mode
+    cannot be reproduced at that optimization level); ``fp_nodes`` the FP32 nodes behind them.
+    """
+
+    name: str
+    op_type: str
+    hidden: list[str]
+    fp_nodes: list[str]
+
+
+def fused_kernels(
+    original: onnx.ModelProto, optimized: onnx.ModelProto, fp_nodes_of: dict[str, list[str]] | None = None
+) -> list[FusedKernel]:
+    """Which nodes of ``original`` each new kernel of ``optimized`` (onnxruntime's saved graph) hides.
+
+    A node of ``optimized`` that is not in ``original`` under the same name and op type is a
+    fused (or rewritten) kernel. Walking back from its outputs through ``original``, every node
+    whose output no longer exists in ``optimized`` was absorbed by it; the walk stops at tensors
+    that still exist (the kernel's inputs, other kernels' outputs). ``fp_nodes_of`` maps original
+    (INT8) node names to the FP32 node names behind them (from :mod:`diag.match`).
+
+    Example:
+        >>> [k.op_type for k in fused_kernels(qdq_model, onnx.load("qdq.opt.onnx"))]  # doctest: +SKIP
+        ['QLinearConv', 'QLinearConv']
+    """
+    g = original.graph
+    by_name = {n.name: n for n in g.node if n.name}
+    producer = {o: n for n in g.node for o in n.output if o}
+    og = optimized.graph
+    alive = {i.name for i in og.input} | {t.name for t in og.initializer}
+    alive |= {t for n in og.node for t in list(n.input) + list(n.output) if t}
+    kernels: list[FusedKernel] = []
+    for node in og.node:
+        same = by_name.get(node.name)
+        if same is not None and same.op_type == node.op_type:
+            continue
+        hidden: list[str] = []
+        seen: set[int] = set()
+        stack = [o for o in node.output if o in producer]
+        while stack:
+            src = producer[stack.pop()]
+            if id(src) in seen:
+                continue
+            seen.add(id(src))
+            hidden.append(src.name or src.op_type)
+            stack.extend(i for i in src.input if i and i not in alive and i in producer)
+        if not hidden or hidden == [node.name]:
+            continue
+        fp: list[str] = []
+        for h in hidden:
+            for f in (fp_nodes_of or {}).get(h, []):
+                if f not in fp:
+                    fp.append(f)
+        kernels.append(FusedKernel(node.name or node.op_type, node.op_type, hidden, fp))
+    return kernels

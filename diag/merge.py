@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
 from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
 from diag.errors import DiagError
+from diag.instrument import FusedKernel
 from diag.match import match_models
 from diag.metrics import ErrorAccumulator, OutputAccumulator
 
@@ -139,6 +141,8 @@ def state_to_json(state: CompareState) -> dict[str, Any]:
         "local": {k: _error_state(a) for k, a in state.local.items()},
         "outputs": {k: _output_state(a) for k, a in state.outputs.items()},
         "distributions": {k: _distribution_state(a) for k, a in state.distributions.items()},
+        "deployed": {k: _output_state(a) for k, a in state.deployed.items()},
+        "fused": [asdict(k) for k in state.fused],
     }
 
 
@@ -158,6 +162,8 @@ def state_from_json(d: dict[str, Any]) -> CompareState:
         samples=int(d["samples"]),
         batches=int(d["batches"]),
         passes=int(d["passes"]),
+        deployed={k: _output_from(v) for k, v in d["deployed"].items()},
+        fused=[FusedKernel(**k) for k in d["fused"]],
     )
 
 

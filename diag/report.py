@@ -98,6 +98,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
             "local_error": result.options.local,
             "passes": getattr(result, "passes", 1),
         },
+        "deployed": _deployed(result),
         "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB, "bands": BANDS},
         "verdict": {
             "grade": result.grade,
@@ -152,6 +153,29 @@ def document_from_result(result: Any) -> dict[str, Any]:
             for name in m.fp_float_tensors
             if name in result.accumulated
         },
+    }
+
+
+def _deployed(result: Any) -> dict[str, Any] | None:
+    """Outputs as onnxruntime really runs the models at --ort-opt-level, and what its fusions hide."""
+    deployed = getattr(result, "deployed", None)
+    if not deployed:
+        return None
+    return {
+        "opt_level": result.options.opt_level,
+        "outputs": {
+            name: {
+                "cosine_min": _num(s.cosine_min),
+                "cosine_mean": _num(s.cosine_mean),
+                "max_abs": _num(s.max_abs),
+                "top1_agreement": _num(s.top1_agreement),
+                "samples": s.samples,
+            }
+            for name, s in deployed.items()
+        },
+        "fused_kernels": [
+            {"kernel": k.name, "op_type": k.op_type, "hides": k.hidden, "fp_nodes": k.fp_nodes} for k in result.fused
+        ],
     }
 
 

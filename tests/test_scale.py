@@ -349,3 +349,31 @@ def test_model_over_2gb_with_external_data_is_compared_without_copying_its_weigh
     finally:
         for p in folder.iterdir():
             p.unlink()
+
+
+# ---------------------------------------------------------------- deployment-faithful mode
+
+
+def test_optimized_mode_reports_what_really_runs_and_which_kernels_hide_which_nodes(built):
+    b = built("transformer")
+    fp, q = load_pair(b.fp32, b.int8["qdq"])
+    matching = match_models(fp.proto, q.proto)
+
+    def run(level: str) -> CompareState:
+        feeds = feeds_from_arrays(b.inputs, input_specs(fp.proto), 16, 8, "x")
+        return run_comparison(fp, q, matching, feeds, CompareOptions(progress=False, opt_level=level))[0]
+
+    exact, deployed = run("disabled"), run("all")
+    # Per-tensor figures stay exact whatever the level (exposing a tensor would block its fusion).
+    for name, acc in exact.accumulated.items():
+        assert deployed.accumulated[name].s_ee == acc.s_ee, name
+    assert exact.deployed == {} and exact.fused == []
+    out = deployed.deployed["logits"].finalize()
+    assert out.samples == 16 and 0.9 < out.cosine_min <= 1.0
+    # onnxruntime fuses DQ -> MatMul -> Q into QLinearMatMul: the kernel names the FP32 MatMul it hides.
+    fc1 = [k for k in deployed.fused if "layer1/ffn/fc1/MatMul" in k.fp_nodes and k.op_type == "QLinearMatMul"]
+    assert fc1 and any(h.endswith("_DequantizeLinear") for h in fc1[0].hidden), deployed.fused[:3]
+    # Deployed figures and kernels survive the shard state round trip.
+    back = state_from_json(json.loads(json.dumps(state_to_json(deployed))))
+    assert back.fused == deployed.fused
+    assert vars(back.deployed["logits"]) == vars(deployed.deployed["logits"])
