@@ -27,6 +27,24 @@ from diag.errors import DiagError
 ROUNDING_NOISE = 1.0 / math.sqrt(12.0)
 
 
+def json_number(x: float | int | None) -> float | int | str | None:
+    """A number for JSON, which has no inf/nan: those become the strings "inf", "-inf", "nan".
+
+    Floats keep 6 significant digits: diag.json stays diffable between runs and small.
+
+    Example:
+        >>> json_number(float("inf")), json_number(0.1234567891)
+        ('inf', 0.123457)
+    """
+    if x is None or isinstance(x, int):
+        return x
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return float(f"{x:.6g}")
+
+
 @dataclass(frozen=True)
 class ErrorStats:
     """Final error figures for one tensor (see module docstring for definitions)."""

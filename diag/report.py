@@ -8,7 +8,6 @@ formatted here; templates only loop and print (autoescaped, StrictUndefined).
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.errors import DiagError
+from diag.metrics import json_number as _num
 
 SCHEMA = "diag/compare"
 SCHEMA_VERSION = 1
@@ -24,17 +24,6 @@ SUMMARY_MAX_LINES = 60
 
 
 # ---------------------------------------------------------------- JSON document
-
-
-def _num(x: float | int | None) -> float | int | str | None:
-    """JSON has no inf/nan: they are written as the strings "inf", "-inf", "nan"."""
-    if x is None or isinstance(x, int):
-        return x
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return float(f"{x:.6g}")
 
 
 def _stats(s: Any) -> dict[str, Any] | None:

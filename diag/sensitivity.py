@@ -12,7 +12,6 @@ INT8 model under diagnosis, the recipe does not describe it and the figures are 
 
 from __future__ import annotations
 
-import math
 import shutil
 import tempfile
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 from diag.exclude import Candidate, HeldOutEvaluator, HeldOutMetrics, ranked_candidates
 from diag.feeds import FeedSource
+from diag.metrics import json_number as _j
 from diag.progress import Progress
 from diag.recipe import Recipe
 
@@ -73,16 +73,6 @@ class SensitivityResult:
             "quantizations": self.quantizations,
             "seconds": round(self.seconds, 2),
         }
-
-
-def _j(v: float | None) -> float | str | None:
-    if v is None:
-        return None
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return float(v)
 
 
 def skip_one_sensitivity(

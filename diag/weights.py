@@ -48,6 +48,7 @@ import onnx
 from onnx import numpy_helper
 
 from diag.errors import DiagError
+from diag.metrics import json_number as _num
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
@@ -773,14 +774,3 @@ def _measure(
         channels=channels,
         is_bias=qw.is_bias,
     )
-
-
-def _num(x: float | int | None) -> float | int | str | None:
-    """JSON has no inf/nan: they are written as the strings "inf", "-inf", "nan" (as in report.py)."""
-    if x is None or isinstance(x, int):
-        return x
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return float(f"{x:.6g}")
