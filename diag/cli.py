@@ -621,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recipe",
         metavar="PATH",
-        help="recipe .json/.toml (onnxruntime's argument names); default {\"mode\": \"dynamic\"}",
+        help='recipe .json/.toml (onnxruntime\'s argument names); default {"mode": "dynamic"}',
     )
     p.add_argument("--target", required=True, metavar="METRIC>=V", help="goal on held-out inputs, e.g. cosine>=0.999")
     _add_feed_flags(p)

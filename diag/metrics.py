@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,20 @@ def json_number(x: float | int | None) -> float | int | str | None:
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
     return float(f"{x:.6g}")
+
+
+def number_from_json(v: Any) -> float:
+    """The inverse of :func:`json_number` for plotting: None and "nan" become NaN.
+
+    Example:
+        >>> number_from_json("-inf"), number_from_json(2)
+        (-inf, 2.0)
+    """
+    if v is None:
+        return math.nan
+    if isinstance(v, str):
+        return math.inf if v == "inf" else -math.inf if v == "-inf" else math.nan
+    return float(v)
 
 
 @dataclass(frozen=True)

@@ -6,21 +6,13 @@ compare plots; like them it reads only the JSON document, so a report can be re-
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from diag.metrics import number_from_json as _metric
 from diag.plots import _pyplot, _svg
 
 #: marker colour per search phase (op-type checks share one colour)
 PHASE_COLOURS = {"baseline": "#7f8c8d", "search": "#2471a3", "prune": "#d35400", "op-type": "#8e44ad"}
-
-
-def _metric(v: Any) -> float:
-    if v is None:
-        return math.nan
-    if isinstance(v, str):
-        return math.inf if v == "inf" else -math.inf if v == "-inf" else math.nan
-    return float(v)
 
 
 def trajectory_plot(doc: dict[str, Any]) -> str:

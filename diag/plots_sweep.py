@@ -9,18 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from diag.metrics import number_from_json as _num
 from diag.plots import _pyplot, _svg
 
 #: marker colour per quantization format
 FORMAT_COLOURS = {"dynamic": "#2471a3", "QDQ": "#d35400", "QOperator": "#8e44ad"}
-
-
-def _num(v: Any) -> float:
-    if v is None:
-        return math.nan
-    if isinstance(v, str):
-        return math.inf if v == "inf" else -math.inf if v == "-inf" else math.nan
-    return float(v)
 
 
 def pareto_plot(doc: dict[str, Any]) -> str:
