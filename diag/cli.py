@@ -229,12 +229,26 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Build a bundled fixture with a known defect, quantize it with onnxruntime and compare.
-    Works offline."""
+    """Build a bundled fixture with a known defect, quantize it with onnxruntime, compare, then
+    derive and verify the fix (the fewest nodes to keep in float for cosine>=0.999 on held-out
+    samples) with diag exclude. Works offline."""
     from diag.demo import run_demo
 
-    result, files = run_demo(args.out, args.fixture, args.format, samples=args.samples, progress=not args.quiet)
+    result, files, fix = run_demo(
+        args.out, args.fixture, args.format, samples=args.samples, progress=not args.quiet, fix=not args.no_fix
+    )
     _print_result(result, files)
+    if fix is not None:
+        before, after = fix.before.cosine, fix.after.cosine if fix.after else None
+        if fix.reachable and fix.nodes_to_exclude:
+            print(
+                f"verified fix: keep {len(fix.nodes_to_exclude)} node(s) in float "
+                f"({_safe(', '.join(fix.nodes_to_exclude))}): held-out cosine {before:.4f} -> {after:.4f} "
+                f"({fix.target})"
+            )
+        else:
+            print(f"verified fix: {fix.verdict} ({fix.target}, held-out cosine {before:.4f})")
+        print(f"wrote the fix's report: {_safe(args.out)}/fix/report.html")
     return OK
 
 
@@ -655,6 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantization format to demonstrate (default dynamic)",
     )
     p.add_argument("--samples", type=int, default=32, help="samples to compare (default 32)")
+    p.add_argument("--no-fix", action="store_true", help="diagnose only; skip the verified exclusion in DIR/fix")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = verb("quantize")

@@ -33,11 +33,42 @@ def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32)
     return {"fp32": fp, "int8": q, "calib": folder / "calib.npz", "inputs": folder / "inputs.npz"}
 
 
+#: The accuracy target the demo's exclusion must meet on held-out samples.
+DEMO_TARGET = "cosine>=0.999"
+
+
 def run_demo(
-    out: str | Path, fixture: str = "transformer", fmt: str = "dynamic", samples: int = 32, progress: bool = True
-) -> tuple[CompareResult, dict[str, Any]]:
-    """Build, quantize and compare one fixture; the report lands in ``out``."""
+    out: str | Path,
+    fixture: str = "transformer",
+    fmt: str = "dynamic",
+    samples: int = 32,
+    progress: bool = True,
+    fix: bool = True,
+) -> tuple[CompareResult, dict[str, Any], Any]:
+    """Build, quantize and compare one fixture (report in ``out``), then derive and verify the
+    fix with ``diag exclude`` (report in ``out/fix``) unless ``fix`` is False.
+
+    Returns the comparison, its files, and the ExclusionResult (None without ``fix``).
+    """
+    from diag.exclude import exclude_to_dir
+    from diag.recipe import Recipe
+
     out = ensure_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
     feeds = FeedSpec(inputs=str(files["inputs"]), batch=8)
-    return compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))
+    result, written = compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))
+    if not fix:
+        return result, written, None
+    recipe = (
+        Recipe(mode="dynamic")
+        if fmt == "dynamic"
+        else Recipe(
+            mode="static",
+            quant_format="QDQ" if fmt == "qdq" else "QOperator",
+            calibration=str(files["calib"].resolve()),
+        )
+    )
+    exclusion, _ = exclude_to_dir(
+        files["fp32"], recipe, feeds, DEMO_TARGET, out / "fix", bench_runs=10, progress=progress
+    )
+    return result, written, exclusion

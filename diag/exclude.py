@@ -1074,6 +1074,8 @@ def exclude_to_dir(
 
         # One report: the diagnosis of the baseline INT8 model, then the verified fix.
         doc = document_from_result(result.diagnosis)
+        # The diagnosed model is the recipe's baseline, quantized in a temp folder now gone.
+        doc["models"]["int8"]["path"] = "baseline INT8 (the recipe as given, quantized by diag exclude)"
         doc["exclusion"] = exclusion
         files.update(write_outputs(doc, out))
     return result, files

@@ -64,6 +64,9 @@ def trajectory_plot(doc: dict[str, Any]) -> str:
             label="returned list",
         )
     ax.set_xlabel("node groups kept in float")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"{metric} (held-out)")
     ax.set_title(f"{doc['search']['quantizations']} re-quantizations, verdict: {doc['verdict']}", fontsize=9)
     ax.legend(fontsize=7, loc="best")
