@@ -543,8 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def verb(name: str, **kw: Any) -> argparse.ArgumentParser:
         doc = inspect.cleandoc(VERBS[name].__doc__ or "")
+        # The verb list shows the docstring's first sentence, however many lines it spans.
+        paragraph = " ".join(doc.split("\n\n")[0].split())
+        summary = paragraph.split(". ")[0].rstrip(".") + "."
         p = sub.add_parser(
-            name, help=doc.splitlines()[0], description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kw
+            name, help=summary, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kw
         )
         p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
         return p
