@@ -32,6 +32,8 @@ _LAZY = {
     "QuantizeReport": "diag.quantize",
     "quantize_model": "diag.quantize",
     "compare_to_dir": "diag.compare",
+    "merge_shards": "diag.merge",
+    "merge_to_dir": "diag.merge",
     "FeedSpec": "diag.feeds",
     "derive_exclusions": "diag.exclude",
     "exclude_to_dir": "diag.exclude",
