@@ -120,12 +120,15 @@ class Pow2Histogram:
         if x.size == 0:
             return
         if peak is None or not math.isfinite(peak):
-            finite = x[np.isfinite(x)]
-            if finite.size != x.size:
-                x = finite
-            if x.size == 0:
-                return
-            peak = float(np.max(np.abs(x)))
+            # NOTE: min and max are NaN / inf exactly when some value is: two passes without a
+            # copy decide it, instead of an isfinite mask and a masked copy on every batch.
+            lo, hi = float(x.min()), float(x.max())
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                x = x[np.isfinite(x)]
+                if x.size == 0:
+                    return
+                lo, hi = float(x.min()), float(x.max())
+            peak = max(-lo, hi, 0.0)
         # Smallest k with 2^k > peak (strictly, so the top value stays inside the last bin).
         exponent = -40 if peak == 0.0 else max(-40, math.frexp(peak)[1])
         self._grow_to(max(exponent, self.exponent if self.exponent is not None else exponent))
@@ -280,13 +283,14 @@ class DistributionAccumulator:
         y = np.asarray(q)
         if x.size == 0 or not np.issubdtype(x.dtype, np.floating):
             return
-        finite = bool(np.isfinite(x).all())
-        xf = x if finite else np.where(np.isfinite(x), x, 0).astype(x.dtype)
+        lo, hi = float(x.min()), float(x.max())
+        xf = x
+        if not (math.isfinite(lo) and math.isfinite(hi)):  # min / max are NaN or inf iff a value is
+            xf = np.where(np.isfinite(x), x, 0).astype(x.dtype)
+            lo, hi = float(xf.min()), float(xf.max())
         if self.rank is None:
             self.rank = x.ndim
             self.axis = channel_axis(x.ndim, self.channel_hint)
-        lo = float(xf.min())
-        hi = float(xf.max())
         self.fp_min = min(self.fp_min, lo)
         self.fp_max = max(self.fp_max, hi)
         self.count += x.size
