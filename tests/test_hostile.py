@@ -225,20 +225,20 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     z["extra_output"] = _save(m, d / "extra_output.fp32.onnx")
 
     # External data: missing, pointing outside the folder, and a symlink escaping it.
-    for case in ("missing", "outside", "symlink"):
+    for case in ("missing", "outside", "absolute", "symlink"):
         sub = d / f"ext_{case}"
         sub.mkdir()
         path = sub / "model.onnx"
         onnx.save(mlp(), str(path), save_as_external_data=True, location="weights.data", size_threshold=0)
         if case == "missing":
             (sub / "weights.data").unlink()
-        elif case == "outside":
-            (sub / "weights.data").rename(d / "secret.data")
+        elif case in ("outside", "absolute"):
+            (sub / "weights.data").rename(d / f"secret_{case}.data")
             m = onnx.load(str(path), load_external_data=False)
             for t in m.graph.initializer:
                 for e in t.external_data:
                     if e.key == "location":
-                        e.value = "../secret.data"
+                        e.value = f"../secret_{case}.data" if case == "outside" else str(d / f"secret_{case}.data")
             onnx.save(m, str(path))
         else:
             (sub / "weights.data").rename(d / "elsewhere.data")
@@ -354,6 +354,12 @@ def _rows(z: dict[str, object], out: Path) -> list[Row]:
         Row("truncated model", ["inspect", d / "truncated.onnx"], "not-onnx", "not a readable ONNX model"),
         Row("unreadable file", ["inspect", d / "locked.onnx"], "unreadable", "permission denied"),
         Row("special file", ["inspect", "/dev/null"], "not-a-file", "is not a regular file"),
+        Row(
+            "escape codes in a path",
+            ["inspect", d / "\x1b[2Jevil\x07.onnx"],
+            "missing-file",
+            "/ [2Jevil .onnx' | does not exist",
+        ),
         # 2. valid ONNX that fails the checker or onnxruntime (and says which)
         Row("fails onnx.checker", ["inspect", z["checker_fail"]], "invalid-model", "fails onnx.checker"),
         Row(
@@ -442,6 +448,7 @@ def _rows(z: dict[str, object], out: Path) -> list[Row]:
         # 8. external data
         Row("missing .data", ["inspect", z["ext_missing"]], "missing-external-data", "which is missing"),
         Row("data outside folder", ["inspect", z["ext_outside"]], "unsafe-external-data", "outside the model's"),
+        Row("absolute data path", ["inspect", z["ext_absolute"]], "unsafe-external-data", "outside the model's"),
         Row("symlink escaping", ["inspect", z["ext_symlink"]], "unsafe-external-data", "outside the model's"),
         # 9. output
         Row(
