@@ -257,13 +257,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from diag.report import (
         atomic_write,
         ensure_out_dir,
-        load_document,
         render_html,
         render_markdown,
-        view_from_document,
+        view_from_file,
     )
 
-    view = view_from_document(load_document(args.json))
+    view = view_from_file(args.json)
     from pathlib import Path
 
     out = Path(args.out)

@@ -107,12 +107,14 @@ class Pow2Histogram:
         if self.exponent is None:
             self.exponent = exponent
             return
-        while self.exponent < exponent:
+        # After log2(BINS) folds every count sits in the two middle bins and further folds
+        # change nothing: fold at most that often (a hostile exponent must not loop forever).
+        for _ in range(min(exponent - self.exponent, int(math.log2(BINS)) + 1)):
             # Old bin i covers half of new bin BINS/4 + i//2: fold pairs into the middle half.
             folded = self.counts.reshape(-1, 2).sum(axis=1)
             self.counts = np.zeros(BINS, dtype=np.int64)
             self.counts[BINS // 4 : BINS // 4 + BINS // 2] = folded
-            self.exponent += 1
+        self.exponent = max(self.exponent, exponent)
 
     def update(self, x: np.ndarray, peak: float | None = None) -> None:
         """Count the finite values of ``x``; ``peak`` = max |x| if the caller already knows it."""

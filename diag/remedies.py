@@ -79,7 +79,8 @@ def quantized_consumers(model: onnx.ModelProto, matching: Matching, tensor: str)
         if tensor in node.input:
             nid = node_id(node, i)
             g = group_of.get(nid)
-            if g is not None and g.quantized:
+            # Unnamed nodes cannot be named in nodes_to_exclude (the report says to name them).
+            if g is not None and g.quantized and not g.unnamed:
                 for n in g.fp_nodes:
                     if n not in names:
                         names.append(n)

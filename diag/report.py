@@ -286,6 +286,25 @@ def _distributions(result: Any) -> dict[str, Any] | None:
     }
 
 
+def view_from_file(path: str | os.PathLike[str]) -> ReportView:
+    """Load a ``diag.json`` and format it; a hand-edited or truncated document is a user error.
+
+    Example:
+        >>> view_from_file("out/diag.json").grade  # doctest: +SKIP
+        'acceptable'
+    """
+    doc = load_document(path)
+    try:
+        return view_from_document(doc)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+        raise DiagError(
+            "bad-report",
+            f"report '{path}'",
+            f"has missing or malformed fields ({type(e).__name__}: {str(e)[:80]})",
+            "re-run diag compare to write it again",
+        ) from e
+
+
 def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a ``diag.json`` and check its schema version."""
     p = Path(path)
@@ -516,6 +535,7 @@ class ReportView:
     sensitivity: list[SensitivityRowView]
     neighbourhoods: list[tuple[str, str]]
     versions: str
+    nonfinite: list[str]
     sensitivity_note: str
     #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
     run_note: str = ""
@@ -651,6 +671,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         versions=" · ".join(
             f"{k} {doc['environment'][k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in doc["environment"]
         ),
+        nonfinite=_nonfinite(nodes),
         neighbourhoods=_neighbourhoods(nodes, doc["thresholds"]["bad_sqnr_db"]) if with_plots else [],
     )
 
@@ -665,6 +686,22 @@ def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[tuple[st
     roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
     drawn = [(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
     return [(name, svg) for name, svg in drawn if svg]
+
+
+def _nonfinite(nodes: list[dict[str, Any]]) -> list[str]:
+    """Where NaN/Inf first appear in each model (same rule as diag.analyze.nonfinite_origins)."""
+    found: dict[str, str] = {}
+    for n in sorted(nodes, key=lambda n: n["index"]):
+        a = n["accumulated"] or {}
+        fp, q = a.get("nonfinite_fp") or 0, a.get("nonfinite_int8") or 0
+        if fp and "FP32" not in found:
+            found["FP32"] = (
+                f"NaN/Inf first produced in the FP32 model by {n['name']} ({n['op_type']}): {fp} value(s); "
+                "the float model itself is broken on these inputs, so its errors are not quantization's"
+            )
+        if q > fp and "INT8" not in found:
+            found["INT8"] = f"NaN/Inf first produced in the INT8 model by {n['name']} ({n['op_type']}): {q} value(s)"
+    return list(found.values())
 
 
 def _sensitivity_note(sens: dict[str, Any] | None) -> str:
@@ -915,9 +952,9 @@ def md_escape(text: str) -> str:
 def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     """Write diag.json, report.html and summary.md into ``out_dir``, each atomically.
 
-    Everything is rendered in memory first; each file is written to a temporary file in the same
-    folder and renamed over the old one, so an existing report stays intact until the new one
-    is complete and a failure leaves no half-written file.
+    Everything is rendered in memory first; all three are written to temporary files in the same
+    folder and only then renamed over the old ones, so an existing report stays intact (all three
+    files of it) until the new one is complete, and a failure leaves no half-written file.
     """
     out = ensure_out_dir(out_dir)
     view = view_from_document(doc)
@@ -926,7 +963,44 @@ def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[
         "report.html": render_html(view),
         "summary.md": render_markdown(view),
     }
-    return {name: atomic_write(out / name, text) for name, text in contents.items()}
+    return atomic_write_all({out / name: text for name, text in contents.items()})
+
+
+def atomic_write_all(files: dict[Path, str]) -> dict[str, Path]:
+    """Write several files so that either all are replaced or none is.
+
+    Every temp file is written and synced first; only then are they renamed, one after another
+    (renames within a folder do not fail for lack of space). A failure while writing leaves every
+    old file as it was and no temp file behind.
+    """
+    staged: list[tuple[str, Path]] = []
+    try:
+        for path, text in files.items():
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            staged.append((tmp_name, path))
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp_name, 0o666 & ~umask)
+        for tmp_name, path in staged:
+            os.replace(tmp_name, path)
+        staged = []
+    except OSError as e:
+        where = staged[-1][1] if staged else next(iter(files))
+        raise DiagError(
+            "bad-out",
+            f"output '{where}'",
+            f"cannot be written ({e.strerror or e})",
+            "check free space and permissions of the output folder",
+        ) from e
+    finally:
+        for tmp_name, _ in staged:
+            if os.path.exists(tmp_name):
+                os.unlink(tmp_name)
+    return {path.name: path for path in files}
 
 
 def ensure_out_dir(out_dir: str | os.PathLike[str]) -> Path:

@@ -697,9 +697,10 @@ def _sqnr(x: np.ndarray, e: np.ndarray) -> float:
     noise = float(np.sum(e * e))
     if noise == 0.0:
         return math.inf
-    if signal == 0.0:
+    ratio = signal / noise
+    if signal == 0.0 or ratio <= 0.0 or not math.isfinite(noise):
         return -math.inf
-    return 10.0 * math.log10(signal / noise)
+    return 10.0 * math.log10(ratio) if math.isfinite(ratio) else math.inf
 
 
 def _cosine(x: np.ndarray, y: np.ndarray) -> float:
