@@ -12,6 +12,7 @@ import pytest
 from diag.compare import CompareOptions, compare_models
 from diag.distributions import (
     BINS,
+    SAMPLE_MAX,
     DistributionAccumulator,
     GridInfo,
     Pow2Histogram,
@@ -129,9 +130,13 @@ def test_clip_fraction_effective_bits_and_kurtosis_match_the_analytic_values_for
     analytic_clip = 0.5 * math.erfc(high / math.sqrt(2)) + 0.5 * math.erfc(low / math.sqrt(2))
     assert h.clip_fraction == pytest.approx(analytic_clip, rel=0.25)  # ~63 of 1e6 values
     p999 = 3.090232  # standard normal quantile of 0.999
-    assert h.effective_bits == pytest.approx(math.log2(1 + 2 * p999 / scale), abs=0.01)
+    # The histogram holds a strided subsample of SAMPLE_MAX values of this 1e6-value batch: P99.9
+    # estimated from n = 65536 values has a standard error of sqrt(p(1-p)/n) / pdf(3.09) = 0.037
+    # sigma, i.e. about 0.012 bits on the bulk's width; the tolerance is 3.5 standard errors.
+    assert SAMPLE_MAX == 1 << 16
+    assert h.effective_bits == pytest.approx(math.log2(1 + 2 * p999 / scale), abs=0.04)
     assert h.kurtosis == pytest.approx(0.0, abs=0.02)
-    assert h.range_over_bulk == pytest.approx((x.max() - x.min()) / (2 * p999), rel=0.01)
+    assert h.range_over_bulk == pytest.approx((x.max() - x.min()) / (2 * p999), rel=0.03)  # same bulk estimate
 
 
 def test_clipping_within_rounding_noise_is_not_reported_but_real_clipping_is():
