@@ -693,8 +693,10 @@ def _grid(scale: np.ndarray, zp: np.ndarray, axis: int | None, ndim: int) -> tup
 
 
 def _sqnr(x: np.ndarray, e: np.ndarray) -> float:
-    signal = float(np.sum(x * x))
-    noise = float(np.sum(e * e))
+    return _sqnr_from(float(np.sum(x * x)), float(np.sum(e * e)))
+
+
+def _sqnr_from(signal: float, noise: float) -> float:
     if noise == 0.0:
         return math.inf
     ratio = signal / noise
@@ -748,15 +750,17 @@ def _measure(
         xs = np.moveaxis(ref, out_axis, 0).reshape(qarr.shape[out_axis], -1)
         es = np.moveaxis(e, out_axis, 0).reshape(qarr.shape[out_axis], -1)
         ss = np.moveaxis(np.broadcast_to(s, e.shape), out_axis, 0).reshape(qarr.shape[out_axis], -1)
+        # One vectorised pass over all channels (a loop per channel cost ~0.5 s on a real conv net).
+        signal = np.einsum("ij,ij->i", xs, xs, dtype=np.float64)
+        noise = np.einsum("ij,ij->i", es, es, dtype=np.float64)
+        peak = np.abs(es).max(axis=1) if es.shape[1] else np.zeros(es.shape[0])
+        ok = ss > 0
+        scaled = np.where(ok, es / np.where(ok, ss, 1.0), 0.0)
+        n_ok = ok.sum(axis=1)
+        r2 = np.einsum("ij,ij->i", scaled, scaled, dtype=np.float64)
         for c in range(xs.shape[0]):
-            channels.append(
-                ChannelError(
-                    c,
-                    _sqnr(xs[c], es[c]),
-                    float(np.max(np.abs(es[c]))) if es[c].size else 0.0,
-                    _rmse_over_scale(es[c], ss[c]),
-                )
-            )
+            ros_c = math.sqrt(float(r2[c]) / int(n_ok[c])) if n_ok[c] else None
+            channels.append(ChannelError(c, _sqnr_from(float(signal[c]), float(noise[c])), float(peak[c]), ros_c))
     ros = _rmse_over_scale(e, s)
     return WeightFinding(
         fp_name=fp_name,
