@@ -331,7 +331,7 @@ class DistributionAccumulator:
         v = x.reshape(before, c, -1)
         mn = v.min(axis=(0, 2)).astype(np.float64)
         mx = v.max(axis=(0, 2)).astype(np.float64)
-        sm = v.sum(axis=(0, 2), dtype=np.float64)
+        sm = v.sum(axis=(0, 2)).astype(np.float64)  # float32 sums: a channel mean for display
         return mn, mx, sm
 
     def _add_channels(self, mn: np.ndarray, mx: np.ndarray, sm: np.ndarray, size: int) -> None:
