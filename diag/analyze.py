@@ -249,3 +249,47 @@ def grade_output(
 
 def overall_grade(verdicts: list[OutputVerdict]) -> str:
     return GRADES[max((GRADES.index(v.grade) for v in verdicts), default=0)]
+
+
+#: Longest error path followed back from an output (a guard for very deep graphs).
+MAX_PATH = 500
+
+
+def error_paths(findings: list[NodeFinding], outputs: list[str]) -> dict[str, list[NodeFinding]]:
+    """For each model output, the path of largest error back to where it entered, root first.
+
+    From the node that writes the output, step to the input with the worst accumulated SQNR while
+    that input is bad (below ``BAD_SQNR_DB``) or about as bad as the current node (within
+    ``INHERIT_DB``: the error was inherited); the node where the walk stops is where the error
+    entered the path (a root cause when its local error is bad too). Outputs whose producer is not
+    compared, or that are exact, get no path.
+
+    Example:
+        >>> [f.group.label for f in error_paths(result.findings, ["logits"])["logits"]]  # doctest: +SKIP
+        ['conv3 (+relu3)', 'pool', 'flatten', 'fc']
+    """
+    writer: dict[str, NodeFinding] = {}
+    for f in findings:
+        for t in f.group.outputs:
+            writer[t] = f
+    paths: dict[str, list[NodeFinding]] = {}
+    for out in outputs:
+        f = writer.get(out)
+        if f is None or f.accumulated is None or math.isinf(f.accumulated.sqnr_db):
+            continue
+        path = [f]
+        seen = {id(f)}
+        while len(path) < MAX_PATH:
+            preds = [writer[t] for t in f.inputs if t in writer and writer[t].accumulated is not None]
+            preds = [p for p in preds if id(p) not in seen]
+            if not preds:
+                break
+            worst = min(preds, key=lambda p: _sort_key(p.accumulated.sqnr_db))  # type: ignore[union-attr]
+            w, here = worst.accumulated.sqnr_db, f.accumulated.sqnr_db  # type: ignore[union-attr]
+            if not (w < BAD_SQNR_DB or w <= here + INHERIT_DB):
+                break
+            path.append(worst)
+            seen.add(id(worst))
+            f = worst
+        paths[out] = path[::-1]
+    return paths

@@ -190,6 +190,11 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
             f"  NaN/Inf: first produced in the {model} model by {_safe(f.group.label)} ({f.group.op_type}): "
             f"{count} value(s) in '{_safe(f.tensor)}'"
         )
+    for out, path in result.paths.items():
+        labels = [f.group.label for f in path]
+        if len(labels) > 5:
+            labels = [*labels[:2], f"... {len(labels) - 4} more ...", *labels[-2:]]
+        print(f"  error path to {_safe(out)}: {_safe(' -> '.join(labels))}")
     flagged = [(k, h) for k, h in result.health.items() if h.outliers and h.grid != "none"]
     for name, h in sorted(flagged, key=lambda kv: -kv[1].outliers[0].times_median)[:2]:
         o = h.outliers[0]

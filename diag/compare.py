@@ -22,6 +22,7 @@ from diag import __version__
 from diag.analyze import (
     NodeFinding,
     OutputVerdict,
+    error_paths,
     grade_output,
     node_findings,
     overall_grade,
@@ -155,6 +156,7 @@ class CompareResult:
     #: The mergeable accumulators behind this result (written into shard files).
     state: CompareState | None = None
     sensitivity: Any = None
+    paths: dict[str, list[NodeFinding]] = field(default_factory=dict)
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -613,6 +615,7 @@ def finish(
         patterns,
         per_instance,
         per_kind,
+        paths=error_paths(findings, [o.name for o in fp.graph.output]),
         passes=state.passes,
         deployed={k: a.finalize() for k, a in state.deployed.items()},
         fused=list(state.fused),

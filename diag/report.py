@@ -107,6 +107,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
                     "accuracy_fp32": _num(v.accuracy_fp32),
                     "accuracy_int8": _num(v.accuracy_int8),
                     "accuracy_drop": _num(v.accuracy_drop),
+                    "error_path": [f.group.label for f in result.paths.get(v.name, [])],
                 }
                 for v in result.verdicts
             ],
@@ -536,6 +537,7 @@ class ReportView:
     neighbourhoods: list[tuple[str, str]]
     versions: str
     nonfinite: list[str]
+    error_paths: list[str]
     sensitivity_note: str
     #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
     run_note: str = ""
@@ -672,6 +674,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             f"{k} {doc['environment'][k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in doc["environment"]
         ),
         nonfinite=_nonfinite(nodes),
+        error_paths=_error_paths(verdict["outputs"], nodes),
         neighbourhoods=_neighbourhoods(nodes, doc["thresholds"]["bad_sqnr_db"]) if with_plots else [],
     )
 
@@ -686,6 +689,24 @@ def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[tuple[st
     roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
     drawn = [(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
     return [(name, svg) for name, svg in drawn if svg]
+
+
+def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> list[str]:
+    """ "logits: conv3 (+relu3) [root cause, 9.5 dB] → pool [17.6 dB] → … → fc [18.4 dB]"."""
+    by_name = {n["name"]: n for n in nodes}
+    lines = []
+    for o in outputs:
+        path = [by_name[p] for p in o.get("error_path", []) if p in by_name]
+        if not path:
+            continue
+        steps = []
+        for n in path:
+            role = f"{n['role']}, " if n["role"] not in ("ok", "victim") else ""
+            steps.append(f"{n['name']} [{role}{fmt_db(n['accumulated']['sqnr_db'])} dB]")
+        if len(steps) > 7:
+            steps = [*steps[:3], f"… {len(steps) - 6} more …", *steps[-3:]]
+        lines.append(f"{o['name']}: " + " → ".join(steps))
+    return lines
 
 
 def _nonfinite(nodes: list[dict[str, Any]]) -> list[str]:

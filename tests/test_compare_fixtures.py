@@ -102,3 +102,17 @@ def test_error_spread_over_every_matmul_is_no_single_root_cause(built, fmt):
     assert len(bad) >= 3, [(f.group.label, f.local.sqnr_db) for f in r.findings]
     assert not r.single_cause
     assert r.cause_sentence.startswith("no single root cause"), r.cause_sentence
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", DEFECT_FIXTURES)
+def test_path_of_largest_error_leads_from_the_output_back_to_the_culprit(built, name, fmt):
+    from diag.analyze import error_paths
+
+    r = _compare(built, name, fmt)
+    culprit = built(name).fixture.expected.culprit_node
+    (out,) = [o.name for o in r.fp32.graph.output]
+    path = error_paths(r.findings, [out])[out]
+    assert culprit in path[0].group.fp_nodes, [f.group.label for f in path]
+    assert out in path[-1].group.outputs
+    assert r.paths[out] == path
