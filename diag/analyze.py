@@ -259,10 +259,10 @@ def error_paths(findings: list[NodeFinding], outputs: list[str]) -> dict[str, li
     """For each model output, the path of largest error back to where it entered, root first.
 
     From the node that writes the output, step to the input with the worst accumulated SQNR while
-    that input is bad (below ``BAD_SQNR_DB``) or about as bad as the current node (within
-    ``INHERIT_DB``: the error was inherited); the node where the walk stops is where the error
-    entered the path (a root cause when its local error is bad too). Outputs whose producer is not
-    compared, or that are exact, get no path.
+    the error was inherited (that input is within ``INHERIT_DB`` of the current node, or worse) or
+    came from upstream (the input is bad and the current node is not a root cause). The walk stops
+    at the root cause that added the error, or at a node that made good inputs bad (an amplifier).
+    Outputs whose producer is not compared, or that are exact, get no path.
 
     Example:
         >>> [f.group.label for f in error_paths(result.findings, ["logits"])["logits"]]  # doctest: +SKIP
@@ -286,7 +286,9 @@ def error_paths(findings: list[NodeFinding], outputs: list[str]) -> dict[str, li
                 break
             worst = min(preds, key=lambda p: _sort_key(p.accumulated.sqnr_db))  # type: ignore[union-attr]
             w, here = worst.accumulated.sqnr_db, f.accumulated.sqnr_db  # type: ignore[union-attr]
-            if not (w < BAD_SQNR_DB or w <= here + INHERIT_DB):
+            inherited = w <= here + INHERIT_DB
+            from_upstream = w < BAD_SQNR_DB and f.role != "root-cause"
+            if not (inherited or from_upstream):
                 break
             path.append(worst)
             seen.add(id(worst))
