@@ -527,6 +527,7 @@ class ReportView:
     health: list[HealthRow]
     suggestions: list[SuggestionItem]
     remedy_groups: list[RemedyGroup]
+    remedy_total: int
     distribution_plots: list[DistributionPlot]
     pattern_kinds: list[PatternRow]
     pattern_instances: list[PatternRow]
@@ -650,7 +651,8 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             SuggestionItem(x["tensor"], x["problem"], x["remedy"], x["python"], x["applies_to"], x["note"])
             for x in doc.get("suggestions", [])
         ],
-        remedy_groups=_remedy_groups(doc.get("suggestions", [])),
+        remedy_groups=_remedy_groups(doc.get("suggestions", []))[:REMEDY_GROUPS],
+        remedy_total=len(_remedy_groups(doc.get("suggestions", []))),
         distribution_plots=_distribution_plots(dist) if with_plots else [],
         pattern_kinds=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("kinds", [])],
         pattern_instances=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:25]],
@@ -749,6 +751,10 @@ def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> dict[
     if not with_plots:
         view["trajectory_svg"] = ""
     return view
+
+
+#: Tensors whose remedies the report lists (worst first); diag.json has them all.
+REMEDY_GROUPS = 12
 
 
 def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
