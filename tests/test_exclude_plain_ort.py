@@ -13,27 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnxruntime.quantization import (
-    CalibrationDataReader,
     CalibrationMethod,
     QuantFormat,
     QuantType,
     quantize_dynamic,
     quantize_static,
 )
+from plain_ort import Rows, min_cosine
 
 from diag.cli import main
 from diag.fixtures import models
-
-
-class Rows(CalibrationDataReader):
-    def __init__(self, arrays: dict[str, np.ndarray], count: int) -> None:
-        self.rows = iter([{k: v[i : i + 1] for k, v in arrays.items()} for i in range(count)])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self.rows, None)
 
 
 def plain_quantize(fp32: Path, out: Path, doc: dict, arrays: dict[str, np.ndarray]) -> None:
@@ -58,21 +49,6 @@ def plain_quantize(fp32: Path, out: Path, doc: dict, arrays: dict[str, np.ndarra
             calibrate_method=CalibrationMethod[r["calibrate_method"]],
             **common,
         )
-
-
-def min_cosine(fp32: Path, model: Path, arrays: dict[str, np.ndarray], first: int, batch: int) -> float:
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    a = ort.InferenceSession(str(fp32), so, providers=["CPUExecutionProvider"])
-    b = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
-    n = len(next(iter(arrays.values())))
-    worst = 1.0
-    for i in range(first, n, batch):
-        feed = {k: v[i : i + batch] for k, v in arrays.items()}
-        for x, y in zip(a.run(None, feed), b.run(None, feed), strict=True):
-            x, y = x.astype(np.float64).reshape(len(x), -1), y.astype(np.float64).reshape(len(y), -1)
-            worst = min(worst, float(((x * y).sum(1) / np.sqrt((x * x).sum(1) * (y * y).sum(1))).min()))
-    return worst
 
 
 @pytest.mark.parametrize(
