@@ -465,7 +465,7 @@ def _run_pass(
             reduce_all(jobs)
             jobs.clear()  # the INT8 values go with q_out below
             for name in output_names:
-                state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name])
+                state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name)
             if deployed is not None:
                 dep_fp = run_batch(deployed[0], batch.feeds, f"FP32 model '{fp.path.name}' ({options.opt_level})")
                 dep_q = run_batch(deployed[1], batch.feeds, f"INT8 model '{q.path.name}' ({options.opt_level})")

@@ -218,13 +218,14 @@ class OutputAccumulator:
         self.agree = 0
         self.classlike = True
 
-    def update(self, fp: np.ndarray, q: np.ndarray) -> None:
+    def update(self, fp: np.ndarray, q: np.ndarray, name: str | None = None) -> None:
+        """Add one batch of an output (``name`` only labels the error when the shapes differ)."""
         x = np.asarray(fp, dtype=np.float32)
         y = np.asarray(q, dtype=np.float32)
         if x.shape != y.shape:
             raise DiagError(
                 "model-mismatch",
-                "a model output",
+                f"output '{name}'" if name else "a model output",
                 f"has shape {x.shape} in the FP32 model but {y.shape} in the INT8 model",
                 "compare an INT8 model with the FP32 model it was quantized from",
             )

@@ -390,7 +390,7 @@ def _rows(z: dict[str, object], out: Path) -> list[Row]:
             "output shape differs at run time",
             cmp(p.fp32, z["wide_int8"], *good),
             "model-mismatch",
-            "has shape (1, 4) in the FP32 model but (1, 8) in the INT8 model",
+            "output 'y' | has shape (1, 4) in the FP32 model but (1, 8) in the INT8 model",
         ),
         # 4. unknown quantizer / custom ops
         Row("weight-only quantizer", cmp(p.fp32, z["weight_only"], *good), "not-quantized", "no quantized"),
