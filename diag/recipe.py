@@ -22,7 +22,6 @@ import difflib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -437,22 +436,9 @@ def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
     if calib is not None and recipe.base_dir is not None and not Path(recipe.calibration or "").is_absolute():
         data["calibration"] = os.path.relpath(calib, p.parent if str(p.parent) else ".")
     text = _to_toml(data, p) if p.suffix.lower() == ".toml" else json.dumps(data, indent=2) + "\n"
-    tmp_name = None
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_name, 0o666 & ~umask)
-        os.replace(tmp_name, p)
-        tmp_name = None
-    except OSError as e:
-        raise DiagError("bad-out", f"recipe '{p}'", f"cannot be written ({e.strerror or e})", "check the folder") from e
-    finally:
-        if tmp_name is not None and os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-    return p
+    from diag.report import atomic_write
+
+    return atomic_write(p, text, "recipe")
 
 
 def _toml_string(text: str) -> str:

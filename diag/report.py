@@ -993,7 +993,7 @@ def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[
     return atomic_write_all({out / name: text for name, text in contents.items()})
 
 
-def atomic_write_all(files: dict[Path, str]) -> dict[str, Path]:
+def atomic_write_all(files: dict[Path, str], what: str = "output") -> dict[str, Path]:
     """Write several files so that either all are replaced or none is.
 
     Every temp file is written and synced first; only then are they renamed, one after another
@@ -1019,7 +1019,7 @@ def atomic_write_all(files: dict[Path, str]) -> dict[str, Path]:
         where = staged[-1][1] if staged else next(iter(files))
         raise DiagError(
             "bad-out",
-            f"output '{where}'",
+            f"{what} '{where}'",
             f"cannot be written ({e.strerror or e})",
             "check free space and permissions of the output folder",
         ) from e
@@ -1042,28 +1042,10 @@ def ensure_out_dir(out_dir: str | os.PathLike[str]) -> Path:
     return out
 
 
-def atomic_write(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temp file + rename; never leaves a partial file."""
-    tmp_name = None
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_name, 0o666 & ~umask)
-        os.replace(tmp_name, path)
-        tmp_name = None
-    except OSError as e:
-        raise DiagError(
-            "bad-out",
-            f"output '{path}'",
-            f"cannot be written ({e.strerror or e})",
-            "check free space and permissions of the output folder",
-        ) from e
-    finally:
-        if tmp_name is not None and os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-    return path
+def atomic_write(path: Path, text: str, what: str = "output") -> Path:
+    """Write ``text`` to ``path`` via a temp file + rename; never leaves a partial file.
+
+    ``what`` names the file in the error (``output``, ``recipe``, ...).
+    """
+    atomic_write_all({Path(path): text}, what)
+    return Path(path)
