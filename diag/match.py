@@ -191,12 +191,14 @@ def node_id(node: onnx.NodeProto, index: int) -> str:
     return node.name if node.name else f"{node.op_type}#{index}"
 
 
-class _GraphIndex:
-    """Producers, consumers, initializers and dtypes of one graph's top level."""
+class TopLevelIndex:
+    """Nodes, their ids, and the producer / consumers of every tensor of a graph's top level.
+
+    Consumers include nodes whose subgraphs read the tensor from the outer scope (If / Loop).
+    """
 
     def __init__(self, model: onnx.ModelProto) -> None:
-        graph = model.graph
-        self.nodes = list(graph.node)
+        self.nodes = list(model.graph.node)
         self.ids = [node_id(n, i) for i, n in enumerate(self.nodes)]
         self.producer: dict[str, int] = {}
         self.consumers: dict[str, list[int]] = defaultdict(list)
@@ -207,6 +209,14 @@ class _GraphIndex:
             for name in list(n.input) + outer_scope_inputs(n):
                 if name:
                     self.consumers[name].append(i)
+
+
+class _GraphIndex(TopLevelIndex):
+    """Producers, consumers, initializers and dtypes of one graph's top level."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        super().__init__(model)
+        graph = model.graph
         self.initializers = {t.name: t for t in graph.initializer}
         for n in self.nodes:  # Constant nodes count as initializers for scale/zp lookup
             if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR:

@@ -31,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from diag.graph import fp_graph
-from diag.match import node_id
+from diag.match import TopLevelIndex
 from diag.metrics import ErrorStats
 
 #: Display names of the kinds; also the order kinds are reported in when positions tie.
@@ -155,22 +155,12 @@ class PatternTotal:
     local_share: float
 
 
-class _Index:
+class _Index(TopLevelIndex):
     """Producers, consumers and constants of the top-level graph, by tensor name."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
+        super().__init__(model)
         graph = model.graph
-        self.nodes = list(graph.node)
-        self.ids = [node_id(n, i) for i, n in enumerate(self.nodes)]
-        self.producer: dict[str, int] = {}
-        self.consumers: dict[str, list[int]] = defaultdict(list)
-        for i, n in enumerate(self.nodes):
-            for o in n.output:
-                if o:
-                    self.producer[o] = i
-            for t in n.input:
-                if t:
-                    self.consumers[t].append(i)
         self.outputs = [o.name for o in graph.output]
         self.output_set = set(self.outputs)
         self._protos: dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
