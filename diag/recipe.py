@@ -394,6 +394,24 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     return recipe
 
 
+def inline_json(text: str, flag: str, example: str) -> Any:
+    """Parse the inline JSON given to ``flag`` (``--recipe``, ``--grid``); a syntax error is bad-recipe.
+
+    Example:
+        >>> inline_json('{"mode": "dynamic"}', "--recipe", "{}")
+        {'mode': 'dynamic'}
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DiagError(
+            "bad-recipe",
+            f"inline {flag}",
+            f"is not valid JSON ({e.msg} at column {e.colno})",
+            f"quote it for the shell: {flag} '{example}'",
+        ) from e
+
+
 def recipe_from_option(value: str | os.PathLike[str]) -> Recipe:
     """A recipe from a ``--recipe`` value: a ``.json`` / ``.toml`` file, or inline JSON starting with ``{``.
 
@@ -406,16 +424,7 @@ def recipe_from_option(value: str | os.PathLike[str]) -> Recipe:
     text = str(value)
     if not text.lstrip().startswith("{"):
         return load_recipe(value)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DiagError(
-            "bad-recipe",
-            "inline --recipe",
-            f"is not valid JSON ({e.msg} at column {e.colno})",
-            'quote it for the shell: --recipe \'{"mode": "dynamic"}\'',
-        ) from e
-    recipe = Recipe.from_dict(data, "inline recipe")
+    recipe = Recipe.from_dict(inline_json(text, "--recipe", '{"mode": "dynamic"}'), "inline recipe")
     recipe.base_dir = "."
     return recipe
 

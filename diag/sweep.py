@@ -86,21 +86,13 @@ def load_grid(value: str | os.PathLike[str] | None) -> tuple[dict[str, Any], str
         >>> load_grid('{"mode": ["dynamic"], "per_channel": [false, true]}')[0]["per_channel"]
         [False, True]
     """
-    from diag.recipe import read_recipe_file
+    from diag.recipe import inline_json, read_recipe_file
 
     if value is None:
         return json.loads(json.dumps(DEFAULT_GRID)), None
     text = str(value)
     if text.lstrip().startswith("{"):
-        try:
-            grid = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DiagError(
-                "bad-recipe",
-                "inline --grid",
-                f"is not valid JSON ({e.msg} at column {e.colno})",
-                "quote it for the shell: --grid '{\"per_channel\": [false, true]}'",
-            ) from e
+        grid = inline_json(text, "--grid", '{"per_channel": [false, true]}')
         if not isinstance(grid, dict):
             raise DiagError("bad-recipe", "inline --grid", "is not a table of settings", '{"mode": ["dynamic"]}')
         return grid, "."
