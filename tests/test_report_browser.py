@@ -7,24 +7,17 @@ which drives that browser (no browser download).
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import onnx
 import pytest
+from browser import chromium
 
 from diag import cli
 from diag.fixtures import models, quantize
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
-
-
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.fail("Debian's chromium is required for the browser test: apt-get install chromium (see .ci/run)")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +65,7 @@ def test_hostile_node_name_is_text_in_html_and_markdown(hostile_report):
 def test_report_in_headless_chromium_sorts_runs_no_script_and_makes_no_request(hostile_report):
     from playwright.sync_api import sync_playwright
 
-    exe = _chromium()
+    exe = chromium()
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(

@@ -7,13 +7,13 @@ the ``playwright`` package, as ``tests/test_report_browser.py``.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from browser import chromium
 from onnx import TensorProto, helper, numpy_helper
 
 from diag.compare import CompareOptions, compare_to_dir
@@ -56,13 +56,6 @@ def deep_stack(blocks: int, hidden: int = HIDDEN, seed: int = 0) -> onnx.ModelPr
     return model
 
 
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.fail("Debian's chromium is required for the browser test: apt-get install chromium (see .ci/run)")
-    return path
-
-
 @pytest.fixture(scope="module")
 def big_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("scale")
@@ -91,7 +84,7 @@ def test_report_of_a_1000_node_model_renders_and_sorts_in_chromium_in_seconds(bi
     rows = len(load_document(big_report / "diag.json")["nodes"])
     url = (big_report / "report.html").resolve().as_uri()
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page()
         errors: list[str] = []
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)

@@ -1,0 +1,15 @@
+"""Finding the headless Chromium the browser tests drive (Debian's package, installed by .ci/run)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+
+def chromium() -> str:
+    """Path of the chromium binary; fails the test (never skips) when it is missing."""
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail("Debian's chromium is required for the browser test: apt-get install chromium (see .ci/run)")
+    return path
