@@ -20,7 +20,7 @@ from typing import Any
 import onnx
 
 from diag.distributions import TensorHealth
-from diag.match import Matching, node_id
+from diag.match import Matching, NodeGroup, TopLevelIndex
 
 #: Effective bits this far below the grid's bits mean the tails waste the grid.
 WASTED_BITS = 3.0
@@ -62,29 +62,25 @@ def _py(value: Any) -> str:
     return text.replace("true", "True").replace("false", "False").replace("null", "None")
 
 
-def quantized_consumers(model: onnx.ModelProto, matching: Matching, tensor: str) -> tuple[list[str], list[str]]:
+def quantized_consumers(
+    index: TopLevelIndex, group_of: dict[str, NodeGroup], matching: Matching, tensor: str
+) -> tuple[list[str], list[str]]:
     """FP32 node names (for ``nodes_to_exclude``) and op types of the quantized nodes reading ``tensor``.
 
     The names of a quantized *producer* come last in the list (op types cover consumers only):
     in static formats a quantized producer writes its output through a Q/DQ pair whatever its
     consumers are, so keeping the tensor in float means excluding the producer too.
     """
-    group_of: dict[str, Any] = {}
-    for g in matching.groups:
-        for n in g.fp_nodes:
-            group_of[n] = g
     names: list[str] = []
     ops: list[str] = []
-    for i, node in enumerate(model.graph.node):
-        if tensor in node.input:
-            nid = node_id(node, i)
-            g = group_of.get(nid)
-            # Unnamed nodes cannot be named in nodes_to_exclude (the report says to name them).
-            if g is not None and g.quantized and not g.unnamed:
-                for n in g.fp_nodes:
-                    if n not in names:
-                        names.append(n)
-                ops.append(node.op_type)
+    for i in dict.fromkeys(index.consumers.get(tensor, [])):
+        g = group_of.get(index.ids[i])
+        # Unnamed nodes cannot be named in nodes_to_exclude (the report says to name them).
+        if g is not None and g.quantized and not g.unnamed:
+            for n in g.fp_nodes:
+                if n not in names:
+                    names.append(n)
+            ops.append(index.nodes[i].op_type)
     pair = matching.pairs.get(tensor)
     producer = group_of.get(pair.producer) if pair is not None and pair.producer else None
     if producer is not None and producer.quantized and names:
@@ -276,11 +272,13 @@ def all_suggestions(
             return (1, -h.clip_fraction)
         return (2, h.effective_bits if h.effective_bits is not None else 99.0)
 
+    index = TopLevelIndex(model)
+    group_of = {n: g for g in matching.groups for n in g.fp_nodes}
     out: list[Suggestion] = []
     for name, h in sorted(health.items(), key=badness):
         if not h.unhealthy_reasons:
             continue
-        nodes, ops = quantized_consumers(model, matching, name)
+        nodes, ops = quantized_consumers(index, group_of, matching, name)
         if fmt == "dynamic":
             nodes = nodes[: len(ops)] if ops else nodes  # dynamic quantizes activations at the consumer only
         out.extend(suggestions_for(name, h, fmt, nodes, ops))
