@@ -579,6 +579,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         )
     by_local = sorted(nodes, key=lambda n: n["rank_local"])
     dist = doc.get("distributions") or {}
+    remedy_groups = _remedy_groups(doc.get("suggestions", []))
     dist_tensors = dist.get("tensors", {})
     roots = [
         (f"{n['pattern']}: " if n.get("pattern") else "")
@@ -651,8 +652,8 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             SuggestionItem(x["tensor"], x["problem"], x["remedy"], x["python"], x["applies_to"], x["note"])
             for x in doc.get("suggestions", [])
         ],
-        remedy_groups=_remedy_groups(doc.get("suggestions", []))[:REMEDY_GROUPS],
-        remedy_total=len(_remedy_groups(doc.get("suggestions", []))),
+        remedy_groups=remedy_groups[:REMEDY_GROUPS],
+        remedy_total=len(remedy_groups),
         distribution_plots=_distribution_plots(dist) if with_plots else [],
         pattern_kinds=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("kinds", [])],
         pattern_instances=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:25]],
