@@ -406,10 +406,8 @@ def test_a_target_no_recipe_meets_writes_no_best_recipe(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxruntime(tmp_path):
-    """PP-OCR mobile direction classifier (opset 11, Constant-node weights) from the RapidOCR wheel.
-
-    A reduced grid (12 recipes: mode/format x weight_type x per_channel) keeps it under a minute on
-    2 cores; the default grid's other two axes are covered on the fixture.
+    """PP-OCR mobile direction classifier (opset 11, Constant-node weights) from the RapidOCR wheel,
+    swept over the whole default grid (48 recipes) with short latency runs to stay under a minute.
     """
     from diag.fixtures.thirdparty import rapidocr_model, text_images
 
@@ -417,15 +415,7 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
     images = np.asarray(text_images(12, 48, 192, seed=3), dtype=np.float32)
     arrays = {"x": images}
     np.savez(tmp_path / "inputs.npz", **arrays)
-    grid = json.dumps(
-        {
-            "mode": ["dynamic", "static"],
-            "quant_format": ["QDQ", "QOperator"],
-            "activation_type": "QUInt8",
-            "weight_type": ["QInt8", "QUInt8"],
-            "per_channel": [False, True],
-        }
-    )
+    grid = None
     out = tmp_path / "sweep"
     _, files = sweep_to_dir(
         fp32,
@@ -439,9 +429,9 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
         progress=False,
     )
     doc = json.loads((out / "sweep.json").read_text())
-    assert doc["counts"]["recipes"] == 12 and doc["counts"]["measured"] + doc["counts"]["skipped"] == 12
+    assert doc["counts"]["recipes"] == 48 and doc["counts"]["measured"] + doc["counts"]["skipped"] == 48
     ok = [e for e in doc["entries"] if e["status"] == "ok"]
-    assert len(ok) >= 10
+    assert len(ok) >= 40
     # the guards fired on this export and are recorded per recipe
     assert any("lifted" in a for e in ok for a in e["actions"])
     assert any("upgraded opset 11 -> 13" in a for e in ok for a in e["actions"])
