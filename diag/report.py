@@ -525,7 +525,6 @@ class ReportView:
     outliers: list[OutlierRow]
     persistent: list[str]
     health: list[HealthRow]
-    suggestions: list[SuggestionItem]
     remedy_groups: list[RemedyGroup]
     remedy_total: int
     distribution_plots: list[DistributionPlot]
@@ -648,10 +647,6 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             for p in dist.get("persistent_outliers", [])
         ],
         health=_health_rows(dist_tensors),
-        suggestions=[
-            SuggestionItem(x["tensor"], x["problem"], x["remedy"], x["python"], x["applies_to"], x["note"])
-            for x in doc.get("suggestions", [])
-        ],
         remedy_groups=remedy_groups[:REMEDY_GROUPS],
         remedy_total=len(remedy_groups),
         distribution_plots=_distribution_plots(dist) if with_plots else [],
