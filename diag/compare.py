@@ -9,7 +9,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,6 +51,7 @@ from diag.run import (
     check_memory,
     default_threads,
     plan_passes,
+    reuse_freed_memory,
     run_batch,
     session_from_model,
 )
@@ -281,6 +282,7 @@ def run_comparison(
         >>> state.samples, state.passes  # doctest: +SKIP
         (32, 1)
     """
+    reuse_freed_memory()
     labels = load_labels(options.labels) if options.labels else None
     if labels is not None and feeds.total_samples is not None and len(labels) < feeds.total_samples:
         raise DiagError(
@@ -423,19 +425,7 @@ def _run_pass(
     q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)
     cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
     cut_inputs = {i.name for i in cut_sess.get_inputs()} if cut_sess is not None else set()
-    # NOTE: between runs onnxruntime is idle, so the numpy reductions of one batch run on every
-    # core, one tensor per task. Each accumulator is touched by exactly one task per batch and
-    # batches are reduced in order, so the sums are the same as a sequential loop's, bit for bit.
-    pool = ThreadPoolExecutor(threads) if threads > 1 else None
-
-    def reduce_all(jobs: list[tuple[Any, ...]]) -> None:
-        if pool is None:
-            for job in jobs:
-                _reduce(*job)
-        else:
-            for done in [pool.submit(_reduce, *job) for job in jobs]:
-                done.result()
-
+    reductions = _Reductions(threads)
     try:
         offset = 0
         for index, batch in enumerate(feeds):
@@ -444,6 +434,9 @@ def _run_pass(
                 progress.advance(batch.size)
                 continue
             fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
+            # The previous batch's local-error reductions ran while this batch's FP32 values were
+            # computed; they must finish before this batch touches the same accumulators.
+            reductions.wait()
             q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
             jobs: list[tuple[Any, ...]] = []
             for name, pair in list(mine.items()):
@@ -462,8 +455,8 @@ def _run_pass(
                 acc = state.accumulated.setdefault(name, ErrorAccumulator())
                 dist = state.distributions.get(name)
                 jobs.append((acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None))
-            reduce_all(jobs)
-            jobs.clear()  # the INT8 values go with q_out below
+            reductions.submit(jobs)
+            del jobs  # each INT8 value is freed as soon as its reduction is done
             for name in output_names:
                 state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name)
             if deployed is not None:
@@ -476,6 +469,7 @@ def _run_pass(
                 _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size, offset)
             del q_out
             if cut is not None and cut_sess is not None:
+                # The cut model runs while the pool reduces this batch's accumulated error.
                 cut_feeds = {k: v for k, v in batch.feeds.items() if k in cut_inputs}
                 for ci in cut.inputs:
                     v = fp_out[ci.fp_name]
@@ -483,6 +477,8 @@ def _run_pass(
                         v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
                     cut_feeds[ci.name] = v
                 local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
+                del cut_feeds
+                # Local and accumulated reductions touch different accumulators: no wait between them.
                 jobs = []
                 for lo in cut.outputs:
                     if lo.fp_name not in mine:
@@ -492,7 +488,7 @@ def _run_pass(
                     if value.shape == ref.shape:
                         acc = state.local.setdefault(lo.fp_name, ErrorAccumulator())
                         jobs.append((acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None))
-                reduce_all(jobs)
+                reductions.submit(jobs)
                 del jobs, local_out
             del fp_out
             if first:
@@ -500,9 +496,45 @@ def _run_pass(
                 state.batches += 1
             offset += batch.size
             progress.advance(batch.size)
+        reductions.wait()
     finally:
-        if pool is not None:
-            pool.shutdown()
+        reductions.close()
+
+
+class _Reductions:
+    """The numpy reductions of a pass, run on a thread pool while onnxruntime computes.
+
+    numpy and onnxruntime both release the GIL, so one batch's reductions overlap the next
+    model run on the other cores. Each accumulator is touched by exactly one task per batch and
+    :meth:`wait` is called before a batch submits tasks for accumulators the previous batch
+    used, so every sum is the same as a sequential loop's, bit for bit. Tasks hold the only
+    references to the arrays they reduce: each value is freed as soon as its task is done.
+    With one thread the reductions run inline, in order.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="diag-reduce") if threads > 1 else None
+        self._pending: list[Future[None]] = []
+
+    def submit(self, jobs: list[tuple[Any, ...]]) -> None:
+        """Start reducing ``jobs`` (argument tuples of :func:`_reduce`); empties the list."""
+        while jobs:
+            job = jobs.pop(0)
+            if self._pool is None:
+                _reduce(*job)
+            else:
+                self._pending.append(self._pool.submit(_reduce, *job))
+            del job
+
+    def wait(self) -> None:
+        """Block until every submitted task is done; re-raises the first failure."""
+        pending, self._pending = self._pending, []
+        for done in pending:
+            done.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
 
 
 def _reduce(

@@ -84,7 +84,11 @@ def error_along_graph(nodes: list[dict[str, Any]], bad_db: float) -> str:
 
 
 def _display_bins(state: dict[str, Any], lo: int, hi: int, target: int = 300) -> tuple[list[float], list[float]]:
-    """Rebin a stored histogram's bins [lo, hi) to at most ``target`` bins for display."""
+    """Rebin a stored histogram's bins [lo, hi) to at most ``target`` bins, as shares of its values.
+
+    Shares, not counts: the FP32 and INT8 histograms are built from subsamples of different
+    sizes (see ``diag.distributions.DISPLAY_SAMPLE_MAX``), so only shares overlay.
+    """
     from diag.distributions import BINS
 
     limit = math.ldexp(1.0, state["exponent"])
@@ -95,10 +99,11 @@ def _display_bins(state: dict[str, Any], lo: int, hi: int, target: int = 300) ->
         if 0 <= j < len(counts):
             counts[j] += c
     step = max(1, math.ceil(len(counts) / target))
+    total = max(1, sum(state["counts"]))
     xs, ys = [], []
     for k in range(0, len(counts), step):
         xs.append(-limit + (lo + k) * width)
-        ys.append(float(sum(counts[k : k + step])))
+        ys.append(sum(counts[k : k + step]) / total)
     xs.append(-limit + (lo + len(counts)) * width)
     return xs, ys
 
@@ -134,6 +139,7 @@ def distribution(name: str, plotted: dict[str, Any], health: dict[str, Any]) -> 
         ax.axvline(low, color="#27ae60", lw=0.8)
         ax.axvline(high, color="#27ae60", lw=0.8)
     ax.set_yscale("log")
+    ax.set_ylabel("share of values", fontsize=7)
     ax.set_title(name[:60], fontsize=8)
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=6, loc="upper right")

@@ -5,9 +5,11 @@ Heavy import: onnxruntime is imported inside the functions so ``diag --help`` st
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,36 @@ def session_from_model(
             f"fails to load in onnxruntime: {_first_line(e)}",
             "check the model runs with onnxruntime.InferenceSession; custom ops need their library",
         ) from e
+
+
+_ALLOCATOR_TUNED = False
+
+
+def reuse_freed_memory() -> None:
+    """Make glibc keep and reuse the memory of freed arrays instead of returning it at once.
+
+    Why: every batch allocates the same few hundred large arrays (exposed tensors, their
+    temporaries). By default glibc maps each array above a threshold afresh and unmaps it when it
+    is freed, so the kernel zeroes every page again on every batch: on PP-OCRv4 det at 320x320,
+    8 samples, page faults fell from 370k to 164k and ``diag compare`` from 4.7 to 3.5 s with
+    this. Peak RSS does not grow (the same memory is reused); the process keeps its peak heap
+    until it exits. Process-wide and idempotent; does nothing where glibc is not the allocator.
+
+    Example:
+        >>> reuse_freed_memory()  # doctest: +SKIP
+    """
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED or not sys.platform.startswith("linux"):
+        return
+    _ALLOCATOR_TUNED = True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return  # not glibc (e.g. musl): nothing to tune
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum; larger arrays are still mapped
+    mallopt(m_trim_threshold, 1 << 30)
 
 
 def default_threads() -> int:

@@ -178,6 +178,25 @@ def test_memory_budget_splits_passes_with_identical_results(built, name, fmt):
     _assert_states_identical(split, one)
 
 
+@pytest.mark.parametrize(("name", "fmt"), [("transformer", "dynamic"), ("convnet", "qdq"), ("convnet", "qoperator")])
+def test_reductions_overlapping_the_runs_give_the_same_sums_as_a_sequential_loop(built, name, fmt):
+    # threads=1 reduces inline, in order; threads=3 reduces on a pool while onnxruntime runs the
+    # cut model and the next batch. Every sum, histogram and channel array must be bit-identical.
+    b = built(name)
+    fp, q = load_pair(b.fp32, b.int8[fmt])
+    matching = match_models(fp.proto, q.proto)
+    specs = input_specs(fp.proto)
+
+    def run(threads: int) -> CompareState:
+        feeds = feeds_from_arrays(b.inputs, specs, 16, 4, "x")
+        state, _ = run_comparison(fp, q, matching, feeds, CompareOptions(progress=False, threads=threads))
+        return state
+
+    sequential, pooled = run(1), run(3)
+    assert sequential.batches == 4 and sequential.local
+    _assert_states_identical(pooled, sequential)
+
+
 def test_passes_are_reported_in_diag_json_and_the_report_header(built, tmp_path, capsys):
     b = built("convnet")
     code = main(
