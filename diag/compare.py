@@ -433,10 +433,11 @@ def _run_pass(
                 offset += batch.size
                 progress.advance(batch.size)
                 continue
-            fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
-            # The previous batch's local-error reductions ran while this batch's FP32 values were
-            # computed; they must finish before this batch touches the same accumulators.
+            # A batch's reductions overlap its own cut-model run but never the next batch: so
+            # at most one batch of values is alive (peak RSS as a sequential loop's), and each
+            # accumulator sees its batches in order.
             reductions.wait()
+            fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
             q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
             jobs: list[tuple[Any, ...]] = []
             for name, pair in list(mine.items()):
@@ -504,10 +505,10 @@ def _run_pass(
 class _Reductions:
     """The numpy reductions of a pass, run on a thread pool while onnxruntime computes.
 
-    numpy and onnxruntime both release the GIL, so one batch's reductions overlap the next
-    model run on the other cores. Each accumulator is touched by exactly one task per batch and
-    :meth:`wait` is called before a batch submits tasks for accumulators the previous batch
-    used, so every sum is the same as a sequential loop's, bit for bit. Tasks hold the only
+    numpy and onnxruntime both release the GIL, so a batch's accumulated-error reductions run
+    on the other cores while onnxruntime computes the cut model. Each accumulator is touched by
+    exactly one task per batch and :meth:`wait` is called before the next batch starts, so every
+    sum is the same as a sequential loop's, bit for bit. Tasks hold the only
     references to the arrays they reduce: each value is freed as soon as its task is done.
     With one thread the reductions run inline, in order.
     """

@@ -10,6 +10,8 @@ peak RSS (min-max over ``--repeat`` runs, each in a fresh process) of:
 
 * floor: the instrumented FP32 and INT8 models run once over the inputs, every output touched,
   nothing kept (the unavoidable cost of looking at every tensor);
+* floor+ (``--modes`` must name it): the floor with the allocator setting diag applies to itself
+  (``diag.run.reuse_freed_memory``), to show how much of diag's lead comes from that setting;
 * diag: ``diag.compare_models`` (accumulated + local error + histograms + outliers), exact mode;
 * ort (QDQ only; it matches no tensor of a dynamic model): ``modify_model_output_intermediate_tensors``
   + ``collect_activations`` + ``create_activation_matching`` + ``compute_activation_error``.
@@ -42,8 +44,11 @@ if mode == "diag":
     from diag.compare import CompareOptions, compare_models
     from diag.feeds import FeedSpec
     compare_models(fp, q, FeedSpec(inputs=str(inputs), samples=samples), CompareOptions(progress=False))
-elif mode == "floor":
+elif mode in ("floor", "floor+"):
     import onnx, onnxruntime as ort
+    if mode == "floor+":  # the floor with diag's allocator setting (see diag.run.reuse_freed_memory)
+        from diag.run import reuse_freed_memory
+        reuse_freed_memory()
     from diag.instrument import exposed_model
     data = np.load(inputs)
     name = data.files[0]
@@ -65,7 +70,8 @@ elif mode == "passes":
     from diag.compare import load_pair
     from diag.instrument import cut_model, exposed_model
     from diag.match import match_models
-    from diag.run import default_threads, run_batch, session_from_model
+    from diag.run import default_threads, reuse_freed_memory, run_batch, session_from_model
+    reuse_freed_memory()  # as diag compare does
     f, qm = load_pair(fp, q)
     pairs = match_models(f.proto, qm.proto).pairs
     th = default_threads()
@@ -191,6 +197,11 @@ def main() -> None:
                 print(
                     f"{fmt:8s} diag / floor:  wall {_ratio(col('diag', 'seconds'), col('floor', 'seconds'))}, "
                     f"peak RSS {_ratio(col('diag', 'peak_mb'), col('floor', 'peak_mb'))}"
+                )
+            if "diag" in results and "floor+" in results:
+                print(
+                    f"{fmt:8s} diag / floor+: wall {_ratio(col('diag', 'seconds'), col('floor+', 'seconds'))}, "
+                    f"peak RSS {_ratio(col('diag', 'peak_mb'), col('floor+', 'peak_mb'))}"
                 )
             if "diag" in results and "ort" in results:
                 print(
