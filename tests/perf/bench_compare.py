@@ -50,8 +50,9 @@ elif mode in ("floor", "floor+"):
         from diag.run import reuse_freed_memory
         reuse_freed_memory()
     from diag.instrument import exposed_model
-    data = np.load(inputs)
-    name = data.files[0]
+    with np.load(inputs) as npz:  # read once: indexing an NpzFile re-reads the whole array
+        name = npz.files[0]
+        data = {name: npz[name]}
     so = ort.SessionOptions(); so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sessions = []
     for path in (fp, q):
@@ -80,8 +81,9 @@ elif mode == "passes":
     qs = session_from_model(exposed_model(qm.proto, names), "int8", threads=th, takes_turns=True)
     cut = cut_model(qm.proto, [p for p in pairs.values() if p.producer is not None])
     cs = session_from_model(cut.model, "cut", threads=th, takes_turns=True)
-    data = np.load(inputs)
-    name = data.files[0]
+    with np.load(inputs) as npz:  # read once: indexing an NpzFile re-reads the whole array
+        name = npz.files[0]
+        data = {name: npz[name]}
     t_fp = t_q = t_cut = 0.0
     for i in range(samples + 1):
         feeds = {name: data[name][i % len(data[name]):i % len(data[name]) + 1]}
@@ -99,8 +101,9 @@ elif mode == "ort":
     from onnxruntime.quantization.qdq_loss_debug import (
         collect_activations, compute_activation_error, create_activation_matching,
         modify_model_output_intermediate_tensors)
-    data = np.load(inputs)
-    name = data.files[0]
+    with np.load(inputs) as npz:  # read once: indexing an NpzFile re-reads the whole array
+        name = npz.files[0]
+        data = {name: npz[name]}
     from onnxruntime.quantization import CalibrationDataReader
     class R(CalibrationDataReader):
         def __init__(self):
@@ -152,9 +155,9 @@ def _span(values: list[float], fmt: str) -> str:
 
 
 def _ratio(num: list[float], den: list[float]) -> str:
-    """Median ratio, with the extremes the noise allows (min/max and max/min)."""
-    mid = statistics.median(num) / statistics.median(den)
-    return f"x{mid:.2f} (noise x{min(num) / max(den):.2f}-x{max(num) / min(den):.2f})"
+    """Median of the per-round ratios (each round runs every mode back to back), and their range."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return f"x{statistics.median(ratios):.2f} (rounds x{min(ratios):.2f}-x{max(ratios):.2f})"
 
 
 def main() -> None:
@@ -177,11 +180,14 @@ def main() -> None:
             f"in {time.perf_counter() - t:.0f} s"
         )
         for fmt in formats:
-            results: dict[str, list[dict[str, float]]] = {}
-            for mode in args.modes.split(","):
-                if mode == "ort" and fmt != "qdq":
-                    continue  # qdq_loss_debug only understands QDQ tensor names
-                results[mode] = [measure(mode, folder, args.samples, fmt) for _ in range(args.repeat)]
+            modes = [m for m in args.modes.split(",") if m != "ort" or fmt == "qdq"]  # ort: QDQ names only
+            results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            # NOTE: rounds interleave the modes (floor, diag, ort, floor, diag, ...) so that a
+            # machine that slows down for a minute slows every mode, not one of them.
+            for _ in range(args.repeat):
+                for mode in modes:
+                    results[mode].append(measure(mode, folder, args.samples, fmt))
+            for mode in modes:
                 runs = results[mode]
                 err = next((r["error"] for r in runs if "error" in r), "")
                 print(
