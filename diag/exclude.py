@@ -42,6 +42,7 @@ import numpy as np
 
 from diag.errors import DiagError
 from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
+from diag.load import LoadedModel, float_model_from_path, model_from_path
 from diag.metrics import OutputAccumulator
 from diag.recipe import Recipe
 
@@ -372,22 +373,20 @@ class HeldOutEvaluator:
 
     def __init__(
         self,
-        fp32_path: Path,
+        fp: LoadedModel,
         held_out: FeedSource,
         first_sample: int,
         labels: np.ndarray | None,
         threads: int | None,
     ) -> None:
-        from diag.load import model_from_path
         from diag.run import session_from_model
 
         self.held_out = held_out
         self.first = first_sample
         self.labels = labels
         self.threads = threads
-        fp = model_from_path(fp32_path, "FP32 model")
         ext = fp.path.resolve().parent if fp.has_external_data else None
-        self._fp_sess = session_from_model(fp.proto, f"FP32 model '{fp32_path}'", "disabled", threads, ext)
+        self._fp_sess = session_from_model(fp.proto, f"FP32 model '{fp.path}'", "disabled", threads, ext)
         self.output_names = [o.name for o in fp.graph.output]
         self._cache: list[dict[str, np.ndarray]] | None = []
         size = 0
@@ -411,7 +410,6 @@ class HeldOutEvaluator:
             >>> ev.evaluate(Path("mixed.onnx")).cosine  # doctest: +SKIP
             0.9994
         """
-        from diag.load import model_from_path
         from diag.run import session_from_model
 
         q = model_from_path(model_path, "quantized model")
@@ -726,21 +724,13 @@ def derive_exclusions(
         ['layer1/ffn/fc1/MatMul']
     """
     from diag.compare import CompareOptions, compare_models
-    from diag.load import model_from_path
 
     start = time.perf_counter()
     tgt = parse_target(target) if isinstance(target, str) else target
     if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
         raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
     fp32 = Path(fp32_path)
-    fp = model_from_path(fp32, "FP32 model")
-    if fp.format.kind != "fp32":
-        raise DiagError(
-            "fp32-is-quantized",
-            f"FP32 model '{fp32}'",
-            f"already contains quantized operators ({fp.format.kind})",
-            "pass the original float model",
-        )
+    fp = float_model_from_path(fp32)
     label_array = load_labels(labels) if labels else None
     source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
     split = split_feeds(source, holdout)
@@ -760,7 +750,7 @@ def derive_exclusions(
         else:
             calibration = split.ranking
             calib_note = f"ranking split ({split.to_dict()['ranking']})"
-    evaluator = HeldOutEvaluator(fp32, split.held_out, split.held_out_first, label_array, threads)
+    evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads)
     base = list(recipe.nodes_to_exclude or [])
     tmp = Path(tempfile.mkdtemp(prefix="diag-exclude-"))
     try:

@@ -208,17 +208,9 @@ def lint_recipe_file(
     data = read_recipe_file(recipe_path)
     model = None
     if model_path is not None:
-        from diag.load import model_from_path
+        from diag.load import float_model_from_path
 
-        loaded = model_from_path(model_path, "FP32 model")
-        if loaded.format.is_quantized:
-            raise DiagError(
-                "fp32-is-quantized",
-                f"FP32 model '{loaded.path}'",
-                f"is already quantized ({loaded.format.kind}); recipe names refer to the float model",
-                "pass the FP32 model the recipe will quantize",
-            )
-        model = loaded.proto
+        model = float_model_from_path(model_path).proto
     return lint_recipe(data, model)
 
 

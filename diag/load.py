@@ -152,6 +152,28 @@ def model_from_path(path: str | os.PathLike[str], role: str = "model") -> Loaded
     return LoadedModel(p, proto, detect_format(proto), has_external)
 
 
+def float_model_from_path(path: str | os.PathLike[str], role: str = "FP32 model") -> LoadedModel:
+    """:func:`model_from_path` for the float model a command quantizes, sweeps or measures against.
+
+    Refuses (``fp32-is-quantized``) a model that already contains quantized operators: recipes,
+    exclusion lists and sweeps name the nodes of the float graph.
+
+    Example:
+        >>> float_model_from_path("model.int8.onnx")  # doctest: +SKIP
+        diag: error[fp32-is-quantized]: FP32 model 'model.int8.onnx' already contains quantized operators ...
+    """
+    loaded = model_from_path(path, role)
+    if loaded.format.is_quantized:
+        evidence = ", ".join(f"{k} x{v}" for k, v in loaded.format.evidence.items())
+        raise DiagError(
+            "fp32-is-quantized",
+            f"{role} '{loaded.path}'",
+            f"already contains quantized operators ({loaded.format.kind}: {evidence})",
+            "pass the float model that was exported, not a quantized one",
+        )
+    return loaded
+
+
 def _all_tensors_with_data(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
     tensors = list(graph.initializer)
     for node in graph.node:

@@ -42,7 +42,7 @@ import onnx
 
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
-from diag.load import detect_format, iter_nodes, model_from_path
+from diag.load import detect_format, float_model_from_path, iter_nodes
 from diag.recipe import Recipe, recipe_from_option
 
 #: Above this many bytes of weights a model cannot be one protobuf: quantize with external data.
@@ -210,15 +210,7 @@ def quantize_model(
             "only apply to static quantization but the recipe's mode is 'dynamic'",
             'drop --calib/--reader, or set "mode": "static" in the recipe',
         )
-    loaded = model_from_path(fp32_path, "FP32 model")
-    if loaded.format.is_quantized:
-        ev = ", ".join(f"{k} x{v}" for k, v in loaded.format.evidence.items())
-        raise DiagError(
-            "fp32-is-quantized",
-            f"FP32 model '{loaded.path}'",
-            f"is already quantized ({loaded.format.kind}: {ev})",
-            "pass the float model that was exported, not a quantized one",
-        )
+    loaded = float_model_from_path(fp32_path)
     out = _checked_out(out_path, loaded.path)
     _check_node_names(recipe, loaded.proto)
     source = _calibration_source(recipe, calibration, loaded.proto) if recipe.mode == "static" else None

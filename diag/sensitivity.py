@@ -97,11 +97,12 @@ def skip_one_sensitivity(
         >>> res.rows[0].candidate.label  # doctest: +SKIP
         'layer1/ffn/fc1/MatMul'
     """
+    from diag.load import model_from_path
     from diag.quantize import quantize_model
 
     start = time.perf_counter()
     fp32_path, int8_path = Path(fp32_path), Path(int8_path)
-    evaluator = HeldOutEvaluator(fp32_path, feeds, 0, None, threads)
+    evaluator = HeldOutEvaluator(model_from_path(fp32_path, "FP32 model"), feeds, 0, None, threads)
     given = evaluator.evaluate(int8_path)
     candidates = ranked_candidates(findings, set(recipe.nodes_to_exclude))[: max(k, 0)]
     calibration = None if recipe.mode == "dynamic" or recipe.calibration else feeds

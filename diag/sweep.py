@@ -784,7 +784,7 @@ def sweep_model(
     from diag.bench import bench_models, physical_cores
     from diag.exclude import HeldOutEvaluator, parse_target, split_feeds
     from diag.feeds import load_labels
-    from diag.load import model_from_path
+    from diag.load import float_model_from_path
     from diag.quantize import quantize_model
     from diag.report import ensure_out_dir
 
@@ -807,14 +807,7 @@ def sweep_model(
     grid = grid if grid is not None else json.loads(json.dumps(DEFAULT_GRID))
     recipes = expand_grid(grid, grid_dir)
     fp32 = Path(fp32_path)
-    fp = model_from_path(fp32, "FP32 model")
-    if fp.format.is_quantized:
-        raise DiagError(
-            "fp32-is-quantized",
-            f"FP32 model '{fp32}'",
-            f"already contains quantized operators ({fp.format.kind})",
-            "pass the float model that was exported",
-        )
+    fp = float_model_from_path(fp32)
     out = ensure_out_dir(out_dir)
     label_array = load_labels(labels) if labels else None
     source = feeds.source(fp.proto)
@@ -863,7 +856,7 @@ def sweep_model(
     context = _context(fp32, feeds, calib, labels, split, settings)
     jsonl = out / JSONL
     done = read_jsonl(jsonl, context)
-    evaluator = HeldOutEvaluator(fp32, held, first, label_array, threads)
+    evaluator = HeldOutEvaluator(fp, held, first, label_array, threads)
     run_id = uuid.uuid4().hex[:12]
     entries: list[SweepEntry] = []
     by_hash: dict[str, SweepEntry] = {e.model_sha256: e for e in done.values() if e.ok and e.model_sha256}
