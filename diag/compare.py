@@ -439,25 +439,8 @@ def _run_pass(
             reductions.wait()
             fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
             q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
-            jobs: list[tuple[Any, ...]] = []
-            for name, pair in list(mine.items()):
-                value = q_out[pair.int8_name]
-                ref = fp_out[name]
-                if value.shape != ref.shape:  # dequantizing keeps the shape
-                    runtime_unmatched[name] = (
-                        f"shape differs at run time: FP32 {ref.shape}, INT8 '{pair.int8_name}' {value.shape}"
-                    )
-                    del mine[name]
-                    pairs.pop(name, None)
-                    state.accumulated.pop(name, None)
-                    state.distributions.pop(name, None)
-                    continue
-                scale = _scale_for(pair, q_out)
-                acc = state.accumulated.setdefault(name, ErrorAccumulator())
-                dist = state.distributions.get(name)
-                jobs.append((acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None))
-            reductions.submit(jobs)
-            del jobs  # each INT8 value is freed as soon as its reduction is done
+            # Each INT8 value is freed as soon as its reduction is done (the task holds the last reference).
+            reductions.submit(_accumulated_jobs(mine, pairs, fp_out, q_out, state, runtime_unmatched))
             for name in output_names:
                 state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name)
             if deployed is not None:
@@ -480,17 +463,8 @@ def _run_pass(
                 local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
                 del cut_feeds
                 # Local and accumulated reductions touch different accumulators: no wait between them.
-                jobs = []
-                for lo in cut.outputs:
-                    if lo.fp_name not in mine:
-                        continue
-                    value = local_out[lo.name]
-                    ref = fp_out[lo.fp_name]
-                    if value.shape == ref.shape:
-                        acc = state.local.setdefault(lo.fp_name, ErrorAccumulator())
-                        jobs.append((acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None))
-                reductions.submit(jobs)
-                del jobs, local_out
+                reductions.submit(_local_jobs(cut, mine, fp_out, local_out, state))
+                del local_out
             del fp_out
             if first:
                 state.samples += batch.size
@@ -500,6 +474,55 @@ def _run_pass(
         reductions.wait()
     finally:
         reductions.close()
+
+
+def _accumulated_jobs(
+    mine: dict[str, TensorPair],
+    pairs: dict[str, TensorPair],
+    fp_out: dict[str, np.ndarray],
+    q_out: dict[str, np.ndarray],
+    state: CompareState,
+    runtime_unmatched: dict[str, str],
+) -> list[tuple[Any, ...]]:
+    """One :func:`_reduce` task per matched tensor of a batch; drops pairs whose shapes differ."""
+    jobs: list[tuple[Any, ...]] = []
+    for name, pair in list(mine.items()):
+        value = q_out[pair.int8_name]
+        ref = fp_out[name]
+        if value.shape != ref.shape:  # dequantizing keeps the shape
+            runtime_unmatched[name] = (
+                f"shape differs at run time: FP32 {ref.shape}, INT8 '{pair.int8_name}' {value.shape}"
+            )
+            del mine[name]
+            pairs.pop(name, None)
+            state.accumulated.pop(name, None)
+            state.distributions.pop(name, None)
+            continue
+        scale = _scale_for(pair, q_out)
+        acc = state.accumulated.setdefault(name, ErrorAccumulator())
+        dist = state.distributions.get(name)
+        jobs.append((acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None))
+    return jobs
+
+
+def _local_jobs(
+    cut: CutModel,
+    mine: dict[str, TensorPair],
+    fp_out: dict[str, np.ndarray],
+    local_out: dict[str, np.ndarray],
+    state: CompareState,
+) -> list[tuple[Any, ...]]:
+    """One :func:`_reduce` task per locally recomputed tensor of a batch (error only, no distribution)."""
+    jobs: list[tuple[Any, ...]] = []
+    for lo in cut.outputs:
+        if lo.fp_name not in mine:
+            continue
+        value = local_out[lo.name]
+        ref = fp_out[lo.fp_name]
+        if value.shape == ref.shape:
+            acc = state.local.setdefault(lo.fp_name, ErrorAccumulator())
+            jobs.append((acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None))
+    return jobs
 
 
 class _Reductions:
