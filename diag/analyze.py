@@ -42,6 +42,10 @@ BANDS = {
     "max_abs": {"excellent": 0.1, "acceptable": 0.3, "reject_above": 0.5},
     "cosine_min": {"excellent": 0.999, "acceptable": 0.99, "reject_below": 0.98},
     "accuracy_drop": {"excellent": 0.005, "acceptable": 0.015, "reject_above": 0.02},
+    # diag's own bands (README "Verdict bands"): a mask IoU reads like an agreement; a regression
+    # error of 1 % of the output's range is invisible, 5 % moves a box by a visible margin.
+    "mask_iou": {"excellent": 0.99, "acceptable": 0.95, "reject_below": 0.90},
+    "rel_max_abs": {"excellent": 0.01, "acceptable": 0.03, "reject_above": 0.05},
 }
 GRADES = ("excellent", "acceptable", "marginal", "reject")
 
@@ -218,22 +222,64 @@ def band_grade(value: float, metric: str) -> str:
 def grade_output(
     name: str, stats: ErrorStats, per_sample: OutputStats, labelled: dict[str, int] | None = None
 ) -> OutputVerdict:
-    """Grade one output: class-like outputs by top-1 agreement and max abs error (logits bands),
-    others by minimum per-sample cosine."""
+    """Grade one output with the metrics that mean something for its kind (``per_sample.kind``).
+
+    logits: top-1 agreement and max abs error (logits bands); probabilities: top-1 agreement and
+    min per-sample cosine; probability maps: mask IoU and cosine; embeddings: cosine; boxes and
+    regression: cosine and max abs error relative to the output's largest magnitude; a detector
+    (Concat of parts): each part by its own kind. Any sample with NaN/Inf rejects the output.
+    Outputs of unknown kind keep the old rule (agreement when class-like, else cosine).
+    """
     grades: list[tuple[int, str]] = []
-    if per_sample.top1_agreement is not None:
-        a = per_sample.top1_agreement
-        g = band_grade(a, "top1_agreement")
-        grades.append((GRADES.index(g), f"top-1 agreement {a:.2%} ({g})"))
-        m = per_sample.max_abs
-        g = band_grade(m, "max_abs")
-        grades.append((GRADES.index(g), f"max abs error {m:.3g} ({g})"))
-    elif math.isnan(per_sample.cosine_min):
+
+    def add(value: float | None, metric: str, text: str) -> None:
+        if value is None or math.isnan(value):
+            return
+        g = band_grade(value, metric)
+        grades.append((GRADES.index(g), f"{text} ({g})"))
+
+    kind = per_sample.kind
+    if per_sample.nonfinite_samples:
+        total = per_sample.nonfinite_samples + per_sample.samples
+        grades.append(
+            (GRADES.index("reject"), f"{per_sample.nonfinite_samples} of {total} samples have NaN/Inf outputs")
+        )
+    if per_sample.samples == 0:
         grades.append((GRADES.index("reject"), "no finite samples to compare"))
+    elif kind == "detector" and per_sample.parts:
+        for label, (part, acc, _local) in per_sample.parts.items():
+            sub = grade_output(f"{name} {label}", acc, part)
+            grades.append((GRADES.index(sub.grade), f"{label}: {'; '.join(sub.reasons)}"))
+    elif kind in ("logits", None) and per_sample.top1_agreement is not None:
+        a, m = per_sample.top1_agreement, per_sample.max_abs
+        add(a, "top1_agreement", f"top-1 agreement {a:.2%}")
+        add(m, "max_abs", f"max abs error {m:.3g}")
+    elif kind == "probabilities":
+        if per_sample.top1_agreement is not None:
+            a = per_sample.top1_agreement
+            add(a, "top1_agreement", f"top-1 agreement {a:.2%}")
+        c = per_sample.cosine_min
+        add(c, "cosine_min", f"min per-sample cosine {c:.5f}")
+    elif kind == "probability-map":
+        if per_sample.mask_iou is not None:
+            add(per_sample.mask_iou, "mask_iou", f"mask IoU (> 0.5) {per_sample.mask_iou:.2%}")
+        c = per_sample.cosine_min
+        add(c, "cosine_min", f"min per-sample cosine {c:.5f}")
+    elif kind in ("boxes", "regression"):
+        c = per_sample.cosine_min
+        add(c, "cosine_min", f"min per-sample cosine {c:.5f}")
+        r = per_sample.rel_max_abs
+        if r is not None:
+            add(r, "rel_max_abs", f"max abs error {per_sample.max_abs:.3g} = {r:.2%} of the largest |value|")
     else:
         c = per_sample.cosine_min
-        g = band_grade(c, "cosine_min")
-        grades.append((GRADES.index(g), f"min per-sample cosine {c:.5f} ({g})"))
+        add(c, "cosine_min", f"min per-sample cosine {c:.5f}")
+    if kind != "detector" and per_sample.parts:
+        # Parts of an output that is not a detector are still graded: a destroyed part must show.
+        for label, (part, acc, _local) in per_sample.parts.items():
+            if part.samples and part.cosine_min < BANDS["cosine_min"]["acceptable"]:
+                sub = grade_output(f"{name} {label}", acc, part)
+                grades.append((GRADES.index(sub.grade), f"part {label}: {'; '.join(sub.reasons)}"))
     acc_fp = acc_q = None
     if labelled and labelled["n"]:
         acc_fp = labelled["fp32"] / labelled["n"]
@@ -241,8 +287,10 @@ def grade_output(
         drop = acc_fp - acc_q
         g = band_grade(drop, "accuracy_drop")
         grades.append((GRADES.index(g), f"accuracy {acc_fp:.2%} -> {acc_q:.2%}, drop {drop:.2%} ({g})"))
-    if stats.nonfinite_int8 > stats.nonfinite_fp:
+    if stats.nonfinite_int8 > stats.nonfinite_fp and not per_sample.nonfinite_samples:
         grades.append((GRADES.index("reject"), f"{stats.nonfinite_int8} NaN/Inf values in INT8 output"))
+    if not grades:
+        grades.append((0, "identical"))
     worst = max(grades)[0]
     return OutputVerdict(name, stats, per_sample, GRADES[worst], [r for _, r in grades], acc_fp, acc_q)
 

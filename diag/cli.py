@@ -138,6 +138,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Compare an FP32 model and its INT8 version tensor by tensor; write diag.json, report.html
     and summary.md into --out."""
     from diag.compare import CompareOptions, compare_to_dir
+    from diag.outputs import parse_output_kinds
     from diag.run import parse_shard, parse_size
 
     options = CompareOptions(
@@ -152,6 +153,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         outlier_factor=args.outlier_factor,
         sensitivity=args.sensitivity,
         recipe=args.recipe,
+        output_kinds=parse_output_kinds(args.output_kind),
+        effects=args.effects,
+        effect_samples=args.effect_samples,
     )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
@@ -206,6 +210,21 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
         )
     for s in result.suggestions[:2]:
         print(f"  remedy for {_safe(s.tensor)}: {_safe(s.python)}")
+    effects = getattr(result, "effects", None)
+    if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
+        shown = [e for e in effects.effects[:3] if e.recovered > 0.01]
+        if shown:
+            print(
+                f"  effect on {_safe(effects.target)} of keeping one node in float: "
+                + ", ".join(f"{_safe(e.finding.group.label)} {e.recovered:.0%}" for e in shown)
+                + f" ({effects.samples} samples)"
+            )
+    for v in result.verdicts:
+        for label, (part, acc, local) in v.per_sample.parts.items():
+            print(
+                f"  output {_safe(v.name)} part {_safe(label)}: SQNR {acc.sqnr_db:.1f} dB, min cosine "
+                f"{part.cosine_min:.4f}" + (f", local SQNR {local.sqnr_db:.1f} dB" if local is not None else "")
+            )
     if result.sensitivity is not None and result.sensitivity.rows:
         best = result.sensitivity.rows[0]
         print(
@@ -614,6 +633,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--recipe",
         metavar="R",
         help="the recipe that made the INT8 model (file or inline JSON; diag inspect INT8 --recipe writes one)",
+    )
+    p.add_argument(
+        "--output-kind",
+        action="append",
+        metavar="NAME=KIND",
+        help="what an output is, when the graph evidence guesses wrong (repeatable): logits (top-1 agreement + "
+        "max abs error), probabilities (agreement + cosine), probability-map (mask IoU at 0.5 + cosine), "
+        "embedding (min per-sample cosine), boxes / regression (cosine + max abs error relative to the largest "
+        "|value|), detector (each Concat part by its own kind)",
+    )
+    p.add_argument(
+        "--effects",
+        type=int,
+        default=8,
+        metavar="K",
+        help="confirm root causes by effect: keep each of K candidates (worst local error, error-path roots, "
+        "output heads) in float in the INT8 model and measure how much output error it removes (default 8; 0 off)",
+    )
+    p.add_argument(
+        "--effect-samples",
+        type=int,
+        default=8,
+        metavar="N",
+        help="samples each effect check runs on (the first N; default 8)",
     )
     p.add_argument(
         "--labels",

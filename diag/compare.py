@@ -26,7 +26,6 @@ from diag.analyze import (
     grade_output,
     node_findings,
     overall_grade,
-    single_cause,
 )
 from diag.distributions import (
     OUTLIER_FACTOR,
@@ -36,6 +35,7 @@ from diag.distributions import (
     TensorHealth,
     persistent_outliers,
 )
+from diag.effects import DEFAULT_CANDIDATES, DEFAULT_SAMPLES, EffectCheck, check_effects, confirmed_cause
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
 from diag.graph import fp_graph
@@ -43,6 +43,7 @@ from diag.instrument import CutModel, FusedKernel, cut_model, exposed_model, fus
 from diag.load import LoadedModel, model_from_path
 from diag.match import Matching, TensorPair, match_models, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats
+from diag.outputs import channel_axes, output_specs
 from diag.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.progress import Progress
 from diag.remedies import Suggestion, all_suggestions
@@ -80,6 +81,12 @@ class CompareOptions:
     sensitivity: int = 0
     #: The recipe that made the INT8 model (a path or a Recipe), for ``sensitivity``.
     recipe: Any = None
+    #: ``--output-kind NAME=KIND`` overrides of the kinds inferred from the graph (diag.outputs).
+    output_kinds: dict[str, str] = field(default_factory=dict)
+    #: Candidates whose effect on the outputs is measured by keeping each in float (0 = off).
+    effects: int = DEFAULT_CANDIDATES
+    #: Samples each effect check runs on (the first ones).
+    effect_samples: int = DEFAULT_SAMPLES
 
 
 @dataclass
@@ -105,7 +112,7 @@ class CompareState:
             for k, acc in theirs.items():
                 mine.setdefault(k, ErrorAccumulator()).merge(acc)
         for k, oacc in other.outputs.items():
-            self.outputs.setdefault(k, OutputAccumulator()).merge(oacc)
+            self.outputs.setdefault(k, OutputAccumulator(oacc.spec)).merge(oacc)
         for k, dacc in other.distributions.items():
             if k in self.distributions:
                 self.distributions[k].merge(dacc)
@@ -117,7 +124,7 @@ class CompareState:
         self.batches += other.batches
         self.passes = max(self.passes, other.passes)
         for k, dep in other.deployed.items():
-            self.deployed.setdefault(k, OutputAccumulator()).merge(dep)
+            self.deployed.setdefault(k, OutputAccumulator(dep.spec)).merge(dep)
         self.fused = self.fused or list(other.fused)
         return self
 
@@ -158,6 +165,8 @@ class CompareResult:
     state: CompareState | None = None
     sensitivity: Any = None
     paths: dict[str, list[NodeFinding]] = field(default_factory=dict)
+    #: Measured effect on the outputs of keeping each candidate in float (diag.effects).
+    effects: EffectCheck | None = None
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -240,6 +249,25 @@ def compare_models(
         )
     state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
     result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
+    if options.effects > 0 and options.local and options.shard is None:
+        specs = {k: a.spec for k, a in state.outputs.items()}
+        result.effects = check_effects(
+            fp,
+            q,
+            matching,
+            feeds,
+            result.findings,
+            result.paths,
+            specs,
+            options.effects,
+            options.effect_samples,
+            options.threads,
+            options.progress,
+        )
+        result.single_cause, result.cause_sentence, _ = confirmed_cause(
+            result.findings, result.effects, result.grade, result.verdicts, specs, matching
+        )
+        result.seconds = time.perf_counter() - start
     if options.sensitivity > 0:
         result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options)
         result.seconds = time.perf_counter() - start
@@ -296,16 +324,21 @@ def run_comparison(
         if not 0 <= k < n:
             raise DiagError("bad-option", f"--shard {k}/{n}", "needs 0 <= k < n", "shards of 8 are 0/8 ... 7/8")
     pairs = dict(matching.pairs)
+    specs = output_specs(fp.proto, options.output_kinds)
+    axes = channel_axes(specs)
     cut = None
     if options.local:
         cut = cut_model(q.proto, [p for p in pairs.values() if p.producer is not None])
     groups = _plan_passes(fp, pairs, feeds, options)
     state = CompareState(passes=len(groups))
+    state.outputs = {name: OutputAccumulator(spec) for name, spec in specs.items()}
+    if options.opt_level != "disabled":
+        state.deployed = {name: OutputAccumulator(spec) for name, spec in specs.items()}
     if options.distributions:
         ops = {node_id(n, i): n.op_type for i, n in enumerate(fp.graph.node)}
         for name, pair in pairs.items():
             grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
-            state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""))
+            state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""), axes.get(name))
     runtime_unmatched: dict[str, str] = {}
     deployed = _deployed_sessions(fp, q, matching, options, state) if options.opt_level != "disabled" else None
     total = feeds.total_samples * len(groups) if feeds.total_samples is not None else None
@@ -463,6 +496,7 @@ def _run_pass(
                 local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
                 del cut_feeds
                 # Local and accumulated reductions touch different accumulators: no wait between them.
+                _local_parts(cut, fp_out, local_out, state)
                 reductions.submit(_local_jobs(cut, mine, fp_out, local_out, state))
                 del local_out
             del fp_out
@@ -523,6 +557,20 @@ def _local_jobs(
             acc = state.local.setdefault(lo.fp_name, ErrorAccumulator())
             jobs.append((acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None))
     return jobs
+
+
+def _local_parts(
+    cut: CutModel, fp_out: dict[str, np.ndarray], local_out: dict[str, np.ndarray], state: CompareState
+) -> None:
+    """Local error of each Concat part of a model output (its writer fed FP32 inputs)."""
+    for lo in cut.outputs:
+        acc = state.outputs.get(lo.fp_name)
+        if acc is None or not acc.spec.parts or lo.fp_name not in fp_out:
+            continue
+        value = local_out[lo.name]
+        if lo.dequant is not None:
+            value = lo.dequant.dequantize(value)
+        acc.update_local(fp_out[lo.fp_name], value)
 
 
 class _Reductions:
@@ -634,7 +682,8 @@ def finish(
         )
         for i, name in enumerate(state.outputs)
     ]
-    one, sentence = single_cause(findings)
+    specs = {k: a.spec for k, a in state.outputs.items()}
+    one, sentence, _ = confirmed_cause(findings, None, overall_grade(verdicts), verdicts, specs, matching)
     health = {k: d.finalize(options.outlier_factor) for k, d in state.distributions.items()}
     weights = weight_report(
         fp.proto,

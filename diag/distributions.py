@@ -263,9 +263,12 @@ class DistributionAccumulator:
         16
     """
 
-    def __init__(self, grid: GridInfo | None = None, channel_hint: str | None = None) -> None:
+    def __init__(self, grid: GridInfo | None = None, channel_hint: str | None = None, axis: int | None = None) -> None:
         self.grid = grid
         self.channel_hint = channel_hint
+        #: The channel axis when the graph says which it is (a detector output's part axis, not
+        #: its anchor axis); otherwise :func:`channel_axis` guesses from rank and producer.
+        self.axis_override = axis
         self.fp = Pow2Histogram()
         self.int8 = Pow2Histogram()
         self.count = 0
@@ -294,7 +297,8 @@ class DistributionAccumulator:
             return
         if self.rank is None:
             self.rank = x.ndim
-            self.axis = channel_axis(x.ndim, self.channel_hint)
+            guess = channel_axis(x.ndim, self.channel_hint)
+            self.axis = self.axis_override if self.axis_override is not None else guess
         # Per-channel min / max double as the tensor's (one pass each instead of two more).
         stats = self._channel_stats(x)
         if stats is not None:

@@ -27,7 +27,7 @@ from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
 from diag.errors import DiagError
 from diag.instrument import FusedKernel
 from diag.match import match_models
-from diag.metrics import ErrorAccumulator, OutputAccumulator
+from diag.metrics import ErrorAccumulator, OutputAccumulator, OutputSpec
 
 #: Version of the ``shard.state`` layout; ``diag merge`` refuses others.
 STATE_VERSION = 1
@@ -56,24 +56,32 @@ def _error_from(d: dict[str, Any]) -> ErrorAccumulator:
     return acc
 
 
-_OUTPUT_INTS = ("samples", "rows", "agree")
-_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs")
+_OUTPUT_INTS = ("samples", "nonfinite", "nonfinite_fp", "rows", "agree", "mask_inter", "mask_union")
+_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax", "fp_min", "fp_max")
 
 
 def _output_state(acc: OutputAccumulator) -> dict[str, Any]:
     d: dict[str, Any] = {k: getattr(acc, k) for k in _OUTPUT_INTS}
     d.update({k: _f(getattr(acc, k)) for k in _OUTPUT_FLOATS})
     d["classlike"] = acc.classlike
+    d["spec"] = acc.spec.to_dict()
+    d["parts"] = {k: _output_state(a) for k, a in acc.parts.items()}
+    d["part_errors"] = {k: _error_state(a) for k, a in acc.part_errors.items()}
+    d["part_local"] = {k: _error_state(a) for k, a in acc.part_local.items()}
     return d
 
 
 def _output_from(d: dict[str, Any]) -> OutputAccumulator:
-    acc = OutputAccumulator()
+    acc = OutputAccumulator(OutputSpec.from_dict(d["spec"]) if d.get("spec") else None)
     for k in _OUTPUT_INTS:
-        setattr(acc, k, int(d[k]))
+        setattr(acc, k, int(d.get(k, 0)))
     for k in _OUTPUT_FLOATS:
-        setattr(acc, k, _u(d[k]))
+        if k in d:
+            setattr(acc, k, _u(d[k]))
     acc.classlike = bool(d["classlike"])
+    acc.parts = {k: _output_from(v) for k, v in (d.get("parts") or {}).items()}
+    acc.part_errors = {k: _error_from(v) for k, v in (d.get("part_errors") or {}).items()}
+    acc.part_local = {k: _error_from(v) for k, v in (d.get("part_local") or {}).items()}
     return acc
 
 

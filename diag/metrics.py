@@ -18,7 +18,7 @@ all samples):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -192,31 +192,110 @@ class ErrorAccumulator:
 
 
 @dataclass(frozen=True)
+class OutputPart:
+    """A slice ``[start:stop]`` along an output's part axis that a Concat wrote from ``source``."""
+
+    label: str
+    kind: str
+    start: int
+    stop: int
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """How one model output is measured: its kind and the axes that give its metrics meaning.
+
+    Built by :func:`diag.outputs.output_specs` from graph evidence; the default (kind None) is the
+    old guess: classes on the last axis of any output of rank >= 2.
+    """
+
+    kind: str | None = None
+    #: Axis whose argmax is the prediction (top-1 agreement); None: no agreement.
+    class_axis: int | None = None
+    #: Probability maps: masks are ``value > mask_threshold`` (IoU of FP32 vs INT8 masks).
+    mask_threshold: float | None = None
+    #: Axis along which a Concat laid ``parts`` side by side.
+    part_axis: int | None = None
+    #: The same axis as the Concat node sees it (in its inputs' axes, before any Transpose).
+    concat_axis: int | None = None
+    parts: tuple[OutputPart, ...] = ()
+    concat_node: str | None = None
+    evidence: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["parts"] = [asdict(p) for p in self.parts]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OutputSpec:
+        parts = tuple(OutputPart(**p) for p in d.get("parts") or [])
+        return cls(**{**d, "parts": parts})
+
+
+@dataclass(frozen=True)
 class OutputStats:
-    """Per-sample figures for a model output, on top of the whole-tensor :class:`ErrorStats`."""
+    """Per-sample figures for a model output, on top of the whole-tensor :class:`ErrorStats`.
+
+    ``nonfinite_samples`` counts samples whose INT8 output holds NaN/Inf where the FP32 output is
+    finite: they are left out of the cosine and max abs figures and must fail any verdict on their
+    own. ``nonfinite_fp_samples``: samples the FP32 model itself outputs NaN/Inf for (left out too).
+    """
 
     samples: int
     cosine_min: float
     cosine_mean: float
     max_abs: float
     top1_agreement: float | None
+    nonfinite_samples: int = 0
+    nonfinite_fp_samples: int = 0
+    kind: str | None = None
+    #: Probability maps: IoU of the FP32 and INT8 masks over all samples (None when both are empty).
+    mask_iou: float | None = None
+    #: ``max |e| / max |x|``: the largest error relative to the output's largest FP32 magnitude.
+    rel_max_abs: float | None = None
+    fp_min: float = math.nan
+    fp_max: float = math.nan
+    #: Concat parts: label -> (per-sample figures, accumulated error, local error).
+    parts: dict[str, tuple[OutputStats, ErrorStats, ErrorStats | None]] = field(default_factory=dict)
 
 
 class OutputAccumulator:
-    """Per-sample cosine and top-1 agreement of a model output (axis 0 = samples).
+    """Per-sample cosine, top-1 agreement, mask IoU and per-part errors of a model output (axis 0 = samples).
 
-    Top-1 agreement is computed when the output looks like class scores: a float tensor of rank
-    >= 2 whose last axis has 2..100000 entries; argmax over the last axis, compared per row.
+    What is measured follows ``spec`` (see :class:`OutputSpec`): top-1 agreement only over a class
+    axis, mask IoU only for probability maps, and every Concat part on its own (its per-sample
+    cosine, its accumulated error, and — fed by :meth:`update_local` — its local error).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, spec: OutputSpec | None = None) -> None:
+        self.spec = spec if spec is not None else OutputSpec()
         self.samples = 0
+        self.nonfinite = 0
+        self.nonfinite_fp = 0
         self.cos_min = math.inf
         self.cos_sum = 0.0
         self.max_abs = 0.0
+        self.fp_absmax = 0.0
+        self.fp_min = math.inf
+        self.fp_max = -math.inf
         self.rows = 0
         self.agree = 0
         self.classlike = True
+        self.mask_inter = 0
+        self.mask_union = 0
+        self.parts: dict[str, OutputAccumulator] = {}
+        self.part_errors: dict[str, ErrorAccumulator] = {}
+        self.part_local: dict[str, ErrorAccumulator] = {}
+        for p in self.spec.parts:
+            self.parts[p.label] = OutputAccumulator(OutputSpec(kind=p.kind))
+            self.part_errors[p.label] = ErrorAccumulator()
+
+    def _slice(self, a: np.ndarray, part: OutputPart) -> np.ndarray:
+        index: list[slice] = [slice(None)] * a.ndim
+        index[self.spec.part_axis or 0] = slice(part.start, part.stop)
+        return a[tuple(index)]
 
     def update(self, fp: np.ndarray, q: np.ndarray, name: str | None = None) -> None:
         """Add one batch of an output (``name`` only labels the error when the shapes differ)."""
@@ -234,7 +313,11 @@ class OutputAccumulator:
             x, y = x.reshape(1, -1), y.reshape(1, -1)
         xs = x.reshape(x.shape[0], -1).astype(np.float64)
         ys = y.reshape(y.shape[0], -1).astype(np.float64)
-        finite = np.isfinite(xs).all(axis=1) & np.isfinite(ys).all(axis=1)
+        finite_x = np.isfinite(xs).all(axis=1)
+        finite = finite_x & np.isfinite(ys).all(axis=1)
+        # A sample the FP32 model itself breaks on says nothing about quantization.
+        self.nonfinite += int((finite_x & ~finite).sum())
+        self.nonfinite_fp += int((~finite_x).sum())
         xs, ys = xs[finite], ys[finite]
         if xs.shape[0]:
             num = (xs * ys).sum(axis=1)
@@ -244,31 +327,92 @@ class OutputAccumulator:
             self.cos_min = min(self.cos_min, float(cos.min()))
             self.cos_sum += float(cos.sum())
             self.samples += int(xs.shape[0])
-            self.max_abs = max(self.max_abs, float(np.abs(ys - xs).max(initial=0.0)))  # zero-size outputs
-        if self.classlike and x.ndim >= 2 and 2 <= x.shape[-1] <= 100_000:
-            a = x.reshape(-1, x.shape[-1]).argmax(axis=1)
-            b = y.reshape(-1, y.shape[-1]).argmax(axis=1)
-            self.rows += int(a.size)
-            self.agree += int((a == b).sum())
+            if xs.size:
+                self.max_abs = max(self.max_abs, float(np.abs(ys - xs).max()))
+                self.fp_absmax = max(self.fp_absmax, float(np.abs(xs).max()))
+                self.fp_min = min(self.fp_min, float(xs.min()))
+                self.fp_max = max(self.fp_max, float(xs.max()))
+        self._agreement(x, y, finite)
+        if self.spec.mask_threshold is not None and xs.shape[0]:
+            mx, my = xs > self.spec.mask_threshold, ys > self.spec.mask_threshold
+            self.mask_inter += int((mx & my).sum())
+            self.mask_union += int((mx | my).sum())
+        for p in self.spec.parts:
+            px, py = self._slice(x, p), self._slice(y, p)
+            self.parts[p.label].update(px, py, name)
+            self.part_errors[p.label].update(px, py)
+
+    def _agreement(self, x: np.ndarray, y: np.ndarray, finite: np.ndarray) -> None:
+        if self.spec.kind is None:
+            axis: int | None = x.ndim - 1 if self.classlike and x.ndim >= 2 else None
         else:
+            axis = self.spec.class_axis
+        if axis is None or axis >= x.ndim or not 2 <= x.shape[axis] <= 100_000:
             self.classlike = False
+            return
+        x, y = x[finite], y[finite]  # rows with NaN/Inf have no meaningful argmax
+        a = np.moveaxis(x, axis, -1).reshape(-1, x.shape[axis]).argmax(axis=1)
+        b = np.moveaxis(y, axis, -1).reshape(-1, y.shape[axis]).argmax(axis=1)
+        self.rows += int(a.size)
+        self.agree += int((a == b).sum())
+
+    def update_local(self, fp: np.ndarray, local: np.ndarray) -> None:
+        """Add one batch of the output as the cut model recomputes it (its writer fed FP32 inputs):
+        the local error of each Concat part."""
+        x = np.asarray(fp, dtype=np.float32)
+        y = np.asarray(local, dtype=np.float32)
+        if x.shape != y.shape:
+            return
+        for p in self.spec.parts:
+            self.part_local.setdefault(p.label, ErrorAccumulator()).update(self._slice(x, p), self._slice(y, p))
 
     def merge(self, other: OutputAccumulator) -> OutputAccumulator:
         self.samples += other.samples
+        self.nonfinite += other.nonfinite
+        self.nonfinite_fp += other.nonfinite_fp
         self.cos_min = min(self.cos_min, other.cos_min)
         self.cos_sum += other.cos_sum
         self.max_abs = max(self.max_abs, other.max_abs)
+        self.fp_absmax = max(self.fp_absmax, other.fp_absmax)
+        self.fp_min = min(self.fp_min, other.fp_min)
+        self.fp_max = max(self.fp_max, other.fp_max)
         self.rows += other.rows
         self.agree += other.agree
         self.classlike = self.classlike and other.classlike
+        self.mask_inter += other.mask_inter
+        self.mask_union += other.mask_union
+        for k, acc in other.parts.items():
+            if k in self.parts:
+                self.parts[k].merge(acc)
+            else:
+                self.parts[k] = acc
+        for mine, theirs in ((self.part_errors, other.part_errors), (self.part_local, other.part_local)):
+            for k, e in theirs.items():
+                mine.setdefault(k, ErrorAccumulator()).merge(e)
         return self
 
     def finalize(self) -> OutputStats:
         agreement = self.agree / self.rows if (self.classlike and self.rows) else None
+        parts = {
+            k: (
+                acc.finalize(),
+                self.part_errors[k].finalize(),
+                self.part_local[k].finalize() if k in self.part_local else None,
+            )
+            for k, acc in self.parts.items()
+        }
         return OutputStats(
             samples=self.samples,
             cosine_min=self.cos_min if self.samples else math.nan,
             cosine_mean=self.cos_sum / self.samples if self.samples else math.nan,
             max_abs=self.max_abs,
             top1_agreement=agreement,
+            nonfinite_samples=self.nonfinite,
+            nonfinite_fp_samples=self.nonfinite_fp,
+            kind=self.spec.kind,
+            mask_iou=self.mask_inter / self.mask_union if self.mask_union else None,
+            rel_max_abs=self.max_abs / self.fp_absmax if self.fp_absmax > 0 else None,
+            fp_min=self.fp_min if self.samples else math.nan,
+            fp_max=self.fp_max if self.samples else math.nan,
+            parts=parts,
         )

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,23 @@ def document_from_result(result: Any) -> dict[str, Any]:
                     "accuracy_int8": _num(v.accuracy_int8),
                     "accuracy_drop": _num(v.accuracy_drop),
                     "error_path": [f.group.label for f in result.paths.get(v.name, [])],
+                    "kind": v.per_sample.kind,
+                    "kind_evidence": result.state.outputs[v.name].spec.evidence
+                    if result.state is not None and v.name in result.state.outputs
+                    else "",
+                    "nonfinite_samples": v.per_sample.nonfinite_samples,
+                    "mask_iou": _num(v.per_sample.mask_iou),
+                    "rel_max_abs": _num(v.per_sample.rel_max_abs),
+                    "parts": [
+                        {
+                            "label": label,
+                            "sqnr_db": _num(acc.sqnr_db),
+                            "cosine_min": _num(part.cosine_min),
+                            "max_abs": _num(part.max_abs),
+                            "local_sqnr_db": _num(local.sqnr_db) if local is not None else None,
+                        }
+                        for label, (part, acc, local) in v.per_sample.parts.items()
+                    ],
                 }
                 for v in result.verdicts
             ],
@@ -133,6 +150,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
         "weights": _weights(result.weights),
         "patterns": _patterns(result),
         "sensitivity": result.sensitivity.to_dict() if result.sensitivity is not None else None,
+        "effects": result.effects.to_dict() if getattr(result, "effects", None) is not None else None,
         "tensors": {
             name: {
                 "how": m.pairs[name].how,
@@ -403,6 +421,20 @@ class OutputRow:
     cosine_min: str
     max_abs: str
     agreement: str
+    #: What the output is (logits, probability-map, detector, ...) and the graph evidence for it.
+    kind: str = ""
+    evidence: str = ""
+
+
+@dataclass
+class EffectRow:
+    """One candidate kept in float in the INT8 model, with the share of output error it removes."""
+
+    label: str
+    why: str
+    local_sqnr: str
+    recovered: str
+    recovered_key: str
 
 
 @dataclass
@@ -539,6 +571,9 @@ class ReportView:
     nonfinite: list[str]
     error_paths: list[str]
     sensitivity_note: str
+    #: Root-cause candidates with their measured effect on the outputs, and what it was measured on.
+    effects: list[EffectRow] = field(default_factory=list)
+    effects_note: str = ""
     #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
     run_note: str = ""
 
@@ -624,8 +659,25 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
                 fmt_num(o["cosine_min"], 6),
                 fmt_num(o["max_abs"]),
                 fmt_pct(o["top1_agreement"]),
+                o.get("kind") or "",
+                o.get("kind_evidence") or "",
             )
             for o in verdict["outputs"]
+        ]
+        + [
+            OutputRow(
+                f"{o['name']} · {p['label']}",
+                "",
+                f"Concat part; local SQNR {fmt_db(p['local_sqnr_db'])} dB",
+                fmt_db(p["sqnr_db"]),
+                fmt_num(p["cosine_min"], 6),
+                fmt_num(p["max_abs"]),
+                "",
+                "part",
+                "",
+            )
+            for o in verdict["outputs"]
+            for p in o.get("parts") or []
         ],
         root_causes=roots,
         victims=victims,
@@ -668,6 +720,17 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             for r in (doc.get("sensitivity") or {}).get("rows", [])
         ],
         sensitivity_note=_sensitivity_note(doc.get("sensitivity")),
+        effects=[
+            EffectRow(
+                e["node"],
+                "; ".join(e["why"]),
+                fmt_db(e["local_sqnr_db"]),
+                fmt_pct(e["recovered"]),
+                _sortable(e["recovered"]),
+            )
+            for e in (doc.get("effects") or {}).get("effects", [])
+        ],
+        effects_note=_effects_note(doc.get("effects")),
         versions=" · ".join(
             f"{k} {doc['environment'][k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in doc["environment"]
         ),
@@ -721,6 +784,16 @@ def _nonfinite(nodes: list[dict[str, Any]]) -> list[str]:
         if q > fp and "INT8" not in found:
             found["INT8"] = f"NaN/Inf first produced in the INT8 model by {n['name']} ({n['op_type']}): {q} value(s)"
     return list(found.values())
+
+
+def _effects_note(effects: dict[str, Any] | None) -> str:
+    if not effects:
+        return ""
+    skipped = effects.get("skipped") or {}
+    note = f"Measured on '{effects['target']}' (the worst output or part) over {effects['samples']} samples."
+    if skipped:
+        note += f" Not rebuilt: {', '.join(sorted(skipped))}."
+    return note
 
 
 def _sensitivity_note(sens: dict[str, Any] | None) -> str:
