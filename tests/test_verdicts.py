@@ -70,6 +70,7 @@ def test_detector_concat_is_named_and_the_destroyed_score_part_reported(tmp_path
     boxes = v.per_sample.parts["boxes [0:4]"][1]
     # The whole output looks healthy (pixels dominate its energy) while the scores are destroyed.
     assert v.stats.sqnr_db > 25 and acc.sqnr_db < 10 and boxes.sqnr_db > 25
+    assert part.cosine_min < 0.95 < v.per_sample.cosine_min
     assert local is not None and local.sqnr_db < 10  # the Concat itself does it (fed FP32 inputs)
     assert v.grade == "reject"
     assert r.single_cause and r.cause_sentence.startswith("single root cause: head/Concat")
