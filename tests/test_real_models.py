@@ -72,3 +72,22 @@ EXPECTED_CLS_FLOAT = 253
 EXPECTED_CLS_QDQ = 220
 EXPECTED_DET_FLOAT = 331
 EXPECTED_DET_QDQ = 295
+
+
+@pytest.mark.parametrize(("which", "fmt"), [("det", "qdq"), ("cls", "dynamic")])
+def test_real_outputs_are_graded_by_their_kind(real, which, fmt):
+    """The DBNet map is a probability map (mask IoU, no argmax over image width); cls is a softmax."""
+    fp, q, inputs = real[(which, fmt)]
+    r = compare_models(fp, q, FeedSpec(inputs=str(inputs), samples=4), CompareOptions(progress=False))
+    (v,) = r.verdicts
+    if which == "det":
+        assert v.per_sample.kind == "probability-map"
+        assert v.per_sample.top1_agreement is None and not any("top-1" in x for x in v.reasons)
+        assert any(x.startswith("mask IoU") for x in v.reasons) or v.per_sample.mask_iou is None
+    else:
+        assert v.per_sample.kind == "probabilities" and v.per_sample.top1_agreement is not None
+    # The headline agrees with the roles it shows: one root cause under "single root cause".
+    roots = [f for f in r.findings if f.role == "root-cause"]
+    if r.single_cause:
+        assert len(roots) == 1
+    assert r.effects is not None and r.effects.effects, r.effects
