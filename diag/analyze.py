@@ -221,16 +221,24 @@ def grade_output(
     """Grade one output: class-like outputs by top-1 agreement and max abs error (logits bands),
     others by minimum per-sample cosine."""
     grades: list[tuple[int, str]] = []
+    broken = per_sample.nonfinite_samples
+    if broken:
+        # NOTE: the figures below cover the finite samples only; printed next to NaN outputs they
+        # would read "max abs error 0.01 (excellent)". The NaN samples are the verdict.
+        total = per_sample.total_samples or per_sample.samples + broken
+        grades.append((GRADES.index("reject"), f"{broken} of {total} samples have NaN/Inf in the INT8 output"))
     if per_sample.top1_agreement is not None:
         a = per_sample.top1_agreement
         g = band_grade(a, "top1_agreement")
         grades.append((GRADES.index(g), f"top-1 agreement {a:.2%} ({g})"))
         m = per_sample.max_abs
         g = band_grade(m, "max_abs")
-        grades.append((GRADES.index(g), f"max abs error {m:.3g} ({g})"))
+        if not broken:
+            grades.append((GRADES.index(g), f"max abs error {m:.3g} ({g})"))
     elif math.isnan(per_sample.cosine_min):
-        grades.append((GRADES.index("reject"), "no finite samples to compare"))
-    else:
+        if not broken:
+            grades.append((GRADES.index("reject"), "no finite samples to compare"))
+    elif not broken:  # a min cosine of the finite samples alone would flatter the output
         c = per_sample.cosine_min
         g = band_grade(c, "cosine_min")
         grades.append((GRADES.index(g), f"min per-sample cosine {c:.5f} ({g})"))

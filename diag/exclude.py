@@ -33,7 +33,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,8 @@ TARGET_METRICS: dict[str, tuple[str, str]] = {
     "accuracy_drop": ("<=", "top-1 accuracy of FP32 minus INT8 on the first output, against --labels"),
     "f1_drop": ("<=", "macro-F1 (mean over the labelled classes) of FP32 minus INT8 on the first output, --labels"),
 }
+#: The value a metric takes when an evaluated output holds NaN/Inf: the worst it can be.
+WORST: dict[str, float] = {"cosine": -1.0, "max_abs": math.inf, "agreement": 0.0, "accuracy_drop": 1.0, "f1_drop": 1.0}
 #: An op type is suggested for exclusion when more than this share of its nodes end up excluded.
 OP_TYPE_SHARE = 0.5
 #: FP32 held-out outputs are cached for reuse by every evaluation up to this many bytes.
@@ -124,6 +126,11 @@ class HeldOutMetrics:
     ``cosine`` is the min per-sample cosine over all outputs (as :class:`OutputAccumulator`),
     ``max_abs`` the max over all outputs, ``agreement`` the worst top-1 agreement of class-like
     outputs (``None`` when no output is class-like); accuracy and macro-F1 need labels.
+
+    ``nonfinite_samples`` counts held-out samples with NaN/Inf in an output of the evaluated model
+    where FP32's is finite. Such a sample counts as the worst value: cosine -1, max_abs inf, a
+    disagreeing row, a wrong prediction; and :meth:`value` returns the worst value of any metric
+    while one exists, so no target is met by a model that outputs NaN.
     """
 
     samples: int
@@ -135,6 +142,7 @@ class HeldOutMetrics:
     accuracy_int8: float | None = None
     f1_fp32: float | None = None
     f1_int8: float | None = None
+    nonfinite_samples: int = 0
 
     @property
     def accuracy_drop(self) -> float | None:
@@ -149,8 +157,22 @@ class HeldOutMetrics:
         return self.f1_fp32 - self.f1_int8
 
     def value(self, metric: str) -> float | None:
-        """The figure a target is checked against."""
-        return float(getattr(self, metric)) if getattr(self, metric) is not None else None
+        """The figure a target is checked against (the worst possible one while any sample is NaN/Inf)."""
+        v = getattr(self, metric, None)
+        if v is None:
+            return None
+        if self.nonfinite_samples:
+            return WORST.get(metric, -math.inf if TARGET_METRICS.get(metric, (">=",))[0] == ">=" else math.inf)
+        return float(v)
+
+    def meets(self, target: Target) -> bool:
+        """Whether these metrics meet ``target``: never while any sample is NaN/Inf.
+
+        Example:
+            >>> m.meets(parse_target("cosine>=0.999"))  # doctest: +SKIP
+            True
+        """
+        return not self.nonfinite_samples and target.met(self.value(target.metric))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -169,6 +191,8 @@ class Step:
     metric: float | None
     met: bool
     seconds: float
+    #: Held-out samples with NaN/Inf in an output (the metric is then the worst value).
+    nonfinite_samples: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -419,11 +443,16 @@ class HeldOutEvaluator:
         pred_fp: list[np.ndarray] = []
         pred_q: list[np.ndarray] = []
         start = self.first
+        total = broken = 0
         for i, batch in enumerate(self.held_out):
             ref = self._cache[i] if self._cache is not None else self._run(self._fp_sess, batch.feeds, "FP32 model")
             got = self._run(sess, batch.feeds, f"quantized model '{model_path.name}'")
+            bad = np.zeros(batch.size, dtype=bool)
             for name in self.output_names:
                 accs[name].update(ref[name], got[name])
+                bad |= _nonfinite_rows(ref[name], got[name], batch.size)
+            total += batch.size
+            broken += int(bad.sum())
             if self.labels is not None:
                 first = self.output_names[0]
                 if ref[first].ndim != 2 or ref[first].shape[0] != batch.size:
@@ -442,16 +471,17 @@ class HeldOutEvaluator:
                     )
                 truth.append(self.labels[start : start + batch.size])
                 pred_fp.append(ref[first].argmax(axis=1))
-                pred_q.append(got[first].argmax(axis=1))
+                pred_q.append(np.where(bad, -1, got[first].argmax(axis=1)))  # a NaN row is no prediction
             start += batch.size
         stats = [a.finalize() for a in accs.values()]
         agreements = [s.top1_agreement for s in stats if s.top1_agreement is not None]
         metrics = HeldOutMetrics(
-            samples=stats[0].samples,
-            cosine=min(s.cosine_min for s in stats),
-            cosine_mean=min(s.cosine_mean for s in stats),
-            max_abs=max(s.max_abs for s in stats),
+            samples=total,
+            cosine=-1.0 if broken else _nan_min(s.cosine_min for s in stats),
+            cosine_mean=min(_mean_with_worst(a) for a in accs.values()),
+            max_abs=math.inf if broken else max(s.max_abs for s in stats),
             agreement=min(agreements) if agreements else None,
+            nonfinite_samples=broken,
         )
         if truth:
             t, f, q8 = np.concatenate(truth), np.concatenate(pred_fp), np.concatenate(pred_q)
@@ -463,6 +493,32 @@ class HeldOutEvaluator:
                 f1_int8=macro_f1(t, q8),
             )
         return metrics
+
+
+def _nonfinite_rows(ref: np.ndarray, got: np.ndarray, size: int) -> np.ndarray:
+    """Per sample of a batch: does ``got`` hold NaN/Inf where ``ref`` (FP32) is finite?
+
+    An output without a sample axis marks every sample of the batch when it has any.
+    """
+    ref, got = np.asarray(ref), np.asarray(got)
+    if not (np.issubdtype(got.dtype, np.floating) and np.issubdtype(ref.dtype, np.floating)):
+        return np.zeros(size, dtype=bool)
+    if got.ndim and got.shape[0] == size and ref.shape == got.shape:
+        r, g = ref.reshape(size, -1), got.reshape(size, -1)
+        return np.isfinite(r).all(axis=1) & ~np.isfinite(g).all(axis=1)
+    return np.full(size, bool(np.isfinite(ref).all() and not np.isfinite(got).all()))
+
+
+def _nan_min(values: Iterable[float]) -> float:
+    """The min, or NaN when any value is NaN (Python's min() would skip it or not, by position)."""
+    vals = list(values)
+    return math.nan if any(math.isnan(v) for v in vals) else min(vals)
+
+
+def _mean_with_worst(acc: OutputAccumulator) -> float:
+    """Mean per-sample cosine with every NaN/Inf sample counted as -1 (the worst cosine)."""
+    n = acc.samples + acc.nonfinite
+    return (acc.cos_sum - acc.nonfinite) / n if n else math.nan
 
 
 def macro_f1(truth: np.ndarray, pred: np.ndarray) -> float:
@@ -599,20 +655,28 @@ class _Search:
         """Quantize with ``groups`` kept in float (cached), evaluate, record one trajectory step."""
         if groups in self.cache:
             m = self.cache[groups][0]
-            return m, self.target.met(m.value(self.target.metric))
+            return m, m.meets(self.target)
         t0 = time.perf_counter()
         path = self.work / f"step{len(self.trajectory):03d}.onnx"
         self.quantize(self.nodes(groups), path)
         m = self.evaluate(path)
         self.cache[groups] = (m, path)
         value = m.value(self.target.metric)
-        met = self.target.met(value)
+        met = m.meets(self.target)
         if not met and groups:
             # NOTE: only the baseline (ranking, latency) and met lists (the answer is one of them)
             # are ever read again; dropping the rest keeps disk use at a few model copies.
             path.unlink(missing_ok=True)
         self.trajectory.append(
-            Step(phase, len(groups), self.nodes(groups)[len(self.base) :], value, met, time.perf_counter() - t0)
+            Step(
+                phase,
+                len(groups),
+                self.nodes(groups)[len(self.base) :],
+                value,
+                met,
+                time.perf_counter() - t0,
+                m.nonfinite_samples,
+            )
         )
         if self.progress:
             import sys
@@ -620,7 +684,7 @@ class _Search:
             shown = "n/a" if value is None else f"{value:.6g}"
             sys.stderr.write(
                 f"exclude: {phase:<8} {len(groups):>4} group(s) in float -> {self.target.metric} {shown}"
-                f" ({'met' if met else 'missed'})\n"
+                f"{_nonfinite_note(m)} ({'met' if met else 'missed'})\n"
             )
         return m, met
 
@@ -851,6 +915,8 @@ def _op_type_suggestions(
         if len(picked) < 2 or len(picked) / len(total) <= OP_TYPE_SHARE:
             continue
         keep = sorted((set(default_op_types(search.recipe)) & present) - {op})
+        if not keep:
+            continue  # op_types_to_quantize=[] means "the default types" to onnxruntime, not "none"
         rest = frozenset(i for i in chosen if candidates[i].op_type != op)
         recipe = dataclasses.replace(search.recipe, op_types_to_quantize=keep)
         t0 = time.perf_counter()
@@ -859,9 +925,17 @@ def _op_type_suggestions(
         m = search.evaluate(path)
         path.unlink(missing_ok=True)
         value = m.value(search.target.metric)
-        met = search.target.met(value)
+        met = m.meets(search.target)
         search.trajectory.append(
-            Step(f"op-type {op}", len(rest), search.nodes(rest)[len(search.base) :], value, met, _since(t0))
+            Step(
+                f"op-type {op}",
+                len(rest),
+                search.nodes(rest)[len(search.base) :],
+                value,
+                met,
+                _since(t0),
+                m.nonfinite_samples,
+            )
         )
         out.append(
             {
@@ -1081,6 +1155,7 @@ def summary_lines(result: ExclusionResult) -> list[str]:
     t = result.target
     held = result.split["held_out_samples"]
     b = result.before.value(t.metric)
+    b_note = _nonfinite_note(result.before)
     lines: list[str] = []
     if result.already_met:
         lines.append(f"target {t} already met on {held} held-out samples: {t.metric} {_fmt(b, t)}; nothing to exclude")
@@ -1089,8 +1164,8 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         n = len(result.nodes_to_exclude)
         names = ", ".join(result.nodes_to_exclude)
         lines.append(
-            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)} -> {_fmt(a, t)} by keeping {n} "
-            f"node{'s' if n != 1 else ''} in float ({names})"
+            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> {_fmt(a, t)} "
+            f"by keeping {n} node{'s' if n != 1 else ''} in float ({names})"
         )
         for s in result.op_type_suggestions:
             lines.append(
@@ -1105,9 +1180,12 @@ def summary_lines(result: ExclusionResult) -> list[str]:
             default=None,
         )
         tail = f"; best tried: {_fmt(best.metric, t)} with {best.excluded_groups} group(s) in float" if best else ""
+        nan = sum(1 for s in result.trajectory if s.nonfinite_samples)
+        if nan:
+            tail += f"; {_count(nan, 'list')} tried gave NaN/Inf outputs (failed)"
         lines.append(
-            f"target {t} NOT REACHABLE on {held} held-out samples: {t.metric} {_fmt(b, t)} quantized; no list short of "
-            f"keeping all {len(result.candidates)} quantized node groups in float meets it{tail}"
+            f"target {t} NOT REACHABLE on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} quantized; "
+            f"no list short of keeping all {len(result.candidates)} quantized node groups in float meets it{tail}"
         )
         for alt in result.alternatives:
             lines.append(f"  try: {alt['change']} - {alt['why']}")
@@ -1122,6 +1200,13 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         f"{_count(result.ranking_passes, 'ranking pass', 'ranking passes')} in {result.seconds:.1f} s"
     )
     return lines
+
+
+def _nonfinite_note(m: HeldOutMetrics | None) -> str:
+    """`` (15 of 16 held-out samples NaN/Inf)`` when an evaluated output held NaN/Inf, else ``""``."""
+    if m is None or not m.nonfinite_samples:
+        return ""
+    return f" ({m.nonfinite_samples} of {m.samples} held-out samples NaN/Inf)"
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
@@ -1169,6 +1254,16 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         for n in names
         if before.get(n) is not None
     ]
+    if before.get("nonfinite_samples") or after.get("nonfinite_samples"):
+        # First, so that the summary's three lines show it: NaN samples decide the verdict.
+        rows.insert(
+            0,
+            {
+                "name": "NaN/Inf samples",
+                "before": f"{before['nonfinite_samples']} of {before['samples']}",
+                "after": f"{after['nonfinite_samples']} of {after['samples']}" if after else "-",
+            },
+        )
     latency = [
         {
             "model": x["model"],

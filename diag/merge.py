@@ -56,7 +56,7 @@ def _error_from(d: dict[str, Any]) -> ErrorAccumulator:
     return acc
 
 
-_OUTPUT_INTS = ("samples", "rows", "agree")
+_OUTPUT_INTS = ("samples", "rows", "agree", "nonfinite", "total")
 _OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs")
 
 
@@ -70,7 +70,7 @@ def _output_state(acc: OutputAccumulator) -> dict[str, Any]:
 def _output_from(d: dict[str, Any]) -> OutputAccumulator:
     acc = OutputAccumulator()
     for k in _OUTPUT_INTS:
-        setattr(acc, k, int(d[k]))
+        setattr(acc, k, int(d.get(k, 0)))  # shards written before nonfinite/total existed
     for k in _OUTPUT_FLOATS:
         setattr(acc, k, _u(d[k]))
     acc.classlike = bool(d["classlike"])

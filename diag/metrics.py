@@ -200,6 +200,12 @@ class OutputStats:
     cosine_mean: float
     max_abs: float
     top1_agreement: float | None
+    #: Samples whose INT8 output holds NaN/Inf where FP32's is finite. A NaN has no cosine and
+    #: an infinite error: while any exists, ``cosine_min`` / ``cosine_mean`` are NaN and
+    #: ``max_abs`` is inf (a gate or band on them fails), and their rows count as disagreeing.
+    nonfinite_samples: int = 0
+    #: Every sample seen, finite or not (``samples`` counts only the finite ones compared).
+    total_samples: int = 0
 
 
 class OutputAccumulator:
@@ -207,6 +213,10 @@ class OutputAccumulator:
 
     Top-1 agreement is computed when the output looks like class scores: a float tensor of rank
     >= 2 whose last axis has 2..100000 entries; argmax over the last axis, compared per row.
+
+    NOTE: a sample whose INT8 output holds NaN/Inf (and FP32's does not) cannot enter a cosine or
+    a max abs: it is counted in ``nonfinite`` instead, and its rows count as disagreeing. A
+    reader of the finite figures alone would see a perfect output built from one good sample.
     """
 
     def __init__(self) -> None:
@@ -217,6 +227,8 @@ class OutputAccumulator:
         self.rows = 0
         self.agree = 0
         self.classlike = True
+        self.nonfinite = 0
+        self.total = 0
 
     def update(self, fp: np.ndarray, q: np.ndarray, name: str | None = None) -> None:
         """Add one batch of an output (``name`` only labels the error when the shapes differ)."""
@@ -234,7 +246,11 @@ class OutputAccumulator:
             x, y = x.reshape(1, -1), y.reshape(1, -1)
         xs = x.reshape(x.shape[0], -1).astype(np.float64)
         ys = y.reshape(y.shape[0], -1).astype(np.float64)
-        finite = np.isfinite(xs).all(axis=1) & np.isfinite(ys).all(axis=1)
+        fin_x = np.isfinite(xs).all(axis=1)
+        fin_y = np.isfinite(ys).all(axis=1)
+        finite = fin_x & fin_y
+        self.total += int(xs.shape[0])
+        self.nonfinite += int((fin_x & ~fin_y).sum())
         xs, ys = xs[finite], ys[finite]
         if xs.shape[0]:
             num = (xs * ys).sum(axis=1)
@@ -246,10 +262,11 @@ class OutputAccumulator:
             self.samples += int(xs.shape[0])
             self.max_abs = max(self.max_abs, float(np.abs(ys - xs).max(initial=0.0)))  # zero-size outputs
         if self.classlike and x.ndim >= 2 and 2 <= x.shape[-1] <= 100_000:
-            a = x.reshape(-1, x.shape[-1]).argmax(axis=1)
-            b = y.reshape(-1, y.shape[-1]).argmax(axis=1)
+            x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+            a, b = x2.argmax(axis=1), y2.argmax(axis=1)
+            broken = ~np.isfinite(y2).all(axis=1) & np.isfinite(x2).all(axis=1)
             self.rows += int(a.size)
-            self.agree += int((a == b).sum())
+            self.agree += int(((a == b) & ~broken).sum())
         else:
             self.classlike = False
 
@@ -261,14 +278,19 @@ class OutputAccumulator:
         self.rows += other.rows
         self.agree += other.agree
         self.classlike = self.classlike and other.classlike
+        self.nonfinite += other.nonfinite
+        self.total += other.total
         return self
 
     def finalize(self) -> OutputStats:
         agreement = self.agree / self.rows if (self.classlike and self.rows) else None
+        finite = self.samples and not self.nonfinite
         return OutputStats(
             samples=self.samples,
-            cosine_min=self.cos_min if self.samples else math.nan,
-            cosine_mean=self.cos_sum / self.samples if self.samples else math.nan,
-            max_abs=self.max_abs,
+            cosine_min=self.cos_min if finite else math.nan,
+            cosine_mean=self.cos_sum / self.samples if finite else math.nan,
+            max_abs=math.inf if self.nonfinite else self.max_abs,
             top1_agreement=agreement,
+            nonfinite_samples=self.nonfinite,
+            total_samples=self.total,
         )
