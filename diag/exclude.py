@@ -249,6 +249,14 @@ class ExclusionResult:
     latency: list[dict[str, Any]] = field(default_factory=list)
     model: str | None = None
     snippet: str = ""
+    #: Calibration passes (static recipes: 1, the ranges are reused by every later trial).
+    calibrations: int = 0
+    #: What quantize_model did to the FP32 model before quantizing (replayed by reproduce.py).
+    steps: list[str] = field(default_factory=list)
+    #: ``{"max_trials": N, "time_budget": S, "exhausted": bool, "reason": str}``.
+    budget: dict[str, Any] = field(default_factory=dict)
+    #: Sentences the user must read (e.g. the mixed model is slower than FP32).
+    warnings: list[str] = field(default_factory=list)
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
     diagnosis: Any = None
@@ -286,12 +294,16 @@ class ExclusionResult:
             "calibration": self.calibration,
             "search": {
                 "quantizations": self.quantizations,
+                "calibrations": self.calibrations,
                 "evaluations": self.evaluations,
                 "ranking_passes": self.ranking_passes,
                 "seconds": round(self.seconds, 3),
                 "candidates": len(self.candidates),
                 "trajectory": [s.to_dict() for s in self.trajectory],
+                "budget": self.budget,
             },
+            "preparation": list(self.steps),
+            "warnings": list(self.warnings),
             "candidates": [c.to_dict() for c in self.candidates],
             "alternatives": self.alternatives,
             "latency": self.latency,
@@ -633,6 +645,13 @@ class _Search:
         self.trajectory: list[Step] = []
         self.quantizations = 0
         self.evaluations = 0
+        self.calibrations = 0
+        # NOTE: the FP32 model's activation ranges do not depend on which nodes are excluded:
+        # the first static quantization calibrates and writes them here, every later one reads them
+        # (onnxruntime's calibration_cache_path). One calibration pass instead of one per trial.
+        self.calibration_cache = work / "calibration.json"
+        #: The preparation steps of the last quantization (lift, opset upgrade, pre-processing).
+        self.steps: list[str] = []
 
     def nodes(self, groups: frozenset[int] | list[int]) -> list[str]:
         picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
@@ -642,8 +661,12 @@ class _Search:
         from diag.quantize import quantize_model
 
         r = (recipe or self.recipe).with_excluded(nodes)
-        quantize_model(self.fp32, r, out, calibration=self.calibration, progress=False)
+        report = quantize_model(
+            self.fp32, r, out, calibration=self.calibration, progress=False, calibration_cache=self.calibration_cache
+        )
         self.quantizations += 1
+        self.calibrations += report.calibrations
+        self.steps = report.steps
         return out
 
     def evaluate(self, path: Path) -> HeldOutMetrics:
@@ -877,6 +900,8 @@ def derive_exclusions(
         after=after,
         trajectory=search.trajectory,
         quantizations=search.quantizations,
+        calibrations=search.calibrations,
+        steps=search.steps,
         evaluations=search.evaluations,
         ranking_passes=ranking_passes,
         seconds=time.perf_counter() - start,
@@ -1196,10 +1221,16 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         lines.append(f"  latency p50 {p}")
     lines.append(
         f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; "
-        f"{_count(result.quantizations, 'quantization')}, {_count(result.evaluations, 'evaluation')}, "
+        f"{_count(result.quantizations, 'quantization')}{_calibrations(result.calibrations)}, "
+        f"{_count(result.evaluations, 'evaluation')}, "
         f"{_count(result.ranking_passes, 'ranking pass', 'ranking passes')} in {result.seconds:.1f} s"
     )
     return lines
+
+
+def _calibrations(n: int) -> str:
+    """`` (1 calibration pass)`` for static recipes; nothing for dynamic ones."""
+    return f" ({_count(n, 'calibration pass', 'calibration passes')})" if n else ""
 
 
 def _nonfinite_note(m: HeldOutMetrics | None) -> str:
