@@ -404,6 +404,8 @@ def cmd_exclude(args: argparse.Namespace) -> int:
         threads=args.threads,
         bench_runs=args.bench_runs,
         progress=not args.quiet,
+        max_trials=args.max_trials,
+        time_budget=args.time_budget,
     )
     for line in summary_lines(result):
         print(_safe(line))
@@ -657,6 +659,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
     p.add_argument(
         "--bench-runs", type=int, default=20, metavar="N", help="timed runs per model for latency (0: skip; default 20)"
+    )
+    p.add_argument(
+        "--max-trials",
+        type=int,
+        metavar="N",
+        help="at most N quantizations (the baseline included); when reached, the answer is the smallest list that "
+        "met the target so far, reported as 'budget exhausted' (default: no cap)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="start no new trial after SECONDS; as --max-trials when reached (default: no limit)",
     )
     p.add_argument("--out", default="diag-exclude", metavar="DIR", help="output folder (default diag-exclude)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -265,7 +265,9 @@ class ExclusionResult:
     def verdict(self) -> str:
         if self.already_met:
             return "already met"
-        return "met" if self.reachable else "not reachable"
+        if self.reachable:
+            return "met"
+        return "budget exhausted" if self.budget.get("exhausted") else "not reachable"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``exclusion.json``; embeddable in a report).
@@ -617,6 +619,10 @@ def _name(v: Any) -> Any:
 # ---------------------------------------------------------------- the search
 
 
+class BudgetExhausted(Exception):
+    """``--max-trials`` or ``--time-budget`` stopped the search (not a user error: a result)."""
+
+
 class _Search:
     """Quantize-and-evaluate with a cache keyed by the set of excluded groups."""
 
@@ -631,7 +637,11 @@ class _Search:
         calibration: FeedSource | None,
         work: Path,
         progress: bool,
+        max_trials: int | None = None,
+        deadline: float | None = None,
     ) -> None:
+        from diag.progress import Progress
+
         self.fp32 = fp32
         self.recipe = recipe
         self.base = base_excluded
@@ -652,6 +662,24 @@ class _Search:
         self.calibration_cache = work / "calibration.json"
         #: The preparation steps of the last quantization (lift, opset upgrade, pre-processing).
         self.steps: list[str] = []
+        self.max_trials = max_trials
+        self.deadline = deadline
+        #: The met list with the fewest groups seen so far: the answer when the budget runs out.
+        self.best: frozenset[int] | None = None
+        self.bar = Progress(max_trials, "exclude", enabled=progress, unit="trials")
+
+    def expect(self, remaining: int) -> None:
+        """Set the progress bar's total to the trials done plus an estimate of those left (for its ETA)."""
+        total = self.quantizations + max(remaining, 0)
+        self.bar.total = min(total, self.max_trials) if self.max_trials else total
+
+    def out_of_budget(self) -> str | None:
+        """Why no further trial may run (``--max-trials`` / ``--time-budget``), or None."""
+        if self.max_trials is not None and self.quantizations >= self.max_trials:
+            return f"--max-trials {self.max_trials} reached"
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return "--time-budget reached"
+        return None
 
     def nodes(self, groups: frozenset[int] | list[int]) -> list[str]:
         picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
@@ -679,6 +707,9 @@ class _Search:
         if groups in self.cache:
             m = self.cache[groups][0]
             return m, m.meets(self.target)
+        reason = self.out_of_budget() if groups else None  # the baseline always runs
+        if reason:
+            raise BudgetExhausted(reason)
         t0 = time.perf_counter()
         path = self.work / f"step{len(self.trajectory):03d}.onnx"
         self.quantize(self.nodes(groups), path)
@@ -686,6 +717,9 @@ class _Search:
         self.cache[groups] = (m, path)
         value = m.value(self.target.metric)
         met = m.meets(self.target)
+        if met and groups and (self.best is None or len(groups) < len(self.best)):
+            self.best = groups
+        self.bar.advance(1)
         if not met and groups:
             # NOTE: only the baseline (ranking, latency) and met lists (the answer is one of them)
             # are ever read again; dropping the rest keeps disk use at a few model copies.
@@ -702,12 +736,10 @@ class _Search:
             )
         )
         if self.progress:
-            import sys
-
             shown = "n/a" if value is None else f"{value:.6g}"
-            sys.stderr.write(
+            self.bar.note(
                 f"exclude: {phase:<8} {len(groups):>4} group(s) in float -> {self.target.metric} {shown}"
-                f"{_nonfinite_note(m)} ({'met' if met else 'missed'})\n"
+                f"{_nonfinite_note(m)} ({'met' if met else 'missed'})"
             )
         return m, met
 
@@ -718,6 +750,7 @@ class _Search:
         """Exponential then binary search for the shortest met prefix shorter than all candidates."""
         n = len(self.candidates)
         lo, hi, k = 0, None, 1
+        self.expect(2 * math.ceil(math.log2(max(n, 2))))
         while k <= n - 1:
             if self.prefix(k, "search"):
                 hi = k
@@ -747,6 +780,7 @@ class _Search:
         cache.
         """
         current = frozenset(range(k))
+        self.expect(2 * math.ceil(math.log2(k + 1)) + k)
 
         def drop(block: list[int]) -> None:
             nonlocal current
@@ -764,7 +798,9 @@ class _Search:
         changed = True
         while changed:
             changed = False
-            for i in sorted(current, reverse=True):
+            order = sorted(current, reverse=True)
+            for j, i in enumerate(order):
+                self.expect(len(order) - j)
                 trial = current - {i}
                 if self.try_groups(trial, "prune")[1]:
                     current = trial
@@ -783,6 +819,8 @@ def derive_exclusions(
     bench_runs: int = 20,
     progress: bool = True,
     work_dir: str | Path | None = None,
+    max_trials: int | None = None,
+    time_budget: float | None = None,
 ) -> ExclusionResult:
     """Find a minimal ``nodes_to_exclude`` list that makes ``recipe`` meet ``target`` on held-out inputs.
 
@@ -798,6 +836,10 @@ def derive_exclusions(
         bench_runs: timed runs per model for the latency table (0 skips it).
         progress: one line per step on stderr.
         work_dir: where the final mixed model is kept (a temp folder is used for the trials).
+        max_trials: at most this many quantizations (the baseline included); None: no cap.
+        time_budget: no new trial starts after this many seconds; None: no limit. When a cap
+            stops the search, the answer is the smallest list that met the target so far
+            (verified on the held-out samples, not proven minimal), or none: ``budget`` says so.
 
     Returns:
         The result; ``reachable`` False (and an empty list) when only keeping every candidate in
@@ -813,6 +855,11 @@ def derive_exclusions(
     from diag.compare import CompareOptions, compare_models
 
     start = time.perf_counter()
+    if max_trials is not None and max_trials < 1:
+        raise DiagError("bad-option", f"--max-trials {max_trials}", "must be at least 1", "e.g. --max-trials 50")
+    if time_budget is not None and not time_budget > 0:
+        raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
+    deadline = start + time_budget if time_budget is not None else None
     tgt = parse_target(target) if isinstance(target, str) else target
     if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
         raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
@@ -839,9 +886,11 @@ def derive_exclusions(
             calib_note = f"ranking split ({split.to_dict()['ranking']})"
     evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads)
     base = list(recipe.nodes_to_exclude or [])
+    exhausted: str | None = None
+    compared: Any = None
     tmp = Path(tempfile.mkdtemp(prefix="diag-exclude-"))
     try:
-        search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress)
+        search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress, max_trials, deadline)
         before, met0 = search.try_groups(frozenset(), "baseline")
         if before.value(tgt.metric) is None:
             raise DiagError(
@@ -861,13 +910,18 @@ def derive_exclusions(
             ranking_passes = 1
             candidates = ranked_candidates(compared.findings, set(base))
             search.candidates = candidates
-            k = search.smallest_prefix()
-            if k is not None:
-                chosen = search.prune(k)
+            try:
+                k = search.smallest_prefix()
+                if k is not None:
+                    chosen = search.prune(k)
+            except BudgetExhausted as e:
+                exhausted = str(e)
+                chosen = search.best  # verified on the held-out samples, not proven minimal
+        search.bar.close()
         after = search.cache[chosen][0] if chosen is not None else None
         excluded = [candidates[i] for i in sorted(chosen)] if chosen else []
         nodes = search.nodes(chosen) if chosen is not None else []
-        suggestions = _op_type_suggestions(search, fp, candidates, chosen) if chosen else []
+        suggestions = _op_type_suggestions(search, fp, candidates, chosen) if chosen and not exhausted else []
         model_out: Path | None = None
         if chosen is not None and work_dir is not None:
             model_out = Path(work_dir) / "mixed.onnx"
@@ -902,6 +956,9 @@ def derive_exclusions(
         quantizations=search.quantizations,
         calibrations=search.calibrations,
         steps=search.steps,
+        budget={"max_trials": max_trials, "time_budget": time_budget, "exhausted": exhausted is not None}
+        | ({"reason": exhausted} if exhausted else {}),
+        warnings=_slower_warning(latency),
         evaluations=search.evaluations,
         ranking_passes=ranking_passes,
         seconds=time.perf_counter() - start,
@@ -913,6 +970,19 @@ def derive_exclusions(
     )
     result.diagnosis = compared if ranking_passes else None
     return result
+
+
+def _slower_warning(latency: list[dict[str, Any]]) -> list[str]:
+    """A warning when the verified mixed model runs slower than FP32 (measured, never assumed)."""
+    by = {x["model"]: x for x in latency}
+    fp, mixed = by.get("fp32"), by.get("mixed")
+    if not fp or not mixed or mixed["p50_ms"] <= fp["p50_ms"]:
+        return []
+    return [
+        f"warning: the mixed model is slower than FP32 (p50 {mixed['p50_ms']:.2f} ms vs {fp['p50_ms']:.2f} ms): "
+        "the float islands add Quantize/Dequantize pairs at every boundary; keeping the model in FP32 may be "
+        "the better deployment"
+    ]
 
 
 def _since(t0: float) -> float:
@@ -939,6 +1009,8 @@ def _op_type_suggestions(
         picked = [i for i in total if i in chosen]
         if len(picked) < 2 or len(picked) / len(total) <= OP_TYPE_SHARE:
             continue
+        if search.out_of_budget():
+            break
         keep = sorted((set(default_op_types(search.recipe)) & present) - {op})
         if not keep:
             continue  # op_types_to_quantize=[] means "the default types" to onnxruntime, not "none"
@@ -1024,20 +1096,32 @@ def alternatives(recipe: Recipe, candidates: list[Candidate]) -> list[dict[str, 
 
 
 def reproduce_snippet(
-    result: ExclusionResult, model_out: str, calibration: str | None = None, calibration_samples: int | None = None
+    result: ExclusionResult,
+    model_out: str,
+    calibration: str | None = None,
+    calibration_samples: int | None = None,
+    batch: int = 1,
 ) -> str:
-    """Python code that rebuilds the mixed-precision model with plain onnxruntime calls (no diag).
+    """Python that rebuilds the verified mixed-precision model with plain onnx/onnxruntime calls (no diag).
 
-    ``calibration`` is the ``.npz`` a static recipe calibrates on (its first
-    ``calibration_samples`` rows, all when None).
+    It replays every step diag took before onnxruntime's quantizer (``result.steps``: Constant
+    nodes lifted to initializers, opset upgrade for per-channel QDQ, ``quant_pre_process`` with
+    or without symbolic shapes), then quantizes with the final recipe: the same calls in the same
+    order, so it writes the same model. ``model_out`` must not be the verified model's own path
+    (``diag exclude`` passes ``<stem>.reproduced.onnx``). ``calibration`` is the ``.npz`` a static
+    recipe calibrates on (its first ``calibration_samples`` rows, ``batch`` rows per call).
 
     Example:
-        >>> print(reproduce_snippet(result, "mixed.onnx"))  # doctest: +SKIP
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+        >>> print(reproduce_snippet(result, "m.reproduced.onnx"))  # doctest: +SKIP
+        # Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.
         ...
     """
     r = result.recipe
     static = r.get("mode") == "static"
+    steps = list(result.steps)
+    if r.get("preprocess") and not any(x.startswith("quant_pre_process") for x in steps):
+        steps.append("quant_pre_process")
+    external = "external_data" in steps
     args: list[str] = []
 
     def enum(kind: str, key: str) -> None:
@@ -1057,54 +1141,100 @@ def reproduce_snippet(
         enum("CalibrationMethod", "calibrate_method")
     if r.get("extra_options"):
         args.append(f"    extra_options={r['extra_options']!r},")
-    fp32 = result.fp32
+    if external:
+        args.append("    use_external_data_format=True,")
+    names = ["QuantType", "quantize_static" if static else "quantize_dynamic"]
+    if static:
+        names = ["CalibrationDataReader", "CalibrationMethod", "QuantFormat", *names]
+    save = ", save_as_external_data=True, location='model.onnx.data'" if external else ""
     lines = [
-        "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnxruntime calls.",
+        "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.",
         f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float.",
+        f"# Replays diag's steps before quantizing: {', '.join(steps) or 'none'}.",
         "# Paths are as given to diag exclude: run this from the folder diag exclude ran in.",
+        "import os",
+        "import tempfile",
+        "",
+        "import numpy as np" if static else "",
+        "import onnx",
+        f"from onnxruntime.quantization import {', '.join(names)}",
     ]
-    if r.get("preprocess"):
-        lines += [
-            "from onnxruntime.quantization.shape_inference import quant_pre_process",
-            "",
-            f"quant_pre_process({fp32!r}, 'preprocessed.onnx')",
-        ]
-        fp32 = "preprocessed.onnx"
+    if any(x.startswith("quant_pre_process") for x in steps):
+        lines.append("from onnxruntime.quantization.shape_inference import quant_pre_process")
+    lines = [x for x in lines if x != "" or lines.index(x) == 6]
+    lines += ["", f"FP32 = os.path.abspath({result.fp32!r})", f"OUT = os.path.abspath({model_out!r})"]
     if static:
         lines += [
-            "import numpy as np",
-            "from onnxruntime.quantization import (",
-            "    CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static,",
-            ")",
+            f"CALIBRATION = os.path.abspath({calibration or 'CALIBRATION.npz'!r})",
             "",
             "",
             "class Reader(CalibrationDataReader):",
-            '    """One sample per get_next from a stacked .npz (MinMax ranges do not depend on batching)."""',
+            '    """The first `count` rows of a stacked .npz, `batch` rows per get_next (as diag fed them)."""',
             "",
-            "    def __init__(self, path, count=None):",
+            "    def __init__(self, path, count, batch):",
             "        with np.load(path) as z:",
             "            arrays = {k: z[k] for k in z.files}",
             "        n = len(next(iter(arrays.values()))) if count is None else count",
-            "        self.rows = iter([{k: v[i : i + 1] for k, v in arrays.items()} for i in range(n)])",
+            "        rows = range(0, n, batch)",
+            "        self.feeds = iter([{k: v[i : min(i + batch, n)] for k, v in arrays.items()} for i in rows])",
             "",
             "    def get_next(self):",
-            "        return next(self.rows, None)",
-            "",
-            "",
+            "        return next(self.feeds, None)",
+        ]
+    lines += ["", "", "model = onnx.load(FP32)"]
+    for step in steps:
+        if step == "lift_constants":
+            lines += [
+                "# Constant nodes -> initializers (paddle2onnx stores weights as Constant nodes).",
+                "kept = []",
+                "for node in model.graph.node:",
+                '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
+                "        t = onnx.TensorProto()",
+                "        t.CopyFrom(node.attribute[0].t)",
+                "        t.name = node.output[0]",
+                "        model.graph.initializer.append(t)",
+                "    else:",
+                "        kept.append(node)",
+                "del model.graph.node[:]",
+                "model.graph.node.extend(kept)",
+            ]
+        elif step == "upgrade_opset":
+            lines += [
+                "# per-channel QDQ writes DequantizeLinear(axis=...), which opset < 13 forbids.",
+                "model = onnx.version_converter.convert_version(model, 13)",
+            ]
+    lines += [
+        "work = tempfile.mkdtemp()",
+        "src = os.path.join(work, 'model.onnx')",
+        f"onnx.save_model(model, src{save})",
+        "del model",
+        "os.chdir(work)  # quant_pre_process may leave temp files in the current folder",
+    ]
+    for step in steps:
+        if step.startswith("quant_pre_process"):
+            skip = ", skip_symbolic_shape=True" if step.endswith("skip_symbolic_shape") else ""
+            ext = ", save_as_external_data=True, all_tensors_to_one_file=True" if external else ""
+            lines += [
+                f"quant_pre_process(src, os.path.join(work, 'pre.onnx'){skip}{ext})",
+                "src = os.path.join(work, 'pre.onnx')",
+            ]
+        elif step == "upgrade_opset_after_load_error":
+            lines += [
+                "# diag's first INT8 model did not load (DequantizeLinear axis on opset < 13): upgraded, as here.",
+                "upgraded = onnx.version_converter.convert_version(onnx.load(src), 13)",
+                "onnx.save_model(upgraded, os.path.join(work, 'up.onnx'))",
+                "src = os.path.join(work, 'up.onnx')",
+            ]
+    if static:
+        lines += [
             "quantize_static(",
-            f"    {fp32!r},",
-            f"    {model_out!r},",
-            f"    Reader({calibration or 'CALIBRATION.npz'!r}, {calibration_samples!r}),",
+            "    src,",
+            "    OUT,",
+            f"    Reader(CALIBRATION, {calibration_samples!r}, {batch!r}),",
         ]
     else:
-        lines += [
-            "from onnxruntime.quantization import QuantType, quantize_dynamic",
-            "",
-            "quantize_dynamic(",
-            f"    {fp32!r},",
-            f"    {model_out!r},",
-        ]
-    lines += [*args, ")"]
+        lines += ["quantize_dynamic(", "    src,", "    OUT,"]
+    lines += [*args, ")", "print('wrote', OUT)"]
     return "\n".join(lines) + "\n"
 
 
@@ -1119,6 +1249,8 @@ def exclude_to_dir(
     threads: int | None = None,
     bench_runs: int = 20,
     progress: bool = True,
+    max_trials: int | None = None,
+    time_budget: float | None = None,
 ) -> tuple[ExclusionResult, dict[str, Path]]:
     """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
 
@@ -1136,7 +1268,18 @@ def exclude_to_dir(
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     with tempfile.TemporaryDirectory(prefix=".diag-exclude-", dir=out) as work:
         result = derive_exclusions(
-            fp32_path, recipe, feeds, target, holdout, labels, threads, bench_runs, progress, work
+            fp32_path,
+            recipe,
+            feeds,
+            target,
+            holdout,
+            labels,
+            threads,
+            bench_runs,
+            progress,
+            work,
+            max_trials,
+            time_budget,
         )
         files: dict[str, Path] = {}
         if result.reachable and result.model:
@@ -1145,15 +1288,17 @@ def exclude_to_dir(
             result.model = str(model)
             files["mixed model"] = model
             if recipe.calibration:
-                calib, count = recipe.calibration_path(), recipe.calibration_samples
+                calib, count, batch = recipe.calibration_path(), recipe.calibration_samples, 1
             else:
-                calib, count = feeds.inputs, result.split["ranking_samples"]
-            result.snippet = reproduce_snippet(result, str(model), str(calib) if calib else None, count)
+                calib, count, batch = feeds.inputs, result.split["ranking_samples"], result.split["batch"]
+            # NOTE: never the verified model's path: running reproduce.py must not overwrite the answer.
+            again = out / f"{stem}.reproduced.onnx"
+            result.snippet = reproduce_snippet(result, str(again), str(calib) if calib else None, count, batch)
             files["reproduce.py"] = atomic_write(out / "reproduce.py", result.snippet)
         else:
             # NOTE: a mixed model left by an earlier run in the same folder would read as this
             # run's answer; when there is no answer, there must be no model.
-            for stale in (out / f"{stem}.mixed.onnx", out / "reproduce.py"):
+            for stale in (out / f"{stem}.mixed.onnx", out / "reproduce.py", out / f"{stem}.reproduced.onnx"):
                 stale.unlink(missing_ok=True)
     exclusion = result.to_dict()
     text = json.dumps(exclusion, indent=1, ensure_ascii=False) + "\n"
@@ -1192,6 +1337,11 @@ def summary_lines(result: ExclusionResult) -> list[str]:
             f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> {_fmt(a, t)} "
             f"by keeping {n} node{'s' if n != 1 else ''} in float ({names})"
         )
+        if result.budget.get("exhausted"):
+            lines.append(
+                f"  budget exhausted ({result.budget['reason']}): this is the smallest list that met the target "
+                "before the search stopped, verified on the held-out samples but not proven minimal"
+            )
         for s in result.op_type_suggestions:
             lines.append(
                 f"  op types: {s['excluded']}/{s['of']} {s['op_type']} nodes excluded; op_types_to_quantize="
@@ -1208,10 +1358,16 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         nan = sum(1 for s in result.trajectory if s.nonfinite_samples)
         if nan:
             tail += f"; {_count(nan, 'list')} tried gave NaN/Inf outputs (failed)"
-        lines.append(
-            f"target {t} NOT REACHABLE on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} quantized; "
-            f"no list short of keeping all {len(result.candidates)} quantized node groups in float meets it{tail}"
-        )
+        if result.budget.get("exhausted"):
+            lines.append(
+                f"target {t} NOT MET: budget exhausted ({result.budget['reason']}) before any list met it on "
+                f"{held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} quantized{tail}; raise the budget"
+            )
+        else:
+            lines.append(
+                f"target {t} NOT REACHABLE on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} quantized; "
+                f"no list short of keeping all {len(result.candidates)} quantized node groups in float meets it{tail}"
+            )
         for alt in result.alternatives:
             lines.append(f"  try: {alt['change']} - {alt['why']}")
     if result.latency:
@@ -1219,6 +1375,7 @@ def summary_lines(result: ExclusionResult) -> list[str]:
             f"{x['p50_ms']:.2f} ms {x['model'].upper() if x['model'] != 'mixed' else 'mixed'}" for x in result.latency
         )
         lines.append(f"  latency p50 {p}")
+    lines.extend(f"  {w}" for w in result.warnings)
     lines.append(
         f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; "
         f"{_count(result.quantizations, 'quantization')}{_calibrations(result.calibrations)}, "
