@@ -239,12 +239,13 @@ def grade_output(
         grades.append((GRADES.index(g), f"{text} ({g})"))
 
     kind = per_sample.kind
-    if per_sample.nonfinite_samples:
-        total = per_sample.nonfinite_samples + per_sample.samples
-        grades.append(
-            (GRADES.index("reject"), f"{per_sample.nonfinite_samples} of {total} samples have NaN/Inf outputs")
-        )
-    if per_sample.samples == 0:
+    broken = per_sample.nonfinite_samples
+    if broken:
+        # NOTE: the figures of the finite samples alone would read "max abs error 0.01 (excellent)"
+        # next to NaN outputs. The NaN samples are the verdict; nothing else is graded.
+        total = per_sample.total_samples or per_sample.samples + broken
+        grades.append((GRADES.index("reject"), f"{broken} of {total} samples have NaN/Inf in the INT8 output"))
+    elif per_sample.samples == 0:
         grades.append((GRADES.index("reject"), "no finite samples to compare"))
     elif kind == "detector" and per_sample.parts:
         for label, (part, acc, _local) in per_sample.parts.items():
@@ -274,7 +275,7 @@ def grade_output(
     else:
         c = per_sample.cosine_min
         add(c, "cosine_min", f"min per-sample cosine {c:.5f}")
-    if kind != "detector" and per_sample.parts:
+    if kind != "detector" and per_sample.parts and not broken:
         # Parts of an output that is not a detector are still graded: a destroyed part must show.
         for label, (part, acc, _local) in per_sample.parts.items():
             if part.samples and part.cosine_min < BANDS["cosine_min"]["acceptable"]:

@@ -409,9 +409,9 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     3 when no list short of keeping every quantized node in float meets the target."""
     from diag.errors import GATE_FAILED
     from diag.exclude import exclude_to_dir, summary_lines
-    from diag.recipe import Recipe, load_recipe
+    from diag.recipe import Recipe, recipe_from_option
 
-    recipe = load_recipe(args.recipe) if args.recipe else Recipe(mode="dynamic")
+    recipe = recipe_from_option(args.recipe) if args.recipe else Recipe(mode="dynamic")
     result, files = exclude_to_dir(
         args.fp32,
         recipe,
@@ -423,6 +423,8 @@ def cmd_exclude(args: argparse.Namespace) -> int:
         threads=args.threads,
         bench_runs=args.bench_runs,
         progress=not args.quiet,
+        max_trials=args.max_trials,
+        time_budget=args.time_budget,
     )
     for line in summary_lines(result):
         print(_safe(line))
@@ -700,6 +702,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
     p.add_argument(
         "--bench-runs", type=int, default=20, metavar="N", help="timed runs per model for latency (0: skip; default 20)"
+    )
+    p.add_argument(
+        "--max-trials",
+        type=int,
+        metavar="N",
+        help="at most N quantizations (the baseline included); when reached, the answer is the smallest list that "
+        "met the target so far, reported as 'budget exhausted' (default: no cap)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="start no new trial after SECONDS; as --max-trials when reached (default: no limit)",
     )
     p.add_argument("--out", default="diag-exclude", metavar="DIR", help="output folder (default diag-exclude)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

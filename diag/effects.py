@@ -385,6 +385,9 @@ def check_effects(
                 continue
             before, after = base[target].mse, got[target].mse
             recovered = 1.0 - after / before if before > 0 else 0.0
+            if got[target].nonfinite_int8 > base[target].nonfinite_int8:
+                recovered = -math.inf  # keeping it in float creates NaN/Inf: the worst outcome
+                why = f"{why}; creates NaN/Inf in {target}"
             effects.append(
                 Effect(
                     f,

@@ -33,7 +33,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,8 @@ import numpy as np
 from diag.errors import DiagError
 from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
 from diag.load import LoadedModel, float_model_from_path, model_from_path
-from diag.metrics import OutputAccumulator
+from diag.metrics import OutputAccumulator, OutputStats
+from diag.outputs import output_specs
 from diag.recipe import Recipe
 
 #: target metric -> (direction, how it is computed); the CLI's --help prints this table.
@@ -61,6 +62,8 @@ TARGET_METRICS: dict[str, tuple[str, str]] = {
     "accuracy_drop": ("<=", "top-1 accuracy of FP32 minus INT8 on the first output, against --labels"),
     "f1_drop": ("<=", "macro-F1 (mean over the labelled classes) of FP32 minus INT8 on the first output, --labels"),
 }
+#: The value a metric takes when an evaluated output holds NaN/Inf: the worst it can be.
+WORST: dict[str, float] = {"cosine": -1.0, "max_abs": math.inf, "agreement": 0.0, "accuracy_drop": 1.0, "f1_drop": 1.0}
 #: An op type is suggested for exclusion when more than this share of its nodes end up excluded.
 OP_TYPE_SHARE = 0.5
 #: FP32 held-out outputs are cached for reuse by every evaluation up to this many bytes.
@@ -124,6 +127,11 @@ class HeldOutMetrics:
     ``cosine`` is the min per-sample cosine over all outputs (as :class:`OutputAccumulator`),
     ``max_abs`` the max over all outputs, ``agreement`` the worst top-1 agreement of class-like
     outputs (``None`` when no output is class-like); accuracy and macro-F1 need labels.
+
+    ``nonfinite_samples`` counts held-out samples with NaN/Inf in an output of the evaluated model
+    where FP32's is finite. Such a sample counts as the worst value: cosine -1, max_abs inf, a
+    disagreeing row, a wrong prediction; and :meth:`value` returns the worst value of any metric
+    while one exists, so no target is met by a model that outputs NaN.
     """
 
     samples: int
@@ -135,6 +143,7 @@ class HeldOutMetrics:
     accuracy_int8: float | None = None
     f1_fp32: float | None = None
     f1_int8: float | None = None
+    nonfinite_samples: int = 0
 
     @property
     def accuracy_drop(self) -> float | None:
@@ -149,8 +158,22 @@ class HeldOutMetrics:
         return self.f1_fp32 - self.f1_int8
 
     def value(self, metric: str) -> float | None:
-        """The figure a target is checked against."""
-        return float(getattr(self, metric)) if getattr(self, metric) is not None else None
+        """The figure a target is checked against (the worst possible one while any sample is NaN/Inf)."""
+        v = getattr(self, metric, None)
+        if v is None:
+            return None
+        if self.nonfinite_samples:
+            return WORST.get(metric, -math.inf if TARGET_METRICS.get(metric, (">=",))[0] == ">=" else math.inf)
+        return float(v)
+
+    def meets(self, target: Target) -> bool:
+        """Whether these metrics meet ``target``: never while any sample is NaN/Inf.
+
+        Example:
+            >>> m.meets(parse_target("cosine>=0.999"))  # doctest: +SKIP
+            True
+        """
+        return not self.nonfinite_samples and target.met(self.value(target.metric))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -169,6 +192,8 @@ class Step:
     metric: float | None
     met: bool
     seconds: float
+    #: Held-out samples with NaN/Inf in an output (the metric is then the worst value).
+    nonfinite_samples: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -225,6 +250,14 @@ class ExclusionResult:
     latency: list[dict[str, Any]] = field(default_factory=list)
     model: str | None = None
     snippet: str = ""
+    #: Calibration passes (static recipes: 1, the ranges are reused by every later trial).
+    calibrations: int = 0
+    #: What quantize_model did to the FP32 model before quantizing (replayed by reproduce.py).
+    steps: list[str] = field(default_factory=list)
+    #: ``{"max_trials": N, "time_budget": S, "exhausted": bool, "reason": str}``.
+    budget: dict[str, Any] = field(default_factory=dict)
+    #: Sentences the user must read (e.g. the mixed model is slower than FP32).
+    warnings: list[str] = field(default_factory=list)
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
     diagnosis: Any = None
@@ -233,7 +266,9 @@ class ExclusionResult:
     def verdict(self) -> str:
         if self.already_met:
             return "already met"
-        return "met" if self.reachable else "not reachable"
+        if self.reachable:
+            return "met"
+        return "budget exhausted" if self.budget.get("exhausted") else "not reachable"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``exclusion.json``; embeddable in a report).
@@ -262,12 +297,16 @@ class ExclusionResult:
             "calibration": self.calibration,
             "search": {
                 "quantizations": self.quantizations,
+                "calibrations": self.calibrations,
                 "evaluations": self.evaluations,
                 "ranking_passes": self.ranking_passes,
                 "seconds": round(self.seconds, 3),
                 "candidates": len(self.candidates),
                 "trajectory": [s.to_dict() for s in self.trajectory],
+                "budget": self.budget,
             },
+            "preparation": list(self.steps),
+            "warnings": list(self.warnings),
             "candidates": [c.to_dict() for c in self.candidates],
             "alternatives": self.alternatives,
             "latency": self.latency,
@@ -388,6 +427,9 @@ class HeldOutEvaluator:
         ext = fp.path.resolve().parent if fp.has_external_data else None
         self._fp_sess = session_from_model(fp.proto, f"FP32 model '{fp.path}'", "disabled", threads, ext)
         self.output_names = [o.name for o in fp.graph.output]
+        # Outputs are measured by kind (no top-1 agreement over a probability map) and Concat parts
+        # on their own: a detector's destroyed score part fails a cosine target the whole passes.
+        self.specs = output_specs(fp.proto)
         self._cache: list[dict[str, np.ndarray]] | None = []
         size = 0
         for batch in held_out:
@@ -414,16 +456,21 @@ class HeldOutEvaluator:
 
         q = model_from_path(model_path, "quantized model")
         sess = session_from_model(q.proto, f"quantized model '{model_path.name}'", "disabled", self.threads)
-        accs = {name: OutputAccumulator() for name in self.output_names}
+        accs = {name: OutputAccumulator(self.specs.get(name)) for name in self.output_names}
         truth: list[np.ndarray] = []
         pred_fp: list[np.ndarray] = []
         pred_q: list[np.ndarray] = []
         start = self.first
+        total = broken = 0
         for i, batch in enumerate(self.held_out):
             ref = self._cache[i] if self._cache is not None else self._run(self._fp_sess, batch.feeds, "FP32 model")
             got = self._run(sess, batch.feeds, f"quantized model '{model_path.name}'")
+            bad = np.zeros(batch.size, dtype=bool)
             for name in self.output_names:
                 accs[name].update(ref[name], got[name])
+                bad |= _nonfinite_rows(ref[name], got[name], batch.size)
+            total += batch.size
+            broken += int(bad.sum())
             if self.labels is not None:
                 first = self.output_names[0]
                 if ref[first].ndim != 2 or ref[first].shape[0] != batch.size:
@@ -442,16 +489,17 @@ class HeldOutEvaluator:
                     )
                 truth.append(self.labels[start : start + batch.size])
                 pred_fp.append(ref[first].argmax(axis=1))
-                pred_q.append(got[first].argmax(axis=1))
+                pred_q.append(np.where(bad, -1, got[first].argmax(axis=1)))  # a NaN row is no prediction
             start += batch.size
         stats = [a.finalize() for a in accs.values()]
         agreements = [s.top1_agreement for s in stats if s.top1_agreement is not None]
         metrics = HeldOutMetrics(
-            samples=stats[0].samples,
-            cosine=min(s.cosine_min for s in stats),
-            cosine_mean=min(s.cosine_mean for s in stats),
-            max_abs=max(s.max_abs for s in stats),
+            samples=total,
+            cosine=-1.0 if broken else _nan_min(_cosines(stats)),
+            cosine_mean=min(_mean_with_worst(a) for a in accs.values()),
+            max_abs=math.inf if broken else max(s.max_abs for s in stats),
             agreement=min(agreements) if agreements else None,
+            nonfinite_samples=broken,
         )
         if truth:
             t, f, q8 = np.concatenate(truth), np.concatenate(pred_fp), np.concatenate(pred_q)
@@ -463,6 +511,37 @@ class HeldOutEvaluator:
                 f1_int8=macro_f1(t, q8),
             )
         return metrics
+
+
+def _nonfinite_rows(ref: np.ndarray, got: np.ndarray, size: int) -> np.ndarray:
+    """Per sample of a batch: does ``got`` hold NaN/Inf where ``ref`` (FP32) is finite?
+
+    An output without a sample axis marks every sample of the batch when it has any.
+    """
+    ref, got = np.asarray(ref), np.asarray(got)
+    if not (np.issubdtype(got.dtype, np.floating) and np.issubdtype(ref.dtype, np.floating)):
+        return np.zeros(size, dtype=bool)
+    if got.ndim and got.shape[0] == size and ref.shape == got.shape:
+        r, g = ref.reshape(size, -1), got.reshape(size, -1)
+        return np.isfinite(r).all(axis=1) & ~np.isfinite(g).all(axis=1)
+    return np.full(size, bool(np.isfinite(ref).all() and not np.isfinite(got).all()))
+
+
+def _cosines(stats: list[OutputStats]) -> list[float]:
+    """Min per-sample cosine of every output and of every Concat part of an output."""
+    return [s.cosine_min for s in stats] + [p.cosine_min for s in stats for p, _, _ in s.parts.values()]
+
+
+def _nan_min(values: Iterable[float]) -> float:
+    """The min, or NaN when any value is NaN (Python's min() would skip it or not, by position)."""
+    vals = list(values)
+    return math.nan if any(math.isnan(v) for v in vals) else min(vals)
+
+
+def _mean_with_worst(acc: OutputAccumulator) -> float:
+    """Mean per-sample cosine with every NaN/Inf sample counted as -1 (the worst cosine)."""
+    n = acc.samples + acc.nonfinite
+    return (acc.cos_sum - acc.nonfinite) / n if n else math.nan
 
 
 def macro_f1(truth: np.ndarray, pred: np.ndarray) -> float:
@@ -549,6 +628,10 @@ def _name(v: Any) -> Any:
 # ---------------------------------------------------------------- the search
 
 
+class BudgetExhausted(Exception):
+    """``--max-trials`` or ``--time-budget`` stopped the search (not a user error: a result)."""
+
+
 class _Search:
     """Quantize-and-evaluate with a cache keyed by the set of excluded groups."""
 
@@ -563,7 +646,11 @@ class _Search:
         calibration: FeedSource | None,
         work: Path,
         progress: bool,
+        max_trials: int | None = None,
+        deadline: float | None = None,
     ) -> None:
+        from diag.progress import Progress
+
         self.fp32 = fp32
         self.recipe = recipe
         self.base = base_excluded
@@ -577,6 +664,31 @@ class _Search:
         self.trajectory: list[Step] = []
         self.quantizations = 0
         self.evaluations = 0
+        self.calibrations = 0
+        # NOTE: the FP32 model's activation ranges do not depend on which nodes are excluded:
+        # the first static quantization calibrates and writes them here, every later one reads them
+        # (onnxruntime's calibration_cache_path). One calibration pass instead of one per trial.
+        self.calibration_cache = work / "calibration.json"
+        #: The preparation steps of the last quantization (lift, opset upgrade, pre-processing).
+        self.steps: list[str] = []
+        self.max_trials = max_trials
+        self.deadline = deadline
+        #: The met list with the fewest groups seen so far: the answer when the budget runs out.
+        self.best: frozenset[int] | None = None
+        self.bar = Progress(max_trials, "exclude", enabled=progress, unit="trials")
+
+    def expect(self, remaining: int) -> None:
+        """Set the progress bar's total to the trials done plus an estimate of those left (for its ETA)."""
+        total = self.quantizations + max(remaining, 0)
+        self.bar.total = min(total, self.max_trials) if self.max_trials else total
+
+    def out_of_budget(self) -> str | None:
+        """Why no further trial may run (``--max-trials`` / ``--time-budget``), or None."""
+        if self.max_trials is not None and self.quantizations >= self.max_trials:
+            return f"--max-trials {self.max_trials} reached"
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return "--time-budget reached"
+        return None
 
     def nodes(self, groups: frozenset[int] | list[int]) -> list[str]:
         picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
@@ -586,8 +698,12 @@ class _Search:
         from diag.quantize import quantize_model
 
         r = (recipe or self.recipe).with_excluded(nodes)
-        quantize_model(self.fp32, r, out, calibration=self.calibration, progress=False)
+        report = quantize_model(
+            self.fp32, r, out, calibration=self.calibration, progress=False, calibration_cache=self.calibration_cache
+        )
         self.quantizations += 1
+        self.calibrations += report.calibrations
+        self.steps = report.steps
         return out
 
     def evaluate(self, path: Path) -> HeldOutMetrics:
@@ -599,28 +715,40 @@ class _Search:
         """Quantize with ``groups`` kept in float (cached), evaluate, record one trajectory step."""
         if groups in self.cache:
             m = self.cache[groups][0]
-            return m, self.target.met(m.value(self.target.metric))
+            return m, m.meets(self.target)
+        reason = self.out_of_budget() if groups else None  # the baseline always runs
+        if reason:
+            raise BudgetExhausted(reason)
         t0 = time.perf_counter()
         path = self.work / f"step{len(self.trajectory):03d}.onnx"
         self.quantize(self.nodes(groups), path)
         m = self.evaluate(path)
         self.cache[groups] = (m, path)
         value = m.value(self.target.metric)
-        met = self.target.met(value)
+        met = m.meets(self.target)
+        if met and groups and (self.best is None or len(groups) < len(self.best)):
+            self.best = groups
+        self.bar.advance(1)
         if not met and groups:
             # NOTE: only the baseline (ranking, latency) and met lists (the answer is one of them)
             # are ever read again; dropping the rest keeps disk use at a few model copies.
             path.unlink(missing_ok=True)
         self.trajectory.append(
-            Step(phase, len(groups), self.nodes(groups)[len(self.base) :], value, met, time.perf_counter() - t0)
+            Step(
+                phase,
+                len(groups),
+                self.nodes(groups)[len(self.base) :],
+                value,
+                met,
+                time.perf_counter() - t0,
+                m.nonfinite_samples,
+            )
         )
         if self.progress:
-            import sys
-
             shown = "n/a" if value is None else f"{value:.6g}"
-            sys.stderr.write(
+            self.bar.note(
                 f"exclude: {phase:<8} {len(groups):>4} group(s) in float -> {self.target.metric} {shown}"
-                f" ({'met' if met else 'missed'})\n"
+                f"{_nonfinite_note(m)} ({'met' if met else 'missed'})"
             )
         return m, met
 
@@ -631,6 +759,7 @@ class _Search:
         """Exponential then binary search for the shortest met prefix shorter than all candidates."""
         n = len(self.candidates)
         lo, hi, k = 0, None, 1
+        self.expect(2 * math.ceil(math.log2(max(n, 2))))
         while k <= n - 1:
             if self.prefix(k, "search"):
                 hi = k
@@ -660,6 +789,7 @@ class _Search:
         cache.
         """
         current = frozenset(range(k))
+        self.expect(2 * math.ceil(math.log2(k + 1)) + k)
 
         def drop(block: list[int]) -> None:
             nonlocal current
@@ -677,7 +807,9 @@ class _Search:
         changed = True
         while changed:
             changed = False
-            for i in sorted(current, reverse=True):
+            order = sorted(current, reverse=True)
+            for j, i in enumerate(order):
+                self.expect(len(order) - j)
                 trial = current - {i}
                 if self.try_groups(trial, "prune")[1]:
                     current = trial
@@ -696,6 +828,8 @@ def derive_exclusions(
     bench_runs: int = 20,
     progress: bool = True,
     work_dir: str | Path | None = None,
+    max_trials: int | None = None,
+    time_budget: float | None = None,
 ) -> ExclusionResult:
     """Find a minimal ``nodes_to_exclude`` list that makes ``recipe`` meet ``target`` on held-out inputs.
 
@@ -711,6 +845,10 @@ def derive_exclusions(
         bench_runs: timed runs per model for the latency table (0 skips it).
         progress: one line per step on stderr.
         work_dir: where the final mixed model is kept (a temp folder is used for the trials).
+        max_trials: at most this many quantizations (the baseline included); None: no cap.
+        time_budget: no new trial starts after this many seconds; None: no limit. When a cap
+            stops the search, the answer is the smallest list that met the target so far
+            (verified on the held-out samples, not proven minimal), or none: ``budget`` says so.
 
     Returns:
         The result; ``reachable`` False (and an empty list) when only keeping every candidate in
@@ -726,6 +864,11 @@ def derive_exclusions(
     from diag.compare import CompareOptions, compare_models
 
     start = time.perf_counter()
+    if max_trials is not None and max_trials < 1:
+        raise DiagError("bad-option", f"--max-trials {max_trials}", "must be at least 1", "e.g. --max-trials 50")
+    if time_budget is not None and not time_budget > 0:
+        raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
+    deadline = start + time_budget if time_budget is not None else None
     tgt = parse_target(target) if isinstance(target, str) else target
     if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
         raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
@@ -752,9 +895,11 @@ def derive_exclusions(
             calib_note = f"ranking split ({split.to_dict()['ranking']})"
     evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads)
     base = list(recipe.nodes_to_exclude or [])
+    exhausted: str | None = None
+    compared: Any = None
     tmp = Path(tempfile.mkdtemp(prefix="diag-exclude-"))
     try:
-        search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress)
+        search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress, max_trials, deadline)
         before, met0 = search.try_groups(frozenset(), "baseline")
         if before.value(tgt.metric) is None:
             raise DiagError(
@@ -774,13 +919,18 @@ def derive_exclusions(
             ranking_passes = 1
             candidates = ranked_candidates(compared.findings, set(base))
             search.candidates = candidates
-            k = search.smallest_prefix()
-            if k is not None:
-                chosen = search.prune(k)
+            try:
+                k = search.smallest_prefix()
+                if k is not None:
+                    chosen = search.prune(k)
+            except BudgetExhausted as e:
+                exhausted = str(e)
+                chosen = search.best  # verified on the held-out samples, not proven minimal
+        search.bar.close()
         after = search.cache[chosen][0] if chosen is not None else None
         excluded = [candidates[i] for i in sorted(chosen)] if chosen else []
         nodes = search.nodes(chosen) if chosen is not None else []
-        suggestions = _op_type_suggestions(search, fp, candidates, chosen) if chosen else []
+        suggestions = _op_type_suggestions(search, fp, candidates, chosen) if chosen and not exhausted else []
         model_out: Path | None = None
         if chosen is not None and work_dir is not None:
             model_out = Path(work_dir) / "mixed.onnx"
@@ -813,6 +963,11 @@ def derive_exclusions(
         after=after,
         trajectory=search.trajectory,
         quantizations=search.quantizations,
+        calibrations=search.calibrations,
+        steps=search.steps,
+        budget={"max_trials": max_trials, "time_budget": time_budget, "exhausted": exhausted is not None}
+        | ({"reason": exhausted} if exhausted else {}),
+        warnings=_slower_warning(latency),
         evaluations=search.evaluations,
         ranking_passes=ranking_passes,
         seconds=time.perf_counter() - start,
@@ -824,6 +979,19 @@ def derive_exclusions(
     )
     result.diagnosis = compared if ranking_passes else None
     return result
+
+
+def _slower_warning(latency: list[dict[str, Any]]) -> list[str]:
+    """A warning when the verified mixed model runs slower than FP32 (measured, never assumed)."""
+    by = {x["model"]: x for x in latency}
+    fp, mixed = by.get("fp32"), by.get("mixed")
+    if not fp or not mixed or mixed["p50_ms"] <= fp["p50_ms"]:
+        return []
+    return [
+        f"warning: the mixed model is slower than FP32 (p50 {mixed['p50_ms']:.2f} ms vs {fp['p50_ms']:.2f} ms): "
+        "the float islands add Quantize/Dequantize pairs at every boundary; keeping the model in FP32 may be "
+        "the better deployment"
+    ]
 
 
 def _since(t0: float) -> float:
@@ -850,7 +1018,11 @@ def _op_type_suggestions(
         picked = [i for i in total if i in chosen]
         if len(picked) < 2 or len(picked) / len(total) <= OP_TYPE_SHARE:
             continue
+        if search.out_of_budget():
+            break
         keep = sorted((set(default_op_types(search.recipe)) & present) - {op})
+        if not keep:
+            continue  # op_types_to_quantize=[] means "the default types" to onnxruntime, not "none"
         rest = frozenset(i for i in chosen if candidates[i].op_type != op)
         recipe = dataclasses.replace(search.recipe, op_types_to_quantize=keep)
         t0 = time.perf_counter()
@@ -859,9 +1031,17 @@ def _op_type_suggestions(
         m = search.evaluate(path)
         path.unlink(missing_ok=True)
         value = m.value(search.target.metric)
-        met = search.target.met(value)
+        met = m.meets(search.target)
         search.trajectory.append(
-            Step(f"op-type {op}", len(rest), search.nodes(rest)[len(search.base) :], value, met, _since(t0))
+            Step(
+                f"op-type {op}",
+                len(rest),
+                search.nodes(rest)[len(search.base) :],
+                value,
+                met,
+                _since(t0),
+                m.nonfinite_samples,
+            )
         )
         out.append(
             {
@@ -925,20 +1105,32 @@ def alternatives(recipe: Recipe, candidates: list[Candidate]) -> list[dict[str, 
 
 
 def reproduce_snippet(
-    result: ExclusionResult, model_out: str, calibration: str | None = None, calibration_samples: int | None = None
+    result: ExclusionResult,
+    model_out: str,
+    calibration: str | None = None,
+    calibration_samples: int | None = None,
+    batch: int = 1,
 ) -> str:
-    """Python code that rebuilds the mixed-precision model with plain onnxruntime calls (no diag).
+    """Python that rebuilds the verified mixed-precision model with plain onnx/onnxruntime calls (no diag).
 
-    ``calibration`` is the ``.npz`` a static recipe calibrates on (its first
-    ``calibration_samples`` rows, all when None).
+    It replays every step diag took before onnxruntime's quantizer (``result.steps``: Constant
+    nodes lifted to initializers, opset upgrade for per-channel QDQ, ``quant_pre_process`` with
+    or without symbolic shapes), then quantizes with the final recipe: the same calls in the same
+    order, so it writes the same model. ``model_out`` must not be the verified model's own path
+    (``diag exclude`` passes ``<stem>.reproduced.onnx``). ``calibration`` is the ``.npz`` a static
+    recipe calibrates on (its first ``calibration_samples`` rows, ``batch`` rows per call).
 
     Example:
-        >>> print(reproduce_snippet(result, "mixed.onnx"))  # doctest: +SKIP
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+        >>> print(reproduce_snippet(result, "m.reproduced.onnx"))  # doctest: +SKIP
+        # Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.
         ...
     """
     r = result.recipe
     static = r.get("mode") == "static"
+    steps = list(result.steps)
+    if r.get("preprocess") and not any(x.startswith("quant_pre_process") for x in steps):
+        steps.append("quant_pre_process")
+    external = "external_data" in steps
     args: list[str] = []
 
     def enum(kind: str, key: str) -> None:
@@ -958,54 +1150,100 @@ def reproduce_snippet(
         enum("CalibrationMethod", "calibrate_method")
     if r.get("extra_options"):
         args.append(f"    extra_options={r['extra_options']!r},")
-    fp32 = result.fp32
+    if external:
+        args.append("    use_external_data_format=True,")
+    names = ["QuantType", "quantize_static" if static else "quantize_dynamic"]
+    if static:
+        names = ["CalibrationDataReader", "CalibrationMethod", "QuantFormat", *names]
+    save = ", save_as_external_data=True, location='model.onnx.data'" if external else ""
     lines = [
-        "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnxruntime calls.",
+        "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.",
         f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float.",
+        f"# Replays diag's steps before quantizing: {', '.join(steps) or 'none'}.",
         "# Paths are as given to diag exclude: run this from the folder diag exclude ran in.",
+        "import os",
+        "import tempfile",
+        "",
+        "import numpy as np" if static else "",
+        "import onnx",
+        f"from onnxruntime.quantization import {', '.join(names)}",
     ]
-    if r.get("preprocess"):
-        lines += [
-            "from onnxruntime.quantization.shape_inference import quant_pre_process",
-            "",
-            f"quant_pre_process({fp32!r}, 'preprocessed.onnx')",
-        ]
-        fp32 = "preprocessed.onnx"
+    if any(x.startswith("quant_pre_process") for x in steps):
+        lines.append("from onnxruntime.quantization.shape_inference import quant_pre_process")
+    lines = [x for x in lines if x != "" or lines.index(x) == 6]
+    lines += ["", f"FP32 = os.path.abspath({result.fp32!r})", f"OUT = os.path.abspath({model_out!r})"]
     if static:
         lines += [
-            "import numpy as np",
-            "from onnxruntime.quantization import (",
-            "    CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static,",
-            ")",
+            f"CALIBRATION = os.path.abspath({calibration or 'CALIBRATION.npz'!r})",
             "",
             "",
             "class Reader(CalibrationDataReader):",
-            '    """One sample per get_next from a stacked .npz (MinMax ranges do not depend on batching)."""',
+            '    """The first `count` rows of a stacked .npz, `batch` rows per get_next (as diag fed them)."""',
             "",
-            "    def __init__(self, path, count=None):",
+            "    def __init__(self, path, count, batch):",
             "        with np.load(path) as z:",
             "            arrays = {k: z[k] for k in z.files}",
             "        n = len(next(iter(arrays.values()))) if count is None else count",
-            "        self.rows = iter([{k: v[i : i + 1] for k, v in arrays.items()} for i in range(n)])",
+            "        rows = range(0, n, batch)",
+            "        self.feeds = iter([{k: v[i : min(i + batch, n)] for k, v in arrays.items()} for i in rows])",
             "",
             "    def get_next(self):",
-            "        return next(self.rows, None)",
-            "",
-            "",
+            "        return next(self.feeds, None)",
+        ]
+    lines += ["", "", "model = onnx.load(FP32)"]
+    for step in steps:
+        if step == "lift_constants":
+            lines += [
+                "# Constant nodes -> initializers (paddle2onnx stores weights as Constant nodes).",
+                "kept = []",
+                "for node in model.graph.node:",
+                '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
+                "        t = onnx.TensorProto()",
+                "        t.CopyFrom(node.attribute[0].t)",
+                "        t.name = node.output[0]",
+                "        model.graph.initializer.append(t)",
+                "    else:",
+                "        kept.append(node)",
+                "del model.graph.node[:]",
+                "model.graph.node.extend(kept)",
+            ]
+        elif step == "upgrade_opset":
+            lines += [
+                "# per-channel QDQ writes DequantizeLinear(axis=...), which opset < 13 forbids.",
+                "model = onnx.version_converter.convert_version(model, 13)",
+            ]
+    lines += [
+        "work = tempfile.mkdtemp()",
+        "src = os.path.join(work, 'model.onnx')",
+        f"onnx.save_model(model, src{save})",
+        "del model",
+        "os.chdir(work)  # quant_pre_process may leave temp files in the current folder",
+    ]
+    for step in steps:
+        if step.startswith("quant_pre_process"):
+            skip = ", skip_symbolic_shape=True" if step.endswith("skip_symbolic_shape") else ""
+            ext = ", save_as_external_data=True, all_tensors_to_one_file=True" if external else ""
+            lines += [
+                f"quant_pre_process(src, os.path.join(work, 'pre.onnx'){skip}{ext})",
+                "src = os.path.join(work, 'pre.onnx')",
+            ]
+        elif step == "upgrade_opset_after_load_error":
+            lines += [
+                "# diag's first INT8 model did not load (DequantizeLinear axis on opset < 13): upgraded, as here.",
+                "upgraded = onnx.version_converter.convert_version(onnx.load(src), 13)",
+                "onnx.save_model(upgraded, os.path.join(work, 'up.onnx'))",
+                "src = os.path.join(work, 'up.onnx')",
+            ]
+    if static:
+        lines += [
             "quantize_static(",
-            f"    {fp32!r},",
-            f"    {model_out!r},",
-            f"    Reader({calibration or 'CALIBRATION.npz'!r}, {calibration_samples!r}),",
+            "    src,",
+            "    OUT,",
+            f"    Reader(CALIBRATION, {calibration_samples!r}, {batch!r}),",
         ]
     else:
-        lines += [
-            "from onnxruntime.quantization import QuantType, quantize_dynamic",
-            "",
-            "quantize_dynamic(",
-            f"    {fp32!r},",
-            f"    {model_out!r},",
-        ]
-    lines += [*args, ")"]
+        lines += ["quantize_dynamic(", "    src,", "    OUT,"]
+    lines += [*args, ")", "print('wrote', OUT)"]
     return "\n".join(lines) + "\n"
 
 
@@ -1020,6 +1258,8 @@ def exclude_to_dir(
     threads: int | None = None,
     bench_runs: int = 20,
     progress: bool = True,
+    max_trials: int | None = None,
+    time_budget: float | None = None,
 ) -> tuple[ExclusionResult, dict[str, Path]]:
     """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
 
@@ -1037,7 +1277,18 @@ def exclude_to_dir(
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     with tempfile.TemporaryDirectory(prefix=".diag-exclude-", dir=out) as work:
         result = derive_exclusions(
-            fp32_path, recipe, feeds, target, holdout, labels, threads, bench_runs, progress, work
+            fp32_path,
+            recipe,
+            feeds,
+            target,
+            holdout,
+            labels,
+            threads,
+            bench_runs,
+            progress,
+            work,
+            max_trials,
+            time_budget,
         )
         files: dict[str, Path] = {}
         if result.reachable and result.model:
@@ -1046,15 +1297,17 @@ def exclude_to_dir(
             result.model = str(model)
             files["mixed model"] = model
             if recipe.calibration:
-                calib, count = recipe.calibration_path(), recipe.calibration_samples
+                calib, count, batch = recipe.calibration_path(), recipe.calibration_samples, 1
             else:
-                calib, count = feeds.inputs, result.split["ranking_samples"]
-            result.snippet = reproduce_snippet(result, str(model), str(calib) if calib else None, count)
+                calib, count, batch = feeds.inputs, result.split["ranking_samples"], result.split["batch"]
+            # NOTE: never the verified model's path: running reproduce.py must not overwrite the answer.
+            again = out / f"{stem}.reproduced.onnx"
+            result.snippet = reproduce_snippet(result, str(again), str(calib) if calib else None, count, batch)
             files["reproduce.py"] = atomic_write(out / "reproduce.py", result.snippet)
         else:
             # NOTE: a mixed model left by an earlier run in the same folder would read as this
             # run's answer; when there is no answer, there must be no model.
-            for stale in (out / f"{stem}.mixed.onnx", out / "reproduce.py"):
+            for stale in (out / f"{stem}.mixed.onnx", out / "reproduce.py", out / f"{stem}.reproduced.onnx"):
                 stale.unlink(missing_ok=True)
     exclusion = result.to_dict()
     text = json.dumps(exclusion, indent=1, ensure_ascii=False) + "\n"
@@ -1081,6 +1334,7 @@ def summary_lines(result: ExclusionResult) -> list[str]:
     t = result.target
     held = result.split["held_out_samples"]
     b = result.before.value(t.metric)
+    b_note = _nonfinite_note(result.before)
     lines: list[str] = []
     if result.already_met:
         lines.append(f"target {t} already met on {held} held-out samples: {t.metric} {_fmt(b, t)}; nothing to exclude")
@@ -1089,9 +1343,14 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         n = len(result.nodes_to_exclude)
         names = ", ".join(result.nodes_to_exclude)
         lines.append(
-            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)} -> {_fmt(a, t)} by keeping {n} "
-            f"node{'s' if n != 1 else ''} in float ({names})"
+            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> {_fmt(a, t)} "
+            f"by keeping {n} node{'s' if n != 1 else ''} in float ({names})"
         )
+        if result.budget.get("exhausted"):
+            lines.append(
+                f"  budget exhausted ({result.budget['reason']}): this is the smallest list that met the target "
+                "before the search stopped, verified on the held-out samples but not proven minimal"
+            )
         for s in result.op_type_suggestions:
             lines.append(
                 f"  op types: {s['excluded']}/{s['of']} {s['op_type']} nodes excluded; op_types_to_quantize="
@@ -1105,10 +1364,19 @@ def summary_lines(result: ExclusionResult) -> list[str]:
             default=None,
         )
         tail = f"; best tried: {_fmt(best.metric, t)} with {best.excluded_groups} group(s) in float" if best else ""
-        lines.append(
-            f"target {t} NOT REACHABLE on {held} held-out samples: {t.metric} {_fmt(b, t)} quantized; no list short of "
-            f"keeping all {len(result.candidates)} quantized node groups in float meets it{tail}"
-        )
+        nan = sum(1 for s in result.trajectory if s.nonfinite_samples)
+        if nan:
+            tail += f"; {_count(nan, 'list')} tried gave NaN/Inf outputs (failed)"
+        if result.budget.get("exhausted"):
+            lines.append(
+                f"target {t} NOT MET: budget exhausted ({result.budget['reason']}) before any list met it on "
+                f"{held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} quantized{tail}; raise the budget"
+            )
+        else:
+            lines.append(
+                f"target {t} NOT REACHABLE on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} quantized; "
+                f"no list short of keeping all {len(result.candidates)} quantized node groups in float meets it{tail}"
+            )
         for alt in result.alternatives:
             lines.append(f"  try: {alt['change']} - {alt['why']}")
     if result.latency:
@@ -1116,12 +1384,26 @@ def summary_lines(result: ExclusionResult) -> list[str]:
             f"{x['p50_ms']:.2f} ms {x['model'].upper() if x['model'] != 'mixed' else 'mixed'}" for x in result.latency
         )
         lines.append(f"  latency p50 {p}")
+    lines.extend(f"  {w}" for w in result.warnings)
     lines.append(
         f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; "
-        f"{_count(result.quantizations, 'quantization')}, {_count(result.evaluations, 'evaluation')}, "
+        f"{_count(result.quantizations, 'quantization')}{_calibrations(result.calibrations)}, "
+        f"{_count(result.evaluations, 'evaluation')}, "
         f"{_count(result.ranking_passes, 'ranking pass', 'ranking passes')} in {result.seconds:.1f} s"
     )
     return lines
+
+
+def _calibrations(n: int) -> str:
+    """`` (1 calibration pass)`` for static recipes; nothing for dynamic ones."""
+    return f" ({_count(n, 'calibration pass', 'calibration passes')})" if n else ""
+
+
+def _nonfinite_note(m: HeldOutMetrics | None) -> str:
+    """`` (15 of 16 held-out samples NaN/Inf)`` when an evaluated output held NaN/Inf, else ``""``."""
+    if m is None or not m.nonfinite_samples:
+        return ""
+    return f" ({m.nonfinite_samples} of {m.samples} held-out samples NaN/Inf)"
 
 
 def _count(n: int, one: str, many: str | None = None) -> str:
@@ -1169,6 +1451,16 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         for n in names
         if before.get(n) is not None
     ]
+    if before.get("nonfinite_samples") or after.get("nonfinite_samples"):
+        # First, so that the summary's three lines show it: NaN samples decide the verdict.
+        rows.insert(
+            0,
+            {
+                "name": "NaN/Inf samples",
+                "before": f"{before['nonfinite_samples']} of {before['samples']}",
+                "after": f"{after['nonfinite_samples']} of {after['samples']}" if after else "-",
+            },
+        )
     latency = [
         {
             "model": x["model"],

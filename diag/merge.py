@@ -56,7 +56,7 @@ def _error_from(d: dict[str, Any]) -> ErrorAccumulator:
     return acc
 
 
-_OUTPUT_INTS = ("samples", "nonfinite", "nonfinite_fp", "rows", "agree", "mask_inter", "mask_union")
+_OUTPUT_INTS = ("samples", "nonfinite", "nonfinite_fp", "total", "rows", "agree", "mask_inter", "mask_union")
 _OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax", "fp_min", "fp_max")
 
 

@@ -239,8 +239,10 @@ class OutputStats:
     """Per-sample figures for a model output, on top of the whole-tensor :class:`ErrorStats`.
 
     ``nonfinite_samples`` counts samples whose INT8 output holds NaN/Inf where the FP32 output is
-    finite: they are left out of the cosine and max abs figures and must fail any verdict on their
-    own. ``nonfinite_fp_samples``: samples the FP32 model itself outputs NaN/Inf for (left out too).
+    finite. A NaN has no cosine and an infinite error: while any exists, ``cosine_min`` /
+    ``cosine_mean`` are NaN and ``max_abs`` is inf (every gate and band on them fails), and their
+    rows count as disagreeing. ``nonfinite_fp_samples``: samples the FP32 model itself outputs
+    NaN/Inf for (left out: they say nothing about quantization).
     """
 
     samples: int
@@ -250,6 +252,8 @@ class OutputStats:
     top1_agreement: float | None
     nonfinite_samples: int = 0
     nonfinite_fp_samples: int = 0
+    #: Every sample seen, finite or not (``samples`` counts only the finite ones compared).
+    total_samples: int = 0
     kind: str | None = None
     #: Probability maps: IoU of the FP32 and INT8 masks over all samples (None when both are empty).
     mask_iou: float | None = None
@@ -274,6 +278,7 @@ class OutputAccumulator:
         self.samples = 0
         self.nonfinite = 0
         self.nonfinite_fp = 0
+        self.total = 0
         self.cos_min = math.inf
         self.cos_sum = 0.0
         self.max_abs = 0.0
@@ -318,6 +323,7 @@ class OutputAccumulator:
         # A sample the FP32 model itself breaks on says nothing about quantization.
         self.nonfinite += int((finite_x & ~finite).sum())
         self.nonfinite_fp += int((~finite_x).sum())
+        self.total += int(finite.size)
         xs, ys = xs[finite], ys[finite]
         if xs.shape[0]:
             num = (xs * ys).sum(axis=1)
@@ -332,7 +338,7 @@ class OutputAccumulator:
                 self.fp_absmax = max(self.fp_absmax, float(np.abs(xs).max()))
                 self.fp_min = min(self.fp_min, float(xs.min()))
                 self.fp_max = max(self.fp_max, float(xs.max()))
-        self._agreement(x, y, finite)
+        self._agreement(x, y, finite_x)
         if self.spec.mask_threshold is not None and xs.shape[0]:
             mx, my = xs > self.spec.mask_threshold, ys > self.spec.mask_threshold
             self.mask_inter += int((mx & my).sum())
@@ -342,7 +348,7 @@ class OutputAccumulator:
             self.parts[p.label].update(px, py, name)
             self.part_errors[p.label].update(px, py)
 
-    def _agreement(self, x: np.ndarray, y: np.ndarray, finite: np.ndarray) -> None:
+    def _agreement(self, x: np.ndarray, y: np.ndarray, finite_x: np.ndarray) -> None:
         if self.spec.kind is None:
             axis: int | None = x.ndim - 1 if self.classlike and x.ndim >= 2 else None
         else:
@@ -350,11 +356,12 @@ class OutputAccumulator:
         if axis is None or axis >= x.ndim or not 2 <= x.shape[axis] <= 100_000:
             self.classlike = False
             return
-        x, y = x[finite], y[finite]  # rows with NaN/Inf have no meaningful argmax
-        a = np.moveaxis(x, axis, -1).reshape(-1, x.shape[axis]).argmax(axis=1)
-        b = np.moveaxis(y, axis, -1).reshape(-1, y.shape[axis]).argmax(axis=1)
-        self.rows += int(a.size)
-        self.agree += int((a == b).sum())
+        x, y = x[finite_x], y[finite_x]  # samples the FP32 model breaks on say nothing
+        x2 = np.moveaxis(x, axis, -1).reshape(-1, x.shape[axis])
+        y2 = np.moveaxis(y, axis, -1).reshape(-1, y.shape[axis])
+        broken = ~np.isfinite(y2).all(axis=1)  # an INT8 row with NaN/Inf disagrees, whatever its argmax
+        self.rows += int(x2.shape[0])
+        self.agree += int(((x2.argmax(axis=1) == y2.argmax(axis=1)) & ~broken).sum())
 
     def update_local(self, fp: np.ndarray, local: np.ndarray) -> None:
         """Add one batch of the output as the cut model recomputes it (its writer fed FP32 inputs):
@@ -370,6 +377,7 @@ class OutputAccumulator:
         self.samples += other.samples
         self.nonfinite += other.nonfinite
         self.nonfinite_fp += other.nonfinite_fp
+        self.total += other.total
         self.cos_min = min(self.cos_min, other.cos_min)
         self.cos_sum += other.cos_sum
         self.max_abs = max(self.max_abs, other.max_abs)
@@ -401,14 +409,16 @@ class OutputAccumulator:
             )
             for k, acc in self.parts.items()
         }
+        finite = self.samples > 0 and not self.nonfinite
         return OutputStats(
             samples=self.samples,
-            cosine_min=self.cos_min if self.samples else math.nan,
-            cosine_mean=self.cos_sum / self.samples if self.samples else math.nan,
-            max_abs=self.max_abs,
+            cosine_min=self.cos_min if finite else math.nan,
+            cosine_mean=self.cos_sum / self.samples if finite else math.nan,
+            max_abs=math.inf if self.nonfinite else self.max_abs,
             top1_agreement=agreement,
             nonfinite_samples=self.nonfinite,
             nonfinite_fp_samples=self.nonfinite_fp,
+            total_samples=self.total,
             kind=self.spec.kind,
             mask_iou=self.mask_inter / self.mask_union if self.mask_union else None,
             rel_max_abs=self.max_abs / self.fp_absmax if self.fp_absmax > 0 else None,

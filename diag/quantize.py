@@ -70,6 +70,12 @@ class QuantizeReport:
     seconds: float
     format: str = ""
     log: list[str] = field(default_factory=list)
+    #: What was done to the FP32 model before onnxruntime's quantizer saw it, in order, as
+    #: replayable step names: ``lift_constants``, ``upgrade_opset``, ``quant_pre_process``,
+    #: ``quant_pre_process_skip_symbolic_shape``, ``external_data`` (see ``diag exclude``'s reproduce.py).
+    steps: list[str] = field(default_factory=list)
+    #: Calibration passes run (0 for dynamic recipes and when a calibration cache was reused).
+    calibrations: int = 0
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -172,6 +178,7 @@ def quantize_model(
     calibration: FeedSource | FeedSpec | None = None,
     progress: bool = False,
     samples: int | None = None,
+    calibration_cache: str | os.PathLike[str] | None = None,
 ) -> QuantizeReport:
     """Quantize ``fp32_path`` with ``recipe`` into ``out_path``, guarded and verified.
 
@@ -186,6 +193,12 @@ def quantize_model(
         calibration: calibration inputs for static recipes; None uses ``recipe.calibration``.
         progress: show a calibration progress bar on a terminal.
         samples: calibrate on the first N samples (overrides ``recipe.calibration_samples``).
+        calibration_cache: static recipes: a JSON file of calibrated tensor ranges (onnxruntime's
+            ``calibration_cache_path``). Written by the first call, read (no calibration pass) by
+            every later one. Valid only for the same FP32 model, calibration data and
+            ``calibrate_method``, and for ``op_types_to_quantize`` that are the first call's or
+            fewer: ranges do not depend on ``nodes_to_exclude`` (the FP32 model is what is
+            calibrated), so an exclusion search calibrates once.
 
     Example:
         >>> r = quantize_model("det.onnx", Recipe(mode="dynamic"), "det.int8.onnx")  # doctest: +SKIP
@@ -217,6 +230,8 @@ def quantize_model(
 
     actions: list[str] = _unread_extra_options(recipe)
     log: list[str] = []
+    steps: list[str] = []
+    calibrations = [0]
     with (
         tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name,
         tempfile.TemporaryDirectory(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent) as stage_name,
@@ -226,12 +241,14 @@ def quantize_model(
         model = onnx.load(str(loaded.path))  # with weights: the quantizer needs them
         external = loaded.has_external_data or _weight_bytes(model) > EXTERNAL_DATA_BYTES
         if external:
+            steps.append("external_data")
             actions.append(
                 "quantized with use_external_data_format=True: the model's weights are stored as external data "
                 f"(written next to the output as {out.name}.data)"
             )
         model, lifted = lift_constants(model)
         if lifted:
+            steps.append("lift_constants")
             why = (
                 "quantize_dynamic fails with 'Expected ... to be an initializer' on any other weight"
                 if recipe.mode == "dynamic"
@@ -244,6 +261,7 @@ def quantize_model(
         if _needs_per_axis(recipe) and 0 < opset < PER_AXIS_OPSET:
             model = upgrade_opset(model)
             upgraded = True
+            steps.append("upgrade_opset")
             actions.append(
                 f"upgraded opset {opset} -> {PER_AXIS_OPSET} with onnx.version_converter: per-channel QDQ writes "
                 "DequantizeLinear with an axis attribute, which opset < 13 forbids (the INT8 model would not load)"
@@ -253,8 +271,11 @@ def quantize_model(
             del model
             if recipe.preprocess:
                 src = _preprocess(src, tmp / "pre" / "model.onnx", external, actions, log)
+                skipped = any("skip_symbolic_shape=True" in a for a in actions)
+                steps.append("quant_pre_process_skip_symbolic_shape" if skipped else "quant_pre_process")
             _check_names_survived(recipe, src, actions)
-            _run_quantizer(recipe, src, staged, source, external, actions, progress)
+            cache = Path(calibration_cache) if calibration_cache is not None and _caches(recipe) else None
+            _run_quantizer(recipe, src, staged, source, external, actions, progress, cache, calibrations)
             error = _load_error(staged)
             if error and "axis" in error and not upgraded and 0 < default_opset(_structure(src)) < PER_AXIS_OPSET:
                 old = default_opset(_structure(src))
@@ -263,9 +284,12 @@ def quantize_model(
                     f"upgraded opset {old} -> {PER_AXIS_OPSET} with onnx.version_converter and quantized again: "
                     f"the first INT8 model did not load in onnxruntime ({error})"
                 )
+                steps.append("upgrade_opset_after_load_error")
                 for p in staged.parent.iterdir():
                     p.unlink()
-                _run_quantizer(recipe, src, staged, source, external, actions, False)
+                if cache is not None:
+                    cache.unlink(missing_ok=True)  # ranges of the model before the upgrade
+                _run_quantizer(recipe, src, staged, source, external, actions, False, cache, calibrations)
                 error = _load_error(staged)
         if error:
             raise DiagError(
@@ -287,7 +311,9 @@ def quantize_model(
             actions.append(f"note: the recipe asked for {wanted} but the output is {fmt.kind} ({ev})")
         actions.append(f"verified: the INT8 model loads in onnxruntime (format {fmt.kind})")
         _publish(staged, out)
-    return QuantizeReport(out, list(dict.fromkeys(actions)), time.perf_counter() - start, fmt.kind, log)
+    return QuantizeReport(
+        out, list(dict.fromkeys(actions)), time.perf_counter() - start, fmt.kind, log, steps, calibrations[0]
+    )
 
 
 # ---------------------------------------------------------------- steps
@@ -376,6 +402,22 @@ def _calibration_source(
     elif calibration.samples is None and recipe.calibration_samples is not None:
         calibration = FeedSpec(**{**calibration.__dict__, "samples": recipe.calibration_samples})
     return calibration.source(model)
+
+
+def _caches(recipe: Recipe) -> bool:
+    """Whether this onnxruntime can reuse calibrated ranges for ``recipe`` (``calibration_cache_path``).
+
+    SmoothQuant rewrites the model from the calibration data itself: its ranges cannot be cached.
+    """
+    import inspect
+
+    from onnxruntime.quantization import quantize_static
+
+    return (
+        recipe.mode == "static"
+        and not recipe.extra_options.get("SmoothQuant")
+        and "calibration_cache_path" in inspect.signature(quantize_static).parameters
+    )
 
 
 def _needs_per_axis(recipe: Recipe) -> bool:
@@ -490,6 +532,8 @@ def _run_quantizer(
     external: bool,
     actions: list[str],
     progress: bool,
+    cache: Path | None = None,
+    calibrations: list[int] | None = None,
 ) -> None:
     from onnxruntime.quantization import quantize_dynamic, quantize_static
 
@@ -502,10 +546,18 @@ def _run_quantizer(
         else:
             assert source is not None
             reader = _reader(source, progress, recipe.calibration_samples)
+            hit = cache is not None and cache.is_file()
+            if cache is not None:
+                kwargs["calibration_cache_path"] = str(cache)
             quantize_static(str(src), str(dst), reader, **kwargs)
-            actions.append(
-                f"calibrated with {recipe.calibrate_method} on {reader.samples} sample(s) from {source.description}"
-            )
+            if hit:
+                actions.append(f"reused the calibrated ranges of {cache.name} (no calibration pass)")  # type: ignore[union-attr]
+            else:
+                if calibrations is not None:
+                    calibrations[0] += 1
+                actions.append(
+                    f"calibrated with {recipe.calibrate_method} on {reader.samples} sample(s) from {source.description}"
+                )
     except DiagError:
         raise
     except Exception as e:

@@ -110,13 +110,17 @@ def skip_one_sensitivity(
     bar = Progress(len(candidates) + 1, "sensitivity", enabled=progress)
     try:
         base_path = work / "baseline.onnx"
-        quantize_model(fp32_path, recipe, base_path, calibration=calibration)
+        # The ranges of the FP32 model do not depend on the excluded node: calibrate once.
+        cache = work / "calibration.json"
+        quantize_model(fp32_path, recipe, base_path, calibration=calibration, calibration_cache=cache)
         baseline = evaluator.evaluate(base_path)
         bar.advance(1)
         rows = []
         for i, cand in enumerate(candidates):
             path = work / f"skip{i}.onnx"
-            quantize_model(fp32_path, recipe.with_excluded(cand.fp_nodes), path, calibration=calibration)
+            quantize_model(
+                fp32_path, recipe.with_excluded(cand.fp_nodes), path, calibration=calibration, calibration_cache=cache
+            )
             m = evaluator.evaluate(path)
             rows.append(SensitivityRow(cand, m, m.cosine - baseline.cosine, baseline.max_abs - m.max_abs))
             path.unlink(missing_ok=True)

@@ -662,6 +662,8 @@ class SweepResult:
 
 
 def _target_value(e: SweepEntry, metric: str) -> float | None:
+    if (e.metrics or {}).get("nonfinite_samples"):
+        return None  # a model with NaN/Inf outputs meets no target
     v = (e.metrics or {}).get(metric)
     return None if v is None or isinstance(v, str) else float(v)
 

@@ -22,7 +22,9 @@ from diag.plots_exclude import trajectory_plot
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
 
-DYNAMIC = Recipe(mode="dynamic")
+# NOTE: QUInt8 weights: onnxruntime's default QInt8 runs u8s8 integer kernels that saturate on x86
+# CPUs without VNNI (AVX2 only), so which nodes a search keeps would depend on the CI machine's CPU.
+DYNAMIC = Recipe(mode="dynamic", weight_type="QUInt8")
 QDQ = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8", weight_type="QInt8")
 
 
@@ -171,6 +173,7 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
     fp, npz, _ = write_fixture(tmp_path, "transformer")
     out = tmp_path / "ex"
     argv = ["exclude", str(fp), "--inputs", str(npz), "--batch", "8", "--target", "cosine>=0.999", "--quiet"]
+    argv += ["--recipe", '{"mode": "dynamic", "weight_type": "QUInt8"}']  # u8u8: the same list on every CPU
     assert main([*argv, "--bench-runs", "3", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "target cosine>=0.999 met on 16 held-out samples" in text and "layer1/ffn/fc1/MatMul" in text
@@ -286,3 +289,69 @@ def test_cli_flags_reach_the_library(tmp_path, capsys):
     assert doc["split"]["held_out"] == "samples 24..31" and doc["split"]["batch"] == 4
     assert doc["recipe"]["per_channel"] is True and doc["recipe"]["mode"] == "dynamic"
     assert "samples 24..31" in capsys.readouterr().out
+
+
+def test_a_list_whose_mixed_model_outputs_nan_fails_the_target_and_is_not_picked(tmp_path, capsys):
+    fx = models.build("nan_on_exclusion")
+    fp = tmp_path / "nan.fp32.onnx"
+    onnx.save(fx.model, fp)
+    np.savez(tmp_path / "nan.npz", **fx.make_inputs(32, 12))
+    out = tmp_path / "ex"
+    argv = ["exclude", str(fp), "--inputs", str(tmp_path / "nan.npz"), "--batch", "8", "--target", "cosine>=0.99"]
+    assert main([*argv, "--bench-runs", "0", "--quiet", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "cosine -1.0000 (16 of 16 held-out samples NaN/Inf) -> 1.0000 by keeping 2 nodes" in text
+    doc = json.loads((out / "exclusion.json").read_text())
+    # Keeping only the worst-ranked node fixes output 'a' but leaves 'logb' = log(0) = -inf on
+    # every held-out sample: that list is tried, fails, and is not the answer.
+    steps = {tuple(s["excluded_nodes"]): s for s in doc["search"]["trajectory"]}
+    only_a = steps[("a/MatMul",)]
+    assert only_a["nonfinite_samples"] == 16 and only_a["metric"] == -1.0 and not only_a["met"]
+    assert doc["nodes_to_exclude"] == ["a/MatMul", fx.expected.culprit_node]
+    assert doc["metrics"]["before"]["nonfinite_samples"] == 16 and doc["metrics"]["before"]["max_abs"] == "inf"
+    assert doc["metrics"]["after"]["nonfinite_samples"] == 0 and doc["metrics"]["after"]["samples"] == 16
+    assert held_out_min_cosine(fp, out / "nan.mixed.onnx", dict(np.load(tmp_path / "nan.npz")), 16) >= 0.99
+    assert "- NaN/Inf samples: 16 of 16 → 0 of 16" in (out / "summary.md").read_text()
+    # op_types_to_quantize=[] would mean "every default type" to onnxruntime: never suggested
+    assert all(s["op_types_to_quantize"] for s in doc["op_type_suggestions"])
+
+
+def test_nan_samples_fail_any_target_and_count_as_the_worst_value(tmp_path):
+    fx = models.build("nan_on_exclusion")
+    fp = tmp_path / "nan.fp32.onnx"
+    onnx.save(fx.model, fp)
+    arrays = fx.make_inputs(32, 12)
+    np.savez(tmp_path / "nan.npz", **arrays)
+    from diag.exclude import HeldOutEvaluator
+    from diag.load import model_from_path
+
+    q = tmp_path / "only_a.onnx"
+    quantize_model(fp, DYNAMIC.with_excluded(["a/MatMul"]), q)
+    source = FeedSpec(inputs=str(tmp_path / "nan.npz"), batch=8).source(fx.model)
+    m = HeldOutEvaluator(model_from_path(fp, "FP32"), source, 0, None, None).evaluate(q)
+    assert m.samples == 32 and m.nonfinite_samples == 32
+    assert (m.cosine, m.max_abs) == (-1.0, math.inf)
+    # Agreement is measured on class outputs only ('a', intact): 'logb' is Log values, not classes.
+    # Its -inf samples still fail every target, agreement included.
+    assert m.agreement == 1.0
+    for target in ("cosine>=-1", "max_abs<=1e30", "agreement>=0"):
+        t = parse_target(target)
+        assert not m.meets(t), target
+
+
+def test_compare_grades_an_output_with_nan_samples_reject_without_an_excellent_max_abs(tmp_path):
+    from diag.compare import CompareOptions, compare_models
+
+    fx = models.build("nan_on_exclusion")
+    fp = tmp_path / "nan.fp32.onnx"
+    onnx.save(fx.model, fp)
+    np.savez(tmp_path / "nan.npz", **fx.make_inputs(8, 12))
+    q = tmp_path / "nan.int8.onnx"
+    quantize_model(fp, DYNAMIC, q)
+    r = compare_models(fp, q, FeedSpec(inputs=str(tmp_path / "nan.npz")), CompareOptions(progress=False))
+    [v] = [v for v in r.verdicts if v.name == "logb"]
+    assert v.grade == "reject"
+    assert v.reasons[0] == "8 of 8 samples have NaN/Inf in the INT8 output"
+    assert not any("max abs" in x for x in v.reasons)
+    assert v.per_sample.nonfinite_samples == 8 and v.per_sample.max_abs == math.inf
+    assert math.isnan(v.per_sample.cosine_min), "no cosine stands for a NaN sample"

@@ -754,7 +754,7 @@ def _valid_cases() -> list[Valid]:
             log8,
             {"x": x8},
             [
-                "6 of 6 samples have NaN/Inf outputs",
+                "6 of 6 samples have NaN/Inf in the INT8 output",
                 "NaN/Inf: first produced in the INT8 model by the_log (Log): 48 value(s) in 'y'",
             ],
         ),

@@ -421,3 +421,23 @@ def test_dynamic_on_paddle_constant_weights_fails_raw_and_works_guarded(tmp_path
     report = quantize_model(det, Recipe(mode="dynamic"), tmp_path / "det.dynamic.onnx")
     assert report.actions[0].startswith("lifted 342 Constant node(s) to initializers")
     assert report.format == "dynamic"
+
+
+def test_a_calibration_cache_gives_the_same_model_as_a_fresh_calibration_without_a_pass(tmp_path):
+    fx = models.build("convnet")
+    fp = tmp_path / "convnet.fp32.onnx"
+    onnx.save(fx.model, fp)
+    np.savez(tmp_path / "calib.npz", **fx.make_inputs(8, 11))
+    recipe = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8", per_channel=True)
+    calib = FeedSpec(inputs=str(tmp_path / "calib.npz"), batch=4)
+    cache = tmp_path / "ranges.json"
+    first = quantize_model(fp, recipe, tmp_path / "a.onnx", calibration=calib, calibration_cache=cache)
+    assert first.calibrations == 1 and cache.is_file()
+    # Ranges of the FP32 model do not depend on nodes_to_exclude: the cached ones are the fresh ones.
+    excluded = recipe.with_excluded(["conv3"])
+    again = quantize_model(fp, excluded, tmp_path / "b.onnx", calibration=calib, calibration_cache=cache)
+    fresh = quantize_model(fp, excluded, tmp_path / "c.onnx", calibration=calib)
+    assert again.calibrations == 0 and fresh.calibrations == 1
+    assert any("no calibration pass" in a for a in again.actions)
+    assert (tmp_path / "b.onnx").read_bytes() == (tmp_path / "c.onnx").read_bytes()
+    assert (tmp_path / "a.onnx").read_bytes() != (tmp_path / "b.onnx").read_bytes()
