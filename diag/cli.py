@@ -127,6 +127,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print("op counts:  " + textwrap.fill(ops, 96, subsequent_indent=" " * 12))
     if s.subgraph_nodes:
         print(f"subgraphs:  {_safe(', '.join(s.subgraph_nodes))}")
+    for w in s.warnings:
+        print(f"warning:    {_safe(w)}")
     for p in s.problems:
         print(f"problem:    {_safe(p)}")
     if not s.problems:
@@ -159,6 +161,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _print_result(result: Any, files: dict[str, Any]) -> None:
+    for model in (result.fp32, result.int8):
+        for w in getattr(model, "warnings", []):
+            print(f"warning: {_safe(w)}")
     print(f"verdict: {result.grade.upper()} - {_safe(result.cause_sentence)}")
     for v in result.verdicts:
         print(f"  output {_safe(v.name)}: {v.grade} ({_safe('; '.join(v.reasons))})")

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +71,16 @@ def document_from_result(result: Any) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "environment": result.environment,
         "models": {
-            "fp32": {"path": str(result.fp32.path), "format": result.fp32.format.kind},
+            "fp32": {
+                "path": str(result.fp32.path),
+                "format": result.fp32.format.kind,
+                "warnings": list(getattr(result.fp32, "warnings", [])),
+            },
             "int8": {
                 "path": str(result.int8.path),
                 "format": result.int8.format.kind,
                 "evidence": result.int8.format.evidence,
+                "warnings": list(getattr(result.int8, "warnings", [])),
             },
         },
         "run": {
@@ -541,6 +546,8 @@ class ReportView:
     sensitivity_note: str
     #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
     run_note: str = ""
+    #: Findings about the model files that did not stop diag (e.g. onnx.checker vs onnxruntime).
+    model_warnings: list[str] = field(default_factory=list)
 
 
 def _run_note(run: dict[str, Any]) -> str:
@@ -674,6 +681,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         nonfinite=_nonfinite(nodes),
         error_paths=_error_paths(verdict["outputs"], nodes),
         neighbourhoods=_neighbourhoods(nodes, doc["thresholds"]["bad_sqnr_db"]) if with_plots else [],
+        model_warnings=[w for k in ("fp32", "int8") for w in doc["models"][k].get("warnings", [])],
     )
 
 
