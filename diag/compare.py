@@ -158,6 +158,8 @@ class CompareResult:
     state: CompareState | None = None
     sensitivity: Any = None
     paths: dict[str, list[NodeFinding]] = field(default_factory=dict)
+    #: The recipe a suggested fix re-quantizes with (see :func:`diag.infer.fix_recipe`).
+    fix_recipe: dict[str, Any] | None = None
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -240,6 +242,9 @@ def compare_models(
         )
     state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
     result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
+    from diag.infer import fix_recipe
+
+    result.fix_recipe = fix_recipe(q.path, options.recipe)
     if options.sensitivity > 0:
         result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options)
         result.seconds = time.perf_counter() - start

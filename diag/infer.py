@@ -371,3 +371,50 @@ def _toml(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
+
+
+# ---------------------------------------------------------------- the recipe behind a fix
+
+
+#: recipe keys a fix snippet passes to onnxruntime, in its argument order.
+SNIPPET_KEYS = (
+    "quant_format",
+    "activation_type",
+    "weight_type",
+    "per_channel",
+    "reduce_range",
+    "op_types_to_quantize",
+    "nodes_to_quantize",
+    "nodes_to_exclude",
+    "calibrate_method",
+    "extra_options",
+)
+
+
+def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str, Any] | None:
+    """The recipe a suggested fix must re-quantize with, as recorded in ``diag.json``.
+
+    ``given`` (a :class:`diag.recipe.Recipe`, a recipe file path or inline JSON: ``--recipe``) wins;
+    otherwise the settings are inferred from the INT8 model (:func:`infer_recipe`), so the fix
+    changes only the excluded nodes, not the types, granularity or symmetry the user chose.
+    Returns ``{"source": "given" | "inferred", "settings": {...}, "unknown": {field: why}}``, or
+    None when neither is possible (a mixed-format model, a model file gone).
+
+    Example:
+        >>> fix_recipe("int8.onnx")["settings"]["per_channel"]  # doctest: +SKIP
+        True
+    """
+    if given is not None:
+        from diag.recipe import Recipe, recipe_from_option
+
+        recipe = given if isinstance(given, Recipe) else recipe_from_option(given)
+        settings = {k: v for k, v in recipe.to_dict().items() if k in ("mode", *SNIPPET_KEYS)}
+        unknown = {} if settings.get("mode") == "dynamic" else {"calibration": UNKNOWN_FIELDS["calibration"]}
+        if recipe.preprocess:
+            settings["preprocess"] = True
+        return {"source": "given", "settings": settings, "unknown": unknown}
+    try:
+        inferred = infer_recipe(int8_path)
+    except DiagError:
+        return None
+    return {"source": "inferred", "settings": dict(inferred.recipe), "unknown": dict(inferred.unknown)}

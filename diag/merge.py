@@ -281,7 +281,10 @@ def merge_shards(
         outlier_factor=float(first["shard"]["outlier_factor"]),
     )
     seconds = sum(float(doc["run"]["seconds"]) for _, doc in docs) + (time.perf_counter() - start)
-    return finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
+    result = finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
+    # The shards recorded the recipe the fix re-quantizes with; the models may have moved since.
+    result.fix_recipe = first.get("recommendation", {}).get("recipe")
+    return result
 
 
 def merge_to_dir(

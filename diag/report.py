@@ -121,6 +121,9 @@ def document_from_result(result: Any) -> dict[str, Any]:
             "nodes_to_exclude": exclude,
             "unnamed_nodes": unnamed,
             "verified": False,
+            # The settings the fix snippet re-quantizes with (given or inferred), so that
+            # `diag report` renders the same snippet without the models.
+            "recipe": getattr(result, "fix_recipe", None),
         },
         "matching": {
             "float_tensors": len(m.fp_float_tensors),
@@ -638,7 +641,13 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         victims=victims,
         nodes_to_exclude=rec["nodes_to_exclude"],
         unnamed_nodes=rec["unnamed_nodes"],
-        fix_command=fix_snippet(fmt, rec["nodes_to_exclude"]),
+        fix_command=fix_snippet(
+            fmt,
+            rec["nodes_to_exclude"],
+            rec.get("recipe"),
+            doc["models"]["fp32"]["path"],
+            doc["models"]["int8"]["path"],
+        ),
         nodes=rows,
         unmatched=sorted(m["unmatched_tensors"].items()),
         skipped_count=len(m["skipped_tensors"]),
@@ -879,10 +888,106 @@ def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
     return plots
 
 
-def fix_snippet(fmt: str, nodes: list[str]) -> str:
-    """Python that re-quantizes with plain onnxruntime, keeping ``nodes`` in float."""
+def fix_snippet(
+    fmt: str,
+    nodes: list[str],
+    recipe: dict[str, Any] | None = None,
+    fp32_path: str = "fp32.onnx",
+    int8_path: str = "int8.onnx",
+) -> str:
+    """Python that re-quantizes with plain onnxruntime, keeping ``nodes`` in float.
+
+    With ``recipe`` (``diag.json["recommendation"]["recipe"]``: the ``--recipe`` given, or the
+    settings :func:`diag.infer.fix_recipe` inferred from the INT8 model) every setting the INT8
+    model was made with is passed on, and the nodes it already kept in float stay excluded: the
+    fix changes the exclusions only. A comment says where the settings came from and what could
+    not be inferred. Without it (diag.json files written before the recipe was recorded) only the
+    format is known.
+
+    Example:
+        >>> r = {"source": "inferred", "settings": {"mode": "dynamic", "weight_type": "QUInt8"}, "unknown": {}}
+        >>> print(fix_snippet("dynamic", ["fc1"], r, "m.onnx", "m.int8.onnx"))
+        # Settings inferred by diag from the INT8 model (diag inspect INT8 --recipe).
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        <BLANKLINE>
+        quantize_dynamic(
+            "m.onnx",
+            "m.int8.fixed.onnx",
+            weight_type=QuantType.QUInt8,
+            nodes_to_exclude=["fc1"],
+        )
+    """
     if not nodes:
         return ""
+    if recipe is None:
+        return _plain_fix_snippet(fmt, nodes)
+    settings = dict(recipe["settings"])
+    static = settings.get("mode") == "static"
+    excluded = list(dict.fromkeys([*settings.get("nodes_to_exclude", []), *nodes]))
+    settings["nodes_to_exclude"] = excluded
+    enums = {
+        "quant_format": "QuantFormat",
+        "activation_type": "QuantType",
+        "weight_type": "QuantType",
+        "calibrate_method": "CalibrationMethod",
+    }
+    args: list[str] = []
+    used: set[str] = set()
+    from diag.infer import SNIPPET_KEYS
+
+    for key in SNIPPET_KEYS:
+        if key not in settings or settings[key] is None:
+            continue
+        if not static and key in ("quant_format", "activation_type", "calibrate_method"):
+            continue
+        value = settings[key]
+        if key in enums:
+            used.add(enums[key])
+            args.append(f"    {key}={enums[key]}.{value},")
+        elif key == "extra_options" and not value:
+            continue
+        else:
+            args.append(f"    {key}={_py_literal(value)},")
+    unknown = [k for k in (recipe.get("unknown") or {}) if k != "calibration"]
+    if recipe.get("source") == "given":
+        head = "# Settings as given with --recipe"
+    else:
+        head = "# Settings inferred by diag from the INT8 model (diag inspect INT8 --recipe)"
+    lines = [head + (f"; not inferable: {', '.join(unknown)}." if unknown else ".")]
+    if settings.get("preprocess"):
+        lines.append(f"# The recipe runs quant_pre_process first: pass its output instead of {fp32_path!r}.")
+    if static:
+        lines.append(
+            "# calibration_reader is yours: a CalibrationDataReader over representative inputs (not in the model)."
+        )
+    fn = "quantize_static" if static else "quantize_dynamic"
+    names = sorted(used | {fn})
+    out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
+    lines.append(f"from onnxruntime.quantization import {', '.join(names)}")
+    lines += ["", f"{fn}(", f"    {json.dumps(fp32_path)},", f"    {json.dumps(out)},"]
+    if static:
+        lines.append("    calibration_reader,")
+    lines += [*args, ")"]
+    return "\n".join(lines)
+
+
+def _py_literal(value: Any) -> str:
+    """Python source for a JSON value (True/False/None, not true/false/null)."""
+    return repr(value) if not isinstance(value, (str, list, dict)) else _py_json(value)
+
+
+def _py_json(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_py_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_py_json(str(k))}: {_py_json(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
+    """The snippet for a diag.json without a recorded recipe: the format is all that is known."""
     listed = ", ".join(json.dumps(n) for n in nodes)
     if fmt == "dynamic":
         return (
