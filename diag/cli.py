@@ -154,6 +154,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         outlier_factor=args.outlier_factor,
         sensitivity=args.sensitivity,
         recipe=args.recipe,
+        metric=args.metric,
     )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
@@ -167,6 +168,10 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
     print(f"verdict: {result.grade.upper()} - {_safe(result.cause_sentence)}")
     for v in result.verdicts:
         print(f"  output {_safe(v.name)}: {v.grade} ({_safe('; '.join(v.reasons))})")
+    from diag.taskmetrics import task_lines
+
+    for line in task_lines(getattr(result, "task_metrics", {}) or {}):
+        print(f"  {_safe(line)}")
     exact = {v.name: v.per_sample for v in result.verdicts}
     for name, d in getattr(result, "deployed", {}).items():
         e = exact.get(name)
@@ -301,6 +306,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         max_abs=args.max_abs,
         min_agreement=args.min_agreement,
         max_accuracy_drop=args.max_accuracy_drop,
+        max_f1_drop=args.max_f1_drop,
         max_grade=args.max_grade,
         outputs=tuple(args.output),
     )
@@ -409,6 +415,7 @@ def cmd_exclude(args: argparse.Namespace) -> int:
         threads=args.threads,
         bench_runs=args.bench_runs,
         progress=not args.quiet,
+        metric=args.metric,
     )
     for line in summary_lines(result):
         print(_safe(line))
@@ -427,6 +434,8 @@ FP32 output x vs quantized output y:
   accuracy_drop<=V  top-1 accuracy FP32 minus quantized on the first output, against --labels
   f1_drop<=V        macro-F1 (mean over labelled classes of 2TP/(2TP+FP+FN)) FP32 minus quantized,
                     first output, against --labels
+  NAME>=V / NAME<=V a value a --metric plugin's finalize() returns, computed by the plugin on the
+                    held-out outputs (>= for names it declares "higher" is better, <= for "lower")
 """
 
 
@@ -623,7 +632,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--labels",
         metavar="PATH",
-        help=".npy of class indices, one per sample in input order: grades the accuracy drop of the first output",
+        help=".npy of class indices, one per sample in input order: grades the accuracy drop and the macro-F1 drop "
+        "of the first output (macro and micro F1 in diag.json)",
+    )
+    p.add_argument(
+        "--metric",
+        metavar="MOD:FUNC",
+        help="task-metric plugin: import MOD and call FUNC() for an object with update(fp32_outputs, int8_outputs, "
+        "labels_or_None), merge(other), finalize() -> {name: value} and better = {name: 'higher'|'lower'}; "
+        "its values are reported with the outputs (with --shard it also needs state() / from_state())",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -659,6 +676,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the samples held out for verification, cut on batch boundaries (default 0.5)",
     )
     p.add_argument("--labels", metavar="PATH", help=".npy of class indices (accuracy_drop / f1_drop targets)")
+    p.add_argument(
+        "--metric",
+        metavar="MOD:FUNC",
+        help="task-metric plugin (as in diag compare --metric): the names its better declares are targets, "
+        "e.g. --target map50>=0.6",
+    )
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
     p.add_argument(
         "--bench-runs", type=int, default=20, metavar="N", help="timed runs per model for latency (0: skip; default 20)"
@@ -720,6 +743,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="F",
         help="fail when the FP32 - INT8 top-1 accuracy drop (run with --labels) > F (0.005 = 0.5 %%)",
+    )
+    p.add_argument(
+        "--max-f1-drop",
+        type=float,
+        metavar="F",
+        help="fail when the FP32 - INT8 macro-F1 drop (run with --labels) > F (0.005 = 0.5 %%)",
     )
     p.add_argument(
         "--max-grade",

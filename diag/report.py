@@ -112,11 +112,14 @@ def document_from_result(result: Any) -> dict[str, Any]:
                     "accuracy_fp32": _num(v.accuracy_fp32),
                     "accuracy_int8": _num(v.accuracy_int8),
                     "accuracy_drop": _num(v.accuracy_drop),
+                    **_f1_fields(result, v.name),
                     "error_path": [f.group.label for f in result.paths.get(v.name, [])],
                 }
                 for v in result.verdicts
             ],
         },
+        # F1 against --labels and --metric plugin values (see diag.taskmetrics).
+        "task_metrics": _task_metrics(result),
         "recommendation": {
             "nodes_to_exclude": exclude,
             "unnamed_nodes": unnamed,
@@ -152,6 +155,21 @@ def document_from_result(result: Any) -> dict[str, Any]:
             if name in result.accumulated
         },
     }
+
+
+def _task_metrics(result: Any) -> dict[str, Any]:
+    from diag.taskmetrics import json_values
+
+    return json_values(getattr(result, "task_metrics", {}) or {})
+
+
+def _f1_fields(result: Any, output: str) -> dict[str, Any]:
+    """``f1_macro_*`` / ``f1_micro_*`` of the labelled output (None elsewhere: ``diag check`` skips those)."""
+    f1 = (getattr(result, "task_metrics", {}) or {}).get("f1")
+    keys = ("f1_macro_fp32", "f1_macro_int8", "f1_macro_drop", "f1_micro_fp32", "f1_micro_int8", "f1_micro_drop")
+    if not f1 or f1["output"] != output:
+        return dict.fromkeys(keys)
+    return {k: _num(f1["values"][k]) for k in keys}
 
 
 def _deployed(result: Any) -> dict[str, Any] | None:
@@ -551,6 +569,8 @@ class ReportView:
     run_note: str = ""
     #: Findings about the model files that did not stop diag (e.g. onnx.checker vs onnxruntime).
     model_warnings: list[str] = field(default_factory=list)
+    #: One line per --metric plugin value.
+    task_lines: list[str] = field(default_factory=list)
 
 
 def _run_note(run: dict[str, Any]) -> str:
@@ -691,6 +711,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         error_paths=_error_paths(verdict["outputs"], nodes),
         neighbourhoods=_neighbourhoods(nodes, doc["thresholds"]["bad_sqnr_db"]) if with_plots else [],
         model_warnings=[w for k in ("fp32", "int8") for w in doc["models"][k].get("warnings", [])],
+        task_lines=_task_lines(doc.get("task_metrics") or {}),
     )
 
 
@@ -1000,6 +1021,26 @@ def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
         f'quantize_static("fp32.onnx", "int8.onnx", calibration_reader,\n'
         f"                quant_format=QuantFormat.{qf}, nodes_to_exclude=[{listed}])"
     )
+
+
+def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
+    from diag.metrics import number_from_json
+    from diag.taskmetrics import task_lines
+
+    lines = []
+    f1 = task_metrics.get("f1")
+    if f1:
+        v = {k: number_from_json(x) for k, x in f1["values"].items()}
+        lines.append(
+            f"F1 of output {f1['output']} against --labels ({f1['samples']} samples): macro {fmt_pct(v['f1_macro_fp32'])} "
+            f"→ {fmt_pct(v['f1_macro_int8'])} (drop {fmt_pct(v['f1_macro_drop'])}), micro "
+            f"{fmt_pct(v['f1_micro_fp32'])} → {fmt_pct(v['f1_micro_int8'])} (drop {fmt_pct(v['f1_micro_drop'])})"
+        )
+    plugin = task_metrics.get("plugin")
+    if plugin:
+        values = {k: number_from_json(v) for k, v in plugin["values"].items()}
+        lines += task_lines({"plugin": {**plugin, "values": values}})
+    return lines
 
 
 # ---------------------------------------------------------------- rendering
