@@ -1031,10 +1031,12 @@ def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
     f1 = task_metrics.get("f1")
     if f1:
         v = {k: number_from_json(x) for k, x in f1["values"].items()}
+        macro, micro = (
+            f"{fmt_pct(v[f'f1_{k}_fp32'])} → {fmt_pct(v[f'f1_{k}_int8'])} (drop {fmt_pct(v[f'f1_{k}_drop'])})"
+            for k in ("macro", "micro")
+        )
         lines.append(
-            f"F1 of output {f1['output']} against --labels ({f1['samples']} samples): macro {fmt_pct(v['f1_macro_fp32'])} "
-            f"→ {fmt_pct(v['f1_macro_int8'])} (drop {fmt_pct(v['f1_macro_drop'])}), micro "
-            f"{fmt_pct(v['f1_micro_fp32'])} → {fmt_pct(v['f1_micro_int8'])} (drop {fmt_pct(v['f1_micro_drop'])})"
+            f"F1 of output {f1['output']} against --labels ({f1['samples']} samples): macro {macro}, micro {micro}"
         )
     plugin = task_metrics.get("plugin")
     if plugin:
