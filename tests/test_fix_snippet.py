@@ -175,3 +175,11 @@ def test_dynamic_fix_snippet_keeps_weight_type_and_per_channel(built, tmp_path, 
     assert snippet.startswith(
         "# Settings inferred by diag from the INT8 model (diag inspect INT8 --recipe); not inferable: preprocess."
     )
+
+
+def test_recipe_is_inferred_from_a_model_with_external_weights(per_channel_qdq, tmp_path):
+    _, int8, _, _ = per_channel_qdq
+    m = onnx.load(str(int8))
+    ext = tmp_path / "ext.onnx"
+    onnx.save(m, ext, save_as_external_data=True, all_tensors_to_one_file=True, location="ext.data", size_threshold=0)
+    assert infer_recipe(ext).recipe == infer_recipe(int8).recipe
