@@ -1204,6 +1204,11 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         for n in names
         if before.get(n) is not None
     ]
+    # --metric plugin values, by the names the plugin declares.
+    rows += [
+        {"name": n, "before": cell(v), "after": cell((after.get("task") or {}).get(n))}
+        for n, v in (before.get("task") or {}).items()
+    ]
     latency = [
         {
             "model": x["model"],

@@ -247,7 +247,16 @@ def test_plugin_value_is_an_exclusion_target_met_by_real_requantization(tmp_path
         x = arrays["input_ids"]
         runs.append(np.concatenate([sess.run(None, {"input_ids": x[i : i + 8]})[0] for i in range(16, 32, 8)]))
     assert _rel_err(*runs) == pytest.approx(r.after.task["rel_err"], rel=1e-6)
-    assert r.to_dict()["metrics"]["after"]["task"] == {"rel_err": r.after.task["rel_err"]}
+    doc = r.to_dict()
+    assert doc["metrics"]["after"]["task"] == {"rel_err": r.after.task["rel_err"]}
+    from diag.exclude import report_section
+
+    row = next(x for x in report_section(doc)["metrics"] if x["name"] == "rel_err")
+    assert row == {
+        "name": "rel_err",
+        "before": f"{r.before.task['rel_err']:.6f}",
+        "after": f"{r.after.task['rel_err']:.6f}",
+    }
 
 
 def test_exclude_cli_takes_the_metric_and_refuses_an_undeclared_name(tmp_path, capsys):
