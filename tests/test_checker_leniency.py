@@ -140,3 +140,25 @@ def test_inspect_ignores_unnamed_constants_but_flags_an_unnamed_matmul(tmp_path,
 
     code, stdout, _ = run_cli(["inspect", _mlp(tmp_path, "unnamed", matmul)], capsys)
     assert "problem:    1 quantizable node(s) without a name (MatMul): nodes_to_exclude cannot refer to them" in stdout
+
+
+def test_enable_subgraph_if_model_with_matmul_branches_is_compared(tmp_path, capsys):
+    """The brief's case: If branches holding MatMuls. With onnx 1.23 / onnxruntime 1.32 this model passes
+    onnx.checker (no com.microsoft op lands in the branches); it must be compared like any other."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    logging.getLogger().setLevel(logging.ERROR)
+    fx = models.build("if_model")
+    fp32, int8 = tmp_path / "if.fp32.onnx", tmp_path / "if.int8.onnx"
+    onnx.save(fx.model, fp32)
+    quantize_dynamic(fp32, int8, extra_options={"EnableSubgraph": True})
+    if_node = next(n for n in onnx.load(str(int8)).graph.node if n.op_type == "If")
+    branch_ops = {n.op_type for a in if_node.attribute for n in a.g.node}
+    assert "MatMulInteger" in branch_ops  # the branches really were quantized
+    np.savez(tmp_path / "x.npz", **fx.make_inputs(8))
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(
+        ["compare", fp32, int8, "--inputs", tmp_path / "x.npz", "--out", out, "--quiet"], capsys
+    )
+    assert code == OK, err
+    assert stdout.startswith("verdict: ") and "8 samples" in stdout
