@@ -397,8 +397,9 @@ def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str
     ``given`` (a :class:`diag.recipe.Recipe`, a recipe file path or inline JSON: ``--recipe``) wins;
     otherwise the settings are inferred from the INT8 model (:func:`infer_recipe`), so the fix
     changes only the excluded nodes, not the types, granularity or symmetry the user chose.
-    Returns ``{"source": "given" | "inferred", "settings": {...}, "unknown": {field: why}}``, or
-    None when neither is possible (a mixed-format model, a model file gone).
+    Returns ``{"source": "given" | "inferred", "settings": {...}, "unknown": {field: why}}``; when
+    the settings cannot be read back (a mixed-format model, a model file gone) ``source`` is
+    ``"unknown"``, ``settings`` None and ``why`` says why.
 
     Example:
         >>> fix_recipe("int8.onnx")["settings"]["per_channel"]  # doctest: +SKIP
@@ -415,6 +416,7 @@ def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str
         return {"source": "given", "settings": settings, "unknown": unknown}
     try:
         inferred = infer_recipe(int8_path)
-    except DiagError:
-        return None
+    except Exception as e:  # the diagnosis must not fail because the recipe cannot be read back
+        why = e.problem if isinstance(e, DiagError) else f"{type(e).__name__}: {e}"
+        return {"source": "unknown", "settings": None, "unknown": {}, "why": why}
     return {"source": "inferred", "settings": dict(inferred.recipe), "unknown": dict(inferred.unknown)}

@@ -942,6 +942,13 @@ def fix_snippet(
         return ""
     if recipe is None:
         return _plain_fix_snippet(fmt, nodes)
+    if recipe.get("settings") is None:
+        why = recipe.get("why") or "unknown reason"
+        return (
+            f"# The INT8 model's settings could not be inferred ({why}): onnxruntime's defaults below may\n"
+            "# differ from the settings that made it; pass the recipe with --recipe to get them.\n"
+            + _plain_fix_snippet(fmt, nodes)
+        )
     settings = dict(recipe["settings"])
     static = settings.get("mode") == "static"
     excluded = list(dict.fromkeys([*settings.get("nodes_to_exclude", []), *nodes]))

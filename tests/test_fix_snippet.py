@@ -183,3 +183,15 @@ def test_recipe_is_inferred_from_a_model_with_external_weights(per_channel_qdq, 
     ext = tmp_path / "ext.onnx"
     onnx.save(m, ext, save_as_external_data=True, all_tensors_to_one_file=True, location="ext.data", size_threshold=0)
     assert infer_recipe(ext).recipe == infer_recipe(int8).recipe
+
+
+def test_snippet_says_so_when_the_settings_cannot_be_inferred(tmp_path):
+    from diag.infer import fix_recipe
+    from diag.report import fix_snippet
+
+    recipe = fix_recipe(tmp_path / "gone.int8.onnx")
+    assert recipe is not None and recipe["source"] == "unknown" and recipe["settings"] is None
+    assert "does not exist" in recipe["why"]
+    snippet = fix_snippet("dynamic", ["fc1"], recipe)
+    assert snippet.startswith("# The INT8 model's settings could not be inferred (does not exist)")
+    assert snippet.endswith('quantize_dynamic("fp32.onnx", "int8.onnx", nodes_to_exclude=["fc1"])')
