@@ -123,8 +123,9 @@ class CompareState:
         for k, dep in other.deployed.items():
             self.deployed.setdefault(k, OutputAccumulator()).merge(dep)
         self.fused = self.fused or list(other.fused)
-        for k, metric in other.task.items():
-            self.task[k] = self.task[k].merge(metric) if k in self.task else metric
+        from diag.taskmetrics import merge_task_metrics
+
+        merge_task_metrics(self.task, other.task)
         return self
 
 

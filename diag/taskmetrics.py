@@ -403,6 +403,23 @@ def json_values(task_metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def merge_task_metrics(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Merge ``theirs`` into ``mine`` in place with each metric's own ``merge`` (a plugin failing: ``bad-metric``)."""
+    for key, metric in theirs.items():
+        if key not in mine:
+            mine[key] = metric
+            continue
+        try:
+            merged = mine[key].merge(metric)
+        except DiagError:
+            raise
+        except Exception as e:
+            raise DiagError(
+                "bad-metric", f"--metric ({key})", f"raised {type(e).__name__} in merge(): {e}", "fix the metric"
+            ) from e
+        mine[key] = merged if merged is not None else mine[key]
+
+
 def task_state_to_json(task: dict[str, Any], spec: str | None) -> dict[str, Any]:
     """The task metrics' mergeable state for a shard file (the plugin's via its ``state()``)."""
     out: dict[str, Any] = {}
