@@ -41,6 +41,9 @@ _LAZY = {
     "weight_report": "diag.weights",
     "find_patterns": "diag.patterns",
     "skip_one_sensitivity": "diag.sensitivity",
+    "TaskMetric": "diag.taskmetrics",
+    "F1Metric": "diag.taskmetrics",
+    "infer_recipe": "diag.infer",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

@@ -127,6 +127,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print("op counts:  " + textwrap.fill(ops, 96, subsequent_indent=" " * 12))
     if s.subgraph_nodes:
         print(f"subgraphs:  {_safe(', '.join(s.subgraph_nodes))}")
+    for w in s.warnings:
+        print(f"warning:    {_safe(w)}")
     for p in s.problems:
         print(f"problem:    {_safe(p)}")
     if not s.problems:
@@ -156,6 +158,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         output_kinds=parse_output_kinds(args.output_kind),
         effects=args.effects,
         effect_samples=args.effect_samples,
+        metric=args.metric,
     )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
@@ -163,9 +166,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _print_result(result: Any, files: dict[str, Any]) -> None:
+    for model in (result.fp32, result.int8):
+        for w in getattr(model, "warnings", []):
+            print(f"warning: {_safe(w)}")
     print(f"verdict: {result.grade.upper()} - {_safe(result.cause_sentence)}")
     for v in result.verdicts:
         print(f"  output {_safe(v.name)}: {v.grade} ({_safe('; '.join(v.reasons))})")
+    from diag.taskmetrics import task_lines
+
+    for line in task_lines(getattr(result, "task_metrics", {}) or {}):
+        print(f"  {_safe(line)}")
     exact = {v.name: v.per_sample for v in result.verdicts}
     for name, d in getattr(result, "deployed", {}).items():
         e = exact.get(name)
@@ -315,6 +325,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         max_abs=args.max_abs,
         min_agreement=args.min_agreement,
         max_accuracy_drop=args.max_accuracy_drop,
+        max_f1_drop=args.max_f1_drop,
         max_grade=args.max_grade,
         outputs=tuple(args.output),
     )
@@ -425,6 +436,7 @@ def cmd_exclude(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         max_trials=args.max_trials,
         time_budget=args.time_budget,
+        metric=args.metric,
     )
     for line in summary_lines(result):
         print(_safe(line))
@@ -443,6 +455,8 @@ FP32 output x vs quantized output y:
   accuracy_drop<=V  top-1 accuracy FP32 minus quantized on the first output, against --labels
   f1_drop<=V        macro-F1 (mean over labelled classes of 2TP/(2TP+FP+FN)) FP32 minus quantized,
                     first output, against --labels
+  NAME>=V / NAME<=V a value a --metric plugin's finalize() returns, computed by the plugin on the
+                    held-out outputs (>= for names it declares "higher" is better, <= for "lower")
 """
 
 
@@ -663,7 +677,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--labels",
         metavar="PATH",
-        help=".npy of class indices, one per sample in input order: grades the accuracy drop of the first output",
+        help=".npy of class indices, one per sample in input order: grades the accuracy drop and the macro-F1 drop "
+        "of the first output (macro and micro F1 in diag.json)",
+    )
+    p.add_argument(
+        "--metric",
+        metavar="MOD:FUNC",
+        help="task-metric plugin: import MOD and call FUNC() for an object with update(fp32_outputs, int8_outputs, "
+        "labels_or_None), merge(other), finalize() -> {name: value} and better = {name: 'higher'|'lower'}; "
+        "its values are reported with the outputs (with --shard it also needs state() / from_state())",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -699,6 +721,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the samples held out for verification, cut on batch boundaries (default 0.5)",
     )
     p.add_argument("--labels", metavar="PATH", help=".npy of class indices (accuracy_drop / f1_drop targets)")
+    p.add_argument(
+        "--metric",
+        metavar="MOD:FUNC",
+        help="task-metric plugin (as in diag compare --metric): the names its better declares are targets, "
+        "e.g. --target map50>=0.6",
+    )
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
     p.add_argument(
         "--bench-runs", type=int, default=20, metavar="N", help="timed runs per model for latency (0: skip; default 20)"
@@ -773,6 +801,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="F",
         help="fail when the FP32 - INT8 top-1 accuracy drop (run with --labels) > F (0.005 = 0.5 %%)",
+    )
+    p.add_argument(
+        "--max-f1-drop",
+        type=float,
+        metavar="F",
+        help="fail when the FP32 - INT8 macro-F1 drop (run with --labels) > F (0.005 = 0.5 %%)",
     )
     p.add_argument(
         "--max-grade",

@@ -87,6 +87,8 @@ class CompareOptions:
     effects: int = DEFAULT_CANDIDATES
     #: Samples each effect check runs on (the first ones).
     effect_samples: int = DEFAULT_SAMPLES
+    #: ``module:function`` of a task-metric plugin (:mod:`diag.taskmetrics`), reported with the outputs.
+    metric: str | None = None
 
 
 @dataclass
@@ -106,6 +108,8 @@ class CompareState:
     deployed: dict[str, OutputAccumulator] = field(default_factory=dict)
     #: Kernels of the optimized INT8 graph that hide nodes of the model as written.
     fused: list[FusedKernel] = field(default_factory=list)
+    #: Task metrics (:mod:`diag.taskmetrics`): ``f1`` with --labels, ``plugin`` with --metric.
+    task: dict[str, Any] = field(default_factory=dict)
 
     def merge(self, other: CompareState) -> CompareState:
         for mine, theirs in ((self.accumulated, other.accumulated), (self.local, other.local)):
@@ -126,6 +130,9 @@ class CompareState:
         for k, dep in other.deployed.items():
             self.deployed.setdefault(k, OutputAccumulator(dep.spec)).merge(dep)
         self.fused = self.fused or list(other.fused)
+        from diag.taskmetrics import merge_task_metrics
+
+        merge_task_metrics(self.task, other.task)
         return self
 
 
@@ -167,6 +174,10 @@ class CompareResult:
     paths: dict[str, list[NodeFinding]] = field(default_factory=dict)
     #: Measured effect on the outputs of keeping each candidate in float (diag.effects).
     effects: EffectCheck | None = None
+    #: The recipe a suggested fix re-quantizes with (see :func:`diag.infer.fix_recipe`).
+    fix_recipe: dict[str, Any] | None = None
+    #: Finalized task metrics (see :func:`diag.taskmetrics.attach_task_metrics`).
+    task_metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -268,6 +279,11 @@ def compare_models(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching
         )
         result.seconds = time.perf_counter() - start
+    from diag.infer import fix_recipe
+    from diag.taskmetrics import attach_task_metrics
+
+    result.fix_recipe = fix_recipe(q.path, options.recipe)
+    attach_task_metrics(result, state, options.metric)
     if options.sensitivity > 0:
         result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options)
         result.seconds = time.perf_counter() - start
@@ -334,6 +350,9 @@ def run_comparison(
     state.outputs = {name: OutputAccumulator(spec) for name, spec in specs.items()}
     if options.opt_level != "disabled":
         state.deployed = {name: OutputAccumulator(spec) for name, spec in specs.items()}
+    from diag.taskmetrics import start_task_metrics
+
+    state.task = start_task_metrics(fp.graph.output[0].name, labels, options.metric, options.shard is not None)
     if options.distributions:
         ops = {node_id(n, i): n.op_type for i, n in enumerate(fp.graph.node)}
         for name, pair in pairs.items():
@@ -484,6 +503,8 @@ def _run_pass(
                 del dep_fp, dep_q
             if labels is not None and first:
                 _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size, offset)
+            if state.task and first:
+                _update_task(state, options, output_names, fp_out, q_out, labels, offset, batch.size)
             del q_out
             if cut is not None and cut_sess is not None:
                 # The cut model runs while the pool reduces this batch's accumulated error.
@@ -647,6 +668,26 @@ def _count_correct(
     state.labelled["n"] += size
     state.labelled["fp32"] += int((fp.argmax(axis=1) == truth).sum())
     state.labelled["int8"] += int((q.argmax(axis=1) == truth).sum())
+
+
+def _update_task(
+    state: CompareState,
+    options: CompareOptions,
+    names: list[str],
+    fp_out: dict[str, np.ndarray],
+    q_out: dict[str, np.ndarray],
+    labels: np.ndarray | None,
+    start: int,
+    size: int,
+) -> None:
+    """Feed one batch of model outputs (and its labels) to the task metrics."""
+    from diag.taskmetrics import call_update
+
+    fp = {n: fp_out[n] for n in names}
+    q = {n: q_out[n] for n in names}
+    truth = labels[start : start + size] if labels is not None else None
+    for key, metric in state.task.items():
+        call_update(metric, options.metric if key == "plugin" else "f1", fp, q, truth)
 
 
 def _scale_for(pair: TensorPair, q_out: dict[str, np.ndarray] | None) -> float | None:

@@ -28,6 +28,8 @@ OUTPUT_METRICS: dict[str, bool] = {
     "top1_agreement": True,
     "accuracy_int8": True,
     "accuracy_drop": False,
+    "f1_macro_int8": True,
+    "f1_macro_drop": False,
 }
 
 #: environment keys that change on every run and say nothing about the result.

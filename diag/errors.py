@@ -31,6 +31,7 @@ SLUGS: dict[str, str] = {
     "model-mismatch": "FP32 and INT8 models are not two versions of the same graph",
     "bad-inputs": "input data does not fit the model (names, dtypes, shapes, values)",
     "bad-reader": "a --reader factory cannot be imported, raises or yields wrong types",
+    "bad-metric": "a --metric plugin cannot be imported, raises, or does not follow the TaskMetric protocol",
     "bad-option": "a command-line option has an invalid value",
     "too-large": "the request would need more memory than allowed; refused up front",
     "runtime-failure": "onnxruntime failed while running a model (node named)",

@@ -93,21 +93,28 @@ class Target:
         return f"{self.metric}{self.op}{self.value:g}"
 
 
-def parse_target(text: str) -> Target:
+def parse_target(text: str, plugin: dict[str, str] | None = None) -> Target:
     """Parse ``metric>=value`` / ``metric<=value`` (see :data:`TARGET_METRICS`).
+
+    ``plugin`` adds the names a ``--metric`` plugin declares (``{name: "higher" | "lower"}``).
 
     Example:
         >>> parse_target("max_abs<=0.1")
         Target(metric='max_abs', op='<=', value=0.1)
+        >>> parse_target("map50>=0.6", {"map50": "higher"})
+        Target(metric='map50', op='>=', value=0.6)
     """
-    m = re.fullmatch(r"\s*([a-z_0-9]+)\s*(>=|<=)\s*([-+0-9.eE]+)\s*", text or "")
-    names = ", ".join(f"{k}{d}" for k, (d, _) in TARGET_METRICS.items())
+    known = {k: d for k, (d, _) in TARGET_METRICS.items()}
+    known.update({k: ">=" if v == "higher" else "<=" for k, v in (plugin or {}).items()})
+    m = re.fullmatch(r"\s*([A-Za-z_0-9.]+)\s*(>=|<=)\s*([-+0-9.eE]+)\s*", text or "")
+    names = ", ".join(f"{k}{d}" for k, d in known.items())
     if not m:
         raise DiagError("bad-option", f"--target {text!r}", "is not metric>=value or metric<=value", f"one of {names}")
     metric, op, raw = m.groups()
-    if metric not in TARGET_METRICS:
-        raise DiagError("bad-option", f"--target {text!r}", f"has unknown metric '{metric}'", f"one of {names}")
-    want = TARGET_METRICS[metric][0]
+    if metric not in known:
+        hint = f"one of {names}" + ("" if plugin else " (or a name a --metric plugin declares)")
+        raise DiagError("bad-option", f"--target {text!r}", f"has unknown metric '{metric}'", hint)
+    want = known[metric]
     if op != want:
         better = "higher" if want == ">=" else "lower"
         raise DiagError(
@@ -144,6 +151,8 @@ class HeldOutMetrics:
     f1_fp32: float | None = None
     f1_int8: float | None = None
     nonfinite_samples: int = 0
+    #: Values of a ``--metric`` plugin (:mod:`diag.taskmetrics`), by the names it declares.
+    task: dict[str, float] = field(default_factory=dict)
 
     @property
     def accuracy_drop(self) -> float | None:
@@ -159,7 +168,7 @@ class HeldOutMetrics:
 
     def value(self, metric: str) -> float | None:
         """The figure a target is checked against (the worst possible one while any sample is NaN/Inf)."""
-        v = getattr(self, metric, None)
+        v = self.task[metric] if metric in self.task else getattr(self, metric, None)
         if v is None:
             return None
         if self.nonfinite_samples:
@@ -179,6 +188,7 @@ class HeldOutMetrics:
         d = dataclasses.asdict(self)
         d["accuracy_drop"] = self.accuracy_drop
         d["f1_drop"] = self.f1_drop
+        d["task"] = {k: _json_float(v) for k, v in self.task.items()}
         return {k: _json_float(v) for k, v in d.items()}
 
 
@@ -417,9 +427,13 @@ class HeldOutEvaluator:
         first_sample: int,
         labels: np.ndarray | None,
         threads: int | None,
+        metric: str | None = None,
     ) -> None:
         from diag.run import session_from_model
+        from diag.taskmetrics import metric_factory
 
+        self.metric = metric
+        self._make_metric = metric_factory(metric) if metric else None
         self.held_out = held_out
         self.first = first_sample
         self.labels = labels
@@ -457,6 +471,7 @@ class HeldOutEvaluator:
         q = model_from_path(model_path, "quantized model")
         sess = session_from_model(q.proto, f"quantized model '{model_path.name}'", "disabled", self.threads)
         accs = {name: OutputAccumulator(self.specs.get(name)) for name in self.output_names}
+        task = self._make_metric() if self._make_metric is not None else None
         truth: list[np.ndarray] = []
         pred_fp: list[np.ndarray] = []
         pred_q: list[np.ndarray] = []
@@ -471,6 +486,11 @@ class HeldOutEvaluator:
                 bad |= _nonfinite_rows(ref[name], got[name], batch.size)
             total += batch.size
             broken += int(bad.sum())
+            if task is not None:
+                from diag.taskmetrics import call_update
+
+                rows = self.labels[start : start + batch.size] if self.labels is not None else None
+                call_update(task, str(self.metric), ref, got, rows)
             if self.labels is not None:
                 first = self.output_names[0]
                 if ref[first].ndim != 2 or ref[first].shape[0] != batch.size:
@@ -510,6 +530,10 @@ class HeldOutEvaluator:
                 f1_fp32=macro_f1(t, f),
                 f1_int8=macro_f1(t, q8),
             )
+        if task is not None:
+            from diag.taskmetrics import finalized
+
+            metrics = dataclasses.replace(metrics, task=finalized(task, str(self.metric)))
         return metrics
 
 
@@ -830,6 +854,7 @@ def derive_exclusions(
     work_dir: str | Path | None = None,
     max_trials: int | None = None,
     time_budget: float | None = None,
+    metric: str | None = None,
 ) -> ExclusionResult:
     """Find a minimal ``nodes_to_exclude`` list that makes ``recipe`` meet ``target`` on held-out inputs.
 
@@ -849,6 +874,8 @@ def derive_exclusions(
         time_budget: no new trial starts after this many seconds; None: no limit. When a cap
             stops the search, the answer is the smallest list that met the target so far
             (verified on the held-out samples, not proven minimal), or none: ``budget`` says so.
+        metric: ``module:function`` of a task-metric plugin (:mod:`diag.taskmetrics`); the names
+            it declares become target metrics (``--target map50>=0.6``).
 
     Returns:
         The result; ``reachable`` False (and an empty list) when only keeping every candidate in
@@ -870,6 +897,12 @@ def derive_exclusions(
         raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
     deadline = start + time_budget if time_budget is not None else None
     tgt = parse_target(target) if isinstance(target, str) else target
+    plugin = None
+    if metric:
+        from diag.taskmetrics import metric_factory
+
+        plugin = dict(metric_factory(metric)().better)
+    tgt = parse_target(target, plugin) if isinstance(target, str) else target
     if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
         raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
     fp32 = Path(fp32_path)
@@ -893,7 +926,7 @@ def derive_exclusions(
         else:
             calibration = split.ranking
             calib_note = f"ranking split ({split.to_dict()['ranking']})"
-    evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads)
+    evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads, metric)
     base = list(recipe.nodes_to_exclude or [])
     exhausted: str | None = None
     compared: Any = None
@@ -1260,6 +1293,7 @@ def exclude_to_dir(
     progress: bool = True,
     max_trials: int | None = None,
     time_budget: float | None = None,
+    metric: str | None = None,
 ) -> tuple[ExclusionResult, dict[str, Path]]:
     """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
 
@@ -1289,6 +1323,7 @@ def exclude_to_dir(
             work,
             max_trials,
             time_budget,
+            metric,
         )
         files: dict[str, Path] = {}
         if result.reachable and result.model:
@@ -1461,6 +1496,11 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
                 "after": f"{after['nonfinite_samples']} of {after['samples']}" if after else "-",
             },
         )
+    # --metric plugin values, by the names the plugin declares.
+    rows += [
+        {"name": n, "before": cell(v), "after": cell((after.get("task") or {}).get(n))}
+        for n, v in (before.get("task") or {}).items()
+    ]
     latency = [
         {
             "model": x["model"],

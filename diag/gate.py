@@ -31,11 +31,13 @@ METRIC_GATES: dict[str, tuple[str, str, str]] = {
     "max-abs": ("max_abs", "max", ".4g"),
     "min-agreement": ("top1_agreement", "min", ".5f"),
     "max-accuracy-drop": ("accuracy_drop", "max", ".5f"),
+    "max-f1-drop": ("f1_macro_drop", "max", ".5f"),
 }
 
 _WHY_NULL = {
     "top1_agreement": "has no top-1 agreement (not class-like)",
     "accuracy_drop": "has no accuracy drop (run without --labels, or not the first output)",
+    "f1_macro_drop": "has no F1 drop (run without --labels, or not the first output)",
 }
 
 
@@ -49,6 +51,7 @@ class Gates:
         max_abs: highest acceptable max abs error of every output.
         min_agreement: lowest acceptable top-1 agreement (fraction, 0.99 = 99 %) of class-like outputs.
         max_accuracy_drop: highest acceptable FP32 - INT8 top-1 accuracy drop (fraction) with ``--labels``.
+        max_f1_drop: highest acceptable FP32 - INT8 macro-F1 drop (fraction) with ``--labels``.
         max_grade: worst acceptable model grade (``excellent`` … ``reject``).
         outputs: restrict the metric gates to these output names (all outputs when empty).
     """
@@ -58,6 +61,7 @@ class Gates:
     max_abs: float | None = None
     min_agreement: float | None = None
     max_accuracy_drop: float | None = None
+    max_f1_drop: float | None = None
     max_grade: str | None = None
     outputs: tuple[str, ...] = ()
 
@@ -74,6 +78,7 @@ class Gates:
             "max-abs": self.max_abs,
             "min-agreement": self.min_agreement,
             "max-accuracy-drop": self.max_accuracy_drop,
+            "max-f1-drop": self.max_f1_drop,
         }
         return [(gate, float(v)) for gate, v in values.items() if v is not None]
 
@@ -95,13 +100,14 @@ class Gates:
                 "diag check",
                 "no gate given",
                 "add at least one of --min-sqnr, --min-cosine, --max-abs, --min-agreement, "
-                "--max-accuracy-drop, --max-grade",
+                "--max-accuracy-drop, --max-f1-drop, --max-grade",
             )
         ranges = {
             "min-cosine": (-1.0, 1.0, "cosine is at most 1, e.g. 0.999"),
             "max-abs": (0.0, math.inf, "an absolute error is >= 0, e.g. 0.1"),
             "min-agreement": (0.0, 1.0, "a fraction, e.g. 0.99 for 99 %"),
             "max-accuracy-drop": (-1.0, 1.0, "a fraction, e.g. 0.005 for 0.5 %"),
+            "max-f1-drop": (-1.0, 1.0, "a fraction, e.g. 0.005 for 0.5 %"),
             "min-sqnr": (-math.inf, math.inf, "in dB, e.g. 20"),
         }
         for gate, bound in self.metric_bounds():

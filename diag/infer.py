@@ -143,10 +143,10 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
             f"mixes quantization formats ({ev}); one recipe cannot have made it",
             "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
         )
-    proto = loaded.proto
-    if loaded.has_external_data:
-        onnx.load_external_data_for_model(proto, str(loaded.path.resolve().parent))
-    return _infer(proto, kind)
+    # NOTE: external weights are read one tensor at a time where a value is needed (zero points,
+    # the reduce_range check), never all at once: memory stays O(largest weight) on large models.
+    base_dir = str(loaded.path.resolve().parent) if loaded.has_external_data else ""
+    return _infer(loaded.proto, kind, base_dir)
 
 
 def recipe_to_toml(path: str | os.PathLike[str]) -> str:
@@ -187,7 +187,7 @@ def recipe_to_file(model: str | os.PathLike[str], out: str | os.PathLike[str]) -
 # ---------------------------------------------------------------- inference
 
 
-def _infer(model: onnx.ModelProto, kind: str) -> InferredRecipe:
+def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRecipe:
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
@@ -210,16 +210,16 @@ def _infer(model: onnx.ModelProto, kind: str) -> InferredRecipe:
         recipe["per_channel"] = any(_size(s) > 1 for _, s, _ in weights if s is not None) or any(
             _size(z) > 1 for _, _, z in weights if z is not None
         )
-        recipe["reduce_range"] = all(_fits_reduced(q) for q, _, _ in weights)
+        recipe["reduce_range"] = all(_fits_reduced(q, base_dir) for q, _, _ in weights)
         evidence.append(f"weight_type, per_channel, reduce_range from {len(weights)} quantized weight(s)")
         w_zps = [z for _, _, z in weights if z is not None]
-        symmetric = bool(w_zps) and all(_is_symmetric(z) for z in w_zps)
+        symmetric = bool(w_zps) and all(_is_symmetric(z, base_dir) for z in w_zps)
         default_symmetric = w_dtype in (onnx.TensorProto.INT8, onnx.TensorProto.INT16)
         if w_zps and symmetric != default_symmetric:
             extra["WeightSymmetric"] = symmetric
     if kind != "dynamic":
         act_zps = _activation_zero_points(graph, inits)
-        if act_zps and all(_is_symmetric(z) for z in act_zps):
+        if act_zps and all(_is_symmetric(z, base_dir) for z in act_zps):
             extra["ActivationSymmetric"] = True
     dtypes = _value_dtypes(model) if kind == "qoperator" else None
     excluded = _excluded_nodes(graph, inits, producers, kind, dtypes)
@@ -345,15 +345,15 @@ def _size(t: onnx.TensorProto) -> int:
     return int(np.prod(t.dims)) if t.dims else 1
 
 
-def _is_symmetric(zp: onnx.TensorProto) -> bool:
-    values = numpy_helper.to_array(zp).astype(np.int64).ravel()
+def _is_symmetric(zp: onnx.TensorProto, base_dir: str = "") -> bool:
+    values = numpy_helper.to_array(zp, base_dir).astype(np.int64).ravel()
     return bool(values.size) and any(bool(np.all(values == w)) for w in SYMMETRIC_ZERO_POINTS.get(zp.data_type, ()))
 
 
-def _fits_reduced(q: onnx.TensorProto) -> bool:
+def _fits_reduced(q: onnx.TensorProto, base_dir: str = "") -> bool:
     """True when the weight's integer values span no more than a reduced (7-bit) range."""
     limit = REDUCED_SPAN.get(q.data_type)
-    values = numpy_helper.to_array(q).astype(np.int64)
+    values = numpy_helper.to_array(q, base_dir).astype(np.int64)
     if limit is None or not values.size:
         return False
     return bool(values.max() - values.min() <= limit)
@@ -371,3 +371,52 @@ def _toml(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
+
+
+# ---------------------------------------------------------------- the recipe behind a fix
+
+
+#: recipe keys a fix snippet passes to onnxruntime, in its argument order.
+SNIPPET_KEYS = (
+    "quant_format",
+    "activation_type",
+    "weight_type",
+    "per_channel",
+    "reduce_range",
+    "op_types_to_quantize",
+    "nodes_to_quantize",
+    "nodes_to_exclude",
+    "calibrate_method",
+    "extra_options",
+)
+
+
+def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str, Any] | None:
+    """The recipe a suggested fix must re-quantize with, as recorded in ``diag.json``.
+
+    ``given`` (a :class:`diag.recipe.Recipe`, a recipe file path or inline JSON: ``--recipe``) wins;
+    otherwise the settings are inferred from the INT8 model (:func:`infer_recipe`), so the fix
+    changes only the excluded nodes, not the types, granularity or symmetry the user chose.
+    Returns ``{"source": "given" | "inferred", "settings": {...}, "unknown": {field: why}}``; when
+    the settings cannot be read back (a mixed-format model, a model file gone) ``source`` is
+    ``"unknown"``, ``settings`` None and ``why`` says why.
+
+    Example:
+        >>> fix_recipe("int8.onnx")["settings"]["per_channel"]  # doctest: +SKIP
+        True
+    """
+    if given is not None:
+        from diag.recipe import Recipe, recipe_from_option
+
+        recipe = given if isinstance(given, Recipe) else recipe_from_option(given)
+        settings = {k: v for k, v in recipe.to_dict().items() if k in ("mode", *SNIPPET_KEYS)}
+        unknown = {} if settings.get("mode") == "dynamic" else {"calibration": UNKNOWN_FIELDS["calibration"]}
+        if recipe.preprocess:
+            settings["preprocess"] = True
+        return {"source": "given", "settings": settings, "unknown": unknown}
+    try:
+        inferred = infer_recipe(int8_path)
+    except Exception as e:  # the diagnosis must not fail because the recipe cannot be read back
+        why = e.problem if isinstance(e, DiagError) else f"{type(e).__name__}: {e}"
+        return {"source": "unknown", "settings": None, "unknown": {}, "why": why}
+    return {"source": "inferred", "settings": dict(inferred.recipe), "unknown": dict(inferred.unknown)}

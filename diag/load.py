@@ -70,6 +70,8 @@ class LoadedModel:
     proto: onnx.ModelProto
     format: ModelFormat
     has_external_data: bool
+    #: Findings that did not stop diag, e.g. an onnx.checker failure on a model onnxruntime runs.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def graph(self) -> onnx.GraphProto:
@@ -137,19 +139,44 @@ def model_from_path(path: str | os.PathLike[str], role: str = "model") -> Loaded
             "check that the file is an .onnx model, not another protobuf",
         )
     has_external = _check_external_data(proto, p, obj)
+    warnings: list[str] = []
     try:
         # NOTE: the checker resolves external data relative to the current folder when given a
         # proto; given the path it resolves next to the model (and does not load the weights).
         onnx.checker.check_model(str(p) if has_external else proto, full_check=False)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DiagError(
-            "invalid-model",
-            obj,
-            f"fails onnx.checker: {first[:300]}",
-            "re-export the model or fix the reported node",
-        ) from e
-    return LoadedModel(p, proto, detect_format(proto), has_external)
+        # NOTE: onnx.checker is stricter than onnxruntime (e.g. quantize_dynamic with
+        # EnableSubgraph writes com.microsoft ops into If bodies without the model importing that
+        # domain). The model the user deploys is the one onnxruntime runs: refuse only when
+        # onnxruntime cannot load it either, else carry the checker's finding as a warning.
+        loads, why = _onnxruntime_loads(p)
+        if not loads:
+            raise DiagError(
+                "invalid-model",
+                obj,
+                f"fails onnx.checker ({first[:300]}) and onnxruntime cannot load it ({why[:300]})",
+                "re-export the model or fix the reported node",
+            ) from e
+        warnings.append(
+            f"onnx.checker rejects {role} '{p.name}' ({first[:300]}); onnxruntime loads it, so diag goes on"
+        )
+    return LoadedModel(p, proto, detect_format(proto), has_external, warnings)
+
+
+def _onnxruntime_loads(path: Path) -> tuple[bool, str]:
+    """Whether onnxruntime creates a session for the model file (no optimizations); else why not."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        text = str(e).strip()
+        return False, text.splitlines()[0] if text else type(e).__name__
+    return True, ""
 
 
 def float_model_from_path(path: str | os.PathLike[str], role: str = "FP32 model") -> LoadedModel:
@@ -307,6 +334,8 @@ class ModelSummary:
     unnamed_nodes: int
     external_data: bool
     problems: list[str]
+    #: Findings that did not stop diag (see :attr:`LoadedModel.warnings`).
+    warnings: list[str] = field(default_factory=list)
 
 
 _QUANT_OP_TYPES = DYNAMIC_OPS | QOPERATOR_OPS | QDQ_OPS
@@ -334,12 +363,27 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
                 f"per-channel DequantizeLinear with 'axis' on opset {default_opset} (< 13): "
                 "onnxruntime refuses it; convert the FP32 model to opset >= 13 first"
             )
-    custom = sorted({o for o in opsets if o not in ("ai.onnx", "com.microsoft", "ai.onnx.ml")})
+    # Only domains that nodes use and onnxruntime has no kernels for need a library: exporters
+    # import domains they never use, and com.microsoft / ai.onnx.ml ship with onnxruntime.
+    used = {n.domain or "ai.onnx" for n in nodes}
+    custom = sorted(used - onnxruntime_domains())
     if custom:
-        problems.append(f"custom op domains {custom}: onnxruntime needs their library to run the model")
-    unnamed = sum(1 for n in proto.graph.node if not n.name)
+        custom_ops = sorted({n.op_type for n in nodes if (n.domain or "ai.onnx") in custom})
+        problems.append(
+            f"custom op domains {custom} (ops {', '.join(custom_ops)}): onnxruntime needs their library to run "
+            "the model"
+        )
+    # Unnamed nodes matter only where nodes_to_exclude would have to name them: quantizable ones.
+    # (Unnamed Constant, Shape, Reshape... nodes are common in exports and harmless.)
+    quantizable = _quantizable_op_types(m.format.kind)
+    unnamed_nodes = [n for n in proto.graph.node if not n.name and n.op_type in quantizable]
+    unnamed = len(unnamed_nodes)
     if unnamed:
-        problems.append(f"{unnamed} node(s) without a name: nodes_to_exclude cannot refer to them")
+        unnamed_ops = sorted({n.op_type for n in unnamed_nodes})
+        problems.append(
+            f"{unnamed} quantizable node(s) without a name ({', '.join(unnamed_ops)}): nodes_to_exclude cannot "
+            "refer to them"
+        )
     consts = sum(1 for n in proto.graph.node if n.op_type == "Constant")
     if m.format.kind == "fp32" and consts:
         problems.append(
@@ -369,4 +413,25 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
         unnamed_nodes=unnamed,
         external_data=m.has_external_data,
         problems=problems,
+        warnings=list(m.warnings),
     )
+
+
+def onnxruntime_domains() -> set[str]:
+    """Operator domains the installed onnxruntime has CPU kernels for (``ai.onnx`` for the default)."""
+    from onnxruntime.capi import _pybind_state as C
+
+    return {k.domain or "ai.onnx" for k in C.get_all_opkernel_def()}
+
+
+def _quantizable_op_types(kind: str) -> set[str]:
+    """Op types onnxruntime's quantizer quantizes by default for a model of format ``kind``.
+
+    Dynamic: IntegerOpsRegistry; QDQ / QOperator: QDQRegistry | QLinearOpsRegistry; an FP32 (or
+    mixed) model may go either way, so both.
+    """
+    from onnxruntime.quantization import registry
+
+    dynamic = set(registry.IntegerOpsRegistry)
+    static = set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry)
+    return dynamic if kind == "dynamic" else static if kind in ("qdq", "qoperator") else dynamic | static

@@ -28,6 +28,7 @@ from diag.errors import DiagError
 from diag.instrument import FusedKernel
 from diag.match import match_models
 from diag.metrics import ErrorAccumulator, OutputAccumulator, OutputSpec
+from diag.taskmetrics import attach_task_metrics, task_state_from_json, task_state_to_json
 
 #: Version of the ``shard.state`` layout; ``diag merge`` refuses others.
 STATE_VERSION = 1
@@ -131,7 +132,7 @@ def _distribution_from(d: dict[str, Any]) -> DistributionAccumulator:
     return acc
 
 
-def state_to_json(state: CompareState) -> dict[str, Any]:
+def state_to_json(state: CompareState, metric: str | None = None) -> dict[str, Any]:
     """The accumulators of ``state`` as a JSON-ready dict (no tensors: sums, maxima, bins).
 
     Example:
@@ -151,6 +152,8 @@ def state_to_json(state: CompareState) -> dict[str, Any]:
         "distributions": {k: _distribution_state(a) for k, a in state.distributions.items()},
         "deployed": {k: _output_state(a) for k, a in state.deployed.items()},
         "fused": [asdict(k) for k in state.fused],
+        # Task metrics (F1 counts, a --metric plugin's state() with its module:function).
+        "task": task_state_to_json(state.task, metric),
     }
 
 
@@ -172,6 +175,7 @@ def state_from_json(d: dict[str, Any]) -> CompareState:
         passes=int(d["passes"]),
         deployed={k: _output_from(v) for k, v in d["deployed"].items()},
         fused=[FusedKernel(**k) for k in d["fused"]],
+        task=task_state_from_json(d.get("task"))[0],
     )
 
 
@@ -194,7 +198,7 @@ def add_shard_state(doc: dict[str, Any], result: CompareResult) -> dict[str, Any
         "inputs": result.input_description,
         "outlier_factor": result.options.outlier_factor,
         "runtime_unmatched": dict(result.runtime_unmatched),
-        "state": state_to_json(result.state),
+        "state": state_to_json(result.state, result.options.metric),
     }
     doc["run"]["shard"] = f"{k}/{n}"
     doc["run"]["inputs"] = f"{result.input_description}, shard {k}/{n} (batches {k}, {k + n}, ...)"
@@ -259,6 +263,8 @@ def merge_shards(
     same("inputs", lambda d: d["shard"]["inputs"])
     same("opt_level", lambda d: d["run"]["opt_level"])
     same("local_error", lambda d: d["run"]["local_error"])
+    same("task metrics", lambda d: sorted(d["shard"]["state"].get("task") or {}))
+    same("--metric", lambda d: ((d["shard"]["state"].get("task") or {}).get("plugin") or {}).get("spec"))
     seen: dict[int, str] = {}
     for p, doc in docs:
         k = doc["shard"]["index"]
@@ -287,9 +293,14 @@ def merge_shards(
         local=bool(first["run"]["local_error"]),
         progress=False,
         outlier_factor=float(first["shard"]["outlier_factor"]),
+        metric=((first["shard"]["state"].get("task") or {}).get("plugin") or {}).get("spec"),
     )
     seconds = sum(float(doc["run"]["seconds"]) for _, doc in docs) + (time.perf_counter() - start)
-    return finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
+    result = finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
+    # The shards recorded the recipe the fix re-quantizes with; the models may have moved since.
+    result.fix_recipe = first.get("recommendation", {}).get("recipe")
+    attach_task_metrics(result, state, options.metric)
+    return result
 
 
 def merge_to_dir(

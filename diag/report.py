@@ -71,11 +71,16 @@ def document_from_result(result: Any) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "environment": result.environment,
         "models": {
-            "fp32": {"path": str(result.fp32.path), "format": result.fp32.format.kind},
+            "fp32": {
+                "path": str(result.fp32.path),
+                "format": result.fp32.format.kind,
+                "warnings": list(getattr(result.fp32, "warnings", [])),
+            },
             "int8": {
                 "path": str(result.int8.path),
                 "format": result.int8.format.kind,
                 "evidence": result.int8.format.evidence,
+                "warnings": list(getattr(result.int8, "warnings", [])),
             },
         },
         "run": {
@@ -107,6 +112,7 @@ def document_from_result(result: Any) -> dict[str, Any]:
                     "accuracy_fp32": _num(v.accuracy_fp32),
                     "accuracy_int8": _num(v.accuracy_int8),
                     "accuracy_drop": _num(v.accuracy_drop),
+                    **_f1_fields(result, v.name),
                     "error_path": [f.group.label for f in result.paths.get(v.name, [])],
                     "kind": v.per_sample.kind,
                     "kind_evidence": result.state.outputs[v.name].spec.evidence
@@ -129,10 +135,15 @@ def document_from_result(result: Any) -> dict[str, Any]:
                 for v in result.verdicts
             ],
         },
+        # F1 against --labels and --metric plugin values (see diag.taskmetrics).
+        "task_metrics": _task_metrics(result),
         "recommendation": {
             "nodes_to_exclude": exclude,
             "unnamed_nodes": unnamed,
             "verified": False,
+            # The settings the fix snippet re-quantizes with (given or inferred), so that
+            # `diag report` renders the same snippet without the models.
+            "recipe": getattr(result, "fix_recipe", None),
         },
         "matching": {
             "float_tensors": len(m.fp_float_tensors),
@@ -162,6 +173,21 @@ def document_from_result(result: Any) -> dict[str, Any]:
             if name in result.accumulated
         },
     }
+
+
+def _task_metrics(result: Any) -> dict[str, Any]:
+    from diag.taskmetrics import json_values
+
+    return json_values(getattr(result, "task_metrics", {}) or {})
+
+
+def _f1_fields(result: Any, output: str) -> dict[str, Any]:
+    """``f1_macro_*`` / ``f1_micro_*`` of the labelled output (None elsewhere: ``diag check`` skips those)."""
+    f1 = (getattr(result, "task_metrics", {}) or {}).get("f1")
+    keys = ("f1_macro_fp32", "f1_macro_int8", "f1_macro_drop", "f1_micro_fp32", "f1_micro_int8", "f1_micro_drop")
+    if not f1 or f1["output"] != output:
+        return dict.fromkeys(keys)
+    return {k: _num(f1["values"][k]) for k in keys}
 
 
 def _deployed(result: Any) -> dict[str, Any] | None:
@@ -576,6 +602,10 @@ class ReportView:
     effects_note: str = ""
     #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
     run_note: str = ""
+    #: Findings about the model files that did not stop diag (e.g. onnx.checker vs onnxruntime).
+    model_warnings: list[str] = field(default_factory=list)
+    #: One line per --metric plugin value.
+    task_lines: list[str] = field(default_factory=list)
 
 
 def _run_note(run: dict[str, Any]) -> str:
@@ -683,7 +713,13 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         victims=victims,
         nodes_to_exclude=rec["nodes_to_exclude"],
         unnamed_nodes=rec["unnamed_nodes"],
-        fix_command=fix_snippet(fmt, rec["nodes_to_exclude"]),
+        fix_command=fix_snippet(
+            fmt,
+            rec["nodes_to_exclude"],
+            rec.get("recipe"),
+            doc["models"]["fp32"]["path"],
+            doc["models"]["int8"]["path"],
+        ),
         nodes=rows,
         unmatched=sorted(m["unmatched_tensors"].items()),
         skipped_count=len(m["skipped_tensors"]),
@@ -737,6 +773,8 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         nonfinite=_nonfinite(nodes),
         error_paths=_error_paths(verdict["outputs"], nodes),
         neighbourhoods=_neighbourhoods(nodes, doc["thresholds"]["bad_sqnr_db"]) if with_plots else [],
+        model_warnings=[w for k in ("fp32", "int8") for w in doc["models"][k].get("warnings", [])],
+        task_lines=_task_lines(doc.get("task_metrics") or {}),
     )
 
 
@@ -944,10 +982,113 @@ def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
     return plots
 
 
-def fix_snippet(fmt: str, nodes: list[str]) -> str:
-    """Python that re-quantizes with plain onnxruntime, keeping ``nodes`` in float."""
+def fix_snippet(
+    fmt: str,
+    nodes: list[str],
+    recipe: dict[str, Any] | None = None,
+    fp32_path: str = "fp32.onnx",
+    int8_path: str = "int8.onnx",
+) -> str:
+    """Python that re-quantizes with plain onnxruntime, keeping ``nodes`` in float.
+
+    With ``recipe`` (``diag.json["recommendation"]["recipe"]``: the ``--recipe`` given, or the
+    settings :func:`diag.infer.fix_recipe` inferred from the INT8 model) every setting the INT8
+    model was made with is passed on, and the nodes it already kept in float stay excluded: the
+    fix changes the exclusions only. A comment says where the settings came from and what could
+    not be inferred. Without it (diag.json files written before the recipe was recorded) only the
+    format is known.
+
+    Example:
+        >>> r = {"source": "inferred", "settings": {"mode": "dynamic", "weight_type": "QUInt8"}, "unknown": {}}
+        >>> print(fix_snippet("dynamic", ["fc1"], r, "m.onnx", "m.int8.onnx"))
+        # Settings inferred by diag from the INT8 model (diag inspect INT8 --recipe).
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        <BLANKLINE>
+        quantize_dynamic(
+            "m.onnx",
+            "m.int8.fixed.onnx",
+            weight_type=QuantType.QUInt8,
+            nodes_to_exclude=["fc1"],
+        )
+    """
     if not nodes:
         return ""
+    if recipe is None:
+        return _plain_fix_snippet(fmt, nodes)
+    if recipe.get("settings") is None:
+        why = recipe.get("why") or "unknown reason"
+        return (
+            f"# The INT8 model's settings could not be inferred ({why}): onnxruntime's defaults below may\n"
+            "# differ from the settings that made it; pass the recipe with --recipe to get them.\n"
+            + _plain_fix_snippet(fmt, nodes)
+        )
+    settings = dict(recipe["settings"])
+    static = settings.get("mode") == "static"
+    excluded = list(dict.fromkeys([*settings.get("nodes_to_exclude", []), *nodes]))
+    settings["nodes_to_exclude"] = excluded
+    enums = {
+        "quant_format": "QuantFormat",
+        "activation_type": "QuantType",
+        "weight_type": "QuantType",
+        "calibrate_method": "CalibrationMethod",
+    }
+    args: list[str] = []
+    used: set[str] = set()
+    from diag.infer import SNIPPET_KEYS
+
+    for key in SNIPPET_KEYS:
+        if key not in settings or settings[key] is None:
+            continue
+        if not static and key in ("quant_format", "activation_type", "calibrate_method"):
+            continue
+        value = settings[key]
+        if key in enums:
+            used.add(enums[key])
+            args.append(f"    {key}={enums[key]}.{value},")
+        elif key == "extra_options" and not value:
+            continue
+        else:
+            args.append(f"    {key}={_py_literal(value)},")
+    unknown = [k for k in (recipe.get("unknown") or {}) if k != "calibration"]
+    if recipe.get("source") == "given":
+        head = "# Settings as given with --recipe"
+    else:
+        head = "# Settings inferred by diag from the INT8 model (diag inspect INT8 --recipe)"
+    lines = [head + (f"; not inferable: {', '.join(unknown)}." if unknown else ".")]
+    if settings.get("preprocess"):
+        lines.append(f"# The recipe runs quant_pre_process first: pass its output instead of {fp32_path!r}.")
+    if static:
+        lines.append(
+            "# calibration_reader is yours: a CalibrationDataReader over representative inputs (not in the model)."
+        )
+    fn = "quantize_static" if static else "quantize_dynamic"
+    names = sorted(used | {fn})
+    out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
+    lines.append(f"from onnxruntime.quantization import {', '.join(names)}")
+    lines += ["", f"{fn}(", f"    {json.dumps(fp32_path)},", f"    {json.dumps(out)},"]
+    if static:
+        lines.append("    calibration_reader,")
+    lines += [*args, ")"]
+    return "\n".join(lines)
+
+
+def _py_literal(value: Any) -> str:
+    """Python source for a JSON value (True/False/None, not true/false/null)."""
+    return repr(value) if not isinstance(value, (str, list, dict)) else _py_json(value)
+
+
+def _py_json(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_py_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_py_json(str(k))}: {_py_json(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
+    """The snippet for a diag.json without a recorded recipe: the format is all that is known."""
     listed = ", ".join(json.dumps(n) for n in nodes)
     if fmt == "dynamic":
         return (
@@ -960,6 +1101,28 @@ def fix_snippet(fmt: str, nodes: list[str]) -> str:
         f'quantize_static("fp32.onnx", "int8.onnx", calibration_reader,\n'
         f"                quant_format=QuantFormat.{qf}, nodes_to_exclude=[{listed}])"
     )
+
+
+def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
+    from diag.metrics import number_from_json
+    from diag.taskmetrics import task_lines
+
+    lines = []
+    f1 = task_metrics.get("f1")
+    if f1:
+        v = {k: number_from_json(x) for k, x in f1["values"].items()}
+        macro, micro = (
+            f"{fmt_pct(v[f'f1_{k}_fp32'])} → {fmt_pct(v[f'f1_{k}_int8'])} (drop {fmt_pct(v[f'f1_{k}_drop'])})"
+            for k in ("macro", "micro")
+        )
+        lines.append(
+            f"F1 of output {f1['output']} against --labels ({f1['samples']} samples): macro {macro}, micro {micro}"
+        )
+    plugin = task_metrics.get("plugin")
+    if plugin:
+        values = {k: number_from_json(v) for k, v in plugin["values"].items()}
+        lines += task_lines({"plugin": {**plugin, "values": values}})
+    return lines
 
 
 # ---------------------------------------------------------------- rendering

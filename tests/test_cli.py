@@ -142,7 +142,7 @@ def test_inspect_prints_format_and_problems(built, capsys, tmp_path):
     m.graph.node[0].name = ""
     onnx.save(m, tmp_path / "unnamed.onnx")
     code, out, _ = run_cli(["inspect", tmp_path / "unnamed.onnx"], capsys)
-    assert "1 node(s) without a name" in out
+    assert "1 quantizable node(s) without a name (Gather)" in out
 
 
 def test_report_rerenders_from_json_without_models(conv, tmp_path, capsys):

@@ -1,0 +1,444 @@
+"""Task metrics: F1 against labels, and metric plugins (``--metric module:function``).
+
+Output agreement (cosine, top-1 agreement) says how far the INT8 model is from FP32; users ship on
+*task* metrics: F1 drop against labels (the quantization guides grade it < 0.5 / 1.5 / 2 %), or
+their own (mAP, CER, BLEU...). Both are streaming and mergeable, like every accumulator in diag:
+
+* :class:`TaskMetric` is the protocol: ``update(fp32_outputs, int8_outputs, labels_or_None)`` once
+  per batch, ``merge(other)`` for shards, ``finalize() -> {name: value}``, and ``better``:
+  ``{name: "higher" | "lower"}`` for every value finalize returns. A plugin that also has
+  ``state() -> JSON-able`` and ``from_state(state) -> metric`` can be written into shard files.
+* :class:`F1Metric` is the built-in one (``--labels``): macro and micro F1 of FP32 and INT8 argmax
+  predictions of the first output, and their drops.
+* :func:`metric_factory` loads ``module:function`` the way ``--reader`` is loaded
+  (:func:`diag.feeds.feeds_from_reader`), and every failure is a ``bad-metric`` error naming the
+  plugin.
+
+NOTE: a plugin gets the *model outputs* of a batch, by output name, in float as the models wrote
+them (never the intermediate tensors): memory stays O(one batch) whatever the plugin keeps, as
+long as it keeps sums and counts, which the protocol's ``merge`` forces anyway.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from diag.errors import DiagError
+
+#: F1 drop bands (FP32 minus INT8, a fraction): the same as the accuracy-drop bands users grade by.
+F1_DROP_BAND = {"excellent": 0.005, "acceptable": 0.015, "reject_above": 0.02}
+DIRECTIONS = ("higher", "lower")
+
+
+@runtime_checkable
+class TaskMetric(Protocol):
+    """What ``--metric module:function`` must return: a streaming, mergeable task metric.
+
+    Attributes:
+        better: every name :meth:`finalize` returns -> ``"higher"`` or ``"lower"`` (which way is
+            better); ``diag exclude --target NAME>=V`` needs ``higher``, ``NAME<=V`` ``lower``.
+
+    Example:
+        >>> class MeanGap:
+        ...     better = {"gap": "lower"}
+        ...     def __init__(self): self.s, self.n = 0.0, 0
+        ...     def update(self, fp32, int8, labels):
+        ...         for k in fp32:
+        ...             self.s += float(np.abs(fp32[k] - int8[k]).sum()); self.n += fp32[k].size
+        ...     def merge(self, other): self.s += other.s; self.n += other.n; return self
+        ...     def finalize(self): return {"gap": self.s / max(self.n, 1)}
+        >>> isinstance(MeanGap(), TaskMetric)
+        True
+    """
+
+    better: Mapping[str, str]
+
+    def update(
+        self, fp32_outputs: dict[str, np.ndarray], int8_outputs: dict[str, np.ndarray], labels: np.ndarray | None
+    ) -> None: ...
+
+    def merge(self, other: Any) -> Any: ...
+
+    def finalize(self) -> dict[str, float]: ...
+
+
+# ---------------------------------------------------------------- built-in: F1 against labels
+
+
+class F1Metric:
+    """Macro and micro F1 of the FP32 and INT8 models' argmax on ``output`` against labels.
+
+    Per class c of the labels seen: F1_c = 2·TP / (2·TP + FP + FN). Macro-F1 is the mean over the
+    classes that occur in the labels (a class only ever predicted, never labelled, adds its false
+    positives to the labelled classes' counts only); micro-F1 pools TP / FP / FN over those classes.
+    Keeps three counts per class and model: O(classes) memory, merged by adding.
+
+    Example:
+        >>> m = F1Metric("logits")
+        >>> truth = np.array([0, 0, 1, 1])
+        >>> fp = np.eye(2)[[0, 0, 1, 1]]; q = np.eye(2)[[0, 1, 1, 1]]
+        >>> m.update({"logits": fp}, {"logits": q}, truth)
+        >>> {k: round(v, 4) for k, v in m.finalize().items() if k.startswith("f1_macro")}
+        {'f1_macro_fp32': 1.0, 'f1_macro_int8': 0.7333, 'f1_macro_drop': 0.2667}
+    """
+
+    better: ClassVar[dict[str, str]] = {
+        "f1_macro_fp32": "higher",
+        "f1_macro_int8": "higher",
+        "f1_macro_drop": "lower",
+        "f1_micro_fp32": "higher",
+        "f1_micro_int8": "higher",
+        "f1_micro_drop": "lower",
+    }
+
+    def __init__(self, output: str) -> None:
+        self.output = output
+        #: class -> [tp, fp, fn] for FP32 then INT8 (six counts).
+        self.counts: dict[int, list[int]] = {}
+        self.samples = 0
+
+    def update(
+        self, fp32_outputs: dict[str, np.ndarray], int8_outputs: dict[str, np.ndarray], labels: np.ndarray | None
+    ) -> None:
+        if labels is None:
+            raise DiagError("bad-option", "F1", "needs labels", "pass --labels labels.npy")
+        fp, q = fp32_outputs[self.output], int8_outputs[self.output]
+        if fp.ndim != 2 or fp.shape[0] != len(labels):
+            raise DiagError(
+                "bad-inputs",
+                "--labels",
+                f"needs the first model output to be [batch, classes], it is {fp.shape}",
+                "drop --labels for this model",
+            )
+        truth = np.asarray(labels).astype(np.int64)
+        for offset, pred in ((0, fp.argmax(axis=1)), (3, q.argmax(axis=1))):
+            for c in np.union1d(truth, pred).tolist():
+                row = self.counts.setdefault(int(c), [0] * 6)
+                row[offset] += int(((pred == c) & (truth == c)).sum())
+                row[offset + 1] += int(((pred == c) & (truth != c)).sum())
+                row[offset + 2] += int(((pred != c) & (truth == c)).sum())
+        self.samples += len(truth)
+
+    def merge(self, other: F1Metric) -> F1Metric:
+        for c, row in other.counts.items():
+            mine = self.counts.setdefault(c, [0] * 6)
+            for i, v in enumerate(row):
+                mine[i] += v
+        self.samples += other.samples
+        return self
+
+    def finalize(self) -> dict[str, float]:
+        labelled = [row for row in self.counts.values() if row[0] + row[2] > 0]  # TP + FN > 0: labelled
+        out: dict[str, float] = {}
+        for offset, model in ((0, "fp32"), (3, "int8")):
+            per_class = [_f1(r[offset], r[offset + 1], r[offset + 2]) for r in labelled]
+            out[f"f1_macro_{model}"] = float(np.mean(per_class)) if per_class else math.nan
+            tp, fp, fn = (sum(r[offset + i] for r in labelled) for i in range(3))
+            out[f"f1_micro_{model}"] = _f1(tp, fp, fn) if labelled else math.nan
+        out["f1_macro_drop"] = out["f1_macro_fp32"] - out["f1_macro_int8"]
+        out["f1_micro_drop"] = out["f1_micro_fp32"] - out["f1_micro_int8"]
+        return {k: out[k] for k in self.better}
+
+    def state(self) -> dict[str, Any]:
+        return {"output": self.output, "samples": self.samples, "counts": {str(c): r for c, r in self.counts.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> F1Metric:
+        m = cls(str(state["output"]))
+        m.samples = int(state["samples"])
+        m.counts = {int(c): [int(v) for v in r] for c, r in state["counts"].items()}
+        return m
+
+
+def _f1(tp: int, fp: int, fn: int) -> float:
+    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0
+
+
+def f1_drop_grade(drop: float) -> str:
+    """Grade an F1 drop (fraction) with :data:`F1_DROP_BAND`; NaN is a reject.
+
+    Example:
+        >>> f1_drop_grade(0.004), f1_drop_grade(0.012), f1_drop_grade(0.018), f1_drop_grade(0.03)
+        ('excellent', 'acceptable', 'marginal', 'reject')
+    """
+    if math.isnan(drop):
+        return "reject"
+    if drop < F1_DROP_BAND["excellent"]:
+        return "excellent"
+    if drop < F1_DROP_BAND["acceptable"]:
+        return "acceptable"
+    return "reject" if drop > F1_DROP_BAND["reject_above"] else "marginal"
+
+
+# ---------------------------------------------------------------- plugins
+
+
+def metric_factory(spec: str) -> Callable[[], TaskMetric]:
+    """Import ``module:function`` and return a factory of checked :class:`TaskMetric` objects.
+
+    ``function()`` is called once per measurement (one compare, one exclusion candidate), so each
+    starts from zero. Every failure is one ``bad-metric`` line naming the plugin.
+
+    Example:
+        >>> make = metric_factory("mymetrics:detection_map")  # doctest: +SKIP
+        >>> sorted(make().better)  # doctest: +SKIP
+        ['map50']
+        >>> metric_factory("nope")
+        Traceback (most recent call last):
+        ...
+        diag.errors.DiagError: --metric 'nope' | is not 'package.module:function'. Hint: e.g. --metric mymetrics:f1
+    """
+    obj = f"--metric {spec!r}"
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise DiagError("bad-metric", obj, "is not 'package.module:function'", "e.g. --metric mymetrics:f1")
+    try:
+        function = getattr(importlib.import_module(mod_name), attr)
+    except Exception as e:
+        raise DiagError(
+            "bad-metric",
+            obj,
+            f"cannot be imported ({type(e).__name__}: {e})",
+            "make the module importable (PYTHONPATH) and check the name",
+        ) from e
+    if not callable(function):
+        raise DiagError("bad-metric", obj, f"is a {type(function).__name__}, not a function", "name a factory function")
+
+    def make() -> TaskMetric:
+        try:
+            made = function()
+        except DiagError:
+            raise
+        except Exception as e:
+            raise DiagError("bad-metric", obj, f"raised {type(e).__name__}: {e}", "fix the factory") from e
+        return checked_metric(made, spec)
+
+    return make
+
+
+def checked_metric(made: Any, spec: str) -> TaskMetric:
+    """``made`` if it follows the :class:`TaskMetric` protocol, else a ``bad-metric`` error saying what lacks."""
+    obj = f"--metric {spec!r}"
+    missing = [m for m in ("update", "merge", "finalize") if not callable(getattr(made, m, None))]
+    if missing:
+        raise DiagError(
+            "bad-metric",
+            obj,
+            f"returned a {type(made).__name__} without {', '.join(m + '()' for m in missing)}",
+            "return an object with update(fp32_outputs, int8_outputs, labels), merge(other), finalize() and better",
+        )
+    better = getattr(made, "better", None)
+    if not isinstance(better, Mapping) or not better or any(v not in DIRECTIONS for v in better.values()):
+        raise DiagError(
+            "bad-metric",
+            obj,
+            f"returned a {type(made).__name__} whose 'better' is {better!r}",
+            "declare better = {'name': 'higher' or 'lower'} for every value finalize() returns",
+        )
+    return made  # type: ignore[no-any-return]
+
+
+def call_update(
+    metric: TaskMetric, spec: str, fp32: dict[str, np.ndarray], int8: dict[str, np.ndarray], labels: Any
+) -> None:
+    """``metric.update(...)``; an exception in the plugin is a ``bad-metric`` error naming it."""
+    try:
+        metric.update(fp32, int8, labels)
+    except DiagError:
+        raise
+    except Exception as e:
+        raise DiagError(
+            "bad-metric", f"--metric {spec!r}", f"raised {type(e).__name__} in update(): {e}", "fix the metric"
+        ) from e
+
+
+def finalized(metric: TaskMetric, spec: str) -> dict[str, float]:
+    """``metric.finalize()`` checked: a dict of numbers whose names ``better`` declares."""
+    obj = f"--metric {spec!r}"
+    try:
+        values = metric.finalize()
+    except DiagError:
+        raise
+    except Exception as e:
+        raise DiagError("bad-metric", obj, f"raised {type(e).__name__} in finalize(): {e}", "fix the metric") from e
+    if not isinstance(values, Mapping):
+        raise DiagError(
+            "bad-metric", obj, f"finalize() returned a {type(values).__name__}, not a dict", "return {name: number}"
+        )
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        if k not in metric.better:
+            raise DiagError(
+                "bad-metric", obj, f"finalize() returned '{k}', which 'better' does not declare", "declare it"
+            )
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError) as e:
+            raise DiagError("bad-metric", obj, f"finalize() returned {k}={v!r}, not a number", "return numbers") from e
+    return out
+
+
+def metric_state(metric: TaskMetric, spec: str) -> Any:
+    """The plugin's ``state()`` for a shard file; ``bad-option`` when it cannot be serialized.
+
+    Shard files are JSON that travel between machines: a plugin without ``state()`` /
+    ``from_state()`` cannot be merged later, so ``--shard`` with it is refused up front rather
+    than producing shards whose metric is lost.
+    """
+    if not callable(getattr(metric, "state", None)) or not callable(getattr(metric, "from_state", None)):
+        raise DiagError(
+            "bad-option",
+            f"--metric {spec!r} with --shard",
+            "the metric has no state() / from_state() pair, so its partial sums cannot be written into the shard file",
+            "add state() -> JSON-able and from_state(state) -> metric to the plugin, or run without --shard",
+        )
+    import json
+
+    try:
+        state = metric.state()  # type: ignore[attr-defined]
+        json.dumps(state)
+    except Exception as e:
+        raise DiagError(
+            "bad-metric",
+            f"--metric {spec!r}",
+            f"state() is not JSON-serializable ({type(e).__name__}: {e})",
+            "return plain dicts, lists and numbers",
+        ) from e
+    return state
+
+
+def metric_from_state(factory: Callable[[], TaskMetric], spec: str, state: Any) -> TaskMetric:
+    """Rebuild a plugin metric from a shard's state (``from_state``, on a fresh instance or its class)."""
+    fresh = factory()
+    restore = getattr(fresh, "from_state", None)
+    if not callable(restore):
+        raise DiagError("bad-metric", f"--metric {spec!r}", "has no from_state()", "add from_state(state) -> metric")
+    try:
+        return checked_metric(restore(state), spec)
+    except DiagError:
+        raise
+    except Exception as e:
+        raise DiagError(
+            "bad-metric", f"--metric {spec!r}", f"raised {type(e).__name__} in from_state(): {e}", "fix the metric"
+        ) from e
+
+
+# ---------------------------------------------------------------- compare / merge glue
+
+
+def start_task_metrics(first_output: str, labels: np.ndarray | None, spec: str | None, shard: bool) -> dict[str, Any]:
+    """The task metrics of one comparison: ``f1`` with labels, ``plugin`` with ``--metric``.
+
+    With ``shard`` a plugin must be serializable (see :func:`metric_state`): refused here, before
+    any model runs.
+    """
+    task: dict[str, Any] = {}
+    if labels is not None:
+        task["f1"] = F1Metric(first_output)
+    if spec:
+        task["plugin"] = metric_factory(spec)()
+        if shard:
+            metric_state(task["plugin"], spec)
+    return task
+
+
+def attach_task_metrics(result: Any, state: Any, spec: str | None) -> None:
+    """Finalize ``state.task`` into ``result.task_metrics`` and grade the F1 drop of the first output.
+
+    The F1 drop is graded with :data:`F1_DROP_BAND` and joins the first output's reasons; the
+    output's grade (and the model's) becomes the worse of the two. A plugin's values are reported
+    as they are: diag cannot know their bands.
+    """
+    from diag.analyze import GRADES, overall_grade
+
+    out: dict[str, Any] = {}
+    f1 = state.task.get("f1")
+    if f1 is not None and f1.samples:
+        values = f1.finalize()
+        grade = f1_drop_grade(values["f1_macro_drop"])
+        out["f1"] = {"output": f1.output, "samples": f1.samples, "values": values, "better": dict(f1.better)}
+        v = next((v for v in result.verdicts if v.name == f1.output), None)
+        if v is not None:
+            v.reasons.append(
+                f"macro-F1 {values['f1_macro_fp32']:.2%} -> {values['f1_macro_int8']:.2%}, drop "
+                f"{values['f1_macro_drop']:.2%} ({grade}); micro-F1 drop {values['f1_micro_drop']:.2%}"
+            )
+            v.grade = GRADES[max(GRADES.index(v.grade), GRADES.index(grade))]
+            result.grade = overall_grade(result.verdicts)
+    plugin = state.task.get("plugin")
+    if plugin is not None and spec:
+        out["plugin"] = {"spec": spec, "values": finalized(plugin, spec), "better": dict(plugin.better)}
+    result.task_metrics = out
+
+
+def task_lines(task_metrics: dict[str, Any]) -> list[str]:
+    """One line per plugin metric value, for the CLI, the report and the summary.
+
+    Example:
+        >>> task_lines({"plugin": {"spec": "m:f", "values": {"map": 0.5}, "better": {"map": "higher"}}})
+        ['metric m:f: map 0.5 (higher is better)']
+    """
+    p = task_metrics.get("plugin")
+    if not p:
+        return []
+    return [f"metric {p['spec']}: {k} {_show(v)} ({p['better'].get(k, '?')} is better)" for k, v in p["values"].items()]
+
+
+def _show(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def json_values(task_metrics: dict[str, Any]) -> dict[str, Any]:
+    """``task_metrics`` with non-finite numbers as the strings diag.json uses ("nan", "inf")."""
+    from diag.metrics import json_number
+
+    out: dict[str, Any] = {}
+    for key, entry in task_metrics.items():
+        out[key] = {**entry, "values": {k: json_number(v) for k, v in entry["values"].items()}}
+    return out
+
+
+def merge_task_metrics(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Merge ``theirs`` into ``mine`` in place with each metric's own ``merge`` (a plugin failing: ``bad-metric``)."""
+    for key, metric in theirs.items():
+        if key not in mine:
+            mine[key] = metric
+            continue
+        try:
+            merged = mine[key].merge(metric)
+        except DiagError:
+            raise
+        except Exception as e:
+            raise DiagError(
+                "bad-metric", f"--metric ({key})", f"raised {type(e).__name__} in merge(): {e}", "fix the metric"
+            ) from e
+        mine[key] = merged if merged is not None else mine[key]
+
+
+def task_state_to_json(task: dict[str, Any], spec: str | None) -> dict[str, Any]:
+    """The task metrics' mergeable state for a shard file (the plugin's via its ``state()``)."""
+    out: dict[str, Any] = {}
+    if "f1" in task:
+        out["f1"] = task["f1"].state()
+    if "plugin" in task and spec:
+        out["plugin"] = {"spec": spec, "state": metric_state(task["plugin"], spec)}
+    return out
+
+
+def task_state_from_json(d: dict[str, Any] | None) -> tuple[dict[str, Any], str | None]:
+    """Rebuild shard task metrics: ``(task, plugin spec or None)``; the plugin is imported again."""
+    task: dict[str, Any] = {}
+    spec = None
+    if not d:
+        return task, spec
+    if "f1" in d:
+        task["f1"] = F1Metric.from_state(d["f1"])
+    if "plugin" in d:
+        spec = str(d["plugin"]["spec"])
+        task["plugin"] = metric_from_state(metric_factory(spec), spec, d["plugin"]["state"])
+    return task, spec
