@@ -20,7 +20,7 @@ from diag.errors import DiagError
 
 
 def session_from_model(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | Path,
     role: str,
     opt_level: str = "disabled",
     threads: int | None = None,
@@ -37,6 +37,7 @@ def session_from_model(
     :func:`default_threads`); ``takes_turns=True`` for sessions
     that run one after the other (no spinning workers, no memory arena).
     ``optimized_path`` makes onnxruntime save the graph it really runs there (fused kernels).
+    ``model`` may be a path (a graph too large to pass as bytes, saved with external data).
 
     Example:
         >>> s = session_from_model(onnx.load("m.onnx"), "FP32 model", threads=2)  # doctest: +SKIP
@@ -70,7 +71,8 @@ def session_from_model(
     if external_data_dir is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
     try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        source = str(model) if isinstance(model, Path) else model.SerializeToString()
+        return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
     except Exception as e:
         raise DiagError(
             "invalid-model",

@@ -1,0 +1,561 @@
+"""The diagnostic graph: FP32, INT8 and cut models in one onnxruntime graph whose outputs are statistics.
+
+``diag compare --reductions graph`` (the default) builds, per pass, one ONNX graph holding the FP32
+model, the INT8 model and the cut (local-error) model, every name prefixed so they cannot collide
+(``f/``, ``q/``, ``c/``; the model inputs are shared). The cut model's inputs are wired to the FP32
+graph's tensors directly (through a QuantizeLinear with the model's own grid for integer cuts), so no
+tensor is copied between sessions. For every matched pair the graph computes, as ONNX nodes, the
+sums the accumulators need (:func:`diagnostic_graph`); one ``run()`` per batch returns those sums,
+a strided subsample of each tensor for its histograms and the model outputs, and
+:func:`stats_to_accumulators` feeds them to :meth:`ErrorAccumulator.update_from_sums` and
+:meth:`DistributionAccumulator.update_from_sums`. Cross-batch merging, shard files and the analysis
+are unchanged.
+
+NOTE: sums of squares and products are reduced in float64 (``Cast`` to DOUBLE first): onnxruntime's
+float32 ``ReduceSum`` over tens of millions of values drifts by more than the 0.01 dB diag promises.
+The error ``e = y - x`` itself is computed in float32, as the numpy reference does.
+
+NOTE: a batch whose sums are not finite (NaN / Inf in a tensor, or float32 overflow in the numpy
+reference) is not reduced here: :func:`stats_to_accumulators` returns those tensors and the caller
+reduces them with the numpy reference, so NaN handling is the reference's, exactly.
+
+Example:
+    >>> dg = diagnostic_graph(fp.proto, q.proto, cut, pairs, dists, ["logits"], ranks, opset)  # doctest: +SKIP
+    >>> sorted(dg.model.graph.output, key=lambda o: o.name)[0].name  # doctest: +SKIP
+    'diag/0/emax'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, DistributionAccumulator, channel_axis
+from diag.instrument import CutModel
+from diag.match import QuantParams, TensorPair
+from diag.metrics import ErrorAccumulator
+
+#: Name prefixes of the three models inside the diagnostic graph, and of diag's own nodes.
+FP_PREFIX, INT8_PREFIX, CUT_PREFIX, STAT_PREFIX = "f/", "q/", "c/", "diag/"
+#: A serialized graph above this many bytes is saved with external data and loaded from a path
+#: (protobuf refuses messages of 2 GiB and more).
+PROTOBUF_LIMIT = (2 << 30) - (64 << 20)
+#: Sums beyond this are where the float32 reference overflows: such a batch is reduced by it.
+_FLOAT32_SAFE = float(np.finfo(np.float32).max) / 4
+_INT64_MAX = np.iinfo(np.int64).max
+_INTEGER_GRIDS = {TensorProto.UINT8, TensorProto.INT8, TensorProto.UINT16, TensorProto.INT16}
+
+
+class Unsupported(Exception):
+    """This pass cannot be built as one diagnostic graph; the caller runs the numpy reference instead."""
+
+
+@dataclass
+class PairSpec:
+    """Where the statistics of one matched tensor sit among the graph's outputs."""
+
+    index: int
+    fp_name: str
+    #: Graph values of the FP32 tensor and of the (dequantized, float32) INT8 value compared with it.
+    x: str
+    y: str
+    dist: bool
+    axis: int | None
+    rank: int | None
+    clip: bool
+    dynamic_scale: str | None
+
+
+@dataclass
+class LocalSpec:
+    """Where the local-error sums of one tensor sit (the cut model's value vs the FP32 tensor)."""
+
+    index: int
+    fp_name: str
+    x: str
+    y: str
+
+
+@dataclass
+class DiagGraph:
+    """One pass's diagnostic graph and how to read its outputs."""
+
+    model: onnx.ModelProto
+    pairs: list[PairSpec]
+    local: list[LocalSpec]
+    #: Model output name -> (FP32 value, INT8 value) graph output names.
+    outputs: dict[str, tuple[str, str]]
+    #: Matched tensors reduced by the numpy reference (exposed as raw values), with the reason.
+    exposed: dict[str, str] = field(default_factory=dict)
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+class _Builder:
+    """Appends diag's statistic nodes, constants and outputs to the diagnostic graph."""
+
+    def __init__(self, graph: onnx.GraphProto, opset: int) -> None:
+        self.graph = graph
+        self.opset = opset
+        self.count = 0
+        self.consts: dict[tuple[Any, ...], str] = {}
+
+    def name(self, hint: str) -> str:
+        self.count += 1
+        return f"{STAT_PREFIX}{hint}#{self.count}"
+
+    def node(self, op: str, inputs: list[str], out: str | None = None, **attrs: Any) -> str:
+        out = out or self.name(op)
+        self.graph.node.append(helper.make_node(op, inputs, [out], name=out + ":node", **attrs))
+        return out
+
+    def const(self, value: Any, dtype: Any) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self.consts:
+            name = self.name("const")
+            self.graph.initializer.append(numpy_helper.from_array(arr, name))
+            self.consts[key] = name
+        return self.consts[key]
+
+    def reduce(self, op: str, x: str, axes: list[int] | None = None, out: str | None = None) -> str:
+        if axes is None:
+            return self.node(op, [x], out, keepdims=0)
+        if self.opset >= 18 or (op == "ReduceSum" and self.opset >= 13):
+            return self.node(op, [x, self.const(axes, np.int64)], out, keepdims=0)
+        return self.node(op, [x], out, keepdims=0, axes=axes)
+
+    def output(self, name: str) -> None:
+        self.graph.output.append(onnx.ValueInfoProto(name=name))
+
+
+def _rename_graph(graph: onnx.GraphProto, rename: Callable[[str], str], prefix: str) -> None:
+    """Rename every value (and prefix every node name) of ``graph`` and its subgraphs, in place."""
+    for node in graph.node:
+        if node.name:
+            node.name = prefix + node.name
+        for i, n in enumerate(node.input):
+            if n:
+                node.input[i] = rename(n)
+        for i, n in enumerate(node.output):
+            if n:
+                node.output[i] = rename(n)
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _rename_graph(attr.g, rename, prefix)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.graphs:
+                    _rename_graph(g, rename, prefix)
+    for seq in (graph.input, graph.output, graph.value_info):
+        for vi in seq:
+            vi.name = rename(vi.name)
+    for t in graph.initializer:
+        t.name = rename(t.name)
+
+
+def _copy_model_into(
+    dst: onnx.GraphProto, src: onnx.GraphProto, rename: Callable[[str], str], prefix: str, initializers: bool
+) -> None:
+    """Append ``src``'s nodes (and initializers, value infos) to ``dst``, renamed; never touches ``src``."""
+    tmp = onnx.GraphProto()
+    tmp.node.extend(src.node)
+    tmp.value_info.extend(src.value_info)
+    if initializers:
+        tmp.initializer.extend(src.initializer)
+    _rename_graph(tmp, rename, prefix)
+    dst.node.extend(tmp.node)
+    dst.value_info.extend(tmp.value_info)
+    dst.initializer.extend(tmp.initializer)
+
+
+def _check_supported(fp: onnx.ModelProto, q: onnx.ModelProto) -> int:
+    opset = default_opset(fp)
+    if default_opset(q) != opset:
+        raise Unsupported(f"the FP32 and INT8 models use different opsets ({opset} and {default_opset(q)})")
+    if opset < 10:
+        raise Unsupported(f"opset {opset} < 10 (no Slice with steps)")
+    for m in (fp, q):
+        if len(m.functions) or len(m.graph.sparse_initializer):
+            raise Unsupported("the model has local functions or sparse initializers")
+    for a in fp.opset_import:
+        for b in q.opset_import:
+            if a.domain == b.domain and a.domain not in ("", "ai.onnx") and a.version != b.version:
+                raise Unsupported(f"the models import domain '{a.domain}' at different versions")
+    return opset
+
+
+def diagnostic_graph(
+    fp: onnx.ModelProto,
+    q: onnx.ModelProto,
+    cut: CutModel | None,
+    pairs: dict[str, TensorPair],
+    distributions: dict[str, DistributionAccumulator],
+    output_names: list[str],
+    ranks: dict[str, int],
+    dtypes: dict[str, int],
+    q_dtypes: dict[str, int],
+) -> DiagGraph:
+    """Build the diagnostic graph of one pass: three models, statistics of ``pairs``, model outputs.
+
+    ``ranks`` / ``dtypes`` are the FP32 tensors' ranks and element types (shape inference with the
+    first batch's shapes), ``q_dtypes`` the INT8 model's. A pair whose rank is unknown while its
+    distribution is wanted is exposed raw and reduced by the numpy reference (listed in
+    ``DiagGraph.exposed``). Never modifies its arguments.
+
+    Raises:
+        Unsupported: the pass cannot be one graph (different opsets, local functions, ...).
+    """
+    opset = _check_supported(fp, q)
+    model = onnx.ModelProto()
+    model.ir_version = max(fp.ir_version, q.ir_version)
+    versions: dict[str, int] = {}
+    for m in (fp, q):
+        for o in m.opset_import:
+            versions[o.domain] = max(versions.get(o.domain, 0), o.version)
+    model.opset_import.extend(helper.make_opsetid(d, v) for d, v in versions.items())
+    model.producer_name = "diag"
+    graph = model.graph
+    graph.name = "diag_diagnostic_graph"
+    fp_inits = {t.name for t in fp.graph.initializer}
+    shared = [i for i in fp.graph.input if i.name not in fp_inits]
+    graph.input.extend(shared)
+    shared_names = {i.name for i in shared}
+
+    def f_name(n: str) -> str:
+        return n if n in shared_names else FP_PREFIX + n
+
+    def q_name(n: str) -> str:
+        return n if n in shared_names else INT8_PREFIX + n
+
+    _copy_model_into(graph, fp.graph, f_name, FP_PREFIX, True)
+    _copy_model_into(graph, q.graph, q_name, INT8_PREFIX, True)
+    b = _Builder(graph, opset)
+    if cut is not None:
+        q_inits = {t.name for t in q.graph.initializer}
+        wired: dict[str, str] = {}
+        for ci in cut.inputs:
+            src = f_name(ci.fp_name)
+            if ci.quant is None:
+                wired[ci.name] = src
+                continue
+            if ci.dtype not in _INTEGER_GRIDS or (ci.quant.axis is not None and opset < 13):
+                raise Unsupported(f"cut input '{ci.name}' has a grid QuantizeLinear cannot express here")
+            scale, zp, axis = _grid_constants(b, ci.quant, ci.dtype)
+            attrs = {"axis": axis} if axis is not None else {}
+            wired[ci.name] = b.node("QuantizeLinear", [src, scale, zp], CUT_PREFIX + ci.name, **attrs)
+
+        def c_name(n: str) -> str:
+            if n in wired:
+                return wired[n]
+            if n in q_inits:
+                return INT8_PREFIX + n  # NOTE: the cut model is the INT8 model: share its weights
+            return n if n in shared_names else CUT_PREFIX + n
+
+        # The cut model's initializers are the INT8 model's: not copied (a > 2 GB model stays one copy).
+        _copy_model_into(graph, cut.model.graph, c_name, CUT_PREFIX, False)
+
+    exposed: dict[str, str] = {}
+    specs: list[PairSpec] = []
+    local_specs: list[LocalSpec] = []
+    xs: dict[str, str] = {}
+    for k, (name, pair) in enumerate(pairs.items()):
+        dist = distributions.get(name)
+        rank = ranks.get(name)
+        axis = channel_axis(rank, dist.channel_hint) if (dist is not None and rank is not None) else None
+        x = _as_float32(b, f_name(name), dtypes.get(name), f"{k}/x")
+        xs[name] = x
+        y = _int8_value(b, q_name(pair.int8_name), pair.dequant, q_dtypes.get(pair.int8_name), opset, f"{k}/y")
+        if y is None or (dist is not None and rank is None):
+            why = "its rank is unknown before the run" if y is not None else "its grid needs a newer opset"
+            exposed[name] = f"exposed and reduced in numpy: {why}"
+            specs.append(PairSpec(k, name, x, y or "", False, None, None, False, None))
+            continue
+        grid_clip = dist is not None and dist.grid is not None
+        dyn = None
+        if pair.dynamic_scale:
+            dyn = b.node("Identity", [q_name(pair.dynamic_scale)], f"{STAT_PREFIX}{k}/dyn")
+            b.output(dyn)
+        spec = PairSpec(k, name, x, y, dist is not None, axis, rank, grid_clip, dyn)
+        _error_sums(b, x, y, f"{STAT_PREFIX}{k}/")
+        if dist is not None:
+            _distribution_stats(b, x, y, spec, dist, f"{STAT_PREFIX}{k}/")
+        specs.append(spec)
+    if cut is not None:
+        for lo in cut.outputs:
+            if lo.fp_name not in xs or lo.fp_name in exposed:
+                continue
+            k = len(specs) + len(local_specs)
+            dtype = pairs[lo.fp_name].cut_dtype if lo.dequant is not None else TensorProto.FLOAT
+            y = _int8_value(b, c_name(lo.name), lo.dequant, dtype, opset, f"{k}/ly")
+            if y is None:
+                exposed[lo.fp_name] = "reduced in numpy: its grid needs a newer opset"
+                continue
+            _error_sums(b, xs[lo.fp_name], y, f"{STAT_PREFIX}{k}/")
+            local_specs.append(LocalSpec(k, lo.fp_name, xs[lo.fp_name], y))
+    outputs: dict[str, tuple[str, str]] = {}
+    for name in output_names:
+        fo = b.node("Identity", [f_name(name)], f"{STAT_PREFIX}out/f/{name}")
+        qo = b.node("Identity", [q_name(name)], f"{STAT_PREFIX}out/q/{name}")
+        b.output(fo)
+        b.output(qo)
+        outputs[name] = (fo, qo)
+    return DiagGraph(model, specs, local_specs, outputs, exposed)
+
+
+def _grid_constants(b: _Builder, grid: QuantParams, dtype: int) -> tuple[str, str, int | None]:
+    """Scale and zero point initializers of a grid, the zero point in ``dtype`` (it sets the integer type)."""
+    np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+    scale = grid.scale.astype(np.float32)
+    zp = grid.zero_point.astype(np_dtype)
+    if scale.size == 1:
+        return b.const(scale.reshape(()), np.float32), b.const(zp.reshape(()), np_dtype), None
+    return b.const(scale.reshape(-1), np.float32), b.const(zp.reshape(-1), np_dtype), grid.axis
+
+
+def _as_float32(b: _Builder, name: str, dtype: int | None, hint: str) -> str:
+    if dtype == TensorProto.FLOAT:
+        return name
+    return b.node("Cast", [name], f"{STAT_PREFIX}{hint}", to=TensorProto.FLOAT)
+
+
+def _int8_value(
+    b: _Builder, name: str, dequant: QuantParams | None, dtype: int | None, opset: int, hint: str
+) -> str | None:
+    """The INT8 model's value as float32: dequantized with the pair's grid for QOperator integer tensors."""
+    if dequant is None:
+        return _as_float32(b, name, dtype, hint)
+    if dequant.scale.size > 1 and opset < 13:
+        return None
+    zp_dtype = dtype if dtype in _INTEGER_GRIDS else helper.np_dtype_to_tensor_dtype(dequant.zero_point.dtype)
+    scale, zp, axis = _grid_constants(b, dequant, zp_dtype)
+    attrs = {"axis": axis} if axis is not None else {}
+    return b.node("DequantizeLinear", [name, scale, zp], f"{STAT_PREFIX}{hint}", **attrs)
+
+
+def _error_sums(b: _Builder, x: str, y: str, p: str) -> None:
+    """n, sum x^2, sum x*e, sum e^2, sum |e| (float64) and max / min e of one pair."""
+    e = b.node("Sub", [y, x], p + "e")
+    xd = b.node("Cast", [x], p + "xd", to=TensorProto.DOUBLE)
+    ed = b.node("Cast", [e], p + "ed", to=TensorProto.DOUBLE)
+    for out, node in (
+        ("n", b.node("Size", [x], p + "n")),
+        ("xx", b.reduce("ReduceSumSquare", xd, out=p + "xx")),
+        ("ee", b.reduce("ReduceSumSquare", ed, out=p + "ee")),
+        ("xe", b.reduce("ReduceSum", b.node("Mul", [xd, ed], p + "xed"), out=p + "xe")),
+        ("ab", b.reduce("ReduceL1", ed, out=p + "ab")),
+        ("emax", b.reduce("ReduceMax", e, out=p + "emax")),
+        ("emin", b.reduce("ReduceMin", e, out=p + "emin")),
+        ("shx", b.node("Shape", [x], p + "shx")),
+        ("shy", b.node("Shape", [y], p + "shy")),
+    ):
+        assert node == p + out
+        b.output(node)
+
+
+def _strided_sample(b: _Builder, x: str, limit: int, out: str) -> str:
+    """The same elements as :func:`diag.distributions._sample`: ``flat[::stride]``, odd stride."""
+    flat = b.node("Reshape", [x, b.const([-1], np.int64)])
+    size = b.node("Size", [x])
+    s1 = b.node("Add", [b.node("Div", [size, b.const(limit, np.int64)]), b.const(1, np.int64)])
+    odd = b.node("Add", [s1, b.node("Sub", [b.const(1, np.int64), b.node("Mod", [s1, b.const(2, np.int64)])])])
+    stride = b.node("Where", [b.node("Greater", [size, b.const(limit, np.int64)]), odd, b.const(1, np.int64)])
+    steps = b.node("Reshape", [stride, b.const([1], np.int64)])
+    return b.node(
+        "Slice", [flat, b.const([0], np.int64), b.const([_INT64_MAX], np.int64), b.const([0], np.int64), steps], out
+    )
+
+
+def _distribution_stats(b: _Builder, x: str, y: str, spec: PairSpec, dist: DistributionAccumulator, p: str) -> None:
+    """Per-channel (or whole-tensor) min / max / sum, clip counts and the histogram subsamples."""
+    if spec.axis is not None and spec.rank is not None:
+        axes = [a for a in range(spec.rank) if a != spec.axis]
+        for stat, op in (("cmin", "ReduceMin"), ("cmax", "ReduceMax"), ("csum", "ReduceSum")):
+            b.output(b.reduce(op, x, axes, out=p + stat))
+    else:
+        b.output(b.reduce("ReduceMin", x, out=p + "min"))
+        b.output(b.reduce("ReduceMax", x, out=p + "max"))
+    if spec.clip:
+        assert dist.grid is not None
+        for stat, op, edge in (("clo", "Less", dist.grid.low), ("chi", "Greater", dist.grid.high)):
+            hit = b.node(op, [x, b.const(edge, np.float32)])
+            b.output(b.reduce("ReduceSum", b.node("Cast", [hit], to=TensorProto.INT64), out=p + stat))
+    b.output(_strided_sample(b, x, SAMPLE_MAX, p + "sample"))
+    b.output(_strided_sample(b, y, DISPLAY_SAMPLE_MAX, p + "sample8"))
+
+
+@dataclass
+class Flagged:
+    """Matched tensors of one batch that the numpy reference must reduce (non-finite sums)."""
+
+    accumulated: list[str] = field(default_factory=list)
+    local: list[str] = field(default_factory=list)
+
+
+def _sums_ok(out: dict[str, np.ndarray], p: str) -> bool:
+    for k in ("xx", "ee", "xe", "ab"):
+        v = float(out[p + k])
+        if not (abs(v) < _FLOAT32_SAFE):  # also False for NaN
+            return False
+    return True
+
+
+def stats_to_accumulators(
+    dg: DiagGraph,
+    out: dict[str, np.ndarray],
+    pairs: dict[str, TensorPair],
+    accumulated: dict[str, ErrorAccumulator],
+    local: dict[str, ErrorAccumulator],
+    distributions: dict[str, DistributionAccumulator],
+    runtime_unmatched: dict[str, str],
+) -> Flagged:
+    """Feed one batch's statistics to the accumulators; returns what the numpy reference must reduce.
+
+    Pairs whose FP32 and INT8 shapes differ at run time are dropped with a reason, as the numpy
+    reference does. A pair's accumulators see each batch once, in order (bit-identical merges).
+    """
+    flagged = Flagged()
+    dropped: set[str] = set()
+    for spec in dg.pairs:
+        name = spec.fp_name
+        if name in dg.exposed or name not in pairs:
+            continue
+        p = f"{STAT_PREFIX}{spec.index}/"
+        shx, shy = tuple(int(d) for d in out[p + "shx"]), tuple(int(d) for d in out[p + "shy"])
+        if shx != shy:
+            runtime_unmatched[name] = f"shape differs at run time: FP32 {shx}, INT8 '{pairs[name].int8_name}' {shy}"
+            pairs.pop(name, None)
+            accumulated.pop(name, None)
+            distributions.pop(name, None)
+            dropped.add(name)
+            continue
+        if not _sums_ok(out, p):
+            flagged.accumulated.append(name)
+            continue
+        pair = pairs[name]
+        dyn = float(np.max(out[spec.dynamic_scale])) if spec.dynamic_scale and out[spec.dynamic_scale].size else None
+        scale = pair.grid.per_tensor_scale if pair.grid is not None else dyn
+        acc = accumulated.setdefault(name, ErrorAccumulator())
+        _update_error(acc, out, p, scale)
+        dist = distributions.get(name)
+        if dist is not None and spec.dist:
+            n = int(out[p + "n"])
+            if spec.axis is not None:
+                channels = (out[p + "cmin"], out[p + "cmax"], out[p + "csum"])
+                lo, hi = (float(channels[0].min()), float(channels[1].max())) if n else (0.0, 0.0)
+            else:
+                channels = None
+                lo, hi = (float(out[p + "min"]), float(out[p + "max"])) if n else (0.0, 0.0)
+            dist.update_from_sums(
+                n,
+                spec.rank or 0,
+                lo,
+                hi,
+                channels,
+                out[p + "sample"],
+                out[p + "sample8"],
+                int(out[p + "clo"]) if spec.clip else 0,
+                int(out[p + "chi"]) if spec.clip else 0,
+                dyn if pair.dynamic_scale else None,
+            )
+    for ls in dg.local:
+        if ls.fp_name in dropped or ls.fp_name not in pairs:
+            continue
+        p = f"{STAT_PREFIX}{ls.index}/"
+        shx, shy = tuple(out[p + "shx"]), tuple(out[p + "shy"])
+        if shx != shy:
+            continue  # the numpy reference skips such a local value too
+        if not _sums_ok(out, p):
+            flagged.local.append(ls.fp_name)
+            continue
+        grid = pairs[ls.fp_name].grid
+        _update_error(local.setdefault(ls.fp_name, ErrorAccumulator()), out, p, grid.per_tensor_scale if grid else None)
+    return flagged
+
+
+def _update_error(acc: ErrorAccumulator, out: dict[str, np.ndarray], p: str, scale: float | None) -> None:
+    n = int(out[p + "n"])
+    if n == 0:
+        return
+    max_abs = max(float(out[p + "emax"]), -float(out[p + "emin"]))
+    acc.update_from_sums(
+        n, float(out[p + "xx"]), float(out[p + "xe"]), float(out[p + "ee"]), float(out[p + "ab"]), max_abs, scale
+    )
+
+
+def stat_to_model(name: str) -> tuple[str, str]:
+    """``('FP32' | 'INT8' | 'cut' | 'diag', original name)`` of a diagnostic-graph node or value name.
+
+    Example:
+        >>> stat_to_model("q/conv1_quant")
+        ('INT8', 'conv1_quant')
+    """
+    for prefix, role in ((FP_PREFIX, "FP32"), (INT8_PREFIX, "INT8"), (CUT_PREFIX, "cut"), (STAT_PREFIX, "diag")):
+        if name.startswith(prefix):
+            return role, name[len(prefix) :]
+    return "diag", name
+
+
+def ranks_and_types(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[dict[str, int], dict[str, int]]:
+    """Rank and element type of every top-level value of ``model`` for a batch shaped like ``feeds``.
+
+    Shape inference runs on a weight-free copy with the inputs pinned to the batch's shapes; a
+    value whose rank stays unknown is absent (its pair is then reduced by the numpy reference).
+    """
+    from diag.match import _structure_only
+
+    shell = _structure_only(model)
+    for vi in shell.graph.input:
+        if vi.name in feeds and vi.type.HasField("tensor_type"):
+            shape = vi.type.tensor_type.shape
+            shape.ClearField("dim")
+            for d in np.shape(feeds[vi.name]):
+                shape.dim.add().dim_value = int(d)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True)
+    except Exception:  # inference is a help: unknown ranks fall back to the numpy reference
+        inferred = shell
+    ranks: dict[str, int] = {}
+    types: dict[str, int] = {}
+    g = inferred.graph
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        if not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        if tt.elem_type:
+            types[vi.name] = tt.elem_type
+        if tt.HasField("shape"):
+            ranks[vi.name] = len(tt.shape.dim)
+    for k, v in feeds.items():
+        ranks[k] = np.ndim(v)
+    return ranks, types
+
+
+def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir: Any) -> Any:
+    """An exact-mode session on the diagnostic graph; drops the graph's proto once onnxruntime has it.
+
+    A graph whose serialized size would pass protobuf's 2 GiB limit (inline weights of two large
+    models) is saved with external data to a temporary folder and loaded from that path.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from diag.run import session_from_model
+
+    model, dg.model = dg.model, onnx.ModelProto()
+    if model.ByteSize() < PROTOBUF_LIMIT:
+        return session_from_model(model, role, "disabled", threads, external_data_dir, takes_turns=True)
+    if external_data_dir is not None:
+        raise Unsupported("the graph exceeds 2 GiB with inline weights next to external ones")
+    with tempfile.TemporaryDirectory(prefix="diag-graph-") as tmp:
+        path = Path(tmp) / "diagnostic.onnx"
+        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin")
+        del model
+        # NOTE: onnxruntime has read (or mapped) the weights once the session exists; the folder can go.
+        return session_from_model(path, role, "disabled", threads, None, takes_turns=True)
