@@ -152,6 +152,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         outlier_factor=args.outlier_factor,
         sensitivity=args.sensitivity,
         recipe=args.recipe,
+        reductions=args.reductions,
     )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
@@ -586,6 +587,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard",
         metavar="K/N",
         help="run batches K, K+N, K+2N, ... only and keep the mergeable state (combine with diag merge)",
+    )
+    p.add_argument(
+        "--reductions",
+        choices=["graph", "numpy"],
+        default="graph",
+        help="where per-tensor statistics are computed: 'graph' (default) inside onnxruntime, one diagnostic "
+        "graph per pass; 'numpy' exposes every tensor and reduces it in numpy (the reference)",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
     p.add_argument(

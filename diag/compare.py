@@ -83,7 +83,7 @@ class CompareOptions:
     #: Where per-tensor statistics are computed: ``"graph"`` inside onnxruntime (one diagnostic
     #: graph per pass, :mod:`diag.diagraph`) or ``"numpy"`` (every tensor exposed and reduced in
     #: numpy; the reference implementation).
-    reductions: str = "numpy"
+    reductions: str = "graph"
 
 
 @dataclass

@@ -159,3 +159,60 @@ def test_sqnr_of_ten_million_values_with_a_large_range_matches_float64_within_a_
     exact = 10 * math.log10(float(np.dot(x64.ravel(), x64.ravel())) / float(np.dot(e.ravel(), e.ravel())))
     assert abs(acc.finalize().sqnr_db - exact) < 0.01, (acc.finalize().sqnr_db, exact)
     assert acc.finalize().max_abs == float(np.abs(y - x).max())
+
+
+def test_a_graph_over_the_protobuf_limit_is_loaded_from_a_path_with_the_same_statistics(built, monkeypatch):
+    import diag.diagraph
+    import diag.run
+
+    saved: list[str] = []
+
+    original = diag.run.session_from_model
+
+    def spy(model, *args, **kwargs):
+        if not hasattr(model, "graph"):
+            saved.append(str(model))
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(diag.diagraph, "PROTOBUF_LIMIT", 1024)
+    monkeypatch.setattr(diag.run, "session_from_model", spy)
+    ref, got = _states(built("convnet"), "qoperator")
+    assert saved and saved[0].endswith("diagnostic.onnx")
+    assert_same_statistics(ref, got)
+
+
+@pytest.mark.parametrize("fmt", ("dynamic", "qdq"))
+def test_memory_budget_passes_and_shards_in_the_graph_match_the_numpy_reference(built, fmt):
+    ref, got = _states(built("convnet"), fmt, samples=16, batch=4, max_memory=200_000)
+    assert got.passes == ref.passes >= 3
+    assert_same_statistics(ref, got)
+    ref, got = _states(built("transformer"), fmt, samples=16, batch=4, shard=(1, 3))
+    assert got.batches == 1
+    assert_same_statistics(ref, got)
+
+
+def test_optimized_level_keeps_its_deployed_runs_next_to_the_graph(built):
+    ref, got = _states(built("transformer"), "qdq", opt_level="all")
+    assert got.deployed.keys() == ref.deployed.keys() == {"logits"}
+    assert vars(got.deployed["logits"]) == vars(ref.deployed["logits"])
+    assert got.fused == ref.fused and got.fused
+    assert_same_statistics(ref, got)
+
+
+def test_cli_reductions_flag_selects_the_path(built, tmp_path, monkeypatch):
+    import diag.compare
+    from diag.cli import main
+
+    seen: list[str] = []
+    real = diag.compare.run_comparison
+
+    def spy(fp, q, matching, feeds, options):
+        seen.append(options.reductions)
+        return real(fp, q, matching, feeds, options)
+
+    monkeypatch.setattr(diag.compare, "run_comparison", spy)
+    b = built("transformer")
+    args = ["compare", str(b.fp32), str(b.int8["dynamic"]), "--inputs", str(b.inputs_path), "--samples", "8", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert main([*args, "--reductions", "numpy", "--out", str(tmp_path / "b")]) == 0
+    assert seen == ["graph", "numpy"]
