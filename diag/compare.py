@@ -526,9 +526,9 @@ def _run_graph_pass(
             raise diagraph.Unsupported("the two models keep external data in different folders")
         from diag.match import _value_dtypes
 
-        ranks, dtypes = diagraph.ranks_and_types(fp.proto, sample.feeds)
+        shapes, dtypes = diagraph.shapes_and_types(fp.proto, sample.feeds)
         dg = diagraph.diagnostic_graph(
-            fp.proto, q.proto, cut, mine, state.distributions, output_names, ranks, dtypes, _value_dtypes(q.proto)
+            fp.proto, q.proto, cut, mine, state.distributions, output_names, shapes, dtypes, _value_dtypes(q.proto)
         )
         sess = diagraph.session_from_graph(dg, f"diagnostic graph of '{q.path}'", threads, ext_fp or ext_q)
     except (diagraph.Unsupported, DiagError) as e:

@@ -198,13 +198,13 @@ def diagnostic_graph(
     pairs: dict[str, TensorPair],
     distributions: dict[str, DistributionAccumulator],
     output_names: list[str],
-    ranks: dict[str, int],
+    shapes: dict[str, tuple[int | None, ...]],
     dtypes: dict[str, int],
     q_dtypes: dict[str, int],
 ) -> DiagGraph:
     """Build the diagnostic graph of one pass: three models, statistics of ``pairs``, model outputs.
 
-    ``ranks`` / ``dtypes`` are the FP32 tensors' ranks and element types (shape inference with the
+    ``shapes`` / ``dtypes`` are the FP32 tensors' shapes and element types (shape inference with the
     first batch's shapes), ``q_dtypes`` the INT8 model's. A pair whose rank is unknown while its
     distribution is wanted is exposed raw and reduced by the numpy reference (listed in
     ``DiagGraph.exposed``). Never modifies its arguments.
@@ -267,7 +267,8 @@ def diagnostic_graph(
     xs: dict[str, str] = {}
     for k, (name, pair) in enumerate(pairs.items()):
         dist = distributions.get(name)
-        rank = ranks.get(name)
+        shape = shapes.get(name)
+        rank = len(shape) if shape is not None else None
         axis = channel_axis(rank, dist.channel_hint) if (dist is not None and rank is not None) else None
         x = _as_float32(b, f_name(name), dtypes.get(name), f"{k}/x")
         xs[name] = x
@@ -283,9 +284,9 @@ def diagnostic_graph(
             dyn = b.node("Identity", [q_name(pair.dynamic_scale)], f"{STAT_PREFIX}{k}/dyn")
             b.output(dyn)
         spec = PairSpec(k, name, x, y, dist is not None, axis, rank, grid_clip, dyn)
-        _error_sums(b, x, y, f"{STAT_PREFIX}{k}/")
+        _error_sums(b, x, y, f"{STAT_PREFIX}{k}/", shape)
         if dist is not None:
-            _distribution_stats(b, x, y, spec, dist, f"{STAT_PREFIX}{k}/")
+            _distribution_stats(b, x, y, spec, dist, f"{STAT_PREFIX}{k}/", shape)
         specs.append(spec)
     if cut is not None:
         for lo in cut.outputs:
@@ -297,7 +298,7 @@ def diagnostic_graph(
             if y is None:
                 exposed[lo.fp_name] = "reduced in numpy: its grid needs a newer opset"
                 continue
-            _error_sums(b, xs[lo.fp_name], y, f"{STAT_PREFIX}{k}/")
+            _error_sums(b, xs[lo.fp_name], y, f"{STAT_PREFIX}{k}/", shapes.get(lo.fp_name))
             local_specs.append(LocalSpec(k, lo.fp_name, xs[lo.fp_name], y))
     outputs: dict[str, tuple[str, str]] = {}
     for name in output_names:
@@ -339,19 +340,65 @@ def _int8_value(
     return b.node("DequantizeLinear", [name, scale, zp], f"{STAT_PREFIX}{hint}", **attrs)
 
 
-def _error_sums(b: _Builder, x: str, y: str, p: str) -> None:
-    """n, sum x^2, sum x*e, sum e^2, sum |e| (float64) and max / min e of one pair."""
+#: Float32 partial sums cover at most this many values (relative error ~1e-7 at most), and at
+#: least ``_ROW_MIN`` when the shape allows (fewer, larger partials leave the session).
+_ROW_MAX, _ROW_MIN = 1 << 16, 1 << 8
+#: More partials than this are summed in float64 inside the graph instead of leaving it.
+_PARTIALS_MAX = 4096
+
+
+def _row_axes(shape: tuple[int | None, ...] | None) -> tuple[list[int], int | None] | None:
+    """Trailing axes whose block holds ``_ROW_MIN`` to ``_ROW_MAX`` values, and how many blocks there are.
+
+    NOTE: onnxruntime reduces a trailing block of axes on its fast contiguous path; a float32 sum
+    over at most 2^16 values is exact to ~1e-7, and the partials are summed in float64 (numpy, or
+    the graph when there are many). None when the shape is unknown or the last axis alone is too
+    long: the graph then casts to float64 before reducing (slower, as exact).
+    """
+    if shape is None or not shape:
+        return None
+    axes: list[int] = []
+    block = 1
+    for a in range(len(shape) - 1, -1, -1):
+        d = shape[a]
+        if d is None or block >= _ROW_MIN or block * d > _ROW_MAX:
+            break
+        block *= d
+        axes.insert(0, a)
+    if not axes:
+        return None
+    rows = 1
+    for d in shape[: axes[0]]:
+        rows = rows * d if (d is not None and rows is not None) else None
+    return axes, rows
+
+
+def _partial(b: _Builder, op: str, x: str, rows: tuple[list[int], int | None] | None, out: str) -> str:
+    """``op`` over ``x`` as float32 partials per block (finished in float64), or whole in float64."""
+    if rows is None:
+        if op in ("ReduceMax", "ReduceMin"):
+            return b.reduce(op, x, out=out)
+        return b.reduce(op, b.node("Cast", [x], to=TensorProto.DOUBLE), out=out)
+    axes, count = rows
+    if count is not None and count <= _PARTIALS_MAX:
+        return b.reduce(op, x, axes, out=out)
+    part = b.reduce(op, x, axes)
+    if op in ("ReduceMax", "ReduceMin"):
+        return b.reduce(op, part, out=out)
+    return b.reduce("ReduceSum", b.node("Cast", [part], to=TensorProto.DOUBLE), out=out)
+
+
+def _error_sums(b: _Builder, x: str, y: str, p: str, shape: tuple[int | None, ...] | None) -> None:
+    """Sum x^2, x*e, e^2, |e| (float32 partials or float64) and max / min e of one pair, and both shapes."""
+    rows = _row_axes(shape)
     e = b.node("Sub", [y, x], p + "e")
-    xd = b.node("Cast", [x], p + "xd", to=TensorProto.DOUBLE)
-    ed = b.node("Cast", [e], p + "ed", to=TensorProto.DOUBLE)
     for out, node in (
-        ("n", b.node("Size", [x], p + "n")),
-        ("xx", b.reduce("ReduceSumSquare", xd, out=p + "xx")),
-        ("ee", b.reduce("ReduceSumSquare", ed, out=p + "ee")),
-        ("xe", b.reduce("ReduceSum", b.node("Mul", [xd, ed], p + "xed"), out=p + "xe")),
-        ("ab", b.reduce("ReduceL1", ed, out=p + "ab")),
-        ("emax", b.reduce("ReduceMax", e, out=p + "emax")),
-        ("emin", b.reduce("ReduceMin", e, out=p + "emin")),
+        ("xx", _partial(b, "ReduceSumSquare", x, rows, p + "xx")),
+        ("ee", _partial(b, "ReduceSumSquare", e, rows, p + "ee")),
+        ("xe", _partial(b, "ReduceSum", b.node("Mul", [x, e], p + "xed"), rows, p + "xe")),
+        ("ab", _partial(b, "ReduceL1", e, rows, p + "ab")),
+        ("emax", _partial(b, "ReduceMax", e, rows, p + "emax")),
+        ("emin", _partial(b, "ReduceMin", e, rows, p + "emin")),
         ("shx", b.node("Shape", [x], p + "shx")),
         ("shy", b.node("Shape", [y], p + "shy")),
     ):
@@ -372,22 +419,77 @@ def _strided_sample(b: _Builder, x: str, limit: int, out: str) -> str:
     )
 
 
-def _distribution_stats(b: _Builder, x: str, y: str, spec: PairSpec, dist: DistributionAccumulator, p: str) -> None:
-    """Per-channel (or whole-tensor) min / max / sum, clip counts and the histogram subsamples."""
+def _distribution_stats(
+    b: _Builder,
+    x: str,
+    y: str,
+    spec: PairSpec,
+    dist: DistributionAccumulator,
+    p: str,
+    shape: tuple[int | None, ...] | None,
+) -> None:
+    """Per-channel (or whole-tensor) min / max / sum, clip counts and the histogram subsamples.
+
+    Channel statistics reduce the axes after the channel axis in onnxruntime (a contiguous block)
+    and leave ``[before..., C]`` partials, which numpy finishes (sums in float64).
+    """
     if spec.axis is not None and spec.rank is not None:
-        axes = [a for a in range(spec.rank) if a != spec.axis]
+        after = list(range(spec.axis + 1, spec.rank))
+        axes = after or list(range(spec.axis))
         for stat, op in (("cmin", "ReduceMin"), ("cmax", "ReduceMax"), ("csum", "ReduceSum")):
             b.output(b.reduce(op, x, axes, out=p + stat))
+        lo = b.reduce("ReduceMin", p + "cmin")
+        hi = b.reduce("ReduceMax", p + "cmax")
     else:
-        b.output(b.reduce("ReduceMin", x, out=p + "min"))
-        b.output(b.reduce("ReduceMax", x, out=p + "max"))
+        rows = _row_axes(shape)
+        lo = _partial(b, "ReduceMin", x, rows, p + "min")
+        hi = _partial(b, "ReduceMax", x, rows, p + "max")
+        b.output(lo)
+        b.output(hi)
+        lo, hi = b.reduce("ReduceMin", lo), b.reduce("ReduceMax", hi)
     if spec.clip:
         assert dist.grid is not None
-        for stat, op, edge in (("clo", "Less", dist.grid.low), ("chi", "Greater", dist.grid.high)):
-            hit = b.node(op, [x, b.const(edge, np.float32)])
-            b.output(b.reduce("ReduceSum", b.node("Cast", [hit], to=TensorProto.INT64), out=p + stat))
+        for stat, op, edge, extreme in (("clo", "Less", dist.grid.low, lo), ("chi", "Greater", dist.grid.high, hi)):
+            # NOTE: counted only when the batch leaves the grid (an If), as the numpy reference does.
+            edge_name = b.const(edge, np.float32)
+            leaves = b.node(op, [extreme, edge_name])
+            b.output(
+                b.node(
+                    "If",
+                    [leaves],
+                    p + stat,
+                    then_branch=_count_branch(b, x, op, edge_name, shape),
+                    else_branch=_zero_branch(b),
+                )
+            )
     b.output(_strided_sample(b, x, SAMPLE_MAX, p + "sample"))
     b.output(_strided_sample(b, y, DISPLAY_SAMPLE_MAX, p + "sample8"))
+
+
+def _count_branch(b: _Builder, x: str, op: str, edge: str, shape: tuple[int | None, ...] | None) -> onnx.GraphProto:
+    """If-branch: how many values of outer-scope ``x`` are beyond ``edge`` (a float64 scalar)."""
+    g = onnx.GraphProto(name=b.name("count"))
+    sub = _Builder(g, b.opset)
+    sub.count = b.count  # names stay unique across the whole graph, branches included
+    hit = sub.node("Cast", [sub.node(op, [x, edge])], to=TensorProto.FLOAT)
+    rows = _row_axes(shape)
+    if rows is None:
+        total = sub.reduce("ReduceSum", sub.node("Cast", [hit], to=TensorProto.DOUBLE))
+    else:
+        total = sub.reduce(
+            "ReduceSum", sub.node("Cast", [sub.reduce("ReduceSum", hit, rows[0])], to=TensorProto.DOUBLE)
+        )
+    b.count = sub.count
+    g.output.append(helper.make_tensor_value_info(total, TensorProto.DOUBLE, []))
+    return g
+
+
+def _zero_branch(b: _Builder) -> onnx.GraphProto:
+    g = onnx.GraphProto(name=b.name("none"))
+    zero = b.name("zero")
+    g.node.append(helper.make_node("Constant", [], [zero], value=numpy_helper.from_array(np.array(0.0))))
+    g.output.append(helper.make_tensor_value_info(zero, TensorProto.DOUBLE, []))
+    return g
 
 
 @dataclass
@@ -398,9 +500,13 @@ class Flagged:
     local: list[str] = field(default_factory=list)
 
 
+def _total(a: np.ndarray) -> float:
+    return float(np.sum(a, dtype=np.float64))
+
+
 def _sums_ok(out: dict[str, np.ndarray], p: str) -> bool:
     for k in ("xx", "ee", "xe", "ab"):
-        v = float(out[p + k])
+        v = _total(out[p + k])
         if not (abs(v) < _FLOAT32_SAFE):  # also False for NaN
             return False
     return True
@@ -445,13 +551,19 @@ def stats_to_accumulators(
         _update_error(acc, out, p, scale)
         dist = distributions.get(name)
         if dist is not None and spec.dist:
-            n = int(out[p + "n"])
+            n = int(np.prod(shx, dtype=np.int64))
             if spec.axis is not None:
-                channels = (out[p + "cmin"], out[p + "cmax"], out[p + "csum"])
-                lo, hi = (float(channels[0].min()), float(channels[1].max())) if n else (0.0, 0.0)
+                c = shx[spec.axis]
+                cmin, cmax = out[p + "cmin"].reshape(-1, c), out[p + "cmax"].reshape(-1, c)
+                channels = (
+                    cmin.min(axis=0),
+                    cmax.max(axis=0),
+                    out[p + "csum"].reshape(-1, c).sum(axis=0, dtype=np.float64),
+                )
+                lo, hi = (float(cmin.min()), float(cmax.max())) if n else (0.0, 0.0)
             else:
                 channels = None
-                lo, hi = (float(out[p + "min"]), float(out[p + "max"])) if n else (0.0, 0.0)
+                lo, hi = (float(np.min(out[p + "min"])), float(np.max(out[p + "max"]))) if n else (0.0, 0.0)
             dist.update_from_sums(
                 n,
                 spec.rank or 0,
@@ -480,13 +592,11 @@ def stats_to_accumulators(
 
 
 def _update_error(acc: ErrorAccumulator, out: dict[str, np.ndarray], p: str, scale: float | None) -> None:
-    n = int(out[p + "n"])
+    n = int(np.prod(out[p + "shx"], dtype=np.int64))
     if n == 0:
         return
-    max_abs = max(float(out[p + "emax"]), -float(out[p + "emin"]))
-    acc.update_from_sums(
-        n, float(out[p + "xx"]), float(out[p + "xe"]), float(out[p + "ee"]), float(out[p + "ab"]), max_abs, scale
-    )
+    max_abs = max(float(np.max(out[p + "emax"])), -float(np.min(out[p + "emin"])))
+    acc.update_from_sums(n, *(_total(out[p + k]) for k in ("xx", "xe", "ee", "ab")), max_abs, scale)
 
 
 def stat_to_model(name: str) -> tuple[str, str]:
@@ -502,8 +612,10 @@ def stat_to_model(name: str) -> tuple[str, str]:
     return "diag", name
 
 
-def ranks_and_types(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[dict[str, int], dict[str, int]]:
-    """Rank and element type of every top-level value of ``model`` for a batch shaped like ``feeds``.
+def shapes_and_types(
+    model: onnx.ModelProto, feeds: dict[str, np.ndarray]
+) -> tuple[dict[str, tuple[int | None, ...]], dict[str, int]]:
+    """Shape (None for unknown dims) and element type of every top-level value of ``model`` for ``feeds``.
 
     Shape inference runs on a weight-free copy with the inputs pinned to the batch's shapes; a
     value whose rank stays unknown is absent (its pair is then reduced by the numpy reference).
@@ -521,7 +633,7 @@ def ranks_and_types(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tup
         inferred = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True)
     except Exception:  # inference is a help: unknown ranks fall back to the numpy reference
         inferred = shell
-    ranks: dict[str, int] = {}
+    shapes: dict[str, tuple[int | None, ...]] = {}
     types: dict[str, int] = {}
     g = inferred.graph
     for vi in list(g.input) + list(g.value_info) + list(g.output):
@@ -531,10 +643,10 @@ def ranks_and_types(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tup
         if tt.elem_type:
             types[vi.name] = tt.elem_type
         if tt.HasField("shape"):
-            ranks[vi.name] = len(tt.shape.dim)
+            shapes[vi.name] = tuple(int(d.dim_value) if d.HasField("dim_value") else None for d in tt.shape.dim)
     for k, v in feeds.items():
-        ranks[k] = np.ndim(v)
-    return ranks, types
+        shapes[k] = tuple(int(d) for d in np.shape(v))
+    return shapes, types
 
 
 def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir: Any) -> Any:
