@@ -27,6 +27,7 @@ def session_from_model(
     external_data_dir: Path | None = None,
     optimized_path: Path | None = None,
     takes_turns: bool = False,
+    arena: bool = False,
 ) -> Any:
     """An ``InferenceSession`` on the CPU for ``model``.
 
@@ -35,7 +36,7 @@ def session_from_model(
     memory without copying the weights: ``model`` holds only the references, onnxruntime reads the
     files from that folder. ``threads`` sets intra-op threads (default: onnxruntime's; ``diag compare`` passes
     :func:`default_threads`); ``takes_turns=True`` for sessions
-    that run one after the other (no spinning workers, no memory arena).
+    that run one after the other (no spinning workers, no memory arena unless ``arena``).
     ``optimized_path`` makes onnxruntime save the graph it really runs there (fused kernels).
     ``model`` may be a path (a graph too large to pass as bytes, saved with external data).
 
@@ -65,7 +66,10 @@ def session_from_model(
         # tensor of a batch) reserved for good, three times over. Without the arena a run's buffers
         # go back to the system: measured on PP-OCRv4 det 320x320, peak RSS 898 -> 686 MB.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.enable_cpu_mem_arena = False
+        # NOTE: ``arena=True`` keeps it for a session whose intermediate tensors are freed inside
+        # the run (the diagnostic graph): its peak is one run's working set, and reusing arena
+        # blocks for thousands of small statistic tensors halves that session's run time.
+        so.enable_cpu_mem_arena = arena
     if optimized_path is not None:
         so.optimized_model_filepath = str(optimized_path)
     if external_data_dir is not None:
