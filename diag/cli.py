@@ -159,6 +159,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         effects=args.effects,
         effect_samples=args.effect_samples,
         metric=args.metric,
+        reductions=args.reductions,
     )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
@@ -621,6 +622,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard",
         metavar="K/N",
         help="run batches K, K+N, K+2N, ... only and keep the mergeable state (combine with diag merge)",
+    )
+    p.add_argument(
+        "--reductions",
+        choices=["graph", "numpy"],
+        default="graph",
+        help="where per-tensor statistics are computed: 'graph' (default) inside onnxruntime, one diagnostic "
+        "graph per pass; 'numpy' exposes every tensor and reduces it in numpy (the reference)",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
     p.add_argument(

@@ -89,6 +89,10 @@ class CompareOptions:
     effect_samples: int = DEFAULT_SAMPLES
     #: ``module:function`` of a task-metric plugin (:mod:`diag.taskmetrics`), reported with the outputs.
     metric: str | None = None
+    #: Where per-tensor statistics are computed: ``"graph"`` inside onnxruntime (one diagnostic
+    #: graph per pass, :mod:`diag.diagraph`) or ``"numpy"`` (every tensor exposed and reduced in
+    #: numpy; the reference implementation).
+    reductions: str = "graph"
 
 
 @dataclass
@@ -110,6 +114,9 @@ class CompareState:
     fused: list[FusedKernel] = field(default_factory=list)
     #: Task metrics (:mod:`diag.taskmetrics`): ``f1`` with --labels, ``plugin`` with --metric.
     task: dict[str, Any] = field(default_factory=dict)
+    #: With ``reductions="graph"``: what was reduced by the numpy reference instead, and why
+    #: (a tensor name, or ``"pass N"`` for a whole pass). Not part of the shard state.
+    numpy_reduced: dict[str, str] = field(default_factory=dict)
 
     def merge(self, other: CompareState) -> CompareState:
         for mine, theirs in ((self.accumulated, other.accumulated), (self.local, other.local)):
@@ -133,6 +140,8 @@ class CompareState:
         from diag.taskmetrics import merge_task_metrics
 
         merge_task_metrics(self.task, other.task)
+        for k, why in other.numpy_reduced.items():
+            self.numpy_reduced.setdefault(k, why)
         return self
 
 
@@ -367,7 +376,8 @@ def run_comparison(
             part = cut if cut is None or len(groups) == 1 else pruned_cut(cut, group)
             if part is not None and not part.outputs:
                 part = None  # e.g. a pass of model inputs only: nothing to recompute locally
-            _run_pass(
+            run_pass = _run_graph_pass if options.reductions == "graph" else _run_pass
+            run_pass(
                 fp,
                 q,
                 pairs,
@@ -529,6 +539,203 @@ def _run_pass(
         reductions.wait()
     finally:
         reductions.close()
+
+
+def _run_graph_pass(
+    fp: LoadedModel,
+    q: LoadedModel,
+    pairs: dict[str, TensorPair],
+    group: list[str],
+    first: bool,
+    cut: CutModel | None,
+    feeds: FeedSource,
+    options: CompareOptions,
+    state: CompareState,
+    runtime_unmatched: dict[str, str],
+    labels: np.ndarray | None,
+    progress: Progress,
+    deployed: tuple[Any, Any] | None = None,
+) -> None:
+    """One pass with every statistic computed inside onnxruntime (:mod:`diag.diagraph`).
+
+    One session runs the FP32, INT8 and cut models and the statistics together; a batch returns
+    only sums, per-channel arrays, histogram subsamples and the model outputs. Falls back to
+    :func:`_run_pass` (the numpy reference) for the whole pass when the graph cannot be built or
+    fails on its first batch (then the reference reports the model's own error), and per tensor
+    and batch when a sum is not finite (NaN / Inf handled exactly as the reference does).
+    """
+    from diag import diagraph
+
+    args = (fp, q, pairs, group, first, cut, feeds, options, state, runtime_unmatched, labels, progress, deployed)
+    mine = {name: pairs[name] for name in group if name in pairs}
+    output_names = [o.name for o in fp.graph.output] if first else []
+    threads = options.threads or default_threads()
+    ext_fp = fp.path.resolve().parent if fp.has_external_data else None
+    ext_q = q.path.resolve().parent if q.has_external_data else None
+    sample = next(iter(feeds), None)
+    if sample is None:
+        return
+    pass_key = f"pass from '{group[0]}'" if group else "pass"
+    try:
+        if ext_fp is not None and ext_q is not None and ext_fp != ext_q:
+            raise diagraph.Unsupported("the two models keep external data in different folders")
+        from diag.match import _value_dtypes
+
+        shapes, dtypes = diagraph.shapes_and_types(fp.proto, sample.feeds)
+        parted = frozenset(n for n, acc in state.outputs.items() if acc.spec.parts)
+        dg = diagraph.diagnostic_graph(
+            fp.proto,
+            q.proto,
+            cut,
+            mine,
+            state.distributions,
+            output_names,
+            shapes,
+            dtypes,
+            _value_dtypes(q.proto),
+            parted,
+        )
+        sess = diagraph.session_from_graph(dg, f"diagnostic graph of '{q.path}'", threads, ext_fp or ext_q)
+    except (diagraph.Unsupported, DiagError) as e:
+        state.numpy_reduced[pass_key] = f"whole pass reduced in numpy: {e}"
+        _run_pass(*args)
+        return
+    state.numpy_reduced.update(dg.exposed)
+    names = [o.name for o in sess.get_outputs()]
+    references: dict[frozenset[str], _ReferenceSessions] = {}
+    exposed = [s.fp_name for s in dg.pairs if s.fp_name in dg.exposed]
+    processed = 0
+    offset = 0
+    for index, batch in enumerate(feeds):
+        if options.shard is not None and index % options.shard[1] != options.shard[0]:
+            offset += batch.size
+            progress.advance(batch.size)
+            continue
+        try:
+            out = dict(zip(names, sess.run(names, batch.feeds), strict=True))
+        except Exception as e:
+            if processed == 0:
+                state.numpy_reduced[pass_key] = f"whole pass reduced in numpy: {str(e).splitlines()[0][:200]}"
+                del sess
+                _run_pass(*args)
+                return
+            raise _graph_failure(e, fp, q) from e
+        processed += 1
+        flagged = diagraph.stats_to_accumulators(
+            dg, out, mine, state.accumulated, state.local, state.distributions, runtime_unmatched
+        )
+        for name in list(pairs):
+            if name in runtime_unmatched and name not in mine:
+                pairs.pop(name, None)
+        acc_ref = [n for n in flagged.accumulated + exposed if n in mine]
+        loc_ref = [n for n in flagged.local + exposed if n in mine]
+        if acc_ref or loc_ref:
+            key = frozenset(acc_ref + loc_ref)
+            if key not in references:
+                references[key] = _ReferenceSessions(fp, q, {n: mine[n] for n in key}, cut, threads)
+            references[key].reduce(batch.feeds, acc_ref, loc_ref, state)
+        for name in output_names:
+            f_out, q_out = (out[n] for n in dg.outputs[name])
+            state.outputs.setdefault(name, OutputAccumulator()).update(f_out, q_out, name)
+            if name in dg.local_outputs:
+                state.outputs[name].update_local(f_out, out[dg.local_outputs[name]])
+        if state.task and first:
+            fp_vals = {n: out[dg.outputs[n][0]] for n in output_names}
+            q_vals = {n: out[dg.outputs[n][1]] for n in output_names}
+            _update_task(state, options, output_names, fp_vals, q_vals, labels, offset, batch.size)
+        if deployed is not None:
+            dep_fp = run_batch(deployed[0], batch.feeds, f"FP32 model '{fp.path.name}' ({options.opt_level})")
+            dep_q = run_batch(deployed[1], batch.feeds, f"INT8 model '{q.path.name}' ({options.opt_level})")
+            for name in output_names:
+                state.deployed.setdefault(name, OutputAccumulator()).update(dep_fp[name], dep_q[name])
+            del dep_fp, dep_q
+        if labels is not None and first:
+            f_out, q_out = (out[n] for n in dg.outputs[output_names[0]])
+            _count_correct(state, labels, f_out, q_out, batch.size, offset)
+        del out
+        if first:
+            state.samples += batch.size
+            state.batches += 1
+        offset += batch.size
+        progress.advance(batch.size)
+
+
+def _graph_failure(e: Exception, fp: LoadedModel, q: LoadedModel) -> DiagError:
+    """A one-line DiagError naming the model and node (prefix stripped) where the diagnostic graph failed."""
+    import re
+
+    from diag.diagraph import stat_to_model
+
+    text = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+    node = re.search(r"Name:\s*'([^']*)'", str(e)) or re.search(r"[Nn]ode(?: \(|:\s*)?'([^'\s)]+)", str(e))
+    role, where = "diagnostic graph", ""
+    if node:
+        model, name = stat_to_model(node.group(1))
+        role = {"FP32": f"FP32 model '{fp.path.name}'", "INT8": f"INT8 model '{q.path.name}'"}.get(
+            model, f"cut INT8 model of '{q.path.name}'" if model == "cut" else "diagnostic graph"
+        )
+        where = f" at node '{name}'"
+    return DiagError(
+        "runtime-failure",
+        role,
+        f"onnxruntime failed{where}: {text}",
+        "check the inputs' shapes and values; run with --debug for the full error",
+    )
+
+
+class _ReferenceSessions:
+    """The numpy reference for the few tensors a diagnostic graph cannot reduce (built on first need)."""
+
+    def __init__(
+        self, fp: LoadedModel, q: LoadedModel, mine: dict[str, TensorPair], cut: CutModel | None, threads: int
+    ) -> None:
+        self.fp, self.q, self.mine, self.cut = fp, q, mine, cut
+        ext_fp = fp.path.resolve().parent if fp.has_external_data else None
+        ext_q = q.path.resolve().parent if q.has_external_data else None
+        cut = pruned_cut(cut, list(mine)) if cut is not None else None
+        self.cut = cut if cut is not None and cut.outputs else None
+        fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (self.cut.inputs if self.cut else [])]))
+        int8_names = list(
+            dict.fromkeys(
+                [p.int8_name for p in mine.values()] + [p.dynamic_scale for p in mine.values() if p.dynamic_scale]
+            )
+        )
+        self.fp_sess = session_from_model(
+            exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", "disabled", threads, ext_fp, takes_turns=True
+        )
+        self.q_sess = session_from_model(
+            exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", "disabled", threads, ext_q, takes_turns=True
+        )
+        self.cut_sess = (
+            session_from_model(
+                self.cut.model, f"cut INT8 model of '{q.path}'", "disabled", threads, ext_q, takes_turns=True
+            )
+            if self.cut is not None
+            else None
+        )
+
+    def reduce(
+        self, feeds: dict[str, np.ndarray], accumulated: list[str], local: list[str], state: CompareState
+    ) -> None:
+        """Reduce this batch's ``accumulated`` / ``local`` tensors exactly as :func:`_run_pass` does."""
+        fp_out = run_batch(self.fp_sess, feeds, f"FP32 model '{self.fp.path.name}'")
+        q_out = run_batch(self.q_sess, feeds, f"INT8 model '{self.q.path.name}'")
+        subset = {n: self.mine[n] for n in accumulated if n in self.mine}
+        for job in _accumulated_jobs(subset, dict(subset), fp_out, q_out, state, {}):
+            _reduce(*job)
+        del q_out
+        if local and self.cut is not None and self.cut_sess is not None:
+            cut_inputs = {i.name for i in self.cut_sess.get_inputs()}
+            cut_feeds = {k: v for k, v in feeds.items() if k in cut_inputs}
+            for ci in self.cut.inputs:
+                v = fp_out[ci.fp_name]
+                if ci.quant is not None:
+                    v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
+                cut_feeds[ci.name] = v
+            local_out = run_batch(self.cut_sess, cut_feeds, f"cut INT8 model of '{self.q.path.name}'")
+            wanted = {n: self.mine[n] for n in local if n in self.mine}
+            for job in _local_jobs(self.cut, wanted, fp_out, local_out, state):
+                _reduce(*job)
 
 
 def _accumulated_jobs(

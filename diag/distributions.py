@@ -326,6 +326,53 @@ class DistributionAccumulator:
         if dynamic_scale is not None and math.isfinite(dynamic_scale) and dynamic_scale > 0:
             self.dyn_scales.append(float(dynamic_scale))
 
+    def update_from_sums(
+        self,
+        size: int,
+        rank: int,
+        lo: float,
+        hi: float,
+        channels: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+        sample: np.ndarray,
+        display_sample: np.ndarray,
+        clipped_low: int,
+        clipped_high: int,
+        dynamic_scale: float | None = None,
+    ) -> None:
+        """Add one batch given as its statistics (computed inside onnxruntime by :mod:`diag.diagraph`).
+
+        ``channels``: per-channel min / max / sum over every axis but :func:`channel_axis`'s;
+        ``sample`` / ``display_sample``: the strided subsamples :func:`_sample` takes of the FP32
+        and INT8 values; ``clipped_*``: values beyond the grid. Same state as :meth:`update` on a
+        batch of finite values (histograms bit-identical), so ``merge`` and shard files are unchanged.
+        """
+        if size == 0:
+            return
+        if self.rank is None:
+            self.rank = rank
+            self.axis = channel_axis(rank, self.channel_hint)
+        stats = None
+        if channels is not None and self.axis is not None and self.channel_consistent and rank == self.rank:
+            c = channels[1].size
+            if self.ch_max is not None and self.ch_max.size != c:
+                self.channel_consistent = False
+                self.ch_min = self.ch_max = self.ch_sum = None
+            else:
+                stats = tuple(np.asarray(a, dtype=np.float64).reshape(-1) for a in channels)
+        self.fp_min = min(self.fp_min, lo)
+        self.fp_max = max(self.fp_max, hi)
+        self.count += size
+        if stats is not None:
+            self._add_channels(*stats, size)
+        self.fp.update(sample, max(abs(lo), abs(hi)))
+        self.int8.update(display_sample)
+        if self.grid is not None and lo < self.grid.low:
+            self.clipped_low += clipped_low
+        if self.grid is not None and hi > self.grid.high:
+            self.clipped_high += clipped_high
+        if dynamic_scale is not None and math.isfinite(dynamic_scale) and dynamic_scale > 0:
+            self.dyn_scales.append(float(dynamic_scale))
+
     def _channel_stats(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Per-channel min, max and sum of one batch (None when channels are not tracked)."""
         if self.axis is None or not self.channel_consistent or x.ndim != self.rank:

@@ -896,7 +896,6 @@ def derive_exclusions(
     if time_budget is not None and not time_budget > 0:
         raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
     deadline = start + time_budget if time_budget is not None else None
-    tgt = parse_target(target) if isinstance(target, str) else target
     plugin = None
     if metric:
         from diag.taskmetrics import metric_factory

@@ -153,6 +153,33 @@ class ErrorAccumulator:
             self.n_scaled += x.size
             self.s_ee_scaled += s_ee / (scale * scale)
 
+    def update_from_sums(
+        self, n: int, s_xx: float, s_xe: float, s_ee: float, s_abs_e: float, max_abs: float, scale: float | None = None
+    ) -> None:
+        """Add one batch given as its sums (computed elsewhere, e.g. inside onnxruntime, in float64).
+
+        Same effect as :meth:`update` on a batch of ``n`` finite values with those sums: the state,
+        and so ``merge`` and shard files, are unchanged. Non-finite batches go through :meth:`update`.
+
+        Example:
+            >>> acc = ErrorAccumulator()
+            >>> acc.update_from_sums(2, 5.0, 1.0, 0.25, 0.5, 0.5)
+            >>> acc.finalize().max_abs
+            0.5
+        """
+        if n == 0:
+            return
+        self.n += n
+        self.s_xx += s_xx
+        self.s_yy += s_xx + 2.0 * s_xe + s_ee
+        self.s_xy += s_xx + s_xe
+        self.s_ee += s_ee
+        self.s_abs_e += s_abs_e
+        self.max_abs = max(self.max_abs, max_abs)
+        if scale is not None and scale > 0 and math.isfinite(scale):
+            self.n_scaled += n
+            self.s_ee_scaled += s_ee / (scale * scale)
+
     def merge(self, other: ErrorAccumulator) -> ErrorAccumulator:
         """Combine with another shard in place; returns self. Every sum adds; ``max_abs`` maxes."""
         for name in self.__slots__:

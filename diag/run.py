@@ -20,13 +20,14 @@ from diag.errors import DiagError
 
 
 def session_from_model(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | Path,
     role: str,
     opt_level: str = "disabled",
     threads: int | None = None,
     external_data_dir: Path | None = None,
     optimized_path: Path | None = None,
     takes_turns: bool = False,
+    arena: bool = False,
 ) -> Any:
     """An ``InferenceSession`` on the CPU for ``model``.
 
@@ -35,8 +36,9 @@ def session_from_model(
     memory without copying the weights: ``model`` holds only the references, onnxruntime reads the
     files from that folder. ``threads`` sets intra-op threads (default: onnxruntime's; ``diag compare`` passes
     :func:`default_threads`); ``takes_turns=True`` for sessions
-    that run one after the other (no spinning workers, no memory arena).
+    that run one after the other (no spinning workers, no memory arena unless ``arena``).
     ``optimized_path`` makes onnxruntime save the graph it really runs there (fused kernels).
+    ``model`` may be a path (a graph too large to pass as bytes, saved with external data).
 
     Example:
         >>> s = session_from_model(onnx.load("m.onnx"), "FP32 model", threads=2)  # doctest: +SKIP
@@ -64,13 +66,17 @@ def session_from_model(
         # tensor of a batch) reserved for good, three times over. Without the arena a run's buffers
         # go back to the system: measured on PP-OCRv4 det 320x320, peak RSS 898 -> 686 MB.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.enable_cpu_mem_arena = False
+        # NOTE: ``arena=True`` keeps it for a session whose intermediate tensors are freed inside
+        # the run (the diagnostic graph): its peak is one run's working set, and reusing arena
+        # blocks for thousands of small statistic tensors halves that session's run time.
+        so.enable_cpu_mem_arena = arena
     if optimized_path is not None:
         so.optimized_model_filepath = str(optimized_path)
     if external_data_dir is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(external_data_dir))
     try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        source = str(model) if isinstance(model, Path) else model.SerializeToString()
+        return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
     except Exception as e:
         raise DiagError(
             "invalid-model",

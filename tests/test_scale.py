@@ -330,7 +330,8 @@ print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrs
                   "local": {k: s.sqnr_db for k, s in r.local.items()},
                   "matched": len(r.accumulated), "samples": r.samples,
                   "weights": len(r.weights.findings) if r.weights else 0,
-                  "cosine_min": r.verdicts[0].per_sample.cosine_min}))
+                  "cosine_min": r.verdicts[0].per_sample.cosine_min,
+                  "numpy_reduced": r.state.numpy_reduced}))
 """
 
 
@@ -361,6 +362,8 @@ def test_model_over_2gb_with_external_data_is_compared_without_copying_its_weigh
         assert big["samples"] == 16 and big["matched"] == twin["matched"] >= 4 * _LAYERS
         assert big["accumulated"] == twin["accumulated"] and big["local"] == twin["local"]
         assert big["weights"] == _LAYERS  # the quantized weights were read from their external file
+        # Every statistic was computed inside onnxruntime, in one diagnostic graph (the default).
+        assert big["numpy_reduced"] == {} == twin["numpy_reduced"]
         assert 20 < big["accumulated"]["mm3"] < 60 and big["cosine_min"] > 0.99
         # Not copied: three sessions over 2.25 GiB of tables stay below the size of one table.
         assert big["maxrss_kb"] * 1024 < _ROWS * 64 * 4, big["maxrss_kb"]
