@@ -26,6 +26,9 @@ Metrics (all computed over every element of every sample, FP32 x vs INT8 y, e = 
   max abs       max |e|
   rmse/scale    sqrt(mean e^2) / quantization step; pure rounding noise is 0.289
   top-1 agr.    share of rows (last axis = classes) whose argmax agrees
+With --labels (first output, [batch, classes], argmax vs label; classes = those in the labels):
+  macro-F1      mean over classes of 2TP / (2TP + FP + FN); the drop is FP32 minus INT8
+  micro-F1      2TP / (2TP + FP + FN) with TP, FP, FN summed over classes (= accuracy here)
 """
 
 
