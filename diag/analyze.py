@@ -226,7 +226,7 @@ def grade_output(
 
     logits: top-1 agreement and max abs error (logits bands); probabilities: top-1 agreement and
     min per-sample cosine; probability maps: mask IoU and cosine; embeddings: cosine; boxes and
-    regression: cosine and max abs error relative to the output's largest magnitude; a detector
+    regression: cosine (boxes also max abs error relative to the output's largest magnitude); a detector
     (Concat of parts): each part by its own kind. Any sample with NaN/Inf rejects the output.
     Outputs of unknown kind keep the old rule (agreement when class-like, else cosine).
     """
@@ -270,8 +270,12 @@ def grade_output(
         c = per_sample.cosine_min
         add(c, "cosine_min", f"min per-sample cosine {c:.5f}")
         r = per_sample.rel_max_abs
-        if r is not None:
+        if r is not None and kind == "boxes":
             add(r, "rel_max_abs", f"max abs error {per_sample.max_abs:.3g} = {r:.2%} of the largest |value|")
+        elif r is not None:
+            # NOTE: "regression" is also the kind of outputs diag cannot place: only the cosine is
+            # graded; the relative error is shown, not banded (--output-kind NAME=boxes grades it).
+            grades.append((0, f"max abs error {per_sample.max_abs:.3g} = {r:.2%} of the largest |value|"))
     else:
         c = per_sample.cosine_min
         add(c, "cosine_min", f"min per-sample cosine {c:.5f}")

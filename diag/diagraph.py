@@ -610,8 +610,8 @@ def stats_to_accumulators(
         acc = accumulated.setdefault(name, ErrorAccumulator())
         _update_error(acc, out, p, p + "xx", scale)
         dist = distributions.get(name)
-        if dist is not None and spec.dist:
-            n = int(np.prod(shx, dtype=np.int64))
+        n = int(np.prod(shx, dtype=np.int64))
+        if dist is not None and spec.dist and n > 0:  # the numpy reference skips empty tensors too
             if spec.axis is not None:
                 c = shx[spec.axis]
                 cmin, cmax = out[p + "cmin"].reshape(-1, c), out[p + "cmax"].reshape(-1, c)

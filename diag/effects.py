@@ -532,4 +532,8 @@ def spread_sentence(quantized: list[NodeFinding], check: EffectCheck | None) -> 
         tail = "; worst local SQNR: " + ", ".join(
             f"{f.group.label} ({f.local.sqnr_db:.1f} dB)" for f in worst if f.local
         )
-    return f"no single root cause: error accumulates over {len(quantized)} quantized nodes{tail}"
+    return (
+        f"no single root cause: error accumulates over {len(quantized)} quantized nodes{tail}. What fits spread "
+        "error: per_channel=True, static calibration instead of dynamic, 16-bit activations (QDQ), or an "
+        "exclusion search (diag exclude)"
+    )

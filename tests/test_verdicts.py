@@ -125,3 +125,19 @@ def test_float_region_model_equals_real_exclusion(tmp_path: Path) -> None:
     got = ort.InferenceSession(region.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
     real = ort.InferenceSession(str(tmp_path / "x.onnx"), providers=["CPUExecutionProvider"]).run(None, x)[0]
     np.testing.assert_allclose(got, real, rtol=1e-5, atol=1e-5)
+
+
+def test_exclusion_for_a_score_target_keeps_exactly_the_concat(tmp_path: Path) -> None:
+    """The held-out cosine includes every Concat part: the destroyed scores decide the search."""
+    from diag.exclude import derive_exclusions
+    from diag.recipe import Recipe
+
+    fx = build("detector")
+    onnx.save(fx.model, tmp_path / "fp.onnx")
+    np.savez(tmp_path / "in.npz", **fx.make_inputs(32, 1))
+    recipe = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8")
+    feeds = FeedSpec(inputs=str(tmp_path / "in.npz"), batch=8)
+    r = derive_exclusions(tmp_path / "fp.onnx", recipe, feeds, "cosine>=0.99", bench_runs=0, progress=False)
+    assert r.before.cosine < 0.9  # the score part, not the whole output (whose cosine is > 0.99)
+    assert r.reachable and r.nodes_to_exclude == ["head/Concat"]
+    assert r.after is not None and r.after.cosine >= 0.99
