@@ -321,11 +321,16 @@ def _build_big_pair(folder: Path) -> tuple[Path, Path, Path, Path]:
 
 
 _COMPARE_SCRIPT = """
-import json, resource, sys
+import json, sys
+def _peak_kb():
+    # VmHWM: this process's own peak RSS. ru_maxrss would also count the forking parent's RSS
+    # (Linux keeps it across fork + exec), i.e. whatever the test runner held at that moment.
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
 from diag.compare import CompareOptions, compare_models
 from diag.feeds import FeedSpec
 r = compare_models(sys.argv[1], sys.argv[2], FeedSpec(inputs=sys.argv[3], batch=4), CompareOptions(progress=False))
-print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+print(json.dumps({"maxrss_kb": _peak_kb(),
                   "accumulated": {k: s.sqnr_db for k, s in r.accumulated.items()},
                   "local": {k: s.sqnr_db for k, s in r.local.items()},
                   "matched": len(r.accumulated), "samples": r.samples,

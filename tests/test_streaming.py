@@ -87,7 +87,12 @@ def test_merge_of_two_half_runs_equals_one_full_run(built, fmt):
 
 
 _MEMORY_SCRIPT = """
-import json, resource, sys
+import json, sys
+def _peak_kb():
+    # VmHWM: this process's own peak RSS. ru_maxrss would also count the forking parent's RSS
+    # (Linux keeps it across fork + exec), i.e. whatever the test runner held at that moment.
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
 import numpy as np, onnx
 from pathlib import Path
 from diag.compare import CompareOptions, compare_models
@@ -102,7 +107,7 @@ if not fp.exists():
     np.savez(folder / "big.npz", **fx.make_inputs(32, 2))
 compare_models(fp, folder / "big.qdq.onnx", FeedSpec(inputs=str(folder / "big.npz"), samples=samples),
                CompareOptions(progress=False))
-print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+print(json.dumps({"maxrss_kb": _peak_kb()}))
 """
 
 

@@ -33,7 +33,12 @@ import time
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
+def _peak_kb():
+    # VmHWM: this process's own peak RSS. ru_maxrss would also count the forking parent's RSS
+    # (Linux keeps it across fork + exec), i.e. whatever the test runner held at that moment.
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
 from pathlib import Path
 import numpy as np
 mode, folder, samples, fmt = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -119,7 +124,7 @@ elif mode == "ort":
     b = collect_activations(str(folder / "q_aug.onnx"), R())
     compute_activation_error(create_activation_matching(b, a))
 print(json.dumps({"seconds": time.perf_counter() - start,
-                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}))
+                  "peak_mb": _peak_kb() / 1024, **extra}))
 """
 
 
