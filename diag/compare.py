@@ -250,6 +250,11 @@ def compare_models(
     options = options or CompareOptions()
     start = time.perf_counter()
     fp, q = load_pair(fp32_path, int8_path)
+    from diag.cpu import saturation_warning
+
+    cpu_warning = saturation_warning(q.proto)
+    if cpu_warning is not None and cpu_warning not in q.warnings:
+        q.warnings.append(cpu_warning)
     # Pre-flight: refuse declared shapes that cannot fit before any session allocates them
     # (with --max-memory the user chose the budget and the tensors are split to fit it).
     if options.max_memory is None:

@@ -141,3 +141,22 @@ def test_exclusion_for_a_score_target_keeps_exactly_the_concat(tmp_path: Path) -
     assert r.before.cosine < 0.9  # the score part, not the whole output (whose cosine is > 0.99)
     assert r.reachable and r.nodes_to_exclude == ["head/Concat"]
     assert r.after is not None and r.after.cosine >= 0.99
+
+
+def test_full_range_qint8_weights_are_found_and_7bit_or_unsigned_ones_are_not(tmp_path: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from diag.cpu import full_range_int8_weights, saturation_warning
+
+    fx = build("transformer")
+    onnx.save(fx.model, tmp_path / "fp.onnx")
+    for name, kwargs, expected in (
+        ("s8", {"weight_type": QuantType.QInt8}, 13),
+        ("s7", {"weight_type": QuantType.QInt8, "reduce_range": True}, 0),
+        ("u8", {"weight_type": QuantType.QUInt8}, 0),
+    ):
+        quantize_dynamic(tmp_path / "fp.onnx", tmp_path / f"{name}.onnx", **kwargs)
+        model = onnx.load(str(tmp_path / f"{name}.onnx"))
+        assert len(full_range_int8_weights(model)) == expected, name
+        if expected == 0:
+            assert saturation_warning(model) is None
