@@ -917,7 +917,7 @@ def derive_exclusions(
             except BudgetExhausted as e:
                 exhausted = str(e)
                 chosen = search.best  # verified on the held-out samples, not proven minimal
-        search.bar.close()
+        search.bar.finish()
         after = search.cache[chosen][0] if chosen is not None else None
         excluded = [candidates[i] for i in sorted(chosen)] if chosen else []
         nodes = search.nodes(chosen) if chosen is not None else []
