@@ -281,8 +281,10 @@ def test_cli_flags_reach_the_library(tmp_path, capsys):
     (tmp_path / "r.json").write_text(json.dumps({"mode": "dynamic", "per_channel": True}))
     out = tmp_path / "flags"
     argv = ["exclude", str(fp), "--inputs", str(npz), "--batch", "4", "--holdout", "0.25", "--target", "max_abs<=5"]
+    argv += ["--max-trials", "99", "--time-budget", "600"]
     assert main([*argv, "--recipe", str(tmp_path / "r.json"), "--bench-runs", "0", "--quiet", "--out", str(out)]) == 0
     doc = json.loads((out / "exclusion.json").read_text())
+    assert doc["search"]["budget"] == {"max_trials": 99, "time_budget": 600.0, "exhausted": False}
     assert doc["target"] == "max_abs<=5"
     assert doc["split"]["held_out"] == "samples 24..31" and doc["split"]["batch"] == 4
     assert doc["recipe"]["per_channel"] is True and doc["recipe"]["mode"] == "dynamic"
