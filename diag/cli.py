@@ -420,8 +420,10 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     The first part of the samples ranks the nodes (diag compare on the recipe's INT8 model) and
     calibrates a static recipe without calibration data; the rest (--holdout) is held out and judges
     every candidate list. Search: exponential then binary search on the ranked prefix, then each
-    excluded node is re-included in turn and stays quantized when the target still holds. Exit code
-    3 when no list short of keeping every quantized node in float meets the target."""
+    excluded node is re-included in turn and stays quantized when the target still holds. A static
+    recipe is calibrated once; --max-trials / --time-budget cap the search. Exit code 3 when no
+    list short of keeping every quantized node in float meets the target, or when the budget ran
+    out before any list met it."""
     from diag.errors import GATE_FAILED
     from diag.exclude import exclude_to_dir, summary_lines
     from diag.recipe import Recipe, recipe_from_option

@@ -958,7 +958,7 @@ def derive_exclusions(
             except BudgetExhausted as e:
                 exhausted = str(e)
                 chosen = search.best  # verified on the held-out samples, not proven minimal
-        search.bar.close()
+        search.bar.finish()
         after = search.cache[chosen][0] if chosen is not None else None
         excluded = [candidates[i] for i in sorted(chosen)] if chosen else []
         nodes = search.nodes(chosen) if chosen is not None else []
@@ -1194,15 +1194,15 @@ def reproduce_snippet(
         f"# Replays diag's steps before quantizing: {', '.join(steps) or 'none'}.",
         "# Paths are as given to diag exclude: run this from the folder diag exclude ran in.",
         "import os",
+        "import shutil",
         "import tempfile",
         "",
-        "import numpy as np" if static else "",
+        *(["import numpy as np"] if static else []),
         "import onnx",
         f"from onnxruntime.quantization import {', '.join(names)}",
     ]
     if any(x.startswith("quant_pre_process") for x in steps):
         lines.append("from onnxruntime.quantization.shape_inference import quant_pre_process")
-    lines = [x for x in lines if x != "" or lines.index(x) == 6]
     lines += ["", f"FP32 = os.path.abspath({result.fp32!r})", f"OUT = os.path.abspath({model_out!r})"]
     if static:
         lines += [
@@ -1275,7 +1275,13 @@ def reproduce_snippet(
         ]
     else:
         lines += ["quantize_dynamic(", "    src,", "    OUT,"]
-    lines += [*args, ")", "print('wrote', OUT)"]
+    lines += [
+        *args,
+        ")",
+        "os.chdir(os.path.dirname(OUT))",
+        "shutil.rmtree(work, ignore_errors=True)",
+        "print('wrote', OUT)",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -1510,14 +1516,20 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         for x in doc["latency"]
     ]
     s = doc["search"]
+    verdict = doc["verdict"]
+    budget = s.get("budget") or {}
+    if budget.get("exhausted") and verdict == "met":
+        verdict = f"met (budget exhausted: {budget['reason']}; verified, not proven minimal)"
+    calib = s.get("calibrations") or 0
     return {
-        "verdict": doc["verdict"],
+        "verdict": verdict,
         "target": doc["target"],
         "held_out": doc["split"]["held_out"],
         "nodes": list(doc["nodes_to_exclude"]),
         "metrics": rows,
         "latency": latency,
-        "counts": f"{_count(s['quantizations'], 'quantization')}, {_count(s['evaluations'], 'evaluation')}, "
+        "counts": f"{_count(s['quantizations'], 'quantization')}{_calibrations(calib)}, "
+        f"{_count(s['evaluations'], 'evaluation')}, "
         f"{_count(s['ranking_passes'], 'ranking pass', 'ranking passes')} over {s['candidates']} candidate "
         f"groups in {s['seconds']:.1f} s",
         "trajectory_svg": trajectory_plot(doc) if s["trajectory"] else "",

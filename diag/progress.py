@@ -48,6 +48,13 @@ class Progress:
         sys.stderr.write("\r" + line[:120])
         sys.stderr.flush()
 
+    def finish(self) -> None:
+        """Close with the total set to what was done (an estimated total ends at 100 %)."""
+        if self.enabled and self.done:
+            self.total = self.done
+            self._draw(time.perf_counter())
+        self.close()
+
     def close(self) -> None:
         if self.enabled and self.done:
             sys.stderr.write("\n")

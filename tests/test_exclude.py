@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from diag.cli import EXCLUDE_TARGET_HELP, main
 from diag.errors import DiagError
 from diag.exclude import TARGET_METRICS, derive_exclusions, parse_target, report_section, split_feeds
+from diag.exclude import summary_lines as summary
 from diag.feeds import FeedSpec
 from diag.fixtures import models
 from diag.plots_exclude import trajectory_plot
@@ -283,8 +284,10 @@ def test_cli_flags_reach_the_library(tmp_path, capsys):
     (tmp_path / "r.json").write_text(json.dumps({"mode": "dynamic", "per_channel": True}))
     out = tmp_path / "flags"
     argv = ["exclude", str(fp), "--inputs", str(npz), "--batch", "4", "--holdout", "0.25", "--target", "max_abs<=5"]
+    argv += ["--max-trials", "99", "--time-budget", "600"]
     assert main([*argv, "--recipe", str(tmp_path / "r.json"), "--bench-runs", "0", "--quiet", "--out", str(out)]) == 0
     doc = json.loads((out / "exclusion.json").read_text())
+    assert doc["search"]["budget"] == {"max_trials": 99, "time_budget": 600.0, "exhausted": False}
     assert doc["target"] == "max_abs<=5"
     assert doc["split"]["held_out"] == "samples 24..31" and doc["split"]["batch"] == 4
     assert doc["recipe"]["per_channel"] is True and doc["recipe"]["mode"] == "dynamic"
@@ -355,3 +358,71 @@ def test_compare_grades_an_output_with_nan_samples_reject_without_an_excellent_m
     assert not any("max abs" in x for x in v.reasons)
     assert v.per_sample.nonfinite_samples == 8 and v.per_sample.max_abs == math.inf
     assert math.isnan(v.per_sample.cosine_min), "no cosine stands for a NaN sample"
+
+
+def test_progress_bar_shows_trials_total_and_eta_on_a_terminal(monkeypatch, capsys):
+    import sys
+
+    from diag.progress import Progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = Progress(None, "exclude", unit="trials")
+    bar.start -= 20.0  # two trials in 20 s: 10 s each
+    bar.total = 8
+    bar.advance(2)
+    bar.note("exclude: search      1 group(s) in float -> cosine 0.5 (missed)")
+    bar.finish()
+    err = capsys.readouterr().err
+    assert "2/8 trials, 10.0 s each, eta 1m00s" in err
+    assert "exclude: search      1 group(s) in float" in err
+    assert err.rstrip().endswith("2/2 trials, 10.0 s each, eta 0s"), "an estimated total ends at 100 %"
+
+
+def _nan_fixture(tmp: Path) -> tuple[Path, Path]:
+    fx = models.build("nan_on_exclusion")
+    fp = tmp / "nan.fp32.onnx"
+    onnx.save(fx.model, fp)
+    np.savez(tmp / "nan.npz", **fx.make_inputs(32, 12))
+    return fp, tmp / "nan.npz"
+
+
+def test_max_trials_returns_the_best_verified_list_so_far_and_says_budget_exhausted(tmp_path, capsys):
+    fp, npz = _nan_fixture(tmp_path)
+    feeds = FeedSpec(inputs=str(npz), batch=8)
+    # baseline, {a} (NaN), {a, b} (met): the cap stops the pruning, the met list is the answer
+    r = derive_exclusions(fp, DYNAMIC, feeds, "cosine>=0.99", bench_runs=0, progress=False, max_trials=3)
+    assert r.quantizations == 3 and r.verdict == "met" and r.nodes_to_exclude == ["a/MatMul", "b/MatMul"]
+    assert r.budget == {"max_trials": 3, "time_budget": None, "exhausted": True, "reason": "--max-trials 3 reached"}
+    assert any("budget exhausted (--max-trials 3 reached)" in x and "not proven minimal" in x for x in summary(r))
+    # one trial fewer: nothing met yet, which is not "not reachable"
+    out = tmp_path / "ex"
+    argv = ["exclude", str(fp), "--inputs", str(npz), "--batch", "8", "--target", "cosine>=0.99", "--max-trials", "2"]
+    assert main([*argv, "--bench-runs", "0", "--quiet", "--out", str(out)]) == 3
+    text = capsys.readouterr().out
+    assert "NOT MET: budget exhausted (--max-trials 2 reached) before any list met it" in text
+    assert "NOT REACHABLE" not in text and not (out / "nan.mixed.onnx").exists()
+    doc = json.loads((out / "exclusion.json").read_text())
+    assert (
+        doc["verdict"] == "budget exhausted" and doc["nodes_to_exclude"] == [] and doc["search"]["quantizations"] == 2
+    )
+
+
+def test_time_budget_stops_the_search_after_the_baseline(tmp_path):
+    fp, npz = _nan_fixture(tmp_path)
+    r = derive_exclusions(
+        fp, DYNAMIC, FeedSpec(inputs=str(npz), batch=8), "cosine>=0.99", bench_runs=0, progress=False, time_budget=1e-6
+    )
+    assert r.quantizations == 1 and r.verdict == "budget exhausted"
+    assert r.budget["reason"] == "--time-budget reached"
+    with pytest.raises(DiagError, match="must be at least 1"):
+        derive_exclusions(fp, DYNAMIC, FeedSpec(inputs=str(npz)), "cosine>=0.99", max_trials=0)
+
+
+def test_a_mixed_model_slower_than_fp32_is_warned_about():
+    from diag.exclude import _slower_warning
+
+    lat = [{"model": "fp32", "p50_ms": 20.0}, {"model": "int8", "p50_ms": 30.0}, {"model": "mixed", "p50_ms": 24.6}]
+    [w] = _slower_warning(lat)
+    assert w.startswith("warning: the mixed model is slower than FP32 (p50 24.60 ms vs 20.00 ms)")
+    assert _slower_warning([{**lat[0]}, {"model": "mixed", "p50_ms": 12.0}]) == []
+    assert _slower_warning(lat[:2]) == [], "nothing to say without a mixed model"
