@@ -145,9 +145,8 @@ class _Builder:
 
 def _rename_graph(graph: onnx.GraphProto, rename: Callable[[str], str], prefix: str) -> None:
     """Rename every value (and prefix every node name) of ``graph`` and its subgraphs, in place."""
-    for node in graph.node:
-        if node.name:
-            node.name = prefix + node.name
+    for i, node in enumerate(graph.node):
+        node.name = prefix + (node.name or f"{node.op_type}#{i}")
         for i, n in enumerate(node.input):
             if n:
                 node.input[i] = rename(n)
@@ -712,7 +711,9 @@ def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir
 
     model, dg.model = dg.model, onnx.ModelProto()
     if model.ByteSize() < PROTOBUF_LIMIT:
-        return session_from_model(model, role, "disabled", threads, external_data_dir, takes_turns=True, arena=True)
+        return session_from_model(
+            model, role, "disabled", threads, external_data_dir, takes_turns=True, arena=True, mem_pattern=False
+        )
     if external_data_dir is not None:
         raise Unsupported("the graph exceeds 2 GiB with inline weights next to external ones")
     with tempfile.TemporaryDirectory(prefix="diag-graph-") as tmp:
@@ -720,4 +721,6 @@ def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir
         onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin")
         del model
         # NOTE: onnxruntime has read (or mapped) the weights once the session exists; the folder can go.
-        return session_from_model(path, role, "disabled", threads, None, takes_turns=True, arena=True)
+        return session_from_model(
+            path, role, "disabled", threads, None, takes_turns=True, arena=True, mem_pattern=False
+        )
