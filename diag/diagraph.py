@@ -1,6 +1,6 @@
 """The diagnostic graph: FP32, INT8 and cut models in one onnxruntime graph whose outputs are statistics.
 
-``diag compare --reductions graph`` (the default) builds, per pass, one ONNX graph holding the FP32
+``diag compare --reductions graph`` builds, per pass, one ONNX graph holding the FP32
 model, the INT8 model and the cut (local-error) model, every name prefixed so they cannot collide
 (``f/``, ``q/``, ``c/``; the model inputs are shared). The cut model's inputs are wired to the FP32
 graph's tensors directly (through a QuantizeLinear with the model's own grid for integer cuts), so no
