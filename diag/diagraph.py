@@ -278,15 +278,17 @@ def diagnostic_graph(
         shape = shapes.get(name)
         rank = len(shape) if shape is not None else None
         axis = channel_axis(rank, dist.channel_hint) if (dist is not None and rank is not None) else None
+        index_of[name] = k
+        needs_axis = pair.dequant is not None and pair.dequant.scale.size > 1 and opset < 13
+        if needs_axis or (dist is not None and rank is None):
+            why = "its rank is unknown before the run" if not needs_axis else "its grid needs opset 13"
+            exposed[name] = f"exposed and reduced in numpy: {why}"
+            specs.append(PairSpec(k, name, "", "", False, None, None, False, None))
+            continue
         x = _as_float32(b, f_name(name), dtypes.get(name), f"{k}/x")
         xs[name] = x
-        index_of[name] = k
         y = _int8_value(b, q_name(pair.int8_name), pair.dequant, q_dtypes.get(pair.int8_name), opset, f"{k}/y")
-        if y is None or (dist is not None and rank is None):
-            why = "its rank is unknown before the run" if y is not None else "its grid needs a newer opset"
-            exposed[name] = f"exposed and reduced in numpy: {why}"
-            specs.append(PairSpec(k, name, x, y or "", False, None, None, False, None))
-            continue
+        assert y is not None
         grid_clip = dist is not None and dist.grid is not None
         dyn = None
         if pair.dynamic_scale:
