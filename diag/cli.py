@@ -631,9 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reductions",
         choices=["graph", "numpy"],
-        default="graph",
-        help="where per-tensor statistics are computed: 'graph' (default) inside onnxruntime, one diagnostic "
-        "graph per pass; 'numpy' exposes every tensor and reduces it in numpy (the reference)",
+        default="numpy",
+        help="where per-tensor statistics are computed: 'numpy' (default) exposes every tensor and reduces it "
+        "in numpy (the reference); 'graph' computes them inside onnxruntime, one diagnostic graph per pass",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
     p.add_argument(

@@ -1,6 +1,6 @@
 """The diagnostic graph: FP32, INT8 and cut models in one onnxruntime graph whose outputs are statistics.
 
-``diag compare --reductions graph`` (the default) builds, per pass, one ONNX graph holding the FP32
+``diag compare --reductions graph`` builds, per pass, one ONNX graph holding the FP32
 model, the INT8 model and the cut (local-error) model, every name prefixed so they cannot collide
 (``f/``, ``q/``, ``c/``; the model inputs are shared). The cut model's inputs are wired to the FP32
 graph's tensors directly (through a QuantizeLinear with the model's own grid for integer cuts), so no
@@ -148,9 +148,8 @@ class _Builder:
 
 def _rename_graph(graph: onnx.GraphProto, rename: Callable[[str], str], prefix: str) -> None:
     """Rename every value (and prefix every node name) of ``graph`` and its subgraphs, in place."""
-    for node in graph.node:
-        if node.name:
-            node.name = prefix + node.name
+    for i, node in enumerate(graph.node):
+        node.name = prefix + (node.name or f"{node.op_type}#{i}")
         for i, n in enumerate(node.input):
             if n:
                 node.input[i] = rename(n)
@@ -288,16 +287,19 @@ def diagnostic_graph(
         axis = None
         if dist is not None and rank is not None:
             # The graph's proof of the channel axis (a detector output's parts) wins over the guess.
-            axis = dist.axis_override if dist.axis_override is not None else channel_axis(rank, dist.channel_hint)
+            guess = channel_axis(rank, dist.channel_hint)
+            axis = dist.axis_override if dist.axis_override is not None else guess
+        index_of[name] = k
+        needs_axis = pair.dequant is not None and pair.dequant.scale.size > 1 and opset < 13
+        if needs_axis or (dist is not None and rank is None):
+            why = "its rank is unknown before the run" if not needs_axis else "its grid needs opset 13"
+            exposed[name] = f"exposed and reduced in numpy: {why}"
+            specs.append(PairSpec(k, name, "", "", False, None, None, False, None))
+            continue
         x = _as_float32(b, f_name(name), dtypes.get(name), f"{k}/x")
         xs[name] = x
-        index_of[name] = k
         y = _int8_value(b, q_name(pair.int8_name), pair.dequant, q_dtypes.get(pair.int8_name), opset, f"{k}/y")
-        if y is None or (dist is not None and rank is None):
-            why = "its rank is unknown before the run" if y is not None else "its grid needs a newer opset"
-            exposed[name] = f"exposed and reduced in numpy: {why}"
-            specs.append(PairSpec(k, name, x, y or "", False, None, None, False, None))
-            continue
+        assert y is not None
         grid_clip = dist is not None and dist.grid is not None
         dyn = None
         if pair.dynamic_scale:
@@ -726,7 +728,9 @@ def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir
 
     model, dg.model = dg.model, onnx.ModelProto()
     if model.ByteSize() < PROTOBUF_LIMIT:
-        return session_from_model(model, role, "disabled", threads, external_data_dir, takes_turns=True, arena=True)
+        return session_from_model(
+            model, role, "disabled", threads, external_data_dir, takes_turns=True, arena=True, mem_pattern=False
+        )
     if external_data_dir is not None:
         raise Unsupported("the graph exceeds 2 GiB with inline weights next to external ones")
     with tempfile.TemporaryDirectory(prefix="diag-graph-") as tmp:
@@ -734,4 +738,6 @@ def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir
         onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin")
         del model
         # NOTE: onnxruntime has read (or mapped) the weights once the session exists; the folder can go.
-        return session_from_model(path, role, "disabled", threads, None, takes_turns=True, arena=True)
+        return session_from_model(
+            path, role, "disabled", threads, None, takes_turns=True, arena=True, mem_pattern=False
+        )

@@ -160,3 +160,17 @@ def test_full_range_qint8_weights_are_found_and_7bit_or_unsigned_ones_are_not(tm
         assert len(full_range_int8_weights(model)) == expected, name
         if expected == 0:
             assert saturation_warning(model) is None
+
+
+def test_concat_parts_are_measured_the_same_with_graph_reductions(tmp_path: Path) -> None:
+    numpy_run = _compare(tmp_path, "detector", "qdq", reductions="numpy")
+    graph_run = _compare(tmp_path, "detector", "qdq", reductions="graph")
+    assert graph_run.state is not None and not graph_run.state.numpy_reduced
+    for label, (part, acc, local) in numpy_run.verdicts[0].per_sample.parts.items():
+        g_part, g_acc, g_local = graph_run.verdicts[0].per_sample.parts[label]
+        assert g_part.cosine_min == pytest.approx(part.cosine_min, abs=1e-9)
+        assert g_acc.sqnr_db == pytest.approx(acc.sqnr_db, abs=1e-6)
+        assert local is not None and g_local is not None
+        assert g_local.sqnr_db == pytest.approx(local.sqnr_db, abs=1e-3)
+    assert graph_run.cause_sentence == numpy_run.cause_sentence
+    assert graph_run.health["output0"].channels == 7

@@ -12,7 +12,11 @@ peak RSS (min-max over ``--repeat`` runs, each in a fresh process) of:
   nothing kept (the unavoidable cost of looking at every tensor);
 * floor+ (``--modes`` must name it): the floor with the allocator setting diag applies to itself
   (``diag.run.reuse_freed_memory``), to show how much of diag's lead comes from that setting;
-* diag: ``diag.compare_models`` (accumulated + local error + histograms + outliers), exact mode;
+* diag: ``diag.compare_models`` (accumulated + local error + histograms + outliers), exact mode,
+  ``--reductions numpy`` (every tensor exposed and reduced in numpy);
+* diag-graph: the same with ``--reductions graph`` (statistics computed inside onnxruntime, one
+  diagnostic graph per pass); graph-nolocal: diag-graph without local error, to print the
+  local-error share of a diag-graph run;
 * ort (QDQ only; it matches no tensor of a dynamic model): ``modify_model_output_intermediate_tensors``
   + ``collect_activations`` + ``create_activation_matching`` + ``compute_activation_error``.
 
@@ -45,10 +49,13 @@ mode, folder, samples, fmt = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), s
 fp, q, inputs = folder / "fp32.onnx", folder / f"{fmt}.onnx", folder / "inputs.npz"
 start = time.perf_counter()
 extra = {}
-if mode == "diag":
+if mode in ("diag", "diag-graph", "graph-nolocal"):
     from diag.compare import CompareOptions, compare_models
     from diag.feeds import FeedSpec
-    compare_models(fp, q, FeedSpec(inputs=str(inputs), samples=samples), CompareOptions(progress=False))
+    how = "numpy" if mode == "diag" else "graph"
+    r = compare_models(fp, q, FeedSpec(inputs=str(inputs), samples=samples),
+                       CompareOptions(progress=False, reductions=how, local=mode != "graph-nolocal"))
+    assert not r.state.numpy_reduced, r.state.numpy_reduced  # the graph computed every statistic
 elif mode in ("floor", "floor+"):
     import onnx, onnxruntime as ort
     if mode == "floor+":  # the floor with diag's allocator setting (see diag.run.reuse_freed_memory)
@@ -170,7 +177,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=320, help="image side (PP-OCR det takes any multiple of 32)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3, help="runs per mode, each in a fresh process; min-max shown")
-    ap.add_argument("--modes", default="floor,diag,ort,passes")
+    ap.add_argument("--modes", default="floor,diag,diag-graph,graph-nolocal,ort")
     ap.add_argument("--formats", default="qdq,dynamic", help="INT8 formats to benchmark")
     ap.add_argument("--flat", metavar="A,B", help="also diag's peak RSS at A and at B samples, e.g. 4,64")
     args = ap.parse_args()
@@ -196,7 +203,7 @@ def main() -> None:
                 runs = results[mode]
                 err = next((r["error"] for r in runs if "error" in r), "")
                 print(
-                    f"{fmt:8s} {mode:6s} wall {_span([r['seconds'] for r in runs], '6.2f')} s"
+                    f"{fmt:8s} {mode:13s} wall {_span([r['seconds'] for r in runs], '6.2f')} s"
                     f"   peak RSS {_span([r['peak_mb'] for r in runs], '5.0f')} MB"
                     + (f"   FAILED: {err}" if err else "")
                 )
@@ -204,6 +211,29 @@ def main() -> None:
             def col(mode: str, key: str, results: dict[str, list[dict[str, float]]] = results) -> list[float]:
                 return [r[key] for r in results[mode]]
 
+            for mode in ("diag-graph",):
+                if mode in results and "floor" in results:
+                    print(
+                        f"{fmt:8s} {mode} / floor:  wall {_ratio(col(mode, 'seconds'), col('floor', 'seconds'))}, "
+                        f"peak RSS {_ratio(col(mode, 'peak_mb'), col('floor', 'peak_mb'))}"
+                    )
+                if mode in results and "diag" in results:
+                    print(
+                        f"{fmt:8s} {mode} / diag (numpy): wall {_ratio(col(mode, 'seconds'), col('diag', 'seconds'))}, "
+                        f"peak RSS {_ratio(col(mode, 'peak_mb'), col('diag', 'peak_mb'))}"
+                    )
+                if mode in results and "ort" in results:
+                    print(
+                        f"{fmt:8s} ort / {mode}: wall {_ratio(col('ort', 'seconds'), col(mode, 'seconds'))}, "
+                        f"peak RSS {_ratio(col('ort', 'peak_mb'), col(mode, 'peak_mb'))}"
+                    )
+            if "diag-graph" in results and "graph-nolocal" in results:
+                with_local, without = col("diag-graph", "seconds"), col("graph-nolocal", "seconds")
+                shares = [(a - b) / a for a, b in zip(with_local, without, strict=True)]
+                print(
+                    f"{fmt:8s} local-error share of a diag-graph run: {statistics.median(shares):.2f} "
+                    f"(rounds {min(shares):.2f}-{max(shares):.2f})"
+                )
             if "diag" in results and "floor" in results:
                 print(
                     f"{fmt:8s} diag / floor:  wall {_ratio(col('diag', 'seconds'), col('floor', 'seconds'))}, "
@@ -226,10 +256,11 @@ def main() -> None:
                     f"INT8 / FP32 pass: {_ratio(col('passes', 'int8_s'), col('passes', 'fp32_s'))}"
                 )
             if flat:
-                peaks = {n: [measure("diag", folder, n, fmt)["peak_mb"] for _ in range(args.repeat)] for n in flat}
+                flat_mode = "diag-graph" if "diag-graph" in results else "diag"
+                peaks = {n: [measure(flat_mode, folder, n, fmt)["peak_mb"] for _ in range(args.repeat)] for n in flat}
                 a, b = flat[0], flat[-1]
                 print(
-                    f"{fmt:8s} diag peak RSS at {a} samples {_span(peaks[a], '5.0f')} MB, at {b}: "
+                    f"{fmt:8s} {flat_mode} peak RSS at {a} samples {_span(peaks[a], '5.0f')} MB, at {b}: "
                     f"{_span(peaks[b], '5.0f')} MB; {b} / {a}: {_ratio(peaks[b], peaks[a])}"
                 )
 
