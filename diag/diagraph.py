@@ -686,19 +686,9 @@ def shapes_and_types(
     Shape inference runs on a weight-free copy with the inputs pinned to the batch's shapes; a
     value whose rank stays unknown is absent (its pair is then reduced by the numpy reference).
     """
-    from diag.match import _structure_only
+    from diag.run import inferred_for_batch
 
-    shell = _structure_only(model)
-    for vi in shell.graph.input:
-        if vi.name in feeds and vi.type.HasField("tensor_type"):
-            shape = vi.type.tensor_type.shape
-            shape.ClearField("dim")
-            for d in np.shape(feeds[vi.name]):
-                shape.dim.add().dim_value = int(d)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True)
-    except Exception:  # inference is a help: unknown ranks fall back to the numpy reference
-        inferred = shell
+    inferred = inferred_for_batch(model, feeds)  # unknown ranks fall back to the numpy reference
     shapes: dict[str, tuple[int | None, ...]] = {}
     types: dict[str, int] = {}
     g = inferred.graph

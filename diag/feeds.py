@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -390,24 +391,34 @@ def random_feeds(
     return FeedSource(f"random (seed {seed}, {samples} samples)", _Restartable(gen), samples, specs)
 
 
+def object_from_spec(spec: str, obj: str, slug: str, what: str, example: str) -> Any:
+    """What ``package.module:name`` names (``--reader``, ``--metric``); a ``slug`` error when it cannot be had.
+
+    Example:
+        >>> object_from_spec("math:sqrt", "--metric 'math:sqrt'", "bad-metric", "function", "e.g. m:f")(4.0)
+        2.0
+    """
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise DiagError(slug, obj, f"is not 'package.module:{what}'", example)
+    try:
+        return getattr(importlib.import_module(mod_name), attr)
+    except Exception as e:
+        raise DiagError(
+            slug,
+            obj,
+            f"cannot be imported ({type(e).__name__}: {e})",
+            "make the module importable (PYTHONPATH) and check the name",
+        ) from e
+
+
 def feeds_from_reader(spec: str, specs: list[InputSpec], samples: int | None) -> FeedSource:
     """``package.module:factory`` returning an iterable of feed dicts or a CalibrationDataReader.
 
     The factory is called again for every pass over the data, so it must be re-iterable.
     """
-    mod_name, _, attr = spec.partition(":")
     obj = f"--reader {spec!r}"
-    if not mod_name or not attr:
-        raise DiagError("bad-reader", obj, "is not 'package.module:factory'", "e.g. --reader mydata.calib:make_reader")
-    try:
-        factory = getattr(importlib.import_module(mod_name), attr)
-    except Exception as e:
-        raise DiagError(
-            "bad-reader",
-            obj,
-            f"cannot be imported ({type(e).__name__}: {e})",
-            "make the module importable (PYTHONPATH) and check the name",
-        ) from e
+    factory = object_from_spec(spec, obj, "bad-reader", "factory", "e.g. --reader mydata.calib:make_reader")
 
     def gen() -> Iterator[Batch]:
         try:

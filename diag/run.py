@@ -269,6 +269,27 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * 1024**power)
 
 
+def inferred_for_batch(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """A weight-free copy of ``model`` with its inputs pinned to the batch's shapes, shapes inferred.
+
+    Symbolic dims (batch, height, width) become numbers. Inference is a help, never a requirement:
+    when it fails, the copy comes back without inferred shapes and callers fall back.
+    """
+    from diag.match import _structure_only
+
+    shell = _structure_only(model)
+    for vi in shell.graph.input:
+        if vi.name in feeds and vi.type.HasField("tensor_type"):
+            shape = vi.type.tensor_type.shape
+            shape.ClearField("dim")
+            for d in np.shape(feeds[vi.name]):
+                shape.dim.add().dim_value = int(d)
+    try:
+        return onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True)
+    except Exception:
+        return shell
+
+
 def batch_tensor_bytes(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, int]:
     """Bytes of every tensor of ``model`` for one batch ``feeds``, by shape inference on its shapes.
 
@@ -283,20 +304,7 @@ def batch_tensor_bytes(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> 
         >>> sizes["conv1_out"]  # doctest: +SKIP
         4194304
     """
-    from diag.match import _structure_only
-
-    shell = _structure_only(model)
-    for vi in shell.graph.input:
-        if vi.name in feeds and vi.type.HasField("tensor_type"):
-            shape = vi.type.tensor_type.shape
-            shape.ClearField("dim")
-            for d in np.shape(feeds[vi.name]):
-                shape.dim.add().dim_value = int(d)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(shell, strict_mode=False, data_prop=True)
-    except Exception:  # inference is a help: unknown sizes fall back below
-        inferred = shell
-    g = inferred.graph
+    g = inferred_for_batch(model, feeds).graph
     sizes: dict[str, int] = {k: int(np.asarray(v).nbytes) for k, v in feeds.items()}
     for vi in list(g.value_info) + list(g.output):
         tt = vi.type.tensor_type

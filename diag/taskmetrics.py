@@ -21,7 +21,6 @@ long as it keeps sums and counts, which the protocol's ``merge`` forces anyway.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -193,19 +192,10 @@ def metric_factory(spec: str) -> Callable[[], TaskMetric]:
         ...
         diag.errors.DiagError: --metric 'nope' | is not 'package.module:function'. Hint: e.g. --metric mymetrics:f1
     """
+    from diag.feeds import object_from_spec
+
     obj = f"--metric {spec!r}"
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise DiagError("bad-metric", obj, "is not 'package.module:function'", "e.g. --metric mymetrics:f1")
-    try:
-        function = getattr(importlib.import_module(mod_name), attr)
-    except Exception as e:
-        raise DiagError(
-            "bad-metric",
-            obj,
-            f"cannot be imported ({type(e).__name__}: {e})",
-            "make the module importable (PYTHONPATH) and check the name",
-        ) from e
+    function = object_from_spec(spec, obj, "bad-metric", "function", "e.g. --metric mymetrics:f1")
     if not callable(function):
         raise DiagError("bad-metric", obj, f"is a {type(function).__name__}, not a function", "name a factory function")
 

@@ -174,3 +174,22 @@ def test_concat_parts_are_measured_the_same_with_graph_reductions(tmp_path: Path
         assert g_local.sqnr_db == pytest.approx(local.sqnr_db, abs=1e-3)
     assert graph_run.cause_sentence == numpy_run.cause_sentence
     assert graph_run.health["output0"].channels == 7
+
+
+def test_a_fix_that_holds_only_in_exact_mode_is_flagged_as_deployed(tmp_path: Path) -> None:
+    """Exclusion is searched in exact mode; the answer is re-checked as onnxruntime runs it by default."""
+    from diag.exclude import derive_exclusions
+    from diag.recipe import Recipe
+
+    fx = build("convnet")
+    onnx.save(fx.model, tmp_path / "fp.onnx")
+    np.savez(tmp_path / "in.npz", **fx.make_inputs(32, 1))
+    recipe = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8")
+    feeds = FeedSpec(inputs=str(tmp_path / "in.npz"), batch=8)
+    r = derive_exclusions(tmp_path / "fp.onnx", recipe, feeds, "cosine>=0.999", bench_runs=0, progress=False)
+    assert r.reachable and r.after is not None and r.after.cosine >= 0.999  # exact mode
+    # conv2 in float fixes the exact-mode logits, but the fused QLinearConv of conv3 re-quantizes them.
+    assert r.nodes_to_exclude == ["conv2", "relu2"]
+    (warning,) = [w for w in r.warnings if "all optimizations" in w]
+    assert "misses the target: cosine 0.9" in warning and "exact mode: 0.99" in warning
+    assert r.to_dict()["warnings"][0] == warning
