@@ -161,4 +161,4 @@ def test_enable_subgraph_if_model_with_matmul_branches_is_compared(tmp_path, cap
         ["compare", fp32, int8, "--inputs", tmp_path / "x.npz", "--out", out, "--quiet"], capsys
     )
     assert code == OK, err
-    assert stdout.startswith("verdict: ") and "8 samples" in stdout
+    assert "verdict: " in stdout and "8 samples" in stdout  # after any warning line (CPU-dependent)
