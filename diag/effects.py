@@ -32,7 +32,7 @@ from onnx import helper, numpy_helper
 from diag.analyze import BAD_SQNR_DB, NodeFinding
 from diag.feeds import FeedSource
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
-from diag.match import Matching, node_id
+from diag.match import Matching, TensorPair, node_id
 from diag.metrics import ErrorAccumulator, OutputSpec
 from diag.progress import Progress
 
@@ -171,6 +171,8 @@ def float_region_model(
     new_nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
     rename: dict[str, str] = {}
+    out_grids = [pairs[o].grid for o in produced if o in pairs and pairs[o].grid is not None]
+    fp_consumed = {t for n in fp.graph.node for t in n.input}
     for n in nodes:
         for t in n.input:
             if not t or t in produced or t in rename:
@@ -185,11 +187,17 @@ def float_region_model(
                 rename[t] = t
             elif t in pairs:
                 pair = pairs[t]
-                rename[t] = (
-                    _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, new_nodes, new_inits)
-                    if pair.dequant is not None
-                    else pair.int8_name
-                )
+                if pair.how == "qdq" and pair.tail and _shares_grid(pair, out_grids):
+                    # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
+                    # quantization belongs to this node and goes with it (excluded, the input keeps
+                    # its producer's own, finer grid; its float value is the closest stand-in).
+                    rename[t] = pair.cut_name
+                else:
+                    rename[t] = (
+                        _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, new_nodes, new_inits)
+                        if pair.dequant is not None
+                        else pair.int8_name
+                    )
             else:
                 raise ValueError(f"input '{t}' has no INT8 counterpart")
     for o in produced:
@@ -215,9 +223,12 @@ def float_region_model(
         if pair is None:
             continue  # an internal tensor of a fused group: it has no INT8 twin to replace
         value = rename[o]
-        if pair.cut_quant is not None:
-            value = _grid_node("QuantizeLinear", value, pair.cut_quant, new_nodes, new_inits, pair.cut_dtype)
         target = pair.cut_name
+        if o in graph_outputs and o not in fp_consumed and pair.int8_name in graph_outputs:
+            # A model output nothing else reads: excluded, onnxruntime leaves it unquantized.
+            target = pair.int8_name
+        elif pair.cut_quant is not None:
+            value = _grid_node("QuantizeLinear", value, pair.cut_quant, new_nodes, new_inits, pair.cut_dtype)
         for node in g.node:
             for i, t in enumerate(node.input):
                 if t == target:
@@ -236,6 +247,18 @@ def float_region_model(
     _drop_dead_nodes(g)
     _sort_topologically(g)
     return model
+
+
+def _shares_grid(pair: TensorPair, grids: list[Any]) -> bool:
+    """Whether ``pair``'s static grid is one of ``grids`` (the same scale and zero point)."""
+    g = pair.grid
+    if g is None:
+        return False
+    return any(
+        np.array_equal(np.asarray(g.scale), np.asarray(o.scale))
+        and np.array_equal(np.asarray(g.zero_point), np.asarray(o.zero_point))
+        for o in grids
+    )
 
 
 def _grid_node(
@@ -458,9 +481,15 @@ def confirmed_cause(
     # A share of a negligible error is no cause: confirm only when there is something to explain.
     problem = bool(bad_local) or poor
     confirmed = problem and check is not None and check.best is not None and check.best.recovered >= CONFIRMED_SHARE
-    part_cause = concat_cause(findings, verdicts or [], specs or {}, matching) if not confirmed else None
+    part_cause = concat_cause(findings, verdicts or [], specs or {}, matching)
+    if part_cause is not None and confirmed and check is not None and check.best is not None:
+        if check.best.finding is not part_cause[0]:
+            part_cause = None  # another node measurably fixes the outputs: the effect decides
     if part_cause is not None:
         cause, sentence = part_cause
+        e = check.of(cause.group.label) if check is not None else None
+        if e is not None:
+            sentence += f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of {check.target})"
         for other in findings:
             if other is cause:
                 other.role = "root-cause"

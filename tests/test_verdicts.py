@@ -195,3 +195,36 @@ def test_a_fix_that_holds_only_in_exact_mode_is_flagged_as_deployed(tmp_path: Pa
     (warning,) = [w for w in r.warnings if "all optimizations" in w]
     assert "misses the target: cosine 0.9" in warning and "exact mode: 0.99" in warning
     assert r.to_dict()["warnings"][0] == warning
+
+
+def test_float_region_of_a_qdq_concat_equals_real_exclusion_on_the_scores(tmp_path: Path) -> None:
+    """The Concat's shared input scale and its output Q/DQ go with it, as with nodes_to_exclude."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    from diag.effects import float_region_model
+    from diag.fixtures.quantize import _ArrayReader
+    from diag.load import model_from_path
+    from diag.match import match_models
+
+    fx = build("detector")
+    onnx.save(fx.model, tmp_path / "fp.onnx")
+    calib = fx.make_inputs(16, 2)
+    quantize(tmp_path / "fp.onnx", tmp_path / "q.onnx", "qdq", calibration=calib)
+    quantize_static(
+        tmp_path / "fp.onnx",
+        tmp_path / "x.onnx",
+        _ArrayReader(calib),
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QUInt8,
+        nodes_to_exclude=["head/Concat"],
+    )
+    fp, q = model_from_path(tmp_path / "fp.onnx"), model_from_path(tmp_path / "q.onnx")
+    region = float_region_model(fp.proto, q.proto, ["head/Concat"], match_models(fp.proto, q.proto))
+    x = fx.make_inputs(4, 1)
+
+    def run(model: bytes | str) -> np.ndarray:
+        return ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, x)[0]
+
+    got, real = run(region.SerializeToString()), run(str(tmp_path / "x.onnx"))
+    np.testing.assert_allclose(got[:, 4:], real[:, 4:], rtol=1e-5, atol=1e-6)
