@@ -172,6 +172,7 @@ def float_region_model(
     new_inits: list[onnx.TensorProto] = []
     rename: dict[str, str] = {}
     out_grids = [pairs[o].grid for o in produced if o in pairs and pairs[o].grid is not None]
+    is_concat = any(n.op_type == "Concat" for n in nodes)
     fp_consumed = {t for n in fp.graph.node for t in n.input}
     for n in nodes:
         for t in n.input:
@@ -187,7 +188,7 @@ def float_region_model(
                 rename[t] = t
             elif t in pairs:
                 pair = pairs[t]
-                if pair.how == "qdq" and pair.tail and _shares_grid(pair, out_grids):
+                if is_concat and pair.how == "qdq" and pair.tail and _shares_grid(pair, out_grids):
                     # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
                     # quantization belongs to this node and goes with it (excluded, the input keeps
                     # its producer's own, finer grid; its float value is the closest stand-in).
