@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from diag.analyze import BAD_SQNR_DB, NodeFinding
+from diag.analyze import BAD_SQNR_DB, NodeFinding, single_cause
 from diag.feeds import FeedSource
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
@@ -54,8 +54,8 @@ class Effect:
     finding: NodeFinding
     #: Share of the target's error energy removed: 1 - Σe²(candidate) / Σe²(INT8). 1 = fully fixed.
     recovered: float
-    #: Per output (and part, ``"out [part]"``): SQNR of the INT8 model and of the candidate model.
-    sqnr_before: dict[str, float]
+    #: Per output (and part, ``"out part"``): SQNR of the candidate model (the INT8 model's is
+    #: :attr:`EffectCheck.sqnr_before`).
     sqnr_after: dict[str, float]
     why: list[str] = field(default_factory=list)
 
@@ -81,6 +81,8 @@ class EffectCheck:
     samples: int
     seconds: float
     skipped: dict[str, str] = field(default_factory=dict)
+    #: Per output (and part): SQNR of the INT8 model as given, on the same samples.
+    sqnr_before: dict[str, float] = field(default_factory=dict)
 
     @property
     def best(self) -> Effect | None:
@@ -138,8 +140,7 @@ def candidates_for(
         if len(chosen) >= limit:
             break
         add(f, f"local SQNR {f.local.sqnr_db:.1f} dB (rank {f.rank_local})" if f.local else "local rank")
-    items = list(chosen.values())[: max(limit, 0) + len(paths) + len(specs)]
-    return [(f, "; ".join(dict.fromkeys(why))) for f, why in items]
+    return [(f, "; ".join(dict.fromkeys(why))) for f, why in chosen.values()]
 
 
 def float_region_model(
@@ -412,20 +413,13 @@ def check_effects(
             if got[target].nonfinite_int8 > base[target].nonfinite_int8:
                 recovered = -math.inf  # keeping it in float creates NaN/Inf: the worst outcome
                 why = f"{why}; creates NaN/Inf in {target}"
-            effects.append(
-                Effect(
-                    f,
-                    recovered,
-                    {k: s.sqnr_db for k, s in base.items()},
-                    {k: s.sqnr_db for k, s in got.items()},
-                    [why],
-                )
-            )
+            effects.append(Effect(f, recovered, {k: s.sqnr_db for k, s in got.items()}, [why]))
             bar.advance(1)
     finally:
         bar.close()
     effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
-    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped)
+    before = {k: s.sqnr_db for k, s in base.items()}
+    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, before)
 
 
 #: A Concat part is "destroyed" when its SQNR is bad and this many dB below the whole output's.
@@ -475,8 +469,6 @@ def confirmed_cause(
     under a single confirmed cause every other locally bad node becomes ``contributor`` (its
     measured effect is in the check); otherwise roles stay as local error assigned them.
     """
-    from diag.analyze import single_cause
-
     bad_local = [f for f in findings if f.group.quantized and f.local is not None and f.local.sqnr_db < BAD_SQNR_DB]
     poor = grade in ("marginal", "reject")
     # A share of a negligible error is no cause: confirm only when there is something to explain.

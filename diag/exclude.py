@@ -975,12 +975,11 @@ def derive_exclusions(
             deployed = HeldOutEvaluator(
                 fp, split.held_out, split.held_out_first, label_array, threads, metric, opt_level="all"
             ).evaluate(search.cache[chosen][1])
-            deployed_met = deployed.meets(tgt)
-            if not deployed_met:
+            if after is not None and not deployed.meets(tgt):
                 deployed_warning.append(
                     f"warning: as onnxruntime runs it by default (all optimizations) the mixed model misses the "
                     f"target: {tgt.metric} {_fmt(deployed.value(tgt.metric), tgt)} (exact mode: "
-                    f"{_fmt(after_value(search, chosen, tgt), tgt)}); its fused integer kernels re-quantize what "
+                    f"{_fmt(after.value(tgt.metric), tgt)}); its fused integer kernels re-quantize what "
                     "the exclusion kept in float: verify with --ort-opt-level all before deploying"
                 )
         model_out: Path | None = None
@@ -1031,11 +1030,6 @@ def derive_exclusions(
     )
     result.diagnosis = compared if ranking_passes else None
     return result
-
-
-def after_value(search: Any, chosen: frozenset[int], tgt: Target) -> float | None:
-    """The target metric of the chosen list as the search measured it (exact mode)."""
-    return search.cache[chosen][0].value(tgt.metric)
 
 
 def _slower_warning(latency: list[dict[str, Any]]) -> list[str]:
