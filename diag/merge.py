@@ -58,7 +58,7 @@ def _error_from(d: dict[str, Any]) -> ErrorAccumulator:
 
 
 _OUTPUT_INTS = ("samples", "nonfinite", "nonfinite_fp", "total", "rows", "agree", "mask_inter", "mask_union")
-_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax", "fp_min", "fp_max")
+_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax")
 
 
 def _output_state(acc: OutputAccumulator) -> dict[str, Any]:

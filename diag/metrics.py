@@ -286,8 +286,6 @@ class OutputStats:
     mask_iou: float | None = None
     #: ``max |e| / max |x|``: the largest error relative to the output's largest FP32 magnitude.
     rel_max_abs: float | None = None
-    fp_min: float = math.nan
-    fp_max: float = math.nan
     #: Concat parts: label -> (per-sample figures, accumulated error, local error).
     parts: dict[str, tuple[OutputStats, ErrorStats, ErrorStats | None]] = field(default_factory=dict)
 
@@ -310,8 +308,6 @@ class OutputAccumulator:
         self.cos_sum = 0.0
         self.max_abs = 0.0
         self.fp_absmax = 0.0
-        self.fp_min = math.inf
-        self.fp_max = -math.inf
         self.rows = 0
         self.agree = 0
         self.classlike = True
@@ -363,8 +359,6 @@ class OutputAccumulator:
             if xs.size:
                 self.max_abs = max(self.max_abs, float(np.abs(ys - xs).max()))
                 self.fp_absmax = max(self.fp_absmax, float(np.abs(xs).max()))
-                self.fp_min = min(self.fp_min, float(xs.min()))
-                self.fp_max = max(self.fp_max, float(xs.max()))
         self._agreement(x, y, finite_x)
         if self.spec.mask_threshold is not None and xs.shape[0]:
             mx, my = xs > self.spec.mask_threshold, ys > self.spec.mask_threshold
@@ -409,8 +403,6 @@ class OutputAccumulator:
         self.cos_sum += other.cos_sum
         self.max_abs = max(self.max_abs, other.max_abs)
         self.fp_absmax = max(self.fp_absmax, other.fp_absmax)
-        self.fp_min = min(self.fp_min, other.fp_min)
-        self.fp_max = max(self.fp_max, other.fp_max)
         self.rows += other.rows
         self.agree += other.agree
         self.classlike = self.classlike and other.classlike
@@ -449,7 +441,5 @@ class OutputAccumulator:
             kind=self.spec.kind,
             mask_iou=self.mask_inter / self.mask_union if self.mask_union else None,
             rel_max_abs=self.max_abs / self.fp_absmax if self.fp_absmax > 0 else None,
-            fp_min=self.fp_min if self.samples else math.nan,
-            fp_max=self.fp_max if self.samples else math.nan,
             parts=parts,
         )
