@@ -41,6 +41,7 @@ import onnx
 from onnx import numpy_helper
 
 from diag.errors import DiagError
+from diag.lint import DIAG_ONLY_KEYS, RECIPE_KEYS
 from diag.load import model_from_path
 from diag.match import _value_dtypes  # element types via shape inference on a weight-free copy
 
@@ -377,18 +378,7 @@ def _toml(value: Any) -> str:
 
 
 #: recipe keys a fix snippet passes to onnxruntime, in its argument order.
-SNIPPET_KEYS = (
-    "quant_format",
-    "activation_type",
-    "weight_type",
-    "per_channel",
-    "reduce_range",
-    "op_types_to_quantize",
-    "nodes_to_quantize",
-    "nodes_to_exclude",
-    "calibrate_method",
-    "extra_options",
-)
+SNIPPET_KEYS = tuple(k for k in RECIPE_KEYS if k not in ("mode", *DIAG_ONLY_KEYS))
 
 
 def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str, Any] | None:

@@ -96,6 +96,8 @@ RECIPE_KEYS = (
     "calibration_samples",
     "preprocess",
 )
+#: Keys diag reads itself; onnxruntime's functions take the others under the same names.
+DIAG_ONLY_KEYS = ("calibration", "calibration_samples", "preprocess")
 STATIC_KEYS = ("quant_format", "activation_type", "calibrate_method", "calibration", "calibration_samples")
 
 
