@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -25,6 +26,19 @@ def _compare(tmp_path: Path, name: str, fmt: str, samples: int = 16, **opts: obj
     np.savez(tmp_path / "in.npz", **fx.make_inputs(samples, 1))
     feeds = FeedSpec(inputs=str(tmp_path / "in.npz"), batch=8)
     return compare_models(tmp_path / "fp.onnx", tmp_path / "q.onnx", feeds, CompareOptions(progress=False, **opts))
+
+
+def _static_qdq_exclusion(tmp_path: Path, name: str, target: str) -> Any:
+    """diag exclude with a static QDQ recipe (calibrated on the ranking split) on fixture ``name``."""
+    from diag.exclude import derive_exclusions
+    from diag.recipe import Recipe
+
+    fx = build(name)
+    onnx.save(fx.model, tmp_path / "fp.onnx")
+    np.savez(tmp_path / "in.npz", **fx.make_inputs(32, 1))
+    recipe = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8")
+    feeds = FeedSpec(inputs=str(tmp_path / "in.npz"), batch=8)
+    return derive_exclusions(tmp_path / "fp.onnx", recipe, feeds, target, bench_runs=0, progress=False)
 
 
 def test_output_kinds_are_inferred_from_graph_evidence() -> None:
@@ -131,15 +145,7 @@ def test_float_region_model_equals_real_exclusion(tmp_path: Path) -> None:
 
 def test_exclusion_for_a_score_target_keeps_exactly_the_concat(tmp_path: Path) -> None:
     """The held-out cosine includes every Concat part: the destroyed scores decide the search."""
-    from diag.exclude import derive_exclusions
-    from diag.recipe import Recipe
-
-    fx = build("detector")
-    onnx.save(fx.model, tmp_path / "fp.onnx")
-    np.savez(tmp_path / "in.npz", **fx.make_inputs(32, 1))
-    recipe = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8")
-    feeds = FeedSpec(inputs=str(tmp_path / "in.npz"), batch=8)
-    r = derive_exclusions(tmp_path / "fp.onnx", recipe, feeds, "cosine>=0.99", bench_runs=0, progress=False)
+    r = _static_qdq_exclusion(tmp_path, "detector", "cosine>=0.99")
     assert r.before.cosine < 0.9  # the score part, not the whole output (whose cosine is > 0.99)
     assert r.reachable and r.nodes_to_exclude == ["head/Concat"]
     assert r.after is not None and r.after.cosine >= 0.99
@@ -180,15 +186,7 @@ def test_concat_parts_are_measured_the_same_with_graph_reductions(tmp_path: Path
 
 def test_a_fix_that_holds_only_in_exact_mode_is_flagged_as_deployed(tmp_path: Path) -> None:
     """Exclusion is searched in exact mode; the answer is re-checked as onnxruntime runs it by default."""
-    from diag.exclude import derive_exclusions
-    from diag.recipe import Recipe
-
-    fx = build("convnet")
-    onnx.save(fx.model, tmp_path / "fp.onnx")
-    np.savez(tmp_path / "in.npz", **fx.make_inputs(32, 1))
-    recipe = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8")
-    feeds = FeedSpec(inputs=str(tmp_path / "in.npz"), batch=8)
-    r = derive_exclusions(tmp_path / "fp.onnx", recipe, feeds, "cosine>=0.999", bench_runs=0, progress=False)
+    r = _static_qdq_exclusion(tmp_path, "convnet", "cosine>=0.999")
     assert r.reachable and r.after is not None and r.after.cosine >= 0.999  # exact mode
     # conv2 in float fixes the exact-mode logits, but the fused QLinearConv of conv3 re-quantizes them.
     assert r.nodes_to_exclude == ["conv2", "relu2"]
