@@ -420,8 +420,10 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     The first part of the samples ranks the nodes (diag compare on the recipe's INT8 model) and
     calibrates a static recipe without calibration data; the rest (--holdout) is held out and judges
     every candidate list. Search: exponential then binary search on the ranked prefix, then each
-    excluded node is re-included in turn and stays quantized when the target still holds. A static
-    recipe is calibrated once; --max-trials / --time-budget cap the search. Exit code 3 when no
+    excluded node is re-included in turn and stays quantized when the target still holds. The search
+    runs first on estimates (the INT8 model with those nodes computed in float, as nodes_to_exclude
+    would: no re-quantization), then its answer is re-quantized, verified and pruned for real. A
+    static recipe is calibrated once; --max-trials / --time-budget cap the search. Exit code 3 when no
     list short of keeping every quantized node in float meets the target, or when the budget ran
     out before any list met it."""
     from diag.errors import GATE_FAILED
@@ -443,6 +445,7 @@ def cmd_exclude(args: argparse.Namespace) -> int:
         max_trials=args.max_trials,
         time_budget=args.time_budget,
         metric=args.metric,
+        estimates=not args.no_estimates,
     )
     for line in summary_lines(result):
         print(_safe(line))
@@ -756,6 +759,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="start no new trial after SECONDS; as --max-trials when reached (default: no limit)",
+    )
+    p.add_argument(
+        "--no-estimates",
+        action="store_true",
+        help="re-quantize every trial instead of searching on float-region estimates of the INT8 model first "
+        "(slower; the answer is verified by re-quantization either way)",
     )
     p.add_argument("--out", default="diag-exclude", metavar="DIR", help="output folder (default diag-exclude)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

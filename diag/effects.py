@@ -144,7 +144,11 @@ def candidates_for(
 
 
 def float_region_model(
-    fp: onnx.ModelProto, q: onnx.ModelProto, group_fp_nodes: list[str], matching: Matching
+    fp: onnx.ModelProto,
+    q: onnx.ModelProto,
+    group_fp_nodes: list[str],
+    matching: Matching,
+    op_types: set[str] | None = None,
 ) -> onnx.ModelProto:
     """The INT8 model with the FP32 node(s) ``group_fp_nodes`` computed in float (see module doc).
 
@@ -153,7 +157,10 @@ def float_region_model(
     float tensor itself in dynamic ones, whose input quantization belongs to the consumer), and its
     output enters the INT8 graph where the INT8 node's did (``cut_name``), quantized onto the same
     grid when that tensor is an integer, so the output quantization the consumers need stays too.
-    Raises ValueError when the region cannot be rebuilt (a subgraph, a tensor with no INT8 pair).
+    In static QDQ models a tensor keeps its Q/DQ only while a node that is still quantized reads
+    or writes it (``op_types``: the op types the recipe quantizes; None: quantize_static's
+    defaults), as with onnxruntime. Raises ValueError when the region cannot be rebuilt (a
+    subgraph, a tensor with no INT8 pair).
 
     Example:
         >>> m = float_region_model(fp.proto, q.proto, ["conv3"], matching)  # doctest: +SKIP
@@ -165,19 +172,33 @@ def float_region_model(
     if any(subgraphs(n) for n in nodes):
         raise ValueError("the group holds a subgraph (If / Loop)")
     fp_inits = {i.name: i for i in fp.graph.initializer}
+    # Paddle and TF exports hold weights in Constant nodes, which the quantizer lifts into
+    # initializers first: the float copy reads the constant itself.
+    fp_consts = {n.output[0]: n for n in fp.graph.node if n.op_type == "Constant" and n.output}
     graph_inputs = {i.name for i in q.graph.input}
     produced = {o for n in nodes for o in n.output if o}
     pairs = matching.pairs
+    stays_quantized = _still_quantized(fp, set(group_fp_nodes), matching, op_types)
 
     new_nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
     rename: dict[str, str] = {}
+    #: tensors made inside the region that a float node reads through their kept Q/DQ
+    requantized: dict[str, str] = {}
     out_grids = [pairs[o].grid for o in produced if o in pairs and pairs[o].grid is not None]
     is_concat = any(n.op_type == "Concat" for n in nodes)
     fp_consumed = {t for n in fp.graph.node for t in n.input}
     for n in nodes:
         for t in n.input:
-            if not t or t in produced or t in rename:
+            if not t or t in rename or t in requantized:
+                continue
+            if t in produced:
+                pair = pairs.get(t)
+                if pair is not None and pair.how == "qdq" and pair.grid is not None and stays_quantized(t):
+                    # Another consumer is still quantized, so onnxruntime keeps this tensor's Q/DQ
+                    # and every consumer, this float one too, reads the dequantized value.
+                    q_out = _grid_node("QuantizeLinear", _PREFIX + t, pair.grid, new_nodes, new_inits)
+                    requantized[t] = _grid_node("DequantizeLinear", q_out, pair.grid, new_nodes, new_inits)
                 continue
             if t in fp_inits:
                 init = onnx.TensorProto()
@@ -185,11 +206,21 @@ def float_region_model(
                 init.name = _PREFIX + t
                 new_inits.append(init)
                 rename[t] = init.name
-            elif t in graph_inputs:
+            elif t in fp_consts and t not in pairs:
+                const = onnx.NodeProto()
+                const.CopyFrom(fp_consts[t])
+                const.name = _PREFIX + (const.name or t)
+                const.output[0] = _PREFIX + t
+                new_nodes.append(const)
+                rename[t] = const.output[0]
+            elif t in graph_inputs and not (t in pairs and pairs[t].how == "qdq" and stays_quantized(t)):
                 rename[t] = t
             elif t in pairs:
                 pair = pairs[t]
-                if is_concat and pair.how == "qdq" and pair.tail and _shares_grid(pair, out_grids):
+                if pair.how == "qdq" and pair.tail and not stays_quantized(t):
+                    # Nothing that still quantizes this tensor touches it: excluded, it stays float.
+                    rename[t] = pair.cut_name
+                elif is_concat and pair.how == "qdq" and pair.tail and _shares_grid(pair, out_grids):
                     # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
                     # quantization belongs to this node and goes with it (excluded, the input keeps
                     # its producer's own, finer grid; its float value is the closest stand-in).
@@ -207,7 +238,7 @@ def float_region_model(
     for n in nodes:
         copy = helper.make_node(
             n.op_type,
-            [rename.get(t, t) if t else "" for t in n.input],
+            [requantized.get(t) or rename.get(t, t) if t else "" for t in n.input],
             [rename.get(o, o) if o else "" for o in n.output],
             name=_PREFIX + (n.name or n.op_type),
             domain=n.domain,
@@ -220,7 +251,14 @@ def float_region_model(
     g = model.graph
     graph_outputs = {o.name for o in g.output}
     replaced = 0
-    for o in produced:
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    writers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in g.node:
+        for i, t in enumerate(node.input):
+            readers.setdefault(t, []).append((node, i))
+        for i, t in enumerate(node.output):
+            writers.setdefault(t, []).append((node, i))
+    for o in sorted(produced):
         pair = pairs.get(o)
         if pair is None:
             continue  # an internal tensor of a fused group: it has no INT8 twin to replace
@@ -229,17 +267,15 @@ def float_region_model(
         if o in graph_outputs and o not in fp_consumed and pair.int8_name in graph_outputs:
             # A model output nothing else reads: excluded, onnxruntime leaves it unquantized.
             target = pair.int8_name
+        elif pair.how == "qdq" and pair.tail and not stays_quantized(o):
+            target = pair.int8_name  # no quantized consumer is left: its Q/DQ goes too
         elif pair.cut_quant is not None:
             value = _grid_node("QuantizeLinear", value, pair.cut_quant, new_nodes, new_inits, pair.cut_dtype)
-        for node in g.node:
-            for i, t in enumerate(node.input):
-                if t == target:
-                    node.input[i] = value
+        for node, i in readers.get(target, []):
+            node.input[i] = value
         if target in graph_outputs:
-            for node in g.node:
-                for i, t in enumerate(node.output):
-                    if t == target:
-                        node.output[i] = target + "__diag_replaced"
+            for node, i in writers.get(target, []):
+                node.output[i] = target + "__diag_replaced"
             new_nodes.append(helper.make_node("Identity", [value], [target], name=_PREFIX + "out/" + target))
         replaced += 1
     if not replaced:
@@ -249,6 +285,53 @@ def float_region_model(
     _drop_dead_nodes(g)
     _sort_topologically(g)
     return model
+
+
+def _still_quantized(fp: onnx.ModelProto, excluded: set[str], matching: Matching, op_types: set[str] | None) -> Any:
+    """``f(tensor)``: does a static QDQ model keep ``tensor``'s Q/DQ with ``excluded`` in float?
+
+    onnxruntime's QDQ quantizer quantizes a tensor when a node it quantizes reads or writes it,
+    and then rewires *every* reader to the dequantized value. So the tensor stays quantized while
+    a node touching it is still quantized (an op type the quantizer handles, in a group that was
+    quantized in the INT8 model, not being excluded); read by excluded nodes only, it becomes
+    float. (A HardSigmoid has Q/DQ on its output only because the Mul after it asked for it.)
+    """
+    if op_types is None:
+        from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+        op_types = set(QDQRegistry) | set(QLinearOpsRegistry)
+    by_id = {node_id(n, i): n for i, n in enumerate(fp.graph.node)}
+    quantized = {n for g in matching.groups if g.quantized for n in g.fp_nodes if n in by_id} - excluded
+    quantized = {n for n in quantized if by_id[n].op_type in op_types}
+    touching: dict[str, set[str]] = {}
+    for nid, n in by_id.items():
+        for t in [*n.input, *n.output]:
+            if t:
+                touching.setdefault(t, set()).add(nid)
+
+    def stays(tensor: str, ignoring: frozenset[str] = frozenset()) -> bool:
+        for nid in sorted((touching.get(tensor, set()) & quantized) - ignoring):
+            node = by_id[nid]
+            if node.op_type not in _FOLLOWERS:
+                return True
+            # Reshape, MaxPool, Relu, ...: onnxruntime quantizes them only when their data
+            # input is already quantized by another node.
+            data = node.input[1] if node.op_type == "Where" and len(node.input) > 1 else node.input[0]
+            if stays(data, ignoring | {nid}):
+                return True
+        return False
+
+    return stays
+
+
+#: QDQ op quantizers that act only when their data input is already quantized (onnxruntime's
+#: QDQDirect8BitOp and kin): they pass a quantization on, they never start one.
+_FOLLOWERS = frozenset(
+    {
+        "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "AveragePool", "Slice", "TopK", "MaxPool",
+        "Resize", "Gather", "GatherElements", "Split", "Where", "Relu", "Clip", "Pad",
+    }
+)  # fmt: skip
 
 
 def _shares_grid(pair: TensorPair, grids: list[Any]) -> bool:
@@ -287,44 +370,59 @@ def _grid_node(
     return out
 
 
-def _consumer_names(g: onnx.GraphProto) -> set[str]:
-    names = {o.name for o in g.output}
-    for n in g.node:
-        names.update(t for t in n.input if t)
-        names.update(outer_scope_inputs(n))
-    return names
+def _needs(n: onnx.NodeProto) -> set[str]:
+    """Every tensor ``n`` reads, its subgraphs' outer-scope reads included."""
+    return {t for t in n.input if t} | set(outer_scope_inputs(n))
 
 
 def _drop_dead_nodes(g: onnx.GraphProto) -> None:
-    """Remove nodes none of whose outputs is read (the INT8 region the float copy replaced)."""
-    while True:
-        used = _consumer_names(g)
-        keep = [n for n in g.node if any(o in used for o in n.output if o)]
-        if len(keep) == len(g.node):
-            return
+    """Remove nodes no graph output depends on (the INT8 region the float copy replaced).
+
+    One walk back from the outputs (linear in the graph: an exclusion search builds hundreds of
+    these models).
+    """
+    needs = [_needs(n) for n in g.node]
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
+    live: set[int] = set()
+    stack = [producer[o.name] for o in g.output if o.name in producer]
+    while stack:
+        i = stack.pop()
+        if i in live:
+            continue
+        live.add(i)
+        stack.extend(producer[t] for t in needs[i] if t in producer)
+    if len(live) < len(g.node):
+        keep = [n for i, n in enumerate(g.node) if i in live]
         del g.node[:]
         g.node.extend(keep)
 
 
 def _sort_topologically(g: onnx.GraphProto) -> None:
-    available = {i.name for i in g.input} | {i.name for i in g.initializer} | {""}
-    pending = list(g.node)
-    ordered: list[onnx.NodeProto] = []
-    while pending:
-        rest = []
-        for n in pending:
-            needs = set(n.input) | set(outer_scope_inputs(n))
-            if needs <= available:
-                ordered.append(n)
-                available.update(n.output)
-            else:
-                rest.append(n)
-        if len(rest) == len(pending):
-            ordered.extend(rest)  # let onnxruntime name the problem
-            break
-        pending = rest
+    """Order nodes so each follows its producers (Kahn's algorithm; ties keep the current order)."""
+    import heapq
+
+    nodes = list(g.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    waiting = [0] * len(nodes)
+    followers: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        for p in {producer[t] for t in _needs(n) if t in producer} - {i}:
+            waiting[i] += 1
+            followers[p].append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for f in followers[i]:
+            waiting[f] -= 1
+            if waiting[f] == 0:
+                heapq.heappush(ready, f)
+    placed = set(order)
+    order += [i for i in range(len(nodes)) if i not in placed]  # a cycle: let onnxruntime name it
     del g.node[:]
-    g.node.extend(ordered)
+    g.node.extend(nodes[i] for i in order)
 
 
 def check_effects(

@@ -12,15 +12,24 @@ from diag.metrics import number_from_json as _metric
 from diag.plots import _pyplot, _svg
 
 #: marker colour per search phase (op-type checks share one colour)
-PHASE_COLOURS = {"baseline": "#7f8c8d", "search": "#2471a3", "prune": "#d35400", "op-type": "#8e44ad"}
+PHASE_COLOURS = {
+    "estimate": "#d5dbdb",  # no re-quantization: the float-region estimate of the baseline
+    "baseline": "#7f8c8d",
+    "search": "#2471a3",
+    "verify": "#148f77",
+    "prune": "#d35400",
+    "op-type": "#8e44ad",
+}
 
 
 def trajectory_plot(doc: dict[str, Any]) -> str:
-    """Excluded groups (x) vs the target metric on held-out samples (y), one dot per re-quantization.
+    """Excluded groups (x) vs the target metric on held-out samples (y), one dot per trial.
 
-    Reading it: the blue dots are the prefix search, orange the pruning tries (a dot under the
-    target line is a node that had to stay in float), the dashed line the target, the star the
-    returned list. Returns an ``<svg>`` string.
+    Reading it: light grey dots are estimates (float regions of the baseline, no
+    re-quantization), the green dot their answer re-quantized, blue dots a prefix search by
+    re-quantization, orange the pruning tries (a dot under the target line is a node that had
+    to stay in float), the dashed line the target, the star the returned list. Re-quantized
+    trials are numbered in order. Returns an ``<svg>`` string.
 
     Example:
         >>> svg = trajectory_plot(json.load(open("exclusion.json")))  # doctest: +SKIP
@@ -43,6 +52,8 @@ def trajectory_plot(doc: dict[str, Any]) -> str:
                 zorder=3,
             )
     for i, s in enumerate(steps):
+        if s["phase"].startswith("estimate"):
+            continue
         ax.annotate(
             str(i),
             (s["excluded_groups"], _metric(s["metric"])),

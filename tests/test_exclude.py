@@ -116,7 +116,10 @@ def test_transformer_culprit_is_kept_in_float_and_the_target_met_on_held_out_sam
     assert held_out_min_cosine(fp, Path(r.model), arrays, 16) != pytest.approx(
         held_out_min_cosine(fp, Path(r.model), {k: v[:16] for k, v in arrays.items()}, 0), abs=1e-9
     ), "the ranking samples are not part of the verdict"
-    assert r.quantizations == len(r.trajectory) and r.evaluations == r.quantizations
+    real = [s for s in r.trajectory if not s.phase.startswith("estimate")]
+    assert r.quantizations == len(real) and r.evaluations == r.quantizations
+    # the search ran on estimates; only the baseline and the estimated answer were re-quantized
+    assert [s.phase for s in real] == ["baseline", "verify"] and r.estimates == 1
     assert_minimal(fp, DYNAMIC, r, arrays, tmp_path)
 
 
@@ -144,7 +147,13 @@ def test_convnet_qdq_list_holds_conv3_and_pruning_leaves_only_needed_groups(tmp_
 def test_many_candidates_need_logarithmic_requantizations(tmp_path):
     fp, npz, _ = write_chain(tmp_path, defect=20)
     r = derive_exclusions(
-        fp, DYNAMIC, FeedSpec(inputs=str(npz), batch=8), "cosine>=0.995", bench_runs=0, progress=False
+        fp,
+        DYNAMIC,
+        FeedSpec(inputs=str(npz), batch=8),
+        "cosine>=0.995",
+        bench_runs=0,
+        progress=False,
+        estimates=False,
     )
     n = len(r.candidates)
     assert n == 40
@@ -183,7 +192,8 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
     assert doc["nodes_to_exclude"] == ["layer1/ffn/fc1/MatMul"]
     assert doc["recipe"]["nodes_to_exclude"] == ["layer1/ffn/fc1/MatMul"]
     assert [x["model"] for x in doc["latency"]] == ["fp32", "int8", "mixed"]
-    assert doc["search"]["quantizations"] == len(doc["search"]["trajectory"])
+    real = [s for s in doc["search"]["trajectory"] if not s["phase"].startswith("estimate")]
+    assert doc["search"]["quantizations"] == len(real) and doc["search"]["estimates"] == 1
     assert (out / "transformer.mixed.onnx").is_file() and "quantize_dynamic(" in (out / "reproduce.py").read_text()
     assert not [p for p in out.iterdir() if p.name.startswith(".")], "no temp files left"
     view = report_section(doc)
@@ -390,14 +400,16 @@ def test_max_trials_returns_the_best_verified_list_so_far_and_says_budget_exhaus
     fp, npz = _nan_fixture(tmp_path)
     feeds = FeedSpec(inputs=str(npz), batch=8)
     # baseline, {a} (NaN), {a, b} (met): the cap stops the pruning, the met list is the answer
-    r = derive_exclusions(fp, DYNAMIC, feeds, "cosine>=0.99", bench_runs=0, progress=False, max_trials=3)
+    r = derive_exclusions(
+        fp, DYNAMIC, feeds, "cosine>=0.99", bench_runs=0, progress=False, max_trials=3, estimates=False
+    )
     assert r.quantizations == 3 and r.verdict == "met" and r.nodes_to_exclude == ["a/MatMul", "b/MatMul"]
     assert r.budget == {"max_trials": 3, "time_budget": None, "exhausted": True, "reason": "--max-trials 3 reached"}
     assert any("budget exhausted (--max-trials 3 reached)" in x and "not proven minimal" in x for x in summary(r))
     # one trial fewer: nothing met yet, which is not "not reachable"
     out = tmp_path / "ex"
     argv = ["exclude", str(fp), "--inputs", str(npz), "--batch", "8", "--target", "cosine>=0.99", "--max-trials", "2"]
-    assert main([*argv, "--bench-runs", "0", "--quiet", "--out", str(out)]) == 3
+    assert main([*argv, "--no-estimates", "--bench-runs", "0", "--quiet", "--out", str(out)]) == 3
     text = capsys.readouterr().out
     assert "NOT MET: budget exhausted (--max-trials 2 reached) before any list met it" in text
     assert "NOT REACHABLE" not in text and not (out / "nan.mixed.onnx").exists()

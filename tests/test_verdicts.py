@@ -226,3 +226,106 @@ def test_float_region_of_a_qdq_concat_equals_real_exclusion_on_the_scores(tmp_pa
 
     got, real = run(region.SerializeToString()), run(str(tmp_path / "x.onnx"))
     np.testing.assert_allclose(got[:, 4:], real[:, 4:], rtol=1e-5, atol=1e-6)
+
+
+def _hardswish_block() -> onnx.ModelProto:
+    """A MobileNetV3-like block: Conv -> BatchNorm -> hardswish (x * HardSigmoid(x)) -> Conv whose bias
+    is a separate Add of a Reshaped constant -> Relu -> pooled Gemm head. HardSigmoid and Reshape are
+    not quantized by onnxruntime themselves: they get Q/DQ only because a quantized neighbour asks."""
+    rng = np.random.default_rng(7)
+
+    def init(name: str, *shape: int, scale: float = 0.5) -> onnx.TensorProto:
+        return onnx.numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    h = onnx.helper
+    nodes = [
+        h.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        h.make_node("BatchNormalization", ["c1", "g", "b", "m", "v"], ["bn"], name="bn1"),
+        h.make_node("HardSigmoid", ["bn"], ["hs"], name="hsig", alpha=1 / 6, beta=0.5),
+        h.make_node("Mul", ["bn", "hs"], ["hswish"], name="hswish"),
+        h.make_node("Conv", ["hswish", "w2"], ["c2"], name="conv2"),
+        h.make_node("Reshape", ["bias", "shape"], ["bias4"], name="bias_reshape"),
+        h.make_node("Add", ["c2", "bias4"], ["c2b"], name="bias_add"),
+        h.make_node("Relu", ["c2b"], ["r"], name="relu2"),
+        h.make_node("GlobalAveragePool", ["r"], ["p"], name="pool"),
+        h.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        h.make_node("Gemm", ["f", "w3", "b3"], ["y"], name="head", transB=1),
+    ]
+    inits = [
+        init("w1", 8, 3, 3, 3),
+        init("g", 8, scale=0.3),
+        init("b", 8),
+        init("m", 8, scale=0.1),
+        onnx.numpy_helper.from_array(np.full(8, 0.5, np.float32), "v"),
+        init("w2", 8, 8, 1, 1),
+        init("bias", 8),
+        onnx.numpy_helper.from_array(np.array([1, 8, 1, 1], np.int64), "shape"),
+        init("w3", 5, 8),
+        init("b3", 5),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "hardswish_block",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 5])],
+        inits,
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize(
+    "excluded",
+    [
+        ["hswish"],
+        ["bn1", "hswish"],
+        ["bias_add", "relu2"],  # one group: onnxruntime folds the Relu into the Add's output grid
+        ["conv2", "bias_add", "relu2"],
+        ["hswish", "conv2"],
+        ["bn1", "bias_add", "relu2"],
+    ],
+)
+def test_estimates_of_multi_node_exclusions_equal_real_static_qdq_exclusion(tmp_path: Path, excluded: list[str]):
+    """What `diag exclude` searches on: a tensor keeps its Q/DQ only while a still-quantized node touches it.
+
+    The non-quantized HardSigmoid's output loses its Q/DQ when the Mul reading it is excluded; the
+    Reshaped bias loses it when the Add is; a tensor between two excluded nodes is read through its
+    Q/DQ only if a quantized node still reads it too.
+    """
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    from diag.effects import float_region_model
+    from diag.fixtures.quantize import _ArrayReader
+    from diag.load import model_from_path
+    from diag.match import match_models
+
+    onnx.save(_hardswish_block(), tmp_path / "fp.onnx")
+    calib = {"x": np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32) * 2}
+
+    def static(out: str, exclude: list[str]) -> Path:
+        quantize_static(
+            tmp_path / "fp.onnx",
+            tmp_path / out,
+            _ArrayReader(calib),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            nodes_to_exclude=exclude,
+        )
+        return tmp_path / out
+
+    fp, q = model_from_path(tmp_path / "fp.onnx"), model_from_path(static("q.onnx", []))
+    region = float_region_model(fp.proto, q.proto, excluded, match_models(fp.proto, q.proto))
+    x = {"x": np.random.default_rng(2).standard_normal((4, 3, 8, 8)).astype(np.float32) * 2}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
+    def run(model: bytes | str) -> np.ndarray:
+        return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"]).run(None, x)[0]
+
+    real, got, base = (
+        run(str(static("x.onnx", excluded))),
+        run(region.SerializeToString()),
+        run(str(tmp_path / "q.onnx")),
+    )
+    assert np.abs(real - base).max() > 1e-4, "the exclusion changes the output"
+    np.testing.assert_allclose(got, real, rtol=1e-5, atol=1e-5)
