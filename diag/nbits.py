@@ -1,0 +1,393 @@
+"""Block-wise and packed 4/8-bit weights: ``MatMulNBits`` and block-wise ``DequantizeLinear``.
+
+onnxruntime's weight-only quantizer (``MatMulNBitsQuantizer``) writes two formats:
+
+* **QOperator** (``matmulnbits``): ``MatMul`` becomes ``MatMulNBits`` (com.microsoft) named
+  ``<node>_Q<bits>``, with the same output name. Its weight ``B`` is ``uint8 [N, K/block, block·bits/8]``:
+  column ``n`` of the FP32 ``[K, N]`` weight, cut into blocks of ``block_size`` rows (the last one
+  zero-padded), two 4-bit values per byte (low nibble first). ``scales`` is ``[N, K/block]`` (or
+  flat); ``zero_points`` is packed the same way (``uint8 [N, ceil(K/block · bits/8)]``) or float,
+  and when absent the zero point is ``2^(bits-1)`` (symmetric).
+* **QDQ** (``qdq-int4-blocked``): ``DequantizeLinear`` of an ``int4`` / ``uint4`` initializer with
+  ``axis`` and ``block_size`` (opset 21) feeding the float ``MatMul``; scales and zero points have
+  ``ceil(K/block)`` entries along ``axis``.
+
+Both are unpacked here into the ``[K, N]`` float weight they stand for and compared with the FP32
+weight per tensor, per output channel and **per block**: one stray value in a block stretches that
+block's scale so every other value in it rounds to a few levels (or to zero), which per-tensor and
+per-channel figures dilute. Blocks are ranked by ``rmse / rms(tensor)``: comparable across
+tensors, and largest where the grid was wasted.
+
+NOTE: this module only reads graphs; the FP32 weight is found structurally (the FP32 node that
+writes the same output name), never by a similar-looking name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+#: Blocks kept per weight (worst first) in a finding; the JSON and report list these.
+WORST_BLOCKS = 10
+
+
+@dataclass(frozen=True)
+class BlockError:
+    """Error of one quantization block of a block-wise weight.
+
+    Attributes:
+        weight: the FP32 weight name.
+        channel: output channel (column ``n`` of a ``[K, N]`` MatMul weight).
+        block: block index along K (rows ``block*block_size`` ..).
+        rows: first and last+1 row of the block in the FP32 weight (the last block may be short).
+        rmse: root mean square of ``dequantized - fp32`` over the block.
+        rel_rmse: ``rmse / rms(whole FP32 weight)``: ≈ 1 means the block's values are lost.
+        max_abs: largest ``|dequantized - fp32|`` in the block.
+        levels: distinct integer levels the block uses (of ``2^bits``): few levels = wasted grid.
+        peak_ratio: ``max|x| / median|x|`` of the FP32 block: a stray value shows as a large ratio.
+    """
+
+    weight: str
+    channel: int
+    block: int
+    rows: tuple[int, int]
+    rmse: float
+    rel_rmse: float
+    max_abs: float
+    levels: int
+    peak_ratio: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready.
+
+        Example:
+            >>> BlockError("w", 3, 1, (32, 64), 0.1, 1.0, 0.2, 2, 40.0).to_dict()["rows"]
+            [32, 64]
+        """
+        return {
+            "weight": self.weight,
+            "channel": self.channel,
+            "block": self.block,
+            "rows": list(self.rows),
+            "rmse": _num(self.rmse),
+            "rel_rmse": _num(self.rel_rmse),
+            "max_abs": _num(self.max_abs),
+            "levels": self.levels,
+            "peak_ratio": _num(self.peak_ratio),
+        }
+
+
+def _num(v: float) -> Any:
+    from diag.metrics import json_number
+
+    return json_number(v)
+
+
+@dataclass(frozen=True)
+class BlockedWeight:
+    """A block-wise quantized weight unpacked to the ``[K, N]`` layout of the FP32 MatMul weight.
+
+    Attributes:
+        int8_name: the packed / int4 initializer.
+        node: the quantized node that reads it (``MatMulNBits``, or the block-wise ``DequantizeLinear``).
+        output: the tensor the compute node writes (same name as the FP32 MatMul's output).
+        bits: 2, 4 or 8.
+        block_size: rows per block.
+        symmetric: no zero point given (``2^(bits-1)`` implied) or every zero point at mid-range.
+        levels: integer levels ``[K, N]`` (unpacked, padding removed).
+        scale: per-element scale ``[K, N]`` (the block's scale repeated).
+        zero_point: per-element zero point ``[K, N]``.
+        dtype: element type as onnxruntime stores it (``uint4``, ``int4``, ``uint8``...).
+    """
+
+    int8_name: str
+    node: str
+    output: str
+    bits: int
+    block_size: int
+    symmetric: bool
+    levels: np.ndarray
+    scale: np.ndarray
+    zero_point: np.ndarray
+    dtype: str
+
+    def dequantized(self) -> np.ndarray:
+        """``(levels - zero_point) * scale`` in float64, ``[K, N]``."""
+        return (self.levels.astype(np.float64) - self.zero_point) * self.scale
+
+
+def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Unpack the last axis of ``packed`` (uint8) into ``count`` values of ``bits`` bits, low bits first.
+
+    This is how ``MatMulNBits`` stores weights and zero points (two 4-bit values per byte, the
+    first in the low nibble).
+
+    Example:
+        >>> unpack_bits(np.array([[0x21, 0x03]], dtype=np.uint8), 4, 3).tolist()
+        [[1, 2, 3]]
+    """
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    b = packed.astype(np.uint16)[..., :, None]
+    shifts = (np.arange(per_byte, dtype=np.uint16) * bits)[None, :]
+    values = (b >> shifts) & mask
+    values = values.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    return values[..., :count].astype(np.int64)
+
+
+def unpack_matmulnbits(node: onnx.NodeProto, array: Any) -> BlockedWeight:
+    """Unpack a ``MatMulNBits`` node's weight, scales and zero points into ``[K, N]`` arrays.
+
+    ``array(name)`` returns an initializer as numpy (None when it is not one).
+
+    Raises:
+        ValueError: a layout this function does not know (``g_idx`` act-order, a computed weight).
+
+    Example:
+        >>> w = unpack_matmulnbits(node, lambda n: arrays.get(n))  # doctest: +SKIP
+        >>> w.dequantized().shape  # doctest: +SKIP
+        (64, 8)
+    """
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    k, n, bits, block = int(attrs["K"]), int(attrs["N"]), int(attrs.get("bits", 4)), int(attrs["block_size"])
+    inputs = list(node.input) + [""] * 6
+    if inputs[4]:
+        raise ValueError("g_idx (act-order) is not supported")
+    packed = array(inputs[1])
+    scales = array(inputs[2])
+    if packed is None or scales is None:
+        raise ValueError("the weight or its scales are computed, not initializers")
+    blocks = (k + block - 1) // block
+    q = unpack_bits(packed.reshape(n, blocks, -1), bits, block).reshape(n, blocks * block)
+    s = scales.astype(np.float64).reshape(n, blocks)
+    zp_arr = array(inputs[3]) if inputs[3] else None
+    if zp_arr is None:
+        z = np.full((n, blocks), float(1 << (bits - 1)))
+        symmetric = True
+    elif zp_arr.dtype == np.uint8:
+        z = unpack_bits(zp_arr.reshape(n, -1), bits, blocks).astype(np.float64)
+        symmetric = bool(np.all(z == (1 << (bits - 1))))
+    else:  # float zero points (HQQ): value = (q - zp) * scale with zp in the level domain
+        z = zp_arr.astype(np.float64).reshape(n, blocks)
+        symmetric = False
+    levels = q[:, :k].T
+    scale = np.repeat(s, block, axis=1)[:, :k].T
+    zero = np.repeat(z, block, axis=1)[:, :k].T
+    return BlockedWeight(
+        inputs[1], node.name, node.output[0], bits, block, symmetric, levels, scale, zero, f"uint{bits} (packed)"
+    )
+
+
+def unpack_blocked_dequantize(node: onnx.NodeProto, array: Any, output: str) -> BlockedWeight:
+    """A block-wise ``DequantizeLinear`` (``block_size`` > 0) of a 2-D initializer as ``[K, N]`` arrays.
+
+    ``output`` is the tensor written by the compute node that reads the dequantized weight.
+
+    Example:
+        >>> w = unpack_blocked_dequantize(dq, lambda n: arrays.get(n), "fc0_out")  # doctest: +SKIP
+    """
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    block = int(attrs["block_size"])
+    q = array(node.input[0])
+    s = array(node.input[1])
+    if q is None or s is None or q.ndim != 2:
+        raise ValueError("only 2-D initializer weights are supported")
+    axis = int(attrs.get("axis", 1)) % 2
+    z_arr = array(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    dtype = str(q.dtype)
+    levels = q.astype(np.int64)
+    zero = z_arr.astype(np.int64).astype(np.float64) if z_arr is not None else np.zeros(s.shape)
+    scale = np.repeat(s.astype(np.float64), block, axis=axis).take(range(q.shape[axis]), axis=axis)
+    zero = np.repeat(zero, block, axis=axis).take(range(q.shape[axis]), axis=axis)
+    if axis == 1:  # blocks along N: transpose so blocks run along rows like MatMulNBits
+        raise ValueError("blocks along the output axis are not supported")
+    signed = dtype.startswith("int")
+    bits = 4 if "4" in dtype else 8
+    symmetric = bool(np.all(zero == (0 if signed else 1 << (bits - 1))))
+    return BlockedWeight(node.input[0], node.name, output, bits, block, symmetric, levels, scale, zero, dtype)
+
+
+def block_errors(name: str, ref: np.ndarray, w: BlockedWeight) -> list[BlockError]:
+    """Every block of ``w`` against the FP32 weight ``ref`` ``[K, N]``, worst (largest ``rel_rmse``) first.
+
+    Example:
+        >>> block_errors("fc2.weight", ref, w)[0].channel  # doctest: +SKIP
+        3
+    """
+    k, n = ref.shape
+    block = w.block_size
+    e = w.dequantized() - ref
+    tensor_rms = math.sqrt(float(np.mean(ref * ref))) or 1.0
+    out: list[BlockError] = []
+    for b in range(0, k, block):
+        eb = e[b : b + block]
+        xb = np.abs(ref[b : b + block])
+        lb = w.levels[b : b + block]
+        rmse = np.sqrt(np.mean(eb * eb, axis=0))
+        peak = np.abs(eb).max(axis=0)
+        med = np.median(xb, axis=0)
+        for c in range(n):
+            ratio = float(xb[:, c].max() / med[c]) if med[c] > 0 else math.inf
+            out.append(
+                BlockError(
+                    name,
+                    c,
+                    b // block,
+                    (b, min(b + block, k)),
+                    float(rmse[c]),
+                    float(rmse[c]) / tensor_rms,
+                    float(peak[c]),
+                    len(np.unique(lb[:, c])),
+                    ratio,
+                )
+            )
+    out.sort(key=lambda x: (-x.rel_rmse, x.channel, x.block))
+    return out
+
+
+def blocked_weights(model: onnx.ModelProto, array: Any) -> list[tuple[BlockedWeight | None, str, str]]:
+    """Every block-wise weight of a quantized graph: ``(weight or None, initializer, why not)``.
+
+    ``array(name)`` reads an initializer (None when it is not one). A weight that cannot be
+    unpacked comes back as ``(None, name, reason)``.
+    """
+    producers_of_consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for i in node.input:
+            producers_of_consumers.setdefault(i, []).append(node)
+    out: list[tuple[BlockedWeight | None, str, str]] = []
+    q_outputs = {o for n in model.graph.node if n.op_type == "QuantizeLinear" for o in n.output}
+    for node in model.graph.node:
+        try:
+            if node.op_type == "MatMulNBits":
+                out.append((unpack_matmulnbits(node, array), node.input[1], ""))
+            elif (
+                node.op_type == "DequantizeLinear"
+                and node.input[0] not in q_outputs
+                and any(a.name == "block_size" and a.i > 0 for a in node.attribute)
+            ):
+                consumers = producers_of_consumers.get(node.output[0], [])
+                if not consumers or not consumers[0].output:
+                    continue
+                out.append((unpack_blocked_dequantize(node, array, consumers[0].output[0]), node.input[0], ""))
+        except ValueError as e:
+            out.append((None, node.input[1] if node.op_type == "MatMulNBits" else node.input[0], str(e)))
+    return out
+
+
+def fp32_weight_of(fp: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str] | None:
+    """The FP32 MatMul that writes ``output`` and the name of its weight input (structural pairing).
+
+    Example:
+        >>> fp32_weight_of(fp32.graph, "y")  # doctest: +SKIP
+        (<MatMul fc2>, 'fc2.weight')
+    """
+    for node in fp.node:
+        if output in node.output and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1:
+            return node, node.input[1]
+    return None
+
+
+# ---------------------------------------------------------------- what runs at which precision
+
+
+def precision_breakdown(model: onnx.ModelProto) -> dict[str, int]:
+    """How many compute nodes run at which weight precision: ``{"int4 weights (MatMulNBits)": 3, ...}``.
+
+    Counts MatMulNBits by ``bits``, MatMuls fed by a block-wise DequantizeLinear by the weight's
+    type, and the float MatMul / Gemm / Conv nodes left (what a mixed plan kept in float).
+
+    Example:
+        >>> precision_breakdown(onnx.load("mixed.onnx"))  # doctest: +SKIP
+        {'int4 weights (MatMulNBits)': 2, 'int8 weights (MatMulNBits)': 1}
+    """
+    counts: Counter[str] = Counter()
+    blocked_out: dict[str, str] = {}
+    dq_out: set[str] = set()
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear":
+            dq_out.update(node.output)
+            if any(a.name == "block_size" and a.i > 0 for a in node.attribute) and node.input[0] in inits:
+                t = inits[node.input[0]].data_type
+                blocked_out[node.output[0]] = onnx.TensorProto.DataType.Name(t).lower()
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
+            counts[f"int{bits} weights (MatMulNBits)"] += 1
+        elif node.op_type in ("MatMul", "Gemm", "Conv"):
+            w = node.input[1] if len(node.input) > 1 else ""
+            if w in blocked_out:
+                counts[f"{blocked_out[w]} weights (block-wise DequantizeLinear)"] += 1
+            elif w not in dq_out and node.input[0] not in dq_out:
+                counts[f"float {node.op_type}"] += 1
+    return dict(sorted(counts.items()))
+
+
+def infer_weight_only(model: onnx.ModelProto) -> tuple[dict[str, Any], list[str]]:
+    """The ``weight_only`` recipe (``MatMulNBitsQuantizer`` arguments) that made ``model``, with evidence.
+
+    FP32 node names come from onnxruntime's naming (``<node>_Q<bits>``, ``<node>_DQ_Q4``); a
+    float MatMul left in the graph is listed in ``nodes_to_exclude``; MatMulNBits nodes of
+    another bit width than the majority become ``node_bits``.
+
+    Example:
+        >>> infer_weight_only(onnx.load("model.q4.onnx"))[0]  # doctest: +SKIP
+        {'mode': 'weight_only', 'quant_format': 'QOperator', 'bits': 4, 'block_size': 32, ...}
+    """
+    evidence: list[str] = []
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
+    recipe: dict[str, Any] = {"mode": "weight_only"}
+    if nbits:
+        recipe["quant_format"] = "QOperator"
+        bits = Counter(int(a.get("bits", 4)) for a in attrs)
+        main_bits = bits.most_common(1)[0][0]
+        blocks = Counter(int(a["block_size"]) for a in attrs)
+        recipe["bits"] = main_bits
+        recipe["block_size"] = blocks.most_common(1)[0][0]
+        recipe["is_symmetric"] = all(len(n.input) < 4 or not n.input[3] for n in nbits)
+        levels = {a["accuracy_level"] for a in attrs if "accuracy_level" in a}
+        if levels:
+            recipe["accuracy_level"] = int(sorted(levels)[0])
+        others = {
+            _fp_name(n.name, int(a.get("bits", 4))): int(a.get("bits", 4))
+            for n, a in zip(nbits, attrs, strict=True)
+            if int(a.get("bits", 4)) != main_bits
+        }
+        if others:
+            recipe["node_bits"] = dict(sorted(others.items()))
+        evidence.append(f"{len(nbits)} MatMulNBits node(s): bits {dict(bits)}, block_size {dict(blocks)}")
+    else:
+        recipe["quant_format"] = "QDQ"
+        dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+        sizes = Counter(a.i for n in dq for a in n.attribute if a.name == "block_size")
+        recipe["bits"] = 4
+        if sizes:
+            recipe["block_size"] = sizes.most_common(1)[0][0]
+        recipe["is_symmetric"] = all(len(n.input) < 3 or not n.input[2] for n in dq)
+        evidence.append(f"{sum(sizes.values())} block-wise DequantizeLinear node(s): block_size {dict(sizes)}")
+    float_matmuls = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name and not _quantized_matmul(n)]
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    kept = [name for name in float_matmuls if not any(i in dq_outputs for i in _inputs_of(model, name))]
+    if kept:
+        recipe["nodes_to_exclude"] = kept
+        evidence.append(f"{len(kept)} MatMul node(s) left in float: {', '.join(kept[:5])}")
+    return recipe, evidence
+
+
+def _inputs_of(model: onnx.ModelProto, name: str) -> list[str]:
+    return next((list(n.input) for n in model.graph.node if n.name == name), [])
+
+
+def _quantized_matmul(node: onnx.NodeProto) -> bool:
+    return node.name.endswith("_Q4") or "_matmul_Q" in node.name
+
+
+def _fp_name(name: str, bits: int) -> str:
+    return name.removesuffix(f"_Q{bits}")
