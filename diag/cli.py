@@ -128,6 +128,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     ops = ", ".join(f"{_safe(k)} {v}" for k, v in s.op_counts.items())
     print("op counts:  " + textwrap.fill(ops, 96, subsequent_indent=" " * 12))
+    if s.precision:
+        print(f"precision:  {_safe(', '.join(f'{k} x{v}' for k, v in s.precision.items()))}")
     if s.subgraph_nodes:
         print(f"subgraphs:  {_safe(', '.join(s.subgraph_nodes))}")
     for w in s.warnings:

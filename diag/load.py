@@ -363,6 +363,8 @@ class ModelSummary:
     problems: list[str]
     #: Findings that did not stop diag (see :attr:`LoadedModel.warnings`).
     warnings: list[str] = field(default_factory=list)
+    #: Weight precision -> node count for block-wise / weight-only formats (:func:`diag.nbits.precision_breakdown`).
+    precision: dict[str, int] = field(default_factory=dict)
 
 
 _QUANT_OP_TYPES = DYNAMIC_OPS | QOPERATOR_OPS | QDQ_OPS | NBITS_OPS
@@ -441,7 +443,16 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
         external_data=m.has_external_data,
         problems=problems,
         warnings=list(m.warnings),
+        precision=_precision(proto, m.format.kind),
     )
+
+
+def _precision(proto: onnx.ModelProto, kind: str) -> dict[str, int]:
+    if kind not in ("matmulnbits", "qdq-int4-blocked", "mixed"):
+        return {}
+    from diag.nbits import precision_breakdown
+
+    return precision_breakdown(proto)
 
 
 def onnxruntime_domains() -> set[str]:

@@ -391,3 +391,82 @@ def _quantized_matmul(node: onnx.NodeProto) -> bool:
 
 def _fp_name(name: str, bits: int) -> str:
     return name.removesuffix(f"_Q{bits}")
+
+
+# ---------------------------------------------------------------- quantizing (recipe mode "weight_only")
+
+
+def weight_only_calls(recipe: Any) -> list[dict[str, Any]]:
+    """The ``MatMulNBitsQuantizer`` keyword arguments a weight-only recipe runs, in order.
+
+    One call at ``recipe.bits`` that leaves out ``nodes_to_exclude`` and every ``node_bits`` node;
+    then one call per other bit width over the nodes given that width (MatMulNBits nodes of the
+    first pass are no longer MatMuls, so the second pass touches only what is still float).
+
+    NOTE: ``MatMulNBitsQuantizer`` has no per-node bits with its default (RTN) config (its
+    ``customized_weight_config`` is read by the neural-compressor algorithms only), and
+    ``nodes_to_include`` adds to ``op_types_to_quantize`` rather than restricting it: excluding
+    everything else is the only way to quantize named nodes at another width.
+
+    Example:
+        >>> from diag.recipe import Recipe
+        >>> r = Recipe(mode="weight_only", bits=4, block_size=32, node_bits={"head": 8})
+        >>> [(c["bits"], c["nodes_to_exclude"]) for c in weight_only_calls(r)]
+        [(4, ['head']), (8, [])]
+    """
+    excluded = list(recipe.nodes_to_exclude or [])
+    node_bits = dict(recipe.node_bits or {})
+    main = recipe.bits or 4
+    common: dict[str, Any] = {
+        "block_size": recipe.block_size or 128,
+        "is_symmetric": bool(recipe.is_symmetric),
+        "accuracy_level": recipe.accuracy_level,
+        "quant_format": recipe.quant_format or "QOperator",
+    }
+    if recipe.op_types_to_quantize:
+        common["op_types_to_quantize"] = tuple(recipe.op_types_to_quantize)
+    others = {n: b for n, b in node_bits.items() if b != main}
+    calls = [{"bits": main, **common, "nodes_to_exclude": list(dict.fromkeys([*excluded, *others]))}]
+    for bits in sorted(set(others.values())):
+        calls.append({"bits": bits, **common, "nodes_to_exclude": list(excluded)})
+    return calls
+
+
+def quantize_weight_only(recipe: Any, src: Any, dst: Any, external: bool, actions: list[str]) -> None:
+    """Run ``MatMulNBitsQuantizer`` as the recipe says (see :func:`weight_only_calls`) from ``src`` to ``dst``.
+
+    QDQ output needs opset 21 (int4 types): an older model is converted with
+    ``onnx.version_converter`` first (onnxruntime would only rewrite the opset number).
+
+    Example:
+        >>> quantize_weight_only(Recipe(mode="weight_only"), "fp32.onnx", "q4.onnx", False, [])  # doctest: +SKIP
+    """
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(src))
+    if recipe.quant_format == "QDQ":
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+        if 0 < opset < 21:
+            from diag.quantize import upgrade_opset
+
+            model = upgrade_opset(model, 21)
+            actions.append(
+                f"upgraded opset {opset} -> 21 with onnx.version_converter: block-wise int4 DequantizeLinear needs it"
+            )
+    calls = weight_only_calls(recipe)
+    for call in calls:
+        kwargs = dict(call)
+        kwargs["quant_format"] = QuantFormat[kwargs["quant_format"]]
+        quantizer = MatMulNBitsQuantizer(model, **kwargs)
+        quantizer.process()
+        model = quantizer.model.model
+    if len(calls) > 1:
+        actions.append(
+            "ran MatMulNBitsQuantizer "
+            + " then ".join(f"bits={c['bits']} (nodes_to_exclude {len(c['nodes_to_exclude'])})" for c in calls)
+        )
+    if external:
+        onnx.save(model, str(dst), save_as_external_data=True, location=f"{dst.name}.data")
+    else:
+        onnx.save(model, str(dst))

@@ -239,7 +239,10 @@ def _weights(report: Any) -> dict[str, Any] | None:
         d["channels_total"] = len(d.get("channels", []))
         d["channels"] = chans[:WEIGHT_CHANNELS]
         weights.append(d)
-    return {"findings": weights, "unmatched": dict(sorted(report.unmatched.items()))}
+    blocks = report.worst_blocks()
+    return {"findings": weights, "unmatched": dict(sorted(report.unmatched.items()))} | (
+        {"blocks": [b.to_dict() for b in blocks]} if blocks else {}
+    )
 
 
 def _pattern_total(t: Any) -> dict[str, Any]:
@@ -606,6 +609,8 @@ class ReportView:
     model_warnings: list[str] = field(default_factory=list)
     #: One line per --metric plugin value.
     task_lines: list[str] = field(default_factory=list)
+    #: Worst quantization blocks of block-wise weights (MatMulNBits, int4 QDQ), formatted cells.
+    weight_blocks: list[dict[str, str]] = field(default_factory=list)
 
 
 def _run_note(run: dict[str, Any]) -> str:
@@ -742,6 +747,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         pattern_instances=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:25]],
         weights=_weight_rows(doc.get("weights")),
         weights_total=len((doc.get("weights") or {}).get("findings", [])),
+        weight_blocks=_block_rows(doc.get("weights")),
         exclusion=_exclusion_view(doc.get("exclusion"), with_plots),
         sensitivity=[
             SensitivityRowView(
@@ -894,6 +900,8 @@ def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[Weight
     for w in (weights or {}).get("findings", [])[:limit]:
         worst = w["channels"][0] if w["channels"] else None
         gran = "per-tensor" if w["axis"] is None else f"per-channel (axis {w['axis']})"
+        if w.get("block_size"):
+            gran = f"block-wise ({w['block_size']} rows)"
         if w["folded"]:
             gran += f"; folded {w['folded']}"
         rows.append(
@@ -911,6 +919,21 @@ def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[Weight
             )
         )
     return rows
+
+
+def _block_rows(weights: dict[str, Any] | None) -> list[dict[str, str]]:
+    """The worst blocks of block-wise weights as table cells (see :mod:`diag.nbits`)."""
+    return [
+        {
+            "weight": b["weight"],
+            "where": f"channel {b['channel']}, rows {b['rows'][0]}-{b['rows'][1] - 1}",
+            "rel_rmse": fmt_num(b["rel_rmse"]),
+            "max_abs": fmt_num(b["max_abs"]),
+            "levels": str(b["levels"]),
+            "peak": fmt_num(b["peak_ratio"]),
+        }
+        for b in (weights or {}).get("blocks", [])
+    ]
 
 
 def _input_outliers(node: dict[str, Any], doc: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
