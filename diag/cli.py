@@ -431,6 +431,8 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     from diag.recipe import Recipe, recipe_from_option
 
     recipe = recipe_from_option(args.recipe) if args.recipe else Recipe(mode="dynamic")
+    if args.tiers:
+        return _exclude_tiers(args, recipe)
     result, files = exclude_to_dir(
         args.fp32,
         recipe,
@@ -451,6 +453,32 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     for name, path in files.items():
         print(f"wrote {name}: {path}")
     return OK if result.reachable else GATE_FAILED
+
+
+def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
+    """`diag exclude --tiers`: a mixed-precision plan across tiers (see diag.tiers)."""
+    from diag.errors import GATE_FAILED
+    from diag.tiers import summary_lines, tier_plan_to_dir
+
+    plan, files = tier_plan_to_dir(
+        args.fp32,
+        recipe,
+        _feed_spec(args),
+        args.target,
+        args.tiers,
+        args.out,
+        holdout=args.holdout,
+        labels=args.labels,
+        threads=args.threads,
+        bench_runs=args.bench_runs,
+        progress=not args.quiet,
+        max_trials=args.max_trials,
+    )
+    for line in summary_lines(plan):
+        print(_safe(line))
+    for name, path in files.items():
+        print(f"wrote {name}: {path}")
+    return OK if plan.reachable else GATE_FAILED
 
 
 EXCLUDE_TARGET_HELP = """\
@@ -758,6 +786,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="start no new trial after SECONDS; as --max-trials when reached (default: no limit)",
+    )
+    p.add_argument(
+        "--tiers",
+        metavar="T1,T2,...",
+        help="mixed-precision plan across tiers, lowest (the recipe's) first: int4,int8,fp32 (weight_only), "
+        "int8,a16,fp32 (static: a16 = 16-bit activations via TensorQuantOverrides), int8,fp32; nodes are "
+        "promoted one tier at a time; writes tiers.json, recipe.json, the plan model and reproduce.py",
     )
     p.add_argument("--out", default="diag-exclude", metavar="DIR", help="output folder (default diag-exclude)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -470,3 +470,62 @@ def quantize_weight_only(recipe: Any, src: Any, dst: Any, external: bool, action
         onnx.save(model, str(dst), save_as_external_data=True, location=f"{dst.name}.data")
     else:
         onnx.save(model, str(dst))
+
+
+def weight_only_snippet(recipe: dict[str, Any], fp32: str, model_out: str, header: str, lift: bool = False) -> str:
+    """Python that rebuilds a weight-only model with plain ``MatMulNBitsQuantizer`` calls (no diag).
+
+    ``recipe`` is a weight-only recipe in file form (``Recipe.to_dict()``); one call per bit width
+    (see :func:`weight_only_calls`), in the order diag ran them.
+
+    Example:
+        >>> print(weight_only_snippet({"mode": "weight_only", "bits": 4}, "m.onnx", "q.onnx", "# x"))  # doctest: +SKIP
+    """
+    from diag.recipe import Recipe
+
+    r = Recipe.from_dict(recipe, "recipe")
+    lines = [
+        "# Rebuilds the model found by diag with plain onnx/onnxruntime calls (MatMulNBitsQuantizer, default RTN).",
+        header,
+        "import os",
+        "",
+        "import onnx",
+        "from onnxruntime.quantization import QuantFormat",
+        "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer",
+        "",
+        f"FP32 = os.path.abspath({fp32!r})",
+        f"OUT = os.path.abspath({model_out!r})",
+        "",
+        "model = onnx.load(FP32)",
+    ]
+    if lift:
+        lines += [
+            "# Constant nodes -> initializers (the quantizer only quantizes initializer weights).",
+            "kept = []",
+            "for node in model.graph.node:",
+            '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
+            "        t = onnx.TensorProto()",
+            "        t.CopyFrom(node.attribute[0].t)",
+            "        t.name = node.output[0]",
+            "        model.graph.initializer.append(t)",
+            "    else:",
+            "        kept.append(node)",
+            "del model.graph.node[:]",
+            "model.graph.node.extend(kept)",
+        ]
+    if r.quant_format == "QDQ":
+        lines += [
+            "if next(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx')) < 21:",
+            "    model = onnx.version_converter.convert_version(model, 21)  # int4 DequantizeLinear needs opset 21",
+        ]
+    for call in weight_only_calls(r):
+        args = ", ".join(
+            f"{k}=QuantFormat.{v}" if k == "quant_format" else f"{k}={v!r}" for k, v in call.items() if v is not None
+        )
+        lines += [
+            f"quantizer = MatMulNBitsQuantizer(model, {args})",
+            "quantizer.process()",
+            "model = quantizer.model.model",
+        ]
+    lines += ["onnx.save(model, OUT)", "print('wrote', OUT)"]
+    return "\n".join(lines) + "\n"
