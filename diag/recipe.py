@@ -45,6 +45,10 @@ WEIGHT_ONLY_KEYS = ("bits", "block_size", "is_symmetric", "accuracy_level", "nod
 WEIGHT_ONLY_RECIPE = ("mode", "quant_format", "op_types_to_quantize", "nodes_to_exclude", *WEIGHT_ONLY_KEYS)
 
 
+class _DefaultFormat(str):
+    """``"QDQ"`` as the dataclass default, told apart from an explicit ``"QDQ"`` (see ``Recipe.__post_init__``)."""
+
+
 @dataclass
 class Recipe:
     """onnxruntime's ``quantize_dynamic`` / ``quantize_static`` arguments, by their Python names.
@@ -75,7 +79,7 @@ class Recipe:
     """
 
     mode: str = "static"
-    quant_format: str = "QDQ"
+    quant_format: str = _DefaultFormat("QDQ")
     activation_type: str = "QInt8"
     weight_type: str = "QInt8"
     per_channel: bool = False
@@ -94,6 +98,12 @@ class Recipe:
     accuracy_level: int | None = None
     node_bits: dict[str, int] | None = None
     base_dir: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # NOTE: quantize_static defaults to QDQ, MatMulNBitsQuantizer to QOperator: a weight_only
+        # recipe that does not name its format gets the quantizer's own default, in code as in files.
+        if self.mode == "weight_only" and isinstance(self.quant_format, _DefaultFormat):
+            self.quant_format = "QOperator"
 
     def with_excluded(self, nodes: Iterable[str]) -> Recipe:
         """A copy with ``nodes`` added to ``nodes_to_exclude`` (order kept, no duplicates).
@@ -251,8 +261,6 @@ def _check_weight_only(recipe: Recipe, data: dict[str, Any], source: str) -> Non
                 "is not a MatMulNBitsQuantizer argument (mode is 'weight_only')",
                 f"weight_only recipes take: {', '.join(WEIGHT_ONLY_RECIPE)}",
             )
-    if "quant_format" not in data:
-        recipe.quant_format = "QOperator"  # MatMulNBitsQuantizer's default
     widths = {recipe.bits or 4, *(recipe.node_bits or {}).values()}
     if recipe.quant_format == "QDQ" and widths != {4}:
         raise DiagError(
