@@ -226,6 +226,12 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
         )
     for s in result.suggestions[:2]:
         print(f"  remedy for {_safe(s.tensor)}: {_safe(s.python)}")
+    blocks = result.weights.worst_blocks(1) if getattr(result, "weights", None) is not None else []
+    for b in blocks:  # block-wise weights (MatMulNBits, int4 QDQ): see diag.nbits
+        print(
+            f"  worst weight block: {_safe(b.weight)} column {b.channel} rows {b.rows[0]}-{b.rows[1] - 1}: "
+            f"error {b.rel_rmse:.2f}x the weight's rms, {b.levels} levels used, max |w| {b.peak_ratio:.0f}x the median"
+        )
     effects = getattr(result, "effects", None)
     if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
         shown = [e for e in effects.effects[:3] if e.recovered > 0.01]
