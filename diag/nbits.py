@@ -518,7 +518,21 @@ def weight_only_snippet(recipe: dict[str, Any], fp32: str, model_out: str, heade
             "if next(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx')) < 21:",
             "    model = onnx.version_converter.convert_version(model, 21)  # int4 DequantizeLinear needs opset 21",
         ]
-    for call in weight_only_calls(r):
+    lines += quantizer_calls(r)
+    lines += ["onnx.save(model, OUT)", "print('wrote', OUT)"]
+    return "\n".join(lines) + "\n"
+
+
+def quantizer_calls(recipe: Any) -> list[str]:
+    """Source lines that run the recipe's ``MatMulNBitsQuantizer`` calls on ``model`` (see :func:`weight_only_calls`).
+
+    Example:
+        >>> from diag.recipe import Recipe
+        >>> quantizer_calls(Recipe(mode="weight_only", block_size=32))[0]
+        'quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=False, quant_format=QuantFormat.QOperator, nodes_to_exclude=[])'
+    """  # noqa: E501
+    lines: list[str] = []
+    for call in weight_only_calls(recipe):
         args = ", ".join(
             f"{k}=QuantFormat.{v}" if k == "quant_format" else f"{k}={v!r}" for k, v in call.items() if v is not None
         )
@@ -527,5 +541,31 @@ def weight_only_snippet(recipe: dict[str, Any], fp32: str, model_out: str, heade
             "quantizer.process()",
             "model = quantizer.model.model",
         ]
-    lines += ["onnx.save(model, OUT)", "print('wrote', OUT)"]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def weight_only_fix_snippet(settings: dict[str, Any], head: str, fp32_path: str, out_path: str) -> str:
+    """The `diag compare` fix for a weight-only model: MatMulNBitsQuantizer calls with the new ``nodes_to_exclude``.
+
+    Example:
+        >>> print(weight_only_fix_snippet({"mode": "weight_only", "nodes_to_exclude": ["head"]}, "# x", "m.onnx",
+        ...                               "m.fixed.onnx"))  # doctest: +ELLIPSIS
+        # x
+        import onnx
+        ...
+    """
+    from diag.recipe import Recipe
+
+    r = Recipe.from_dict(settings, "recipe")
+    return "\n".join(
+        [
+            head,
+            "import onnx",
+            "from onnxruntime.quantization import QuantFormat",
+            "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer",
+            "",
+            f"model = onnx.load({fp32_path!r})",
+            *quantizer_calls(r),
+            f"onnx.save(model, {out_path!r})",
+        ]
+    )

@@ -1084,9 +1084,13 @@ def fix_snippet(
         lines.append(
             "# calibration_reader is yours: a CalibrationDataReader over representative inputs (not in the model)."
         )
+    out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
+    if settings.get("mode") == "weight_only":
+        from diag.nbits import weight_only_fix_snippet
+
+        return weight_only_fix_snippet(settings, lines[0], fp32_path, out)
     fn = "quantize_static" if static else "quantize_dynamic"
     names = sorted(used | {fn})
-    out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
     lines.append(f"from onnxruntime.quantization import {', '.join(names)}")
     lines += ["", f"{fn}(", f"    {json.dumps(fp32_path)},", f"    {json.dumps(out)},"]
     if static:
@@ -1113,6 +1117,14 @@ def _py_json(value: Any) -> str:
 def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
     """The snippet for a diag.json without a recorded recipe: the format is all that is known."""
     listed = ", ".join(json.dumps(n) for n in nodes)
+    if fmt in ("matmulnbits", "qdq-int4-blocked"):
+        from diag.nbits import weight_only_fix_snippet
+
+        quant_format = "QOperator" if fmt == "matmulnbits" else "QDQ"
+        settings = {"mode": "weight_only", "quant_format": quant_format, "nodes_to_exclude": list(nodes)}
+        return weight_only_fix_snippet(
+            settings, "# onnxruntime's defaults (bits 4, block_size 128)", "fp32.onnx", "int8.onnx"
+        )
     if fmt == "dynamic":
         return (
             "from onnxruntime.quantization import quantize_dynamic\n"

@@ -120,22 +120,44 @@ def test_stray_weight_block_is_ranked_first_in_the_weight_table(stray: dict[str,
     assert worst[0].levels <= 4, "the other 31 values of the block share a few levels"
 
 
-def test_compare_on_matmulnbits_names_the_stray_head_and_lists_its_worst_block(
-    stray: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(("which", "fmt"), [("q4", "matmulnbits"), ("qdq4", "qdq-int4-blocked")])
+def test_compare_names_the_stray_head_lists_its_worst_block_and_fixes_it_with_matmulnbitsquantizer(
+    stray: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], which: str, fmt: str
 ) -> None:
     import json
 
-    code = main(
-        ["compare", str(stray["fp32"]), str(stray["q4"]), "--inputs", str(stray["inputs"]), "--out", str(tmp_path)]
-    )
+    argv = ["compare", str(stray["fp32"]), str(stray[which]), "--inputs", str(stray["inputs"]), "--out", str(tmp_path)]
+    code = main(argv)
     out = capsys.readouterr().out
     assert code == 0
     assert "root cause: fc2 (MatMul)" in out
     assert "matched 6/6 FP32 float tensors" in out
+    assert "worst weight block: fc2.weight column 3 rows 32-63" in out
     doc = json.loads((tmp_path / "diag.json").read_text())
-    assert doc["models"]["int8"]["format"] == "matmulnbits"
+    assert doc["models"]["int8"]["format"] == fmt
+    assert doc["recommendation"]["nodes_to_exclude"] == ["fc2"]
     assert doc["weights"]["blocks"][0]["weight"] == "fc2.weight"
     assert 'id="weight-blocks"' in (tmp_path / "report.html").read_text()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "MatMulNBitsQuantizer(model, bits=4, block_size=32" in summary and "nodes_to_exclude=['fc2']" in summary
+
+
+def test_exclude_with_a_weight_only_recipe_writes_a_reproduce_py_that_runs_without_diag(
+    stray: dict[str, Path], tmp_path: Path
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    recipe = json.dumps({"mode": "weight_only", "bits": 4, "block_size": BLOCK})
+    argv = ["exclude", str(stray["fp32"]), "--recipe", recipe, "--inputs", str(stray["inputs"])]
+    assert main([*argv, "--target", "cosine>=0.94", "--bench-runs", "0", "--out", str(tmp_path), "--quiet"]) == 0
+    assert json.loads((tmp_path / "exclusion.json").read_text())["nodes_to_exclude"] == ["fc2"]
+    script = (tmp_path / "reproduce.py").read_text()
+    assert "import diag" not in script and "MatMulNBitsQuantizer(model, bits=4" in script
+    subprocess.run([sys.executable, str(tmp_path / "reproduce.py")], cwd=Path.cwd(), check=True, capture_output=True)
+    again = onnx.load(str(tmp_path / "fp32.reproduced.onnx"))
+    assert [n.op_type for n in again.graph.node] == ["MatMulNBits", "Relu", "MatMulNBits", "Relu", "MatMul"]
 
 
 def test_weight_only_recipe_quantizes_named_nodes_at_8_bits(stray: dict[str, Path], tmp_path: Path) -> None:
