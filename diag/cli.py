@@ -479,6 +479,8 @@ def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
         bench_runs=args.bench_runs,
         progress=not args.quiet,
         max_trials=args.max_trials,
+        time_budget=args.time_budget,
+        metric=args.metric,
     )
     for line in summary_lines(plan):
         print(_safe(line))

@@ -349,6 +349,14 @@ def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
 def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: Any, findings: list[Finding]) -> None:
     mode = valid.get("mode", "static")
     fmt = valid.get("quant_format", "QDQ")
+    if mode == "weight_only":  # settings valid one by one that onnxruntime cannot honour together
+        from diag.recipe import Recipe
+
+        try:
+            Recipe.from_dict(valid)
+        except DiagError as e:
+            key = e.obj.split("'")[1] if "'" in e.obj else "mode"
+            findings.append(Finding("error", "contradiction", key, e.problem, e.hint))
     if mode == "dynamic":
         for key in STATIC_KEYS:
             if key in data:

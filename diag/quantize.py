@@ -347,7 +347,7 @@ def _check_node_names(recipe: Recipe, model: onnx.ModelProto) -> None:
 
     names = {n.name for n in iter_nodes(model.graph) if n.name}
     types = {n.op_type for n in iter_nodes(model.graph)}
-    for key in ("nodes_to_exclude", "nodes_to_quantize"):
+    for key in ("nodes_to_exclude", "nodes_to_quantize", "node_bits"):
         for name in getattr(recipe, key) or []:
             if name not in names:
                 close = difflib.get_close_matches(name, sorted(names), n=1)

@@ -277,10 +277,11 @@ class _TierSearch:
         work: Path,
         progress: bool,
         max_trials: int | None,
+        deadline: float | None = None,
     ) -> None:
         self.fp32, self.fp_proto, self.recipe, self.tiers = fp32, fp_proto, recipe, tiers
         self.evaluator, self.target, self.calibration = evaluator, target, calibration
-        self.work, self.progress, self.max_trials = work, progress, max_trials
+        self.work, self.progress, self.max_trials, self.deadline = work, progress, max_trials, deadline
         self.candidates: list[Candidate] = []
         self.cache: dict[tuple[int, ...], tuple[HeldOutMetrics, Path]] = {}
         self.trials: list[TierTrial] = []
@@ -302,6 +303,8 @@ class _TierSearch:
             return m, m.meets(self.target)
         if self.max_trials is not None and self.quantizations >= self.max_trials and any(levels):
             raise BudgetExhausted(f"--max-trials {self.max_trials} reached")
+        if self.deadline is not None and time.perf_counter() >= self.deadline and any(levels):
+            raise BudgetExhausted("--time-budget reached")
         t0 = time.perf_counter()
         path = self.work / f"plan{len(self.trials):03d}.onnx"
         recipe = recipe_for_plan(self.recipe, self.fp_proto, self.plan_of(levels))
@@ -396,6 +399,8 @@ def derive_tier_plan(
     progress: bool = True,
     work_dir: str | Path | None = None,
     max_trials: int | None = None,
+    time_budget: float | None = None,
+    metric: str | None = None,
 ) -> TierPlan:
     """Find the cheapest assignment of node groups to ``tiers`` that meets ``target`` on held-out inputs.
 
@@ -412,6 +417,8 @@ def derive_tier_plan(
         progress: one line per trial on stderr.
         work_dir: where the plan's model is kept (``plan.onnx``).
         max_trials: cap on re-quantizations (the pruning stops at the cap with a verified plan).
+        time_budget: no new trial after this many seconds (as ``max_trials`` when reached).
+        metric: ``module:function`` of a task-metric plugin; the names it declares become targets.
 
     Returns:
         The plan; ``reachable`` False when only every group at the highest tier meets the target.
@@ -426,7 +433,16 @@ def derive_tier_plan(
 
     start = time.perf_counter()
     tier_list = parse_tiers(",".join(tiers) if isinstance(tiers, list) else tiers, recipe)
-    tgt = parse_target(target) if isinstance(target, str) else target
+    if max_trials is not None and max_trials < 1:
+        raise DiagError("bad-option", f"--max-trials {max_trials}", "must be at least 1", "e.g. --max-trials 50")
+    if time_budget is not None and not time_budget > 0:
+        raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
+    plugin = None
+    if metric:
+        from diag.taskmetrics import metric_factory
+
+        plugin = dict(metric_factory(metric)().better)
+    tgt = parse_target(target, plugin) if isinstance(target, str) else target
     if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
         raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
     fp32 = Path(fp32_path)
@@ -435,11 +451,14 @@ def derive_tier_plan(
     source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
     split = split_feeds(source, holdout)
     calibration = split.ranking if recipe.mode == "static" and not recipe.calibration else None
-    evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads)
+    evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads, metric)
+    deadline = start + time_budget if time_budget is not None else None
     tmp = Path(tempfile.mkdtemp(prefix="diag-tiers-"))
     budget: str | None = None
     try:
-        s = _TierSearch(fp32, fp.proto, recipe, tier_list, evaluator, tgt, calibration, tmp, progress, max_trials)
+        s = _TierSearch(
+            fp32, fp.proto, recipe, tier_list, evaluator, tgt, calibration, tmp, progress, max_trials, deadline
+        )
         before, met0 = s.trial((), "baseline")
         baseline = s.cache[()][1]
         chosen: tuple[int, ...] | None = ()
@@ -603,7 +622,11 @@ def summary_lines(plan: TierPlan) -> list[str]:
     parts.append(f"fp32 {_kb(sizes['fp32'])}")
     lines.append("  size: " + ", ".join(parts))
     if plan.latency:
-        lines.append("  latency: " + ", ".join(f"{r['model']} {r['mean_ms']:.2f} ms" for r in plan.latency))
+        names = {"lowest": f"all {low}"}
+        lines.append(
+            "  latency p50: "
+            + ", ".join(f"{names.get(r['model'], r['model'])} {r['p50_ms']:.2f} ms" for r in plan.latency)
+        )
     lines.append(f"  {plan.quantizations} quantizations in {plan.seconds:.1f} s")
     return lines
 

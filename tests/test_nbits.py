@@ -193,6 +193,16 @@ def test_weight_only_recipe_mistakes_are_bad_recipe(data: dict[str, object], say
     assert e.value.slug == "bad-recipe" and says in str(e.value)
 
 
+def test_lint_reports_weight_only_settings_onnxruntime_cannot_honour_together() -> None:
+    from diag.lint import lint_recipe
+
+    assert lint_recipe({"mode": "weight_only", "bits": 4, "block_size": 32}) == []
+    [finding] = lint_recipe({"mode": "weight_only", "quant_format": "QDQ", "bits": 8})
+    assert (finding.code, finding.where) == ("contradiction", "quant_format")
+    [finding] = lint_recipe({"mode": "weight_only", "per_channel": True})
+    assert finding.where == "per_channel" and "MatMulNBitsQuantizer" in finding.message
+
+
 def test_weight_only_recipe_round_trips_with_only_its_own_keys() -> None:
     r = Recipe.from_dict({"mode": "weight_only", "block_size": 32, "node_bits": {"lm_head": 8}})
     assert r.quant_format == "QOperator", "MatMulNBitsQuantizer's default format"
