@@ -21,9 +21,11 @@ Every plan is written in each tool's own terms and re-quantized by onnxruntime t
 * weight-only (``MatMulNBitsQuantizer``): ``int4`` / ``int8`` / ``int2`` are ``bits``; a node at
   another width than the recipe's goes to ``node_bits`` (a second quantizer call with ``bits=8``),
   ``fp32`` to ``nodes_to_exclude``.
-* static QDQ: ``int8`` is the recipe; ``a16`` puts the group's activation tensors (its float
-  inputs and outputs) at 16 bits with ``extra_options["TensorQuantOverrides"]`` (``QInt16`` /
-  ``QUInt16``, the signedness of the recipe's ``activation_type``); ``fp32`` is ``nodes_to_exclude``.
+* static QDQ: the lowest tier is the recipe (``int8``, or ``int4`` for ``weight_type`` QInt4 /
+  QUInt4); ``int8`` over an int4 recipe puts the group's weights at 8 bits and ``a16`` its
+  activation tensors (float inputs and outputs) at 16 bits (and its weights at 8), both with
+  ``extra_options["TensorQuantOverrides"]`` in the signedness of the recipe's types; ``fp32`` is
+  ``nodes_to_exclude``.
 * dynamic: ``int8``, ``fp32``.
 
 NOTE: the cost of a plan is the number of groups promoted, tier by tier (fewest at the highest
@@ -61,7 +63,7 @@ from diag.recipe import Recipe
 #: The tiers each recipe mode can express, lowest first.
 TIERS_BY_MODE: dict[str, tuple[str, ...]] = {
     "weight_only": ("int2", "int4", "int8", "fp32"),
-    "static": ("int8", "a16", "fp32"),
+    "static": ("int4", "int8", "a16", "fp32"),
     "dynamic": ("int8", "fp32"),
 }
 #: Other spellings accepted on the command line.
@@ -77,6 +79,8 @@ def lowest_tier(recipe: Recipe) -> str:
     """
     if recipe.mode == "weight_only":
         return f"int{recipe.bits or 4}"
+    if recipe.mode == "static" and recipe.weight_type in ("QInt4", "QUInt4"):
+        return "int4"
     if recipe.mode == "static" and recipe.activation_type in ("QInt16", "QUInt16"):
         return "a16"
     return "int8"
@@ -139,14 +143,31 @@ def recipe_for_plan(recipe: Recipe, fp32: Any, plan: dict[str, str]) -> Recipe:
         node_bits.update({n: int(t[3:]) for n, t in plan.items() if t not in ("fp32", base)})
         return dataclasses.replace(out, node_bits=node_bits or None)
     a16 = [n for n, t in plan.items() if t == "a16"]
-    if a16:
-        wide = "QUInt16" if recipe.activation_type.startswith("QU") else "QInt16"
+    # int4 weights (static QInt4 / QUInt4): int8 and a16 nodes get 8-bit weights (A16W8)
+    w8 = [n for n, t in plan.items() if t in ("int8", "a16")] if base == "int4" else []
+    if a16 or w8:
         extra = json.loads(json.dumps(out.extra_options))
         overrides = extra.setdefault("TensorQuantOverrides", {})
+        wide = "QUInt16" if recipe.activation_type.startswith("QU") else "QInt16"
         for name in activation_tensors(fp32, a16):
             overrides.setdefault(name, [{"quant_type": wide}])
+        eight = "QUInt8" if recipe.weight_type.startswith("QU") else "QInt8"
+        for name in weight_tensors(fp32, w8):
+            overrides.setdefault(name, [{"quant_type": eight}])
         out = dataclasses.replace(out, extra_options=extra)
     return out
+
+
+def weight_tensors(fp32: Any, nodes: list[str]) -> list[str]:
+    """The weight initializers (2-D or more: not biases, which onnxruntime quantizes to int32) of ``nodes``.
+
+    Example:
+        >>> weight_tensors(fp.proto, ["fc2"])  # doctest: +SKIP
+        ['fc2.weight']
+    """
+    weights = {t.name for t in fp32.graph.initializer if len(t.dims) >= 2}
+    wanted = set(nodes)
+    return list(dict.fromkeys(i for n in fp32.graph.node if n.name in wanted for i in n.input if i in weights))
 
 
 def activation_tensors(fp32: Any, nodes: list[str]) -> list[str]:

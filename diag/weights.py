@@ -796,6 +796,9 @@ def _rmse_over_scale(e: np.ndarray, s: np.ndarray) -> float | None:
 
 
 def _is_symmetric(zp: np.ndarray, dtype: np.dtype) -> bool:
+    if str(dtype) in ("int4", "uint4"):  # ml_dtypes' 4-bit types (QuantType.QInt4 / QUInt4): no np.iinfo
+        middle = 0 if str(dtype) == "int4" else 8
+        return bool(np.all(zp.astype(np.int64) == middle))
     if np.issubdtype(dtype, np.signedinteger):
         middle = 0
     else:

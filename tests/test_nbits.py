@@ -120,6 +120,21 @@ def test_stray_weight_block_is_ranked_first_in_the_weight_table(stray: dict[str,
     assert worst[0].levels <= 4, "the other 31 values of the block share a few levels"
 
 
+def test_static_qint4_per_channel_weights_are_measured(stray: dict[str, Path], tmp_path: Path) -> None:
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from plain_ort import Rows
+
+    fp = onnx.version_converter.convert_version(onnx.load(str(stray["fp32"])), 21)  # int4 needs opset 21
+    onnx.save(fp, tmp_path / "fp32.onnx")
+    arrays = dict(np.load(stray["inputs"]))
+    out = tmp_path / "q.onnx"
+    quantize_static(str(tmp_path / "fp32.onnx"), str(out), Rows(arrays, 8), quant_format=QuantFormat.QDQ,
+                    weight_type=QuantType.QInt4, per_channel=True)  # fmt: skip
+    report = weight_report(fp, onnx.load(str(out)))
+    assert not report.unmatched and len(report.findings) == 3
+    assert {(f.dtype, f.symmetric, f.axis) for f in report.findings} == {("int4", True, 1)}
+
+
 @pytest.mark.parametrize(("which", "fmt"), [("q4", "matmulnbits"), ("qdq4", "qdq-int4-blocked")])
 def test_compare_names_the_stray_head_lists_its_worst_block_and_fixes_it_with_matmulnbitsquantizer(
     stray: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], which: str, fmt: str

@@ -106,6 +106,23 @@ def test_a16_plan_widens_the_outlier_tensor_and_meets_a_target_all_8_bit_misses(
     assert min_cosine(fp32, out, arrays, plan["split"]["held_out_first"], 1) >= 0.999
 
 
+def test_static_plans_are_written_as_tensor_quant_overrides() -> None:
+    from diag.tiers import recipe_for_plan
+
+    fp = stray_block_mlp().model
+    r = Recipe(mode="static", weight_type="QInt4", activation_type="QUInt8", per_channel=True)
+    assert parse_tiers("int4,int8,a16w8,fp32", r) == ["int4", "int8", "a16", "fp32"]
+    out = recipe_for_plan(r, fp, {"fc2": "int8", "fc1": "a16", "fc0": "fp32"})
+    assert out.nodes_to_exclude == ["fc0"]
+    assert out.extra_options["TensorQuantOverrides"] == {
+        "relu0_out": [{"quant_type": "QUInt16"}],
+        "fc1_out": [{"quant_type": "QUInt16"}],
+        "fc2.weight": [{"quant_type": "QInt8"}],
+        "fc1.weight": [{"quant_type": "QInt8"}],
+    }
+    assert r.extra_options == {}, "the recipe given is not modified"
+
+
 @pytest.mark.parametrize(
     ("text", "recipe", "says"),
     [
