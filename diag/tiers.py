@@ -246,6 +246,8 @@ class TierPlan:
     budget: str | None = None
     model: str | None = None
     snippet: str | None = None
+    #: The ``diag compare`` result of the all-lowest model that ranked the nodes (not serialized).
+    diagnosis: Any = field(default=None, repr=False)
 
     @property
     def by_tier(self) -> dict[str, list[str]]:
@@ -483,6 +485,7 @@ def derive_tier_plan(
         before, met0 = s.trial((), "baseline")
         baseline = s.cache[()][1]
         chosen: tuple[int, ...] | None = ()
+        compared: Any = None
         if not met0:
             compared = compare_models(fp32, baseline, split.ranking, CompareOptions(progress=False, threads=threads))
             s.candidates = ranked_candidates(compared.findings, set(recipe.nodes_to_exclude or []))
@@ -530,6 +533,7 @@ def derive_tier_plan(
         latency=latency,
         budget=budget,
         model=model_out,
+        diagnosis=compared,
     )
 
 
@@ -579,7 +583,15 @@ def tier_plan_to_dir(
             for p in stale:
                 p.unlink(missing_ok=True)
     text = json.dumps(plan.to_dict(), indent=1, ensure_ascii=False) + "\n"
-    return plan, {"tiers.json": atomic_write(out / "tiers.json", text), **files}
+    files = {"tiers.json": atomic_write(out / "tiers.json", text), **files}
+    if plan.diagnosis is not None:
+        from diag.report import document_from_result, write_outputs
+
+        # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
+        doc = document_from_result(plan.diagnosis)
+        doc["models"]["int8"]["path"] = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
+        files.update(write_outputs(doc, out))
+    return plan, files
 
 
 def plan_snippet(plan: TierPlan, recipe: Recipe, model_out: str, calibration: str | None) -> str:
