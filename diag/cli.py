@@ -530,7 +530,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     Pre-flight fixes, each reported: Constant-node weights lifted to initializers, opset upgraded to
     13 for per-channel QDQ, quant_pre_process retried without symbolic shape inference (or sympy),
     external data for large models. The INT8 model is written (atomically) only after it loads in
-    onnxruntime.
+    onnxruntime. A recipe with "mode": "weight_only" runs MatMulNBitsQuantizer (bits, block_size,
+    is_symmetric, accuracy_level; node_bits quantizes named nodes at another width).
     """
     from diag.feeds import FeedSpec
     from diag.quantize import quantize_model
