@@ -229,7 +229,7 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
     blocks = result.weights.worst_blocks(1) if getattr(result, "weights", None) is not None else []
     for b in blocks:  # block-wise weights (MatMulNBits, int4 QDQ): see diag.nbits
         print(
-            f"  worst weight block: {_safe(b.weight)} column {b.channel} rows {b.rows[0]}-{b.rows[1] - 1}: "
+            f"  worst weight block: {_safe(b.weight)} {b.where()}: "
             f"error {b.rel_rmse:.2f}x the weight's rms, {b.levels} levels used, max |w| {b.peak_ratio:.0f}x the median"
         )
     effects = getattr(result, "effects", None)

@@ -50,6 +50,8 @@ class BlockError:
         max_abs: largest ``|dequantized - fp32|`` in the block.
         levels: distinct integer levels the block uses (of ``2^bits``): few levels = wasted grid.
         peak_ratio: ``max|x| / median|x|`` of the FP32 block: a stray value shows as a large ratio.
+        transposed: a ``GatherBlockQuantized`` table blocked along axis 1: ``channel`` is a row of
+            the table and ``rows`` are its columns.
     """
 
     weight: str
@@ -61,6 +63,17 @@ class BlockError:
     max_abs: float
     levels: int
     peak_ratio: float
+    transposed: bool = False
+
+    def where(self) -> str:
+        """``column 3 rows 32-63`` (``row 3 columns 32-63`` for a transposed Gather table).
+
+        Example:
+            >>> BlockError("w", 3, 1, (32, 64), 0.1, 1.0, 0.2, 2, 40.0).where()
+            'column 3 rows 32-63'
+        """
+        a, b = ("row", "columns") if self.transposed else ("column", "rows")
+        return f"{a} {self.channel} {b} {self.rows[0]}-{self.rows[1] - 1}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready.
@@ -79,6 +92,7 @@ class BlockError:
             "max_abs": _num(self.max_abs),
             "levels": self.levels,
             "peak_ratio": _num(self.peak_ratio),
+            "where": self.where(),
         }
 
 
@@ -103,6 +117,9 @@ class BlockedWeight:
         scale: per-element scale ``[K, N]`` (the block's scale repeated).
         zero_point: per-element zero point ``[K, N]``.
         dtype: element type as onnxruntime stores it (``uint4``, ``int4``, ``uint8``...).
+        transposed: the stored weight has its blocks along axis 1 (a ``GatherBlockQuantized`` table,
+            ``[vocab, hidden]`` blocked along hidden): the arrays here are its transpose, so blocks
+            always run along rows; compare with the FP32 weight transposed too.
     """
 
     int8_name: str
@@ -115,6 +132,7 @@ class BlockedWeight:
     scale: np.ndarray
     zero_point: np.ndarray
     dtype: str
+    transposed: bool = False
 
     def dequantized(self) -> np.ndarray:
         """``(levels - zero_point) * scale`` in float64, ``[K, N]``."""
@@ -184,32 +202,42 @@ def unpack_matmulnbits(node: onnx.NodeProto, array: Any) -> BlockedWeight:
 
 
 def unpack_blocked_dequantize(node: onnx.NodeProto, array: Any, output: str) -> BlockedWeight:
-    """A block-wise ``DequantizeLinear`` (``block_size`` > 0) of a 2-D initializer as ``[K, N]`` arrays.
+    """A block-wise ``DequantizeLinear`` (``block_size`` > 0) or ``GatherBlockQuantized`` of a 2-D initializer.
 
-    ``output`` is the tensor written by the compute node that reads the dequantized weight.
+    ``output`` is the tensor written by the node that computes with the weight (the MatMul after
+    the DequantizeLinear; the GatherBlockQuantized itself). The zero point defaults to 0, or to 8
+    for a ``uint4`` GatherBlockQuantized table (the contrib op's default).
 
     Example:
         >>> w = unpack_blocked_dequantize(dq, lambda n: arrays.get(n), "fc0_out")  # doctest: +SKIP
     """
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     block = int(attrs["block_size"])
-    q = array(node.input[0])
-    s = array(node.input[1])
+    gather = node.op_type == "GatherBlockQuantized"
+    data, s_name = node.input[0], node.input[2 if gather else 1]
+    z_name = (
+        (node.input[3] if len(node.input) > 3 else "") if gather else (node.input[2] if len(node.input) > 2 else "")
+    )
+    q = array(data)
+    s = array(s_name)
     if q is None or s is None or q.ndim != 2:
         raise ValueError("only 2-D initializer weights are supported")
-    axis = int(attrs.get("axis", 1)) % 2
-    z_arr = array(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    if gather and q.dtype == np.uint8 and int(attrs.get("bits", 4)) != 8:
+        raise ValueError("packed uint8 GatherBlockQuantized data is not supported")
+    axis = int(attrs.get("quantize_axis" if gather else "axis", 1)) % 2
+    z_arr = array(z_name) if z_name else None
     dtype = str(q.dtype)
     levels = q.astype(np.int64)
-    zero = z_arr.astype(np.int64).astype(np.float64) if z_arr is not None else np.zeros(s.shape)
+    default_zero = 8.0 if gather and dtype == "uint4" else 0.0
+    zero = z_arr.astype(np.int64).astype(np.float64) if z_arr is not None else np.full(s.shape, default_zero)
     scale = np.repeat(s.astype(np.float64), block, axis=axis).take(range(q.shape[axis]), axis=axis)
     zero = np.repeat(zero, block, axis=axis).take(range(q.shape[axis]), axis=axis)
-    if axis == 1:  # blocks along N: transpose so blocks run along rows like MatMulNBits
-        raise ValueError("blocks along the output axis are not supported")
     signed = dtype.startswith("int")
     bits = 4 if "4" in dtype else 8
     symmetric = bool(np.all(zero == (0 if signed else 1 << (bits - 1))))
-    return BlockedWeight(node.input[0], node.name, output, bits, block, symmetric, levels, scale, zero, dtype)
+    if axis == 1:  # blocks along axis 1: transpose so that blocks run along rows like MatMulNBits
+        levels, scale, zero = levels.T, scale.T, zero.T
+    return BlockedWeight(data, node.name, output, bits, block, symmetric, levels, scale, zero, dtype, axis == 1)
 
 
 def block_errors(name: str, ref: np.ndarray, w: BlockedWeight) -> list[BlockError]:
@@ -244,6 +272,7 @@ def block_errors(name: str, ref: np.ndarray, w: BlockedWeight) -> list[BlockErro
                     float(peak[c]),
                     len(np.unique(lb[:, c])),
                     ratio,
+                    w.transposed,
                 )
             )
     out.sort(key=lambda x: (-x.rel_rmse, x.channel, x.block))
@@ -266,6 +295,8 @@ def blocked_weights(model: onnx.ModelProto, array: Any) -> list[tuple[BlockedWei
         try:
             if node.op_type == "MatMulNBits":
                 out.append((unpack_matmulnbits(node, array), node.input[1], ""))
+            elif node.op_type == "GatherBlockQuantized":
+                out.append((unpack_blocked_dequantize(node, array, node.output[0]), node.input[0], ""))
             elif (
                 node.op_type == "DequantizeLinear"
                 and node.input[0] not in q_outputs
@@ -281,7 +312,7 @@ def blocked_weights(model: onnx.ModelProto, array: Any) -> list[tuple[BlockedWei
 
 
 def fp32_weight_of(fp: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str] | None:
-    """The FP32 MatMul that writes ``output`` and the name of its weight input (structural pairing).
+    """The FP32 MatMul / Gemm / Gather that writes ``output`` and its weight input (structural pairing).
 
     Example:
         >>> fp32_weight_of(fp32.graph, "y")  # doctest: +SKIP
@@ -290,6 +321,8 @@ def fp32_weight_of(fp: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, st
     for node in fp.node:
         if output in node.output and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1:
             return node, node.input[1]
+        if output in node.output and node.op_type == "Gather":
+            return node, node.input[0]
     return None
 
 
@@ -320,6 +353,9 @@ def precision_breakdown(model: onnx.ModelProto) -> dict[str, int]:
         if node.op_type == "MatMulNBits":
             bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
             counts[f"int{bits} weights (MatMulNBits)"] += 1
+        elif node.op_type == "GatherBlockQuantized":
+            t = inits[node.input[0]].data_type if node.input[0] in inits else onnx.TensorProto.UINT8
+            counts[f"{onnx.TensorProto.DataType.Name(t).lower()} table (GatherBlockQuantized)"] += 1
         elif node.op_type in ("MatMul", "Gemm", "Conv"):
             w = node.input[1] if len(node.input) > 1 else ""
             if w in blocked_out:
@@ -344,6 +380,10 @@ def infer_weight_only(model: onnx.ModelProto) -> tuple[dict[str, Any], list[str]
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
     recipe: dict[str, Any] = {"mode": "weight_only"}
+    gathers = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    if gathers and not nbits:
+        nbits, attrs = gathers, [{"bits": 4, **a} for a in ({x.name: onnx.helper.get_attribute_value(x) for x in
+                                                            n.attribute} for n in gathers)]  # fmt: skip
     if nbits:
         recipe["quant_format"] = "QOperator"
         bits = Counter(int(a.get("bits", 4)) for a in attrs)
@@ -362,7 +402,10 @@ def infer_weight_only(model: onnx.ModelProto) -> tuple[dict[str, Any], list[str]
         }
         if others:
             recipe["node_bits"] = dict(sorted(others.items()))
-        evidence.append(f"{len(nbits)} MatMulNBits node(s): bits {dict(bits)}, block_size {dict(blocks)}")
+        evidence.append(f"{len(nbits)} {nbits[0].op_type} node(s): bits {dict(bits)}, block_size {dict(blocks)}")
+        if gathers:
+            recipe["op_types_to_quantize"] = ["Gather"] if nbits is gathers else ["MatMul", "Gather"]
+            evidence.append(f"{len(gathers)} GatherBlockQuantized node(s): Gather tables quantized too")
     else:
         recipe["quant_format"] = "QDQ"
         dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]

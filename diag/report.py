@@ -926,7 +926,7 @@ def _block_rows(weights: dict[str, Any] | None) -> list[dict[str, str]]:
     return [
         {
             "weight": b["weight"],
-            "where": f"channel {b['channel']}, rows {b['rows'][0]}-{b['rows'][1] - 1}",
+            "where": b["where"],
             "rel_rmse": fmt_num(b["rel_rmse"]),
             "max_abs": fmt_num(b["max_abs"]),
             "levels": str(b["levels"]),

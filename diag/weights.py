@@ -317,6 +317,8 @@ def _blocked_findings(
         if pair is None or ref_arr is None:
             unmatched[name] = f"no FP32 MatMul with a constant weight writes '{w.output}'"
             continue
+        if w.transposed and ref_arr.ndim == 2:
+            ref_arr = ref_arr.T  # blocks along the table's axis 1 (GatherBlockQuantized): rows here
         ref = ref_arr.astype(np.float64).reshape(w.levels.shape) if ref_arr.size == w.levels.size else None
         if ref is None:
             unmatched[name] = f"FP32 weight '{pair[1]}' has shape {ref_arr.shape}, the quantized one {w.levels.shape}"
@@ -341,9 +343,9 @@ def _blocked_findings(
                 int8_name=name,
                 fp_nodes=[pair[0].name],
                 op_type=pair[0].op_type,
-                shape=tuple(int(d) for d in ref.shape),
+                shape=tuple(int(d) for d in (ref.shape[::-1] if w.transposed else ref.shape)),
                 dtype=w.dtype,
-                axis=0,
+                axis=1 if w.transposed else 0,
                 symmetric=w.symmetric,
                 folded=None,
                 sqnr_db=_sqnr(ref, e),

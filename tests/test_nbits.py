@@ -107,6 +107,32 @@ def test_unpacked_weight_times_input_is_what_onnxruntime_computes(
     np.testing.assert_allclose(got, x.astype(np.float64) @ unpacked.dequantized(), atol=1e-4)
 
 
+def test_gather_block_quantized_table_is_unpacked_paired_and_inferred(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((50, 64)).astype(np.float32)
+    table[7, 40] = 30.0  # a stray value in row 7, block of columns 32-63
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["emb", "ids"], ["e"], name="embed")],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2, 3, 64])],
+        [numpy_helper.from_array(table, "emb")],
+    )
+    fp = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    path = nbits_quantize(fp, tmp_path / "q.onnx", block_size=32, op_types_to_quantize=("Gather",))
+    q = onnx.load(str(path))
+    assert detect_format(q).kind == "matmulnbits"
+    assert infer_recipe(path).recipe["op_types_to_quantize"] == ["Gather"]
+    arrays = {t.name: numpy_helper.to_array(t) for t in q.graph.initializer}
+    [(unpacked, _, _)] = blocked_weights(q, arrays.get)
+    ids = np.array([[0, 7, 49], [3, 3, 1]])
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    np.testing.assert_allclose(got, unpacked.dequantized().T[ids], atol=1e-6)
+    report = weight_report(fp, q)
+    assert [(f.fp_name, f.shape) for f in report.findings] == [("emb", (50, 64))]
+    assert report.worst_blocks()[0].where() == "row 7 columns 32-63"
+
+
 @pytest.mark.parametrize("which", ["q4", "qdq4"])
 def test_stray_weight_block_is_ranked_first_in_the_weight_table(stray: dict[str, Path], which: str) -> None:
     report = weight_report(onnx.load(str(stray["fp32"])), onnx.load(str(stray[which])))
