@@ -338,7 +338,8 @@ def _check_value(key: str, value: Any, obj: str) -> Any:
             return None
         allowed = {"bits": (2, 4, 8), "accuracy_level": (0, 1, 2, 3, 4)}.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or (allowed and value not in allowed):
-            raise DiagError("bad-recipe", obj, f"is {value!r}", f"one of: {', '.join(map(str, allowed or ()))}")
+            hint = f"one of: {', '.join(map(str, allowed))}" if allowed else "write e.g. 32 or 128"
+            raise DiagError("bad-recipe", obj, f"is {value!r}", hint)
         if key == "block_size" and (value < 16 or value & (value - 1)):
             raise DiagError("bad-recipe", obj, f"is {value!r}, not a power of 2 >= 16", "write e.g. 32 or 128")
         return value
