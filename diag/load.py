@@ -443,12 +443,13 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
         external_data=m.has_external_data,
         problems=problems,
         warnings=list(m.warnings),
-        precision=_precision(proto, m.format.kind),
+        precision=_precision(proto, m.format),
     )
 
 
-def _precision(proto: onnx.ModelProto, kind: str) -> dict[str, int]:
-    if kind not in ("matmulnbits", "qdq-int4-blocked", "mixed"):
+def _precision(proto: onnx.ModelProto, fmt: ModelFormat) -> dict[str, int]:
+    """Weight precision per compute node, for models with weight-only block-quantized parts."""
+    if not any(k in NBITS_OPS or k == "DequantizeLinear(block_size)" for k in fmt.evidence):
         return {}
     from diag.nbits import precision_breakdown
 
