@@ -577,7 +577,12 @@ def tier_plan_to_dir(
             files["plan model"] = model
             final = Recipe.from_dict(plan.recipe, "plan recipe")
             files["recipe.json"] = save_recipe(final, out / "recipe.json")
-            plan.snippet = plan_snippet(plan, final, str(out / f"{stem}.reproduced.onnx"), feeds.inputs)
+            if recipe.calibration:  # the recipe's own calibration data, as quantize_model used it
+                calib, count, batch = recipe.calibration_path(), recipe.calibration_samples, 1
+            else:
+                calib, count, batch = feeds.inputs, plan.split["ranking_samples"], plan.split["batch"]
+            again = str(out / f"{stem}.reproduced.onnx")
+            plan.snippet = plan_snippet(plan, final, again, str(calib) if calib else None, count, batch)
             files["reproduce.py"] = atomic_write(out / "reproduce.py", plan.snippet)
         else:
             for p in stale:
@@ -594,8 +599,17 @@ def tier_plan_to_dir(
     return plan, files
 
 
-def plan_snippet(plan: TierPlan, recipe: Recipe, model_out: str, calibration: str | None) -> str:
+def plan_snippet(
+    plan: TierPlan,
+    recipe: Recipe,
+    model_out: str,
+    calibration: str | None,
+    calibration_samples: int | None = None,
+    batch: int = 1,
+) -> str:
     """Python that rebuilds the plan's model with plain onnxruntime calls (no diag).
+
+    ``calibration`` / ``calibration_samples`` / ``batch``: what a static recipe calibrates on.
 
     Example:
         >>> print(plan_snippet(plan, recipe, "m.reproduced.onnx", None))  # doctest: +SKIP
@@ -617,8 +631,7 @@ def plan_snippet(plan: TierPlan, recipe: Recipe, model_out: str, calibration: st
         nodes_to_exclude=list(recipe.nodes_to_exclude),
         fp32=plan.fp32,
     )
-    count = plan.split["ranking_samples"] if recipe.mode == "static" else None
-    return reproduce_snippet(result, model_out, calibration, count, plan.split["batch"])  # type: ignore[arg-type]
+    return reproduce_snippet(result, model_out, calibration, calibration_samples, batch)  # type: ignore[arg-type]
 
 
 def summary_lines(plan: TierPlan) -> list[str]:

@@ -104,6 +104,8 @@ def test_a16_plan_widens_the_outlier_tensor_and_meets_a_target_all_8_bit_misses(
         extra_options={"TensorQuantOverrides": {t: [{"quant_type": QuantType.QInt16}] for t in overrides}},
     )
     assert min_cosine(fp32, out, arrays, plan["split"]["held_out_first"], 1) >= 0.999
+    script = (tmp_path / "out" / "reproduce.py").read_text()
+    assert "'quant_type': QuantType.QInt16" in script, "onnxruntime silently ignores a quant_type given as a string"
 
 
 def test_static_plans_are_written_as_tensor_quant_overrides() -> None:
