@@ -128,6 +128,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     ops = ", ".join(f"{_safe(k)} {v}" for k, v in s.op_counts.items())
     print("op counts:  " + textwrap.fill(ops, 96, subsequent_indent=" " * 12))
+    if s.precision:
+        print(f"precision:  {_safe(', '.join(f'{k} x{v}' for k, v in s.precision.items()))}")
     if s.subgraph_nodes:
         print(f"subgraphs:  {_safe(', '.join(s.subgraph_nodes))}")
     for w in s.warnings:
@@ -224,6 +226,12 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
         )
     for s in result.suggestions[:2]:
         print(f"  remedy for {_safe(s.tensor)}: {_safe(s.python)}")
+    blocks = result.weights.worst_blocks(1) if getattr(result, "weights", None) is not None else []
+    for b in blocks:  # block-wise weights (MatMulNBits, int4 QDQ): see diag.nbits
+        print(
+            f"  worst weight block: {_safe(b.weight)} {b.where()}: "
+            f"error {b.rel_rmse:.2f}x the weight's rms, {b.levels} levels used, max |w| {b.peak_ratio:.0f}x the median"
+        )
     effects = getattr(result, "effects", None)
     if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
         shown = [e for e in effects.effects[:3] if e.recovered > 0.01]
@@ -431,6 +439,8 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     from diag.recipe import Recipe, recipe_from_option
 
     recipe = recipe_from_option(args.recipe) if args.recipe else Recipe(mode="dynamic")
+    if args.tiers:
+        return _exclude_tiers(args, recipe)
     result, files = exclude_to_dir(
         args.fp32,
         recipe,
@@ -452,6 +462,34 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     for name, path in files.items():
         print(f"wrote {name}: {path}")
     return OK if result.reachable else GATE_FAILED
+
+
+def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
+    """`diag exclude --tiers`: a mixed-precision plan across tiers (see diag.tiers)."""
+    from diag.errors import GATE_FAILED
+    from diag.tiers import summary_lines, tier_plan_to_dir
+
+    plan, files = tier_plan_to_dir(
+        args.fp32,
+        recipe,
+        _feed_spec(args),
+        args.target,
+        args.tiers,
+        args.out,
+        holdout=args.holdout,
+        labels=args.labels,
+        threads=args.threads,
+        bench_runs=args.bench_runs,
+        progress=not args.quiet,
+        max_trials=args.max_trials,
+        time_budget=args.time_budget,
+        metric=args.metric,
+    )
+    for line in summary_lines(plan):
+        print(_safe(line))
+    for name, path in files.items():
+        print(f"wrote {name}: {path}")
+    return OK if plan.reachable else GATE_FAILED
 
 
 EXCLUDE_TARGET_HELP = """\
@@ -495,7 +533,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     Pre-flight fixes, each reported: Constant-node weights lifted to initializers, opset upgraded to
     13 for per-channel QDQ, quant_pre_process retried without symbolic shape inference (or sympy),
     external data for large models. The INT8 model is written (atomically) only after it loads in
-    onnxruntime.
+    onnxruntime. A recipe with "mode": "weight_only" runs MatMulNBitsQuantizer (bits, block_size,
+    is_symmetric, accuracy_level; node_bits quantizes named nodes at another width).
     """
     from diag.feeds import FeedSpec
     from diag.quantize import quantize_model
@@ -765,6 +804,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="re-quantize every trial instead of searching on float-region estimates of the INT8 model first "
         "(slower; the answer is verified by re-quantization either way)",
+    )
+    p.add_argument(
+        "--tiers",
+        metavar="T1,T2,...",
+        help="mixed-precision plan across tiers, lowest (the recipe's) first: int4,int8,fp32 (weight_only), "
+        "int8,a16,fp32 (static: a16 = 16-bit activations via TensorQuantOverrides), int8,fp32; nodes are "
+        "promoted one tier at a time; writes tiers.json, recipe.json, the plan model and reproduce.py",
     )
     p.add_argument("--out", default="diag-exclude", metavar="DIR", help="output folder (default diag-exclude)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

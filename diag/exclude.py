@@ -1308,6 +1308,11 @@ def reproduce_snippet(
         ...
     """
     r = result.recipe
+    if r.get("mode") == "weight_only":
+        from diag.nbits import weight_only_snippet
+
+        header = f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float."
+        return weight_only_snippet(r, result.fp32, model_out, header, "lift_constants" in result.steps)
     static = r.get("mode") == "static"
     steps = list(result.steps)
     if r.get("preprocess") and not any(x.startswith("quant_pre_process") for x in steps):
@@ -1331,7 +1336,7 @@ def reproduce_snippet(
     if static:
         enum("CalibrationMethod", "calibrate_method")
     if r.get("extra_options"):
-        args.append(f"    extra_options={r['extra_options']!r},")
+        args.append(f"    extra_options={_extra_options_source(r['extra_options'])},")
     if external:
         args.append("    use_external_data_format=True,")
     names = ["QuantType", "quantize_static" if static else "quantize_dynamic"]
@@ -1433,6 +1438,21 @@ def reproduce_snippet(
         "print('wrote', OUT)",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _extra_options_source(extra: dict[str, Any]) -> str:
+    """``extra_options`` as Python source, TensorQuantOverrides values as onnxruntime wants them.
+
+    A recipe file holds ``"quant_type": "QInt16"`` as a string; onnxruntime compares it with
+    ``QuantType`` members and silently ignores a string (see :func:`diag.recipe.resolve_quant_types`).
+
+    Example:
+        >>> _extra_options_source({"TensorQuantOverrides": {"h": [{"quant_type": "QInt16"}]}})
+        "{'TensorQuantOverrides': {'h': [{'quant_type': QuantType.QInt16}]}}"
+    """
+    text = repr(extra)
+    text = re.sub(r"'quant_type': '(\w+)'", r"'quant_type': QuantType.\1", text)
+    return re.sub(r"'(rmin|rmax|scale)': ([-+0-9.eE]+)", r"'\1': np.float32(\2)", text)
 
 
 def exclude_to_dir(

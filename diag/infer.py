@@ -144,6 +144,11 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
             f"mixes quantization formats ({ev}); one recipe cannot have made it",
             "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
         )
+    if kind in ("matmulnbits", "qdq-int4-blocked"):
+        from diag.nbits import infer_weight_only
+
+        recipe, evidence = infer_weight_only(loaded.proto)
+        return InferredRecipe(recipe, {}, evidence)
     # NOTE: external weights are read one tensor at a time where a value is needed (zero points,
     # the reduce_range check), never all at once: memory stays O(largest weight) on large models.
     base_dir = str(loaded.path.resolve().parent) if loaded.has_external_data else ""

@@ -95,9 +95,15 @@ RECIPE_KEYS = (
     "calibration",
     "calibration_samples",
     "preprocess",
+    # mode "weight_only": MatMulNBitsQuantizer's arguments (node_bits is diag's own).
+    "bits",
+    "block_size",
+    "is_symmetric",
+    "accuracy_level",
+    "node_bits",
 )
 #: Keys diag reads itself; onnxruntime's functions take the others under the same names.
-DIAG_ONLY_KEYS = ("calibration", "calibration_samples", "preprocess")
+DIAG_ONLY_KEYS = ("calibration", "calibration_samples", "preprocess", "node_bits")
 STATIC_KEYS = ("quant_format", "activation_type", "calibrate_method", "calibration", "calibration_samples")
 
 
@@ -274,8 +280,10 @@ def _check_keys(data: dict[str, Any], findings: list[Finding]) -> dict[str, Any]
             hint = f"did you mean '{close}'?" if close else f"recipe keys: {', '.join(RECIPE_KEYS)}"
             findings.append(Finding("error", "unknown-key", key, "is not a recipe key (nothing would read it)", hint))
             continue
+        # a weight_only recipe's keys are checked in that mode (its arguments are MatMulNBitsQuantizer's)
+        mode = {"mode": "weight_only"} if data.get("mode") == "weight_only" and key != "mode" else {}
         try:
-            checked = Recipe.from_dict({key: value})
+            checked = Recipe.from_dict({**mode, key: value})
         except DiagError as e:
             findings.append(Finding("error", "bad-value", key, e.problem, e.hint))
             continue
@@ -341,6 +349,14 @@ def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
 def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: Any, findings: list[Finding]) -> None:
     mode = valid.get("mode", "static")
     fmt = valid.get("quant_format", "QDQ")
+    if mode == "weight_only":  # settings valid one by one that onnxruntime cannot honour together
+        from diag.recipe import Recipe
+
+        try:
+            Recipe.from_dict(valid)
+        except DiagError as e:
+            key = e.obj.split("'")[1] if "'" in e.obj else "mode"
+            findings.append(Finding("error", "contradiction", key, e.problem, e.hint))
     if mode == "dynamic":
         for key in STATIC_KEYS:
             if key in data:

@@ -40,6 +40,8 @@ QOPERATOR_OPS = frozenset(
     }
 )
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+#: weight-only block-quantized ops (``MatMulNBitsQuantizer``, QOperator format; com.microsoft).
+NBITS_OPS = frozenset({"MatMulNBits", "GatherBlockQuantized"})
 
 #: Refuse to parse files larger than this without external data (protobuf's own hard limit).
 MAX_PROTO_BYTES = 2**31 - 1
@@ -50,7 +52,9 @@ class ModelFormat:
     """The quantization format of a model and the evidence for it.
 
     Attributes:
-        kind: ``fp32``, ``dynamic``, ``qdq``, ``qoperator`` or ``mixed``.
+        kind: ``fp32``, ``dynamic``, ``qdq``, ``qoperator``, ``matmulnbits`` (weight-only
+            ``MatMulNBits``), ``qdq-int4-blocked`` (weight-only block-wise ``DequantizeLinear``)
+            or ``mixed``.
         evidence: op type -> count of the quantization-specific ops that decided ``kind``.
     """
 
@@ -262,9 +266,16 @@ def detect_format(proto: onnx.ModelProto) -> ModelFormat:
     if qdq_pairs:
         kinds.append("qdq")
         qdq = {"QuantizeLinear->DequantizeLinear": qdq_pairs}
+    nbits = {op: ops[op] for op in NBITS_OPS if ops[op]}
+    if nbits:
+        kinds.append("matmulnbits")
+    blocked = _blocked_dequantize_count(proto.graph)
+    if blocked:
+        kinds.append("qdq-int4-blocked")
+        nbits["DequantizeLinear(block_size)"] = blocked
     if not kinds:
         return ModelFormat("fp32")
-    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {})}  # type: ignore[dict-item]
+    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {}), **nbits}  # type: ignore[dict-item]
     return ModelFormat(kinds[0] if len(kinds) == 1 else "mixed", dict(sorted(evidence.items())))
 
 
@@ -275,6 +286,22 @@ def _qdq_activation_pairs(graph: onnx.GraphProto) -> int:
     """
     dq_inputs = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input}
     return sum(1 for n in graph.node if n.op_type == "QuantizeLinear" and n.output and n.output[0] in dq_inputs)
+
+
+def _blocked_dequantize_count(graph: onnx.GraphProto) -> int:
+    """Count block-wise DequantizeLinear nodes (``block_size`` > 0) on weights: 4-bit weight-only QDQ.
+
+    A block-wise DequantizeLinear fed by a QuantizeLinear is an activation pair (counted as QDQ).
+    """
+    q_outputs = {o for n in graph.node if n.op_type == "QuantizeLinear" for o in n.output}
+    return sum(
+        1
+        for n in graph.node
+        if n.op_type == "DequantizeLinear"
+        and n.input
+        and n.input[0] not in q_outputs
+        and any(a.name == "block_size" and a.i > 0 for a in n.attribute)
+    )
 
 
 def iter_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
@@ -336,9 +363,11 @@ class ModelSummary:
     problems: list[str]
     #: Findings that did not stop diag (see :attr:`LoadedModel.warnings`).
     warnings: list[str] = field(default_factory=list)
+    #: Weight precision -> node count for block-wise / weight-only formats (:func:`diag.nbits.precision_breakdown`).
+    precision: dict[str, int] = field(default_factory=dict)
 
 
-_QUANT_OP_TYPES = DYNAMIC_OPS | QOPERATOR_OPS | QDQ_OPS
+_QUANT_OP_TYPES = DYNAMIC_OPS | QOPERATOR_OPS | QDQ_OPS | NBITS_OPS
 
 
 def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
@@ -414,7 +443,17 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
         external_data=m.has_external_data,
         problems=problems,
         warnings=list(m.warnings),
+        precision=_precision(proto, m.format),
     )
+
+
+def _precision(proto: onnx.ModelProto, fmt: ModelFormat) -> dict[str, int]:
+    """Weight precision per compute node, for models with weight-only block-quantized parts."""
+    if not any(k in NBITS_OPS or k == "DequantizeLinear(block_size)" for k in fmt.evidence):
+        return {}
+    from diag.nbits import precision_breakdown
+
+    return precision_breakdown(proto)
 
 
 def onnxruntime_domains() -> set[str]:

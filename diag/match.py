@@ -25,9 +25,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from diag.load import DYNAMIC_OPS, QDQ_OPS, QOPERATOR_OPS, outer_scope_inputs, subgraphs
+from diag.load import DYNAMIC_OPS, NBITS_OPS, QDQ_OPS, QOPERATOR_OPS, outer_scope_inputs, subgraphs
 
-QUANT_OPS = DYNAMIC_OPS | QDQ_OPS | QOPERATOR_OPS | {"QGemm"}
+QUANT_OPS = DYNAMIC_OPS | QDQ_OPS | QOPERATOR_OPS | NBITS_OPS | {"QGemm"}
 
 FLOAT_TYPES = {
     onnx.TensorProto.FLOAT,

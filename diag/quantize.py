@@ -216,11 +216,11 @@ def quantize_model(
         if samples < 1:
             raise DiagError("bad-option", "--samples", "must be at least 1", "pass e.g. --samples 64")
         recipe = dataclasses.replace(recipe, calibration_samples=samples)
-    if recipe.mode == "dynamic" and calibration is not None:
+    if recipe.mode != "static" and calibration is not None:
         raise DiagError(
             "bad-option",
             "calibration inputs",
-            "only apply to static quantization but the recipe's mode is 'dynamic'",
+            f"only apply to static quantization but the recipe's mode is '{recipe.mode}'",
             'drop --calib/--reader, or set "mode": "static" in the recipe',
         )
     loaded = float_model_from_path(fp32_path)
@@ -305,7 +305,9 @@ def quantize_model(
                 "warning: no operator was quantized (check op_types_to_quantize / nodes_to_quantize "
                 "against the model's op types)"
             )
-        wanted = "dynamic" if recipe.mode == "dynamic" else recipe.quant_format.lower()
+        wanted = {"dynamic": "dynamic", "weight_only": _weight_only_format(recipe)}.get(
+            recipe.mode, recipe.quant_format.lower()
+        )
         if fmt.is_quantized and fmt.kind != wanted:
             ev = ", ".join(f"{k} x{v}" for k, v in fmt.evidence.items())
             actions.append(f"note: the recipe asked for {wanted} but the output is {fmt.kind} ({ev})")
@@ -345,7 +347,7 @@ def _check_node_names(recipe: Recipe, model: onnx.ModelProto) -> None:
 
     names = {n.name for n in iter_nodes(model.graph) if n.name}
     types = {n.op_type for n in iter_nodes(model.graph)}
-    for key in ("nodes_to_exclude", "nodes_to_quantize"):
+    for key in ("nodes_to_exclude", "nodes_to_quantize", "node_bits"):
         for name in getattr(recipe, key) or []:
             if name not in names:
                 close = difflib.get_close_matches(name, sorted(names), n=1)
@@ -538,6 +540,11 @@ def _run_quantizer(
     from onnxruntime.quantization import quantize_dynamic, quantize_static
 
     dst.parent.mkdir(parents=True, exist_ok=True)
+    if recipe.mode == "weight_only":
+        from diag.nbits import quantize_weight_only
+
+        quantize_weight_only(recipe, src, dst, external, actions)
+        return
     kwargs = recipe.ort_kwargs()
     kwargs["use_external_data_format"] = external
     try:
@@ -568,6 +575,10 @@ def _run_quantizer(
             f"raised {type(e).__name__}: {first}",
             "fix the recipe setting onnxruntime names, or exclude the node it names; --debug shows the traceback",
         ) from e
+
+
+def _weight_only_format(recipe: Recipe) -> str:
+    return "matmulnbits" if recipe.quant_format == "QOperator" else "qdq-int4-blocked"
 
 
 def _reader(source: FeedSource, progress: bool, limit: int | None = None) -> Any:

@@ -31,7 +31,7 @@ import numpy as np
 
 from diag.errors import DiagError
 
-MODES = ("dynamic", "static")
+MODES = ("dynamic", "static", "weight_only")
 QUANT_FORMATS = ("QDQ", "QOperator")
 #: onnxruntime ``QuantType`` member names diag accepts for activations and weights.
 QUANT_TYPES = ("QInt8", "QUInt8", "QInt16", "QUInt16", "QInt4", "QUInt4", "QFLOAT8E4M3FN")
@@ -39,6 +39,14 @@ QUANT_TYPES = ("QInt8", "QUInt8", "QInt16", "QUInt16", "QInt4", "QUInt4", "QFLOA
 CALIBRATE_METHODS = ("MinMax", "Entropy", "Percentile", "Distribution")
 #: keys that only ``quantize_static`` takes.
 STATIC_ONLY = ("quant_format", "activation_type", "calibrate_method", "calibration", "calibration_samples")
+#: keys that only ``MatMulNBitsQuantizer`` (``mode = "weight_only"``) takes; ``node_bits`` is diag's own.
+WEIGHT_ONLY_KEYS = ("bits", "block_size", "is_symmetric", "accuracy_level", "node_bits")
+#: the keys a weight-only recipe may hold (and writes): MatMulNBitsQuantizer's arguments.
+WEIGHT_ONLY_RECIPE = ("mode", "quant_format", "op_types_to_quantize", "nodes_to_exclude", *WEIGHT_ONLY_KEYS)
+
+
+class _DefaultFormat(str):
+    """``"QDQ"`` as the dataclass default, told apart from an explicit ``"QDQ"`` (see ``Recipe.__post_init__``)."""
 
 
 @dataclass
@@ -60,12 +68,18 @@ class Recipe:
         calibration: calibration inputs (``.npz`` or folder), relative to the recipe file.
         calibration_samples: use the first N calibration samples.
         preprocess: run ``quant_pre_process`` (shape inference + graph cleanup) first.
+        bits: weight_only: ``MatMulNBitsQuantizer(bits=...)`` (2, 4 or 8; default 4).
+        block_size: weight_only: rows per quantization block (default 128, as onnxruntime).
+        is_symmetric: weight_only: no zero points (default false).
+        accuracy_level: weight_only: ``MatMulNBits`` compute accuracy (0-4; None: onnxruntime's default).
+        node_bits: weight_only: FP32 node name -> bits for nodes quantized at another width
+            (diag runs a second ``MatMulNBitsQuantizer(bits=...)`` over them; see :mod:`diag.nbits`).
         base_dir: the folder ``calibration`` is relative to (the recipe file's folder when loaded
             from a file); not part of the recipe itself, never written.
     """
 
     mode: str = "static"
-    quant_format: str = "QDQ"
+    quant_format: str = _DefaultFormat("QDQ")
     activation_type: str = "QInt8"
     weight_type: str = "QInt8"
     per_channel: bool = False
@@ -78,7 +92,18 @@ class Recipe:
     calibration: str | None = None
     calibration_samples: int | None = None
     preprocess: bool = False
+    bits: int | None = None
+    block_size: int | None = None
+    is_symmetric: bool | None = None
+    accuracy_level: int | None = None
+    node_bits: dict[str, int] | None = None
     base_dir: str | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # NOTE: quantize_static defaults to QDQ, MatMulNBitsQuantizer to QOperator: a weight_only
+        # recipe that does not name its format gets the quantizer's own default, in code as in files.
+        if self.mode == "weight_only" and isinstance(self.quant_format, _DefaultFormat):
+            self.quant_format = "QOperator"
 
     def with_excluded(self, nodes: Iterable[str]) -> Recipe:
         """A copy with ``nodes`` added to ``nodes_to_exclude`` (order kept, no duplicates).
@@ -101,7 +126,7 @@ class Recipe:
         """
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name == "base_dir":
+            if f.name == "base_dir" or (self.mode == "weight_only" and f.name not in WEIGHT_ONLY_RECIPE):
                 continue
             value = getattr(self, f.name)
             if value is None:
@@ -134,6 +159,7 @@ class Recipe:
         for key, value in data.items():
             values[key] = _check_value(key, value, f"{source} key '{key}'")
         recipe = cls(**values)
+        _check_weight_only(recipe, data, source)
         if recipe.mode == "dynamic":
             defaults = cls()
             for key in STATIC_ONLY:
@@ -215,6 +241,36 @@ def resolve_quant_types(extra_options: dict[str, Any]) -> dict[str, Any]:
     return extra_options
 
 
+def _check_weight_only(recipe: Recipe, data: dict[str, Any], source: str) -> None:
+    """Weight-only keys only in a weight_only recipe, static/dynamic-only keys never in one."""
+    if recipe.mode != "weight_only":
+        for key in WEIGHT_ONLY_KEYS:
+            if data.get(key) is not None:
+                raise DiagError(
+                    "bad-recipe",
+                    f"{source} key '{key}'",
+                    f"only applies to MatMulNBitsQuantizer but mode is '{recipe.mode}'",
+                    f'remove \'{key}\' or set "mode": "weight_only"',
+                )
+        return
+    for key in data:
+        if key not in WEIGHT_ONLY_RECIPE:
+            raise DiagError(
+                "bad-recipe",
+                f"{source} key '{key}'",
+                "is not a MatMulNBitsQuantizer argument (mode is 'weight_only')",
+                f"weight_only recipes take: {', '.join(WEIGHT_ONLY_RECIPE)}",
+            )
+    widths = {recipe.bits or 4, *(recipe.node_bits or {}).values()}
+    if recipe.quant_format == "QDQ" and widths != {4}:
+        raise DiagError(
+            "bad-recipe",
+            f"{source} key 'quant_format'",
+            "QDQ weight-only quantization is 4-bit only in onnxruntime (it leaves 2/8-bit MatMuls in float)",
+            'use "quant_format": "QOperator" for bits 2/8',
+        )
+
+
 _EXAMPLE = 'write e.g. {"mode": "dynamic", "weight_type": "QInt8", "per_channel": true}'
 
 _ENUMS: dict[str, tuple[str, ...]] = {
@@ -277,6 +333,26 @@ def _check_value(key: str, value: Any, obj: str) -> Any:
         if not isinstance(value, str) or not value:
             raise DiagError("bad-recipe", obj, "is not a path", 'write e.g. "calib.npz" (relative to the recipe file)')
         return value
+    if key in ("bits", "block_size", "accuracy_level"):
+        if value is None:
+            return None
+        allowed = {"bits": (2, 4, 8), "accuracy_level": (0, 1, 2, 3, 4)}.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or (allowed and value not in allowed):
+            hint = f"one of: {', '.join(map(str, allowed))}" if allowed else "write e.g. 32 or 128"
+            raise DiagError("bad-recipe", obj, f"is {value!r}", hint)
+        if key == "block_size" and (value < 16 or value & (value - 1)):
+            raise DiagError("bad-recipe", obj, f"is {value!r}, not a power of 2 >= 16", "write e.g. 32 or 128")
+        return value
+    if key == "is_symmetric":
+        if value is not None and not isinstance(value, bool):
+            raise DiagError("bad-recipe", obj, f"is {value!r}, not true/false", "write true or false")
+        return value
+    if key == "node_bits":
+        if value is None:
+            return None
+        if not isinstance(value, dict) or not all(v in (2, 4, 8) and not isinstance(v, bool) for v in value.values()):
+            raise DiagError("bad-recipe", obj, "is not a table of node name -> bits", 'write e.g. {"lm_head": 8}')
+        return dict(value)
     if key == "calibration_samples":
         if value is None:
             return None

@@ -239,7 +239,10 @@ def _weights(report: Any) -> dict[str, Any] | None:
         d["channels_total"] = len(d.get("channels", []))
         d["channels"] = chans[:WEIGHT_CHANNELS]
         weights.append(d)
-    return {"findings": weights, "unmatched": dict(sorted(report.unmatched.items()))}
+    blocks = report.worst_blocks()
+    return {"findings": weights, "unmatched": dict(sorted(report.unmatched.items()))} | (
+        {"blocks": [b.to_dict() for b in blocks]} if blocks else {}
+    )
 
 
 def _pattern_total(t: Any) -> dict[str, Any]:
@@ -606,6 +609,8 @@ class ReportView:
     model_warnings: list[str] = field(default_factory=list)
     #: One line per --metric plugin value.
     task_lines: list[str] = field(default_factory=list)
+    #: Worst quantization blocks of block-wise weights (MatMulNBits, int4 QDQ), formatted cells.
+    weight_blocks: list[dict[str, str]] = field(default_factory=list)
 
 
 def _run_note(run: dict[str, Any]) -> str:
@@ -742,6 +747,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         pattern_instances=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:25]],
         weights=_weight_rows(doc.get("weights")),
         weights_total=len((doc.get("weights") or {}).get("findings", [])),
+        weight_blocks=_block_rows(doc.get("weights")),
         exclusion=_exclusion_view(doc.get("exclusion"), with_plots),
         sensitivity=[
             SensitivityRowView(
@@ -894,6 +900,8 @@ def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[Weight
     for w in (weights or {}).get("findings", [])[:limit]:
         worst = w["channels"][0] if w["channels"] else None
         gran = "per-tensor" if w["axis"] is None else f"per-channel (axis {w['axis']})"
+        if w.get("block_size"):
+            gran = f"block-wise ({w['block_size']} rows)"
         if w["folded"]:
             gran += f"; folded {w['folded']}"
         rows.append(
@@ -911,6 +919,21 @@ def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[Weight
             )
         )
     return rows
+
+
+def _block_rows(weights: dict[str, Any] | None) -> list[dict[str, str]]:
+    """The worst blocks of block-wise weights as table cells (see :mod:`diag.nbits`)."""
+    return [
+        {
+            "weight": b["weight"],
+            "where": b["where"],
+            "rel_rmse": fmt_num(b["rel_rmse"]),
+            "max_abs": fmt_num(b["max_abs"]),
+            "levels": str(b["levels"]),
+            "peak": fmt_num(b["peak_ratio"]),
+        }
+        for b in (weights or {}).get("blocks", [])
+    ]
 
 
 def _input_outliers(node: dict[str, Any], doc: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
@@ -1061,9 +1084,13 @@ def fix_snippet(
         lines.append(
             "# calibration_reader is yours: a CalibrationDataReader over representative inputs (not in the model)."
         )
+    out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
+    if settings.get("mode") == "weight_only":
+        from diag.nbits import weight_only_fix_snippet
+
+        return weight_only_fix_snippet(settings, lines[0], fp32_path, out)
     fn = "quantize_static" if static else "quantize_dynamic"
     names = sorted(used | {fn})
-    out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
     lines.append(f"from onnxruntime.quantization import {', '.join(names)}")
     lines += ["", f"{fn}(", f"    {json.dumps(fp32_path)},", f"    {json.dumps(out)},"]
     if static:
@@ -1090,6 +1117,14 @@ def _py_json(value: Any) -> str:
 def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
     """The snippet for a diag.json without a recorded recipe: the format is all that is known."""
     listed = ", ".join(json.dumps(n) for n in nodes)
+    if fmt in ("matmulnbits", "qdq-int4-blocked"):
+        from diag.nbits import weight_only_fix_snippet
+
+        quant_format = "QOperator" if fmt == "matmulnbits" else "QDQ"
+        settings = {"mode": "weight_only", "quant_format": quant_format, "nodes_to_exclude": list(nodes)}
+        return weight_only_fix_snippet(
+            settings, "# onnxruntime's defaults (bits 4, block_size 128)", "fp32.onnx", "int8.onnx"
+        )
     if fmt == "dynamic":
         return (
             "from onnxruntime.quantization import quantize_dynamic\n"

@@ -201,6 +201,8 @@ def recipe_label(recipe: dict[str, Any], varying: list[str]) -> str:
     """
     flat = _flat(recipe)
     parts = ["dynamic" if flat.get("mode") == "dynamic" else str(flat.get("quant_format", "QDQ"))]
+    if flat.get("mode") == "weight_only":  # MatMulNBitsQuantizer: MatMulNBits or block-wise int4 QDQ
+        parts = [f"weight_only {parts[0]}"]
     for key in varying:
         if key in ("mode", "quant_format") or key not in flat:
             continue

@@ -175,6 +175,9 @@ class WeightFinding:
     cosine: float
     channels: list[ChannelError] = field(default_factory=list)
     is_bias: bool = False
+    #: Block-wise weights (MatMulNBits, int4 QDQ): rows per block and the worst blocks (see diag.nbits).
+    block_size: int | None = None
+    blocks: list[Any] = field(default_factory=list)
 
     @property
     def worst_sqnr_db(self) -> float:
@@ -215,7 +218,7 @@ class WeightFinding:
             "rmse_over_scale": _num(self.rmse_over_scale),
             "cosine": _num(self.cosine),
             "channels": [c.to_dict() for c in self.channels],
-        }
+        } | ({"block_size": self.block_size, "blocks": [b.to_dict() for b in self.blocks]} if self.block_size else {})
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,20 @@ class WeightReport:
             >>> WeightReport([], {"w_quantized": "why"}).to_dict()["unmatched"]
             {'w_quantized': 'why'}
         """
-        return {"findings": [f.to_dict() for f in self.findings], "unmatched": dict(self.unmatched)}
+        blocks = self.worst_blocks()
+        return {"findings": [f.to_dict() for f in self.findings], "unmatched": dict(self.unmatched)} | (
+            {"blocks": [b.to_dict() for b in blocks]} if blocks else {}
+        )
+
+    def worst_blocks(self, top: int = 10) -> list[Any]:
+        """The worst quantization blocks over every block-wise weight (largest ``rel_rmse`` first).
+
+        Example:
+            >>> report.worst_blocks()[0].weight  # doctest: +SKIP
+            'fc2.weight'
+        """
+        blocks = [b for f in self.findings for b in f.blocks]
+        return sorted(blocks, key=lambda b: (-b.rel_rmse, b.weight, b.channel, b.block))[:top]
 
 
 def weight_errors(fp32: onnx.ModelProto, int8: onnx.ModelProto) -> list[WeightFinding]:
@@ -279,8 +295,68 @@ def weight_report(
             findings.append(_finding(qw, f, q))
         except _Unmatched as e:
             unmatched[qw.name] = str(e)
+    _blocked_findings(f, q, int8, findings, unmatched)
     findings.sort(key=lambda x: (math.isnan(x.worst_sqnr_db), x.worst_sqnr_db, x.sqnr_db, x.int8_name))
     return WeightReport(findings, unmatched)
+
+
+def _blocked_findings(
+    f: _Graph, q: _Graph, int8: onnx.ModelProto, findings: list[WeightFinding], unmatched: dict[str, str]
+) -> None:
+    """MatMulNBits and block-wise DequantizeLinear weights (:mod:`diag.nbits`), with their worst blocks."""
+    from diag.nbits import WORST_BLOCKS, block_errors, blocked_weights, fp32_weight_of
+
+    fp_graph = onnx.GraphProto()
+    fp_graph.node.extend(f.nodes)
+    for w, name, why in blocked_weights(int8, q.array):
+        if w is None:
+            unmatched[name] = why
+            continue
+        pair = fp32_weight_of(fp_graph, w.output)
+        ref_arr = f.const(pair[1]) if pair else None
+        if pair is None or ref_arr is None:
+            unmatched[name] = f"no FP32 MatMul with a constant weight writes '{w.output}'"
+            continue
+        if w.transposed and ref_arr.ndim == 2:
+            ref_arr = ref_arr.T  # blocks along the table's axis 1 (GatherBlockQuantized): rows here
+        ref = ref_arr.astype(np.float64).reshape(w.levels.shape) if ref_arr.size == w.levels.size else None
+        if ref is None:
+            unmatched[name] = f"FP32 weight '{pair[1]}' has shape {ref_arr.shape}, the quantized one {w.levels.shape}"
+            continue
+        deq = w.dequantized()
+        e = deq - ref
+        signal = np.einsum("ij,ij->j", ref, ref)
+        noise = np.einsum("ij,ij->j", e, e)
+        scaled = e / np.where(w.scale > 0, w.scale, 1.0)
+        channels = [
+            ChannelError(
+                c,
+                _sqnr_from(float(signal[c]), float(noise[c])),
+                float(np.abs(e[:, c]).max()),
+                math.sqrt(float(np.mean(scaled[:, c] ** 2))),
+            )
+            for c in range(ref.shape[1])
+        ]
+        findings.append(
+            WeightFinding(
+                fp_name=pair[1],
+                int8_name=name,
+                fp_nodes=[pair[0].name],
+                op_type=pair[0].op_type,
+                shape=tuple(int(d) for d in (ref.shape[::-1] if w.transposed else ref.shape)),
+                dtype=w.dtype,
+                axis=1 if w.transposed else 0,
+                symmetric=w.symmetric,
+                folded=None,
+                sqnr_db=_sqnr(ref, e),
+                max_abs=float(np.abs(e).max()) if e.size else 0.0,
+                rmse_over_scale=math.sqrt(float(np.mean(scaled**2))),
+                cosine=_cosine(ref, deq),
+                channels=channels,
+                block_size=w.block_size,
+                blocks=block_errors(pair[1], ref, w)[:WORST_BLOCKS],
+            )
+        )
 
 
 # --- reading the graphs -------------------------------------------------------------------------
@@ -432,8 +508,7 @@ def _qdq_weight(
     zp = _zero_point(q, dq.input[2] if len(dq.input) > 2 else "", name)
     ndim = len(q.inits[name].dims)
     if _attr(dq, "block_size", 0):
-        yield _QuantizedWeight(name, dq, -1, scale, zp, None, unsupported="blocked quantization (block_size)")
-        return
+        return  # block-wise weights: see _blocked_findings
     axis = None
     if scale.size > 1:
         axis = int(_attr(dq, "axis", 1))
@@ -723,6 +798,9 @@ def _rmse_over_scale(e: np.ndarray, s: np.ndarray) -> float | None:
 
 
 def _is_symmetric(zp: np.ndarray, dtype: np.dtype) -> bool:
+    if str(dtype) in ("int4", "uint4"):  # ml_dtypes' 4-bit types (QuantType.QInt4 / QUInt4): no np.iinfo
+        middle = 0 if str(dtype) == "int4" else 8
+        return bool(np.all(zp.astype(np.int64) == middle))
     if np.issubdtype(dtype, np.signedinteger):
         middle = 0
     else:

@@ -1,0 +1,614 @@
+"""Block-wise and packed 4/8-bit weights: ``MatMulNBits`` and block-wise ``DequantizeLinear``.
+
+onnxruntime's weight-only quantizer (``MatMulNBitsQuantizer``) writes two formats:
+
+* **QOperator** (``matmulnbits``): ``MatMul`` becomes ``MatMulNBits`` (com.microsoft) named
+  ``<node>_Q<bits>``, with the same output name. Its weight ``B`` is ``uint8 [N, K/block, block·bits/8]``:
+  column ``n`` of the FP32 ``[K, N]`` weight, cut into blocks of ``block_size`` rows (the last one
+  zero-padded), two 4-bit values per byte (low nibble first). ``scales`` is ``[N, K/block]`` (or
+  flat); ``zero_points`` is packed the same way (``uint8 [N, ceil(K/block · bits/8)]``) or float,
+  and when absent the zero point is ``2^(bits-1)`` (symmetric).
+* **QDQ** (``qdq-int4-blocked``): ``DequantizeLinear`` of an ``int4`` / ``uint4`` initializer with
+  ``axis`` and ``block_size`` (opset 21) feeding the float ``MatMul``; scales and zero points have
+  ``ceil(K/block)`` entries along ``axis``.
+
+Both are unpacked here into the ``[K, N]`` float weight they stand for and compared with the FP32
+weight per tensor, per output channel and **per block**: one stray value in a block stretches that
+block's scale so every other value in it rounds to a few levels (or to zero), which per-tensor and
+per-channel figures dilute. Blocks are ranked by ``rmse / rms(tensor)``: comparable across
+tensors, and largest where the grid was wasted.
+
+NOTE: this module only reads graphs; the FP32 weight is found structurally (the FP32 node that
+writes the same output name), never by a similar-looking name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+#: Blocks kept per weight (worst first) in a finding; the JSON and report list these.
+WORST_BLOCKS = 10
+
+
+@dataclass(frozen=True)
+class BlockError:
+    """Error of one quantization block of a block-wise weight.
+
+    Attributes:
+        weight: the FP32 weight name.
+        channel: output channel (column ``n`` of a ``[K, N]`` MatMul weight).
+        block: block index along K (rows ``block*block_size`` ..).
+        rows: first and last+1 row of the block in the FP32 weight (the last block may be short).
+        rmse: root mean square of ``dequantized - fp32`` over the block.
+        rel_rmse: ``rmse / rms(whole FP32 weight)``: ≈ 1 means the block's values are lost.
+        max_abs: largest ``|dequantized - fp32|`` in the block.
+        levels: distinct integer levels the block uses (of ``2^bits``): few levels = wasted grid.
+        peak_ratio: ``max|x| / median|x|`` of the FP32 block: a stray value shows as a large ratio.
+        transposed: a ``GatherBlockQuantized`` table blocked along axis 1: ``channel`` is a row of
+            the table and ``rows`` are its columns.
+    """
+
+    weight: str
+    channel: int
+    block: int
+    rows: tuple[int, int]
+    rmse: float
+    rel_rmse: float
+    max_abs: float
+    levels: int
+    peak_ratio: float
+    transposed: bool = False
+
+    def where(self) -> str:
+        """``column 3 rows 32-63`` (``row 3 columns 32-63`` for a transposed Gather table).
+
+        Example:
+            >>> BlockError("w", 3, 1, (32, 64), 0.1, 1.0, 0.2, 2, 40.0).where()
+            'column 3 rows 32-63'
+        """
+        a, b = ("row", "columns") if self.transposed else ("column", "rows")
+        return f"{a} {self.channel} {b} {self.rows[0]}-{self.rows[1] - 1}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready.
+
+        Example:
+            >>> BlockError("w", 3, 1, (32, 64), 0.1, 1.0, 0.2, 2, 40.0).to_dict()["rows"]
+            [32, 64]
+        """
+        return {
+            "weight": self.weight,
+            "channel": self.channel,
+            "block": self.block,
+            "rows": list(self.rows),
+            "rmse": _num(self.rmse),
+            "rel_rmse": _num(self.rel_rmse),
+            "max_abs": _num(self.max_abs),
+            "levels": self.levels,
+            "peak_ratio": _num(self.peak_ratio),
+            "where": self.where(),
+        }
+
+
+def _num(v: float) -> Any:
+    from diag.metrics import json_number
+
+    return json_number(v)
+
+
+@dataclass(frozen=True)
+class BlockedWeight:
+    """A block-wise quantized weight unpacked to the ``[K, N]`` layout of the FP32 MatMul weight.
+
+    Attributes:
+        int8_name: the packed / int4 initializer.
+        node: the quantized node that reads it (``MatMulNBits``, or the block-wise ``DequantizeLinear``).
+        output: the tensor the compute node writes (same name as the FP32 MatMul's output).
+        bits: 2, 4 or 8.
+        block_size: rows per block.
+        symmetric: no zero point given (``2^(bits-1)`` implied) or every zero point at mid-range.
+        levels: integer levels ``[K, N]`` (unpacked, padding removed).
+        scale: per-element scale ``[K, N]`` (the block's scale repeated).
+        zero_point: per-element zero point ``[K, N]``.
+        dtype: element type as onnxruntime stores it (``uint4``, ``int4``, ``uint8``...).
+        transposed: the stored weight has its blocks along axis 1 (a ``GatherBlockQuantized`` table,
+            ``[vocab, hidden]`` blocked along hidden): the arrays here are its transpose, so blocks
+            always run along rows; compare with the FP32 weight transposed too.
+    """
+
+    int8_name: str
+    node: str
+    output: str
+    bits: int
+    block_size: int
+    symmetric: bool
+    levels: np.ndarray
+    scale: np.ndarray
+    zero_point: np.ndarray
+    dtype: str
+    transposed: bool = False
+
+    def dequantized(self) -> np.ndarray:
+        """``(levels - zero_point) * scale`` in float64, ``[K, N]``."""
+        return (self.levels.astype(np.float64) - self.zero_point) * self.scale
+
+
+def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Unpack the last axis of ``packed`` (uint8) into ``count`` values of ``bits`` bits, low bits first.
+
+    This is how ``MatMulNBits`` stores weights and zero points (two 4-bit values per byte, the
+    first in the low nibble).
+
+    Example:
+        >>> unpack_bits(np.array([[0x21, 0x03]], dtype=np.uint8), 4, 3).tolist()
+        [[1, 2, 3]]
+    """
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    b = packed.astype(np.uint16)[..., :, None]
+    shifts = (np.arange(per_byte, dtype=np.uint16) * bits)[None, :]
+    values = (b >> shifts) & mask
+    values = values.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    return values[..., :count].astype(np.int64)
+
+
+def unpack_matmulnbits(node: onnx.NodeProto, array: Any) -> BlockedWeight:
+    """Unpack a ``MatMulNBits`` node's weight, scales and zero points into ``[K, N]`` arrays.
+
+    ``array(name)`` returns an initializer as numpy (None when it is not one).
+
+    Raises:
+        ValueError: a layout this function does not know (``g_idx`` act-order, a computed weight).
+
+    Example:
+        >>> w = unpack_matmulnbits(node, lambda n: arrays.get(n))  # doctest: +SKIP
+        >>> w.dequantized().shape  # doctest: +SKIP
+        (64, 8)
+    """
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    k, n, bits, block = int(attrs["K"]), int(attrs["N"]), int(attrs.get("bits", 4)), int(attrs["block_size"])
+    inputs = list(node.input) + [""] * 6
+    if inputs[4]:
+        raise ValueError("g_idx (act-order) is not supported")
+    packed = array(inputs[1])
+    scales = array(inputs[2])
+    if packed is None or scales is None:
+        raise ValueError("the weight or its scales are computed, not initializers")
+    blocks = (k + block - 1) // block
+    q = unpack_bits(packed.reshape(n, blocks, -1), bits, block).reshape(n, blocks * block)
+    s = scales.astype(np.float64).reshape(n, blocks)
+    zp_arr = array(inputs[3]) if inputs[3] else None
+    if zp_arr is None:
+        z = np.full((n, blocks), float(1 << (bits - 1)))
+        symmetric = True
+    elif zp_arr.dtype == np.uint8:
+        z = unpack_bits(zp_arr.reshape(n, -1), bits, blocks).astype(np.float64)
+        symmetric = bool(np.all(z == (1 << (bits - 1))))
+    else:  # float zero points (HQQ): value = (q - zp) * scale with zp in the level domain
+        z = zp_arr.astype(np.float64).reshape(n, blocks)
+        symmetric = False
+    levels = q[:, :k].T
+    scale = np.repeat(s, block, axis=1)[:, :k].T
+    zero = np.repeat(z, block, axis=1)[:, :k].T
+    return BlockedWeight(
+        inputs[1], node.name, node.output[0], bits, block, symmetric, levels, scale, zero, f"uint{bits} (packed)"
+    )
+
+
+def unpack_blocked_dequantize(node: onnx.NodeProto, array: Any, output: str) -> BlockedWeight:
+    """A block-wise ``DequantizeLinear`` (``block_size`` > 0) or ``GatherBlockQuantized`` of a 2-D initializer.
+
+    ``output`` is the tensor written by the node that computes with the weight (the MatMul after
+    the DequantizeLinear; the GatherBlockQuantized itself). The zero point defaults to 0, or to 8
+    for a ``uint4`` GatherBlockQuantized table (the contrib op's default).
+
+    Example:
+        >>> w = unpack_blocked_dequantize(dq, lambda n: arrays.get(n), "fc0_out")  # doctest: +SKIP
+    """
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    block = int(attrs["block_size"])
+    gather = node.op_type == "GatherBlockQuantized"
+    data, s_name = node.input[0], node.input[2 if gather else 1]
+    z_name = (
+        (node.input[3] if len(node.input) > 3 else "") if gather else (node.input[2] if len(node.input) > 2 else "")
+    )
+    q = array(data)
+    s = array(s_name)
+    if q is None or s is None or q.ndim != 2:
+        raise ValueError("only 2-D initializer weights are supported")
+    if gather and q.dtype == np.uint8 and int(attrs.get("bits", 4)) != 8:
+        raise ValueError("packed uint8 GatherBlockQuantized data is not supported")
+    axis = int(attrs.get("quantize_axis" if gather else "axis", 1)) % 2
+    z_arr = array(z_name) if z_name else None
+    dtype = str(q.dtype)
+    levels = q.astype(np.int64)
+    default_zero = 8.0 if gather and dtype == "uint4" else 0.0
+    zero = z_arr.astype(np.int64).astype(np.float64) if z_arr is not None else np.full(s.shape, default_zero)
+    scale = np.repeat(s.astype(np.float64), block, axis=axis).take(range(q.shape[axis]), axis=axis)
+    zero = np.repeat(zero, block, axis=axis).take(range(q.shape[axis]), axis=axis)
+    signed = dtype.startswith("int")
+    bits = 4 if "4" in dtype else 8
+    symmetric = bool(np.all(zero == (0 if signed else 1 << (bits - 1))))
+    if axis == 1:  # blocks along axis 1: transpose so that blocks run along rows like MatMulNBits
+        levels, scale, zero = levels.T, scale.T, zero.T
+    return BlockedWeight(data, node.name, output, bits, block, symmetric, levels, scale, zero, dtype, axis == 1)
+
+
+def block_errors(name: str, ref: np.ndarray, w: BlockedWeight) -> list[BlockError]:
+    """Every block of ``w`` against the FP32 weight ``ref`` ``[K, N]``, worst (largest ``rel_rmse``) first.
+
+    Example:
+        >>> block_errors("fc2.weight", ref, w)[0].channel  # doctest: +SKIP
+        3
+    """
+    k, n = ref.shape
+    block = w.block_size
+    e = w.dequantized() - ref
+    tensor_rms = math.sqrt(float(np.mean(ref * ref))) or 1.0
+    out: list[BlockError] = []
+    for b in range(0, k, block):
+        eb = e[b : b + block]
+        xb = np.abs(ref[b : b + block])
+        lb = w.levels[b : b + block]
+        rmse = np.sqrt(np.mean(eb * eb, axis=0))
+        peak = np.abs(eb).max(axis=0)
+        med = np.median(xb, axis=0)
+        for c in range(n):
+            ratio = float(xb[:, c].max() / med[c]) if med[c] > 0 else math.inf
+            out.append(
+                BlockError(
+                    name,
+                    c,
+                    b // block,
+                    (b, min(b + block, k)),
+                    float(rmse[c]),
+                    float(rmse[c]) / tensor_rms,
+                    float(peak[c]),
+                    len(np.unique(lb[:, c])),
+                    ratio,
+                    w.transposed,
+                )
+            )
+    out.sort(key=lambda x: (-x.rel_rmse, x.channel, x.block))
+    return out
+
+
+def blocked_weights(model: onnx.ModelProto, array: Any) -> list[tuple[BlockedWeight | None, str, str]]:
+    """Every block-wise weight of a quantized graph: ``(weight or None, initializer, why not)``.
+
+    ``array(name)`` reads an initializer (None when it is not one). A weight that cannot be
+    unpacked comes back as ``(None, name, reason)``.
+    """
+    producers_of_consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for i in node.input:
+            producers_of_consumers.setdefault(i, []).append(node)
+    out: list[tuple[BlockedWeight | None, str, str]] = []
+    q_outputs = {o for n in model.graph.node if n.op_type == "QuantizeLinear" for o in n.output}
+    for node in model.graph.node:
+        try:
+            if node.op_type == "MatMulNBits":
+                out.append((unpack_matmulnbits(node, array), node.input[1], ""))
+            elif node.op_type == "GatherBlockQuantized":
+                out.append((unpack_blocked_dequantize(node, array, node.output[0]), node.input[0], ""))
+            elif (
+                node.op_type == "DequantizeLinear"
+                and node.input[0] not in q_outputs
+                and any(a.name == "block_size" and a.i > 0 for a in node.attribute)
+            ):
+                consumers = producers_of_consumers.get(node.output[0], [])
+                if not consumers or not consumers[0].output:
+                    continue
+                out.append((unpack_blocked_dequantize(node, array, consumers[0].output[0]), node.input[0], ""))
+        except ValueError as e:
+            out.append((None, node.input[1] if node.op_type == "MatMulNBits" else node.input[0], str(e)))
+    return out
+
+
+def fp32_weight_of(fp: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, str] | None:
+    """The FP32 MatMul / Gemm / Gather that writes ``output`` and its weight input (structural pairing).
+
+    Example:
+        >>> fp32_weight_of(fp32.graph, "y")  # doctest: +SKIP
+        (<MatMul fc2>, 'fc2.weight')
+    """
+    for node in fp.node:
+        if output in node.output and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1:
+            return node, node.input[1]
+        if output in node.output and node.op_type == "Gather":
+            return node, node.input[0]
+    return None
+
+
+# ---------------------------------------------------------------- what runs at which precision
+
+
+def precision_breakdown(model: onnx.ModelProto) -> dict[str, int]:
+    """How many compute nodes run at which weight precision: ``{"int4 weights (MatMulNBits)": 3, ...}``.
+
+    Counts MatMulNBits by ``bits``, MatMuls fed by a block-wise DequantizeLinear by the weight's
+    type, and the float MatMul / Gemm / Conv nodes left (what a mixed plan kept in float).
+
+    Example:
+        >>> precision_breakdown(onnx.load("mixed.onnx"))  # doctest: +SKIP
+        {'int4 weights (MatMulNBits)': 2, 'int8 weights (MatMulNBits)': 1}
+    """
+    counts: Counter[str] = Counter()
+    blocked_out: dict[str, str] = {}
+    dq_out: set[str] = set()
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear":
+            dq_out.update(node.output)
+            if any(a.name == "block_size" and a.i > 0 for a in node.attribute) and node.input[0] in inits:
+                t = inits[node.input[0]].data_type
+                blocked_out[node.output[0]] = onnx.TensorProto.DataType.Name(t).lower()
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
+            counts[f"int{bits} weights (MatMulNBits)"] += 1
+        elif node.op_type == "GatherBlockQuantized":
+            t = inits[node.input[0]].data_type if node.input[0] in inits else onnx.TensorProto.UINT8
+            counts[f"{onnx.TensorProto.DataType.Name(t).lower()} table (GatherBlockQuantized)"] += 1
+        elif node.op_type in ("MatMul", "Gemm", "Conv"):
+            w = node.input[1] if len(node.input) > 1 else ""
+            if w in blocked_out:
+                counts[f"{blocked_out[w]} weights (block-wise DequantizeLinear)"] += 1
+            elif w not in dq_out and node.input[0] not in dq_out:
+                counts[f"float {node.op_type}"] += 1
+    return dict(sorted(counts.items()))
+
+
+def infer_weight_only(model: onnx.ModelProto) -> tuple[dict[str, Any], list[str]]:
+    """The ``weight_only`` recipe (``MatMulNBitsQuantizer`` arguments) that made ``model``, with evidence.
+
+    FP32 node names come from onnxruntime's naming (``<node>_Q<bits>``, ``<node>_DQ_Q4``); a
+    float MatMul left in the graph is listed in ``nodes_to_exclude``; MatMulNBits nodes of
+    another bit width than the majority become ``node_bits``.
+
+    Example:
+        >>> infer_weight_only(onnx.load("model.q4.onnx"))[0]  # doctest: +SKIP
+        {'mode': 'weight_only', 'quant_format': 'QOperator', 'bits': 4, 'block_size': 32, ...}
+    """
+    evidence: list[str] = []
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
+    recipe: dict[str, Any] = {"mode": "weight_only"}
+    gathers = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    if gathers and not nbits:
+        nbits, attrs = gathers, [{"bits": 4, **a} for a in ({x.name: onnx.helper.get_attribute_value(x) for x in
+                                                            n.attribute} for n in gathers)]  # fmt: skip
+    if nbits:
+        recipe["quant_format"] = "QOperator"
+        bits = Counter(int(a.get("bits", 4)) for a in attrs)
+        main_bits = bits.most_common(1)[0][0]
+        blocks = Counter(int(a["block_size"]) for a in attrs)
+        recipe["bits"] = main_bits
+        recipe["block_size"] = blocks.most_common(1)[0][0]
+        recipe["is_symmetric"] = all(len(n.input) < 4 or not n.input[3] for n in nbits)
+        levels = {a["accuracy_level"] for a in attrs if "accuracy_level" in a}
+        if levels:
+            recipe["accuracy_level"] = int(sorted(levels)[0])
+        others = {
+            _fp_name(n.name, int(a.get("bits", 4))): int(a.get("bits", 4))
+            for n, a in zip(nbits, attrs, strict=True)
+            if int(a.get("bits", 4)) != main_bits
+        }
+        if others:
+            recipe["node_bits"] = dict(sorted(others.items()))
+        evidence.append(f"{len(nbits)} {nbits[0].op_type} node(s): bits {dict(bits)}, block_size {dict(blocks)}")
+        if gathers:
+            recipe["op_types_to_quantize"] = ["Gather"] if nbits is gathers else ["MatMul", "Gather"]
+            evidence.append(f"{len(gathers)} GatherBlockQuantized node(s): Gather tables quantized too")
+    else:
+        recipe["quant_format"] = "QDQ"
+        dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+        sizes = Counter(a.i for n in dq for a in n.attribute if a.name == "block_size")
+        recipe["bits"] = 4
+        if sizes:
+            recipe["block_size"] = sizes.most_common(1)[0][0]
+        recipe["is_symmetric"] = all(len(n.input) < 3 or not n.input[2] for n in dq)
+        evidence.append(f"{sum(sizes.values())} block-wise DequantizeLinear node(s): block_size {dict(sizes)}")
+    float_matmuls = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name and not _quantized_matmul(n)]
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    kept = [name for name in float_matmuls if not any(i in dq_outputs for i in _inputs_of(model, name))]
+    if kept:
+        recipe["nodes_to_exclude"] = kept
+        evidence.append(f"{len(kept)} MatMul node(s) left in float: {', '.join(kept[:5])}")
+    return recipe, evidence
+
+
+def _inputs_of(model: onnx.ModelProto, name: str) -> list[str]:
+    return next((list(n.input) for n in model.graph.node if n.name == name), [])
+
+
+def _quantized_matmul(node: onnx.NodeProto) -> bool:
+    return node.name.endswith("_Q4") or "_matmul_Q" in node.name
+
+
+def _fp_name(name: str, bits: int) -> str:
+    return name.removesuffix(f"_Q{bits}")
+
+
+# ---------------------------------------------------------------- quantizing (recipe mode "weight_only")
+
+
+def weight_only_calls(recipe: Any) -> list[dict[str, Any]]:
+    """The ``MatMulNBitsQuantizer`` keyword arguments a weight-only recipe runs, in order.
+
+    One call at ``recipe.bits`` that leaves out ``nodes_to_exclude`` and every ``node_bits`` node;
+    then one call per other bit width over the nodes given that width (MatMulNBits nodes of the
+    first pass are no longer MatMuls, so the second pass touches only what is still float).
+
+    NOTE: ``MatMulNBitsQuantizer`` has no per-node bits with its default (RTN) config (its
+    ``customized_weight_config`` is read by the neural-compressor algorithms only), and
+    ``nodes_to_include`` adds to ``op_types_to_quantize`` rather than restricting it: excluding
+    everything else is the only way to quantize named nodes at another width.
+
+    Example:
+        >>> from diag.recipe import Recipe
+        >>> r = Recipe(mode="weight_only", bits=4, block_size=32, node_bits={"head": 8})
+        >>> [(c["bits"], c["nodes_to_exclude"]) for c in weight_only_calls(r)]
+        [(4, ['head']), (8, [])]
+    """
+    excluded = list(recipe.nodes_to_exclude or [])
+    node_bits = dict(recipe.node_bits or {})
+    main = recipe.bits or 4
+    common: dict[str, Any] = {
+        "block_size": recipe.block_size or 128,
+        "is_symmetric": bool(recipe.is_symmetric),
+        "accuracy_level": recipe.accuracy_level,
+        "quant_format": recipe.quant_format or "QOperator",
+    }
+    if recipe.op_types_to_quantize:
+        common["op_types_to_quantize"] = tuple(recipe.op_types_to_quantize)
+    others = {n: b for n, b in node_bits.items() if b != main}
+    calls = [{"bits": main, **common, "nodes_to_exclude": list(dict.fromkeys([*excluded, *others]))}]
+    for bits in sorted(set(others.values())):
+        calls.append({"bits": bits, **common, "nodes_to_exclude": list(excluded)})
+    return calls
+
+
+def quantize_weight_only(recipe: Any, src: Any, dst: Any, external: bool, actions: list[str]) -> None:
+    """Run ``MatMulNBitsQuantizer`` as the recipe says (see :func:`weight_only_calls`) from ``src`` to ``dst``.
+
+    QDQ output needs opset 21 (int4 types): an older model is converted with
+    ``onnx.version_converter`` first (onnxruntime would only rewrite the opset number).
+
+    Example:
+        >>> quantize_weight_only(Recipe(mode="weight_only"), "fp32.onnx", "q4.onnx", False, [])  # doctest: +SKIP
+    """
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(src))
+    if recipe.quant_format == "QDQ":
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+        if 0 < opset < 21:
+            from diag.quantize import upgrade_opset
+
+            model = upgrade_opset(model, 21)
+            actions.append(
+                f"upgraded opset {opset} -> 21 with onnx.version_converter: block-wise int4 DequantizeLinear needs it"
+            )
+    calls = weight_only_calls(recipe)
+    for call in calls:
+        kwargs = dict(call)
+        kwargs["quant_format"] = QuantFormat[kwargs["quant_format"]]
+        quantizer = MatMulNBitsQuantizer(model, **kwargs)
+        quantizer.process()
+        model = quantizer.model.model
+    if len(calls) > 1:
+        actions.append(
+            "ran MatMulNBitsQuantizer "
+            + " then ".join(f"bits={c['bits']} (nodes_to_exclude {len(c['nodes_to_exclude'])})" for c in calls)
+        )
+    if external:
+        onnx.save(model, str(dst), save_as_external_data=True, location=f"{dst.name}.data")
+    else:
+        onnx.save(model, str(dst))
+
+
+def weight_only_snippet(recipe: dict[str, Any], fp32: str, model_out: str, header: str, lift: bool = False) -> str:
+    """Python that rebuilds a weight-only model with plain ``MatMulNBitsQuantizer`` calls (no diag).
+
+    ``recipe`` is a weight-only recipe in file form (``Recipe.to_dict()``); one call per bit width
+    (see :func:`weight_only_calls`), in the order diag ran them.
+
+    Example:
+        >>> print(weight_only_snippet({"mode": "weight_only", "bits": 4}, "m.onnx", "q.onnx", "# x"))  # doctest: +SKIP
+    """
+    from diag.recipe import Recipe
+
+    r = Recipe.from_dict(recipe, "recipe")
+    lines = [
+        "# Rebuilds the model found by diag with plain onnx/onnxruntime calls (MatMulNBitsQuantizer, default RTN).",
+        header,
+        "import os",
+        "",
+        "import onnx",
+        "from onnxruntime.quantization import QuantFormat",
+        "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer",
+        "",
+        f"FP32 = os.path.abspath({fp32!r})",
+        f"OUT = os.path.abspath({model_out!r})",
+        "",
+        "model = onnx.load(FP32)",
+    ]
+    if lift:
+        lines += [
+            "# Constant nodes -> initializers (the quantizer only quantizes initializer weights).",
+            "kept = []",
+            "for node in model.graph.node:",
+            '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
+            "        t = onnx.TensorProto()",
+            "        t.CopyFrom(node.attribute[0].t)",
+            "        t.name = node.output[0]",
+            "        model.graph.initializer.append(t)",
+            "    else:",
+            "        kept.append(node)",
+            "del model.graph.node[:]",
+            "model.graph.node.extend(kept)",
+        ]
+    if r.quant_format == "QDQ":
+        lines += [
+            "if next(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx')) < 21:",
+            "    model = onnx.version_converter.convert_version(model, 21)  # int4 DequantizeLinear needs opset 21",
+        ]
+    lines += quantizer_calls(r)
+    lines += ["onnx.save(model, OUT)", "print('wrote', OUT)"]
+    return "\n".join(lines) + "\n"
+
+
+def quantizer_calls(recipe: Any) -> list[str]:
+    """Source lines that run the recipe's ``MatMulNBitsQuantizer`` calls on ``model`` (see :func:`weight_only_calls`).
+
+    Example:
+        >>> from diag.recipe import Recipe
+        >>> quantizer_calls(Recipe(mode="weight_only", block_size=32))[0]
+        'quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=False, quant_format=QuantFormat.QOperator, nodes_to_exclude=[])'
+    """  # noqa: E501
+    lines: list[str] = []
+    for call in weight_only_calls(recipe):
+        args = ", ".join(
+            f"{k}=QuantFormat.{v}" if k == "quant_format" else f"{k}={v!r}" for k, v in call.items() if v is not None
+        )
+        lines += [
+            f"quantizer = MatMulNBitsQuantizer(model, {args})",
+            "quantizer.process()",
+            "model = quantizer.model.model",
+        ]
+    return lines
+
+
+def weight_only_fix_snippet(settings: dict[str, Any], head: str, fp32_path: str, out_path: str) -> str:
+    """The `diag compare` fix for a weight-only model: MatMulNBitsQuantizer calls with the new ``nodes_to_exclude``.
+
+    Example:
+        >>> print(weight_only_fix_snippet({"mode": "weight_only", "nodes_to_exclude": ["head"]}, "# x", "m.onnx",
+        ...                               "m.fixed.onnx"))  # doctest: +ELLIPSIS
+        # x
+        import onnx
+        ...
+    """
+    from diag.recipe import Recipe
+
+    r = Recipe.from_dict(settings, "recipe")
+    return "\n".join(
+        [
+            head,
+            "import onnx",
+            "from onnxruntime.quantization import QuantFormat",
+            "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer",
+            "",
+            f"model = onnx.load({fp32_path!r})",
+            *quantizer_calls(r),
+            f"onnx.save(model, {out_path!r})",
+        ]
+    )

@@ -1,0 +1,685 @@
+"""Mixed-precision plans across precision tiers (`diag exclude --tiers int4,int8,fp32`).
+
+`diag exclude` answers "which nodes do I keep in FP32?". With several precisions on offer the
+cheaper answer is often a middle tier: a 4-bit weight block ruined by one stray value is fine at
+8 bits; a tensor whose outlier channel wastes the 8-bit activation grid is fine at 16 bits. A plan
+assigns each quantized node group one tier of an ordered list, lowest (the recipe as given) to
+highest, and is searched, not guessed:
+
+1. Samples are split as in :mod:`diag.exclude`: the first part ranks the node groups by local
+   error on the all-lowest model (and calibrates a static recipe), the rest is held out and judges
+   every plan.
+2. Tier by tier: the smallest prefix of the ranking promoted to the *next* tier that meets the
+   target is found (exponential then binary search). Only when promoting every group to that tier
+   misses does the search move up one more tier (on top of all groups at the tier below). So a
+   node reaches FP32 only when its 8-bit (or 16-bit) version was not enough.
+3. The plan is pruned: each promoted group, least suspicious first, is lowered one tier at a
+   time while the target still holds, in passes until nothing changes.
+
+Every plan is written in each tool's own terms and re-quantized by onnxruntime to be measured:
+
+* weight-only (``MatMulNBitsQuantizer``): ``int4`` / ``int8`` / ``int2`` are ``bits``; a node at
+  another width than the recipe's goes to ``node_bits`` (a second quantizer call with ``bits=8``),
+  ``fp32`` to ``nodes_to_exclude``.
+* static QDQ: the lowest tier is the recipe (``int8``, or ``int4`` for ``weight_type`` QInt4 /
+  QUInt4); ``int8`` over an int4 recipe puts the group's weights at 8 bits and ``a16`` its
+  activation tensors (float inputs and outputs) at 16 bits (and its weights at 8), both with
+  ``extra_options["TensorQuantOverrides"]`` in the signedness of the recipe's types; ``fp32`` is
+  ``nodes_to_exclude``.
+* dynamic: ``int8``, ``fp32``.
+
+NOTE: the cost of a plan is the number of groups promoted, tier by tier (fewest at the highest
+tier first); the model size and (with ``bench_runs``) latency of the plan are measured and
+reported next to the all-lowest and FP32 models, never assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diag.errors import DiagError
+from diag.exclude import (
+    BudgetExhausted,
+    Candidate,
+    HeldOutEvaluator,
+    HeldOutMetrics,
+    Target,
+    parse_target,
+    ranked_candidates,
+    split_feeds,
+)
+from diag.feeds import FeedSource, FeedSpec, load_labels
+from diag.load import float_model_from_path
+from diag.recipe import Recipe
+
+#: The tiers each recipe mode can express, lowest first.
+TIERS_BY_MODE: dict[str, tuple[str, ...]] = {
+    "weight_only": ("int2", "int4", "int8", "fp32"),
+    "static": ("int4", "int8", "a16", "fp32"),
+    "dynamic": ("int8", "fp32"),
+}
+#: Other spellings accepted on the command line.
+ALIASES = {"a16w8": "a16", "int16": "a16", "float": "fp32", "float32": "fp32"}
+
+
+def lowest_tier(recipe: Recipe) -> str:
+    """The tier the recipe itself quantizes to (every plan starts there).
+
+    Example:
+        >>> lowest_tier(Recipe(mode="weight_only", bits=4))
+        'int4'
+    """
+    if recipe.mode == "weight_only":
+        return f"int{recipe.bits or 4}"
+    if recipe.mode == "static" and recipe.weight_type in ("QInt4", "QUInt4"):
+        return "int4"
+    if recipe.mode == "static" and recipe.activation_type in ("QInt16", "QUInt16"):
+        return "a16"
+    return "int8"
+
+
+def parse_tiers(text: str, recipe: Recipe) -> list[str]:
+    """``"int4,int8,fp32"`` -> ``["int4", "int8", "fp32"]``, checked against what the recipe can express.
+
+    The first tier must be the recipe's own precision, the order must be lowest to highest.
+
+    Example:
+        >>> parse_tiers("int4,int8,fp32", Recipe(mode="weight_only", bits=4))
+        ['int4', 'int8', 'fp32']
+        >>> parse_tiers("int8,a16w8,fp32", Recipe(mode="static"))
+        ['int8', 'a16', 'fp32']
+    """
+    names = [ALIASES.get(t.strip().lower(), t.strip().lower()) for t in str(text).split(",") if t.strip()]
+    allowed = TIERS_BY_MODE[recipe.mode]
+    obj = f"--tiers {text!r}"
+    for t in names:
+        if t not in allowed:
+            raise DiagError(
+                "bad-option",
+                obj,
+                f"has tier '{t}', which a {recipe.mode} recipe cannot express",
+                f"{recipe.mode} tiers: {', '.join(allowed)}",
+            )
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise DiagError("bad-option", obj, "needs at least two different tiers", "e.g. --tiers int4,int8,fp32")
+    if [allowed.index(t) for t in names] != sorted(allowed.index(t) for t in names):
+        raise DiagError(
+            "bad-option", obj, "is not ordered lowest to highest precision", f"e.g. {','.join(allowed[-3:])}"
+        )
+    base = lowest_tier(recipe)
+    if names[0] != base:
+        raise DiagError(
+            "bad-option",
+            obj,
+            f"starts at '{names[0]}' but the recipe quantizes to '{base}'",
+            f"start the list with {base} (or change the recipe)",
+        )
+    return names
+
+
+def recipe_for_plan(recipe: Recipe, fp32: Any, plan: dict[str, str]) -> Recipe:
+    """The recipe that quantizes FP32 node ``n`` at tier ``plan[n]`` (others at the recipe's own tier).
+
+    ``fp32`` is the FP32 ``onnx.ModelProto`` (its graph tells a node's activation tensors).
+
+    Example:
+        >>> r = recipe_for_plan(Recipe(mode="weight_only"), fp, {"head": "int8", "fc1": "fp32"})  # doctest: +SKIP
+        >>> r.node_bits, r.nodes_to_exclude  # doctest: +SKIP
+        ({'head': 8}, ['fc1'])
+    """
+    base = lowest_tier(recipe)
+    fp32_nodes = [n for n, t in plan.items() if t == "fp32"]
+    out = recipe.with_excluded(fp32_nodes)
+    if recipe.mode == "weight_only":
+        node_bits = dict(recipe.node_bits or {})
+        node_bits.update({n: int(t[3:]) for n, t in plan.items() if t not in ("fp32", base)})
+        return dataclasses.replace(out, node_bits=node_bits or None)
+    a16 = [n for n, t in plan.items() if t == "a16"]
+    # int4 weights (static QInt4 / QUInt4): int8 and a16 nodes get 8-bit weights (A16W8)
+    w8 = [n for n, t in plan.items() if t in ("int8", "a16")] if base == "int4" else []
+    if a16 or w8:
+        extra = json.loads(json.dumps(out.extra_options))
+        overrides = extra.setdefault("TensorQuantOverrides", {})
+        wide = "QUInt16" if recipe.activation_type.startswith("QU") else "QInt16"
+        for name in activation_tensors(fp32, a16):
+            overrides.setdefault(name, [{"quant_type": wide}])
+        eight = "QUInt8" if recipe.weight_type.startswith("QU") else "QInt8"
+        for name in weight_tensors(fp32, w8):
+            overrides.setdefault(name, [{"quant_type": eight}])
+        out = dataclasses.replace(out, extra_options=extra)
+    return out
+
+
+def weight_tensors(fp32: Any, nodes: list[str]) -> list[str]:
+    """The weight initializers (2-D or more: not biases, which onnxruntime quantizes to int32) of ``nodes``.
+
+    Example:
+        >>> weight_tensors(fp.proto, ["fc2"])  # doctest: +SKIP
+        ['fc2.weight']
+    """
+    weights = {t.name for t in fp32.graph.initializer if len(t.dims) >= 2}
+    wanted = set(nodes)
+    return list(dict.fromkeys(i for n in fp32.graph.node if n.name in wanted for i in n.input if i in weights))
+
+
+def activation_tensors(fp32: Any, nodes: list[str]) -> list[str]:
+    """The float activation tensors (inputs that are not initializers, and outputs) of ``nodes``.
+
+    Example:
+        >>> activation_tensors(fp.proto, ["fc0"])  # doctest: +SKIP
+        ['x', 'h']
+    """
+    inits = {t.name for t in fp32.graph.initializer}
+    wanted = set(nodes)
+    names: list[str] = []
+    for node in fp32.graph.node:
+        if node.name in wanted:
+            names += [i for i in node.input if i and i not in inits]
+            names += [o for o in node.output if o]
+    return list(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class TierTrial:
+    """One re-quantization + held-out evaluation: which tier each ranked group was at, and the result."""
+
+    phase: str
+    levels: tuple[int, ...]
+    value: float | None
+    met: bool
+    seconds: float
+
+    def to_dict(self, tiers: list[str]) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "promoted": {tiers[lv]: sum(1 for x in self.levels if x == lv) for lv in sorted(set(self.levels)) if lv},
+            "value": _json(self.value),
+            "met": self.met,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class TierPlan:
+    """The answer of :func:`derive_tier_plan`.
+
+    Attributes:
+        fp32: the FP32 model.
+        target: the goal, measured on the held-out samples.
+        tiers: the tiers, lowest first.
+        reachable: a plan short of every group at the highest tier meets the target.
+        already_met: the all-lowest model meets it (empty plan).
+        plan: FP32 node name -> tier, promoted nodes only.
+        candidates: ranked node groups (worst local error first).
+        recipe: the recipe that reproduces the plan (recipe-file form).
+        before / after: held-out metrics of the all-lowest model and of the plan.
+        sizes: model file size in bytes: ``lowest``, ``plan``, ``fp32``.
+        latency: bench rows (``model``: fp32 / lowest / plan) when measured.
+        trials: every re-quantization, in order.
+        budget: why the search stopped early, if it did.
+    """
+
+    fp32: str
+    target: Target
+    tiers: list[str]
+    reachable: bool
+    already_met: bool
+    plan: dict[str, str]
+    candidates: list[Candidate]
+    recipe: dict[str, Any]
+    before: HeldOutMetrics
+    after: HeldOutMetrics | None
+    sizes: dict[str, int]
+    split: dict[str, Any]
+    trials: list[TierTrial] = field(default_factory=list)
+    quantizations: int = 0
+    seconds: float = 0.0
+    latency: list[dict[str, Any]] = field(default_factory=list)
+    budget: str | None = None
+    model: str | None = None
+    snippet: str | None = None
+    #: The ``diag compare`` result of the all-lowest model that ranked the nodes (not serialized).
+    diagnosis: Any = field(default=None, repr=False)
+
+    @property
+    def by_tier(self) -> dict[str, list[str]]:
+        """Promoted FP32 nodes grouped by tier, in tier order."""
+        return {t: [n for n, x in self.plan.items() if x == t] for t in self.tiers[1:] if t in self.plan.values()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (``tiers.json``)."""
+        return {
+            "fp32": self.fp32,
+            "target": str(self.target),
+            "tiers": list(self.tiers),
+            "reachable": self.reachable,
+            "already_met": self.already_met,
+            "plan": dict(self.plan),
+            "by_tier": self.by_tier,
+            "recipe": self.recipe,
+            "before": self.before.to_dict(),
+            "after": self.after.to_dict() if self.after else None,
+            "sizes": dict(self.sizes),
+            "latency": self.latency,
+            "split": self.split,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "trials": [t.to_dict(self.tiers) for t in self.trials],
+            "quantizations": self.quantizations,
+            "seconds": round(self.seconds, 3),
+            "budget": self.budget,
+            "model": self.model,
+        }
+
+
+def _json(v: float | None) -> Any:
+    if v is None or math.isfinite(v):
+        return v
+    return str(v)
+
+
+class _TierSearch:
+    """Quantize-and-evaluate plans (levels per ranked group), cached by the levels tuple."""
+
+    def __init__(
+        self,
+        fp32: Path,
+        fp_proto: Any,
+        recipe: Recipe,
+        tiers: list[str],
+        evaluator: HeldOutEvaluator,
+        target: Target,
+        calibration: FeedSource | None,
+        work: Path,
+        progress: bool,
+        max_trials: int | None,
+        deadline: float | None = None,
+    ) -> None:
+        self.fp32, self.fp_proto, self.recipe, self.tiers = fp32, fp_proto, recipe, tiers
+        self.evaluator, self.target, self.calibration = evaluator, target, calibration
+        self.work, self.progress, self.max_trials, self.deadline = work, progress, max_trials, deadline
+        self.candidates: list[Candidate] = []
+        self.cache: dict[tuple[int, ...], tuple[HeldOutMetrics, Path]] = {}
+        self.trials: list[TierTrial] = []
+        self.quantizations = 0
+        self.calibration_cache = work / "calibration.json"
+
+    def plan_of(self, levels: tuple[int, ...]) -> dict[str, str]:
+        plan: dict[str, str] = {}
+        for c, lv in zip(self.candidates, levels, strict=False):
+            if lv:
+                plan.update({n: self.tiers[lv] for n in c.fp_nodes})
+        return plan
+
+    def trial(self, levels: tuple[int, ...], phase: str) -> tuple[HeldOutMetrics, bool]:
+        from diag.quantize import quantize_model
+
+        if levels in self.cache:
+            m = self.cache[levels][0]
+            return m, m.meets(self.target)
+        if self.max_trials is not None and self.quantizations >= self.max_trials and any(levels):
+            raise BudgetExhausted(f"--max-trials {self.max_trials} reached")
+        if self.deadline is not None and time.perf_counter() >= self.deadline and any(levels):
+            raise BudgetExhausted("--time-budget reached")
+        t0 = time.perf_counter()
+        path = self.work / f"plan{len(self.trials):03d}.onnx"
+        recipe = recipe_for_plan(self.recipe, self.fp_proto, self.plan_of(levels))
+        quantize_model(self.fp32, recipe, path, calibration=self.calibration, calibration_cache=self.calibration_cache)
+        self.quantizations += 1
+        m = self.evaluator.evaluate(path)
+        met = m.meets(self.target)
+        self.cache[levels] = (m, path)
+        value = m.value(self.target.metric)
+        self.trials.append(TierTrial(phase, levels, value, met, time.perf_counter() - t0))
+        if self.progress:
+            import sys
+
+            counts = ", ".join(
+                f"{sum(1 for x in levels if x == lv)} at {self.tiers[lv]}" for lv in sorted(set(levels)) if lv
+            )
+            shown = "n/a" if value is None else f"{value:.6g}"
+            print(
+                f"tiers: {phase:<8} {counts or 'all at ' + self.tiers[0]} -> {self.target.metric} {shown} "
+                f"({'met' if met else 'missed'})",
+                file=sys.stderr,
+            )
+        return m, met
+
+    def search(self) -> tuple[int, ...] | None:
+        """Tier by tier, the shortest ranked prefix promoted one tier up that meets the target; then prune."""
+        n, top = len(self.candidates), len(self.tiers) - 1
+        floor = [0] * n
+        found: list[int] | None = None
+        for level in range(1, top + 1):
+            # NOTE: every group at the highest tier is the FP32 model, not a plan: the last tier's
+            # prefix stops one short of all groups (as `diag exclude` does).
+            longest = n - 1 if level == top else n
+
+            def at(k: int, lv: int = level, fl: tuple[int, ...] = tuple(floor)) -> tuple[int, ...]:
+                return tuple(lv if i < k else fl[i] for i in range(n))
+
+            lo, hi, k = 0, None, 1
+            while k <= longest:
+                if self.trial(at(k), "search")[1]:
+                    hi = k
+                    break
+                lo = k
+                if k == longest:
+                    break
+                k = min(2 * k, longest)
+            if hi is None:
+                floor = [level] * n
+                continue
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if self.trial(at(mid), "search")[1]:
+                    hi = mid
+                else:
+                    lo = mid
+            found = list(at(hi))
+            break
+        if found is None:
+            return None
+        return self.prune(found)
+
+    def prune(self, found: list[int]) -> tuple[int, ...]:
+        """Lower each promoted group one tier at a time (least suspicious first) while the target holds."""
+        changed = True
+        while changed:
+            changed = False
+            for i in reversed(range(len(found))):
+                while found[i] > 0:
+                    trial = list(found)
+                    trial[i] -= 1
+                    try:
+                        met = self.trial(tuple(trial), "prune")[1]
+                    except BudgetExhausted:
+                        return tuple(found)  # verified met; not proven minimal
+                    if not met:
+                        break
+                    found = trial
+                    changed = True
+        return tuple(found)
+
+
+def derive_tier_plan(
+    fp32_path: str | Path,
+    recipe: Recipe,
+    feeds: FeedSource | FeedSpec,
+    target: str | Target,
+    tiers: list[str] | str,
+    holdout: float = 0.5,
+    labels: str | None = None,
+    threads: int | None = None,
+    bench_runs: int = 0,
+    progress: bool = True,
+    work_dir: str | Path | None = None,
+    max_trials: int | None = None,
+    time_budget: float | None = None,
+    metric: str | None = None,
+) -> TierPlan:
+    """Find the cheapest assignment of node groups to ``tiers`` that meets ``target`` on held-out inputs.
+
+    Args:
+        fp32_path: the FP32 model.
+        recipe: the lowest tier's recipe (weight_only, static or dynamic).
+        feeds: all samples; split into ranking and held-out parts as :func:`diag.exclude.derive_exclusions`.
+        target: ``metric>=value`` / ``metric<=value``.
+        tiers: ordered lowest to highest (``"int4,int8,fp32"`` or a list; see :func:`parse_tiers`).
+        holdout: share of samples held out.
+        labels: ``.npy`` class indices for accuracy / F1 targets.
+        threads: intra-op threads.
+        bench_runs: timed runs per model for the latency rows (0: size only).
+        progress: one line per trial on stderr.
+        work_dir: where the plan's model is kept (``plan.onnx``).
+        max_trials: cap on re-quantizations (the pruning stops at the cap with a verified plan).
+        time_budget: no new trial after this many seconds (as ``max_trials`` when reached).
+        metric: ``module:function`` of a task-metric plugin; the names it declares become targets.
+
+    Returns:
+        The plan; ``reachable`` False when only every group at the highest tier meets the target.
+
+    Example:
+        >>> p = derive_tier_plan("fp32.onnx", Recipe(mode="weight_only", block_size=32),
+        ...                      FeedSpec(inputs="x.npz"), "cosine>=0.94", "int4,int8,fp32")  # doctest: +SKIP
+        >>> p.plan  # doctest: +SKIP
+        {'fc2': 'int8'}
+    """
+    from diag.compare import CompareOptions, compare_models
+
+    start = time.perf_counter()
+    tier_list = parse_tiers(",".join(tiers) if isinstance(tiers, list) else tiers, recipe)
+    if max_trials is not None and max_trials < 1:
+        raise DiagError("bad-option", f"--max-trials {max_trials}", "must be at least 1", "e.g. --max-trials 50")
+    if time_budget is not None and not time_budget > 0:
+        raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
+    plugin = None
+    if metric:
+        from diag.taskmetrics import metric_factory
+
+        plugin = dict(metric_factory(metric)().better)
+    tgt = parse_target(target, plugin) if isinstance(target, str) else target
+    if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
+        raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
+    fp32 = Path(fp32_path)
+    fp = float_model_from_path(fp32)
+    label_array = load_labels(labels) if labels else None
+    source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
+    split = split_feeds(source, holdout)
+    calibration = split.ranking if recipe.mode == "static" and not recipe.calibration else None
+    evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads, metric)
+    deadline = start + time_budget if time_budget is not None else None
+    tmp = Path(tempfile.mkdtemp(prefix="diag-tiers-"))
+    budget: str | None = None
+    try:
+        s = _TierSearch(
+            fp32, fp.proto, recipe, tier_list, evaluator, tgt, calibration, tmp, progress, max_trials, deadline
+        )
+        before, met0 = s.trial((), "baseline")
+        baseline = s.cache[()][1]
+        chosen: tuple[int, ...] | None = ()
+        compared: Any = None
+        if not met0:
+            compared = compare_models(fp32, baseline, split.ranking, CompareOptions(progress=False, threads=threads))
+            s.candidates = ranked_candidates(compared.findings, set(recipe.nodes_to_exclude or []))
+            try:
+                chosen = s.search()
+            except BudgetExhausted as e:
+                budget, chosen = str(e), None
+        levels = chosen if chosen is not None else ()
+        plan = s.plan_of(levels) if chosen is not None else {}
+        after = s.cache[chosen][0] if chosen is not None and chosen in s.cache else None
+        final = recipe_for_plan(recipe, fp.proto, plan)
+        plan_path = s.cache[chosen][1] if chosen is not None and chosen in s.cache else None
+        sizes = {"lowest": _size(baseline), "fp32": _size(fp32)}
+        if plan_path is not None:
+            sizes["plan"] = _size(plan_path)
+        latency: list[dict[str, Any]] = []
+        if bench_runs > 0:
+            from diag.bench import bench_models
+
+            paths: list[str | Path] = [fp32, baseline] + ([plan_path] if plan_path is not None and plan else [])
+            stats = bench_models(paths, split.held_out, runs=bench_runs, warmup=3, threads=threads, progress=False)
+            latency = [{**st.to_dict(), "model": ["fp32", "lowest", "plan"][i]} for i, st in enumerate(stats)]
+        model_out: str | None = None
+        if plan_path is not None and work_dir is not None:
+            model_out = str(Path(work_dir) / "plan.onnx")
+            shutil.copyfile(plan_path, model_out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TierPlan(
+        fp32=str(fp32),
+        target=tgt,
+        tiers=tier_list,
+        reachable=chosen is not None,
+        already_met=met0,
+        plan=plan,
+        candidates=s.candidates,
+        recipe=final.to_dict(),
+        before=before,
+        after=after,
+        sizes=sizes,
+        split=split.to_dict(),
+        trials=s.trials,
+        quantizations=s.quantizations,
+        seconds=time.perf_counter() - start,
+        latency=latency,
+        budget=budget,
+        model=model_out,
+        diagnosis=compared,
+    )
+
+
+def _size(path: Path) -> int:
+    """Model file size plus its external data files next to it (``<name>.data``)."""
+    p = Path(path)
+    extra = p.with_name(p.name + ".data")
+    return p.stat().st_size + (extra.stat().st_size if extra.is_file() else 0)
+
+
+def tier_plan_to_dir(
+    fp32_path: str | Path,
+    recipe: Recipe,
+    feeds: FeedSpec,
+    target: str,
+    tiers: str,
+    out_dir: str | Path,
+    **kwargs: Any,
+) -> tuple[TierPlan, dict[str, Path]]:
+    """`diag exclude --tiers` end to end: derive the plan, write tiers.json, recipe.json, the model and reproduce.py.
+
+    Example:
+        >>> plan, files = tier_plan_to_dir("fp32.onnx", recipe, FeedSpec(inputs="x.npz"), "cosine>=0.94",
+        ...                                "int4,int8,fp32", "out")  # doctest: +SKIP
+        >>> sorted(files)  # doctest: +SKIP
+        ['plan model', 'recipe.json', 'reproduce.py', 'tiers.json']
+    """
+    from diag.recipe import save_recipe
+    from diag.report import atomic_write, ensure_out_dir
+
+    out = ensure_out_dir(out_dir)
+    stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
+    files: dict[str, Path] = {}
+    with tempfile.TemporaryDirectory(prefix=".diag-tiers-", dir=out) as work:
+        plan = derive_tier_plan(fp32_path, recipe, feeds, target, tiers, work_dir=work, **kwargs)
+        stale = [out / f"{stem}.plan.onnx", out / "reproduce.py", out / "recipe.json"]
+        if plan.reachable and plan.model:
+            model = out / f"{stem}.plan.onnx"
+            Path(plan.model).replace(model)
+            plan.model = str(model)
+            files["plan model"] = model
+            final = Recipe.from_dict(plan.recipe, "plan recipe")
+            files["recipe.json"] = save_recipe(final, out / "recipe.json")
+            if recipe.calibration:  # the recipe's own calibration data, as quantize_model used it
+                calib, count, batch = recipe.calibration_path(), recipe.calibration_samples, 1
+            else:
+                calib, count, batch = feeds.inputs, plan.split["ranking_samples"], plan.split["batch"]
+            again = str(out / f"{stem}.reproduced.onnx")
+            plan.snippet = plan_snippet(plan, final, again, str(calib) if calib else None, count, batch)
+            files["reproduce.py"] = atomic_write(out / "reproduce.py", plan.snippet)
+        else:
+            for p in stale:
+                p.unlink(missing_ok=True)
+    text = json.dumps(plan.to_dict(), indent=1, ensure_ascii=False) + "\n"
+    files = {"tiers.json": atomic_write(out / "tiers.json", text), **files}
+    if plan.diagnosis is not None:
+        from diag.report import document_from_result, write_outputs
+
+        # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
+        doc = document_from_result(plan.diagnosis)
+        doc["models"]["int8"]["path"] = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
+        files.update(write_outputs(doc, out))
+    return plan, files
+
+
+def plan_snippet(
+    plan: TierPlan,
+    recipe: Recipe,
+    model_out: str,
+    calibration: str | None,
+    calibration_samples: int | None = None,
+    batch: int = 1,
+) -> str:
+    """Python that rebuilds the plan's model with plain onnxruntime calls (no diag).
+
+    ``calibration`` / ``calibration_samples`` / ``batch``: what a static recipe calibrates on.
+
+    Example:
+        >>> print(plan_snippet(plan, recipe, "m.reproduced.onnx", None))  # doctest: +SKIP
+    """
+    header = f"# target {plan.target}: plan {plan.by_tier or 'empty'}"
+    if recipe.mode == "weight_only":
+        from diag.nbits import weight_only_snippet
+
+        return weight_only_snippet(recipe.to_dict(), plan.fp32, model_out, header)
+    from types import SimpleNamespace
+
+    from diag.exclude import reproduce_snippet
+
+    result = SimpleNamespace(
+        recipe=recipe.to_dict(),
+        steps=[],
+        target=plan.target,
+        verdict="met" if plan.reachable else "not reachable",
+        nodes_to_exclude=list(recipe.nodes_to_exclude),
+        fp32=plan.fp32,
+    )
+    return reproduce_snippet(result, model_out, calibration, calibration_samples, batch)  # type: ignore[arg-type]
+
+
+def summary_lines(plan: TierPlan) -> list[str]:
+    """What `diag exclude --tiers` prints: the verdict and the plan first, sizes and counts last.
+
+    Example:
+        >>> summary_lines(plan)[0]  # doctest: +SKIP
+        'target cosine>=0.94 met on 32 held-out samples: cosine 0.9254 (all int4) -> 0.9542 (plan)'
+    """
+    t = plan.target
+    held = plan.split["held_out_samples"]
+    b = plan.before.value(t.metric)
+    low = plan.tiers[0]
+    lines: list[str] = []
+    if plan.already_met:
+        lines.append(f"target {t} already met on {held} held-out samples by all {low}: {t.metric} {_f(b)}")
+    elif plan.reachable and plan.after is not None:
+        lines.append(
+            f"target {t} met on {held} held-out samples: {t.metric} {_f(b)} (all {low}) -> "
+            f"{_f(plan.after.value(t.metric))} (plan)"
+        )
+        for tier, nodes in plan.by_tier.items():
+            lines.append(f"  {tier}: {', '.join(nodes)}")
+    else:
+        why = f" ({plan.budget})" if plan.budget else ""
+        lines.append(
+            f"target {t} not reachable{why}: all {low} gives {t.metric} {_f(b)}, and no plan short of every "
+            f"node at {plan.tiers[-1]} meets it"
+        )
+    sizes = plan.sizes
+    parts = [f"all {low} {_kb(sizes['lowest'])}"]
+    if "plan" in sizes and plan.plan:
+        parts.append(f"plan {_kb(sizes['plan'])}")
+    parts.append(f"fp32 {_kb(sizes['fp32'])}")
+    lines.append("  size: " + ", ".join(parts))
+    if plan.latency:
+        names = {"lowest": f"all {low}"}
+        lines.append(
+            "  latency p50: "
+            + ", ".join(f"{names.get(r['model'], r['model'])} {r['p50_ms']:.2f} ms" for r in plan.latency)
+        )
+    lines.append(f"  {plan.quantizations} quantizations in {plan.seconds:.1f} s")
+    return lines
+
+
+def _f(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4g}"
+
+
+def _kb(n: int) -> str:
+    return f"{n / 1024:.1f} KB"

@@ -1,0 +1,140 @@
+"""`diag exclude --tiers`: mixed-precision plans across tiers, verified without diag's code.
+
+Only the plan comes from `diag`; re-quantizing, running and measuring in the verification use
+``MatMulNBitsQuantizer`` / ``quantize_static``, ``onnxruntime.InferenceSession`` and numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+from plain_ort import Rows, min_cosine
+
+from diag.cli import main
+from diag.errors import DiagError
+from diag.fixtures.nbits_models import BLOCK, outlier_activation_mlp, stray_block_mlp
+from diag.recipe import Recipe
+from diag.tiers import parse_tiers
+
+
+def plain_weight_only(fp32: Path, out: Path, recipe: dict) -> Path:
+    """The recipe's MatMulNBitsQuantizer calls, by hand: bits for all, then bits=8 for node_bits nodes."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(fp32))
+    wide = list(recipe.get("node_bits", {}))
+    logging.disable(logging.INFO)
+    try:
+        for bits, excluded in ((recipe["bits"], recipe["nodes_to_exclude"] + wide), (8, recipe["nodes_to_exclude"])):
+            q = MatMulNBitsQuantizer(model, bits=bits, block_size=recipe["block_size"], nodes_to_exclude=excluded)
+            q.process()
+            model = q.model.model
+    finally:
+        logging.disable(logging.NOTSET)
+    onnx.save(model, str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stray(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, np.ndarray]]:
+    folder = tmp_path_factory.mktemp("tiers")
+    fx = stray_block_mlp()
+    onnx.save(fx.model, folder / "fp32.onnx")
+    arrays = fx.make_inputs(64, 1)
+    np.savez(folder / "x.npz", **arrays)
+    return folder / "fp32.onnx", folder / "x.npz", arrays
+
+
+def run_tiers(fp32: Path, inputs: Path, out: Path, recipe: str, target: str, tiers: str) -> tuple[int, dict]:
+    flags = ["--target", target, "--tiers", tiers, "--out", str(out), "--bench-runs", "0", "--quiet"]
+    code = main(["exclude", str(fp32), "--recipe", recipe, "--inputs", str(inputs), *flags])
+    return code, json.loads((out / "tiers.json").read_text())
+
+
+def test_int4_plan_promotes_the_stray_head_to_8_bits_and_plain_onnxruntime_confirms_it(
+    stray: tuple[Path, Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    fp32, inputs, arrays = stray
+    recipe = json.dumps({"mode": "weight_only", "bits": 4, "block_size": BLOCK})
+    code, plan = run_tiers(fp32, inputs, tmp_path / "tiers", recipe, "cosine>=0.94", "int4,int8,fp32")
+    assert code == 0 and plan["reachable"]
+    assert plan["plan"] == {"fc2": "int8"}, "the head needs 8 bits, not float"
+    assert plan["recipe"]["node_bits"] == {"fc2": 8} and plan["recipe"]["nodes_to_exclude"] == []
+    first = plan["split"]["held_out_first"]
+    assert plan["before"]["cosine"] < 0.94 <= plan["after"]["cosine"]
+    # Verified without diag: the recipe's two MatMulNBitsQuantizer calls, run and measured by hand.
+    mixed = plain_weight_only(fp32, tmp_path / "plain.onnx", plan["recipe"])
+    assert min_cosine(fp32, mixed, arrays, first, 1) == pytest.approx(plan["after"]["cosine"], abs=1e-6)
+    assert min_cosine(fp32, mixed, arrays, first, 1) >= 0.94
+    # Not larger than the FP32-only exclusion for the same target.
+    code, fp32_only = run_tiers(fp32, inputs, tmp_path / "fp32only", recipe, "cosine>=0.94", "int4,fp32")
+    assert code == 0 and fp32_only["plan"] == {"fc2": "fp32"}
+    assert len(plan["plan"]) <= len(fp32_only["plan"])
+    assert plan["sizes"]["plan"] < fp32_only["sizes"]["plan"]
+    assert (tmp_path / "tiers" / "reproduce.py").read_text().count("MatMulNBitsQuantizer(model, bits=") == 2
+
+
+def test_a16_plan_widens_the_outlier_tensor_and_meets_a_target_all_8_bit_misses(tmp_path: Path) -> None:
+    fx = outlier_activation_mlp()
+    fp32 = tmp_path / "a16.onnx"
+    onnx.save(fx.model, fp32)
+    arrays = fx.make_inputs(64, 1)
+    np.savez(tmp_path / "x.npz", **arrays)
+    recipe = json.dumps({"mode": "static", "per_channel": True})
+    code, plan = run_tiers(fp32, tmp_path / "x.npz", tmp_path / "out", recipe, "cosine>=0.999", "int8,a16,fp32")
+    assert code == 0 and plan["before"]["cosine"] < 0.999, "all 8-bit misses the target"
+    assert set(plan["plan"].values()) == {"a16"}, "16-bit activations suffice: nothing kept in float"
+    overrides = plan["recipe"]["extra_options"]["TensorQuantOverrides"]
+    assert overrides[fx.expected.outlier_tensor] == [{"quant_type": "QInt16"}]
+    # Verified without diag: quantize_static with the same TensorQuantOverrides, calibrated on the ranking split.
+    ranking = plan["split"]["ranking_samples"]
+    out = tmp_path / "plain.onnx"
+    quantize_static(
+        str(fp32),
+        str(out),
+        Rows(arrays, ranking),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        extra_options={"TensorQuantOverrides": {t: [{"quant_type": QuantType.QInt16}] for t in overrides}},
+    )
+    assert min_cosine(fp32, out, arrays, plan["split"]["held_out_first"], 1) >= 0.999
+    script = (tmp_path / "out" / "reproduce.py").read_text()
+    assert "'quant_type': QuantType.QInt16" in script, "onnxruntime silently ignores a quant_type given as a string"
+
+
+def test_static_plans_are_written_as_tensor_quant_overrides() -> None:
+    from diag.tiers import recipe_for_plan
+
+    fp = stray_block_mlp().model
+    r = Recipe(mode="static", weight_type="QInt4", activation_type="QUInt8", per_channel=True)
+    assert parse_tiers("int4,int8,a16w8,fp32", r) == ["int4", "int8", "a16", "fp32"]
+    out = recipe_for_plan(r, fp, {"fc2": "int8", "fc1": "a16", "fc0": "fp32"})
+    assert out.nodes_to_exclude == ["fc0"]
+    assert out.extra_options["TensorQuantOverrides"] == {
+        "relu0_out": [{"quant_type": "QUInt16"}],
+        "fc1_out": [{"quant_type": "QUInt16"}],
+        "fc2.weight": [{"quant_type": "QInt8"}],
+        "fc1.weight": [{"quant_type": "QInt8"}],
+    }
+    assert r.extra_options == {}, "the recipe given is not modified"
+
+
+@pytest.mark.parametrize(
+    ("text", "recipe", "says"),
+    [
+        ("int8,int4,fp32", Recipe(mode="weight_only", bits=4), "not ordered"),
+        ("int8,fp32", Recipe(mode="weight_only", bits=4), "starts at 'int8'"),
+        ("int8,a16,fp32", Recipe(mode="dynamic"), "cannot express"),
+        ("int8", Recipe(mode="static"), "at least two"),
+    ],
+)
+def test_tier_lists_a_recipe_cannot_express_are_bad_options(text: str, recipe: Recipe, says: str) -> None:
+    with pytest.raises(DiagError) as e:
+        parse_tiers(text, recipe)
+    assert e.value.slug == "bad-option" and says in str(e.value)
