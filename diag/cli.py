@@ -116,6 +116,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"model:      {_safe(s.path)}")
     ev = ", ".join(f"{k} x{v}" for k, v in s.format.evidence.items())
     print(f"format:     {s.format.kind}" + (f"  ({_safe(ev)})" if ev else ""))
+    if s.format.precisions:
+        from diag.precision import describe
+
+        print(f"precision:  {_safe(describe(s.format.precisions))}")
     print(
         f"opsets:     {', '.join(f'{k} {v}' for k, v in s.opsets.items())}; IR {s.ir_version}; "
         f"producer {_safe(s.producer) or '?'}"
@@ -208,6 +212,14 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
             f"  NaN/Inf: first produced in the {model} model by {_safe(f.group.label)} ({f.group.op_type}): "
             f"{count} value(s) in '{_safe(f.tensor)}'"
         )
+    if result.int8.format.family == "fp16":
+        from diag.fp16 import fp16_fix
+
+        fix = fp16_fix(result.findings, result.health)
+        if fix is not None and fix.node_block_list:
+            print(f"  FP16 fix: convert_float_to_float16(..., node_block_list={_safe(repr(fix.node_block_list))})")
+        for name, peak in list(fix.over_range.items())[:3] if fix is not None else []:
+            print(f"  FP16 range: '{_safe(name)}' reaches {peak:.3g} in FP32 (> 65504)")
     for out, path in result.paths.items():
         labels = [f.group.label for f in path]
         if len(labels) > 5:

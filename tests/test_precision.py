@@ -1,0 +1,137 @@
+"""FP16 models and 16-bit activations in QDQ: detection, matching, NaN origin and the block-list fix."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from diag.compare import CompareOptions, compare_models
+from diag.feeds import FeedSpec
+from diag.fixtures.models import transformer
+from diag.fixtures.precision_models import fp16_overflow
+from diag.fixtures.quantize import _ArrayReader
+from diag.fp16 import fp16_fix
+from diag.load import model_from_path
+
+
+def _fp16(model: onnx.ModelProto, path: Path, node_block_list: list[str] | None = None) -> Path:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    onnx.save(convert_float_to_float16(model, keep_io_types=True, node_block_list=node_block_list), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def overflow(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("fp16")
+    fx = fp16_overflow()
+    onnx.save(fx.model, d / "fp32.onnx")
+    np.savez(d / "inputs.npz", **fx.make_inputs(8, 1))
+    return {"fp32": d / "fp32.onnx", "fp16": _fp16(fx.model, d / "fp16.onnx"), "inputs": d / "inputs.npz", "dir": d}
+
+
+def _nonfinite_tensors(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, int]:
+    """Plain onnxruntime: every tensor of the graph materialized, counts of NaN/Inf per tensor."""
+    m = onnx.load(path)
+    present = {o.name for o in m.graph.output}
+    for n in m.graph.node:
+        m.graph.output.extend(onnx.ValueInfoProto(name=o) for o in n.output if o and o not in present)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    values = sess.run(None, feeds)
+    counts = {o.name: int((~np.isfinite(v)).sum()) for o, v in zip(sess.get_outputs(), values, strict=True)}
+    return {k: c for k, c in counts.items() if c}
+
+
+def test_fp16_model_is_detected_with_its_blocked_nodes(overflow: dict[str, Path]) -> None:
+    plain = model_from_path(overflow["fp16"]).format
+    assert (plain.kind, plain.family) == ("fp16", "fp16")
+    blocked = _fp16(fp16_overflow().model, overflow["dir"] / "blocked.onnx", ["attn/Attention"])
+    fmt = model_from_path(blocked).format
+    assert (fmt.kind, fmt.family) == ("mixed", "fp16")
+    assert fmt.precisions["fp32"] == ["attn/Attention"]
+
+
+def test_overflowing_attention_is_named_and_its_block_list_derived(overflow: dict[str, Path]) -> None:
+    r = compare_models(
+        overflow["fp32"], overflow["fp16"], FeedSpec(inputs=str(overflow["inputs"])), CompareOptions(effects=0)
+    )
+    assert r.matching.coverage == 1.0
+    assert r.matching.pairs["attn/Attention_out"].how == "fp16"
+    from diag.analyze import nonfinite_origins
+
+    assert nonfinite_origins(r.findings)["INT8"].group.label == "attn/Attention"
+    fix = fp16_fix(r.findings, r.health)
+    assert fix is not None and fix.node_block_list == ["attn/Attention"] and not fix.over_range
+
+
+def test_derived_block_list_removes_nonfinite_values_in_plain_onnxruntime(overflow: dict[str, Path]) -> None:
+    # Without diag code: onnxruntime's converter with node_block_list=["attn/Attention"].
+    feeds = dict(np.load(overflow["inputs"]))
+    before = _nonfinite_tensors(overflow["fp16"], feeds)
+    assert before.get("attn/Attention_out", 0) > 0 and before.get("logits", 0) > 0
+    fixed = _fp16(fp16_overflow().model, overflow["dir"] / "fixed.onnx", ["attn/Attention"])
+    assert _nonfinite_tensors(fixed, feeds) == {}
+
+
+@pytest.fixture(scope="module")
+def a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    logging.getLogger().setLevel(logging.ERROR)
+    d = tmp_path_factory.mktemp("a16")
+    fx = transformer()
+    fp = d / "fp32.onnx"
+    onnx.save(fx.model, fp)
+    np.savez(d / "inputs.npz", **fx.make_inputs(16, 1))
+    cal = fx.make_inputs(16, 0)
+    out = {"fp32": fp, "inputs": d / "inputs.npz"}
+    for name, act, extra in [
+        ("a8", QuantType.QUInt8, {}),
+        ("a16", QuantType.QUInt16, {}),
+        (
+            "mix",
+            QuantType.QUInt8,
+            {"TensorQuantOverrides": {fx.expected.outlier_tensor: [{"quant_type": QuantType.QUInt16}]}},
+        ),
+    ]:
+        out[name] = d / f"{name}.onnx"
+        quantize_static(
+            fp,
+            out[name],
+            _ArrayReader(cal),
+            quant_format=QuantFormat.QDQ,
+            activation_type=act,
+            weight_type=QuantType.QInt8,
+            extra_options=extra,
+        )
+    return out
+
+
+def test_sixteen_bit_activations_are_detected(a16: dict[str, Path]) -> None:
+    assert model_from_path(a16["a8"]).format.kind == "qdq"
+    assert model_from_path(a16["a16"]).format.kind == "qdq-a16w8"
+    mix = model_from_path(a16["mix"]).format
+    assert (mix.kind, mix.family) == ("mixed", "qdq")
+    assert mix.precisions["a16w8"] == [transformer().expected.culprit_node]
+
+
+def test_eight_bit_outlier_is_ranked_first_and_remedied_with_16_bit_override(a16: dict[str, Path]) -> None:
+    feeds = FeedSpec(inputs=str(a16["inputs"]))
+    r8 = compare_models(a16["fp32"], a16["a8"], feeds, CompareOptions(effects=0))
+    culprit = transformer().expected
+    ranked = sorted((f for f in r8.findings if f.local is not None), key=lambda f: f.local.sqnr_db)
+    assert ranked[0].group.label == culprit.culprit_node
+    text = [s.python for s in r8.suggestions if s.tensor == culprit.outlier_tensor]
+    assert any('"TensorQuantOverrides"' in t and "QInt16" in t for t in text)
+    # The same model with that tensor promoted to 16 bits: matched, and its local error gone.
+    r16 = compare_models(a16["fp32"], a16["mix"], feeds, CompareOptions(effects=0))
+    assert r16.matching.coverage > 0.95
+    mm = next(f for f in r16.findings if f.group.label == culprit.culprit_node)
+    assert mm.local.sqnr_db > ranked[0].local.sqnr_db + 10
