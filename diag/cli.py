@@ -212,14 +212,11 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
             f"  NaN/Inf: first produced in the {model} model by {_safe(f.group.label)} ({f.group.op_type}): "
             f"{count} value(s) in '{_safe(f.tensor)}'"
         )
-    if result.int8.format.family == "fp16":
-        from diag.fp16 import fp16_fix
+    if result.state is not None and result.state.fp16_ranges:
+        from diag.fp16 import fp16_range_lines
 
-        fix = fp16_fix(result.findings, result.health)
-        if fix is not None and fix.node_block_list:
-            print(f"  FP16 fix: convert_float_to_float16(..., node_block_list={_safe(repr(fix.node_block_list))})")
-        for name, peak in list(fix.over_range.items())[:3] if fix is not None else []:
-            print(f"  FP16 range: '{_safe(name)}' reaches {peak:.3g} in FP32 (> 65504)")
+        for line in fp16_range_lines(result.findings, result.state.fp16_ranges):
+            print(f"  {_safe(line)}")
     for out, path in result.paths.items():
         labels = [f.group.label for f in path]
         if len(labels) > 5:

@@ -114,6 +114,8 @@ class CompareState:
     fused: list[FusedKernel] = field(default_factory=list)
     #: Task metrics (:mod:`diag.taskmetrics`): ``f1`` with --labels, ``plugin`` with --metric.
     task: dict[str, Any] = field(default_factory=dict)
+    #: FP16 models: how each FP32 tensor fits FP16's range (:class:`diag.fp16.Fp16Range`).
+    fp16_ranges: dict[str, Any] = field(default_factory=dict)
     #: With ``reductions="graph"``: what was reduced by the numpy reference instead, and why
     #: (a tensor name, or ``"pass N"`` for a whole pass). Not part of the shard state.
     numpy_reduced: dict[str, str] = field(default_factory=dict)
@@ -142,6 +144,11 @@ class CompareState:
         merge_task_metrics(self.task, other.task)
         for k, why in other.numpy_reduced.items():
             self.numpy_reduced.setdefault(k, why)
+        for k, rng in other.fp16_ranges.items():
+            if k in self.fp16_ranges:
+                self.fp16_ranges[k].merge(rng)
+            else:
+                self.fp16_ranges[k] = rng
         return self
 
 
@@ -292,6 +299,9 @@ def compare_models(
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching
         )
+        result.single_cause, result.cause_sentence = _fp16_headline(
+            result.findings, state, result.single_cause, result.cause_sentence
+        )
         result.seconds = time.perf_counter() - start
     from diag.infer import fix_recipe
     from diag.taskmetrics import attach_task_metrics
@@ -372,6 +382,10 @@ def run_comparison(
         for name, pair in pairs.items():
             grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
             state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""), axes.get(name))
+    if q.format.family == "fp16":
+        from diag.fp16 import Fp16Range
+
+        state.fp16_ranges = {name: Fp16Range() for name, p in pairs.items() if p.how == "fp16"}
     runtime_unmatched: dict[str, str] = {}
     deployed = _deployed_sessions(fp, q, matching, options, state) if options.opt_level != "disabled" else None
     total = feeds.total_samples * len(groups) if feeds.total_samples is not None else None
@@ -506,6 +520,9 @@ def _run_pass(
             reductions.wait()
             fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
             q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
+            for name in mine:
+                if name in state.fp16_ranges and name in fp_out:
+                    state.fp16_ranges[name].update(fp_out[name])
             # Each INT8 value is freed as soon as its reduction is done (the task holds the last reference).
             reductions.submit(_accumulated_jobs(mine, pairs, fp_out, q_out, state, runtime_unmatched))
             for name in output_names:
@@ -957,6 +974,7 @@ def finish(
     ]
     specs = {k: a.spec for k, a in state.outputs.items()}
     one, sentence, _ = confirmed_cause(findings, None, overall_grade(verdicts), verdicts, specs, matching)
+    one, sentence = _fp16_headline(findings, state, one, sentence)
     health = {k: d.finalize(options.outlier_factor) for k, d in state.distributions.items()}
     weights = weight_report(
         fp.proto,
@@ -999,6 +1017,16 @@ def finish(
         fused=list(state.fused),
         state=state,
     )
+
+
+def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, sentence: str) -> tuple[bool, str]:
+    """An FP16 model that creates NaN/Inf: its origin is the cause (see :func:`diag.fp16.nonfinite_cause`)."""
+    if not state.fp16_ranges:
+        return one, sentence
+    from diag.fp16 import nonfinite_cause
+
+    cause = nonfinite_cause(findings, state.fp16_ranges)
+    return (cause[0], cause[1]) if cause is not None else (one, sentence)
 
 
 def environment() -> dict[str, str]:

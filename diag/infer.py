@@ -136,6 +136,12 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     obj = f"INT8 model '{loaded.path}'"
     if kind == "fp32":
         raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
+    if loaded.format.family == "fp16":
+        from diag.fp16 import infer_fp16_recipe
+
+        recipe, evidence = infer_fp16_recipe(loaded.proto)
+        return InferredRecipe(recipe, {}, evidence)
+    kind = loaded.format.family  # qdq-a16w8 / qdq16 / a mixed-precision QDQ model: onnxruntime's QDQ
     if kind == "mixed":
         ev = ", ".join(loaded.format.evidence)
         raise DiagError(
@@ -204,6 +210,15 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
             recipe["activation_type"] = QUANT_TYPE_NAMES.get(dtype, str(dtype))
             evidence.append(f"activation_type from {len(act_zps)} activation zero point(s)")
     extra: dict[str, Any] = {}
+    if kind == "qdq" and act_zps and act_types:
+        from diag.precision import activation_overrides
+
+        overrides = activation_overrides(graph, inits, act_types.most_common(1)[0][0], QUANT_TYPE_NAMES)
+        if overrides:
+            extra["TensorQuantOverrides"] = overrides
+            evidence.append(
+                f"TensorQuantOverrides: {len(overrides)} activation(s) on another grid than activation_type"
+            )
     if weights:
         w_types = Counter(q.data_type for q, _, _ in weights)
         w_dtype = w_types.most_common(1)[0][0]

@@ -95,6 +95,9 @@ RECIPE_KEYS = (
     "calibration",
     "calibration_samples",
     "preprocess",
+    "keep_io_types",
+    "op_block_list",
+    "node_block_list",
 )
 #: Keys diag reads itself; onnxruntime's functions take the others under the same names.
 DIAG_ONLY_KEYS = ("calibration", "calibration_samples", "preprocess")
@@ -265,7 +268,7 @@ def _suggest(word: str, choices: list[str] | set[str] | frozenset[str]) -> str |
 
 def _check_keys(data: dict[str, Any], findings: list[Finding]) -> dict[str, Any]:
     """Unknown recipe keys and invalid values; returns the valid key/value pairs."""
-    from diag.recipe import Recipe
+    from diag.recipe import FP16_KEYS, Recipe
 
     valid: dict[str, Any] = {}
     for key, value in data.items():
@@ -275,7 +278,7 @@ def _check_keys(data: dict[str, Any], findings: list[Finding]) -> dict[str, Any]
             findings.append(Finding("error", "unknown-key", key, "is not a recipe key (nothing would read it)", hint))
             continue
         try:
-            checked = Recipe.from_dict({key: value})
+            checked = Recipe.from_dict({"mode": "fp16", key: value} if key in FP16_KEYS else {key: value})
         except DiagError as e:
             findings.append(Finding("error", "bad-value", key, e.problem, e.hint))
             continue
@@ -341,6 +344,20 @@ def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
 def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: Any, findings: list[Finding]) -> None:
     mode = valid.get("mode", "static")
     fmt = valid.get("quant_format", "QDQ")
+    from diag.recipe import FP16_KEYS
+
+    for key in data:
+        if key != "mode" and key in RECIPE_KEYS and (key in FP16_KEYS) != (mode == "fp16"):
+            applies = "convert_float_to_float16" if key in FP16_KEYS else "quantize_dynamic / quantize_static"
+            findings.append(
+                Finding(
+                    "error",
+                    "contradiction",
+                    key,
+                    f"only applies to {applies} but mode is '{mode}'",
+                    f"remove '{key}'" + (' or set mode to "fp16"' if key in FP16_KEYS else ""),
+                )
+            )
     if mode == "dynamic":
         for key in STATIC_KEYS:
             if key in data:
@@ -443,7 +460,7 @@ def _check_names(valid: dict[str, Any], model: Any, findings: list[Finding]) -> 
     nodes = _all_nodes(model)
     names = [n.name for n in nodes if n.name]
     name_set = set(names)
-    for key in ("nodes_to_exclude", "nodes_to_quantize"):
+    for key in ("nodes_to_exclude", "nodes_to_quantize", "node_block_list"):
         for name in dict.fromkeys(valid.get(key) or []):
             if name in name_set:
                 continue

@@ -176,3 +176,25 @@ def describe(nodes: dict[str, list[str]], limit: int = 3) -> str:
         shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
         parts.append(f"{label} {len(names)} ({shown})")
     return "; ".join(parts)
+
+
+def activation_overrides(
+    graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto], majority: int, names: dict[int, str]
+) -> dict[str, list[dict[str, str]]]:
+    """``TensorQuantOverrides`` that reproduce activations quantized with another type than most.
+
+    A QDQ model whose few activations have 16-bit zero points among 8-bit ones was made with
+    ``activation_type`` = the 8-bit type and a per-tensor ``quant_type`` override for those few.
+
+    Example:
+        >>> activation_overrides(mixed.graph, inits, onnx.TensorProto.UINT8, QUANT_TYPE_NAMES)  # doctest: +SKIP
+        {'layer1/ffn_norm/LayerNormalization_out': [{'quant_type': 'QUInt16'}]}
+    """
+    out: dict[str, list[dict[str, str]]] = {}
+    for node in graph.node:
+        if node.op_type != "QuantizeLinear" or node.input[0] in inits or len(node.input) < 3:
+            continue
+        zp = inits.get(node.input[2])
+        if zp is not None and zp.data_type != majority and zp.data_type in names:
+            out.setdefault(node.input[0], [{"quant_type": names[zp.data_type]}])
+    return out

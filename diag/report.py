@@ -1023,6 +1023,10 @@ def fix_snippet(
             + _plain_fix_snippet(fmt, nodes)
         )
     settings = dict(recipe["settings"])
+    if settings.get("mode") == "fp16":
+        from diag.fp16 import fix_snippet_fp16
+
+        return fix_snippet_fp16(settings, nodes, fp32_path, int8_path)
     static = settings.get("mode") == "static"
     excluded = list(dict.fromkeys([*settings.get("nodes_to_exclude", []), *nodes]))
     settings["nodes_to_exclude"] = excluded

@@ -67,7 +67,7 @@ def test_overflowing_attention_is_named_and_its_block_list_derived(overflow: dic
     from diag.analyze import nonfinite_origins
 
     assert nonfinite_origins(r.findings)["INT8"].group.label == "attn/Attention"
-    fix = fp16_fix(r.findings, r.health)
+    fix = fp16_fix(r.findings, r.state.fp16_ranges)
     assert fix is not None and fix.node_block_list == ["attn/Attention"] and not fix.over_range
 
 
@@ -135,3 +135,66 @@ def test_eight_bit_outlier_is_ranked_first_and_remedied_with_16_bit_override(a16
     assert r16.matching.coverage > 0.95
     mm = next(f for f in r16.findings if f.group.label == culprit.culprit_node)
     assert mm.local.sqnr_db > ranked[0].local.sqnr_db + 10
+    # Grid statistics read the 16-bit grid: 16 bits, most of them used.
+    health = r16.health[culprit.outlier_tensor]
+    assert health.grid_bits == 16 and health.effective_bits > 14
+    assert r8.health[culprit.outlier_tensor].grid_bits == 8
+
+
+def test_fp16_range_counts_overflow_subnormal_and_flushed_values() -> None:
+    from diag.fp16 import Fp16Range
+
+    r = Fp16Range()
+    r.update(np.array([65519.0, 65520.0, -7e4, 1e-5, 1e-8, 0.0, 1.0], np.float32))
+    other = Fp16Range()
+    other.update(np.array([np.inf, 2e5], np.float32))
+    r.merge(other)
+    assert (r.overflow, r.subnormal, r.flushed, r.count) == (3, 2, 1, 8)
+    assert r.peak == 2e5
+
+
+def test_fp16_recipe_converts_and_is_read_back_and_linted(overflow: dict[str, Path]) -> None:
+    from diag.infer import infer_recipe
+    from diag.lint import lint_recipe
+    from diag.quantize import quantize_model
+    from diag.recipe import Recipe
+
+    recipe = Recipe(mode="fp16", keep_io_types=True, node_block_list=["attn/Attention"])
+    out = overflow["dir"] / "recipe.fp16.onnx"
+    report = quantize_model(overflow["fp32"], recipe, out)
+    assert report.format == "mixed"
+    assert infer_recipe(out).recipe == {"mode": "fp16", "keep_io_types": True, "node_block_list": ["attn/Attention"]}
+    assert _nonfinite_tensors(out, dict(np.load(overflow["inputs"]))) == {}
+    model = onnx.load(overflow["fp32"])
+    codes = [
+        (f.code, f.where)
+        for f in lint_recipe({"mode": "fp16", "node_block_list": ["attn/Atention"], "per_channel": True}, model)
+    ]
+    assert ("unknown-node", "node_block_list 'attn/Atention'") in codes
+    assert ("contradiction", "per_channel") in codes
+
+
+def test_fp16_fix_snippet_run_as_is_removes_nonfinite_values(overflow: dict[str, Path], tmp_path: Path) -> None:
+    from diag.report import fix_snippet
+
+    r = compare_models(
+        overflow["fp32"], overflow["fp16"], FeedSpec(inputs=str(overflow["inputs"])), CompareOptions(effects=0)
+    )
+    assert r.single_cause and "attn/Attention" in r.cause_sentence
+    code = fix_snippet("fp16", ["attn/Attention"], r.fix_recipe, str(overflow["fp32"]), str(tmp_path / "m.onnx"))
+    exec(compile(code, "snippet", "exec"), {})  # plain onnxruntime, as a user would paste it
+    assert _nonfinite_tensors(tmp_path / "m.fixed.onnx", dict(np.load(overflow["inputs"]))) == {}
+
+
+def test_mixed_qdq_recipe_is_read_back_with_its_16_bit_override(a16: dict[str, Path], tmp_path: Path) -> None:
+    from diag.infer import infer_recipe
+    from diag.quantize import quantize_model
+    from diag.recipe import Recipe
+
+    inferred = infer_recipe(a16["mix"]).recipe
+    tensor = transformer().expected.outlier_tensor
+    assert inferred["activation_type"] == "QUInt8"
+    assert inferred["extra_options"]["TensorQuantOverrides"] == {tensor: [{"quant_type": "QUInt16"}]}
+    out = tmp_path / "again.onnx"
+    quantize_model(a16["fp32"], Recipe.from_dict(inferred), out, FeedSpec(inputs=str(a16["inputs"])))
+    assert model_from_path(out).format.precisions == model_from_path(a16["mix"]).format.precisions
