@@ -281,7 +281,10 @@ def compare_models(
         )
     state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
     result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
-    if options.effects > 0 and options.local and options.shard is None:
+    # NOTE: no effect check on FP16 models: onnxruntime's CPU provider runs a float16 graph partly
+    # in float32, and which parts depends on the graph, so a one-node change moves where FP16
+    # overflows. The NaN/Inf origin and the converter's re-run (fp16.fp16_fix) are the measure.
+    if options.effects > 0 and options.local and options.shard is None and q.format.family != "fp16":
         specs = {k: a.spec for k, a in state.outputs.items()}
         result.effects = check_effects(
             fp,

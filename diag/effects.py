@@ -194,6 +194,9 @@ def float_region_model(
                     # quantization belongs to this node and goes with it (excluded, the input keeps
                     # its producer's own, finer grid; its float value is the closest stand-in).
                     rename[t] = pair.cut_name
+                elif pair.how == "fp16":
+                    # What node_block_list does: the float32 node reads its float16 input cast up.
+                    rename[t] = _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, new_nodes)
                 else:
                     rename[t] = (
                         _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, new_nodes, new_inits)
@@ -231,6 +234,8 @@ def float_region_model(
             target = pair.int8_name
         elif pair.cut_quant is not None:
             value = _grid_node("QuantizeLinear", value, pair.cut_quant, new_nodes, new_inits, pair.cut_dtype)
+        elif pair.cut_dtype == onnx.TensorProto.FLOAT16:
+            value = _cast_node(value, onnx.TensorProto.FLOAT16, new_nodes)  # and its output cast back down
         for node in g.node:
             for i, t in enumerate(node.input):
                 if t == target:
@@ -284,6 +289,14 @@ def _grid_node(
     out = base + "/out"
     attrs = {"axis": grid.axis} if grid.axis is not None and s_init.dims else {}
     new_nodes.append(helper.make_node(op, [value, s_init.name, z_init.name], [out], name=base, **attrs))
+    return out
+
+
+def _cast_node(value: str, to: int, new_nodes: list[onnx.NodeProto]) -> str:
+    """A Cast of ``value`` to element type ``to`` (FP16 models: the float region's boundary)."""
+    out = f"{_PREFIX}{value}/Cast{to}"
+    if not any(out in n.output for n in new_nodes):
+        new_nodes.append(helper.make_node("Cast", [value], [out], name=out, to=to))
     return out
 
 

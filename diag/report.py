@@ -81,8 +81,11 @@ def document_from_result(result: Any) -> dict[str, Any]:
                 "format": result.int8.format.kind,
                 "evidence": result.int8.format.evidence,
                 "warnings": list(getattr(result.int8, "warnings", [])),
+                # Which nodes run at which precision (FP16, 16-bit activations); absent otherwise.
+                **({"precisions": result.int8.format.precisions} if result.int8.format.precisions else {}),
             },
         },
+        **_fp16(result),
         "run": {
             "inputs": result.input_description,
             "samples": result.samples,
@@ -980,6 +983,29 @@ def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
             chans = channel_ranges(name, p["channel_max"], [o["index"] for o in h["outliers"]], factor)
         plots.append(DistributionPlot(name, distribution(name, p, h), chans))
     return plots
+
+
+def _fp16(result: Any) -> dict[str, Any]:
+    """``{"fp16": {...}}`` for an FP16 comparison: range counts per tensor and the derived fix."""
+    state = getattr(result, "state", None)
+    if state is None or not state.fp16_ranges:
+        return {}
+    from diag.fp16 import fp16_fix
+
+    fix = fp16_fix(result.findings, state.fp16_ranges)
+    return {
+        "fp16": {
+            "ranges": {k: r.to_dict() for k, r in state.fp16_ranges.items()},
+            "fix": None
+            if fix is None
+            else {
+                "node_block_list": fix.node_block_list,
+                "op_block_list": fix.op_block_list,
+                "over_range": fix.over_range,
+                "why": fix.why,
+            },
+        }
+    }
 
 
 def fix_snippet(
