@@ -604,6 +604,8 @@ def _run_graph_pass(
     try:
         if ext_fp is not None and ext_q is not None and ext_fp != ext_q:
             raise diagraph.Unsupported("the two models keep external data in different folders")
+        if state.fp16_ranges:
+            raise diagraph.Unsupported("an FP16 model: its range counts (diag.fp16.Fp16Range) are reduced in numpy")
         from diag.match import _value_dtypes
 
         shapes, dtypes = diagraph.shapes_and_types(fp.proto, sample.feeds)

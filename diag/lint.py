@@ -390,6 +390,18 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                 'set "quant_format": "QDQ"',
             )
         )
+    float8 = [k for k in ("activation_type", "weight_type") if valid.get(k) == "QFLOAT8E4M3FN"]
+    if mode == "static" and float8 and valid.get("calibrate_method", "MinMax") != "Distribution":
+        findings.append(
+            Finding(
+                "error",
+                "contradiction",
+                float8[0],
+                "QFLOAT8E4M3FN needs calibrate_method Distribution: onnxruntime raises 'Only Distribution "
+                "calibration method is supported for float quantization' otherwise",
+                'set "calibrate_method": "Distribution"',
+            )
+        )
     include = valid.get("nodes_to_quantize") or []
     for name in dict.fromkeys(n for n in valid.get("nodes_to_exclude") or [] if n in include):
         findings.append(

@@ -286,6 +286,8 @@ def _params(idx: _GraphIndex, scale_name: str, zp_name: str | None, axis: int | 
     if scale is None:
         return None
     zp = idx.array(zp_name) if zp_name else None
+    if zp is not None and not np.issubdtype(zp.dtype, np.integer):
+        return None  # a float8 grid (QFLOAT8E4M3FN) has no integer levels to count or round to
     if zp is None:
         zp = np.zeros_like(scale, dtype=np.uint8)
     info = np.iinfo(zp.dtype) if np.issubdtype(zp.dtype, np.integer) else np.iinfo(np.uint8)

@@ -32,8 +32,9 @@ _BITS = {
     onnx.TensorProto.UINT16: 16,
     onnx.TensorProto.INT4: 4,
     onnx.TensorProto.UINT4: 4,
-    onnx.TensorProto.FLOAT8E4M3FN: 8,
+    onnx.TensorProto.FLOAT8E4M3FN: -8,  # FLOAT8_BITS: labelled f8, not a 256-level integer grid
 }
+FLOAT8_BITS = -8
 
 #: Ops that only move or reinterpret data: they run at whatever precision reaches them.
 _DATA_MOVEMENT = frozenset(
@@ -137,7 +138,8 @@ def qdq_breakdown(proto: onnx.ModelProto) -> PrecisionBreakdown | None:
         if role == "a" and (q is None or q.op_type != "QuantizeLinear"):
             continue
         dq_bits[n.output[0]] = (role, bits)
-    if not any(role == "a" and bits > 8 for role, bits in dq_bits.values()):
+    float8 = any(v[1] == FLOAT8_BITS for v in dq_bits.values())
+    if not float8 and not any(role == "a" and bits > 8 for role, bits in dq_bits.values()):
         return None
     nodes: dict[str, list[str]] = {}
     for i, n in enumerate(g.node):
@@ -147,8 +149,11 @@ def qdq_breakdown(proto: onnx.ModelProto) -> PrecisionBreakdown | None:
         w = [dq_bits[x][1] for x in n.input if x in dq_bits and dq_bits[x][0] == "w"]
         if not a and not w:
             continue
-        label = (f"a{max(a)}" if a else "a32") + (f"w{max(w)}" if w else "")
+        label = _label("a", a, "32") + (_label("w", w, "") if w else "")
         nodes.setdefault(label, []).append(node_id(n, i))
+    if float8:
+        kinds = {label for label in nodes if "f8" not in label.replace("a32", "")}
+        return PrecisionBreakdown("qdq-fp8" if not kinds else "mixed", "qdq", dict(sorted(nodes.items())))
     act = {int(label[1:].split("w")[0]) for label in nodes} - {32}
     wts = {int(label.split("w")[1]) for label in nodes if "w" in label}
     # NOTE: with 16-bit activations onnxruntime also quantizes constant Add/Mul operands with the
@@ -198,3 +203,10 @@ def activation_overrides(
         if zp is not None and zp.data_type != majority and zp.data_type in names:
             out.setdefault(node.input[0], [{"quant_type": names[zp.data_type]}])
     return out
+
+
+def _label(role: str, bits: list[int], none: str) -> str:
+    """``a16``, ``w8``, ``af8`` (float8) for one node's inputs; ``none`` when it has no such input."""
+    if not bits:
+        return f"{role}{none}"
+    return f"{role}f8" if FLOAT8_BITS in bits and max(bits) <= 8 else f"{role}{max(bits)}"

@@ -723,6 +723,8 @@ def _rmse_over_scale(e: np.ndarray, s: np.ndarray) -> float | None:
 
 
 def _is_symmetric(zp: np.ndarray, dtype: np.dtype) -> bool:
+    if not np.issubdtype(dtype, np.integer):  # float8 weights: symmetric means a zero point of 0
+        return bool(np.all(zp.astype(np.float32) == 0))
     if np.issubdtype(dtype, np.signedinteger):
         middle = 0
     else:

@@ -198,3 +198,38 @@ def test_mixed_qdq_recipe_is_read_back_with_its_16_bit_override(a16: dict[str, P
     out = tmp_path / "again.onnx"
     quantize_model(a16["fp32"], Recipe.from_dict(inferred), out, FeedSpec(inputs=str(a16["inputs"])))
     assert model_from_path(out).format.precisions == model_from_path(a16["mix"]).format.precisions
+
+
+def test_fp8_qdq_model_is_detected_compared_and_its_recipe_read_back(tmp_path: Path) -> None:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    from diag.fixtures.precision_models import fp8_mlp
+    from diag.infer import infer_recipe
+    from diag.lint import lint_recipe
+
+    logging.getLogger().setLevel(logging.ERROR)
+    fx = fp8_mlp()
+    fp, q8 = tmp_path / "fp32.onnx", tmp_path / "fp8.onnx"
+    onnx.save(fx.model, fp)
+    np.savez(tmp_path / "inputs.npz", **fx.make_inputs(8, 1))
+    quantize_static(
+        fp,
+        q8,
+        _ArrayReader(fx.make_inputs(16, 0)),
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QFLOAT8E4M3FN,
+        weight_type=QuantType.QFLOAT8E4M3FN,
+        calibrate_method=CalibrationMethod.Distribution,
+    )
+    fmt = model_from_path(q8).format
+    assert (fmt.kind, fmt.family) == ("qdq-fp8", "qdq")
+    assert fmt.precisions["af8wf8"] == ["fc1/MatMul", "head/MatMul"]
+    r = compare_models(fp, q8, FeedSpec(inputs=str(tmp_path / "inputs.npz")), CompareOptions(effects=0))
+    m = r.matching
+    assert len(m.pairs) + len(m.fused_away) == len(m.fp_float_tensors)  # MatMul+Relu: one QDQ output
+    assert r.health["fc1/Relu_out"].grid == "none"  # no integer grid to count levels of
+    assert {w.dtype for w in r.weights.findings} == {"float8_e4m3fn"}
+    recipe = infer_recipe(q8).recipe
+    assert (recipe["activation_type"], recipe["calibrate_method"]) == ("QFLOAT8E4M3FN", "Distribution")
+    bad = lint_recipe({"activation_type": "QFLOAT8E4M3FN", "weight_type": "QFLOAT8E4M3FN"})
+    assert [(f.code, f.where) for f in bad] == [("contradiction", "activation_type")]
