@@ -203,6 +203,12 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
         print(
             f"  root cause: {_safe(f.group.label)} ({f.group.op_type}) local SQNR "
             f"{f.local.sqnr_db:.1f} dB, accumulated {f.accumulated.sqnr_db:.1f} dB"
+            # SQNR is over finite values: say when the node writes NaN/Inf even fed FP32 inputs.
+            + (
+                f" (its own NaN/Inf: {f.local.nonfinite_int8 - f.local.nonfinite_fp} with FP32 inputs)"
+                if f.local.nonfinite_int8 > f.local.nonfinite_fp
+                else ""
+            )
         )
     from diag.analyze import nonfinite_origins
 

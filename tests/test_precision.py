@@ -58,6 +58,16 @@ def test_fp16_model_is_detected_with_its_blocked_nodes(overflow: dict[str, Path]
     assert fmt.precisions["fp32"] == ["attn/Attention"]
 
 
+def test_fp16_model_with_float16_inputs_is_fed_cast_inputs(overflow: dict[str, Path]) -> None:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    path = overflow["dir"] / "noio.onnx"
+    onnx.save(convert_float_to_float16(fp16_overflow().model, node_block_list=["attn/Attention"]), path)
+    assert model_from_path(path).graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    r = compare_models(overflow["fp32"], path, FeedSpec(inputs=str(overflow["inputs"])), CompareOptions(effects=0))
+    assert r.grade == "excellent" and r.matching.coverage == 1.0
+
+
 def test_overflowing_attention_is_named_and_its_block_list_derived(overflow: dict[str, Path]) -> None:
     r = compare_models(
         overflow["fp32"], overflow["fp16"], FeedSpec(inputs=str(overflow["inputs"])), CompareOptions(effects=0)
@@ -95,6 +105,7 @@ def a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, act, extra in [
         ("a8", QuantType.QUInt8, {}),
         ("a16", QuantType.QUInt16, {}),
+        ("q16", QuantType.QInt16, {}),
         (
             "mix",
             QuantType.QUInt8,
@@ -108,7 +119,7 @@ def a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             _ArrayReader(cal),
             quant_format=QuantFormat.QDQ,
             activation_type=act,
-            weight_type=QuantType.QInt8,
+            weight_type=QuantType.QInt16 if name == "q16" else QuantType.QInt8,
             extra_options=extra,
         )
     return out
@@ -117,6 +128,7 @@ def a16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_sixteen_bit_activations_are_detected(a16: dict[str, Path]) -> None:
     assert model_from_path(a16["a8"]).format.kind == "qdq"
     assert model_from_path(a16["a16"]).format.kind == "qdq-a16w8"
+    assert model_from_path(a16["q16"]).format.kind == "qdq16"
     mix = model_from_path(a16["mix"]).format
     assert (mix.kind, mix.family) == ("mixed", "qdq")
     assert mix.precisions["a16w8"] == [transformer().expected.culprit_node]
