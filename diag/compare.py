@@ -302,9 +302,6 @@ def compare_models(
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching
         )
-        result.single_cause, result.cause_sentence = _fp16_headline(
-            result.findings, state, result.single_cause, result.cause_sentence
-        )
         result.seconds = time.perf_counter() - start
     from diag.infer import fix_recipe
     from diag.taskmetrics import attach_task_metrics
@@ -987,7 +984,7 @@ def finish(
         fp.path.resolve().parent if fp.has_external_data else None,
         q.path.resolve().parent if q.has_external_data else None,
     )
-    suggestions = all_suggestions(fp.proto, matching, health, q.format.kind, weights.findings)
+    suggestions = all_suggestions(fp.proto, matching, health, q.format.family, weights.findings)
     patterns = find_patterns(fp.proto)
     tensor_of_node = {n: f.tensor for f in findings for n in f.group.fp_nodes}
     per_instance, per_kind = pattern_totals(patterns, accumulated, local, tensor_of_node)

@@ -8,7 +8,7 @@ converted without ``keep_io_types``). The cast happens once, in :func:`diag.run.
 
 What goes wrong in FP16 is range, not rounding: a value beyond 65504 becomes ``inf`` and the next
 ``inf - inf`` or ``0 * inf`` a ``NaN``; values below 6.1e-5 lose precision (subnormals) and below
-6e-8 flush to zero. :class:`Fp16Health` counts those per tensor from the FP32 values (what the
+6e-8 flush to zero. :class:`Fp16Range` counts those per tensor from the FP32 values (what the
 FP16 model would have to hold) and the fix is the converter's own argument, ``node_block_list``.
 """
 

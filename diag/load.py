@@ -50,8 +50,8 @@ class ModelFormat:
     """The quantization format of a model and the evidence for it.
 
     Attributes:
-        kind: ``fp32``, ``dynamic``, ``qdq``, ``qoperator``, ``fp16``, ``qdq-a16w8``, ``qdq16`` or
-            ``mixed``.
+        kind: ``fp32``, ``dynamic``, ``qdq``, ``qoperator``, ``fp16``, ``qdq-a16w8``, ``qdq16``,
+            ``qdq-fp8`` or ``mixed``.
         evidence: op type -> count of the quantization-specific ops that decided ``kind``.
         precisions: precision label -> node names, when nodes run at other than 8 bits / FP32
             (see :mod:`diag.precision`).
@@ -69,7 +69,7 @@ class ModelFormat:
 
     @property
     def family(self) -> str:
-        """``qdq`` for ``qdq-a16w8`` / ``qdq16`` / a mixed-precision QDQ model, ``fp16`` for FP16."""
+        """``qdq`` for ``qdq-a16w8`` / ``qdq16`` / ``qdq-fp8`` / a mixed-precision QDQ model, ``fp16`` for FP16."""
         return self.family_name or self.kind
 
 

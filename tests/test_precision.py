@@ -151,6 +151,7 @@ def test_eight_bit_outlier_is_ranked_first_and_remedied_with_16_bit_override(a16
     health = r16.health[culprit.outlier_tensor]
     assert health.grid_bits == 16 and health.effective_bits > 14
     assert r8.health[culprit.outlier_tensor].grid_bits == 8
+    assert not [s for s in r16.suggestions if s.tensor == culprit.outlier_tensor]  # 16 bits suffice
 
 
 def test_fp16_range_counts_overflow_subnormal_and_flushed_values() -> None:
