@@ -1177,6 +1177,10 @@ def reproduce_snippet(
         ...
     """
     r = result.recipe
+    if r.get("mode") == "fp16":
+        from diag.fp16 import reproduce_fp16
+
+        return reproduce_fp16(result, model_out)
     static = r.get("mode") == "static"
     steps = list(result.steps)
     if r.get("preprocess") and not any(x.startswith("quant_pre_process") for x in steps):

@@ -370,3 +370,42 @@ def fix_snippet_fp16(settings: dict[str, Any], nodes: list[str], fp32_path: str,
             f"onnx.save(model, {json.dumps(out)})",
         ]
     )
+
+
+def reproduce_fp16(result: Any, model_out: str) -> str:
+    """`diag exclude`'s reproduce.py for an ``fp16`` recipe: one converter call, no diag.
+
+    ``result`` is a :class:`diag.exclude.ExclusionResult`; its kept-in-float nodes become
+    ``node_block_list``.
+
+    Example:
+        >>> print(reproduce_fp16(result, "m.reproduced.onnx"))  # doctest: +SKIP
+        # Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.
+        ...
+    """
+    r = result.recipe
+    blocked = list(dict.fromkeys([*(r.get("node_block_list") or []), *result.nodes_to_exclude]))
+    args = [f"    keep_io_types={bool(r.get('keep_io_types'))!r},"]
+    if r.get("op_block_list") is not None:
+        args.append(f"    op_block_list={r['op_block_list']!r},")
+    args.append(f"    node_block_list={blocked!r},")
+    return "\n".join(
+        [
+            "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.",
+            f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float32.",
+            "# Paths are as given to diag exclude: run this from the folder diag exclude ran in.",
+            "import os",
+            "",
+            "import onnx",
+            "from onnxruntime.transformers.float16 import convert_float_to_float16",
+            "",
+            f"FP32 = os.path.abspath({result.fp32!r})",
+            f"OUT = os.path.abspath({model_out!r})",
+            "model = convert_float_to_float16(",
+            "    onnx.load(FP32),",
+            *args,
+            ")",
+            "onnx.save(model, OUT)",
+            "",
+        ]
+    )

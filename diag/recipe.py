@@ -93,10 +93,15 @@ class Recipe:
     def with_excluded(self, nodes: Iterable[str]) -> Recipe:
         """A copy with ``nodes`` added to ``nodes_to_exclude`` (order kept, no duplicates).
 
+        For an ``fp16`` recipe they go to ``node_block_list``, the converter's way to keep a node in float.
+
         Example:
             >>> Recipe(nodes_to_exclude=["a"]).with_excluded(["b", "a"]).nodes_to_exclude
             ['a', 'b']
         """
+        if self.mode == "fp16":  # "keep in float" is the converter's node_block_list
+            blocked = list(dict.fromkeys([*(self.node_block_list or []), *nodes]))
+            return dataclasses.replace(self, node_block_list=blocked, extra_options=dict(self.extra_options))
         merged = list(dict.fromkeys([*self.nodes_to_exclude, *nodes]))
         return dataclasses.replace(self, nodes_to_exclude=merged, extra_options=dict(self.extra_options))
 

@@ -677,7 +677,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         single_cause=verdict["single_cause"],
         fp32_path=doc["models"]["fp32"]["path"],
         int8_path=doc["models"]["int8"]["path"],
-        int8_format=fmt,
+        int8_format=fmt + _precision_note(doc["models"]["int8"].get("precisions")),
         inputs=doc["run"]["inputs"],
         samples=doc["run"]["samples"],
         seconds=f"{doc['run']['seconds']:.1f}",
@@ -983,6 +983,15 @@ def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
             chans = channel_ranges(name, p["channel_max"], [o["index"] for o in h["outliers"]], factor)
         plots.append(DistributionPlot(name, distribution(name, p, h), chans))
     return plots
+
+
+def _precision_note(precisions: dict[str, list[str]] | None) -> str:
+    """`` (fp16 6 nodes; fp32 1 (attn/Attention))`` for the report header; empty for 8-bit models."""
+    if not precisions:
+        return ""
+    from diag.precision import describe
+
+    return f" ({describe(precisions)})"
 
 
 def _fp16(result: Any) -> dict[str, Any]:

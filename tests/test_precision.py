@@ -246,3 +246,40 @@ def test_fp8_qdq_model_is_detected_compared_and_its_recipe_read_back(tmp_path: P
     assert (recipe["activation_type"], recipe["calibrate_method"]) == ("QFLOAT8E4M3FN", "Distribution")
     bad = lint_recipe({"activation_type": "QFLOAT8E4M3FN", "weight_type": "QFLOAT8E4M3FN"})
     assert [(f.code, f.where) for f in bad] == [("contradiction", "activation_type")]
+
+
+def test_exclude_with_an_fp16_recipe_writes_a_reproduce_script_that_rebuilds_the_model(
+    overflow: dict[str, Path], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from diag.exclude import exclude_to_dir
+    from diag.recipe import Recipe
+
+    recipe = Recipe(mode="fp16", keep_io_types=True, node_block_list=["attn/Attention"])
+    assert recipe.with_excluded(["o/MatMul"]).node_block_list == ["attn/Attention", "o/MatMul"]
+    feeds = FeedSpec(inputs=str(overflow["inputs"]))
+    exclude_to_dir(overflow["fp32"], recipe, feeds, "cosine>=0.999", tmp_path, bench_runs=1, progress=False)
+    script = (tmp_path / "reproduce.py").read_text()
+    assert "convert_float_to_float16" in script and "import diag" not in script and "from diag" not in script
+    subprocess.run([sys.executable, str(tmp_path / "reproduce.py")], check=True, cwd=Path.cwd())
+    built = {p.name: onnx.load(p).graph for p in tmp_path.glob("*.onnx")}
+    assert built["fp32.mixed.onnx"] == built["fp32.reproduced.onnx"]
+
+
+def test_fp16_diag_json_follows_the_shipped_schema(overflow: dict[str, Path], tmp_path: Path) -> None:
+    import json
+
+    import jsonschema
+
+    from diag.compare import compare_to_dir
+    from diag.report import templates_dir
+
+    feeds = FeedSpec(inputs=str(overflow["inputs"]))
+    compare_to_dir(overflow["fp32"], overflow["fp16"], feeds, tmp_path, CompareOptions(effects=0, progress=False))
+    doc = json.loads((tmp_path / "diag.json").read_text())
+    jsonschema.validate(doc, json.loads((templates_dir() / "diag.schema.json").read_text()))
+    assert doc["models"]["int8"]["format"] == "fp16"
+    assert doc["fp16"]["fix"]["node_block_list"] == ["attn/Attention"]
+    assert doc["fp16"]["ranges"]["q/MatMul_out"]["overflow"] == 0
