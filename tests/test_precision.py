@@ -68,6 +68,30 @@ def test_fp16_model_with_float16_inputs_is_fed_cast_inputs(overflow: dict[str, P
     assert r.grade == "excellent" and r.matching.coverage == 1.0
 
 
+def test_fp32_model_with_a_float16_island_stays_fp32() -> None:
+    from onnx import TensorProto, helper
+
+    from diag.load import detect_format
+
+    nodes = [
+        helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16, name="to16"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu16"),
+        helper.make_node("Cast", ["r"], ["f"], to=TensorProto.FLOAT, name="to32"),
+        helper.make_node("MatMul", ["f", "w"], ["m"], name="mm"),
+        helper.make_node("Add", ["m", "m"], ["y"], name="add"),
+    ]
+    w = onnx.numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    graph = helper.make_graph(
+        nodes,
+        "island",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert detect_format(model).kind == "fp32"  # one float16 node of three: still the float model
+
+
 def test_overflowing_attention_is_named_and_its_block_list_derived(overflow: dict[str, Path]) -> None:
     r = compare_models(
         overflow["fp32"], overflow["fp16"], FeedSpec(inputs=str(overflow["inputs"])), CompareOptions(effects=0)
