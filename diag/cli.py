@@ -116,6 +116,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"model:      {_safe(s.path)}")
     ev = ", ".join(f"{k} x{v}" for k, v in s.format.evidence.items())
     print(f"format:     {s.format.kind}" + (f"  ({_safe(ev)})" if ev else ""))
+    if s.format.precisions:
+        from diag.precision import describe
+
+        print(f"precision:  {_safe(describe(s.format.precisions))}")
     print(
         f"opsets:     {', '.join(f'{k} {v}' for k, v in s.opsets.items())}; IR {s.ir_version}; "
         f"producer {_safe(s.producer) or '?'}"
@@ -201,6 +205,12 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
         print(
             f"  root cause: {_safe(f.group.label)} ({f.group.op_type}) local SQNR "
             f"{f.local.sqnr_db:.1f} dB, accumulated {f.accumulated.sqnr_db:.1f} dB"
+            # SQNR is over finite values: say when the node writes NaN/Inf even fed FP32 inputs.
+            + (
+                f" (its own NaN/Inf: {f.local.nonfinite_int8 - f.local.nonfinite_fp} with FP32 inputs)"
+                if f.local.nonfinite_int8 > f.local.nonfinite_fp
+                else ""
+            )
         )
     from diag.analyze import nonfinite_origins
 
@@ -210,6 +220,11 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
             f"  NaN/Inf: first produced in the {model} model by {_safe(f.group.label)} ({f.group.op_type}): "
             f"{count} value(s) in '{_safe(f.tensor)}'"
         )
+    if result.state is not None and result.state.fp16_ranges:
+        from diag.fp16 import fp16_range_lines
+
+        for line in fp16_range_lines(result.findings, result.state.fp16_ranges):
+            print(f"  {_safe(line)}")
     for out, path in result.paths.items():
         labels = [f.group.label for f in path]
         if len(labels) > 5:

@@ -114,6 +114,8 @@ class CompareState:
     fused: list[FusedKernel] = field(default_factory=list)
     #: Task metrics (:mod:`diag.taskmetrics`): ``f1`` with --labels, ``plugin`` with --metric.
     task: dict[str, Any] = field(default_factory=dict)
+    #: FP16 models: how each FP32 tensor fits FP16's range (:class:`diag.fp16.Fp16Range`).
+    fp16_ranges: dict[str, Any] = field(default_factory=dict)
     #: With ``reductions="graph"``: what was reduced by the numpy reference instead, and why
     #: (a tensor name, or ``"pass N"`` for a whole pass). Not part of the shard state.
     numpy_reduced: dict[str, str] = field(default_factory=dict)
@@ -142,6 +144,11 @@ class CompareState:
         merge_task_metrics(self.task, other.task)
         for k, why in other.numpy_reduced.items():
             self.numpy_reduced.setdefault(k, why)
+        for k, rng in other.fp16_ranges.items():
+            if k in self.fp16_ranges:
+                self.fp16_ranges[k].merge(rng)
+            else:
+                self.fp16_ranges[k] = rng
         return self
 
 
@@ -274,7 +281,10 @@ def compare_models(
         )
     state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
     result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
-    if options.effects > 0 and options.local and options.shard is None:
+    # NOTE: no effect check on FP16 models: onnxruntime's CPU provider runs a float16 graph partly
+    # in float32, and which parts depends on the graph, so a one-node change moves where FP16
+    # overflows. The NaN/Inf origin and the converter's re-run (fp16.fp16_fix) are the measure.
+    if options.effects > 0 and options.local and options.shard is None and q.format.family != "fp16":
         specs = {k: a.spec for k, a in state.outputs.items()}
         result.effects = check_effects(
             fp,
@@ -372,6 +382,10 @@ def run_comparison(
         for name, pair in pairs.items():
             grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
             state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""), axes.get(name))
+    if q.format.family == "fp16":
+        from diag.fp16 import Fp16Range
+
+        state.fp16_ranges = {name: Fp16Range() for name, p in pairs.items() if p.how == "fp16"}
     runtime_unmatched: dict[str, str] = {}
     deployed = _deployed_sessions(fp, q, matching, options, state) if options.opt_level != "disabled" else None
     total = feeds.total_samples * len(groups) if feeds.total_samples is not None else None
@@ -506,6 +520,9 @@ def _run_pass(
             reductions.wait()
             fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
             q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
+            for name in mine:
+                if name in state.fp16_ranges and name in fp_out:
+                    state.fp16_ranges[name].update(fp_out[name])
             # Each INT8 value is freed as soon as its reduction is done (the task holds the last reference).
             reductions.submit(_accumulated_jobs(mine, pairs, fp_out, q_out, state, runtime_unmatched))
             for name in output_names:
@@ -584,6 +601,8 @@ def _run_graph_pass(
     try:
         if ext_fp is not None and ext_q is not None and ext_fp != ext_q:
             raise diagraph.Unsupported("the two models keep external data in different folders")
+        if state.fp16_ranges:
+            raise diagraph.Unsupported("an FP16 model: its range counts (diag.fp16.Fp16Range) are reduced in numpy")
         from diag.match import _value_dtypes
 
         shapes, dtypes = diagraph.shapes_and_types(fp.proto, sample.feeds)
@@ -957,6 +976,7 @@ def finish(
     ]
     specs = {k: a.spec for k, a in state.outputs.items()}
     one, sentence, _ = confirmed_cause(findings, None, overall_grade(verdicts), verdicts, specs, matching)
+    one, sentence = _fp16_headline(findings, state, one, sentence)
     health = {k: d.finalize(options.outlier_factor) for k, d in state.distributions.items()}
     weights = weight_report(
         fp.proto,
@@ -964,7 +984,7 @@ def finish(
         fp.path.resolve().parent if fp.has_external_data else None,
         q.path.resolve().parent if q.has_external_data else None,
     )
-    suggestions = all_suggestions(fp.proto, matching, health, q.format.kind, weights.findings)
+    suggestions = all_suggestions(fp.proto, matching, health, q.format.family, weights.findings)
     patterns = find_patterns(fp.proto)
     tensor_of_node = {n: f.tensor for f in findings for n in f.group.fp_nodes}
     per_instance, per_kind = pattern_totals(patterns, accumulated, local, tensor_of_node)
@@ -999,6 +1019,16 @@ def finish(
         fused=list(state.fused),
         state=state,
     )
+
+
+def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, sentence: str) -> tuple[bool, str]:
+    """An FP16 model that creates NaN/Inf: its origin is the cause (see :func:`diag.fp16.nonfinite_cause`)."""
+    if not state.fp16_ranges:
+        return one, sentence
+    from diag.fp16 import nonfinite_cause
+
+    cause = nonfinite_cause(findings, state.fp16_ranges)
+    return (cause[0], cause[1]) if cause is not None else (one, sentence)
 
 
 def environment() -> dict[str, str]:

@@ -225,6 +225,9 @@ def float_region_model(
                     # quantization belongs to this node and goes with it (excluded, the input keeps
                     # its producer's own, finer grid; its float value is the closest stand-in).
                     rename[t] = pair.cut_name
+                elif pair.how == "fp16":
+                    # What node_block_list does: the float32 node reads its float16 input cast up.
+                    rename[t] = _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, new_nodes)
                 else:
                     rename[t] = (
                         _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, new_nodes, new_inits)
@@ -271,6 +274,8 @@ def float_region_model(
             target = pair.int8_name  # no quantized consumer is left: its Q/DQ goes too
         elif pair.cut_quant is not None:
             value = _grid_node("QuantizeLinear", value, pair.cut_quant, new_nodes, new_inits, pair.cut_dtype)
+        elif pair.cut_dtype == onnx.TensorProto.FLOAT16:
+            value = _cast_node(value, onnx.TensorProto.FLOAT16, new_nodes)  # and its output cast back down
         for node, i in readers.get(target, []):
             node.input[i] = value
         if target in graph_outputs:
@@ -373,6 +378,14 @@ def _grid_node(
 def _needs(n: onnx.NodeProto) -> set[str]:
     """Every tensor ``n`` reads, its subgraphs' outer-scope reads included."""
     return {t for t in n.input if t} | set(outer_scope_inputs(n))
+
+
+def _cast_node(value: str, to: int, new_nodes: list[onnx.NodeProto]) -> str:
+    """A Cast of ``value`` to element type ``to`` (FP16 models: the float region's boundary)."""
+    out = f"{_PREFIX}{value}/Cast{to}"
+    if not any(out in n.output for n in new_nodes):
+        new_nodes.append(helper.make_node("Cast", [value], [out], name=out, to=to))
+    return out
 
 
 def _drop_dead_nodes(g: onnx.GraphProto) -> None:

@@ -1313,6 +1313,10 @@ def reproduce_snippet(
 
         header = f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float."
         return weight_only_snippet(r, result.fp32, model_out, header, "lift_constants" in result.steps)
+    if r.get("mode") == "fp16":
+        from diag.fp16 import reproduce_fp16
+
+        return reproduce_fp16(result, model_out)
     static = r.get("mode") == "static"
     steps = list(result.steps)
     if r.get("preprocess") and not any(x.startswith("quant_pre_process") for x in steps):

@@ -53,6 +53,7 @@ QUANT_TYPE_NAMES = {
     onnx.TensorProto.UINT8: "QUInt8",
     onnx.TensorProto.INT16: "QInt16",
     onnx.TensorProto.UINT16: "QUInt16",
+    onnx.TensorProto.FLOAT8E4M3FN: "QFLOAT8E4M3FN",
 }
 #: zero points of symmetric quantization: the midpoint of the full or the reduced range (quant_utils).
 SYMMETRIC_ZERO_POINTS = {
@@ -136,6 +137,12 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     obj = f"INT8 model '{loaded.path}'"
     if kind == "fp32":
         raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
+    if loaded.format.family == "fp16":
+        from diag.fp16 import infer_fp16_recipe
+
+        recipe, evidence = infer_fp16_recipe(loaded.proto)
+        return InferredRecipe(recipe, {}, evidence)
+    kind = loaded.format.family  # qdq-a16w8 / qdq16 / a mixed-precision QDQ model: onnxruntime's QDQ
     if kind == "mixed":
         ev = ", ".join(loaded.format.evidence)
         raise DiagError(
@@ -209,6 +216,15 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
             recipe["activation_type"] = QUANT_TYPE_NAMES.get(dtype, str(dtype))
             evidence.append(f"activation_type from {len(act_zps)} activation zero point(s)")
     extra: dict[str, Any] = {}
+    if kind == "qdq" and act_zps and act_types:
+        from diag.precision import activation_overrides
+
+        overrides = activation_overrides(graph, inits, act_types.most_common(1)[0][0], QUANT_TYPE_NAMES)
+        if overrides:
+            extra["TensorQuantOverrides"] = overrides
+            evidence.append(
+                f"TensorQuantOverrides: {len(overrides)} activation(s) on another grid than activation_type"
+            )
     if weights:
         w_types = Counter(q.data_type for q, _, _ in weights)
         w_dtype = w_types.most_common(1)[0][0]
@@ -220,12 +236,13 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
         evidence.append(f"weight_type, per_channel, reduce_range from {len(weights)} quantized weight(s)")
         w_zps = [z for _, _, z in weights if z is not None]
         symmetric = bool(w_zps) and all(_is_symmetric(z, base_dir) for z in w_zps)
-        default_symmetric = w_dtype in (onnx.TensorProto.INT8, onnx.TensorProto.INT16)
+        default_symmetric = w_dtype in (onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.FLOAT8E4M3FN)
         if w_zps and symmetric != default_symmetric:
             extra["WeightSymmetric"] = symmetric
     if kind != "dynamic":
         act_zps = _activation_zero_points(graph, inits)
-        if act_zps and all(_is_symmetric(z, base_dir) for z in act_zps):
+        float8 = all(z.data_type == onnx.TensorProto.FLOAT8E4M3FN for z in act_zps)
+        if act_zps and not float8 and all(_is_symmetric(z, base_dir) for z in act_zps):
             extra["ActivationSymmetric"] = True
     dtypes = _value_dtypes(model) if kind == "qoperator" else None
     excluded = _excluded_nodes(graph, inits, producers, kind, dtypes)
@@ -240,6 +257,10 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
     unknown = dict(UNKNOWN_FIELDS)
     if kind == "dynamic":
         del unknown["calibrate_method"], unknown["calibration"]
+    elif recipe.get("activation_type") == "QFLOAT8E4M3FN":
+        recipe["calibrate_method"] = "Distribution"
+        del unknown["calibrate_method"]
+        evidence.append("calibrate_method: onnxruntime quantizes to float8 with Distribution only")
     return InferredRecipe(recipe, unknown, evidence)
 
 
@@ -352,6 +373,8 @@ def _size(t: onnx.TensorProto) -> int:
 
 
 def _is_symmetric(zp: onnx.TensorProto, base_dir: str = "") -> bool:
+    if zp.data_type == onnx.TensorProto.FLOAT8E4M3FN:
+        return True  # onnxruntime's float8 grids are always centred on 0 (their default: no option)
     values = numpy_helper.to_array(zp, base_dir).astype(np.int64).ravel()
     return bool(values.size) and any(bool(np.all(values == w)) for w in SYMMETRIC_ZERO_POINTS.get(zp.data_type, ()))
 
@@ -359,8 +382,10 @@ def _is_symmetric(zp: onnx.TensorProto, base_dir: str = "") -> bool:
 def _fits_reduced(q: onnx.TensorProto, base_dir: str = "") -> bool:
     """True when the weight's integer values span no more than a reduced (7-bit) range."""
     limit = REDUCED_SPAN.get(q.data_type)
+    if limit is None:
+        return False
     values = numpy_helper.to_array(q, base_dir).astype(np.int64)
-    if limit is None or not values.size:
+    if not values.size:
         return False
     return bool(values.max() - values.min() <= limit)
 

@@ -101,6 +101,9 @@ RECIPE_KEYS = (
     "is_symmetric",
     "accuracy_level",
     "node_bits",
+    "keep_io_types",
+    "op_block_list",
+    "node_block_list",
 )
 #: Keys diag reads itself; onnxruntime's functions take the others under the same names.
 DIAG_ONLY_KEYS = ("calibration", "calibration_samples", "preprocess", "node_bits")
@@ -271,7 +274,7 @@ def _suggest(word: str, choices: list[str] | set[str] | frozenset[str]) -> str |
 
 def _check_keys(data: dict[str, Any], findings: list[Finding]) -> dict[str, Any]:
     """Unknown recipe keys and invalid values; returns the valid key/value pairs."""
-    from diag.recipe import Recipe
+    from diag.recipe import FP16_KEYS, Recipe
 
     valid: dict[str, Any] = {}
     for key, value in data.items():
@@ -283,6 +286,8 @@ def _check_keys(data: dict[str, Any], findings: list[Finding]) -> dict[str, Any]
         # a weight_only recipe's keys are checked in that mode (its arguments are MatMulNBitsQuantizer's)
         mode = {"mode": "weight_only"} if data.get("mode") == "weight_only" and key != "mode" else {}
         try:
+            if key in FP16_KEYS:
+                mode = {"mode": "fp16"}
             checked = Recipe.from_dict({**mode, key: value})
         except DiagError as e:
             findings.append(Finding("error", "bad-value", key, e.problem, e.hint))
@@ -357,6 +362,20 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
         except DiagError as e:
             key = e.obj.split("'")[1] if "'" in e.obj else "mode"
             findings.append(Finding("error", "contradiction", key, e.problem, e.hint))
+    from diag.recipe import FP16_KEYS
+
+    for key in data:
+        if key != "mode" and key in RECIPE_KEYS and (key in FP16_KEYS) != (mode == "fp16"):
+            applies = "convert_float_to_float16" if key in FP16_KEYS else "quantize_dynamic / quantize_static"
+            findings.append(
+                Finding(
+                    "error",
+                    "contradiction",
+                    key,
+                    f"only applies to {applies} but mode is '{mode}'",
+                    f"remove '{key}'" + (' or set mode to "fp16"' if key in FP16_KEYS else ""),
+                )
+            )
     if mode == "dynamic":
         for key in STATIC_KEYS:
             if key in data:
@@ -387,6 +406,18 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                 "weight_type",
                 f"{valid['weight_type']} needs quant_format QDQ: QOperator kernels are 8-bit only",
                 'set "quant_format": "QDQ"',
+            )
+        )
+    float8 = [k for k in ("activation_type", "weight_type") if valid.get(k) == "QFLOAT8E4M3FN"]
+    if mode == "static" and float8 and valid.get("calibrate_method", "MinMax") != "Distribution":
+        findings.append(
+            Finding(
+                "error",
+                "contradiction",
+                float8[0],
+                "QFLOAT8E4M3FN needs calibrate_method Distribution: onnxruntime raises 'Only Distribution "
+                "calibration method is supported for float quantization' otherwise",
+                'set "calibrate_method": "Distribution"',
             )
         )
     include = valid.get("nodes_to_quantize") or []
@@ -459,7 +490,7 @@ def _check_names(valid: dict[str, Any], model: Any, findings: list[Finding]) -> 
     nodes = _all_nodes(model)
     names = [n.name for n in nodes if n.name]
     name_set = set(names)
-    for key in ("nodes_to_exclude", "nodes_to_quantize"):
+    for key in ("nodes_to_exclude", "nodes_to_quantize", "node_block_list"):
         for name in dict.fromkeys(valid.get(key) or []):
             if name in name_set:
                 continue

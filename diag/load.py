@@ -52,18 +52,28 @@ class ModelFormat:
     """The quantization format of a model and the evidence for it.
 
     Attributes:
-        kind: ``fp32``, ``dynamic``, ``qdq``, ``qoperator``, ``matmulnbits`` (weight-only
-            ``MatMulNBits``), ``qdq-int4-blocked`` (weight-only block-wise ``DequantizeLinear``)
-            or ``mixed``.
+        kind: ``fp32``, ``dynamic``, ``qdq``, ``qoperator``, ``fp16``, ``qdq-a16w8``, ``qdq16``,
+            ``qdq-fp8``, ``matmulnbits`` (weight-only ``MatMulNBits``), ``qdq-int4-blocked``
+            (weight-only block-wise ``DequantizeLinear``) or ``mixed``.
         evidence: op type -> count of the quantization-specific ops that decided ``kind``.
+        precisions: precision label -> node names, when nodes run at other than 8 bits / FP32
+            (see :mod:`diag.precision`).
+        family_name: the tool behind a ``mixed`` or 16-bit kind (``fp16``, ``qdq``); empty = ``kind``.
     """
 
     kind: str
     evidence: dict[str, int] = field(default_factory=dict)
+    precisions: dict[str, list[str]] = field(default_factory=dict)
+    family_name: str = ""
 
     @property
     def is_quantized(self) -> bool:
         return self.kind != "fp32"
+
+    @property
+    def family(self) -> str:
+        """``qdq`` for ``qdq-a16w8`` / ``qdq16`` / ``qdq-fp8`` / a mixed-precision QDQ model, ``fp16`` for FP16."""
+        return self.family_name or self.kind
 
 
 @dataclass
@@ -274,9 +284,27 @@ def detect_format(proto: onnx.ModelProto) -> ModelFormat:
         kinds.append("qdq-int4-blocked")
         nbits["DequantizeLinear(block_size)"] = blocked
     if not kinds:
-        return ModelFormat("fp32")
+        return _float_format(proto)
     evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {}), **nbits}  # type: ignore[dict-item]
+    if kinds == ["qdq"]:
+        from diag.precision import qdq_breakdown
+
+        wide = qdq_breakdown(proto)
+        if wide is not None:
+            return ModelFormat(wide.kind, dict(sorted(evidence.items())), wide.nodes, "qdq")
     return ModelFormat(kinds[0] if len(kinds) == 1 else "mixed", dict(sorted(evidence.items())))
+
+
+def _float_format(proto: onnx.ModelProto) -> ModelFormat:
+    """``fp32``, or ``fp16`` / ``mixed`` for a float16 model (see :mod:`diag.precision`)."""
+    from diag.precision import fp16_breakdown, has_float16
+
+    if not has_float16(proto):
+        return ModelFormat("fp32")
+    b = fp16_breakdown(proto)
+    if b is None:
+        return ModelFormat("fp32")
+    return ModelFormat(b.kind, {f"{k} nodes": len(v) for k, v in b.nodes.items()}, b.nodes, "fp16")
 
 
 def _qdq_activation_pairs(graph: onnx.GraphProto) -> int:
@@ -385,7 +413,7 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
     problems: list[str] = []
     opsets = {(o.domain or "ai.onnx"): int(o.version) for o in proto.opset_import}
     default_opset = opsets.get("ai.onnx", 0)
-    if m.format.kind in ("qdq", "mixed") and default_opset < 13:
+    if m.format.family in ("qdq", "mixed") and default_opset < 13:
         axis_dq = [n for n in nodes if n.op_type == "DequantizeLinear" and any(a.name == "axis" for a in n.attribute)]
         if axis_dq:
             problems.append(
@@ -404,7 +432,7 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
         )
     # Unnamed nodes matter only where nodes_to_exclude would have to name them: quantizable ones.
     # (Unnamed Constant, Shape, Reshape... nodes are common in exports and harmless.)
-    quantizable = _quantizable_op_types(m.format.kind)
+    quantizable = _quantizable_op_types(m.format.family)
     unnamed_nodes = [n for n in proto.graph.node if not n.name and n.op_type in quantizable]
     unnamed = len(unnamed_nodes)
     if unnamed:

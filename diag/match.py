@@ -111,7 +111,8 @@ class TensorPair:
     Attributes:
         fp_name: FP32 tensor name.
         int8_name: INT8 tensor compared with it (dequantized first when ``dequant`` is set).
-        how: ``same-name``, ``qdq`` (Q/DQ pair after the float value) or ``qoperator``.
+        how: ``same-name``, ``qdq`` (Q/DQ pair after the float value), ``qoperator`` or ``fp16``
+            (the same name holding a float16 value, compared cast back to float32).
         cut_name: INT8 tensor replaced by the FP32 value for local error.
         cut_quant: when the cut tensor is an integer tensor, the grid to quantize FP32 onto.
         tail: INT8 nodes from ``cut_name`` to ``int8_name`` (replayed for local error).
@@ -285,6 +286,8 @@ def _params(idx: _GraphIndex, scale_name: str, zp_name: str | None, axis: int | 
     if scale is None:
         return None
     zp = idx.array(zp_name) if zp_name else None
+    if zp is not None and not np.issubdtype(zp.dtype, np.integer):
+        return None  # a float8 grid (QFLOAT8E4M3FN) has no integer levels to count or round to
     if zp is None:
         zp = np.zeros_like(scale, dtype=np.uint8)
     info = np.iinfo(zp.dtype) if np.issubdtype(zp.dtype, np.integer) else np.iinfo(np.uint8)
@@ -394,11 +397,13 @@ def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair 
         for c in q.consumers.get(fp_name, []):
             if q.nodes[c].op_type == "QuantizeLinear" and q.nodes[c].input[0] == fp_name:
                 grid = _node_params(q, q.nodes[c], 1, 2)
+        fp16 = q.dtypes.get(fp_name) == onnx.TensorProto.FLOAT16
         return TensorPair(
             fp_name,
             fp_name,
-            "same-name",
+            "fp16" if fp16 else "same-name",
             fp_name,
+            cut_dtype=onnx.TensorProto.FLOAT16 if fp16 else onnx.TensorProto.FLOAT,
             grid=grid,
             dynamic_scale=_dynamic_scale_of(q, fp_name),
             producer=producer,
@@ -560,7 +565,12 @@ def _node_groups(
             stack.extend(x for x in list(pn.input) + outer_scope_inputs(pn) if x)
         found = sorted(walked)
         covered.update(found)
-        quantized = any(q.nodes[j].op_type in QUANT_OPS for j in found)
+        # An FP16 model has no quantization op: a node counts as low-precision when it writes float16.
+        quantized = any(
+            q.nodes[j].op_type in QUANT_OPS
+            or any(q.dtypes.get(o) == onnx.TensorProto.FLOAT16 for o in q.nodes[j].output)
+            for j in found
+        )
         groups[nid] = NodeGroup(
             nid, [nid], [node.op_type], [q.ids[j] for j in found], outs, quantized, unnamed=not node.name
         )

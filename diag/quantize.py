@@ -212,6 +212,10 @@ def quantize_model(
         base_dir = recipe.base_dir
         recipe = Recipe.from_dict(recipe.to_dict(), "recipe")
         recipe.base_dir = base_dir
+    if recipe.mode == "fp16":
+        from diag.fp16 import convert_model
+
+        return convert_model(fp32_path, recipe, out_path)
     if samples is not None:
         if samples < 1:
             raise DiagError("bad-option", "--samples", "must be at least 1", "pass e.g. --samples 64")
@@ -308,7 +312,7 @@ def quantize_model(
         wanted = {"dynamic": "dynamic", "weight_only": _weight_only_format(recipe)}.get(
             recipe.mode, recipe.quant_format.lower()
         )
-        if fmt.is_quantized and fmt.kind != wanted:
+        if fmt.is_quantized and fmt.family != wanted:
             ev = ", ".join(f"{k} x{v}" for k, v in fmt.evidence.items())
             actions.append(f"note: the recipe asked for {wanted} but the output is {fmt.kind} ({ev})")
         actions.append(f"verified: the INT8 model loads in onnxruntime (format {fmt.kind})")

@@ -31,7 +31,7 @@ import numpy as np
 
 from diag.errors import DiagError
 
-MODES = ("dynamic", "static", "weight_only")
+MODES = ("dynamic", "static", "weight_only", "fp16")
 QUANT_FORMATS = ("QDQ", "QOperator")
 #: onnxruntime ``QuantType`` member names diag accepts for activations and weights.
 QUANT_TYPES = ("QInt8", "QUInt8", "QInt16", "QUInt16", "QInt4", "QUInt4", "QFLOAT8E4M3FN")
@@ -39,6 +39,8 @@ QUANT_TYPES = ("QInt8", "QUInt8", "QInt16", "QUInt16", "QInt4", "QUInt4", "QFLOA
 CALIBRATE_METHODS = ("MinMax", "Entropy", "Percentile", "Distribution")
 #: keys that only ``quantize_static`` takes.
 STATIC_ONLY = ("quant_format", "activation_type", "calibrate_method", "calibration", "calibration_samples")
+#: keys ``mode = "fp16"`` takes: ``convert_float_to_float16``'s arguments (see :mod:`diag.fp16`).
+FP16_KEYS = ("keep_io_types", "op_block_list", "node_block_list")
 #: keys that only ``MatMulNBitsQuantizer`` (``mode = "weight_only"``) takes; ``node_bits`` is diag's own.
 WEIGHT_ONLY_KEYS = ("bits", "block_size", "is_symmetric", "accuracy_level", "node_bits")
 #: the keys a weight-only recipe may hold (and writes): MatMulNBitsQuantizer's arguments.
@@ -54,7 +56,9 @@ class Recipe:
     """onnxruntime's ``quantize_dynamic`` / ``quantize_static`` arguments, by their Python names.
 
     Attributes:
-        mode: ``dynamic`` (``quantize_dynamic``) or ``static`` (``quantize_static``).
+        mode: ``dynamic`` (``quantize_dynamic``), ``static`` (``quantize_static``) or ``fp16``
+            (``onnxruntime.transformers.float16.convert_float_to_float16``, which takes only
+            ``keep_io_types``, ``op_block_list`` and ``node_block_list``).
         quant_format: ``QDQ`` or ``QOperator`` (static only).
         activation_type: a ``QuantType`` name (static only; dynamic picks its own).
         weight_type: a ``QuantType`` name.
@@ -74,6 +78,9 @@ class Recipe:
         accuracy_level: weight_only: ``MatMulNBits`` compute accuracy (0-4; None: onnxruntime's default).
         node_bits: weight_only: FP32 node name -> bits for nodes quantized at another width
             (diag runs a second ``MatMulNBitsQuantizer(bits=...)`` over them; see :mod:`diag.nbits`).
+        keep_io_types: fp16: keep float32 model inputs and outputs (Casts at the boundary).
+        op_block_list: fp16: op types kept in float32 (None: onnxruntime's default list).
+        node_block_list: fp16: node names kept in float32.
         base_dir: the folder ``calibration`` is relative to (the recipe file's folder when loaded
             from a file); not part of the recipe itself, never written.
     """
@@ -97,6 +104,9 @@ class Recipe:
     is_symmetric: bool | None = None
     accuracy_level: int | None = None
     node_bits: dict[str, int] | None = None
+    keep_io_types: bool | None = None
+    op_block_list: list[str] | None = None
+    node_block_list: list[str] | None = None
     base_dir: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,17 +118,23 @@ class Recipe:
     def with_excluded(self, nodes: Iterable[str]) -> Recipe:
         """A copy with ``nodes`` added to ``nodes_to_exclude`` (order kept, no duplicates).
 
+        For an ``fp16`` recipe they go to ``node_block_list``, the converter's way to keep a node in float.
+
         Example:
             >>> Recipe(nodes_to_exclude=["a"]).with_excluded(["b", "a"]).nodes_to_exclude
             ['a', 'b']
         """
+        if self.mode == "fp16":  # "keep in float" is the converter's node_block_list
+            blocked = list(dict.fromkeys([*(self.node_block_list or []), *nodes]))
+            return dataclasses.replace(self, node_block_list=blocked, extra_options=dict(self.extra_options))
         merged = list(dict.fromkeys([*self.nodes_to_exclude, *nodes]))
         return dataclasses.replace(self, nodes_to_exclude=merged, extra_options=dict(self.extra_options))
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as plain JSON types in a stable key order (the dataclass field order).
 
-        ``None`` values are left out (TOML has no null); ``base_dir`` is never written.
+        ``None`` values are left out (TOML has no null); ``base_dir`` is never written; an ``fp16``
+        recipe writes ``mode`` and the converter's keys only.
 
         Example:
             >>> list(Recipe(mode="dynamic").to_dict())[:3]
@@ -128,6 +144,8 @@ class Recipe:
         for f in dataclasses.fields(self):
             if f.name == "base_dir" or (self.mode == "weight_only" and f.name not in WEIGHT_ONLY_RECIPE):
                 continue
+            if self.mode == "fp16" and f.name not in ("mode", *FP16_KEYS):
+                continue  # an fp16 recipe holds the converter's arguments only
             value = getattr(self, f.name)
             if value is None:
                 continue
@@ -160,6 +178,16 @@ class Recipe:
             values[key] = _check_value(key, value, f"{source} key '{key}'")
         recipe = cls(**values)
         _check_weight_only(recipe, data, source)
+        for key in data:
+            fp16_key = key in FP16_KEYS
+            if fp16_key != (recipe.mode == "fp16") and key != "mode":
+                applies = "convert_float_to_float16" if fp16_key else "quantize_dynamic / quantize_static"
+                raise DiagError(
+                    "bad-recipe",
+                    f"{source} key '{key}'",
+                    f"only applies to {applies} but mode is '{recipe.mode}'",
+                    f"remove '{key}'" + ("" if fp16_key else ' (mode "fp16" takes ' + ", ".join(FP16_KEYS) + ")"),
+                )
         if recipe.mode == "dynamic":
             defaults = cls()
             for key in STATIC_ONLY:
@@ -310,11 +338,11 @@ def _check_value(key: str, value: Any, obj: str) -> Any:
         if value not in _ENUMS[key]:
             raise DiagError("bad-recipe", obj, f"has unknown value {value!r}", _suggest(value, _ENUMS[key]))
         return value
-    if key in ("per_channel", "reduce_range", "preprocess"):
+    if key in ("per_channel", "reduce_range", "preprocess", "keep_io_types"):
         if not isinstance(value, bool):
             raise DiagError("bad-recipe", obj, f"is {value!r}, not true/false", "write true or false")
         return value
-    if key in ("op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude"):
+    if key in ("op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude", "op_block_list", "node_block_list"):
         if value is None and key != "nodes_to_exclude":
             return None
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

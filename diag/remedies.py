@@ -88,6 +88,10 @@ def quantized_consumers(
     return names, ops
 
 
+#: Levels a median channel spans above which an outlier channel is harmless (an 8-bit grid's worth).
+ROOMY_LEVELS = 256
+
+
 def suggestions_for(
     name: str, health: TensorHealth, fmt: str, consumers: list[str], consumer_ops: list[str]
 ) -> list[Suggestion]:
@@ -101,7 +105,10 @@ def suggestions_for(
     if health.grid == "none":
         return out
     static = fmt in ("qdq", "qoperator", "mixed")
-    if health.outliers:
+    # On a 16-bit grid a typical channel can still span more levels than a whole 8-bit grid: the
+    # outlier channel then costs nothing and needs no remedy.
+    roomy = health.median_channel_levels is not None and health.median_channel_levels >= ROOMY_LEVELS
+    if health.outliers and not roomy:
         top = health.outliers[0]
         dims = ", ".join(str(o.index) for o in health.outliers[:5])
         levels = f"{health.median_channel_levels:.1f}" if health.median_channel_levels is not None else "few"
@@ -111,7 +118,7 @@ def suggestions_for(
             f"{which} {top.max_abs:.3g}, {top.times_median:.0f}x the median channel; "
             f"with one per-tensor scale a typical channel spans only {levels} levels"
         )
-        if static:
+        if static and (health.grid_bits or 8) < 16:  # not for a tensor already on a 16-bit grid
             override = {"TensorQuantOverrides": {name: [{"quant_type": "QInt16"}]}}
             recipe: dict[str, Any] = {"extra_options": override}
             note = "16-bit activations exist only in QDQ format"

@@ -81,8 +81,11 @@ def document_from_result(result: Any) -> dict[str, Any]:
                 "format": result.int8.format.kind,
                 "evidence": result.int8.format.evidence,
                 "warnings": list(getattr(result.int8, "warnings", [])),
+                # Which nodes run at which precision (FP16, 16-bit activations); absent otherwise.
+                **({"precisions": result.int8.format.precisions} if result.int8.format.precisions else {}),
             },
         },
+        **_fp16(result),
         "run": {
             "inputs": result.input_description,
             "samples": result.samples,
@@ -679,7 +682,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         single_cause=verdict["single_cause"],
         fp32_path=doc["models"]["fp32"]["path"],
         int8_path=doc["models"]["int8"]["path"],
-        int8_format=fmt,
+        int8_format=fmt + _precision_note(doc["models"]["int8"].get("precisions")),
         inputs=doc["run"]["inputs"],
         samples=doc["run"]["samples"],
         seconds=f"{doc['run']['seconds']:.1f}",
@@ -1005,6 +1008,38 @@ def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
     return plots
 
 
+def _precision_note(precisions: dict[str, list[str]] | None) -> str:
+    """`` (fp16 6 nodes; fp32 1 (attn/Attention))`` for the report header; empty for 8-bit models."""
+    if not precisions:
+        return ""
+    from diag.precision import describe
+
+    return f" ({describe(precisions)})"
+
+
+def _fp16(result: Any) -> dict[str, Any]:
+    """``{"fp16": {...}}`` for an FP16 comparison: range counts per tensor and the derived fix."""
+    state = getattr(result, "state", None)
+    if state is None or not state.fp16_ranges:
+        return {}
+    from diag.fp16 import fp16_fix
+
+    fix = fp16_fix(result.findings, state.fp16_ranges)
+    return {
+        "fp16": {
+            "ranges": {k: r.to_dict() for k, r in state.fp16_ranges.items()},
+            "fix": None
+            if fix is None
+            else {
+                "node_block_list": fix.node_block_list,
+                "op_block_list": fix.op_block_list,
+                "over_range": fix.over_range,
+                "why": fix.why,
+            },
+        }
+    }
+
+
 def fix_snippet(
     fmt: str,
     nodes: list[str],
@@ -1046,6 +1081,10 @@ def fix_snippet(
             + _plain_fix_snippet(fmt, nodes)
         )
     settings = dict(recipe["settings"])
+    if settings.get("mode") == "fp16":
+        from diag.fp16 import fix_snippet_fp16
+
+        return fix_snippet_fp16(settings, nodes, fp32_path, int8_path)
     static = settings.get("mode") == "static"
     excluded = list(dict.fromkeys([*settings.get("nodes_to_exclude", []), *nodes]))
     settings["nodes_to_exclude"] = excluded

@@ -138,7 +138,10 @@ def run_batch(session: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str
     """Run one batch; returns every output by name. Failures name the node onnxruntime reported."""
     import onnxruntime as ort
 
+    from diag.fp16 import float16_feeds, float32_outputs
+
     names = [o.name for o in session.get_outputs()]
+    feeds = float16_feeds(session, feeds)
     run_options = ort.RunOptions()
     run_options.log_severity_level = 4
     try:
@@ -152,7 +155,7 @@ def run_batch(session: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str
             f"onnxruntime failed{where}: {_first_line(e)}",
             "check the inputs' shapes and values; run with --debug for the full error",
         ) from e
-    return dict(zip(names, values, strict=True))
+    return float32_outputs(dict(zip(names, values, strict=True)))
 
 
 def _first_line(e: BaseException) -> str:

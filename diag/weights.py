@@ -801,6 +801,8 @@ def _is_symmetric(zp: np.ndarray, dtype: np.dtype) -> bool:
     if str(dtype) in ("int4", "uint4"):  # ml_dtypes' 4-bit types (QuantType.QInt4 / QUInt4): no np.iinfo
         middle = 0 if str(dtype) == "int4" else 8
         return bool(np.all(zp.astype(np.int64) == middle))
+    if not np.issubdtype(dtype, np.integer):  # float8 weights: symmetric means a zero point of 0
+        return bool(np.all(zp.astype(np.float32) == 0))
     if np.issubdtype(dtype, np.signedinteger):
         middle = 0
     else:

@@ -12,7 +12,15 @@ import pytest
 
 from diag.cli import main
 from diag.errors import DiagError
-from diag.recipe import WEIGHT_ONLY_KEYS, Recipe, load_recipe, read_recipe_file, recipe_from_option, save_recipe
+from diag.recipe import (
+    FP16_KEYS,
+    WEIGHT_ONLY_KEYS,
+    Recipe,
+    load_recipe,
+    read_recipe_file,
+    recipe_from_option,
+    save_recipe,
+)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -54,8 +62,9 @@ def test_recipe_round_trips_through_json_and_toml(tmp_path: Path, suffix: str) -
 
 def test_to_dict_has_stable_key_order_and_plain_types() -> None:
     d = _full_recipe().to_dict()
-    # the weight_only keys are unset (None) in a static recipe, and None is left out
-    assert list(d) == [f.name for f in dataclasses.fields(Recipe) if f.name not in ("base_dir", *WEIGHT_ONLY_KEYS)]
+    # A static recipe: the weight_only and fp16 modes' keys are None and left out.
+    skipped = ("base_dir", *WEIGHT_ONLY_KEYS, *FP16_KEYS)
+    assert list(d) == [f.name for f in dataclasses.fields(Recipe) if f.name not in skipped]
     assert json.loads(json.dumps(d)) == d
     assert "base_dir" not in Recipe(base_dir="x").to_dict()
     assert "calibration" not in Recipe().to_dict(), "None is left out (TOML has no null)"
