@@ -823,10 +823,12 @@ class _Search:
         picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
         try:
             model = float_region_model(fp, q, picked, matching, set(default_op_types(self.recipe)))
-        except ValueError:
+            m = self.evaluator.evaluate_model(model, f"estimate of {len(groups)} group(s) in float")
+        except (ValueError, DiagError):
+            # NOTE: a region diag cannot rebuild, or one onnxruntime refuses to run, is not the
+            # user's problem: that trial is re-quantized instead.
             self.estimates[groups] = None
             return None
-        m = self.evaluator.evaluate_model(model, f"estimate of {len(groups)} group(s) in float")
         self.estimates[groups] = m
         self.bar.advance(1)
         self.trajectory.append(
