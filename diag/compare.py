@@ -93,6 +93,8 @@ class CompareOptions:
     #: numpy; the reference implementation) or ``"graph"`` inside onnxruntime (one diagnostic
     #: graph per pass, :mod:`diag.diagraph`; equal statistics, leaner, but slower on 2 cores).
     reductions: str = "numpy"
+    #: ``ADDRESS`` or ``local[:N]``: run the batches as shards on a Dask cluster (:mod:`diag.cluster`).
+    scheduler: str | None = None
 
 
 @dataclass
@@ -187,6 +189,8 @@ class CompareResult:
     fix_recipe: dict[str, Any] | None = None
     #: Finalized task metrics (see :func:`diag.taskmetrics.attach_task_metrics`).
     task_metrics: dict[str, Any] = field(default_factory=dict)
+    #: ``--scheduler``: the cluster's workers, shards, tasks and retries (empty for a local run).
+    cluster: dict[str, Any] = field(default_factory=dict)
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -249,6 +253,10 @@ def compare_models(
     """
     options = options or CompareOptions()
     start = time.perf_counter()
+    if options.scheduler is not None:
+        from diag.cluster import require_scheduler
+
+        require_scheduler(options.scheduler)  # no Dask, no scheduler: say so before any work
     fp, q = load_pair(fp32_path, int8_path)
     from diag.cpu import saturation_warning
 
@@ -262,6 +270,7 @@ def compare_models(
             [(fp.proto, "FP32 model", 1), (q.proto, "INT8 model", 2 if options.local else 1)],
             feeds.batch if isinstance(feeds, FeedSpec) else 1,
         )
+    spec = feeds if isinstance(feeds, FeedSpec) else None
     if isinstance(feeds, FeedSpec):
         feeds = feeds.source(fp.proto)
     matching = match_models(fp.proto, q.proto)
@@ -272,8 +281,15 @@ def compare_models(
             f"only {matching.coverage:.0%} of FP32 tensors exist in the INT8 model",
             "compare an INT8 model with the FP32 model it was quantized from",
         )
-    state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
+    cluster: dict[str, Any] = {}
+    if options.scheduler is not None:
+        from diag.cluster import compare_on_cluster
+
+        state, runtime_unmatched, cluster = compare_on_cluster(fp32_path, int8_path, spec, feeds, options)
+    else:
+        state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
     result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
+    result.cluster = cluster
     if options.effects > 0 and options.local and options.shard is None:
         specs = {k: a.spec for k, a in state.outputs.items()}
         result.effects = check_effects(
@@ -1028,6 +1044,8 @@ def compare_to_dir(
 
     result = compare_models(fp32_path, int8_path, feeds, options)
     doc = document_from_result(result)
+    if result.cluster:
+        doc["run"]["cluster"] = result.cluster
     if result.options.shard is not None:
         from diag.merge import add_shard_state
 

@@ -268,6 +268,8 @@ class ExclusionResult:
     budget: dict[str, Any] = field(default_factory=dict)
     #: Sentences the user must read (e.g. the mixed model is slower than FP32).
     warnings: list[str] = field(default_factory=list)
+    #: ``--scheduler``: the cluster's workers, tasks, retries, and where latency was measured.
+    cluster: dict[str, Any] = field(default_factory=dict)
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
     diagnosis: Any = None
@@ -314,7 +316,8 @@ class ExclusionResult:
                 "candidates": len(self.candidates),
                 "trajectory": [s.to_dict() for s in self.trajectory],
                 "budget": self.budget,
-            },
+            }
+            | ({"cluster": self.cluster} if self.cluster else {}),
             "preparation": list(self.steps),
             "warnings": list(self.warnings),
             "candidates": [c.to_dict() for c in self.candidates],
@@ -703,6 +706,8 @@ class _Search:
         #: The met list with the fewest groups seen so far: the answer when the budget runs out.
         self.best: frozenset[int] | None = None
         self.bar = Progress(max_trials, "exclude", enabled=progress, unit="trials")
+        #: ``--scheduler``: runs a trial on a cluster instead (:class:`diag.cluster.ClusterTrials`).
+        self.remote: Callable[[frozenset[int], Path], HeldOutMetrics] | None = None
 
     def expect(self, remaining: int) -> None:
         """Set the progress bar's total to the trials done plus an estimate of those left (for its ETA)."""
@@ -748,8 +753,11 @@ class _Search:
             raise BudgetExhausted(reason)
         t0 = time.perf_counter()
         path = self.work / f"step{len(self.trajectory):03d}.onnx"
-        self.quantize(self.nodes(groups), path)
-        m = self.evaluate(path)
+        if self.remote is not None:
+            m = self.remote(groups, path)
+        else:
+            self.quantize(self.nodes(groups), path)
+            m = self.evaluate(path)
         self.cache[groups] = (m, path)
         value = m.value(self.target.metric)
         met = m.meets(self.target)
@@ -858,6 +866,7 @@ def derive_exclusions(
     max_trials: int | None = None,
     time_budget: float | None = None,
     metric: str | None = None,
+    scheduler: str | None = None,
 ) -> ExclusionResult:
     """Find a minimal ``nodes_to_exclude`` list that makes ``recipe`` meet ``target`` on held-out inputs.
 
@@ -879,6 +888,8 @@ def derive_exclusions(
             (verified on the held-out samples, not proven minimal), or none: ``budget`` says so.
         metric: ``module:function`` of a task-metric plugin (:mod:`diag.taskmetrics`); the names
             it declares become target metrics (``--target map50>=0.6``).
+        scheduler: ``ADDRESS`` or ``local[:N]``: run the search's trials as Dask tasks
+            (:mod:`diag.cluster`); same list, same metrics, same trajectory as without.
 
     Returns:
         The result; ``reachable`` False (and an empty list) when only keeping every candidate in
@@ -899,6 +910,10 @@ def derive_exclusions(
     if time_budget is not None and not time_budget > 0:
         raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
     deadline = start + time_budget if time_budget is not None else None
+    if scheduler is not None:
+        from diag.cluster import require_scheduler
+
+        require_scheduler(scheduler)  # no Dask, no scheduler: say so before any work
     plugin = None
     if metric:
         from diag.taskmetrics import metric_factory
@@ -933,6 +948,7 @@ def derive_exclusions(
     exhausted: str | None = None
     compared: Any = None
     tmp = Path(tempfile.mkdtemp(prefix="diag-exclude-"))
+    trials: Any = None
     try:
         search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress, max_trials, deadline)
         before, met0 = search.try_groups(frozenset(), "baseline")
@@ -954,6 +970,12 @@ def derive_exclusions(
             ranking_passes = 1
             candidates = ranked_candidates(compared.findings, set(base))
             search.candidates = candidates
+            if scheduler is not None:
+                from diag.cluster import attach_trials
+
+                trials = attach_trials(
+                    scheduler, search, fp32, recipe, feeds, holdout, labels, threads, metric, progress
+                )
             try:
                 k = search.smallest_prefix()
                 if k is not None:
@@ -997,6 +1019,8 @@ def derive_exclusions(
             names = ["fp32", "int8", "mixed"]
             latency = [{**s.to_dict(), "model": names[i]} for i, s in enumerate(stats)]
     finally:
+        if trials is not None:
+            trials.close()
         shutil.rmtree(tmp, ignore_errors=True)
     final_recipe = recipe.with_excluded(nodes) if chosen is not None else recipe
     result = ExclusionResult(
@@ -1027,6 +1051,7 @@ def derive_exclusions(
         alternatives=[] if chosen is not None else alternatives(recipe, candidates),
         latency=latency,
         model=str(model_out) if model_out else None,
+        cluster=trials.cluster.info() if trials is not None else {},
     )
     result.diagnosis = compared if ranking_passes else None
     return result
@@ -1318,6 +1343,7 @@ def exclude_to_dir(
     max_trials: int | None = None,
     time_budget: float | None = None,
     metric: str | None = None,
+    scheduler: str | None = None,
 ) -> tuple[ExclusionResult, dict[str, Path]]:
     """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
 
@@ -1348,6 +1374,7 @@ def exclude_to_dir(
             max_trials,
             time_budget,
             metric,
+            scheduler,
         )
         files: dict[str, Path] = {}
         if result.reachable and result.model:
