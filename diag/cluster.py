@@ -145,17 +145,19 @@ class Cluster:
     #: Tasks computed ahead that the run did not need (exclude's speculation).
     unused: int = 0
 
-    def info(self) -> dict[str, Any]:
-        """What the report says about the cluster, including where latency was measured."""
-        return {
+    def info(self, latency: bool = False) -> dict[str, Any]:
+        """What the report says about the cluster; with ``latency``, where latency was measured."""
+        info = {
             "scheduler": "local" if self.local is not None else self.address,
             "workers": self.workers,
             "threads": self.slots,
             "tasks": self.tasks,
             "unused_tasks": self.unused,
             "retries": self.retries,
-            "latency_measured_on": f"{socket.gethostname()} (the machine that ran diag, not the workers)",
         }
+        if latency:
+            info["latency_measured_on"] = f"{socket.gethostname()} (the machine that ran diag, not the workers)"
+        return info
 
     def close(self) -> None:
         self.client.close()
@@ -177,7 +179,12 @@ class Cluster:
             self.retries += sum(self.client.run_on_scheduler(_suspicious, keys).values())
 
     def cancel(self, futures: list[Any]) -> None:
+        """Cancel tasks, counting the re-runs they already cost (a speculative trial can be retried too)."""
         if futures:
+            try:
+                self.count_retries(futures)
+            except (OSError, TimeoutError):
+                pass  # the scheduler went away: nothing left to cancel or count
             self.client.cancel(futures)
 
 
@@ -470,8 +477,7 @@ def compare_on_cluster(
         final = futures.index(level[0])
         merged = dict(gather_in_order(cluster, futures, bar, wanted={final}))[final]
         bar.finish()
-        info = {k: v for k, v in cluster.info().items() if k != "latency_measured_on"}  # compare times nothing
-        return state_from_json(merged["state"]), dict(merged["unmatched"]), info | {"shards": n}
+        return state_from_json(merged["state"]), dict(merged["unmatched"]), cluster.info() | {"shards": n}
     finally:
         bar.close()
         cluster.close()

@@ -1051,7 +1051,7 @@ def derive_exclusions(
         alternatives=[] if chosen is not None else alternatives(recipe, candidates),
         latency=latency,
         model=str(model_out) if model_out else None,
-        cluster=trials.cluster.info() if trials is not None else {},
+        cluster=trials.cluster.info(latency=bench_runs > 0) if trials is not None else {},
     )
     result.diagnosis = compared if ranking_passes else None
     return result

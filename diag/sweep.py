@@ -944,7 +944,7 @@ def sweep_model(
         seconds=time.perf_counter() - start,
         grid=grid,
         run_id=run_id,
-        cluster=remote.cluster.info() if remote is not None else {},
+        cluster=remote.cluster.info(latency=runs > 0) if remote is not None else {},
     )
     best = result.best
     if best is not None:
