@@ -1480,6 +1480,17 @@ def summary_lines(result: ExclusionResult) -> list[str]:
     return lines
 
 
+def _cluster_note(info: dict[str, Any]) -> str:
+    """``--scheduler``: where the trials ran, their retries, and where latency was measured."""
+    if not info:
+        return ""
+    where = f"; latency measured on {info['latency_measured_on']}" if info.get("latency_measured_on") else ""
+    return (
+        f"; trials on a Dask cluster of {info['workers']} worker(s): {info['tasks']} tasks, "
+        f"{info['retries']} retried after a worker died{where}"
+    )
+
+
 def _calibrations(n: int) -> str:
     """`` (1 calibration pass)`` for static recipes; nothing for dynamic ones."""
     return f" ({_count(n, 'calibration pass', 'calibration passes')})" if n else ""
@@ -1577,7 +1588,7 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         "counts": f"{_count(s['quantizations'], 'quantization')}{_calibrations(calib)}, "
         f"{_count(s['evaluations'], 'evaluation')}, "
         f"{_count(s['ranking_passes'], 'ranking pass', 'ranking passes')} over {s['candidates']} candidate "
-        f"groups in {s['seconds']:.1f} s",
+        f"groups in {s['seconds']:.1f} s" + _cluster_note(s.get("cluster") or {}),
         "trajectory_svg": trajectory_plot(doc) if s["trajectory"] else "",
         "snippet": doc["snippet"],
         "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],

@@ -1144,6 +1144,9 @@ def sweep_view(doc: dict[str, Any]) -> dict[str, Any]:
         if s["runs"]
         else "latency not measured (--runs 0)"
     )
+    where = (doc.get("cluster") or {}).get("latency_measured_on")
+    if where and s["runs"]:
+        timing += f"; measured on {where}, one recipe at a time after the Dask tasks computed the metrics"
     return {
         "title": f"diag sweep: {Path(doc['fp32']).name}",
         "fp32": doc["fp32"],

@@ -134,6 +134,9 @@ def test_exclude_on_a_cluster_takes_the_serial_searchs_every_step(cluster, trans
     remote = sum(1 for t in s.trajectory if t.phase in ("search", "prune"))
     assert info["tasks"] == remote + info["unused_tasks"]
     assert "latency_measured_on" not in info, "--bench-runs 0: no latency was measured anywhere"
+    from diag.exclude import report_section
+
+    assert "trials on a Dask cluster of 2 worker(s)" in report_section(r.to_dict())["counts"]
 
 
 class _KillOnce(distributed.WorkerPlugin):
@@ -188,6 +191,7 @@ def test_sweep_on_a_cluster_ranks_and_measures_as_the_serial_sweep(cluster, tran
     assert all(e.latency is not None for e in remote.entries), "every recipe timed, on this machine"
     info = json.loads(files["sweep.json"].read_text())["cluster"]
     assert info["tasks"] == 2 and "not the workers" in info["latency_measured_on"]
+    assert "not the workers" in files["sweep.md"].read_text(), "the report says where latency was measured"
 
 
 def test_ctrl_c_cancels_the_cluster_tasks_and_exits_130_with_no_output(cluster, transformer, tmp_path, monkeypatch):
