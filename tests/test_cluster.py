@@ -315,4 +315,6 @@ def test_planning_ahead_asks_for_the_serial_searchs_trials_in_its_order(needed):
         order.append(now)
     assert order == serial.asked[1:]
     # a --max-trials budget the serial search would stop at is never planned past
-    assert plan_ahead(list(range(n)), known, consumed, 5, 5, 4) == []
+    start = {frozenset(): oracle(frozenset())}
+    assert plan_ahead(list(range(n)), start, {frozenset()}, 5, 5, 4) == []
+    assert len(plan_ahead(list(range(n)), start, {frozenset()}, 5, 6, 4)) == 1
