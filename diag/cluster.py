@@ -493,12 +493,15 @@ class TrialJob:
     fp32: str
     recipe: Any
     feeds: Any
-    holdout: float
+    #: The held-out share, as ``diag exclude`` splits; None: evaluate on every sample (sensitivity).
+    holdout: float | None
     labels: str | None
     threads: int | None
     metric: str | None
-    #: Static recipe without calibration data: calibrate on the ranking split (once, cached).
+    #: Static recipe without calibration data: calibrate on the ranking split (every sample
+    #: when ``holdout`` is None); only when the shipped calibration cache cannot be used.
     calibrate_on_ranking: bool
+    #: What "met" means (the model comes back only then); None: never.
     target: Any
 
     def key(self) -> str:
@@ -511,8 +514,12 @@ def _trial_context(job: TrialJob) -> tuple[Any, Any]:
     from diag.load import float_model_from_path
 
     fp = float_model_from_path(Path(job.fp32))
-    split = split_feeds(job.feeds.source(fp.proto), job.holdout)
+    source = job.feeds.source(fp.proto)
     labels = load_labels(job.labels) if job.labels else None
+    if job.holdout is None:
+        evaluator = HeldOutEvaluator(fp, source, 0, labels, job.threads, job.metric)
+        return evaluator, source if job.calibrate_on_ranking else None
+    split = split_feeds(source, job.holdout)
     evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, labels, job.threads, job.metric)
     return evaluator, split.ranking if job.calibrate_on_ranking else None
 
@@ -542,7 +549,7 @@ def _exclusion_trial(job: TrialJob, nodes: list[str], stem: str, calibration_cac
             calibration_cache=cache,
         )
         metrics = evaluator.evaluate(out)
-        met = metrics.meets(job.target)
+        met = job.target is not None and metrics.meets(job.target)
         files = _model_files(Path(d), stem) if met else {}
     return {
         "metrics": metrics,
@@ -790,6 +797,61 @@ def attach_trials(
     trials = ClusterTrials(open_cluster(scheduler, progress), search, job, progress)
     search.remote = trials
     return trials
+
+
+def run_trials(
+    scheduler: str,
+    fp32: Path,
+    recipe: Any,
+    feeds: Any,
+    node_lists: list[list[str]],
+    calibration_cache: Path,
+    threads: int | None,
+    progress: bool,
+) -> list[Any]:
+    """Independent trials (``recipe`` + each node list kept in float), evaluated on every sample of
+    ``feeds``; their metrics in the order given. What skip-one sensitivity runs on a cluster.
+
+    Example:
+        >>> ms = run_trials("local:2", fp, recipe, spec, [["mm1"], ["mm2"]], cache, None, True)  # doctest: +SKIP
+        >>> len(ms)  # doctest: +SKIP
+        2
+    """
+    from diag.exclude import _name
+
+    if feeds is None:
+        raise DiagError(
+            "bad-option",
+            "--scheduler",
+            "needs inputs every worker can open itself (a FeedSpec: path, reader or --random), not a stream",
+            "pass FeedSpec(inputs=...) instead of a FeedSource",
+        )
+    recipe = _located(recipe)
+    static = _name(recipe.mode) == "static"
+    job = TrialJob(
+        str(Path(fp32).resolve()),
+        recipe,
+        _absolute(feeds),
+        None,
+        None,
+        threads,
+        None,
+        static and not getattr(recipe, "calibration", None),
+        None,
+    )
+    cache = calibration_cache.read_bytes() if calibration_cache.exists() else None
+    cluster = open_cluster(scheduler, progress)
+    bar = TaskBar(cluster, "sensitivity", progress)
+    try:
+        futures = [
+            cluster.submit(_exclusion_trial, job, nodes, f"trial-{i}", cache) for i, nodes in enumerate(node_lists)
+        ]
+        results = dict(gather_in_order(cluster, futures, bar))
+        bar.finish()
+        return [results[i]["metrics"] for i in range(len(node_lists))]
+    finally:
+        bar.close()
+        cluster.close()
 
 
 # ---------------------------------------------------------------- sweep

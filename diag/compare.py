@@ -315,13 +315,18 @@ def compare_models(
     result.fix_recipe = fix_recipe(q.path, options.recipe)
     attach_task_metrics(result, state, options.metric)
     if options.sensitivity > 0:
-        result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options)
+        result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options, spec)
         result.seconds = time.perf_counter() - start
     return result
 
 
 def _sensitivity(
-    fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource, result: CompareResult, options: CompareOptions
+    fp32_path: str | Path,
+    int8_path: str | Path,
+    feeds: FeedSource,
+    result: CompareResult,
+    options: CompareOptions,
+    spec: FeedSpec | None = None,
 ) -> Any:
     from diag.recipe import Recipe, recipe_from_option
     from diag.sensitivity import skip_one_sensitivity
@@ -335,7 +340,15 @@ def _sensitivity(
         )
     recipe = options.recipe if isinstance(options.recipe, Recipe) else recipe_from_option(options.recipe)
     return skip_one_sensitivity(
-        fp32_path, int8_path, recipe, feeds, result.findings, options.sensitivity, options.threads, options.progress
+        fp32_path,
+        int8_path,
+        recipe,
+        feeds,
+        result.findings,
+        options.sensitivity,
+        options.threads,
+        options.progress,
+        (options.scheduler, spec) if options.scheduler is not None else None,
     )
 
 

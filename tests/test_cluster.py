@@ -86,6 +86,7 @@ def _numbers_equal(a, b, path=""):
 
 
 def _scrub(doc):
+    (doc.get("sensitivity") or {}).pop("seconds", None)
     run = doc["run"]
     run.pop("cluster", None)
     run.pop("seconds")
@@ -94,16 +95,23 @@ def _scrub(doc):
     return doc
 
 
-def test_compare_on_a_cluster_writes_the_numbers_of_a_local_run(cluster, transformer, tmp_path):
+def test_compare_on_a_cluster_writes_the_numbers_of_a_local_run(cluster, transformer, tmp_path, monkeypatch):
+    import diag.cluster
+
     fp, npz = transformer
+    trials = []
+    run_trials = diag.cluster.run_trials
+    monkeypatch.setattr(diag.cluster, "run_trials", lambda *a: trials.append(a[4]) or run_trials(*a))
     q = tmp_path / "int8.onnx"
     quantize_model(fp, DYNAMIC, q, progress=False)
     spec = FeedSpec(inputs=str(npz), batch=4, samples=16)
-    # effects=0: the effect check runs on this machine after the merge, the same code either way
-    local = compare_models(fp, q, spec, CompareOptions(progress=False, effects=0))
-    remote = compare_models(
-        fp, q, spec, CompareOptions(progress=False, effects=0, scheduler=cluster[0].scheduler_address)
-    )
+    # effects=0: the effect check runs on this machine after the merge, the same code either way;
+    # sensitivity: its 2 skip-one trials are tasks too
+    kw = {"progress": False, "effects": 0, "sensitivity": 2, "recipe": DYNAMIC}
+    local = compare_models(fp, q, spec, CompareOptions(**kw))
+    remote = compare_models(fp, q, spec, CompareOptions(**kw, scheduler=cluster[0].scheduler_address))
+    assert [r.to_dict() for r in remote.sensitivity.rows] == [r.to_dict() for r in local.sensitivity.rows]
+    assert len(trials) == 1 and len(trials[0]) == 2, "the skip-one trials ran as 2 tasks"
     # diag.json's content (rendering the HTML report would only add seconds)
     a = json.loads(json.dumps(document_from_result(local)))
     b = json.loads(json.dumps(document_from_result(remote)))
