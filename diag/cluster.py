@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -243,8 +244,6 @@ def open_cluster(text: str, progress: bool = True) -> Cluster:
         sum(int(w.get("nthreads", 1)) for w in workers.values()) or 1,
         local,
     )
-    import sys
-
     if dashboard:
         sys.stderr.write(f"dask: dashboard at {dashboard}\n")
     elif progress:
@@ -326,11 +325,13 @@ def _worker_task(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def gather_in_order(
+def gather_as_done(
     cluster: Cluster, futures: list[Any], bar: TaskBar, wanted: set[int] | None = None
 ) -> Iterator[tuple[int, Any]]:
-    """Yield ``(index, result)`` as tasks finish (only ``wanted`` indexes fetch their result; the
-    others are counted); on Ctrl-C or an error every task is cancelled."""
+    """Yield ``(index, result)`` as tasks finish, in whatever order (only ``wanted`` indexes fetch
+    their result; the others are counted); on Ctrl-C or an error every task is cancelled.
+
+    Callers put results back in their own order: nothing downstream depends on completion order."""
     distributed = _import_distributed()
     pending = {f: i for i, f in enumerate(futures)}
     try:
@@ -475,7 +476,7 @@ def compare_on_cluster(
             level = [cluster.submit(_merge_shards, *p, options.metric) if len(p) == 2 else p[0] for p in pairs]
             futures.extend(f for f in level if f not in futures)
         final = futures.index(level[0])
-        merged = dict(gather_in_order(cluster, futures, bar, wanted={final}))[final]
+        merged = dict(gather_as_done(cluster, futures, bar, wanted={final}))[final]
         bar.finish()
         return state_from_json(merged["state"]), dict(merged["unmatched"]), cluster.info() | {"shards": n}
     finally:
@@ -846,7 +847,7 @@ def run_trials(
         futures = [
             cluster.submit(_exclusion_trial, job, nodes, f"trial-{i}", cache) for i, nodes in enumerate(node_lists)
         ]
-        results = dict(gather_in_order(cluster, futures, bar))
+        results = dict(gather_as_done(cluster, futures, bar))
         bar.finish()
         return [results[i]["metrics"] for i in range(len(node_lists))]
     finally:
@@ -1021,7 +1022,7 @@ def sweep_on_cluster(
     out = SweepOnCluster(cluster, Path(fp32))
     try:
         futures = [cluster.submit(_sweep_recipe, job, _located(recipe), key, f"{i:03d}") for i, recipe, key in recipes]
-        for n, result in gather_in_order(cluster, futures, bar):
+        for n, result in gather_as_done(cluster, futures, bar):
             i = recipes[n][0]
             path = None
             for name, data in result["files"].items():
