@@ -326,3 +326,25 @@ def test_planning_ahead_asks_for_the_serial_searchs_trials_in_its_order(needed):
     start = {frozenset(): oracle(frozenset())}
     assert plan_ahead(list(range(n)), start, {frozenset()}, 5, 5, 4) == []
     assert len(plan_ahead(list(range(n)), start, {frozenset()}, 5, 6, 4)) == 1
+
+
+@pytest.mark.parametrize(
+    ("verb", "target", "argv"),
+    [
+        ("compare", "diag.compare.compare_to_dir", ["a.onnx", "b.onnx", "--random"]),
+        ("exclude", "diag.exclude.exclude_to_dir", ["a.onnx", "--random", "--target", "cosine>=0.99"]),
+        ("sweep", "diag.sweep.sweep_to_dir", ["a.onnx", "--random"]),
+    ],
+)
+def test_scheduler_flag_reaches_the_one_library_call(verb, target, argv, monkeypatch):
+    seen = {}
+
+    def fake(*args, **kwargs):
+        options = next((a for a in args if isinstance(a, CompareOptions)), None)
+        seen["scheduler"] = options.scheduler if options is not None else kwargs.get("scheduler")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(target, fake)
+    with pytest.raises(SystemExit):
+        cli.main([verb, *argv, "--scheduler", "tcp://10.0.0.5:8786"])
+    assert seen == {"scheduler": "tcp://10.0.0.5:8786"}
