@@ -267,6 +267,7 @@ class TaskBar:
 
         self.cluster = cluster
         self._bar = Progress(0, label, enabled=enabled, unit="tasks")
+        self._closed = False
 
     # The search sets its bar's total to its own estimate; the tasks know better.
     @property
@@ -289,10 +290,14 @@ class TaskBar:
         self._bar.note(line)
 
     def finish(self) -> None:
-        self._bar.finish()
+        if not self._closed:
+            self._closed = True
+            self._bar.finish()
 
     def close(self) -> None:
-        self._bar.close()
+        if not self._closed:
+            self._closed = True
+            self._bar.close()
 
 
 def _raise_task_error(result: Any) -> Any:
