@@ -145,6 +145,8 @@ class Cluster:
     retries: int = 0
     #: Tasks computed ahead that the run did not need (exclude's speculation).
     unused: int = 0
+    #: Tasks cancelled before they finished (never counted as done).
+    cancelled: int = 0
 
     def info(self, latency: bool = False) -> dict[str, Any]:
         """What the report says about the cluster; with ``latency``, where latency was measured."""
@@ -187,6 +189,7 @@ class Cluster:
             except (OSError, TimeoutError):
                 pass  # the scheduler went away: nothing left to cancel or count
             self.client.cancel(futures)
+            self.cancelled += len(futures)
 
 
 def _suspicious(keys: list[Any], dask_scheduler: Any = None) -> dict[str, int]:
@@ -282,7 +285,7 @@ class TaskBar:
         """Ignored: the search advances per trial it reads, this bar per task that finished."""
 
     def finished(self, done: int, running: int) -> None:
-        self._bar.total = self.cluster.tasks
+        self._bar.total = self.cluster.tasks - self.cluster.cancelled
         self._bar.unit = f"tasks ({running} running, {self.cluster.retries} retried)"
         self._bar.advance(done)
 
