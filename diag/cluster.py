@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 import socket
 import sys
@@ -640,9 +639,12 @@ def plan_ahead(
     for its trials in the serial order; this only decides what is computed before it asks.
 
     Example:
-        >>> cands = list(range(8))
-        >>> plan_ahead(cands, {}, set(), 1, None, 3)  # prefix 1 now; then 2 if it missed, or prune
-        [frozenset({0}), frozenset({0, 1}), frozenset()]
+        >>> baseline = frozenset()  # ran, missed the target
+        >>> plan_ahead(list(range(8)), {baseline: False}, {baseline}, 1, None, 3)
+        [frozenset({0}), frozenset({0, 1}), frozenset({0, 1, 2, 3})]
+
+        Prefix 1 now; prefix 2 if it misses (if it meets, the search is done: pruning a one-group
+        list only re-tries the baseline); prefix 4 if 2 misses too.
     """
     out: list[frozenset[int]] = []
     queue: deque[dict[frozenset[int], bool]] = deque([{}])
@@ -1050,8 +1052,3 @@ def sweep_on_cluster(
 def _located(recipe: Any) -> Any:
     """A recipe whose relative ``calibration`` path is read from this folder on every worker."""
     return recipe if recipe.base_dir else dataclasses.replace(recipe, base_dir=os.getcwd())
-
-
-def speed_up(serial_s: float, parallel_s: float) -> float:
-    """``serial / parallel`` wall time (``inf`` when the parallel run took no time)."""
-    return serial_s / parallel_s if parallel_s > 0 else math.inf
