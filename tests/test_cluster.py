@@ -124,6 +124,16 @@ def test_compare_on_a_cluster_writes_the_numbers_of_a_local_run(cluster, transfo
     _numbers_equal(_scrub(a), _scrub(b))
 
 
+def test_shard_and_scheduler_together_are_refused(cluster, transformer, tmp_path):
+    fp, npz = transformer
+    q = tmp_path / "int8.onnx"
+    quantize_model(fp, DYNAMIC, q, progress=False)
+    options = CompareOptions(progress=False, shard=(0, 2), scheduler=cluster[0].scheduler_address)
+    with pytest.raises(DiagError, match="both split the batches") as e:
+        compare_models(fp, q, FeedSpec(inputs=str(npz), batch=8), options)
+    assert e.value.slug == "bad-option"
+
+
 def test_exclude_on_a_cluster_takes_the_serial_searchs_every_step(cluster, transformer, serial_exclusion):
     fp, npz = transformer
     spec = FeedSpec(inputs=str(npz), batch=8)
