@@ -303,9 +303,12 @@ class TaskBar:
 
 
 def _raise_task_error(result: Any) -> Any:
-    """Worker functions return ``{"error": [...]}`` for a DiagError (it does not pickle by value)."""
+    """Worker functions return ``{"error": [...]}`` for a DiagError (it does not pickle by value).
+
+    The object says it happened on a worker: a path that exists here may not exist there."""
     if isinstance(result, dict) and "error" in result:
-        raise DiagError(*result["error"])
+        slug, obj, problem, hint = result["error"]
+        raise DiagError(slug, f"{obj} (on a Dask worker)", problem, hint)
     return result
 
 
