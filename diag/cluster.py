@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -939,13 +939,37 @@ def _sweep_recipe(job: SweepJob, recipe: Any, key: str, stem: str) -> dict[str, 
     return {"entry": entry.to_dict(), "files": files}
 
 
-@dataclass
 class SweepOnCluster:
-    """Recipes measured on the cluster, waiting for :meth:`entry` to time them here, in grid order."""
+    """Recipes submitted to the cluster; :meth:`entry` hands them out in grid order.
 
-    cluster: Cluster
-    fp32: Path
-    measured: dict[int, tuple[dict[str, Any], Path | None]] = field(default_factory=dict)
+    With ``wait_all`` every task is back before the first entry is read (latency is then timed
+    with the cluster idle); otherwise :meth:`entry` waits for the recipe it is asked for only, so
+    a sweep without latency writes each entry as soon as it and those before it are done.
+    """
+
+    def __init__(self, cluster: Cluster, fp32: Path, work: Path, indexes: list[int], futures: list[Any], bar: TaskBar):
+        self.cluster = cluster
+        self.fp32 = fp32
+        self.work = work
+        self.bar = bar
+        self.measured: dict[int, tuple[dict[str, Any], Path | None]] = {}
+        self._indexes = indexes
+        self._futures = futures
+        self._done = gather_as_done(cluster, futures, bar)
+
+    def wait_all(self) -> None:
+        for n, result in self._done:
+            self._store(n, result)
+        self.bar.finish()
+
+    def _store(self, n: int, result: dict[str, Any]) -> None:
+        i = self._indexes[n]
+        path = None
+        for name, data in result["files"].items():
+            (self.work / name).write_bytes(data)
+            if name == f"{i:03d}.onnx":
+                path = self.work / name
+        self.measured[i] = (result["entry"], path)
 
     def entry(
         self,
@@ -962,6 +986,9 @@ class SweepOnCluster:
         from diag.bench import bench_models
         from diag.sweep import SweepEntry, latency_summary
 
+        while i not in self.measured:
+            n, result = next(self._done)
+            self._store(n, result)
         d, path = self.measured.pop(i)
         entry = SweepEntry.from_dict(d)
         try:
@@ -996,6 +1023,10 @@ class SweepOnCluster:
                     p.unlink(missing_ok=True)
 
     def close(self) -> None:
+        """Cancel what is still running (Ctrl-C, an error) and disconnect."""
+        self._done.close()
+        self.cluster.cancel([f for f in self._futures if f.status == "pending"])
+        self.bar.close()
         self.cluster.close()
 
 
@@ -1011,11 +1042,13 @@ def sweep_on_cluster(
     split_for_calibration: bool,
     work: Path,
     progress: bool,
+    wait_all: bool = True,
 ) -> SweepOnCluster:
     """Quantize and evaluate ``recipes`` (``(index, recipe, key)``) on the cluster, all at once.
 
     Every recipe is independent, so all are submitted together; the models come back into
-    ``work`` for the latency runs :meth:`SweepOnCluster.entry` does afterwards, one at a time.
+    ``work`` for the latency runs :meth:`SweepOnCluster.entry` does, one at a time, after every
+    task is back (``wait_all``; pass False when no latency is measured).
 
     Example:
         >>> done = sweep_on_cluster("local:2", fp, spec, None, 0.5, None, 2, todo, False, work, True)  # doctest: +SKIP
@@ -1032,23 +1065,19 @@ def sweep_on_cluster(
         split_for_calibration,
     )
     bar = TaskBar(cluster, "sweep", progress)
-    out = SweepOnCluster(cluster, Path(fp32))
     try:
         futures = [cluster.submit(_sweep_recipe, job, _located(recipe), key, f"{i:03d}") for i, recipe, key in recipes]
-        for n, result in gather_as_done(cluster, futures, bar):
-            i = recipes[n][0]
-            path = None
-            for name, data in result["files"].items():
-                (work / name).write_bytes(data)
-                if name == f"{i:03d}.onnx":
-                    path = work / name
-            out.measured[i] = (result["entry"], path)
-        bar.finish()
     except BaseException:
         bar.close()
         cluster.close()
         raise
-    bar.close()
+    out = SweepOnCluster(cluster, Path(fp32), work, [i for i, _, _ in recipes], futures, bar)
+    if wait_all:
+        try:
+            out.wait_all()
+        except BaseException:
+            out.close()
+            raise
     return out
 
 

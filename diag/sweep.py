@@ -884,7 +884,7 @@ def sweep_model(
             todo = [(i, r, k) for i, (r, k) in enumerate(zip(recipes, keys, strict=True), 1) if k not in done]
             split_needed = calib is None and any(r.mode == "static" and r.calibration is None for r in recipes)
             remote = sweep_on_cluster(
-                scheduler, fp32, feeds, calib, holdout, labels, threads, todo, split_needed, work, progress
+                scheduler, fp32, feeds, calib, holdout, labels, threads, todo, split_needed, work, progress, runs > 0
             )
         for i, recipe in enumerate(recipes, 1):
             key = hashlib.sha256((context + _canonical(recipe)).encode()).hexdigest()[:16]

@@ -213,6 +213,23 @@ def test_sweep_on_a_cluster_ranks_and_measures_as_the_serial_sweep(cluster, tran
     assert "not the workers" in files["sweep.md"].read_text(), "the report says where latency was measured"
 
 
+def test_a_cluster_sweep_interrupted_after_one_recipe_resumes_where_it_stopped(cluster, transformer, tmp_path):
+    fp, npz = transformer
+    grid = json.dumps({"mode": "dynamic", "weight_type": "QUInt8", "per_channel": [False, True]})
+    spec = FeedSpec(inputs=str(npz), batch=8)
+
+    def ctrl_c(entry):
+        raise KeyboardInterrupt
+
+    kw = {"grid": grid, "runs": 0, "progress": False}
+    with pytest.raises(KeyboardInterrupt):  # without latency, entries are written as tasks come back
+        sweep_to_dir(fp, spec, tmp_path, on_entry=ctrl_c, scheduler=cluster[0].scheduler_address, **kw)
+    lines = (tmp_path / "sweep.jsonl").read_text().splitlines()
+    assert len(lines) == 1, "the first recipe, written before the interruption"
+    again, _ = sweep_to_dir(fp, spec, tmp_path, **kw)  # serial: the same keys
+    assert (again.resumed, again.measured) == (1, 1)
+
+
 def test_ctrl_c_cancels_the_cluster_tasks_and_exits_130_with_no_output(cluster, transformer, tmp_path, monkeypatch):
     import diag.cluster
 
