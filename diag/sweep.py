@@ -921,7 +921,9 @@ def sweep_model(
             if entry.ok and entry.model_sha256 and entry.model_sha256 not in by_hash:
                 by_hash[entry.model_sha256] = entry
             if progress:
-                sys.stderr.write(f"sweep {i}/{len(recipes)} {label}: {_progress_line(entry)}\n")
+                line = f"sweep {i}/{len(recipes)} {label}: {_progress_line(entry)}"
+                # --scheduler: above the task bar, which is drawn again below it
+                remote.bar.note(line) if remote is not None else sys.stderr.write(line + "\n")
             if on_entry is not None:
                 on_entry(entry)
     finally:
