@@ -169,6 +169,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         effect_samples=args.effect_samples,
         metric=args.metric,
         reductions=args.reductions,
+        scheduler=args.scheduler,
     )
     result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
     _print_result(result, files)
@@ -268,6 +269,7 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
             f"  sensitivity: keeping {_safe(best.candidate.label)} in float recovers "
             f"{best.cosine_recovered:+.4f} output cosine ({result.sensitivity.quantizations} quantizations)"
         )
+    _print_cluster(getattr(result, "cluster", {}), "  ")
     m = result.matching
     print(
         f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "
@@ -277,6 +279,19 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
     )
     for name, path in files.items():
         print(f"wrote {name}: {path}")
+
+
+def _print_cluster(info: dict[str, Any], indent: str = "") -> None:
+    """One line on what ``--scheduler`` did: workers, tasks, retries, where latency was measured."""
+    if not info:
+        return
+    shards = f"{info['shards']} shards, " if "shards" in info else ""
+    unused = f", {info['unused_tasks']} computed ahead and not needed" if info.get("unused_tasks") else ""
+    where = f"; latency measured on {info['latency_measured_on']}" if "latency_measured_on" in info else ""
+    print(
+        f"{indent}cluster: {info['workers']} worker(s) at {_safe(info['scheduler'])}, {shards}{info['tasks']} tasks"
+        f"{unused}, {info['retries']} retried after a worker died{_safe(where)}"
+    )
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -471,9 +486,11 @@ def cmd_exclude(args: argparse.Namespace) -> int:
         time_budget=args.time_budget,
         metric=args.metric,
         estimates=not args.no_estimates,
+        scheduler=args.scheduler,
     )
     for line in summary_lines(result):
         print(_safe(line))
+    _print_cluster(result.cluster)
     for name, path in files.items():
         print(f"wrote {name}: {path}")
     return OK if result.reachable else GATE_FAILED
@@ -600,6 +617,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             threads=args.threads,
             progress=not args.quiet,
+            scheduler=args.scheduler,
         )
     except KeyboardInterrupt:
         print(
@@ -610,6 +628,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return INTERRUPTED
     for line in summary_lines(result):
         print(_safe(line))
+    _print_cluster(result.cluster)
     for name, path in files.items():
         print(f"wrote {name}: {_safe(path)}")
     return OK
@@ -757,6 +776,12 @@ def build_parser() -> argparse.ArgumentParser:
         "labels_or_None), merge(other), finalize() -> {name: value} and better = {name: 'higher'|'lower'}; "
         "its values are reported with the outputs (with --shard it also needs state() / from_state())",
     )
+    p.add_argument(
+        "--scheduler",
+        metavar="ADDRESS|local[:N]",
+        help="run the batches as shards on the Dask scheduler at ADDRESS (tcp://host:8786), or on a LocalCluster "
+        'of N worker processes (default N: every core); same answer as without; needs pip install "diag[dask]"',
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = verb("merge")
@@ -828,6 +853,13 @@ def build_parser() -> argparse.ArgumentParser:
         "promoted one tier at a time; writes tiers.json, recipe.json, the plan model and reproduce.py",
     )
     p.add_argument("--out", default="diag-exclude", metavar="DIR", help="output folder (default diag-exclude)")
+    p.add_argument(
+        "--scheduler",
+        metavar="ADDRESS|local[:N]",
+        help="run the search's trials as Dask tasks on the scheduler at ADDRESS (tcp://host:8786), or on a "
+        "LocalCluster of N worker processes (default N: every core); same list as without; needs "
+        'pip install "diag[dask]"',
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
     p = verb("demo")
@@ -952,6 +984,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="latency repeats; their spread is the noise (default 3)")
     p.add_argument("--threads", type=int, help="intra-op threads per session (default: physical cores)")
     p.add_argument("--out", default="diag-sweep", metavar="DIR", help="output folder (default diag-sweep)")
+    p.add_argument(
+        "--scheduler",
+        metavar="ADDRESS|local[:N]",
+        help="quantize and measure the recipes as Dask tasks on the scheduler at ADDRESS (tcp://host:8786), or on a "
+        "LocalCluster of N worker processes (default N: every core); latency is timed afterwards on this machine; "
+        'needs pip install "diag[dask]"',
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser
 

@@ -93,6 +93,8 @@ class CompareOptions:
     #: numpy; the reference implementation) or ``"graph"`` inside onnxruntime (one diagnostic
     #: graph per pass, :mod:`diag.diagraph`; equal statistics, leaner, but slower on 2 cores).
     reductions: str = "numpy"
+    #: ``ADDRESS`` or ``local[:N]``: run the batches as shards on a Dask cluster (:mod:`diag.cluster`).
+    scheduler: str | None = None
 
 
 @dataclass
@@ -194,6 +196,8 @@ class CompareResult:
     fix_recipe: dict[str, Any] | None = None
     #: Finalized task metrics (see :func:`diag.taskmetrics.attach_task_metrics`).
     task_metrics: dict[str, Any] = field(default_factory=dict)
+    #: ``--scheduler``: the cluster's workers, shards, tasks and retries (empty for a local run).
+    cluster: dict[str, Any] = field(default_factory=dict)
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -256,6 +260,10 @@ def compare_models(
     """
     options = options or CompareOptions()
     start = time.perf_counter()
+    if options.scheduler is not None:
+        from diag.cluster import require_scheduler
+
+        require_scheduler(options.scheduler)  # no Dask, no scheduler: say so before any work
     fp, q = load_pair(fp32_path, int8_path)
     from diag.cpu import saturation_warning
 
@@ -269,6 +277,7 @@ def compare_models(
             [(fp.proto, "FP32 model", 1), (q.proto, "INT8 model", 2 if options.local else 1)],
             feeds.batch if isinstance(feeds, FeedSpec) else 1,
         )
+    spec = feeds if isinstance(feeds, FeedSpec) else None
     if isinstance(feeds, FeedSpec):
         feeds = feeds.source(fp.proto)
     matching = match_models(fp.proto, q.proto)
@@ -279,8 +288,15 @@ def compare_models(
             f"only {matching.coverage:.0%} of FP32 tensors exist in the INT8 model",
             "compare an INT8 model with the FP32 model it was quantized from",
         )
-    state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
+    cluster: dict[str, Any] = {}
+    if options.scheduler is not None:
+        from diag.cluster import compare_on_cluster
+
+        state, runtime_unmatched, cluster = compare_on_cluster(fp32_path, int8_path, spec, feeds, options)
+    else:
+        state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
     result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
+    result.cluster = cluster
     # NOTE: no effect check on FP16 models: onnxruntime's CPU provider runs a float16 graph partly
     # in float32, and which parts depends on the graph, so a one-node change moves where FP16
     # overflows. The NaN/Inf origin and the converter's re-run (fp16.fp16_fix) are the measure.
@@ -309,13 +325,18 @@ def compare_models(
     result.fix_recipe = fix_recipe(q.path, options.recipe)
     attach_task_metrics(result, state, options.metric)
     if options.sensitivity > 0:
-        result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options)
+        result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options, spec)
         result.seconds = time.perf_counter() - start
     return result
 
 
 def _sensitivity(
-    fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource, result: CompareResult, options: CompareOptions
+    fp32_path: str | Path,
+    int8_path: str | Path,
+    feeds: FeedSource,
+    result: CompareResult,
+    options: CompareOptions,
+    spec: FeedSpec | None = None,
 ) -> Any:
     from diag.recipe import Recipe, recipe_from_option
     from diag.sensitivity import skip_one_sensitivity
@@ -329,7 +350,15 @@ def _sensitivity(
         )
     recipe = options.recipe if isinstance(options.recipe, Recipe) else recipe_from_option(options.recipe)
     return skip_one_sensitivity(
-        fp32_path, int8_path, recipe, feeds, result.findings, options.sensitivity, options.threads, options.progress
+        fp32_path,
+        int8_path,
+        recipe,
+        feeds,
+        result.findings,
+        options.sensitivity,
+        options.threads,
+        options.progress,
+        (options.scheduler, spec) if options.scheduler is not None else None,
     )
 
 
@@ -1058,6 +1087,8 @@ def compare_to_dir(
 
     result = compare_models(fp32_path, int8_path, feeds, options)
     doc = document_from_result(result)
+    if result.cluster:
+        doc["run"]["cluster"] = result.cluster
     if result.options.shard is not None:
         from diag.merge import add_shard_state
 

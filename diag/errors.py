@@ -40,6 +40,9 @@ SLUGS: dict[str, str] = {
     "missing-templates": "the report templates are not installed with the package",
     "bad-recipe": "a recipe file is not valid JSON/TOML or has an unknown key or value",
     "quantize-failed": "onnxruntime's quantizer failed, or its output does not load in onnxruntime",
+    "missing-extra": 'an optional dependency a flag needs is not installed (e.g. pip install "diag[dask]")',
+    "no-scheduler": "the Dask scheduler given by --scheduler cannot be reached or has no workers",
+    "cluster-failure": "a task failed on the Dask cluster (e.g. its workers kept dying, or cannot read the files)",
 }
 
 

@@ -280,6 +280,8 @@ class ExclusionResult:
     budget: dict[str, Any] = field(default_factory=dict)
     #: Sentences the user must read (e.g. the mixed model is slower than FP32).
     warnings: list[str] = field(default_factory=list)
+    #: ``--scheduler``: the cluster's workers, tasks, retries, and where latency was measured.
+    cluster: dict[str, Any] = field(default_factory=dict)
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
     diagnosis: Any = None
@@ -327,7 +329,8 @@ class ExclusionResult:
                 "candidates": len(self.candidates),
                 "trajectory": [s.to_dict() for s in self.trajectory],
                 "budget": self.budget,
-            },
+            }
+            | ({"cluster": self.cluster} if self.cluster else {}),
             "preparation": list(self.steps),
             "warnings": list(self.warnings),
             "candidates": [c.to_dict() for c in self.candidates],
@@ -677,211 +680,42 @@ class BudgetExhausted(Exception):
     """``--max-trials`` or ``--time-budget`` stopped the search (not a user error: a result)."""
 
 
-class _Search:
-    """Quantize-and-evaluate with a cache keyed by the set of excluded groups."""
+class SearchAlgorithm:
+    """The exclusion search itself, apart from how a trial is answered.
 
-    def __init__(
-        self,
-        fp32: Path,
-        recipe: Recipe,
-        base_excluded: list[str],
-        candidates: list[Candidate],
-        evaluator: HeldOutEvaluator,
-        target: Target,
-        calibration: FeedSource | None,
-        work: Path,
-        progress: bool,
-        max_trials: int | None = None,
-        deadline: float | None = None,
-    ) -> None:
-        from diag.progress import Progress
+    Subclasses answer :meth:`check` (does this set of groups in float meet the target?) and
+    :meth:`expect`: :class:`_Search` by estimating or re-quantizing, ``diag.cluster``'s replay
+    from answers already known (to run the trials the search will ask for next ahead of time).
+    One algorithm, so the two can never drift apart.
+    """
 
-        self.fp32 = fp32
-        self.recipe = recipe
-        self.base = base_excluded
-        self.candidates = candidates
-        self.evaluator = evaluator
-        self.target = target
-        self.calibration = calibration
-        self.work = work
-        self.progress = progress
-        self.cache: dict[frozenset[int], tuple[HeldOutMetrics, Path]] = {}
-        self.trajectory: list[Step] = []
-        self.quantizations = 0
-        self.evaluations = 0
-        self.calibrations = 0
-        # NOTE: the FP32 model's activation ranges do not depend on which nodes are excluded:
-        # the first static quantization calibrates and writes them here, every later one reads them
-        # (onnxruntime's calibration_cache_path). One calibration pass instead of one per trial.
-        self.calibration_cache = work / "calibration.json"
-        #: The preparation steps of the last quantization (lift, opset upgrade, pre-processing).
-        self.steps: list[str] = []
-        self.max_trials = max_trials
-        self.deadline = deadline
-        #: The met list with the fewest groups seen so far: the answer when the budget runs out.
-        self.best: frozenset[int] | None = None
-        self.bar = Progress(max_trials, "exclude", enabled=progress, unit="trials")
-        #: (FP32 proto, baseline INT8 proto, their matching): what estimates are built from; None
-        #: when the baseline cannot be edited in memory (external data) or estimates are off.
-        self.region: tuple[Any, Any, Any] | None = None
-        self.estimates: dict[frozenset[int], HeldOutMetrics | None] = {}
-        #: While True, :meth:`check` answers with estimates (no re-quantization) where it can.
-        self.estimating = False
-
-    def expect(self, remaining: int) -> None:
-        """Set the progress bar's total to the trials done plus an estimate of those left (for its ETA)."""
-        total = self.quantizations + max(remaining, 0)
-        self.bar.total = min(total, self.max_trials) if self.max_trials else total
-
-    def out_of_budget(self) -> str | None:
-        """Why no further trial may run (``--max-trials`` / ``--time-budget``), or None."""
-        if self.max_trials is not None and self.quantizations >= self.max_trials:
-            return f"--max-trials {self.max_trials} reached"
-        if self.deadline is not None and time.perf_counter() >= self.deadline:
-            return "--time-budget reached"
-        return None
-
-    def nodes(self, groups: frozenset[int] | list[int]) -> list[str]:
-        picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
-        return list(dict.fromkeys([*self.base, *picked]))
-
-    def quantize(self, nodes: list[str], out: Path, recipe: Recipe | None = None) -> Path:
-        from diag.quantize import quantize_model
-
-        r = (recipe or self.recipe).with_excluded(nodes)
-        report = quantize_model(
-            self.fp32, r, out, calibration=self.calibration, progress=False, calibration_cache=self.calibration_cache
-        )
-        self.quantizations += 1
-        self.calibrations += report.calibrations
-        self.steps = report.steps
-        return out
-
-    def evaluate(self, path: Path) -> HeldOutMetrics:
-        m = self.evaluator.evaluate(path)
-        self.evaluations += 1
-        return m
-
-    def try_groups(self, groups: frozenset[int], phase: str) -> tuple[HeldOutMetrics, bool]:
-        """Quantize with ``groups`` kept in float (cached), evaluate, record one trajectory step."""
-        if groups in self.cache:
-            m = self.cache[groups][0]
-            return m, m.meets(self.target)
-        reason = self.out_of_budget() if groups else None  # the baseline always runs
-        if reason:
-            raise BudgetExhausted(reason)
-        t0 = time.perf_counter()
-        path = self.work / f"step{len(self.trajectory):03d}.onnx"
-        self.quantize(self.nodes(groups), path)
-        m = self.evaluate(path)
-        self.cache[groups] = (m, path)
-        value = m.value(self.target.metric)
-        met = m.meets(self.target)
-        if met and groups and (self.best is None or len(groups) < len(self.best)):
-            self.best = groups
-        self.bar.advance(1)
-        if not met and groups:
-            # NOTE: only the baseline (ranking, latency) and met lists (the answer is one of them)
-            # are ever read again; dropping the rest keeps disk use at a few model copies.
-            path.unlink(missing_ok=True)
-        self.trajectory.append(
-            Step(
-                phase,
-                len(groups),
-                self.nodes(groups)[len(self.base) :],
-                value,
-                met,
-                time.perf_counter() - t0,
-                m.nonfinite_samples,
-            )
-        )
-        if self.progress:
-            shown = "n/a" if value is None else f"{value:.6g}"
-            self.bar.note(
-                f"exclude: {phase:<8} {len(groups):>4} group(s) in float -> {self.target.metric} {shown}"
-                f"{_nonfinite_note(m)} ({'met' if met else 'missed'})"
-            )
-        return m, met
-
-    def estimate(self, groups: frozenset[int], phase: str) -> HeldOutMetrics | None:
-        """Held-out metrics of ``groups`` in float *estimated* without re-quantizing (cached).
-
-        The baseline INT8 model with those groups' FP32 nodes computed in float where their INT8
-        versions were (:func:`diag.effects.float_region_model`, which mirrors what
-        ``nodes_to_exclude`` does: the same calibrated grids around the float region). One
-        session instead of a quantization; None when the region cannot be rebuilt.
-        """
-        if groups in self.estimates:
-            return self.estimates[groups]
-        if self.deadline is not None and time.perf_counter() >= self.deadline:
-            raise BudgetExhausted("--time-budget reached")
-        from diag.effects import float_region_model
-
-        assert self.region is not None
-        fp, q, matching = self.region
-        t0 = time.perf_counter()
-        picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
-        try:
-            model = float_region_model(fp, q, picked, matching, set(default_op_types(self.recipe)))
-            m = self.evaluator.evaluate_model(model, f"estimate of {len(groups)} group(s) in float")
-        except (ValueError, DiagError):
-            # NOTE: a region diag cannot rebuild, or one onnxruntime refuses to run, is not the
-            # user's problem: that trial is re-quantized instead.
-            self.estimates[groups] = None
-            return None
-        self.estimates[groups] = m
-        self.bar.advance(1)
-        self.trajectory.append(
-            Step(
-                f"estimate {phase}",
-                len(groups),
-                self.nodes(groups)[len(self.base) :],
-                m.value(self.target.metric),
-                m.meets(self.target),
-                time.perf_counter() - t0,
-                m.nonfinite_samples,
-            )
-        )
-        return m
+    candidates: list[Candidate]
+    #: The estimated answer (``_Search.find``): the real search starts from it. None: no estimate.
+    guess: frozenset[int] | None = None
 
     def check(self, groups: frozenset[int], phase: str) -> bool:
-        """Does ``groups`` in float meet the target: estimated while :attr:`estimating`, else a real trial."""
-        if self.estimating and groups not in self.cache:  # a real answer is better than an estimate
-            m = self.estimate(groups, phase)
-            if m is not None:
-                return m.meets(self.target)
-        return self.try_groups(groups, phase)[1]
+        raise NotImplementedError
 
-    def find(self) -> frozenset[int] | None:
-        """The smallest met list: estimated first, then verified and pruned by real re-quantization.
+    def expect(self, remaining: int) -> None:
+        """Progress: about ``remaining`` more trials (no-op by default)."""
 
-        Estimates run the whole search (prefix, then prune) at the cost of one session each. The
-        estimated answer is then re-quantized for real: when it meets the target, each of its
-        groups is re-included once (a real try each) so the answer is minimal in real terms too.
-        When it misses (an estimate is not exact: rounding of fused kernels, a Concat's shared
-        scale), the real search runs with the estimated groups ranked first, where it starts.
+    def search_real(self) -> frozenset[int] | None:
+        """The real trials: verify and prune the estimated answer, or search from it.
+
+        When the re-quantized guess meets the target each of its groups is re-included once (a
+        real try each), so the answer is minimal in real terms too. When it misses (an estimate
+        is not exact: rounding of fused kernels, a Concat's shared scale), the prefix search runs
+        with the guessed groups ranked first, starting above them. Without a guess: the prefix
+        search over the ranking, then the pruning.
         """
         order = list(range(len(self.candidates)))
         start = 0
-        if self.region is not None:
-            self.estimating = True
-            self.bar.label = "exclude (estimates)"
-            try:
-                k = self.smallest_prefix(order)
-                guess = self.prune(frozenset(order[:k])) if k is not None else None
-            finally:
-                self.estimating = False
-                self.bar.label = "exclude"
-            if self.progress:
-                self.bar.note(
-                    f"exclude: {len(self.estimates)} estimate(s) without re-quantizing -> "
-                    + (f"{len(guess)} group(s) in float; verifying" if guess else "no list; searching")
-                )
-            if guess and self.try_groups(guess, "verify")[1]:
+        guess = self.guess
+        if guess:
+            if self.check(guess, "verify"):
                 return self.prune(guess, blocks=False)
-            if guess:
-                order = sorted(guess) + [i for i in order if i not in guess]
-                start = len(guess)
+            order = sorted(guess) + [i for i in order if i not in guess]
+            start = len(guess)
         k = self.smallest_prefix(order, start)
         return self.prune(frozenset(order[:k])) if k is not None else None
 
@@ -955,6 +789,214 @@ class _Search:
         return current
 
 
+class _Search(SearchAlgorithm):
+    """Quantize-and-evaluate with a cache keyed by the set of excluded groups."""
+
+    def __init__(
+        self,
+        fp32: Path,
+        recipe: Recipe,
+        base_excluded: list[str],
+        candidates: list[Candidate],
+        evaluator: HeldOutEvaluator,
+        target: Target,
+        calibration: FeedSource | None,
+        work: Path,
+        progress: bool,
+        max_trials: int | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        from diag.progress import Progress
+
+        self.fp32 = fp32
+        self.recipe = recipe
+        self.base = base_excluded
+        self.candidates = candidates
+        self.evaluator = evaluator
+        self.target = target
+        self.calibration = calibration
+        self.work = work
+        self.progress = progress
+        self.cache: dict[frozenset[int], tuple[HeldOutMetrics, Path]] = {}
+        self.trajectory: list[Step] = []
+        self.quantizations = 0
+        self.evaluations = 0
+        self.calibrations = 0
+        # NOTE: the FP32 model's activation ranges do not depend on which nodes are excluded:
+        # the first static quantization calibrates and writes them here, every later one reads them
+        # (onnxruntime's calibration_cache_path). One calibration pass instead of one per trial.
+        self.calibration_cache = work / "calibration.json"
+        #: The preparation steps of the last quantization (lift, opset upgrade, pre-processing).
+        self.steps: list[str] = []
+        self.max_trials = max_trials
+        self.deadline = deadline
+        #: The met list with the fewest groups seen so far: the answer when the budget runs out.
+        self.best: frozenset[int] | None = None
+        self.bar = Progress(max_trials, "exclude", enabled=progress, unit="trials")
+        #: (FP32 proto, baseline INT8 proto, their matching): what estimates are built from; None
+        #: when the baseline cannot be edited in memory (external data) or estimates are off.
+        self.region: tuple[Any, Any, Any] | None = None
+        self.estimates: dict[frozenset[int], HeldOutMetrics | None] = {}
+        #: While True, :meth:`check` answers with estimates (no re-quantization) where it can.
+        self.estimating = False
+        self.estimate_bar = Progress(None, "exclude: estimates", enabled=False, unit="estimates")
+        #: ``--scheduler``: runs a trial on a cluster instead (:class:`diag.cluster.ClusterTrials`).
+        self.remote: Callable[[frozenset[int], Path], HeldOutMetrics] | None = None
+
+    def expect(self, remaining: int) -> None:
+        """Set the progress bar's total to the trials done plus an estimate of those left (for its ETA)."""
+        total = self.quantizations + max(remaining, 0)
+        self.bar.total = min(total, self.max_trials) if self.max_trials else total
+
+    def out_of_budget(self) -> str | None:
+        """Why no further trial may run (``--max-trials`` / ``--time-budget``), or None."""
+        if self.max_trials is not None and self.quantizations >= self.max_trials:
+            return f"--max-trials {self.max_trials} reached"
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return "--time-budget reached"
+        return None
+
+    def nodes(self, groups: frozenset[int] | list[int]) -> list[str]:
+        picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
+        return list(dict.fromkeys([*self.base, *picked]))
+
+    def quantize(self, nodes: list[str], out: Path, recipe: Recipe | None = None) -> Path:
+        from diag.quantize import quantize_model
+
+        r = (recipe or self.recipe).with_excluded(nodes)
+        report = quantize_model(
+            self.fp32, r, out, calibration=self.calibration, progress=False, calibration_cache=self.calibration_cache
+        )
+        self.quantizations += 1
+        self.calibrations += report.calibrations
+        self.steps = report.steps
+        return out
+
+    def evaluate(self, path: Path) -> HeldOutMetrics:
+        m = self.evaluator.evaluate(path)
+        self.evaluations += 1
+        return m
+
+    def try_groups(self, groups: frozenset[int], phase: str) -> tuple[HeldOutMetrics, bool]:
+        """Quantize with ``groups`` kept in float (cached), evaluate, record one trajectory step."""
+        if groups in self.cache:
+            m = self.cache[groups][0]
+            return m, m.meets(self.target)
+        reason = self.out_of_budget() if groups else None  # the baseline always runs
+        if reason:
+            raise BudgetExhausted(reason)
+        t0 = time.perf_counter()
+        path = self.work / f"step{len(self.trajectory):03d}.onnx"
+        if self.remote is not None:
+            m = self.remote(groups, path)
+        else:
+            self.quantize(self.nodes(groups), path)
+            m = self.evaluate(path)
+        self.cache[groups] = (m, path)
+        value = m.value(self.target.metric)
+        met = m.meets(self.target)
+        if met and groups and (self.best is None or len(groups) < len(self.best)):
+            self.best = groups
+        self.bar.advance(1)
+        if not met and groups:
+            # NOTE: only the baseline (ranking, latency) and met lists (the answer is one of them)
+            # are ever read again; dropping the rest keeps disk use at a few model copies.
+            path.unlink(missing_ok=True)
+        self.trajectory.append(
+            Step(
+                phase,
+                len(groups),
+                self.nodes(groups)[len(self.base) :],
+                value,
+                met,
+                time.perf_counter() - t0,
+                m.nonfinite_samples,
+            )
+        )
+        if self.progress:
+            shown = "n/a" if value is None else f"{value:.6g}"
+            self.bar.note(
+                f"exclude: {phase:<8} {len(groups):>4} group(s) in float -> {self.target.metric} {shown}"
+                f"{_nonfinite_note(m)} ({'met' if met else 'missed'})"
+            )
+        return m, met
+
+    def estimate(self, groups: frozenset[int], phase: str) -> HeldOutMetrics | None:
+        """Held-out metrics of ``groups`` in float *estimated* without re-quantizing (cached).
+
+        The baseline INT8 model with those groups' FP32 nodes computed in float where their INT8
+        versions were (:func:`diag.effects.float_region_model`, which mirrors what
+        ``nodes_to_exclude`` does: the same calibrated grids around the float region). One
+        session instead of a quantization; None when the region cannot be rebuilt.
+        """
+        if groups in self.estimates:
+            return self.estimates[groups]
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            raise BudgetExhausted("--time-budget reached")
+        from diag.effects import float_region_model
+
+        assert self.region is not None
+        fp, q, matching = self.region
+        t0 = time.perf_counter()
+        picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
+        try:
+            model = float_region_model(fp, q, picked, matching, set(default_op_types(self.recipe)))
+            m = self.evaluator.evaluate_model(model, f"estimate of {len(groups)} group(s) in float")
+        except (ValueError, DiagError):
+            # NOTE: a region diag cannot rebuild, or one onnxruntime refuses to run, is not the
+            # user's problem: that trial is re-quantized instead.
+            self.estimates[groups] = None
+            return None
+        self.estimates[groups] = m
+        self.estimate_bar.advance(1)
+        self.trajectory.append(
+            Step(
+                f"estimate {phase}",
+                len(groups),
+                self.nodes(groups)[len(self.base) :],
+                m.value(self.target.metric),
+                m.meets(self.target),
+                time.perf_counter() - t0,
+                m.nonfinite_samples,
+            )
+        )
+        return m
+
+    def check(self, groups: frozenset[int], phase: str) -> bool:
+        """Does ``groups`` in float meet the target: estimated while :attr:`estimating`, else a real trial."""
+        if self.estimating and groups not in self.cache:  # a real answer is better than an estimate
+            m = self.estimate(groups, phase)
+            if m is not None:
+                return m.meets(self.target)
+        return self.try_groups(groups, phase)[1]
+
+    def find(self) -> frozenset[int] | None:
+        """The smallest met list: estimated first, then verified and pruned by real re-quantization.
+
+        Estimates run the whole search (prefix, then prune) at the cost of one session each; the
+        real trials that follow are :meth:`SearchAlgorithm.search_real`'s.
+        """
+        if self.region is not None:
+            from diag.progress import Progress
+
+            self.estimating = True
+            self.estimate_bar = Progress(None, "exclude: estimates", enabled=self.progress, unit="estimates")
+            order = list(range(len(self.candidates)))
+            try:
+                k = self.smallest_prefix(order)
+                guess = self.prune(frozenset(order[:k])) if k is not None else None
+            finally:
+                self.estimating = False
+                self.estimate_bar.close()
+            if self.progress:
+                self.bar.note(
+                    f"exclude: {len(self.estimates)} estimate(s) without re-quantizing -> "
+                    + (f"{len(guess)} group(s) in float; verifying" if guess else "no list; searching")
+                )
+            self.guess = guess
+        return self.search_real()
+
+
 def derive_exclusions(
     fp32_path: str | Path,
     recipe: Recipe,
@@ -970,6 +1012,7 @@ def derive_exclusions(
     time_budget: float | None = None,
     metric: str | None = None,
     estimates: bool = True,
+    scheduler: str | None = None,
 ) -> ExclusionResult:
     """Find a minimal ``nodes_to_exclude`` list that makes ``recipe`` meet ``target`` on held-out inputs.
 
@@ -994,6 +1037,8 @@ def derive_exclusions(
         estimates: search on float-region estimates of the baseline first (one session per
             trial, no re-quantization), then verify and prune the answer by re-quantizing; False
             re-quantizes every trial.
+        scheduler: ``ADDRESS`` or ``local[:N]``: run the search's trials as Dask tasks
+            (:mod:`diag.cluster`); same list, same metrics, same trajectory as without.
 
     Returns:
         The result; ``reachable`` False (and an empty list) when only keeping every candidate in
@@ -1014,6 +1059,10 @@ def derive_exclusions(
     if time_budget is not None and not time_budget > 0:
         raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
     deadline = start + time_budget if time_budget is not None else None
+    if scheduler is not None:
+        from diag.cluster import require_scheduler
+
+        require_scheduler(scheduler)  # no Dask, no scheduler: say so before any work
     plugin = None
     if metric:
         from diag.taskmetrics import metric_factory
@@ -1048,6 +1097,7 @@ def derive_exclusions(
     exhausted: str | None = None
     compared: Any = None
     tmp = Path(tempfile.mkdtemp(prefix="diag-exclude-"))
+    trials: Any = None
     try:
         search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress, max_trials, deadline)
         before, met0 = search.try_groups(frozenset(), "baseline")
@@ -1071,6 +1121,12 @@ def derive_exclusions(
             search.candidates = candidates
             if estimates:
                 search.region = _estimate_source(fp, baseline_path)
+            if scheduler is not None:
+                from diag.cluster import attach_trials
+
+                trials = attach_trials(
+                    scheduler, search, fp32, recipe, feeds, holdout, labels, threads, metric, progress
+                )
             try:
                 chosen = search.find()
             except BudgetExhausted as e:
@@ -1112,6 +1168,8 @@ def derive_exclusions(
             names = ["fp32", "int8", "mixed"]
             latency = [{**s.to_dict(), "model": names[i]} for i, s in enumerate(stats)]
     finally:
+        if trials is not None:
+            trials.close()
         shutil.rmtree(tmp, ignore_errors=True)
     final_recipe = recipe.with_excluded(nodes) if chosen is not None else recipe
     result = ExclusionResult(
@@ -1143,6 +1201,7 @@ def derive_exclusions(
         alternatives=[] if chosen is not None else alternatives(recipe, candidates),
         latency=latency,
         model=str(model_out) if model_out else None,
+        cluster=trials.cluster.info(latency=bench_runs > 0) if trials is not None else {},
     )
     result.diagnosis = compared if ranking_passes else None
     return result
@@ -1476,6 +1535,7 @@ def exclude_to_dir(
     time_budget: float | None = None,
     metric: str | None = None,
     estimates: bool = True,
+    scheduler: str | None = None,
 ) -> tuple[ExclusionResult, dict[str, Path]]:
     """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
 
@@ -1507,6 +1567,7 @@ def exclude_to_dir(
             time_budget,
             metric,
             estimates,
+            scheduler,
         )
         files: dict[str, Path] = {}
         if result.reachable and result.model:
@@ -1617,6 +1678,17 @@ def _estimated(n: int) -> str:
     return f" (+ {_count(n, 'estimate')})" if n else ""
 
 
+def _cluster_note(info: dict[str, Any]) -> str:
+    """``--scheduler``: where the trials ran, their retries, and where latency was measured."""
+    if not info:
+        return ""
+    where = f"; latency measured on {info['latency_measured_on']}" if info.get("latency_measured_on") else ""
+    return (
+        f"; trials on a Dask cluster of {info['workers']} worker(s): {info['tasks']} tasks, "
+        f"{info['retries']} retried after a worker died{where}"
+    )
+
+
 def _calibrations(n: int) -> str:
     """`` (1 calibration pass)`` for static recipes; nothing for dynamic ones."""
     return f" ({_count(n, 'calibration pass', 'calibration passes')})" if n else ""
@@ -1714,7 +1786,7 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         "counts": f"{_count(s['quantizations'], 'quantization')}{_calibrations(calib)}, "
         f"{_count(s['evaluations'], 'evaluation')}{_estimated(s.get('estimates', 0))}, "
         f"{_count(s['ranking_passes'], 'ranking pass', 'ranking passes')} over {s['candidates']} candidate "
-        f"groups in {s['seconds']:.1f} s",
+        f"groups in {s['seconds']:.1f} s" + _cluster_note(s.get("cluster") or {}),
         "trajectory_svg": trajectory_plot(doc) if s["trajectory"] else "",
         "snippet": doc["snippet"],
         "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],

@@ -84,12 +84,14 @@ def skip_one_sensitivity(
     k: int = 5,
     threads: int | None = None,
     progress: bool = True,
+    cluster: tuple[str, Any] | None = None,
 ) -> SensitivityResult:
     """Re-quantize with each of the top-``k`` local-ranking nodes kept in float; measure the outputs.
 
     Static recipes calibrate on the recipe's own calibration data when it names some, otherwise
     on ``feeds`` (say so in the report: calibrating on the evaluation inputs flatters every row
-    alike, so rows stay comparable).
+    alike, so rows stay comparable). ``cluster = (scheduler, FeedSpec of feeds)`` runs the
+    ``k`` re-quantizations as Dask tasks (:func:`diag.cluster.run_trials`); same rows.
 
     Example:
         >>> res = skip_one_sensitivity("fp32.onnx", "int8.onnx", Recipe(mode="dynamic"), feeds,
@@ -116,14 +118,27 @@ def skip_one_sensitivity(
         baseline = evaluator.evaluate(base_path)
         bar.advance(1)
         rows = []
+        remote = None
+        if cluster is not None and candidates:
+            from diag.cluster import run_trials
+
+            nodes = [list(c.fp_nodes) for c in candidates]
+            remote = run_trials(cluster[0], fp32_path, recipe, cluster[1], nodes, cache, threads, progress)
         for i, cand in enumerate(candidates):
-            path = work / f"skip{i}.onnx"
-            quantize_model(
-                fp32_path, recipe.with_excluded(cand.fp_nodes), path, calibration=calibration, calibration_cache=cache
-            )
-            m = evaluator.evaluate(path)
+            if remote is not None:
+                m = remote[i]
+            else:
+                path = work / f"skip{i}.onnx"
+                quantize_model(
+                    fp32_path,
+                    recipe.with_excluded(cand.fp_nodes),
+                    path,
+                    calibration=calibration,
+                    calibration_cache=cache,
+                )
+                m = evaluator.evaluate(path)
+                path.unlink(missing_ok=True)
             rows.append(SensitivityRow(cand, m, m.cosine - baseline.cosine, baseline.max_abs - m.max_abs))
-            path.unlink(missing_ok=True)
             bar.advance(1)
     finally:
         bar.close()

@@ -592,6 +592,8 @@ class SweepResult:
     grid: dict[str, Any]
     best_recipe: Recipe | None = None
     run_id: str = ""
+    #: ``--scheduler``: the cluster's workers, tasks, retries, and where latency was measured.
+    cluster: dict[str, Any] = field(default_factory=dict)
 
     @property
     def measured_now(self) -> int:
@@ -656,7 +658,7 @@ class SweepResult:
             if best is None
             else {"label": self.labels[best.key], "key": best.key, "recipe": self.best_recipe_dict()},
             "folklore": folklore(self.entries),
-        }
+        } | ({"cluster": self.cluster} if self.cluster else {})
         return _json_safe(doc)
 
     def best_recipe_dict(self) -> dict[str, Any] | None:
@@ -753,6 +755,7 @@ def sweep_model(
     threads: int | None = None,
     progress: bool = True,
     on_entry: Callable[[SweepEntry], None] | None = None,
+    scheduler: str | None = None,
 ) -> SweepResult:
     """Quantize ``fp32_path`` with every recipe of ``grid`` and measure each; resumable.
 
@@ -779,6 +782,8 @@ def sweep_model(
         progress: one line per recipe on stderr.
         on_entry: called after each newly finished entry has been appended (a test hook: raising
             KeyboardInterrupt there simulates Ctrl-C).
+        scheduler: ``ADDRESS`` or ``local[:N]``: quantize and evaluate the recipes as Dask tasks
+            (:mod:`diag.cluster`); latency is then measured here afterwards, one recipe at a time.
 
     Example:
         >>> r = sweep_model("fp32.onnx", FeedSpec(inputs="data.npz"), "sweep")  # doctest: +SKIP
@@ -793,6 +798,10 @@ def sweep_model(
     from diag.report import ensure_out_dir
 
     start = time.perf_counter()
+    if scheduler is not None:
+        from diag.cluster import require_scheduler
+
+        require_scheduler(scheduler)  # no Dask, no scheduler: say so before any work
     if objective not in OBJECTIVES:
         raise DiagError(
             "bad-option", f"--objective {objective}", "is not an objective", f"one of {', '.join(OBJECTIVES)}"
@@ -860,14 +869,25 @@ def sweep_model(
     context = _context(fp32, feeds, calib, labels, split, settings)
     jsonl = out / JSONL
     done = read_jsonl(jsonl, context)
-    evaluator = HeldOutEvaluator(fp, held, first, label_array, threads)
+    # With --scheduler the workers evaluate (each its own evaluator); this one would idle.
+    evaluator = HeldOutEvaluator(fp, held, first, label_array, threads) if scheduler is None else None
     run_id = uuid.uuid4().hex[:12]
     entries: list[SweepEntry] = []
     by_hash: dict[str, SweepEntry] = {e.model_sha256: e for e in done.values() if e.ok and e.model_sha256}
     measured = resumed = 0
     varying = varying_keys(recipes)
     work = Path(tempfile.mkdtemp(prefix=".diag-sweep-", dir=out))
+    remote: Any = None
     try:
+        if scheduler is not None:
+            from diag.cluster import sweep_on_cluster
+
+            keys = [hashlib.sha256((context + _canonical(r)).encode()).hexdigest()[:16] for r in recipes]
+            todo = [(i, r, k) for i, (r, k) in enumerate(zip(recipes, keys, strict=True), 1) if k not in done]
+            split_needed = calib is None and any(r.mode == "static" and r.calibration is None for r in recipes)
+            remote = sweep_on_cluster(
+                scheduler, fp32, feeds, calib, holdout, labels, threads, todo, split_needed, work, progress, runs > 0
+            )
         for i, recipe in enumerate(recipes, 1):
             key = hashlib.sha256((context + _canonical(recipe)).encode()).hexdigest()[:16]
             label = recipe_label(recipe.to_dict(), varying)
@@ -877,22 +897,25 @@ def sweep_model(
                 if progress:
                     sys.stderr.write(f"sweep {i}/{len(recipes)} {label}: done earlier (resumed)\n")
                 continue
-            entry = _measure(
-                recipe,
-                key,
-                fp32,
-                work / f"{i:03d}.onnx",
-                calibration,
-                evaluator,
-                held,
-                runs,
-                warmup,
-                repeats,
-                threads,
-                by_hash,
-                quantize_model,
-                bench_models,
-            )
+            if remote is not None:
+                entry = remote.entry(i, by_hash, held, runs, warmup, repeats, threads)
+            else:
+                entry = _measure(
+                    recipe,
+                    key,
+                    fp32,
+                    work / f"{i:03d}.onnx",
+                    calibration,
+                    evaluator,
+                    held,
+                    runs,
+                    warmup,
+                    repeats,
+                    threads,
+                    by_hash,
+                    quantize_model,
+                    bench_models,
+                )
             entry.run_id = run_id
             _append(jsonl, context, entry)
             entries.append(entry)
@@ -900,10 +923,14 @@ def sweep_model(
             if entry.ok and entry.model_sha256 and entry.model_sha256 not in by_hash:
                 by_hash[entry.model_sha256] = entry
             if progress:
-                sys.stderr.write(f"sweep {i}/{len(recipes)} {label}: {_progress_line(entry)}\n")
+                line = f"sweep {i}/{len(recipes)} {label}: {_progress_line(entry)}"
+                # --scheduler: above the task bar, which is drawn again below it
+                remote.bar.note(line) if remote is not None else sys.stderr.write(line + "\n")
             if on_entry is not None:
                 on_entry(entry)
     finally:
+        if remote is not None:
+            remote.close()
         shutil.rmtree(work, ignore_errors=True)
     labels_by_key = {e.key: recipe_label(e.recipe, varying) for e in entries}
     result = SweepResult(
@@ -921,6 +948,7 @@ def sweep_model(
         seconds=time.perf_counter() - start,
         grid=grid,
         run_id=run_id,
+        cluster=remote.cluster.info(latency=runs > 0) if remote is not None else {},
     )
     best = result.best
     if best is not None:
@@ -965,8 +993,11 @@ def _measure(
     by_hash: dict[str, SweepEntry],
     quantize_model: Callable[..., Any],
     bench_models: Callable[..., Any],
+    keep: bool = False,
 ) -> SweepEntry:
-    """Quantize, evaluate and time one recipe; onnxruntime's rejections become a skipped entry."""
+    """Quantize, evaluate and time one recipe; onnxruntime's rejections become a skipped entry.
+
+    ``keep``: leave the INT8 model at ``path`` (a cluster worker sends it back for timing)."""
     d = recipe_file_dict(recipe)
     calib = calibration if recipe.mode == "static" and recipe.calibration is None else None
     try:
@@ -1011,7 +1042,8 @@ def _measure(
         )
     finally:
         for p in path.parent.glob(path.name + "*"):
-            p.unlink(missing_ok=True)
+            if not keep:
+                p.unlink(missing_ok=True)
     return SweepEntry(key, d, "ok", None, metrics, size, rep.seconds, latency, actions, digest)
 
 
@@ -1116,6 +1148,9 @@ def sweep_view(doc: dict[str, Any]) -> dict[str, Any]:
         if s["runs"]
         else "latency not measured (--runs 0)"
     )
+    where = (doc.get("cluster") or {}).get("latency_measured_on")
+    if where and s["runs"]:
+        timing += f"; measured on {where}, one recipe at a time after the Dask tasks computed the metrics"
     return {
         "title": f"diag sweep: {Path(doc['fp32']).name}",
         "fp32": doc["fp32"],
@@ -1229,6 +1264,7 @@ def sweep_to_dir(
     threads: int | None = None,
     progress: bool = True,
     on_entry: Callable[[SweepEntry], None] | None = None,
+    scheduler: str | None = None,
 ) -> tuple[SweepResult, dict[str, Path]]:
     """`diag sweep` end to end: sweep, then write sweep.json, sweep.md, sweep.html, pareto.svg, best.recipe.json.
 
@@ -1263,6 +1299,7 @@ def sweep_to_dir(
         threads,
         progress,
         on_entry,
+        scheduler,
     )
     doc = result.to_dict()
     view = sweep_view(doc)
