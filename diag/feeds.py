@@ -20,6 +20,7 @@ import onnx
 from onnx import helper
 
 from diag.errors import DiagError
+from diag.files import input_file, input_path
 
 DEFAULT_INT_RANGE = (0, 100)
 #: Refuse a random/loaded batch larger than this many bytes up front (per input).
@@ -157,6 +158,7 @@ def validate_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: st
 
 
 def load_npz(path: Path) -> dict[str, np.ndarray]:
+    input_file(path, "inputs", "pass a .npz written by np.savez")
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
@@ -178,6 +180,7 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def load_npy(path: Path) -> np.ndarray:
+    input_file(path, "inputs", "pass a .npy written by np.save")
     try:
         return np.load(path, allow_pickle=False)
     except ValueError as e:
@@ -250,6 +253,8 @@ def feeds_from_folder(path: Path, specs: list[InputSpec], samples: int | None) -
     files = sorted(p for p in path.iterdir() if p.suffix in (".npz", ".npy"))
     if samples is not None:
         files = files[:samples]
+    for p in files:  # a FIFO or folder named x.npz must fail now, not block or crash mid-run
+        input_file(p, "inputs", "every .npz in an inputs folder must be a regular file")
     if not files:
         raise DiagError(
             "bad-inputs",
@@ -501,9 +506,7 @@ def feed_source(
     if samples is not None and samples < 1:
         raise DiagError("bad-option", "--samples", "must be at least 1", "pass --samples 8")
     if inputs:
-        p = Path(inputs)
-        if not p.exists():
-            raise DiagError("missing-file", f"inputs '{p}'", "does not exist", "check the path")
+        p = input_path(inputs, "inputs", "pass a .npz, a .npy or a folder of .npz files")
         if p.is_dir():
             return feeds_from_folder(p, specs, samples)
         if p.suffix == ".npy":
@@ -550,9 +553,7 @@ class FeedSpec:
 
 def load_labels(path: str) -> np.ndarray:
     """Class indices, one per sample in input order (``.npy``, or ``.npz`` with one array)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DiagError("missing-file", f"labels '{p}'", "does not exist", "check the path")
+    p = input_file(path, "labels", "pass a .npy of class indices")
     if p.suffix == ".npz":
         arrays = load_npz(p)
         if len(arrays) != 1:

@@ -174,15 +174,14 @@ def recipe_to_file(model: str | os.PathLike[str], out: str | os.PathLike[str]) -
         >>> recipe_to_file("int8.onnx", "recipe.toml")  # doctest: +SKIP
         (PosixPath('recipe.toml'), ['calibrate_method: cannot be inferred ...'])
     """
-    from diag.report import atomic_write
+    from diag.files import output_file, write_set
 
     inferred = infer_recipe(model)
-    p = Path(out)
-    if not (p.parent if str(p.parent) else Path(".")).is_dir():
-        raise DiagError("bad-out", f"--recipe-out '{p}'", "is in a folder that does not exist", "create it first")
+    p = output_file(out, "--recipe-out")
     text = recipe_to_toml(model) + "\n" if p.suffix.lower() == ".toml" else inferred.to_json()
     notes = [f"{k}: cannot be inferred from the model ({why})" for k, why in inferred.unknown.items()]
-    return atomic_write(p, text), notes
+    write_set({p: text}, "--recipe-out")
+    return p, notes
 
 
 # ---------------------------------------------------------------- inference

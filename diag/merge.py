@@ -316,7 +316,9 @@ def merge_to_dir(
         >>> sorted(files)  # doctest: +SKIP
         ['diag.json', 'report.html', 'summary.md']
     """
-    from diag.report import document_from_result, write_outputs
+    from diag.files import check_outputs
+    from diag.report import OUTPUT_NAMES, document_from_result, write_outputs
 
+    check_outputs(out_dir, OUTPUT_NAMES, [*paths, fp32, int8])
     result = merge_shards(paths, fp32, int8)
     return result, write_outputs(document_from_result(result), out_dir)

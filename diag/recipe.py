@@ -312,12 +312,10 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         >>> read_recipe_file("recipe.json")  # doctest: +SKIP
         {'mode': 'dynamic', 'per_channel': True}
     """
-    p = Path(path)
+    from diag.files import input_file
+
+    p = input_file(path, "recipe", "pass a .json or .toml file")
     obj = f"recipe '{p}'"
-    if not p.exists():
-        raise DiagError("missing-file", obj, "does not exist", "check the path")
-    if not p.is_file():
-        raise DiagError("not-a-file", obj, "is not a regular file", "pass a .json or .toml file")
     try:
         raw = p.read_bytes()
     except OSError as e:
@@ -439,15 +437,22 @@ def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
         >>> save_recipe(Recipe(mode="dynamic"), "recipe.json")  # doctest: +SKIP
         PosixPath('recipe.json')
     """
+    from diag.files import output_file, write_set
+
+    p = output_file(path, "recipe")
+    write_set({p: recipe_file_text(recipe, p)}, "recipe")
+    return p
+
+
+def recipe_file_text(recipe: Recipe, path: str | os.PathLike[str]) -> str:
+    """The text :func:`save_recipe` writes to ``path`` (its calibration path rebased onto ``path``'s folder)."""
     p = Path(path)
     data = recipe.to_dict()
     calib = recipe.calibration_path()
     if calib is not None and recipe.base_dir is not None and not Path(recipe.calibration or "").is_absolute():
         data["calibration"] = os.path.relpath(calib, p.parent if str(p.parent) else ".")
     text = _to_toml(data, p) if p.suffix.lower() == ".toml" else json.dumps(data, indent=2) + "\n"
-    from diag.report import atomic_write
-
-    return atomic_write(p, text, "recipe")
+    return text
 
 
 def _toml_string(text: str) -> str:

@@ -1,0 +1,375 @@
+"""Hostile input, round two (issue 18): every verb, every file, every interrupt.
+
+Each row runs the real CLI (``diag.cli.main``) in a child process forked from this one after diag,
+onnx and onnxruntime are imported, so a row costs milliseconds of start-up instead of seconds: the
+child has its own exit code, stdout, stderr, signals and memory limit, exactly as ``python -m diag``
+would. A row asserts the exit code, the slug, one line on stderr, no traceback, every input file
+byte-identical and ``--out`` either unchanged or holding exactly the new set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import signal
+import stat
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from diag import cli
+from diag.errors import OK, USER_ERROR
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hostile import Pair, _pair, _x, mlp
+
+ROOT = os.geteuid() == 0
+TIMES: dict[str, float] = {}
+
+
+@dataclass
+class Ran:
+    """What a forked ``diag`` run left: exit code, stdout, stderr, peak RSS of the child in bytes."""
+
+    code: int
+    out: str
+    err: str
+    peak_rss: int
+
+
+def run_diag(
+    args: list[object],
+    tmp: Path,
+    *,
+    limit_as: int | None = None,
+    before: Callable[[], None] | None = None,
+    cwd: Path | None = None,
+) -> Ran:
+    """Run ``diag ARGS`` in a forked child; ``limit_as`` caps its address space (bytes above the current size)."""
+    out_path, err_path = tmp / ".stdout", tmp / ".stderr"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            fo = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fe = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fo, 1)
+            os.dup2(fe, 2)
+            sys.stdout = open(1, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if cwd is not None:
+                os.chdir(cwd)
+            if limit_as is not None:
+                vm = _vm_size()
+                resource.setrlimit(resource.RLIMIT_AS, (vm + limit_as, vm + limit_as))
+            if before is not None:
+                before()
+            code = cli.main([str(a) for a in args])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            os.write(w, str(rss).encode())
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 2
+        except BaseException as e:
+            os.write(2, f"CHILD CRASH {type(e).__name__}: {e}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    rss = os.read(r, 64)
+    os.close(r)
+    code = os.waitstatus_to_exitcode(status)
+    return Ran(code, out_path.read_text(errors="replace"), err_path.read_text(errors="replace"), int(rss or 0))
+
+
+def _vm_size() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every regular file under ``folder`` (hidden ones too) with its hash; FIFOs and sockets by type."""
+    if not folder.exists():
+        return {}
+    found = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        if rel.startswith(".std"):
+            continue
+        mode = p.lstat().st_mode
+        if stat.S_ISREG(mode) and os.access(p, os.R_OK):
+            found[rel] = _sha(p)
+        elif stat.S_ISDIR(mode):
+            found[rel] = "dir"
+        else:
+            found[rel] = "special"
+    return found
+
+
+# ---------------------------------------------------------------- the prepared files, once per module
+
+
+@dataclass
+class Zoo:
+    d: Path
+    p: Pair
+    shard0: Path
+    shard1: Path
+    report: Path
+    other: Pair
+    other_shard0: Path
+    fifo: Path
+    extras: dict[str, Path] = field(default_factory=dict)
+
+
+FAST = ["--quiet", "--effects", "0", "--no-distributions", "--no-local"]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
+    d = tmp_path_factory.mktemp("zoo2")
+    p = _pair(d, "mlp", mlp(), {"x": _x()})
+    other = _pair(d, "deep", mlp(hidden=8, seed=5, names=("a1", "a2")), {"x": _x()})
+    shards = []
+    for k in (0, 1):
+        ran = run_diag(
+            ["compare", p.fp32, p.int8, "--inputs", p.inputs, "--shard", f"{k}/2", "--out", d / f"part{k}", *FAST], d
+        )
+        assert ran.code == OK, ran.err
+        shards.append(d / f"part{k}" / "diag.json")
+    ran = run_diag(
+        ["compare", other.fp32, other.int8, "--inputs", other.inputs, "--shard", "0/2", "--out", d / "opart0", *FAST],
+        d,
+    )
+    assert ran.code == OK, ran.err
+    ran = run_diag(["compare", p.fp32, p.int8, "--inputs", p.inputs, "--out", d / "full", *FAST], d)
+    assert ran.code == OK, ran.err
+    fifo = d / "fifo.npz"
+    os.mkfifo(fifo)
+    folder = d / "feeds_with_fifo"
+    folder.mkdir()
+    np.savez(folder / "000.npz", x=_x(1))
+    os.mkfifo(folder / "001.npz")
+    (d / "recipe.json").write_text('{"mode": "dynamic", "weight_type": "QUInt8"}\n')
+    (d / "doc.html").write_bytes((d / "full" / "diag.json").read_bytes())
+    (d / "trap").mkdir()
+    with open(d / "trap" / "diag.json", "wb") as fh:
+        np.savez(fh, x=_x())
+    (d / "trap2").mkdir()
+    (d / "trap2" / "sweep.json").write_text('{"mode": "dynamic", "weight_type": "QUInt8"}\n')
+    (d / "ext").mkdir()
+    onnx.save(
+        onnx.load(str(p.int8)),
+        str(d / "ext" / "m.int8.onnx"),
+        save_as_external_data=True,
+        location="w.data",
+        size_threshold=0,
+    )
+    return Zoo(d, p, shards[0], shards[1], d / "full" / "diag.json", other, d / "opart0" / "diag.json", fifo)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One hostile command: what it must print (slug, fragment) and exit with."""
+
+    cls: int
+    label: str
+    args: list[object]
+    slug: str
+    fragment: str
+    code: int = USER_ERROR
+    out: str | None = None  # the folder (relative to the row's folder) that must stay unchanged
+
+
+def check_row(ran: Ran, row: Row) -> list[str]:
+    problems = []
+    lines = ran.err.strip().splitlines()
+    if ran.code != row.code:
+        problems.append(f"exit {ran.code} != {row.code}")
+    if len(lines) != 1:
+        problems.append(f"{len(lines)} stderr lines")
+    elif not lines[0].startswith(f"diag: error[{row.slug}]: "):
+        problems.append("wrong slug")
+    elif row.fragment not in lines[0]:
+        problems.append(f"fragment {row.fragment!r} missing")
+    if "Traceback" in ran.err or "internal error" in ran.err:
+        problems.append("traceback or internal error")
+    return problems
+
+
+def run_rows(rows: list[Row], zoo: Zoo, tmp_path: Path) -> None:
+    """Run every row; inputs (the whole zoo) must stay byte-identical, ``--out`` unchanged."""
+    assert len({r.label for r in rows}) == len(rows)
+    before = tree(zoo.d)
+    failures = []
+    for row in rows:
+        folder = tmp_path / f"row{rows.index(row)}"
+        folder.mkdir()
+        args = [str(a).replace("{tmp}", str(folder)) for a in row.args]
+        t0 = time.perf_counter()
+        ran = run_diag(args, folder)
+        TIMES[row.label] = time.perf_counter() - t0
+        problems = check_row(ran, row)
+        left = sorted(k for k in tree(folder) if not k.startswith(".std"))
+        if left:
+            problems.append(f"left in the row's folder: {left}")
+        if tree(zoo.d) != before:
+            changed = sorted(k for k, v in tree(zoo.d).items() if before.get(k) != v)
+            problems.append(f"inputs changed: {changed}")
+            before = tree(zoo.d)
+        if problems:
+            failures.append(f"[class {row.cls}] {row.label}: {'; '.join(problems)}: {ran.err.strip()!r}")
+    if os.environ.get("DIAG_ROW_TIMES"):
+        print("\n".join(f"{t:6.2f} s  {k}" for k, t in sorted(TIMES.items(), key=lambda kv: -kv[1])))
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- classes 1 and 2: odd paths, outputs that are inputs
+
+
+def _path_rows(z: Zoo) -> list[Row]:
+    p, d = z.p, z.d
+    long_name = d / ("n" * 300 + ".npz")
+    long_model = d / ("m" * 300 + ".onnx")
+    out = "{tmp}/out"
+
+    def cmp(*flags: object) -> list[object]:
+        return ["compare", p.fp32, p.int8, *flags, "--out", out, *FAST]
+
+    return [
+        # 1. special and odd paths
+        Row(1, "FIFO as --inputs", cmp("--inputs", z.fifo), "not-a-file", "is not a regular file (a FIFO)"),
+        Row(
+            1,
+            "FIFO inside an inputs folder",
+            cmp("--inputs", d / "feeds_with_fifo"),
+            "not-a-file",
+            "001.npz' | is not a regular file (a FIFO)",
+        ),
+        Row(
+            1,
+            "FIFO as --calib",
+            ["quantize", p.fp32, "--recipe", '{"mode": "static"}', "-o", "{tmp}/q.onnx", "--calib", z.fifo],
+            "not-a-file",
+            "a FIFO",
+        ),
+        Row(1, "FIFO as --labels", cmp("--inputs", p.inputs, "--labels", z.fifo), "not-a-file", "a FIFO"),
+        Row(1, "FIFO as a recipe", ["lint", z.fifo], "not-a-file", "recipe '"),
+        Row(1, "FIFO as a diag.json", ["check", z.fifo, "--max-grade", "reject"], "not-a-file", "report '"),
+        Row(1, "FIFO as a model", ["bench", z.fifo, "--random", "--runs", "1"], "not-a-file", "a FIFO"),
+        Row(1, "name too long: --inputs", cmp("--inputs", long_name), "missing-file", "longer than this system"),
+        Row(1, "name too long: model", ["inspect", long_model], "missing-file", "longer than this system allows"),
+        Row(1, "name too long: diff", ["diff", z.report, d / ("r" * 300)], "missing-file", "longer than this system"),
+        Row(
+            1,
+            "name too long: --out",
+            ["compare", p.fp32, p.int8, "--inputs", p.inputs, "--out", "{tmp}/" + "o" * 300, *FAST],
+            "bad-out",
+            "longer than this system allows",
+        ),
+        Row(
+            1,
+            "name too long: -o",
+            ["quantize", p.fp32, "--recipe", d / "recipe.json", "-o", "{tmp}/" + "q" * 300 + ".onnx"],
+            "bad-out",
+            "longer than this system allows",
+        ),
+        Row(
+            1,
+            "name too long: grid",
+            ["sweep", p.fp32, "--inputs", p.inputs, "--grid", d / ("g" * 300 + ".toml"), "--out", out],
+            "missing-file",
+            "longer than this system allows",
+        ),
+        Row(1, "a folder as --labels", cmp("--inputs", p.inputs, "--labels", d), "not-a-file", "is a directory"),
+        # 2. outputs that are inputs
+        Row(
+            2,
+            "bench --json over the model",
+            ["bench", p.fp32, "--random", "--runs", "1", "--json", p.fp32],
+            "bad-out",
+            "is an input of this command (mlp.fp32.onnx)",
+        ),
+        Row(
+            2,
+            "inspect --recipe-out over the model",
+            ["inspect", p.int8, "--recipe-out", p.int8],
+            "bad-out",
+            "is an input of this command (mlp.int8.onnx)",
+        ),
+        Row(
+            2,
+            "quantize -o over the model",
+            ["quantize", p.fp32, "--recipe", d / "recipe.json", "-o", p.fp32],
+            "bad-out",
+            "is the FP32 model itself",
+        ),
+        Row(
+            2,
+            "merge --out over a shard's folder",
+            ["merge", z.shard0, z.shard1, "--out", z.shard0.parent],
+            "bad-out",
+            "diag.json' | is an input of this command (diag.json)",
+        ),
+        Row(
+            2,
+            "report --out FILE.html that is the diag.json",
+            ["report", d / "doc.html", "--out", d / "doc.html"],
+            "bad-out",
+            "doc.html' | is an input of this command (doc.html)",
+        ),
+        Row(
+            2,
+            "compare writing diag.json over its --inputs",
+            ["compare", p.fp32, p.int8, "--inputs", d / "trap" / "diag.json", "--out", d / "trap", *FAST],
+            "bad-out",
+            "is an input of this command",
+        ),
+        Row(
+            2,
+            "sweep --out over the recipe grid",
+            [
+                "sweep",
+                p.fp32,
+                "--inputs",
+                p.inputs,
+                "--grid",
+                d / "trap2" / "sweep.json",
+                "--runs",
+                "0",
+                "--out",
+                d / "trap2",
+                "--quiet",
+            ],
+            "bad-out",
+            "sweep.json' | is an input of this command",
+        ),
+        Row(
+            2,
+            "inspect --recipe-out over the model's external data",
+            ["inspect", d / "ext" / "m.int8.onnx", "--recipe-out", d / "ext" / "w.data"],
+            "bad-out",
+            "is an input of this command (w.data)",
+        ),
+    ]
+
+
+def test_odd_paths_and_outputs_that_are_inputs_fail_cleanly(zoo, tmp_path):
+    run_rows(_path_rows(zoo), zoo, tmp_path)
