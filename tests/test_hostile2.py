@@ -373,3 +373,115 @@ def _path_rows(z: Zoo) -> list[Row]:
 
 def test_odd_paths_and_outputs_that_are_inputs_fail_cleanly(zoo, tmp_path):
     run_rows(_path_rows(zoo), zoo, tmp_path)
+
+
+# ---------------------------------------------------------------- class 3: all or nothing, in every verb
+
+OLD = "an earlier run's file\n"
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A verb whose --out holds an earlier set and something in the way; nothing may be replaced."""
+
+    label: str
+    args: list[object]
+    old: tuple[str, ...]
+    blocker: str
+    fragment: str = "is in the way: a folder has this name"
+    disk_full: bool = False
+
+
+def _blocked(z: Zoo) -> list[Blocked]:
+    p, d = z.p, z.d
+    cmp = ["compare", p.fp32, p.int8, "--inputs", p.inputs, "--out", "{out}", *FAST]
+    report_set = ("diag.json", "report.html", "summary.md")
+    sweep = ["sweep", p.fp32, "--inputs", p.inputs, "--grid", '{"mode": "dynamic", "weight_type": "QUInt8"}']
+    sweep += ["--runs", "0", "--out", "{out}", "--quiet"]
+    exclude = ["exclude", p.fp32, "--recipe", d / "recipe.json", "--target", "cosine>=0.5", "--inputs", p.inputs]
+    exclude += ["--bench-runs", "0", "--out", "{out}", "--quiet"]
+    full = "cannot be written (No space left on device); no output was replaced"
+    return [
+        Blocked("compare: a folder named summary.md", cmp, report_set, "summary.md"),
+        Blocked("compare: disk full on the second file", cmp, report_set, "report.html", full, disk_full=True),
+        Blocked(
+            "merge: a folder named report.html",
+            ["merge", z.shard0, z.shard1, "--out", "{out}"],
+            report_set,
+            "report.html",
+        ),
+        Blocked(
+            "merge: disk full",
+            ["merge", z.shard0, z.shard1, "--out", "{out}"],
+            report_set,
+            "report.html",
+            full,
+            disk_full=True,
+        ),
+        Blocked("report: a folder named summary.md", ["report", z.report, "--out", "{out}"], report_set, "summary.md"),
+        Blocked("report: disk full", ["report", z.report, "--out", "{out}"], report_set, "summary.md", full, True),
+        Blocked("sweep: a folder named pareto.svg", sweep, ("sweep.json", "sweep.md", "sweep.html"), "pareto.svg"),
+        Blocked("sweep: disk full", sweep, ("sweep.json", "sweep.md", "sweep.html"), "sweep.md", full, True),
+        Blocked("exclude: a folder named summary.md", exclude, ("exclusion.json", "diag.json"), "summary.md"),
+        Blocked("exclude: disk full", exclude, ("exclusion.json", "diag.json"), "reproduce.py", full, True),
+        Blocked(
+            "bench: --json names a folder",
+            ["bench", p.fp32, p.int8, "--random", "--runs", "1", "--warmup", "0", "--json", "{out}/bench.json"],
+            ("x.json",),
+            "bench.json",
+        ),
+        Blocked(
+            "quantize: -o names a folder",
+            ["quantize", p.fp32, "--recipe", d / "recipe.json", "-o", "{out}/q.onnx"],
+            ("x.onnx",),
+            "q.onnx",
+        ),
+        Blocked(
+            "inspect: --recipe-out names a folder",
+            ["inspect", p.int8, "--recipe-out", "{out}/r.toml"],
+            ("r.json",),
+            "r.toml",
+        ),
+    ]
+
+
+def _disk_full_on_second_staged_file() -> None:
+    """In the child: fsync of the second file staged by diag.files.write_set fails with ENOSPC."""
+    import errno
+
+    real, seen = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        if ".diag-stage-" in os.readlink(f"/proc/self/fd/{fd}"):
+            seen.append(fd)
+            if len(seen) == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    os.fsync = fsync  # type: ignore[assignment]
+
+
+def test_a_blocked_output_set_replaces_nothing_and_names_the_blocker(zoo, tmp_path):
+    before = tree(zoo.d)
+    failures = []
+    for i, case in enumerate(_blocked(zoo)):
+        out = tmp_path / f"case{i}"
+        out.mkdir()
+        for name in case.old:
+            if name != case.blocker or case.disk_full:
+                (out / name).write_text(OLD)
+        if not case.disk_full:
+            (out / case.blocker).mkdir()
+        old = tree(out)
+        args = [str(a).replace("{out}", str(out)) for a in case.args]
+        ran = run_diag(args, tmp_path, before=_disk_full_on_second_staged_file if case.disk_full else None)
+        row = Row(3, case.label, args, "bad-out", f"{case.blocker}' | {case.fragment}")
+        problems = check_row(ran, row)
+        now = tree(out)
+        now.pop("sweep.jsonl", None)  # the resume file: one line per finished recipe, by design
+        if now != old:
+            problems.append(f"--out changed: {sorted(set(tree(out)) ^ set(old))} or contents")
+        if problems:
+            failures.append(f"[class 3] {case.label}: {'; '.join(problems)}: {ran.err.strip()!r}")
+    assert tree(zoo.d) == before
+    assert not failures, "\n".join(failures)
