@@ -36,7 +36,6 @@ from diag.errors import DiagError
 
 #: What one command has read and written so far (reset by the CLI before each command).
 _READ: dict[tuple[int, int], Path] = {}
-_READ_PATHS: dict[str, Path] = {}
 
 
 @dataclass
@@ -55,7 +54,6 @@ Content = str | bytes | Path
 def reset() -> None:
     """Forget the inputs and outputs of the previous command (the CLI calls this first)."""
     _READ.clear()
-    _READ_PATHS.clear()
     _WRITTEN.sets.clear()
     _WRITTEN.created.clear()
 
@@ -92,9 +90,9 @@ def _stat(p: Path, obj: str, *, missing_slug: str = "missing-file") -> os.stat_r
 
 
 def _remember(p: Path, st: os.stat_result) -> None:
+    if any(part.startswith(".diag-") for part in p.parts):
+        return  # diag's own work files (a quantized candidate) are not the user's inputs
     _READ[(st.st_dev, st.st_ino)] = p
-    with contextlib.suppress(OSError, RuntimeError):
-        _READ_PATHS[str(p.resolve())] = p
 
 
 def input_file(
@@ -168,9 +166,11 @@ def is_input(path: Path) -> Path | None:
     except OSError:
         st = None
     if st is not None and (st.st_dev, st.st_ino) in _READ:
-        return _READ[(st.st_dev, st.st_ino)]
-    with contextlib.suppress(OSError, RuntimeError):
-        return _READ_PATHS.get(str(path.resolve()))
+        source = _READ[(st.st_dev, st.st_ino)]
+        with contextlib.suppress(OSError):
+            again = os.stat(source)
+            if (again.st_dev, again.st_ino) == (st.st_dev, st.st_ino):  # not a deleted file's reused inode
+                return source
     return None
 
 

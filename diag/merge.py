@@ -24,6 +24,7 @@ import numpy as np
 
 from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
 from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
+from diag.documents import fields_of
 from diag.errors import DiagError
 from diag.instrument import FusedKernel
 from diag.match import match_models
@@ -179,6 +180,23 @@ def state_from_json(d: dict[str, Any]) -> CompareState:
     )
 
 
+def graph_fingerprint(model: Any) -> str:
+    """A hash of a model's structure (node names, op types, wiring, weight names and shapes), not its weights.
+
+    Shards record it so that ``diag merge`` can refuse to add up statistics of one model and
+    analyse them against another (``--fp32``/``--int8`` pointing at a different model); weights
+    are left out so that hashing stays cheap for multi-GB models.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for n in model.graph.node:
+        h.update(f"{n.name}|{n.op_type}|{','.join(n.input)}|{','.join(n.output)}\n".encode())
+    for t in model.graph.initializer:
+        h.update(f"{t.name}:{list(t.dims)}\n".encode())
+    return h.hexdigest()[:32]
+
+
 def add_shard_state(doc: dict[str, Any], result: CompareResult) -> dict[str, Any]:
     """Put the shard's mergeable state into its ``diag.json`` document (in place; returns it).
 
@@ -198,6 +216,7 @@ def add_shard_state(doc: dict[str, Any], result: CompareResult) -> dict[str, Any
         "inputs": result.input_description,
         "outlier_factor": result.options.outlier_factor,
         "runtime_unmatched": dict(result.runtime_unmatched),
+        "graphs": {"fp32": graph_fingerprint(result.fp32.proto), "int8": graph_fingerprint(result.int8.proto)},
         "state": state_to_json(result.state, result.options.metric),
     }
     doc["run"]["shard"] = f"{k}/{n}"
@@ -258,6 +277,7 @@ def merge_shards(
                 )
 
     same("shard count", lambda d: d["shard"]["count"])
+    same("models (graph fingerprints)", lambda d: d["shard"].get("graphs"))
     same("FP32 model", lambda d: d["models"]["fp32"]["path"])
     same("INT8 model", lambda d: d["models"]["int8"]["path"])
     same("inputs", lambda d: d["shard"]["inputs"])
@@ -282,12 +302,25 @@ def merge_shards(
             "merge every shard of the run, or the result is not the whole run",
         )
     fp, q = load_pair(fp32 or first["models"]["fp32"]["path"], int8 or first["models"]["int8"]["path"])
+    _check_same_models(first_path, first, fp, q)
     matching = match_models(fp.proto, q.proto)
     state = CompareState()
     unmatched: dict[str, str] = {}
-    for _, doc in sorted(docs, key=lambda pd: pd[1]["shard"]["index"]):
-        state.merge(state_from_json(doc["shard"]["state"]))
-        unmatched.update(doc["shard"]["runtime_unmatched"])
+    for p, doc in sorted(docs, key=lambda pd: pd[1]["shard"]["index"]):
+        with fields_of(p):
+            state.merge(state_from_json(doc["shard"]["state"]))
+            unmatched.update(doc["shard"]["runtime_unmatched"])
+    known = {t for t in matching.fp_float_tensors} | set(
+        fp.proto.graph.output[i].name for i in range(len(fp.proto.graph.output))
+    )
+    foreign = sorted(set(state.accumulated) - known)
+    if foreign:
+        raise DiagError(
+            "model-mismatch",
+            f"shards '{first_path}' ...",
+            f"hold statistics of tensor '{foreign[0]}', which the FP32 model '{fp.path}' does not have",
+            "merge shards with the models they were run on (--fp32/--int8)",
+        )
     options = CompareOptions(
         opt_level=first["run"]["opt_level"],
         local=bool(first["run"]["local_error"]),
@@ -301,6 +334,21 @@ def merge_shards(
     result.fix_recipe = first.get("recommendation", {}).get("recipe")
     attach_task_metrics(result, state, options.metric)
     return result
+
+
+def _check_same_models(path: str, doc: dict[str, Any], fp: Any, q: Any) -> None:
+    """The models read now must be the ones the shards ran on (their recorded graph fingerprints)."""
+    graphs = doc["shard"].get("graphs")
+    if not isinstance(graphs, dict):
+        return  # a shard written before fingerprints: the tensor-name check below still applies
+    for role, model in (("fp32", fp), ("int8", q)):
+        if graphs.get(role) != graph_fingerprint(model.proto):
+            raise DiagError(
+                "model-mismatch",
+                f"{role.upper()} model '{model.path}'",
+                f"is not the model the shards ran on (shard '{path}' records another graph)",
+                f"pass the {role.upper()} model the shards were computed with, or re-run the shards",
+            )
 
 
 def merge_to_dir(

@@ -324,11 +324,12 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DiagError("bad-recipe", obj, "is not UTF-8 text", "save it as UTF-8 JSON or TOML") from e
+    _refuse_hostile_text(text, obj)
     if p.suffix.lower() == ".toml":
         toml = _tomllib()
         try:
             data: Any = toml.loads(text)
-        except toml.TOMLDecodeError as e:
+        except (toml.TOMLDecodeError, ValueError) as e:
             raise DiagError("bad-recipe", obj, f"is not valid TOML ({e})", "fix the syntax at the reported line") from e
     else:
         try:
@@ -337,7 +338,9 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise DiagError(
                 "bad-recipe", obj, f"has key '{e.args[0]}' twice", "JSON keeps only the last one; merge them"
             ) from e
-        except json.JSONDecodeError as e:
+        except ValueError as e:
+            if not isinstance(e, json.JSONDecodeError):  # an integer longer than Python parses
+                raise DiagError("bad-recipe", obj, "has an integer too long to read", "use a plain number") from e
             raise DiagError(
                 "bad-recipe",
                 obj,
@@ -392,6 +395,20 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     return recipe
 
 
+#: A recipe or grid is a table of scalars, lists and one level of extra_options; far deeper is hostile.
+MAX_RECIPE_DEPTH = 16
+
+
+def _refuse_hostile_text(text: str, obj: str) -> None:
+    """Deep nesting would exhaust the parser's recursion (JSON) or blow the stack (TOML): refuse it first."""
+    from diag.documents import max_depth
+
+    if max_depth(text) > MAX_RECIPE_DEPTH:
+        raise DiagError(
+            "bad-recipe", obj, f"is nested deeper than {MAX_RECIPE_DEPTH} levels", "a recipe is a flat table of options"
+        )
+
+
 def inline_json(text: str, flag: str, example: str) -> Any:
     """Parse the inline JSON given to ``flag`` (``--recipe``, ``--grid``); a syntax error is bad-recipe.
 
@@ -399,9 +416,14 @@ def inline_json(text: str, flag: str, example: str) -> Any:
         >>> inline_json('{"mode": "dynamic"}', "--recipe", "{}")
         {'mode': 'dynamic'}
     """
+    _refuse_hostile_text(text, f"inline {flag}")
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:
+        if not isinstance(e, json.JSONDecodeError):
+            raise DiagError(
+                "bad-recipe", f"inline {flag}", "has an integer too long to read", "use a plain number"
+            ) from e
         raise DiagError(
             "bad-recipe",
             f"inline {flag}",

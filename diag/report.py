@@ -350,34 +350,10 @@ def view_from_file(path: str | os.PathLike[str]) -> ReportView:
 
 
 def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a ``diag.json`` and check its schema version."""
-    from diag.files import input_file
+    """Read a ``diag.json``, validated against the shipped schema and for meaning (:mod:`diag.documents`)."""
+    from diag.documents import read_document
 
-    p = input_file(path, "report", "pass the diag.json written by diag compare")
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise DiagError(
-            "bad-report",
-            f"report '{p}'",
-            f"is not readable JSON ({type(e).__name__})",
-            "pass the diag.json written by diag compare",
-        ) from e
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise DiagError(
-            "bad-report",
-            f"report '{p}'",
-            "is not a diag compare document",
-            "pass the diag.json written by diag compare",
-        )
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise DiagError(
-            "bad-report",
-            f"report '{p}'",
-            f"has schema version {doc.get('schema_version')}, this diag reads {SCHEMA_VERSION}",
-            "re-run diag compare with this version",
-        )
-    return doc
+    return read_document(path)
 
 
 # ---------------------------------------------------------------- formatting

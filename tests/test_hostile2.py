@@ -10,6 +10,7 @@ byte-identical and ``--out`` either unchanged or holding exactly the new set.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import resource
 import signal
@@ -31,6 +32,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_hostile import Pair, _pair, _x, mlp
 
 ROOT = os.geteuid() == 0
+# Imported once here, so that every forked run starts with them loaded (a fresh interpreter spends
+# seconds importing onnx and onnxruntime; the rows test diag's behaviour, not Python's start-up).
+for _module in (
+    "diag.compare",
+    "diag.merge",
+    "diag.sweep",
+    "diag.exclude",
+    "diag.quantize",
+    "diag.bench",
+    "diag.report",
+    "diag.lint",
+    "diag.gate",
+    "diag.diff",
+    "diag.infer",
+    "onnxruntime",
+):
+    __import__(_module)
 TIMES: dict[str, float] = {}
 
 
@@ -485,3 +503,156 @@ def test_a_blocked_output_set_replaces_nothing_and_names_the_blocker(zoo, tmp_pa
             failures.append(f"[class 3] {case.label}: {'; '.join(problems)}: {ran.err.strip()!r}")
     assert tree(zoo.d) == before
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- class 5: untrusted documents, recipes and grids
+
+
+def _write_json(path: Path, doc: object) -> Path:
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture(scope="module")
+def docs(zoo: Zoo) -> dict[str, Path]:
+    """Hostile diag.json / shard / recipe files derived from the real ones."""
+    d = zoo.d / "docs"
+    d.mkdir()
+    full = json.loads(zoo.report.read_text())
+    shard = json.loads(zoo.shard0.read_text())
+    out: dict[str, Path] = {}
+    out["deep"] = d / "deep.json"
+    out["deep"].write_text('{"schema": "diag/compare", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    out["digits"] = d / "digits.json"
+    out["digits"].write_text(json.dumps(full).replace('"samples": ', '"samples": ' + "9" * 5000 + ', "_": ', 1))
+    bad_type = json.loads(json.dumps(full))
+    bad_type["nodes"][0]["accumulated"]["sqnr_db"] = {"not": "a number"}
+    out["type"] = _write_json(d / "type.json", bad_type)
+    missing = {k: v for k, v in full.items() if k != "verdict"}
+    out["missing"] = _write_json(d / "missing.json", missing)
+    huge = json.loads(json.dumps(shard))
+    huge["shard"]["count"] = 10**12
+    out["huge_count"] = _write_json(d / "huge_count.json", huge)
+    index = json.loads(json.dumps(shard))
+    index["shard"]["index"] = 5
+    out["index"] = _write_json(d / "index.json", index)
+    samples = json.loads(json.dumps(shard))
+    samples["shard"]["state"]["samples"] = "many"
+    out["state_type"] = _write_json(d / "state_type.json", samples)
+    deep_state = json.loads(json.dumps(shard))
+    deep_state["shard"]["state"]["accumulated"]["h"]["s_ee"] = [[[[1]]]]
+    out["state_value"] = _write_json(d / "state_value.json", deep_state)
+    (d / "deep.toml").write_text("mode = " + "[" * 5000 + "]" * 5000 + "\n")
+    (d / "digits.toml").write_text('mode = "dynamic"\ncalibration_samples = ' + "9" * 5000 + "\n")
+    (d / "deep_options.json").write_text('{"mode": "dynamic", "extra_options": ' + '{"a": ' * 40 + "1" + "}" * 41)
+    out.update({k: d / f"{k}" for k in ("deep.toml", "digits.toml", "deep_options.json")})
+    return out
+
+
+def _document_rows(z: Zoo, docs: dict[str, Path]) -> list[Row]:
+    p, o = z.p, z.other
+    merge = ["merge", "--out", "{tmp}/out"]
+    return [
+        Row(5, "check: deep nesting", ["check", docs["deep"], "--max-grade", "reject"], "bad-report", "nested deeper"),
+        Row(5, "diff: deep nesting", ["diff", z.report, docs["deep"]], "bad-report", "nested deeper than 64 levels"),
+        Row(
+            5,
+            "report: 5000-digit integer",
+            ["report", docs["digits"], "--out", "{tmp}/out"],
+            "bad-report",
+            "has an integer too long to read",
+        ),
+        Row(
+            5,
+            "check: wrong type",
+            ["check", docs["type"], "--min-sqnr", "10"],
+            "bad-report",
+            "field 'nodes[0].accumulated.sqnr_db' has {'not': 'a number'}, which is not a number",
+        ),
+        Row(
+            5,
+            "diff: missing key",
+            ["diff", docs["missing"], z.report],
+            "bad-report",
+            "the document lacks the required key 'verdict'",
+        ),
+        Row(
+            5,
+            "report: missing key",
+            ["report", docs["missing"], "--out", "{tmp}/out"],
+            "bad-report",
+            "lacks the required key 'verdict'",
+        ),
+        Row(
+            5,
+            "merge: a shard count of 10^12",
+            [*merge, docs["huge_count"], z.shard1],
+            "bad-report",
+            "field 'shard.count' is 1,000,000,000,000, more than 100,000",
+        ),
+        Row(
+            5,
+            "merge: shard index >= count",
+            [*merge, docs["index"], z.shard1],
+            "bad-report",
+            "field 'shard.index' is 5 but 'shard.count' is 2",
+        ),
+        Row(
+            5,
+            "merge: a state count of the wrong type",
+            [*merge, docs["state_type"], z.shard1],
+            "bad-report",
+            "field 'shard.state.samples' is 'many', not a count",
+        ),
+        Row(
+            5,
+            "merge: a state value of the wrong type",
+            [*merge, docs["state_value"], z.shard1],
+            "bad-report",
+            "has a missing or malformed field",
+        ),
+        Row(
+            5,
+            "merge: shards of model A, --fp32/--int8 of model B",
+            [*merge, z.shard0, z.shard1, "--fp32", o.fp32, "--int8", o.int8],
+            "model-mismatch",
+            "is not the model the shards ran on",
+        ),
+        Row(5, "merge: shards of two models", [*merge, z.shard0, z.other_shard0], "bad-report", "merge shards of one"),
+        Row(5, "lint: deeply nested TOML recipe", ["lint", docs["deep.toml"]], "bad-recipe", "nested deeper than 16"),
+        Row(
+            5,
+            "quantize: 5000-digit integer in a TOML recipe",
+            ["quantize", p.fp32, "--recipe", docs["digits.toml"], "-o", "{tmp}/q.onnx"],
+            "bad-recipe",
+            "is not valid TOML (Exceeds the limit (4300 digits)",
+        ),
+        Row(5, "lint: deeply nested extra_options", ["lint", docs["deep_options.json"]], "bad-recipe", "nested deeper"),
+        Row(
+            5,
+            "sweep: 5000-digit integer in an inline grid",
+            [
+                "sweep",
+                p.fp32,
+                "--inputs",
+                p.inputs,
+                "--grid",
+                '{"mode": "dynamic", "calibration_samples": ' + "9" * 5000 + "}",
+                "--out",
+                "{tmp}/out",
+            ],
+            "bad-recipe",
+            "inline --grid | has an integer too long to read",
+        ),
+        Row(
+            5,
+            "quantize: deeply nested inline recipe",
+            ["quantize", p.fp32, "--recipe", '{"mode": ' + "[" * 3000 + "]" * 3000 + "}", "-o", "{tmp}/q.onnx"],
+            "bad-recipe",
+            "inline --recipe | is nested deeper",
+        ),
+    ]
+
+
+def test_untrusted_documents_and_recipes_are_refused_with_the_field_named(zoo, docs, tmp_path):
+    run_rows(_document_rows(zoo, docs), zoo, tmp_path)
