@@ -247,6 +247,18 @@ def merge_shards(
     if not paths:
         raise DiagError("bad-option", "diag merge", "needs at least one shard diag.json", "diag merge part*/diag.json")
     docs = [(str(p), load_document(p)) for p in paths]
+    # NOTE: the documents passed the schema; a field it does not pin down that the merge cannot use
+    # is the shard file's fault (bad-report naming the files), not an internal error.
+    with fields_of("' / '".join(p for p, _ in docs)):
+        return _merge_documents(docs, fp32, int8, start)
+
+
+def _merge_documents(
+    docs: list[tuple[str, dict[str, Any]]],
+    fp32: str | os.PathLike[str] | None,
+    int8: str | os.PathLike[str] | None,
+    start: float,
+) -> CompareResult:
     for p, doc in docs:
         shard = doc.get("shard")
         if not isinstance(shard, dict) or not isinstance(shard.get("state"), dict):
@@ -309,7 +321,7 @@ def merge_shards(
     for p, doc in sorted(docs, key=lambda pd: pd[1]["shard"]["index"]):
         with fields_of(p):
             state.merge(state_from_json(doc["shard"]["state"]))
-            unmatched.update(doc["shard"]["runtime_unmatched"])
+        unmatched.update(doc["shard"]["runtime_unmatched"])
     known = {t for t in matching.fp_float_tensors} | set(
         fp.proto.graph.output[i].name for i in range(len(fp.proto.graph.output))
     )

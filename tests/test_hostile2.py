@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from diag import cli
 from diag.errors import OK, USER_ERROR
@@ -177,8 +179,6 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
         d,
     )
     assert ran.code == OK, ran.err
-    ran = run_diag(["compare", p.fp32, p.int8, "--inputs", p.inputs, "--out", d / "full", *FAST], d)
-    assert ran.code == OK, ran.err
     fifo = d / "fifo.npz"
     os.mkfifo(fifo)
     folder = d / "feeds_with_fifo"
@@ -186,7 +186,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
     np.savez(folder / "000.npz", x=_x(1))
     os.mkfifo(folder / "001.npz")
     (d / "recipe.json").write_text('{"mode": "dynamic", "weight_type": "QUInt8"}\n')
-    (d / "doc.html").write_bytes((d / "full" / "diag.json").read_bytes())
+    (d / "doc.html").write_bytes(shards[0].read_bytes())
     (d / "trap").mkdir()
     with open(d / "trap" / "diag.json", "wb") as fh:
         np.savez(fh, x=_x())
@@ -200,7 +200,8 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
         location="w.data",
         size_threshold=0,
     )
-    return Zoo(d, p, shards[0], shards[1], d / "full" / "diag.json", other, d / "opart0" / "diag.json", fifo)
+    # A shard's diag.json is a complete compare document too (with a shard section): it serves as "the report".
+    return Zoo(d, p, shards[0], shards[1], shards[0], other, d / "opart0" / "diag.json", fifo)
 
 
 @dataclass(frozen=True)
@@ -656,3 +657,76 @@ def _document_rows(z: Zoo, docs: dict[str, Path]) -> list[Row]:
 
 def test_untrusted_documents_and_recipes_are_refused_with_the_field_named(zoo, docs, tmp_path):
     run_rows(_document_rows(zoo, docs), zoo, tmp_path)
+
+
+# ---------------------------------------------------------------- class 5: property-based, mutated documents
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.sampled_from([10**12, -1, 0, 2**63, "inf", "nan", ""])
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=8,
+)
+
+
+def _mutate(doc: object, data: st.DataObject, label: str) -> str:
+    """JSON text of ``doc`` with a random path deleted, replaced, buried 5000 levels deep or made a
+    4400-digit integer (the last two spliced in as text: Python's json cannot write them)."""
+    doc = json.loads(json.dumps(doc))
+    holder: object = None
+    key: object = None
+    node = doc
+    for _ in range(data.draw(st.integers(0, 6), label=f"{label} depth")):
+        if isinstance(node, dict) and node:
+            k = data.draw(st.sampled_from(sorted(node)), label=f"{label} key")
+        elif isinstance(node, list) and node:
+            k = data.draw(st.integers(0, len(node) - 1), label=f"{label} index")
+        else:
+            break
+        holder, key, node = node, k, node[k]  # type: ignore[index]
+    op = data.draw(st.sampled_from(["replace", "delete", "bury", "giant"]), label=f"{label} op")
+    splice = {"bury": "[" * 5000 + json.dumps(node) + "]" * 5000, "giant": "9" * 4400}.get(op)
+    if holder is None:
+        return json.dumps(data.draw(JSON_VALUES)) if op == "replace" else (splice or json.dumps(doc))
+    if op == "delete" and isinstance(holder, dict):
+        del holder[key]
+    else:
+        holder[key] = "__SPLICE__" if splice else data.draw(JSON_VALUES, label=f"{label} value")  # type: ignore[index]
+    text = json.dumps(doc)
+    return text.replace('"__SPLICE__"', splice, 1) if splice else text
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],  # a failure prints its draws; shrinking forks for minutes
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_mutated_documents_never_reach_an_internal_error(zoo, tmp_path_factory, data):
+    """check, diff, merge, report and lint on mutated diag.json / shard / recipe files: exit 0, 2 or 3
+    (a gate or a lint finding), never 1, never over 1 GiB of address space beyond the start."""
+    folder = tmp_path_factory.mktemp("mutated")
+    full = json.loads(zoo.report.read_text())
+    shard = json.loads(zoo.shard0.read_text())
+    recipe = {"mode": "static", "quant_format": "QDQ", "per_channel": True, "extra_options": {"ActivationSymmetric": 1}}
+    (folder / "doc.json").write_text(_mutate(full, data, "doc"))
+    (folder / "shard.json").write_text(_mutate(shard, data, "shard"))
+    (folder / "recipe.json").write_text(_mutate(recipe, data, "recipe"))
+    runs = [
+        (["check", folder / "doc.json", "--max-grade", "reject", "--min-cosine", "0.5"], (OK, USER_ERROR, 3)),
+        (["diff", zoo.report, folder / "doc.json"], (OK, USER_ERROR)),
+        (["report", folder / "doc.json", "--out", folder / "out"], (OK, USER_ERROR)),
+        (["merge", folder / "shard.json", zoo.shard1, "--out", folder / "merged"], (OK, USER_ERROR)),
+        (["lint", folder / "recipe.json", "--model", zoo.p.fp32], (OK, USER_ERROR, 3)),
+    ]
+    for args, allowed in runs:
+        ran = run_diag(args, folder, limit_as=1 << 30)
+        assert ran.code in allowed, f"{args[0]}: exit {ran.code}: {ran.err[-400:]}"
+        assert "Traceback" not in ran.err and "internal error" not in ran.err, ran.err[-400:]
