@@ -1329,7 +1329,7 @@ def exclude_to_dir(
         >>> sorted(files)  # doctest: +SKIP
         ['exclusion.json', 'mixed.onnx', 'reproduce.py']
     """
-    from diag.files import check_outputs, work_dir, write_set
+    from diag.files import check_outputs, internal_writes, work_dir, write_set
     from diag.files import out_dir as checked_out_dir
     from diag.report import OUTPUT_NAMES, document_from_result, output_texts
 
@@ -1339,21 +1339,22 @@ def exclude_to_dir(
     out = checked_out_dir(out_dir)
     mixed, reproduce, again = out / f"{stem}.mixed.onnx", out / "reproduce.py", out / f"{stem}.reproduced.onnx"
     with work_dir(out, "exclude") as work:
-        result = derive_exclusions(
-            fp32_path,
-            recipe,
-            feeds,
-            target,
-            holdout,
-            labels,
-            threads,
-            bench_runs,
-            progress,
-            str(work),
-            max_trials,
-            time_budget,
-            metric,
-        )
+        with internal_writes():  # candidate models are not this verb's outputs
+            result = derive_exclusions(
+                fp32_path,
+                recipe,
+                feeds,
+                target,
+                holdout,
+                labels,
+                threads,
+                bench_runs,
+                progress,
+                str(work),
+                max_trials,
+                time_budget,
+                metric,
+            )
         # NOTE: one set, written all or nothing: exclusion.json, the mixed model (and its external
         # data), reproduce.py and the report. When there is no answer, a mixed model left by an
         # earlier run in the same folder would read as this run's answer: it is removed in the same step.
@@ -1386,6 +1387,8 @@ def exclude_to_dir(
             doc["models"]["int8"]["path"] = "baseline INT8 (the recipe as given, quantized by diag exclude)"
             doc["exclusion"] = exclusion
             contents.update({out / name: text for name, text in output_texts(doc).items()})
+        else:  # an earlier run's report would read as this run's diagnosis
+            remove += [out / name for name in OUTPUT_NAMES]
         written = write_set(contents, remove=remove)
     files = {"exclusion.json": out / "exclusion.json", **names}
     files.update({k: v for k, v in written.items() if k in ("diag.json", "report.html", "summary.md")})

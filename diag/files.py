@@ -44,6 +44,7 @@ class _Written:
 
     sets: list[list[Path]] = field(default_factory=list)
     created: list[Path] = field(default_factory=list)
+    internal: int = 0
 
 
 _WRITTEN = _Written()
@@ -302,15 +303,35 @@ def work_dir(folder: str | os.PathLike[str], kind: str) -> Iterator[Path]:
 
     It sits next to the outputs so that publishing a file from it is a rename on the same file system.
     """
-    path = Path(tempfile.mkdtemp(prefix=f".diag-{kind}-{os.getpid()}-", dir=folder))
+    path: Path | None = None
     try:
+        with signals_held():  # a Ctrl-C between mkdtemp and the try would leave the folder behind
+            path = Path(tempfile.mkdtemp(prefix=f".diag-{kind}-{os.getpid()}-", dir=folder))
         yield path
     finally:
+        if path is not None:
+            remove_tree(path)
+
+
+@contextlib.contextmanager
+def internal_writes() -> Iterator[None]:
+    """Files written inside are a verb's intermediate results (candidate models), not its outputs:
+    the interrupt message does not list them."""
+    _WRITTEN.internal += 1
+    try:
+        yield
+    finally:
+        _WRITTEN.internal -= 1
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a work folder with signals held, so that a Ctrl-C cannot leave half of it behind."""
+    with signals_held():
         shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """Hold SIGINT/SIGTERM/SIGHUP while the output set is replaced; they are delivered right after."""
     held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     if threading.current_thread() is not threading.main_thread():
@@ -382,7 +403,9 @@ def write_set(
             for target, content in files.items():
                 current = Path(target)
                 staged.append((_write_staged(current, content, stage), current))
-            _commit(staged, removals, stage)
+            # a verb's own work folder or intermediate results are not outputs
+            record = not _WRITTEN.internal and not any(part.startswith(".diag-") for part in where.parts)
+            _commit(staged, removals, stage, targets if record else None)
     except DiagError:
         raise
     except OSError as e:
@@ -392,17 +415,19 @@ def write_set(
             f"cannot be written ({e.strerror or e}); no output was replaced",
             "check free space and permissions of the output folder",
         ) from e
-    if not any(part.startswith(".diag-") for part in where.parts):  # not a verb's own work folder
-        _WRITTEN.sets.append(targets)
     return {t.name: t for t in targets}
 
 
-def _commit(staged: list[tuple[Path, Path]], removals: list[Path], stage: Path) -> None:
-    """Rename every staged file over its target; on any failure restore every old file."""
+def _commit(staged: list[tuple[Path, Path]], removals: list[Path], stage: Path, record: list[Path] | None) -> None:
+    """Rename every staged file over its target; on any failure restore every old file.
+
+    ``record``: the targets to remember as written, noted before the held signals are let through,
+    so that a Ctrl-C arriving during the commit reports the outputs as complete.
+    """
     backup = stage / ".old"
     backup.mkdir()
     done: list[tuple[Path, Path | None]] = []  # (target, its old file in the backup folder or None)
-    with _signals_held():
+    with signals_held():
         try:
             for target in removals:
                 if os.path.lexists(target):
@@ -413,9 +438,14 @@ def _commit(staged: list[tuple[Path, Path]], removals: list[Path], stage: Path) 
                 kept = None
                 if os.path.lexists(target):
                     kept = backup / target.name
-                    os.link(target, kept) if not os.path.islink(target) else os.replace(target, kept)
+                    try:
+                        os.link(target, kept)  # the old file stays in place until the new one replaces it
+                    except OSError:  # no hard links here (or a symlink): keep a copy instead
+                        shutil.copy2(target, kept, follow_symlinks=False)
                 os.replace(new, target)
                 done.append((target, kept))
+            if record is not None:
+                _WRITTEN.sets.append(record)
         except BaseException:
             for target, kept in reversed(done):
                 with contextlib.suppress(OSError):

@@ -31,7 +31,6 @@ import itertools
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
+from diag.files import remove_tree, signals_held
 from diag.recipe import STATIC_ONLY, Recipe
 
 #: The default grid: the settings popular guides make claims about.
@@ -864,8 +864,10 @@ def sweep_model(
     by_hash: dict[str, SweepEntry] = {e.model_sha256: e for e in done.values() if e.ok and e.model_sha256}
     measured = resumed = 0
     varying = varying_keys(recipes)
-    work = Path(tempfile.mkdtemp(prefix=f".diag-sweep-{os.getpid()}-", dir=out))  # see diag.files.work_dir
+    work: Path | None = None
     try:
+        with signals_held():  # a Ctrl-C right after mkdtemp must not leave the folder (diag.files.work_dir)
+            work = Path(tempfile.mkdtemp(prefix=f".diag-sweep-{os.getpid()}-", dir=out))
         for i, recipe in enumerate(recipes, 1):
             key = hashlib.sha256((context + _canonical(recipe)).encode()).hexdigest()[:16]
             label = recipe_label(recipe.to_dict(), varying)
@@ -902,7 +904,8 @@ def sweep_model(
             if on_entry is not None:
                 on_entry(entry)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            remove_tree(work)
     labels_by_key = {e.key: recipe_label(e.recipe, varying) for e in entries}
     result = SweepResult(
         fp32=str(fp32),

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from diag import cli
-from diag.errors import OK, USER_ERROR
+from diag.errors import INTERRUPTED, OK, USER_ERROR
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hostile import Pair, _pair, _x, mlp
@@ -730,3 +730,200 @@ def test_mutated_documents_never_reach_an_internal_error(zoo, tmp_path_factory, 
         ran = run_diag(args, folder, limit_as=1 << 30)
         assert ran.code in allowed, f"{args[0]}: exit {ran.code}: {ran.err[-400:]}"
         assert "Traceback" not in ran.err and "internal error" not in ran.err, ran.err[-400:]
+
+
+# ---------------------------------------------------------------- class 4: Ctrl-C after every file operation
+
+_KEEP: list[object] = []
+_POINT_OPS = ("replace", "rename", "link", "unlink", "mkdir", "rmdir", "fsync", "chmod")
+
+
+def _interrupt_after_each_file_operation(
+    out: Path, record: Path, before_writing: int = 4, while_writing: int = 1
+) -> Callable[[], None]:
+    """A hook for :func:`run_diag`: in the child, after each file operation inside ``out``, fork.
+
+    The fork gets SIGINT at once and runs to its end (exit code and stderr recorded); the child
+    records what the fork left in ``out``, puts ``out`` back as it was and carries on, so one run
+    yields every interrupt point. Every ``while_writing``-th operation of the output writer is a
+    point; before it, every ``before_writing``-th operation in ``out`` (sweep.jsonl appends,
+    exclude's work folder) is one.
+    """
+
+    def install() -> None:
+        import shutil
+        import weakref
+
+        import onnxruntime
+
+        import diag.files
+
+        sessions: weakref.WeakSet[object] = weakref.WeakSet()
+        real_init = onnxruntime.InferenceSession.__init__
+
+        def init(self: object, *a: object, **k: object) -> None:
+            real_init(self, *a, **k)  # type: ignore[arg-type]
+            sessions.add(self)
+
+        onnxruntime.InferenceSession.__init__ = init  # type: ignore[method-assign]
+        state = {"n": 0, "busy": False, "writing": False}
+        real_write_set = diag.files.write_set
+
+        def write_set(*a: object, **k: object) -> object:
+            state["writing"] = True
+            try:
+                return real_write_set(*a, **k)  # type: ignore[arg-type]
+            finally:
+                state["writing"] = False
+
+        diag.files.write_set = write_set  # type: ignore[assignment]
+        for module in ("diag.report", "diag.exclude", "diag.sweep", "diag.cli"):
+            mod = sys.modules.get(module)
+            if mod is not None and hasattr(mod, "write_set"):
+                mod.write_set = write_set  # type: ignore[attr-defined]
+
+        def inside(a: object) -> bool:
+            if isinstance(a, int):  # fsync(fd)
+                try:
+                    a = os.readlink(f"/proc/self/fd/{a}")
+                except OSError:
+                    return False
+            return isinstance(a, (str, os.PathLike)) and os.path.abspath(a).startswith(str(out) + os.sep)
+
+        def point() -> None:
+            state["n"] += 1
+            n = state["n"]
+            if n % (while_writing if state["writing"] else before_writing):
+                return
+            state["busy"] = True
+            try:
+                saved = record / f"saved{n}"
+                shutil.copytree(out, saved, symlinks=True)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:  # the interrupted run
+                    for fd, name in ((1, "out"), (2, "err")):
+                        f = os.open(record / f"p{n}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                        os.dup2(f, fd)
+                    state["busy"] = True  # no points of its own
+                    # NOTE: an onnxruntime session freed in a forked child waits forever for its
+                    # thread pool (the threads stayed in the parent); a real Ctrl-C does not fork.
+                    _KEEP.extend(sessions)
+                    os.kill(os.getpid(), signal.SIGINT)
+                    return
+                _, status = os.waitpid(pid, 0)
+                (record / f"p{n}.code").write_text(str(os.waitstatus_to_exitcode(status)))
+                (record / f"p{n}.tree").write_text(json.dumps(tree(out)))
+                shutil.rmtree(out)
+                shutil.copytree(saved, out, symlinks=True)
+                shutil.rmtree(saved)
+            finally:
+                if os.getpid() == state.get("pid"):
+                    state["busy"] = False
+
+        state["pid"] = os.getpid()
+
+        def wrap(name: str) -> None:
+            real = getattr(os, name)
+
+            def op(*a: object, **k: object) -> object:
+                result = real(*a, **k)
+                if not state["busy"] and any(inside(x) for x in a[:2]):
+                    point()
+                return result
+
+            setattr(os, name, op)
+
+        for name in _POINT_OPS:
+            wrap(name)
+
+    return install
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    verb: str
+    args: list[object]
+    new: tuple[str, ...]  # the set a complete run writes
+    before_writing: int = 4  # every how many file operations is an interrupt point, before the writer
+    while_writing: int = 1  # ... and within it
+
+
+_EXCLUDE = ["exclude", "--target", "cosine>=0.5", "--bench-runs", "0", "--quiet"]
+_ONE_RECIPE = '{"mode": "dynamic", "weight_type": "QUInt8"}'
+
+
+def _interrupted_runs(z: Zoo) -> list[Interrupted]:
+    p, d = z.p, z.d
+    report_set = ("diag.json", "report.html", "summary.md")
+    return [
+        Interrupted("compare", ["compare", p.fp32, p.int8, "--inputs", p.inputs, "--out", "{out}", *FAST], report_set),
+        Interrupted(
+            "exclude",
+            [*_EXCLUDE, p.fp32, "--recipe", d / "recipe.json", "--inputs", p.inputs, "--out", "{out}"],
+            ("exclusion.json", *report_set),
+            before_writing=6,
+        ),
+        Interrupted(
+            "sweep",
+            ["sweep", p.fp32, "--inputs", p.inputs, "--grid", _ONE_RECIPE, "--runs", "0", "--out", "{out}", "--quiet"],
+            ("sweep.json", "sweep.md", "sweep.html", "pareto.svg", "best.recipe.json"),
+            before_writing=16,
+            while_writing=2,
+        ),
+    ]
+
+
+def _jsonl_is_whole(text: str | None) -> bool:
+    try:
+        return all(isinstance(json.loads(line), dict) for line in (text or "").splitlines())
+    except ValueError:
+        return False
+
+
+def test_ctrl_c_after_any_file_operation_says_what_is_on_disk(zoo, tmp_path):
+    failures = []
+    for case in _interrupted_runs(zoo):
+        out, record = tmp_path / case.verb, tmp_path / f"{case.verb}.points"
+        out.mkdir()
+        record.mkdir()
+        for name in case.new:
+            (out / name).write_text(OLD)
+        old = tree(out)
+        args = [str(a).replace("{out}", str(out)) for a in case.args]
+        hook = _interrupt_after_each_file_operation(out, record, case.before_writing, case.while_writing)
+        ran = run_diag(args, tmp_path, before=hook)
+        assert ran.code == OK, ran.err
+        points = sorted(int(p.stem[1:]) for p in record.glob("p*.code"))
+        if len(points) < 10:
+            failures.append(f"{case.verb}: only {len(points)} interrupt points")
+        for n in points:
+            code = int((record / f"p{n}.code").read_text())
+            err = (record / f"p{n}.err").read_text()
+            disk: dict[str, str] = json.loads((record / f"p{n}.tree").read_text())
+            jsonl = (out / "sweep.jsonl").read_text() if "sweep.jsonl" in disk else None
+            lines = err.strip().splitlines()
+            problems = []
+            if code != INTERRUPTED or len(lines) != 1 or not lines[0].startswith("diag: interrupted; "):
+                problems.append(f"exit {code}, stderr {err.strip()!r}")
+            elif "no output was written" in lines[0]:
+                if {k: v for k, v in disk.items() if k != "sweep.jsonl"} != old or not _jsonl_is_whole(jsonl):
+                    problems.append(f"says nothing was written but --out holds {sorted(disk)} (old: {sorted(old)})")
+            elif "the new outputs are complete (" in lines[0]:
+                listed = {Path(x).name for x in lines[0].split("complete (", 1)[1].rstrip(")").split(", ")}
+                bad = [k for k in listed if k not in disk or disk[k] == old.get(k)]
+                bad += [k for k in old if k not in listed and k in disk]  # an earlier run's file next to new ones
+                if bad:
+                    problems.append(f"says the outputs are complete but {sorted(bad)} are old, missing or stale")
+            elif "finished recipes are in" in lines[0]:
+                rest = {k: v for k, v in disk.items() if k != "sweep.jsonl"}
+                if rest != old or not jsonl or not _jsonl_is_whole(jsonl):
+                    problems.append("says finished recipes are in sweep.jsonl, but they are not (or more changed)")
+            else:
+                problems.append(f"unknown message {lines[0]!r}")
+            if any(k.startswith(".diag-") for k in disk):
+                problems.append(f"work folder left: {[k for k in disk if k.startswith('.diag-')][:2]}")
+            if problems:
+                failures.append(f"{case.verb} point {n}: {'; '.join(problems)}")
+    assert not failures, "\n".join(failures[:20])
