@@ -158,42 +158,19 @@ def validate_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: st
 
 
 def load_npz(path: Path) -> dict[str, np.ndarray]:
+    """Every array of a small ``.npz`` (one feed dict, labels) in memory; sizes checked first."""
+    from diag.lazy_npz import LazyRows, lazy_npz
+
     input_file(path, "inputs", "pass a .npz written by np.savez")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except ValueError as e:
-        if "pickle" in str(e).lower() or "object" in str(e).lower():
-            raise DiagError(
-                "bad-inputs",
-                f"inputs '{path}'",
-                "contains pickled Python objects",
-                "save plain numeric arrays (np.savez); pickles are never loaded",
-            ) from e
-        raise DiagError(
-            "bad-inputs", f"inputs '{path}'", f"is not a readable .npz ({e})", "write it with np.savez"
-        ) from e
-    except Exception as e:
-        raise DiagError(
-            "bad-inputs", f"inputs '{path}'", f"is not a readable .npz ({type(e).__name__})", "write it with np.savez"
-        ) from e
+    return {k: (v[:] if isinstance(v, LazyRows) else v) for k, v in lazy_npz(path).items()}
 
 
 def load_npy(path: Path) -> np.ndarray:
+    """A ``.npy`` memory-mapped: rows are read when a batch uses them (see :mod:`diag.lazy_npz`)."""
+    from diag.lazy_npz import mapped_npy
+
     input_file(path, "inputs", "pass a .npy written by np.save")
-    try:
-        return np.load(path, allow_pickle=False)
-    except ValueError as e:
-        raise DiagError(
-            "bad-inputs",
-            f"inputs '{path}'",
-            "contains pickled Python objects or is not a plain .npy",
-            "save plain numeric arrays with np.save",
-        ) from e
-    except Exception as e:
-        raise DiagError(
-            "bad-inputs", f"inputs '{path}'", f"is not a readable .npy ({type(e).__name__})", "write it with np.save"
-        ) from e
+    return mapped_npy(path)
 
 
 def _batchable(specs: list[InputSpec]) -> bool:
@@ -203,7 +180,11 @@ def _batchable(specs: list[InputSpec]) -> bool:
 
 def feeds_from_npz(path: Path, specs: list[InputSpec], samples: int | None, batch: int, skip: int = 0) -> FeedSource:
     """Stacked arrays from an ``.npz``, first axis = samples (see :func:`feeds_from_arrays`)."""
-    return feeds_from_arrays(load_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
+    from diag.lazy_npz import lazy_npz
+
+    # NOTE: lazily: only the rows of the batch being run are ever in memory, whatever the file holds.
+    input_file(path, "inputs", "pass a .npz written by np.savez")
+    return feeds_from_arrays(lazy_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
 
 
 def feeds_from_arrays(
@@ -239,7 +220,7 @@ def feeds_from_arrays(
     def gen() -> Iterator[Batch]:
         for b, start in enumerate(range(skip, skip + n, step)):
             stop = min(start + step, skip + n)
-            feed = {k: (v[start] if per_row[k] else v[start:stop]) for k, v in arrays.items()}
+            feed = {k: np.asarray(v[start] if per_row[k] else v[start:stop]) for k, v in arrays.items()}
             validate_feed(feed, specs, f"{where} rows {start}..{stop - 1}")
             yield Batch(b, feed, stop - start)
 

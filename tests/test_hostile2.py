@@ -61,7 +61,7 @@ class Ran:
     code: int
     out: str
     err: str
-    peak_rss: int
+    peak_rss: int  # the child's peak RSS minus its RSS when diag started (bytes)
 
 
 def run_diag(
@@ -94,11 +94,12 @@ def run_diag(
                 resource.setrlimit(resource.RLIMIT_AS, (vm + limit_as, vm + limit_as))
             if before is not None:
                 before()
+            Path("/proc/self/clear_refs").write_text("5")  # peak RSS := RSS now (what fork inherited)
+            start = _status("VmRSS")
             code = cli.main([str(a) for a in args])
             sys.stdout.flush()
             sys.stderr.flush()
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            os.write(w, str(rss).encode())
+            os.write(w, str(_status("VmHWM") - start).encode())
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 2
         except BaseException as e:
@@ -113,11 +114,16 @@ def run_diag(
     return Ran(code, out_path.read_text(errors="replace"), err_path.read_text(errors="replace"), int(rss or 0))
 
 
-def _vm_size() -> int:
+def _status(key: str) -> int:
+    """A size from /proc/self/status (VmSize, VmRSS, VmHWM) in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmSize:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _vm_size() -> int:
+    return _status("VmSize")
 
 
 def _sha(path: Path) -> str:
@@ -927,3 +933,99 @@ def test_ctrl_c_after_any_file_operation_says_what_is_on_disk(zoo, tmp_path):
             if problems:
                 failures.append(f"{case.verb} point {n}: {'; '.join(problems)}")
     assert not failures, "\n".join(failures[:20])
+
+
+# ---------------------------------------------------------------- class 6: inputs that are bombs
+
+
+def _npy_bytes(shape: tuple[int, ...], data: bytes, dtype: str = "<f4") -> bytes:
+    """A .npy file whose header declares ``shape`` whatever ``data`` holds (crafted, as an attacker would)."""
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return buf.getvalue() + data
+
+
+def _zip(path: Path, members: dict[str, bytes]) -> Path:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bombs(zoo: Zoo) -> dict[str, Path]:
+    import zipfile
+
+    d = zoo.d / "bombs"
+    d.mkdir()
+    x = _x().tobytes()  # 6 rows of 8 float32
+    out = {
+        "longer": _zip(d / "longer.npz", {"x.npy": _npy_bytes((4, 8), x)}),
+        "shorter": _zip(d / "shorter.npz", {"x.npy": _npy_bytes((6, 8), x[: len(x) // 2])}),
+        "huge_claim": _zip(d / "huge_claim.npz", {"x.npy": _npy_bytes((10**12, 8), x)}),
+    }
+    (d / "longer.npy").write_bytes(_npy_bytes((4, 8), x))
+    out["longer.npy"] = d / "longer.npy"
+    folder = d / "feeds"
+    folder.mkdir()
+    _zip(folder / "000.npz", {"x.npy": _npy_bytes((1, 8), x[:64])})
+    out["folder"] = folder
+    # 2^24 rows x 8 float32 = 512 MiB of zeros, ~0.5 MB on disk: written as a stream, never in memory.
+    rows = 1 << 24
+    with zipfile.ZipFile(d / "bomb.npz", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("x.npy", "w", force_zip64=True) as fh:
+            fh.write(_npy_bytes((rows, 8), b""))
+            fh.write(_x(4).tobytes())  # four real samples first, then zeros
+            zero = bytes(1 << 22)
+            left = rows * 32 - 4 * 32
+            while left:
+                fh.write(zero[: min(left, len(zero))])
+                left -= min(left, len(zero))
+    out["bomb"] = d / "bomb.npz"
+    return out
+
+
+def _bomb_rows(z: Zoo, b: dict[str, Path]) -> list[Row]:
+    p = z.p
+
+    def cmp(inputs: Path, *flags: object) -> list[object]:
+        return ["compare", p.fp32, p.int8, "--inputs", inputs, *flags, "--out", "{tmp}/out", *FAST]
+
+    return [
+        Row(
+            6,
+            "member larger than its declared shape",
+            cmp(b["longer"]),
+            "bad-inputs",
+            "holds 192 bytes but its header declares float32[4, 8] (128 bytes)",
+        ),
+        Row(6, "member shorter than its declared shape", cmp(b["shorter"]), "bad-inputs", "holds 96 bytes but"),
+        Row(6, "a member claiming 10^12 rows", cmp(b["huge_claim"]), "bad-inputs", "float32[1000000000000, 8]"),
+        Row(6, ".npy larger than its declared shape", cmp(b["longer.npy"]), "bad-inputs", "holds 192 bytes but"),
+        Row(6, "a feed file larger than declared", cmp(b["folder"]), "bad-inputs", "holds 64 bytes but"),
+        Row(
+            6,
+            "calibration member larger than declared",
+            ["quantize", p.fp32, "--recipe", '{"mode": "static"}', "-o", "{tmp}/q.onnx", "--calib", b["longer"]],
+            "bad-inputs",
+            "holds 192 bytes but",
+        ),
+    ]
+
+
+def test_inputs_that_lie_about_their_size_are_refused(zoo, bombs, tmp_path):
+    run_rows(_bomb_rows(zoo, bombs), zoo, tmp_path)
+
+
+def test_a_half_gigabyte_npz_bomb_is_read_one_batch_at_a_time(zoo, bombs, tmp_path):
+    """512 MiB of declared samples (0.5 MB on disk), --samples 4: memory follows the batch, not the file."""
+    p = zoo.p
+    args = ["compare", p.fp32, p.int8, "--inputs", bombs["bomb"], "--samples", "4", "--out", tmp_path / "o", *FAST]
+    ran = run_diag(args, tmp_path, limit_as=1 << 30)
+    assert ran.code == OK, ran.err
+    assert "4 samples" in ran.out
+    assert ran.peak_rss < 150 << 20, f"peak RSS grew by {ran.peak_rss >> 20} MiB reading a 512 MiB member"
