@@ -110,7 +110,7 @@ class InferredRecipe:
         """
         lines = [f"{k} = {_toml(v)}" for k, v in self.recipe.items() if k != "extra_options"]
         for key, why in self.unknown.items():
-            lines.append(f"# {key}: cannot be inferred from the model ({why})")
+            lines.append(toml_comment(f"{key}: cannot be inferred from the model ({why})"))
         extra = self.recipe.get("extra_options") or {}
         if extra:
             lines += ["", "[extra_options]"] + [f"{k} = {_toml(v)}" for k, v in extra.items()]
@@ -150,6 +150,16 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     return _infer(loaded.proto, kind, base_dir)
 
 
+def toml_comment(text: str) -> str:
+    """One TOML comment line: line breaks and control characters (invalid in a TOML comment) become '?'.
+
+    Example:
+        >>> toml_comment('from evil\nmode = "static".onnx')
+        '# from evil?mode = "static".onnx'
+    """
+    return "# " + "".join(ch if ch == "\t" or ch.isprintable() else "?" for ch in text)
+
+
 def recipe_to_toml(path: str | os.PathLike[str]) -> str:
     """`diag inspect --recipe`: the inferred recipe as TOML text (see :func:`infer_recipe`).
 
@@ -159,8 +169,9 @@ def recipe_to_toml(path: str | os.PathLike[str]) -> str:
         ...
     """
     inferred = infer_recipe(path)
-    header = [f"# recipe inferred by diag from {Path(path).name}"]
-    header += [f"# evidence: {e}" for e in inferred.evidence]
+    # NOTE: file and node names come from the user's files: a newline in one must not become a live line.
+    header = [toml_comment(f"recipe inferred by diag from {Path(path).name}")]
+    header += [toml_comment(f"evidence: {e}") for e in inferred.evidence]
     return "\n".join(header) + "\n" + inferred.to_toml()
 
 

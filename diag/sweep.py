@@ -710,13 +710,21 @@ def read_jsonl(path: Path, context: str) -> dict[str, SweepEntry]:
     done: dict[str, SweepEntry] = {}
     if not path.is_file():
         return done
-    for line in path.read_text(encoding="utf-8").splitlines():
+    from diag.documents import MAX_DEPTH, max_depth
+
+    for raw in path.read_bytes().splitlines():
         try:
+            line = raw.decode("utf-8")
+            if max_depth(line) > MAX_DEPTH:
+                continue
             d = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # interrupted while writing: that entry is simply measured again
+        except ValueError:  # cut mid-character or mid-JSON (interrupted while writing): measured again
+            continue
         if isinstance(d, dict) and d.get("context") == context and isinstance(d.get("entry"), dict):
-            e = SweepEntry.from_dict(d["entry"])
+            try:
+                e = SweepEntry.from_dict(d["entry"])
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue  # a damaged line: that recipe is measured again
             done[e.key] = e
     return done
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 import onnx
 import pytest
@@ -48,9 +49,13 @@ for _module in (
     "diag.gate",
     "diag.diff",
     "diag.infer",
+    "diag.plots",
+    "diag.plots_sweep",
     "onnxruntime",
 ):
     __import__(_module)
+matplotlib.use("Agg")  # what diag.plots selects; imported now so that no forked run pays for it
+__import__("matplotlib.pyplot")
 TIMES: dict[str, float] = {}
 
 
@@ -1029,3 +1034,61 @@ def test_a_half_gigabyte_npz_bomb_is_read_one_batch_at_a_time(zoo, bombs, tmp_pa
     assert ran.code == OK, ran.err
     assert "4 samples" in ran.out
     assert ran.peak_rss < 150 << 20, f"peak RSS grew by {ran.peak_rss >> 20} MiB reading a 512 MiB member"
+
+
+# ---------------------------------------------------------------- classes 7-9: resume files, generated text, flags
+
+
+def test_a_torn_sweep_jsonl_is_skipped_and_the_sweep_resumes(zoo, tmp_path):
+    """The last line cut mid-UTF-8 character, mid-JSON, or binary garbage: skipped, never exit 1."""
+    p = zoo.p
+    args = ["sweep", p.fp32, "--inputs", p.inputs, "--grid", _ONE_RECIPE, "--runs", "0", "--quiet"]
+    first = tmp_path / "first"
+    ran = run_diag([*args, "--out", first], tmp_path)
+    assert ran.code == OK, ran.err
+    whole = (first / "sweep.jsonl").read_bytes()
+    assert whole.count(b"\n") == 1
+    torn = {
+        "binary garbage, then cut mid-UTF-8": whole + b"\xff\xfe\x00" + b"[" * 10_000 + b"\n" + '{"é'.encode()[:-1],
+        "cut mid-JSON": whole + whole[: len(whole) // 2],
+    }
+    failures = []
+    for label, data in torn.items():
+        out = tmp_path / label.replace(" ", "_")
+        out.mkdir()
+        (out / "sweep.jsonl").write_bytes(data)
+        ran = run_diag([*args, "--out", out], tmp_path)
+        if ran.code != OK or "1 resumed from sweep.jsonl" not in ran.out or ran.err.strip():
+            failures.append(f"{label}: exit {ran.code}: {ran.err.strip()[-300:]} {ran.out[-300:]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_names_from_files_cannot_inject_lines_into_generated_files(zoo, tmp_path):
+    import shutil
+
+    import tomllib
+
+    evil = tmp_path / 'evil\nmode = "static"\n[extra_options]\nx = 1\n.onnx'
+    shutil.copy(zoo.p.int8, evil)
+    ran = run_diag(["inspect", evil, "--recipe-out", tmp_path / "r.toml"], tmp_path)
+    assert ran.code == OK, ran.err
+    recipe = tomllib.loads((tmp_path / "r.toml").read_text())
+    assert recipe["mode"] == "dynamic" and "extra_options" not in recipe
+    ran = run_diag(["inspect", evil, "--recipe"], tmp_path)
+    assert ran.code == OK and tomllib.loads(ran.out)["mode"] == "dynamic"
+    ran = run_diag(["compare", zoo.p.fp32, evil, "--inputs", zoo.p.inputs, "--out", tmp_path / "o", *FAST], tmp_path)
+    assert ran.code == OK, ran.err
+    summary = (tmp_path / "o" / "summary.md").read_text()
+    assert "\nmode = " not in summary and "\n[extra\\_options]" not in summary and "\n[extra_options]" not in summary
+    assert json.loads((tmp_path / "o" / "diag.json").read_text())["models"]["int8"]["path"] == str(evil)
+
+
+@pytest.mark.parametrize("where", ["before the verb", "after the verb"])
+def test_debug_shows_the_traceback_wherever_it_is_given(zoo, tmp_path, where):
+    args = ["inspect", zoo.d / "nope.onnx"]
+    args = ["--debug", *args] if where == "before the verb" else [*args, "--debug"]
+    ran = run_diag(args, tmp_path)
+    # --debug re-raises: python -m diag would print the traceback; the forked child reports the crash.
+    assert "CHILD CRASH DiagError" in ran.err and ran.code == 1, ran.err
+    plain = run_diag(args[1:] if where == "before the verb" else args[:-1], tmp_path)
+    assert plain.code == USER_ERROR and plain.err.startswith("diag: error[missing-file]")
