@@ -291,6 +291,8 @@ def quantize_model(
                     cache.unlink(missing_ok=True)  # ranges of the model before the upgrade
                 _run_quantizer(recipe, src, staged, source, external, actions, False, cache, calibrations)
                 error = _load_error(staged)
+        if not error and _raise_ir_version(staged, actions):
+            error = _load_error(staged)  # verified as written
         if error:
             raise DiagError(
                 "quantize-failed",
@@ -317,6 +319,27 @@ def quantize_model(
 
 
 # ---------------------------------------------------------------- steps
+
+
+def _raise_ir_version(staged: Path, actions: list[str]) -> bool:
+    """Give the INT8 model the IR version its opsets need (an IR-3 input stays IR 3 otherwise).
+
+    onnxruntime's quantizer keeps the input's ``ir_version`` but writes newer opsets and scale
+    initializers that are not graph inputs, which IR 3 forbids: onnx.checker, and so every other
+    verb, would refuse a model diag itself produced and verified. Only the header changes.
+    """
+    model = onnx.load(str(staged), load_external_data=False)
+    need = max(4, onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
+    if model.ir_version >= need:
+        return False
+    opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
+    actions.append(
+        f"raised the IR version {model.ir_version} -> {need}: the quantizer wrote opsets {opsets} and "
+        "initializers that are not graph inputs, which the input's IR version forbids"
+    )
+    model.ir_version = need
+    onnx.save(model, str(staged))
+    return True
 
 
 def _checked_out(out_path: str | os.PathLike[str], source: Path) -> Path:

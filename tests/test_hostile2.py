@@ -1084,3 +1084,41 @@ def test_debug_shows_the_traceback_wherever_it_is_given(zoo, tmp_path, where):
     assert "CHILD CRASH DiagError" in ran.err and ran.code == 1, ran.err
     plain = run_diag(args[1:] if where == "before the verb" else args[:-1], tmp_path)
     assert plain.code == USER_ERROR and plain.err.startswith("diag: error[missing-file]")
+
+
+# ---------------------------------------------------------------- class 10: IR and opset edges
+
+
+def test_a_model_quantized_from_ir3_is_accepted_by_every_other_verb(zoo, tmp_path):
+    """IR 3 (initializers listed as graph inputs, opset 8): the quantizer writes opset 11+ and scale
+    initializers that are not inputs, which IR 3 forbids; diag raises the IR so its own output loads
+    everywhere without an onnx.checker finding."""
+    from onnx import helper
+
+    m = mlp()
+    m.ir_version = 3
+    m.opset_import[0].version = 8
+    for t in m.graph.initializer:
+        m.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    onnx.checker.check_model(m)
+    fp = tmp_path / "ir3.onnx"
+    onnx.save(m, str(fp))
+    failures = []
+    for fmt, recipe in (
+        ("dynamic", '{"mode": "dynamic", "weight_type": "QUInt8"}'),
+        ("qdq", '{"mode": "static", "quant_format": "QDQ", "activation_type": "QUInt8", "weight_type": "QUInt8"}'),
+        ("qoperator", '{"mode": "static", "quant_format": "QOperator", "activation_type": "QUInt8"}'),
+    ):
+        q = tmp_path / f"ir3.{fmt}.onnx"
+        calib = [] if fmt == "dynamic" else ["--calib", zoo.p.inputs]
+        steps = [
+            ["quantize", fp, "--recipe", recipe, "-o", q, *calib],
+            ["inspect", q],
+            ["inspect", q, "--recipe"],
+            ["compare", fp, q, "--inputs", zoo.p.inputs, "--out", tmp_path / f"o_{fmt}", *FAST],
+        ]
+        for args in steps:
+            ran = run_diag(args, tmp_path)
+            if ran.code != OK or "onnx.checker rejects" in ran.out or "problem:" in ran.out:
+                failures.append(f"{fmt} {args[0]}: exit {ran.code}: {(ran.err or ran.out).strip()[-300:]}")
+    assert not failures, "\n".join(failures)
