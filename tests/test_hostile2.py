@@ -254,9 +254,11 @@ def run_rows(rows: list[Row], zoo: Zoo, tmp_path: Path) -> None:
         folder.mkdir()
         args = [str(a).replace("{tmp}", str(folder)) for a in row.args]
         t0 = time.perf_counter()
-        ran = run_diag(args, folder)
+        ran = run_diag(args, folder, limit_as=1 << 30)  # absurd counts and bombs must not allocate
         TIMES[row.label] = time.perf_counter() - t0
         problems = check_row(ran, row)
+        if ran.peak_rss > 256 << 20:
+            problems.append(f"peak RSS grew by {ran.peak_rss >> 20} MiB")
         left = sorted(k for k in tree(folder) if not k.startswith(".std"))
         if left:
             problems.append(f"left in the row's folder: {left}")
@@ -1041,8 +1043,9 @@ def test_a_torn_sweep_jsonl_is_skipped_and_the_sweep_resumes(zoo, tmp_path):
     whole = (first / "sweep.jsonl").read_bytes()
     assert whole.count(b"\n") == 1
     torn = {
-        "binary garbage, then cut mid-UTF-8": whole + b"\xff\xfe\x00" + b"[" * 10_000 + b"\n" + '{"é'.encode()[:-1],
+        "cut mid-UTF-8": whole + '{"é'.encode()[:-1],
         "cut mid-JSON": whole + whole[: len(whole) // 2],
+        "binary garbage and deep nesting": whole + b"\xff\xfe\x00" + b"[" * 10_000 + b"\n",
     }
     failures = []
     for label, data in torn.items():
@@ -1075,14 +1078,18 @@ def test_names_from_files_cannot_inject_lines_into_generated_files(zoo, tmp_path
     assert json.loads((tmp_path / "o" / "diag.json").read_text())["models"]["int8"]["path"] == str(evil)
 
 
-@pytest.mark.parametrize("where", ["before the verb", "after the verb"])
+@pytest.mark.parametrize("where", ["before the verb", "after the verb", "both"])
 def test_debug_shows_the_traceback_wherever_it_is_given(zoo, tmp_path, where):
-    args = ["inspect", zoo.d / "nope.onnx"]
-    args = ["--debug", *args] if where == "before the verb" else [*args, "--debug"]
-    ran = run_diag(args, tmp_path)
+    args: list[object] = ["inspect", zoo.d / "nope.onnx"]
+    flagged = {
+        "before the verb": ["--debug", *args],
+        "after the verb": [*args, "--debug"],
+        "both": ["--debug", *args, "--debug"],
+    }[where]
+    ran = run_diag(flagged, tmp_path)
     # --debug re-raises: python -m diag would print the traceback; the forked child reports the crash.
     assert "CHILD CRASH DiagError" in ran.err and ran.code == 1, ran.err
-    plain = run_diag(args[1:] if where == "before the verb" else args[:-1], tmp_path)
+    plain = run_diag(args, tmp_path)
     assert plain.code == USER_ERROR and plain.err.startswith("diag: error[missing-file]")
 
 
