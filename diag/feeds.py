@@ -165,12 +165,13 @@ def load_npz(path: Path) -> dict[str, np.ndarray]:
     return {k: (v[:] if isinstance(v, LazyRows) else v) for k, v in lazy_npz(path).items()}
 
 
-def load_npy(path: Path) -> np.ndarray:
-    """A ``.npy`` memory-mapped: rows are read when a batch uses them (see :mod:`diag.lazy_npz`)."""
-    from diag.lazy_npz import mapped_npy
+def load_npy(path: Path, lazy: bool = False) -> Any:
+    """A ``.npy`` array; with ``lazy`` its rows are read only when a batch uses them (:mod:`diag.lazy_npz`)."""
+    from diag.lazy_npz import LazyRows, lazy_npy
 
     input_file(path, "inputs", "pass a .npy written by np.save")
-    return mapped_npy(path)
+    arr = lazy_npy(path)
+    return arr[:] if isinstance(arr, LazyRows) and not lazy else arr
 
 
 def _batchable(specs: list[InputSpec]) -> bool:
@@ -498,7 +499,7 @@ def feed_source(
                     f"is one array but the model has {len(specs)} inputs",
                     "use a .npz with one array per input",
                 )
-            return feeds_from_arrays({specs[0].name: load_npy(p)}, specs, samples, batch, f"inputs '{p}'")
+            return feeds_from_arrays({specs[0].name: load_npy(p, lazy=True)}, specs, samples, batch, f"inputs '{p}'")
         return feeds_from_npz(p, specs, samples, batch)
     if reader:
         return feeds_from_reader(reader, specs, samples)

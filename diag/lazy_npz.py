@@ -1,4 +1,4 @@
-"""Input arrays read one batch at a time: ``.npz`` members streamed, ``.npy`` memory-mapped.
+"""Input arrays read one batch at a time: ``.npz`` members and ``.npy`` files, never whole.
 
 ``np.load(path)["x"]`` decompresses a whole member into memory: a 40 KB ``.npz`` of zeros can
 declare 4 GB, and a file with a million samples is read whole even for ``--samples 8``. Here a
@@ -12,6 +12,7 @@ object arrays are refused without being read.
 
 from __future__ import annotations
 
+import os
 import threading
 import zipfile
 from pathlib import Path
@@ -28,17 +29,28 @@ _CHUNK = 1 << 20
 class LazyRows:
     """Rows of one stored array, read on demand along the first axis (``a[i]``, ``a[i:j]``).
 
-    Sequential batches reuse one open stream; asking for an earlier row reopens it. Never holds
-    more than the rows of one request.
+    A ``.npy`` file or an uncompressed ``.npz`` member is read with ``pread`` at the rows' offset;
+    a compressed member is decompressed forward from one open stream (asking for an earlier row
+    reopens it). Never holds more than the rows of one request; never memory-maps (mapped pages
+    would count in the process's resident memory as the run goes through the file).
     """
 
-    def __init__(self, path: Path, member: str, shape: tuple[int, ...], dtype: np.dtype[Any], offset: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        member: str | None,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        offset: int,
+        file_offset: int | None = None,
+    ) -> None:
         self.path = path
-        self.member = member
+        self.member = member or path.name
         self.shape = shape
         self.dtype = dtype
         self.ndim = len(shape)
-        self._offset = offset  # bytes of .npy header before the data
+        self._offset = offset  # bytes of .npy header before the data, inside the stream
+        self._file_offset = file_offset  # where the data starts in the file, when it is stored as is
         self._row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
         self._zip: zipfile.ZipFile | None = None
         self._stream: IO[bytes] | None = None
@@ -52,46 +64,41 @@ class LazyRows:
         self.close()
         self._zip = zipfile.ZipFile(self.path)
         self._stream = self._zip.open(self.member)
-        self._skip(self._offset)
         self._pos = 0
+        self._skip(self._offset)
 
     def _skip(self, n: int) -> None:
         assert self._stream is not None
         while n > 0:
             got = len(self._stream.read(min(n, _CHUNK)))
             if got == 0:
-                raise DiagError(
-                    "bad-inputs", f"inputs '{self.path}' array '{self.member}'", "ends early", "write it again"
-                )
+                raise self._short(self._pos)
             n -= got
+
+    def _short(self, row: int) -> DiagError:
+        return DiagError(
+            "bad-inputs",
+            f"inputs '{self.path}' array '{self.member}'",
+            f"ends before row {row} its header declares",
+            "write it again with np.savez",
+        )
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start`` to ``stop`` (exclusive) as a new array (thread-safe: one reader at a time)."""
-        with self._lock:
-            return self._rows(start, stop)
-
-    def _rows(self, start: int, stop: int) -> np.ndarray:
-        if self._stream is None:
-            self._open()
-        assert self._stream is not None
-        if start != self._pos:
-            if start < self._pos and not self._stream.seekable():
-                self._open()
-            if self._stream.seekable():  # stored members seek directly; deflated ones decompress forward
-                self._stream.seek(self._offset + start * self._row_bytes)
-                self._pos = start
-        self._skip((start - self._pos) * self._row_bytes)
-        assert self._stream is not None
         want = (stop - start) * self._row_bytes
-        data = self._stream.read(want)
+        with self._lock:
+            if self._file_offset is not None:
+                with open(self.path, "rb") as fh:
+                    data = os.pread(fh.fileno(), want, self._file_offset + start * self._row_bytes)
+            else:
+                if self._stream is None or start < self._pos:
+                    self._open()
+                self._skip((start - self._pos) * self._row_bytes)
+                assert self._stream is not None
+                data = self._stream.read(want)
+                self._pos = stop
         if len(data) != want:
-            raise DiagError(
-                "bad-inputs",
-                f"inputs '{self.path}' array '{self.member}'",
-                f"ends before row {stop - 1} its header declares",
-                "write it again with np.savez",
-            )
-        self._pos = stop
+            raise self._short(stop - 1)
         return np.frombuffer(data, self.dtype).reshape((stop - start, *self.shape[1:])).copy()
 
     def __getitem__(self, key: int | slice) -> np.ndarray:
@@ -111,6 +118,20 @@ class LazyRows:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _stored_data_start(path: Path, info: zipfile.ZipInfo) -> int | None:
+    """Where an uncompressed member's bytes start in the file (after its local header), else None."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    with open(path, "rb") as fh:
+        fh.seek(info.header_offset)
+        local = fh.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        return None
+    name_len = int.from_bytes(local[26:28], "little")
+    extra_len = int.from_bytes(local[28:30], "little")
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def _header(fh: IO[bytes], where: str) -> tuple[tuple[int, ...], np.dtype[Any], bool, int]:
@@ -177,15 +198,18 @@ def lazy_npz(path: Path) -> dict[str, Any]:
                 arr = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C").copy()
                 arrays[name] = arr
             else:
-                arrays[name] = LazyRows(path, info.filename, shape, dtype, offset)
+                start = _stored_data_start(path, info)
+                arrays[name] = LazyRows(
+                    path, info.filename, shape, dtype, offset, None if start is None else start + offset
+                )
     return arrays
 
 
-def mapped_npy(path: Path) -> np.ndarray:
-    """A ``.npy`` memory-mapped read-only (rows are read when a batch touches them); size checked."""
+def lazy_npy(path: Path) -> Any:
+    """A ``.npy``: small ones read at once, larger ones as :class:`LazyRows` (rows read per batch); size checked."""
     where = f"inputs '{path}'"
     with open(path, "rb") as fh:
-        shape, dtype, _, offset = _header(fh, where)
+        shape, dtype, fortran, offset = _header(fh, where)
     size = path.stat().st_size
     declared = _declared_bytes(shape, dtype)
     if size - offset != declared:
@@ -195,6 +219,6 @@ def mapped_npy(path: Path) -> np.ndarray:
             f"holds {size - offset:,} bytes but its header declares {dtype}{list(shape)} ({declared:,} bytes)",
             "write the file again with np.save; it is corrupt or crafted",
         )
-    if declared == 0:
-        return np.zeros(shape, dtype)
-    return np.load(path, mmap_mode="r", allow_pickle=False)
+    if fortran or not shape or declared <= _CHUNK:
+        return np.load(path, allow_pickle=False)
+    return LazyRows(path, None, shape, dtype, offset, offset)
