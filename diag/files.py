@@ -241,8 +241,6 @@ def _check_target(p: Path, st: os.stat_result | None, obj: str) -> None:
         raise DiagError("bad-out", obj, "is in the way: a folder has this name", "move the folder or choose another")
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise DiagError("bad-out", obj, f"is in the way: {_kind(st.st_mode)}", "choose another output path")
-    if len(p.name.encode()) > 255 - 40:  # the staged name adds a prefix and suffix
-        raise DiagError("bad-out", obj, "has a name longer than this system allows", "use a shorter name")
 
 
 def out_dir(path: str | os.PathLike[str], role: str = "--out") -> Path:
@@ -427,6 +425,7 @@ def _commit(staged: list[tuple[Path, Path]], removals: list[Path], stage: Path, 
     backup = stage / ".old"
     backup.mkdir()
     done: list[tuple[Path, Path | None]] = []  # (target, its old file in the backup folder or None)
+    target = stage
     with signals_held():
         try:
             for target in removals:
@@ -446,11 +445,18 @@ def _commit(staged: list[tuple[Path, Path]], removals: list[Path], stage: Path, 
                 done.append((target, kept))
             if record is not None:
                 _WRITTEN.sets.append(record)
-        except BaseException:
-            for target, kept in reversed(done):
+        except BaseException as e:
+            for put_back, kept in reversed(done):
                 with contextlib.suppress(OSError):
                     if kept is not None:
-                        os.replace(kept, target)
+                        os.replace(kept, put_back)
                     else:
-                        os.unlink(target)
+                        os.unlink(put_back)
+            if isinstance(e, OSError):  # name the file whose replacement failed, not the last one staged
+                raise DiagError(
+                    "bad-out",
+                    f"output '{target}'",
+                    f"cannot be replaced ({e.strerror or e}); every old file was put back",
+                    "check the output folder (a folder or another file in the way, permissions)",
+                ) from e
             raise

@@ -422,6 +422,7 @@ class Blocked:
     blocker: str
     fragment: str = "is in the way: a folder has this name"
     disk_full: bool = False
+    hook: Callable[[], None] | None = None  # instead of the disk-full hook
 
 
 def _blocked(z: Zoo) -> list[Blocked]:
@@ -436,6 +437,15 @@ def _blocked(z: Zoo) -> list[Blocked]:
     return [
         Blocked("compare: a folder named summary.md", cmp, report_set, "summary.md"),
         Blocked("compare: disk full on the second file", cmp, report_set, "report.html", full, disk_full=True),
+        Blocked(
+            "compare: the last rename fails",
+            cmp,
+            report_set,
+            "summary.md",
+            "cannot be replaced (No space left on device); every old file was put back",
+            disk_full=True,
+            hook=_last_rename_fails,
+        ),
         Blocked(
             "merge: a folder named report.html",
             ["merge", z.shard0, z.shard1, "--out", "{out}"],
@@ -484,6 +494,20 @@ def _disk_full_on_second_staged_file() -> None:
     os.fsync = fsync  # type: ignore[assignment]
 
 
+def _last_rename_fails() -> None:
+    """In the child: renaming the staged summary.md over the old one fails (after two renames succeeded)."""
+    import errno
+
+    real = os.replace
+
+    def replace(src: object, dst: object) -> None:
+        if ".diag-stage-" in str(src) and "/.old/" not in str(src) and str(dst).endswith("summary.md"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(src, dst)  # type: ignore[arg-type]
+
+    os.replace = replace  # type: ignore[assignment]
+
+
 def test_a_blocked_output_set_replaces_nothing_and_names_the_blocker(zoo, tmp_path):
     before = tree(zoo.d)
     failures = []
@@ -497,7 +521,8 @@ def test_a_blocked_output_set_replaces_nothing_and_names_the_blocker(zoo, tmp_pa
             (out / case.blocker).mkdir()
         old = tree(out)
         args = [str(a).replace("{out}", str(out)) for a in case.args]
-        ran = run_diag(args, tmp_path, before=_disk_full_on_second_staged_file if case.disk_full else None)
+        hook = case.hook or (_disk_full_on_second_staged_file if case.disk_full else None)
+        ran = run_diag(args, tmp_path, before=hook)
         row = Row(3, case.label, args, "bad-out", f"{case.blocker}' | {case.fragment}")
         problems = check_row(ran, row)
         now = tree(out)
