@@ -104,7 +104,7 @@ def run_diag(
             code = cli.main([str(a) for a in args])
             sys.stdout.flush()
             sys.stderr.flush()
-            os.write(w, str(_status("VmHWM") - start).encode())
+            os.write(w, f"{_status('VmHWM') - start}\n".encode())  # forks of an interrupt test write too: last wins
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 2
         except BaseException as e:
@@ -113,8 +113,11 @@ def run_diag(
             os._exit(code)
     os.close(w)
     _, status = os.waitpid(pid, 0)
-    rss = os.read(r, 64)
+    chunks = []
+    while chunk := os.read(r, 4096):
+        chunks.append(chunk)
     os.close(r)
+    rss = (b"".join(chunks).split() or [b"0"])[-1]
     code = os.waitstatus_to_exitcode(status)
     return Ran(code, out_path.read_text(errors="replace"), err_path.read_text(errors="replace"), int(rss or 0))
 
