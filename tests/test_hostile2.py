@@ -1157,3 +1157,18 @@ def test_a_model_quantized_from_ir3_is_accepted_by_every_other_verb(zoo, tmp_pat
             if ran.code != OK or "onnx.checker rejects" in ran.out or "problem:" in ran.out:
                 failures.append(f"{fmt} {args[0]}: exit {ran.code}: {(ran.err or ran.out).strip()[-300:]}")
     assert not failures, "\n".join(failures)
+
+
+def test_a_work_folder_left_by_a_killed_run_is_removed_by_the_next_run(zoo, tmp_path):
+    """kill -9 leaves .diag-<kind>-<pid>-*; the next run into the same --out removes it (its pid is gone)."""
+    import subprocess
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    out = tmp_path / "out"
+    (out / f".diag-stage-{pid}-x1y2").mkdir(parents=True)
+    (out / f".diag-stage-{pid}-x1y2" / "diag.json").write_text("half")
+    (out / f".diag-sweep-{os.getpid()}-live").mkdir()  # a live process's folder stays
+    ran = run_diag(["report", zoo.report, "--out", out], tmp_path)
+    assert ran.code == OK, ran.err
+    assert sorted(p.name for p in out.iterdir()) == [f".diag-sweep-{os.getpid()}-live", "report.html", "summary.md"]
