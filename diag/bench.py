@@ -301,12 +301,13 @@ def bench_to_json(
     import json
 
     from diag.compare import environment
-    from diag.report import atomic_write
+    from diag.files import output_file, write_set
+    from diag.load import checked_path
 
     if json_path is not None:
-        folder = Path(json_path).parent
-        if not folder.is_dir():
-            raise DiagError("bad-out", f"--json '{json_path}'", "is in a folder that does not exist", "create it first")
+        for path in paths:  # remembered as inputs first: --json may not name one of them
+            checked_path(path, "model")
+        output_file(json_path, "--json")
     stats = bench_models(paths, feeds, runs, warmup, threads, progress)
     table = format_table(stats)
     written = None
@@ -318,5 +319,6 @@ def bench_to_json(
             "opt_level": DEPLOY_OPT_LEVEL,
             "models": [s.to_dict() for s in stats],
         }
-        written = atomic_write(Path(json_path), json.dumps(doc, indent=2) + "\n")
+        written = Path(json_path)
+        write_set({written: json.dumps(doc, indent=2) + "\n"}, "--json")
     return stats, table, written

@@ -330,24 +330,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Re-render report.html and summary.md from a diag.json without re-running any model."""
-    from diag.report import (
-        atomic_write,
-        ensure_out_dir,
-        render_html,
-        render_markdown,
-        view_from_file,
-    )
+    from diag.report import report_to_dir
 
-    view = view_from_file(args.json)
-    from pathlib import Path
-
-    out = Path(args.out)
-    if out.suffix.lower() in (".html", ".htm"):
-        print(f"wrote {atomic_write(out, render_html(view))}")
-    else:
-        ensure_out_dir(out)
-        print(f"wrote {atomic_write(out / 'report.html', render_html(view))}")
-        print(f"wrote {atomic_write(out / 'summary.md', render_markdown(view))}")
+    for path in report_to_dir(args.json, args.out).values():
+        print(f"wrote {_safe(path)}")
     return OK
 
 
@@ -620,11 +606,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             scheduler=args.scheduler,
         )
     except KeyboardInterrupt:
-        print(
-            f"diag: interrupted; finished recipes are in {_safe(args.out)}/sweep.jsonl: run the same command "
-            "again to resume",
-            file=sys.stderr,
-        )
+        from pathlib import Path
+
+        jsonl = Path(args.out) / "sweep.jsonl"
+        finished = jsonl.is_file() and jsonl.stat().st_size > 0
+        state = interrupt_state()
+        if finished and state == "no output was written":
+            state = f"finished recipes are in {_safe(jsonl)}: run the same command again to resume"
+        print(f"diag: interrupted; {state}", file=sys.stderr)
         return INTERRUPTED
     for line in summary_lines(result):
         print(_safe(line))
@@ -659,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 internal error, 2 user error, 3 gate failed, 130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"diag {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--debug", dest="global_debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
 
     def verb(name: str, **kw: Any) -> argparse.ArgumentParser:
@@ -996,19 +985,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from diag import files
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verb:
         parser.print_help()
         return USER_ERROR
+    # `diag --debug VERB` and `diag VERB --debug` alike: the verb's own default must not undo the global flag.
+    args.debug = bool(args.debug or getattr(args, "global_debug", False))
+    files.reset()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _sigterm_as_interrupt():
             if not args.debug:
                 # NOTE: library warnings (numpy overflow, matplotlib glyphs, onnxruntime advice) would
                 # break the one-line contract of stdout/stderr; --debug shows them.
                 warnings.simplefilter("ignore")
             return VERBS[args.verb](args)
     except DiagError as e:
+        files.remove_created_empty_folders()
         if args.debug:
             raise
         print(f"diag: error[{e.slug}]: {_safe(e.message())}", file=sys.stderr)
@@ -1016,12 +1011,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `diag ... | head`: the reader left, nothing more to say
         return OK
     except KeyboardInterrupt:
-        print("diag: interrupted; no output was written", file=sys.stderr)
+        print(f"diag: interrupted; {interrupt_state()}", file=sys.stderr)
         return INTERRUPTED
     except Exception as e:  # a bug: say so, one line, keep the traceback behind --debug
+        files.remove_created_empty_folders()
         if args.debug:
             raise
         print(
             f"diag: internal error: {type(e).__name__}: {_safe(e)} (re-run with --debug and report it)", file=sys.stderr
         )
         return INTERNAL_ERROR
+
+
+def interrupt_state() -> str:
+    """What is on disk after Ctrl-C: output sets are written whole (diag.files.write_set) or not at all."""
+    from diag import files
+
+    written = files.written_sets()
+    files.remove_created_empty_folders()
+    if not written:
+        return "no output was written"
+    names = ", ".join(_safe(p) for s in written for p in s)
+    return f"the new outputs are complete ({names})"
+
+
+class _sigterm_as_interrupt:
+    """SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so work folders are removed on the way out."""
+
+    def __enter__(self) -> None:
+        import signal
+        import threading
+
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)

@@ -1083,8 +1083,13 @@ def compare_to_dir(
     options: CompareOptions | None = None,
 ) -> tuple[CompareResult, dict[str, Path]]:
     """`diag compare` end to end: compare, then write diag.json, report.html and summary.md."""
-    from diag.report import document_from_result, write_outputs
+    from diag.files import check_outputs
+    from diag.report import OUTPUT_NAMES, document_from_result, write_outputs
 
+    given = [fp32_path, int8_path, getattr(feeds, "inputs", None)]
+    if options is not None:
+        given += [options.labels, options.recipe]
+    check_outputs(out_dir, OUTPUT_NAMES, given)  # before the run, not after it
     result = compare_models(fp32_path, int8_path, feeds, options)
     doc = document_from_result(result)
     if result.cluster:

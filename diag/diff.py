@@ -356,9 +356,12 @@ def diff_files(a_path: str | os.PathLike[str], b_path: str | os.PathLike[str], t
         a: a/diag.json
         ...
     """
+    from diag.documents import fields_of
     from diag.errors import DiagError
     from diag.report import load_document
 
     if top < 1:
         raise DiagError("bad-option", f"--top {top}", "must be at least 1", "e.g. --top 10")
-    return diff_documents(load_document(a_path), load_document(b_path), top, (str(a_path), str(b_path)))
+    a, b = load_document(a_path), load_document(b_path)
+    with fields_of(f"{a_path}' or '{b_path}"):
+        return diff_documents(a, b, top, (str(a_path), str(b_path)))

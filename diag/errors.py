@@ -28,15 +28,22 @@ SLUGS: dict[str, str] = {
     "not-quantized": "the model given as INT8 has no quantized operators",
     "fp32-is-quantized": "the model given as FP32 already contains quantized operators",
     "swapped-models": "FP32 and INT8 were given in the wrong order",
-    "model-mismatch": "FP32 and INT8 models are not two versions of the same graph",
+    "model-mismatch": (
+        "FP32 and INT8 models are not two versions of the same graph, or shards are merged with other models"
+    ),
     "bad-inputs": "input data does not fit the model (names, dtypes, shapes, values)",
     "bad-reader": "a --reader factory cannot be imported, raises or yields wrong types",
     "bad-metric": "a --metric plugin cannot be imported, raises, or does not follow the TaskMetric protocol",
     "bad-option": "a command-line option has an invalid value",
     "too-large": "the request would need more memory than allowed; refused up front",
     "runtime-failure": "onnxruntime failed while running a model (node named)",
-    "bad-out": "the output folder cannot be created or written",
-    "bad-report": "a diag.json file is unreadable or has an unknown schema version, or shard files do not form one run",
+    "bad-out": (
+        "an output cannot be written (folder, permissions, space, a folder in the way) or would overwrite an input"
+    ),
+    "bad-report": (
+        "a diag.json or shard file is unreadable, fails the shipped schema or its checks (field named), "
+        "or shards do not form one run"
+    ),
     "missing-templates": "the report templates are not installed with the package",
     "bad-recipe": "a recipe file is not valid JSON/TOML or has an unknown key or value",
     "quantize-failed": "onnxruntime's quantizer failed, or its output does not load in onnxruntime",

@@ -1547,59 +1547,71 @@ def exclude_to_dir(
         >>> sorted(files)  # doctest: +SKIP
         ['exclusion.json', 'mixed.onnx', 'reproduce.py']
     """
-    from diag.report import atomic_write, ensure_out_dir
+    from diag.files import check_outputs, internal_writes, work_dir, write_set
+    from diag.files import out_dir as checked_out_dir
+    from diag.report import OUTPUT_NAMES, document_from_result, output_texts
 
-    out = ensure_out_dir(out_dir)
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
-    with tempfile.TemporaryDirectory(prefix=".diag-exclude-", dir=out) as work:
-        result = derive_exclusions(
-            fp32_path,
-            recipe,
-            feeds,
-            target,
-            holdout,
-            labels,
-            threads,
-            bench_runs,
-            progress,
-            work,
-            max_trials,
-            time_budget,
-            metric,
-            estimates,
-            scheduler,
-        )
-        files: dict[str, Path] = {}
+    names_out = ["exclusion.json", f"{stem}.mixed.onnx", "reproduce.py", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
+    check_outputs(out_dir, names_out, [fp32_path, feeds.inputs, labels, recipe.calibration_path()])
+    out = checked_out_dir(out_dir)
+    mixed, reproduce, again = out / f"{stem}.mixed.onnx", out / "reproduce.py", out / f"{stem}.reproduced.onnx"
+    with work_dir(out, "exclude") as work:
+        with internal_writes():  # candidate models are not this verb's outputs
+            result = derive_exclusions(
+                fp32_path,
+                recipe,
+                feeds,
+                target,
+                holdout,
+                labels,
+                threads,
+                bench_runs,
+                progress,
+                str(work),
+                max_trials,
+                time_budget,
+                metric,
+                estimates,
+                scheduler,
+            )
+        # NOTE: one set, written all or nothing: exclusion.json, the mixed model (and its external
+        # data), reproduce.py and the report. When there is no answer, a mixed model left by an
+        # earlier run in the same folder would read as this run's answer: it is removed in the same step.
+        contents: dict[Path, str | bytes | Path] = {}
+        names: dict[str, Path] = {}
+        remove: list[Path] = []
         if result.reachable and result.model:
-            model = out / f"{stem}.mixed.onnx"
-            Path(result.model).replace(model)
-            result.model = str(model)
-            files["mixed model"] = model
+            staged = Path(result.model)
+            for extra in sorted(staged.parent.glob(staged.name + ".*")):  # external data next to the model
+                contents[out / extra.name.replace(staged.name, mixed.name, 1)] = extra
+            contents[mixed] = staged
+            result.model = str(mixed)
+            names["mixed model"] = mixed
             if recipe.calibration:
                 calib, count, batch = recipe.calibration_path(), recipe.calibration_samples, 1
             else:
                 calib, count, batch = feeds.inputs, result.split["ranking_samples"], result.split["batch"]
             # NOTE: never the verified model's path: running reproduce.py must not overwrite the answer.
-            again = out / f"{stem}.reproduced.onnx"
             result.snippet = reproduce_snippet(result, str(again), str(calib) if calib else None, count, batch)
-            files["reproduce.py"] = atomic_write(out / "reproduce.py", result.snippet)
+            contents[reproduce] = result.snippet
+            names["reproduce.py"] = reproduce
         else:
-            # NOTE: a mixed model left by an earlier run in the same folder would read as this
-            # run's answer; when there is no answer, there must be no model.
-            for stale in (out / f"{stem}.mixed.onnx", out / "reproduce.py", out / f"{stem}.reproduced.onnx"):
-                stale.unlink(missing_ok=True)
-    exclusion = result.to_dict()
-    text = json.dumps(exclusion, indent=1, ensure_ascii=False) + "\n"
-    files = {"exclusion.json": atomic_write(out / "exclusion.json", text), **files}
-    if result.diagnosis is not None:
-        from diag.report import document_from_result, write_outputs
-
-        # One report: the diagnosis of the baseline INT8 model, then the verified fix.
-        doc = document_from_result(result.diagnosis)
-        # The diagnosed model is the recipe's baseline, quantized in a temp folder now gone.
-        doc["models"]["int8"]["path"] = "baseline INT8 (the recipe as given, quantized by diag exclude)"
-        doc["exclusion"] = exclusion
-        files.update(write_outputs(doc, out))
+            remove = [mixed, reproduce, again]
+        exclusion = result.to_dict()
+        contents = {out / "exclusion.json": json.dumps(exclusion, indent=1, ensure_ascii=False) + "\n", **contents}
+        if result.diagnosis is not None:
+            # One report: the diagnosis of the baseline INT8 model, then the verified fix.
+            doc = document_from_result(result.diagnosis)
+            # The diagnosed model is the recipe's baseline, quantized in a temp folder now gone.
+            doc["models"]["int8"]["path"] = "baseline INT8 (the recipe as given, quantized by diag exclude)"
+            doc["exclusion"] = exclusion
+            contents.update({out / name: text for name, text in output_texts(doc).items()})
+        else:  # an earlier run's report would read as this run's diagnosis
+            remove += [out / name for name in OUTPUT_NAMES]
+        written = write_set(contents, remove=remove)
+    files = {"exclusion.json": out / "exclusion.json", **names}
+    files.update({k: v for k, v in written.items() if k in ("diag.json", "report.html", "summary.md")})
     return result, files
 
 

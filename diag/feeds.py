@@ -20,6 +20,7 @@ import onnx
 from onnx import helper
 
 from diag.errors import DiagError
+from diag.files import input_file, input_path
 
 DEFAULT_INT_RANGE = (0, 100)
 #: Refuse a random/loaded batch larger than this many bytes up front (per input).
@@ -157,40 +158,20 @@ def validate_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: st
 
 
 def load_npz(path: Path) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except ValueError as e:
-        if "pickle" in str(e).lower() or "object" in str(e).lower():
-            raise DiagError(
-                "bad-inputs",
-                f"inputs '{path}'",
-                "contains pickled Python objects",
-                "save plain numeric arrays (np.savez); pickles are never loaded",
-            ) from e
-        raise DiagError(
-            "bad-inputs", f"inputs '{path}'", f"is not a readable .npz ({e})", "write it with np.savez"
-        ) from e
-    except Exception as e:
-        raise DiagError(
-            "bad-inputs", f"inputs '{path}'", f"is not a readable .npz ({type(e).__name__})", "write it with np.savez"
-        ) from e
+    """Every array of a small ``.npz`` (one feed dict, labels) in memory; sizes checked first."""
+    from diag.lazy_npz import LazyRows, lazy_npz
+
+    input_file(path, "inputs", "pass a .npz written by np.savez")
+    return {k: (v[:] if isinstance(v, LazyRows) else v) for k, v in lazy_npz(path).items()}
 
 
-def load_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except ValueError as e:
-        raise DiagError(
-            "bad-inputs",
-            f"inputs '{path}'",
-            "contains pickled Python objects or is not a plain .npy",
-            "save plain numeric arrays with np.save",
-        ) from e
-    except Exception as e:
-        raise DiagError(
-            "bad-inputs", f"inputs '{path}'", f"is not a readable .npy ({type(e).__name__})", "write it with np.save"
-        ) from e
+def load_npy(path: Path, lazy: bool = False) -> Any:
+    """A ``.npy`` array; with ``lazy`` its rows are read only when a batch uses them (:mod:`diag.lazy_npz`)."""
+    from diag.lazy_npz import LazyRows, lazy_npy
+
+    input_file(path, "inputs", "pass a .npy written by np.save")
+    arr = lazy_npy(path)
+    return arr[:] if isinstance(arr, LazyRows) and not lazy else arr
 
 
 def _batchable(specs: list[InputSpec]) -> bool:
@@ -200,7 +181,11 @@ def _batchable(specs: list[InputSpec]) -> bool:
 
 def feeds_from_npz(path: Path, specs: list[InputSpec], samples: int | None, batch: int, skip: int = 0) -> FeedSource:
     """Stacked arrays from an ``.npz``, first axis = samples (see :func:`feeds_from_arrays`)."""
-    return feeds_from_arrays(load_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
+    from diag.lazy_npz import lazy_npz
+
+    # NOTE: lazily: only the rows of the batch being run are ever in memory, whatever the file holds.
+    input_file(path, "inputs", "pass a .npz written by np.savez")
+    return feeds_from_arrays(lazy_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
 
 
 def feeds_from_arrays(
@@ -236,7 +221,7 @@ def feeds_from_arrays(
     def gen() -> Iterator[Batch]:
         for b, start in enumerate(range(skip, skip + n, step)):
             stop = min(start + step, skip + n)
-            feed = {k: (v[start] if per_row[k] else v[start:stop]) for k, v in arrays.items()}
+            feed = {k: np.asarray(v[start] if per_row[k] else v[start:stop]) for k, v in arrays.items()}
             validate_feed(feed, specs, f"{where} rows {start}..{stop - 1}")
             yield Batch(b, feed, stop - start)
 
@@ -250,6 +235,8 @@ def feeds_from_folder(path: Path, specs: list[InputSpec], samples: int | None) -
     files = sorted(p for p in path.iterdir() if p.suffix in (".npz", ".npy"))
     if samples is not None:
         files = files[:samples]
+    for p in files:  # a FIFO or folder named x.npz must fail now, not block or crash mid-run
+        input_file(p, "inputs", "every .npz in an inputs folder must be a regular file")
     if not files:
         raise DiagError(
             "bad-inputs",
@@ -501,9 +488,7 @@ def feed_source(
     if samples is not None and samples < 1:
         raise DiagError("bad-option", "--samples", "must be at least 1", "pass --samples 8")
     if inputs:
-        p = Path(inputs)
-        if not p.exists():
-            raise DiagError("missing-file", f"inputs '{p}'", "does not exist", "check the path")
+        p = input_path(inputs, "inputs", "pass a .npz, a .npy or a folder of .npz files")
         if p.is_dir():
             return feeds_from_folder(p, specs, samples)
         if p.suffix == ".npy":
@@ -514,7 +499,7 @@ def feed_source(
                     f"is one array but the model has {len(specs)} inputs",
                     "use a .npz with one array per input",
                 )
-            return feeds_from_arrays({specs[0].name: load_npy(p)}, specs, samples, batch, f"inputs '{p}'")
+            return feeds_from_arrays({specs[0].name: load_npy(p, lazy=True)}, specs, samples, batch, f"inputs '{p}'")
         return feeds_from_npz(p, specs, samples, batch)
     if reader:
         return feeds_from_reader(reader, specs, samples)
@@ -550,9 +535,7 @@ class FeedSpec:
 
 def load_labels(path: str) -> np.ndarray:
     """Class indices, one per sample in input order (``.npy``, or ``.npz`` with one array)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DiagError("missing-file", f"labels '{p}'", "does not exist", "check the path")
+    p = input_file(path, "labels", "pass a .npy of class indices")
     if p.suffix == ".npz":
         arrays = load_npz(p)
         if len(arrays) != 1:

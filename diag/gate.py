@@ -246,10 +246,13 @@ def check_file(path: str | os.PathLike[str], gates: Gates) -> list[GateResult]:
         >>> any(r.failed for r in results)  # doctest: +SKIP
         False
     """
+    from diag.documents import fields_of
     from diag.report import load_document
 
     gates.validate()  # a missing gate is reported before a missing file
-    return check_document(load_document(path), gates)
+    doc = load_document(path)
+    with fields_of(path):
+        return check_document(doc, gates)
 
 
 def summary_line(results: list[GateResult]) -> str:

@@ -111,7 +111,7 @@ class InferredRecipe:
         """
         lines = [f"{k} = {_toml(v)}" for k, v in self.recipe.items() if k != "extra_options"]
         for key, why in self.unknown.items():
-            lines.append(f"# {key}: cannot be inferred from the model ({why})")
+            lines.append(toml_comment(f"{key}: cannot be inferred from the model ({why})"))
         extra = self.recipe.get("extra_options") or {}
         if extra:
             lines += ["", "[extra_options]"] + [f"{k} = {_toml(v)}" for k, v in extra.items()]
@@ -162,6 +162,16 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     return _infer(loaded.proto, kind, base_dir)
 
 
+def toml_comment(text: str) -> str:
+    """One TOML comment line: line breaks and control characters (invalid in a TOML comment) become '?'.
+
+    Example:
+        >>> toml_comment('from evil\nmode = "static".onnx')
+        '# from evil?mode = "static".onnx'
+    """
+    return "# " + "".join(ch if ch == "\t" or ch.isprintable() else "?" for ch in text)
+
+
 def recipe_to_toml(path: str | os.PathLike[str]) -> str:
     """`diag inspect --recipe`: the inferred recipe as TOML text (see :func:`infer_recipe`).
 
@@ -171,8 +181,9 @@ def recipe_to_toml(path: str | os.PathLike[str]) -> str:
         ...
     """
     inferred = infer_recipe(path)
-    header = [f"# recipe inferred by diag from {Path(path).name}"]
-    header += [f"# evidence: {e}" for e in inferred.evidence]
+    # NOTE: file and node names come from the user's files: a newline in one must not become a live line.
+    header = [toml_comment(f"recipe inferred by diag from {Path(path).name}")]
+    header += [toml_comment(f"evidence: {e}") for e in inferred.evidence]
     return "\n".join(header) + "\n" + inferred.to_toml()
 
 
@@ -186,15 +197,14 @@ def recipe_to_file(model: str | os.PathLike[str], out: str | os.PathLike[str]) -
         >>> recipe_to_file("int8.onnx", "recipe.toml")  # doctest: +SKIP
         (PosixPath('recipe.toml'), ['calibrate_method: cannot be inferred ...'])
     """
-    from diag.report import atomic_write
+    from diag.files import output_file, write_set
 
     inferred = infer_recipe(model)
-    p = Path(out)
-    if not (p.parent if str(p.parent) else Path(".")).is_dir():
-        raise DiagError("bad-out", f"--recipe-out '{p}'", "is in a folder that does not exist", "create it first")
+    p = output_file(out, "--recipe-out")
     text = recipe_to_toml(model) + "\n" if p.suffix.lower() == ".toml" else inferred.to_json()
     notes = [f"{k}: cannot be inferred from the model ({why})" for k, why in inferred.unknown.items()]
-    return atomic_write(p, text), notes
+    write_set({p: text}, "--recipe-out")
+    return p, notes
 
 
 # ---------------------------------------------------------------- inference

@@ -14,6 +14,7 @@ from pathlib import Path
 import onnx
 
 from diag.errors import DiagError
+from diag.files import input_file, remember_input
 
 #: op types that only exist in quantized graphs, by the format that produces them.
 DYNAMIC_OPS = frozenset(
@@ -101,18 +102,9 @@ def checked_path(path: str | os.PathLike[str], role: str) -> Path:
         ...
         diag.errors.DiagError: FP32 model '/nonexistent.onnx' | does not exist. Hint: check the path
     """
-    p = Path(path)
-    obj = f"{role} '{p}'"
-    if not p.exists():
-        raise DiagError("missing-file", obj, "does not exist", "check the path")
-    if p.is_dir():
-        raise DiagError("not-a-file", obj, "is a directory", "pass the .onnx file inside it")
-    if not p.is_file():
-        raise DiagError("not-a-file", obj, "is not a regular file", "pass a .onnx file")
-    if not os.access(p, os.R_OK):
-        raise DiagError("unreadable", obj, "cannot be read (permission denied)", "check permissions")
+    p = input_file(path, role, "pass a .onnx file")
     if p.stat().st_size == 0:
-        raise DiagError("empty-file", obj, "is empty (0 bytes)", "re-export or re-copy the model")
+        raise DiagError("empty-file", f"{role} '{p}'", "is empty (0 bytes)", "re-export or re-copy the model")
     return p
 
 
@@ -253,6 +245,7 @@ def _check_external_data(proto: onnx.ModelProto, path: Path, obj: str) -> bool:
                 f"initializer '{tensor.name}' needs external data file {location!r}, which is missing",
                 "copy the .data file next to the model",
             )
+        remember_input(target)  # an output over the weights would destroy the model too
     return found
 
 

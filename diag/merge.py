@@ -24,6 +24,7 @@ import numpy as np
 
 from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
 from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
+from diag.documents import fields_of
 from diag.errors import DiagError
 from diag.instrument import FusedKernel
 from diag.match import match_models
@@ -179,6 +180,23 @@ def state_from_json(d: dict[str, Any]) -> CompareState:
     )
 
 
+def graph_fingerprint(model: Any) -> str:
+    """A hash of a model's structure (node names, op types, wiring, weight names and shapes), not its weights.
+
+    Shards record it so that ``diag merge`` can refuse to add up statistics of one model and
+    analyse them against another (``--fp32``/``--int8`` pointing at a different model); weights
+    are left out so that hashing stays cheap for multi-GB models.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for n in model.graph.node:
+        h.update(f"{n.name}|{n.op_type}|{','.join(n.input)}|{','.join(n.output)}\n".encode())
+    for t in model.graph.initializer:
+        h.update(f"{t.name}:{list(t.dims)}\n".encode())
+    return h.hexdigest()[:32]
+
+
 def add_shard_state(doc: dict[str, Any], result: CompareResult) -> dict[str, Any]:
     """Put the shard's mergeable state into its ``diag.json`` document (in place; returns it).
 
@@ -198,6 +216,7 @@ def add_shard_state(doc: dict[str, Any], result: CompareResult) -> dict[str, Any
         "inputs": result.input_description,
         "outlier_factor": result.options.outlier_factor,
         "runtime_unmatched": dict(result.runtime_unmatched),
+        "graphs": {"fp32": graph_fingerprint(result.fp32.proto), "int8": graph_fingerprint(result.int8.proto)},
         "state": state_to_json(result.state, result.options.metric),
     }
     doc["run"]["shard"] = f"{k}/{n}"
@@ -228,6 +247,18 @@ def merge_shards(
     if not paths:
         raise DiagError("bad-option", "diag merge", "needs at least one shard diag.json", "diag merge part*/diag.json")
     docs = [(str(p), load_document(p)) for p in paths]
+    # NOTE: the documents passed the schema; a field it does not pin down that the merge cannot use
+    # is the shard file's fault (bad-report naming the files), not an internal error.
+    with fields_of("' / '".join(p for p, _ in docs)):
+        return _merge_documents(docs, fp32, int8, start)
+
+
+def _merge_documents(
+    docs: list[tuple[str, dict[str, Any]]],
+    fp32: str | os.PathLike[str] | None,
+    int8: str | os.PathLike[str] | None,
+    start: float,
+) -> CompareResult:
     for p, doc in docs:
         shard = doc.get("shard")
         if not isinstance(shard, dict) or not isinstance(shard.get("state"), dict):
@@ -258,6 +289,7 @@ def merge_shards(
                 )
 
     same("shard count", lambda d: d["shard"]["count"])
+    same("models (graph fingerprints)", lambda d: d["shard"].get("graphs"))
     same("FP32 model", lambda d: d["models"]["fp32"]["path"])
     same("INT8 model", lambda d: d["models"]["int8"]["path"])
     same("inputs", lambda d: d["shard"]["inputs"])
@@ -282,12 +314,25 @@ def merge_shards(
             "merge every shard of the run, or the result is not the whole run",
         )
     fp, q = load_pair(fp32 or first["models"]["fp32"]["path"], int8 or first["models"]["int8"]["path"])
+    _check_same_models(first_path, first, fp, q)
     matching = match_models(fp.proto, q.proto)
     state = CompareState()
     unmatched: dict[str, str] = {}
-    for _, doc in sorted(docs, key=lambda pd: pd[1]["shard"]["index"]):
-        state.merge(state_from_json(doc["shard"]["state"]))
+    for p, doc in sorted(docs, key=lambda pd: pd[1]["shard"]["index"]):
+        with fields_of(p):
+            state.merge(state_from_json(doc["shard"]["state"]))
         unmatched.update(doc["shard"]["runtime_unmatched"])
+    known = {t for t in matching.fp_float_tensors} | set(
+        fp.proto.graph.output[i].name for i in range(len(fp.proto.graph.output))
+    )
+    foreign = sorted(set(state.accumulated) - known)
+    if foreign:
+        raise DiagError(
+            "model-mismatch",
+            f"shards '{first_path}' ...",
+            f"hold statistics of tensor '{foreign[0]}', which the FP32 model '{fp.path}' does not have",
+            "merge shards with the models they were run on (--fp32/--int8)",
+        )
     options = CompareOptions(
         opt_level=first["run"]["opt_level"],
         local=bool(first["run"]["local_error"]),
@@ -303,6 +348,21 @@ def merge_shards(
     return result
 
 
+def _check_same_models(path: str, doc: dict[str, Any], fp: Any, q: Any) -> None:
+    """The models read now must be the ones the shards ran on (their recorded graph fingerprints)."""
+    graphs = doc["shard"].get("graphs")
+    if not isinstance(graphs, dict):
+        return  # a shard written before fingerprints: the tensor-name check below still applies
+    for role, model in (("fp32", fp), ("int8", q)):
+        if graphs.get(role) != graph_fingerprint(model.proto):
+            raise DiagError(
+                "model-mismatch",
+                f"{role.upper()} model '{model.path}'",
+                f"is not the model the shards ran on (shard '{path}' records another graph)",
+                f"pass the {role.upper()} model the shards were computed with, or re-run the shards",
+            )
+
+
 def merge_to_dir(
     paths: list[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
@@ -316,7 +376,9 @@ def merge_to_dir(
         >>> sorted(files)  # doctest: +SKIP
         ['diag.json', 'report.html', 'summary.md']
     """
-    from diag.report import document_from_result, write_outputs
+    from diag.files import check_outputs
+    from diag.report import OUTPUT_NAMES, document_from_result, write_outputs
 
+    check_outputs(out_dir, OUTPUT_NAMES, [*paths, fp32, int8])
     result = merge_shards(paths, fp32, int8)
     return result, write_outputs(document_from_result(result), out_dir)

@@ -238,7 +238,7 @@ def quantize_model(
     calibrations = [0]
     with (
         tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name,
-        tempfile.TemporaryDirectory(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent) as stage_name,
+        tempfile.TemporaryDirectory(prefix=f".diag-quantize-{os.getpid()}-", dir=out.parent) as stage_name,
     ):
         tmp = Path(tmp_name).resolve()
         staged = Path(stage_name).resolve() / out.name  # same folder as the output: publishing is a rename
@@ -295,6 +295,8 @@ def quantize_model(
                     cache.unlink(missing_ok=True)  # ranges of the model before the upgrade
                 _run_quantizer(recipe, src, staged, source, external, actions, False, cache, calibrations)
                 error = _load_error(staged)
+        if not error and _raise_ir_version(staged, actions):
+            error = _load_error(staged)  # verified as written
         if error:
             raise DiagError(
                 "quantize-failed",
@@ -325,21 +327,41 @@ def quantize_model(
 # ---------------------------------------------------------------- steps
 
 
+def _raise_ir_version(staged: Path, actions: list[str]) -> bool:
+    """Give the INT8 model the IR version its opsets need (an IR-3 input stays IR 3 otherwise).
+
+    onnxruntime's quantizer keeps the input's ``ir_version`` but writes newer opsets and scale
+    initializers that are not graph inputs, which IR 3 forbids: onnx.checker, and so every other
+    verb, would refuse a model diag itself produced and verified. Only the header changes.
+    """
+    model = onnx.load(str(staged), load_external_data=False)
+    need = max(4, onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
+    if model.ir_version >= need:
+        return False
+    opsets = ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
+    actions.append(
+        f"raised the IR version {model.ir_version} -> {need}: the quantizer wrote opsets {opsets} and "
+        "initializers that are not graph inputs, which the input's IR version forbids"
+    )
+    model.ir_version = need
+    onnx.save(model, str(staged))
+    return True
+
+
 def _checked_out(out_path: str | os.PathLike[str], source: Path) -> Path:
     """The output path; its folder is created; it may not be the input model."""
     out = Path(out_path)
     if out.suffix.lower() != ".onnx":
         raise DiagError("bad-option", f"-o '{out}'", "does not end in .onnx", "name the output e.g. model.int8.onnx")
-    if out.exists() and out.resolve() == source.resolve():
+    from diag.files import is_input, out_dir, output_file
+
+    if is_input(out) == source:
         raise DiagError("bad-out", f"-o '{out}'", "is the FP32 model itself", "write the INT8 model to another file")
-    if out.is_dir():
-        raise DiagError("bad-out", f"-o '{out}'", "is a directory", "give a file name ending in .onnx")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DiagError(
-            "bad-out", f"-o '{out}'", f"folder cannot be created ({e.strerror})", "choose a writable folder"
-        ) from e
+
+    out_dir(out.parent if str(out.parent) else ".", "-o folder")
+    output_file(out, "-o")
+    if not out.name.endswith(".data"):
+        output_file(out.parent / (out.name + ".data"), "-o external data")
     if not os.access(out.parent, os.W_OK):
         raise DiagError("bad-out", f"-o '{out}'", "folder is not writable", "choose a writable folder")
     return out
@@ -646,15 +668,10 @@ def _publish(staged: Path, out: Path) -> None:
     ``staged`` sits in a temp folder inside the output's folder, so each step is an atomic rename
     and a reader never sees a half-written ``.onnx``.
     """
-    umask = os.umask(0)
-    os.umask(umask)
+    from diag.files import write_set
+
     parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
-    try:
-        for p in parts:
-            os.chmod(p, 0o666 & ~umask)  # like any file the user writes, not a temp file's 0600
-            os.replace(p, out.parent / p.name)
-    except OSError as e:
-        raise DiagError("bad-out", f"-o '{out}'", f"cannot be written ({e.strerror or e})", "check free space") from e
+    write_set({out.parent / p.name: p for p in parts}, "-o")
 
 
 @contextlib.contextmanager

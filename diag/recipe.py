@@ -416,12 +416,10 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         >>> read_recipe_file("recipe.json")  # doctest: +SKIP
         {'mode': 'dynamic', 'per_channel': True}
     """
-    p = Path(path)
+    from diag.files import input_file
+
+    p = input_file(path, "recipe", "pass a .json or .toml file")
     obj = f"recipe '{p}'"
-    if not p.exists():
-        raise DiagError("missing-file", obj, "does not exist", "check the path")
-    if not p.is_file():
-        raise DiagError("not-a-file", obj, "is not a regular file", "pass a .json or .toml file")
     try:
         raw = p.read_bytes()
     except OSError as e:
@@ -430,11 +428,12 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise DiagError("bad-recipe", obj, "is not UTF-8 text", "save it as UTF-8 JSON or TOML") from e
+    _refuse_hostile_text(text, obj)
     if p.suffix.lower() == ".toml":
         toml = _tomllib()
         try:
             data: Any = toml.loads(text)
-        except toml.TOMLDecodeError as e:
+        except (toml.TOMLDecodeError, ValueError) as e:
             raise DiagError("bad-recipe", obj, f"is not valid TOML ({e})", "fix the syntax at the reported line") from e
     else:
         try:
@@ -443,7 +442,9 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise DiagError(
                 "bad-recipe", obj, f"has key '{e.args[0]}' twice", "JSON keeps only the last one; merge them"
             ) from e
-        except json.JSONDecodeError as e:
+        except ValueError as e:
+            if not isinstance(e, json.JSONDecodeError):  # an integer longer than Python parses
+                raise DiagError("bad-recipe", obj, "has an integer too long to read", "use a plain number") from e
             raise DiagError(
                 "bad-recipe",
                 obj,
@@ -498,6 +499,20 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     return recipe
 
 
+#: A recipe or grid is a table of scalars, lists and one level of extra_options; far deeper is hostile.
+MAX_RECIPE_DEPTH = 16
+
+
+def _refuse_hostile_text(text: str, obj: str) -> None:
+    """Deep nesting would exhaust the parser's recursion (JSON) or blow the stack (TOML): refuse it first."""
+    from diag.documents import max_depth
+
+    if max_depth(text) > MAX_RECIPE_DEPTH:
+        raise DiagError(
+            "bad-recipe", obj, f"is nested deeper than {MAX_RECIPE_DEPTH} levels", "a recipe is a flat table of options"
+        )
+
+
 def inline_json(text: str, flag: str, example: str) -> Any:
     """Parse the inline JSON given to ``flag`` (``--recipe``, ``--grid``); a syntax error is bad-recipe.
 
@@ -505,9 +520,14 @@ def inline_json(text: str, flag: str, example: str) -> Any:
         >>> inline_json('{"mode": "dynamic"}', "--recipe", "{}")
         {'mode': 'dynamic'}
     """
+    _refuse_hostile_text(text, f"inline {flag}")
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:
+        if not isinstance(e, json.JSONDecodeError):
+            raise DiagError(
+                "bad-recipe", f"inline {flag}", "has an integer too long to read", "use a plain number"
+            ) from e
         raise DiagError(
             "bad-recipe",
             f"inline {flag}",
@@ -543,15 +563,22 @@ def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
         >>> save_recipe(Recipe(mode="dynamic"), "recipe.json")  # doctest: +SKIP
         PosixPath('recipe.json')
     """
+    from diag.files import output_file, write_set
+
+    p = output_file(path, "recipe")
+    write_set({p: recipe_file_text(recipe, p)}, "recipe")
+    return p
+
+
+def recipe_file_text(recipe: Recipe, path: str | os.PathLike[str]) -> str:
+    """The text :func:`save_recipe` writes to ``path`` (its calibration path rebased onto ``path``'s folder)."""
     p = Path(path)
     data = recipe.to_dict()
     calib = recipe.calibration_path()
     if calib is not None and recipe.base_dir is not None and not Path(recipe.calibration or "").is_absolute():
         data["calibration"] = os.path.relpath(calib, p.parent if str(p.parent) else ".")
     text = _to_toml(data, p) if p.suffix.lower() == ".toml" else json.dumps(data, indent=2) + "\n"
-    from diag.report import atomic_write
-
-    return atomic_write(p, text, "recipe")
+    return text
 
 
 def _toml_string(text: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -357,34 +356,10 @@ def view_from_file(path: str | os.PathLike[str]) -> ReportView:
 
 
 def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a ``diag.json`` and check its schema version."""
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise DiagError("missing-file", f"report '{p}'", "does not exist", "check the path") from e
-    except (OSError, ValueError) as e:
-        raise DiagError(
-            "bad-report",
-            f"report '{p}'",
-            f"is not readable JSON ({type(e).__name__})",
-            "pass the diag.json written by diag compare",
-        ) from e
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise DiagError(
-            "bad-report",
-            f"report '{p}'",
-            "is not a diag compare document",
-            "pass the diag.json written by diag compare",
-        )
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise DiagError(
-            "bad-report",
-            f"report '{p}'",
-            f"has schema version {doc.get('schema_version')}, this diag reads {SCHEMA_VERSION}",
-            "re-run diag compare with this version",
-        )
-    return doc
+    """Read a ``diag.json``, validated against the shipped schema and for meaning (:mod:`diag.documents`)."""
+    from diag.documents import read_document
+
+    return read_document(path)
 
 
 # ---------------------------------------------------------------- formatting
@@ -1282,70 +1257,65 @@ def md_escape(text: str) -> str:
     return "".join(out)
 
 
-def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """Write diag.json, report.html and summary.md into ``out_dir``, each atomically.
+#: The files of a diag compare / merge run, in the order they are printed.
+OUTPUT_NAMES = ("diag.json", "report.html", "summary.md")
 
-    Everything is rendered in memory first; all three are written to temporary files in the same
-    folder and only then renamed over the old ones, so an existing report stays intact (all three
-    files of it) until the new one is complete, and a failure leaves no half-written file.
+
+def report_to_dir(json_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Path]:
+    """`diag report`: re-render a diag.json into ``out`` (a folder, or a single ``.html`` path), as one set.
+
+    Example:
+        >>> report_to_dir("run/diag.json", "run")  # doctest: +SKIP
+        {'report.html': PosixPath('run/report.html'), 'summary.md': PosixPath('run/summary.md')}
     """
-    out = ensure_out_dir(out_dir)
+    from diag.files import check_outputs, input_file, out_dir, output_file, write_set
+
+    input_file(json_path, "report", "pass the diag.json written by diag compare")
+    target = Path(out)
+    if target.suffix.lower() in (".html", ".htm"):
+        output_file(target, "--out")
+        return write_set({target: render_html(view_from_file(json_path))})
+    check_outputs(target, ("report.html", "summary.md"))
+    view = view_from_file(json_path)
+    folder = out_dir(target)
+    return write_set({folder / "report.html": render_html(view), folder / "summary.md": render_markdown(view)})
+
+
+def output_texts(doc: dict[str, Any]) -> dict[str, str]:
+    """diag.json, report.html and summary.md of a document, rendered in memory (nothing written)."""
     view = view_from_document(doc)
-    contents = {
+    return {
         "diag.json": json.dumps(doc, indent=1, sort_keys=False, ensure_ascii=False) + "\n",
         "report.html": render_html(view),
         "summary.md": render_markdown(view),
     }
-    return atomic_write_all({out / name: text for name, text in contents.items()})
+
+
+def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write diag.json, report.html and summary.md into ``out_dir`` as one set (:func:`diag.files.write_set`).
+
+    Everything is rendered in memory first, so an existing report stays intact (all three files of
+    it) until the new one is complete, and a failure leaves no half-written file.
+    """
+    from diag.files import out_dir as checked_out_dir
+    from diag.files import write_set
+
+    out = checked_out_dir(out_dir)
+    return write_set({out / name: text for name, text in output_texts(doc).items()})
 
 
 def atomic_write_all(files: dict[Path, str], what: str = "output") -> dict[str, Path]:
-    """Write several files so that either all are replaced or none is.
+    """Write several files in one folder so that either all are replaced or none is."""
+    from diag.files import write_set
 
-    Every temp file is written and synced first; only then are they renamed, one after another
-    (renames within a folder do not fail for lack of space). A failure while writing leaves every
-    old file as it was and no temp file behind.
-    """
-    staged: list[tuple[str, Path]] = []
-    try:
-        for path, text in files.items():
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            staged.append((tmp_name, path))
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp_name, 0o666 & ~umask)
-        for tmp_name, path in staged:
-            os.replace(tmp_name, path)
-        staged = []
-    except OSError as e:
-        where = staged[-1][1] if staged else next(iter(files))
-        raise DiagError(
-            "bad-out",
-            f"{what} '{where}'",
-            f"cannot be written ({e.strerror or e})",
-            "check free space and permissions of the output folder",
-        ) from e
-    finally:
-        for tmp_name, _ in staged:
-            if os.path.exists(tmp_name):
-                os.unlink(tmp_name)
-    return {path.name: path for path in files}
+    return write_set(files, what)
 
 
 def ensure_out_dir(out_dir: str | os.PathLike[str]) -> Path:
     """Create the ``--out`` folder if missing; a ``bad-out`` error when that is impossible."""
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DiagError(
-            "bad-out", f"--out '{out}'", f"cannot be created ({e.strerror})", "choose a writable folder"
-        ) from e
-    return out
+    from diag.files import out_dir as checked_out_dir
+
+    return checked_out_dir(out_dir)
 
 
 def atomic_write(path: Path, text: str, what: str = "output") -> Path:

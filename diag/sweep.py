@@ -31,7 +31,6 @@ import itertools
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
+from diag.files import remove_tree, signals_held
 from diag.recipe import STATIC_ONLY, Recipe
 
 #: The default grid: the settings popular guides make claims about.
@@ -714,13 +714,21 @@ def read_jsonl(path: Path, context: str) -> dict[str, SweepEntry]:
     done: dict[str, SweepEntry] = {}
     if not path.is_file():
         return done
-    for line in path.read_text(encoding="utf-8").splitlines():
+    from diag.documents import MAX_DEPTH, max_depth
+
+    for raw in path.read_bytes().splitlines():
         try:
+            line = raw.decode("utf-8")
+            if max_depth(line) > MAX_DEPTH:
+                continue
             d = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # interrupted while writing: that entry is simply measured again
+        except ValueError:  # cut mid-character or mid-JSON (interrupted while writing): measured again
+            continue
         if isinstance(d, dict) and d.get("context") == context and isinstance(d.get("entry"), dict):
-            e = SweepEntry.from_dict(d["entry"])
+            try:
+                e = SweepEntry.from_dict(d["entry"])
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue  # a damaged line: that recipe is measured again
             done[e.key] = e
     return done
 
@@ -793,9 +801,9 @@ def sweep_model(
     from diag.bench import bench_models, physical_cores
     from diag.exclude import HeldOutEvaluator, parse_target, split_feeds
     from diag.feeds import load_labels
+    from diag.files import out_dir as checked_out_dir
     from diag.load import float_model_from_path
     from diag.quantize import quantize_model
-    from diag.report import ensure_out_dir
 
     start = time.perf_counter()
     if scheduler is not None:
@@ -821,7 +829,7 @@ def sweep_model(
     recipes = expand_grid(grid, grid_dir)
     fp32 = Path(fp32_path)
     fp = float_model_from_path(fp32)
-    out = ensure_out_dir(out_dir)
+    out = checked_out_dir(out_dir)
     label_array = load_labels(labels) if labels else None
     source = feeds.source(fp.proto)
     calibration: FeedSource | None
@@ -876,9 +884,11 @@ def sweep_model(
     by_hash: dict[str, SweepEntry] = {e.model_sha256: e for e in done.values() if e.ok and e.model_sha256}
     measured = resumed = 0
     varying = varying_keys(recipes)
-    work = Path(tempfile.mkdtemp(prefix=".diag-sweep-", dir=out))
+    work: Path | None = None
     remote: Any = None
     try:
+        with signals_held():  # a Ctrl-C right after mkdtemp must not leave the folder (diag.files.work_dir)
+            work = Path(tempfile.mkdtemp(prefix=f".diag-sweep-{os.getpid()}-", dir=out))
         if scheduler is not None:
             from diag.cluster import sweep_on_cluster
 
@@ -931,7 +941,8 @@ def sweep_model(
     finally:
         if remote is not None:
             remote.close()
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            remove_tree(work)
     labels_by_key = {e.key: recipe_label(e.recipe, varying) for e in entries}
     result = SweepResult(
         fp32=str(fp32),
@@ -1248,6 +1259,10 @@ def render_markdown(view: dict[str, Any]) -> str:
     return "\n".join(lines[:MD_MAX_LINES]) + "\n"
 
 
+#: The files of a sweep's --out besides sweep.jsonl, in the order they are printed.
+OUTPUT_NAMES = ("sweep.json", "sweep.md", "sweep.html", "pareto.svg", "best.recipe.json")
+
+
 def sweep_to_dir(
     fp32_path: str | Path,
     feeds: FeedSpec,
@@ -1276,12 +1291,15 @@ def sweep_to_dir(
         >>> sorted(files)  # doctest: +SKIP
         ['best.recipe.json', 'pareto.svg', 'sweep.html', 'sweep.json', 'sweep.jsonl', 'sweep.md']
     """
+    from diag.files import check_outputs, write_set
+    from diag.files import out_dir as checked_out_dir
     from diag.plots_sweep import pareto_plot
-    from diag.recipe import save_recipe
-    from diag.report import atomic_write, ensure_out_dir
+    from diag.recipe import recipe_file_text
 
     grid_dict, grid_dir = load_grid(grid)
-    out = ensure_out_dir(out_dir)
+    given = [fp32_path, feeds.inputs, calib.inputs if calib else None, labels]
+    check_outputs(out_dir, [*OUTPUT_NAMES, JSONL], given)  # before any recipe is measured
+    out = checked_out_dir(out_dir)
     result = sweep_model(
         fp32_path,
         feeds,
@@ -1303,22 +1321,24 @@ def sweep_to_dir(
     )
     doc = result.to_dict()
     view = sweep_view(doc)
-    files: dict[str, Path] = {
-        "sweep.json": atomic_write(out / "sweep.json", json.dumps(doc, indent=1, ensure_ascii=False) + "\n"),
-        "sweep.md": atomic_write(out / "sweep.md", render_markdown(view)),
-        "sweep.html": atomic_write(out / "sweep.html", render_html(view)),
-        "pareto.svg": atomic_write(out / "pareto.svg", pareto_plot(doc)),
-        "sweep.jsonl": out / JSONL,
-    }
     best_path = out / "best.recipe.json"
+    contents: dict[Path, str | bytes | Path] = {
+        out / "sweep.json": json.dumps(doc, indent=1, ensure_ascii=False) + "\n",
+        out / "sweep.md": render_markdown(view),
+        out / "sweep.html": render_html(view),
+        out / "pareto.svg": pareto_plot(doc),
+    }
     if result.best_recipe is not None:
-        if result.best_recipe.mode == "dynamic":  # save_recipe would write inert static-only keys
-            text = json.dumps(recipe_file_dict(result.best_recipe), indent=2) + "\n"
-            files["best.recipe.json"] = atomic_write(best_path, text)
+        if result.best_recipe.mode == "dynamic":  # the static-only keys would be inert
+            contents[best_path] = json.dumps(recipe_file_dict(result.best_recipe), indent=2) + "\n"
         else:  # rebases the calibration path onto the recipe's folder
-            files["best.recipe.json"] = save_recipe(result.best_recipe, best_path)
-    else:
-        best_path.unlink(missing_ok=True)
+            contents[best_path] = recipe_file_text(result.best_recipe, best_path)
+    # NOTE: one set, all or nothing; a best recipe of an earlier run goes in the same step.
+    written = write_set(contents, remove=[] if best_path in contents else [best_path])
+    files = {name: written[name] for name in ("sweep.json", "sweep.md", "sweep.html", "pareto.svg")}
+    files["sweep.jsonl"] = out / JSONL
+    if best_path.name in written:
+        files["best.recipe.json"] = best_path
     return result, files
 
 

@@ -1,0 +1,267 @@
+"""Untrusted JSON documents: one reader and one validator for every ``diag.json`` and shard file.
+
+``check``, ``diff``, ``merge`` and ``report`` read documents a user (or a colleague, or a CI artifact)
+hands them. Before any field is used, :func:`read_document` makes sure that
+
+- the file is a regular file (:func:`diag.files.input_file`), of a sane size, valid UTF-8 JSON,
+  nested at most :data:`MAX_DEPTH` levels (deeper nesting would hit Python's recursion limit later)
+  and without integers longer than Python parses (``ValueError`` at 4300 digits);
+- it follows the shipped schema (``reports_templates/diag.schema.json``): types, required keys,
+  enums and constants, every error naming the field (``verdict.outputs[0].sqnr_db``);
+- it makes sense: counts are non-negative, a shard's ``index`` is below its ``count`` and the count
+  below :data:`MAX_SHARDS` (a count of 10^12 must be refused, not iterated).
+
+Every failure is a ``bad-report`` error naming the file and the field. Code that reads fields the
+schema does not pin down runs under :func:`fields_of`, which turns a malformed value into the same
+error instead of an internal one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from diag.errors import DiagError
+
+#: Deepest nesting a diag document has is ~8; anything far deeper is hostile.
+MAX_DEPTH = 64
+#: No run is split into more shards than this; a larger count is a corrupt or hostile file.
+MAX_SHARDS = 100_000
+#: diag.json of a 2,000-node model with histograms is a few MB; refuse to parse absurd files.
+MAX_BYTES = 1 << 30
+
+_SCHEMA: dict[str, Any] | None = None
+
+
+def _schema() -> dict[str, Any]:
+    global _SCHEMA
+    if _SCHEMA is None:
+        from diag.report import templates_dir
+
+        _SCHEMA = json.loads((templates_dir() / "diag.schema.json").read_text(encoding="utf-8"))
+    return _SCHEMA
+
+
+def _bad(path: object, problem: str, hint: str = "pass the diag.json written by diag compare") -> DiagError:
+    return DiagError("bad-report", f"report '{path}'", problem, hint)
+
+
+def parse_json(text: str, path: object, *, bad: Any = None) -> Any:
+    """``json.loads`` for untrusted text: deep nesting and giant integers are refused, never a crash.
+
+    Example:
+        >>> parse_json("[" * 100 + "]" * 100, "x.json")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        diag.errors.DiagError: report 'x.json' | is nested deeper than 64 levels. Hint: ...
+    """
+    make = bad or _bad
+    depth = max_depth(text)
+    if depth > MAX_DEPTH:
+        raise make(path, f"is nested deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except RecursionError as e:  # pragma: no cover - the depth scan above comes first
+        raise make(path, f"is nested deeper than {MAX_DEPTH} levels") from e
+    except ValueError as e:
+        why = "has an integer too long to read" if "digits" in str(e) else f"is not readable JSON ({str(e)[:80]})"
+        raise make(path, why) from e
+
+
+def max_depth(text: str) -> int:
+    """Deepest bracket nesting, strings skipped; linear and without recursion."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def read_document(path: str | os.PathLike[str], role: str = "report") -> dict[str, Any]:
+    """Read and validate a ``diag.json`` (a shard file too): schema first, then meaning.
+
+    Example:
+        >>> doc = read_document("run/diag.json")  # doctest: +SKIP
+        >>> doc["verdict"]["grade"]  # doctest: +SKIP
+        'acceptable'
+    """
+    from diag.files import input_file
+
+    p = input_file(path, role, "pass the diag.json written by diag compare")
+    if p.stat().st_size > MAX_BYTES:
+        raise _bad(p, f"is {p.stat().st_size:,} bytes; no diag.json is that large")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _bad(p, "is not UTF-8 text") from e
+    except OSError as e:
+        raise DiagError("unreadable", f"{role} '{p}'", f"cannot be read ({e.strerror})", "check permissions") from e
+    doc = parse_json(text, p)
+    validate_document(doc, p)
+    return doc  # type: ignore[no-any-return]
+
+
+def validate_document(doc: Any, path: object) -> None:
+    """Schema and semantic checks of a parsed ``diag.json``; ``bad-report`` naming the field on failure."""
+    from diag.report import SCHEMA, SCHEMA_VERSION
+
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise _bad(path, "is not a diag compare document")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise _bad(
+            path,
+            f"has schema version {str(doc.get('schema_version'))[:20]}, this diag reads {SCHEMA_VERSION}",
+            "re-run diag compare with this version",
+        )
+    schema = _schema()
+    problem = _validate(doc, schema, schema, "")
+    if problem is not None:
+        raise _bad(path, problem, "re-run diag compare to write it again")
+    _semantics(doc, path)
+
+
+def _type_ok(value: Any, t: str) -> bool:
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {
+        "object": isinstance(value, dict),
+        "array": isinstance(value, list),
+        "string": isinstance(value, str),
+        "boolean": isinstance(value, bool),
+        "null": value is None,
+    }.get(t, True)
+
+
+def _where(at: str) -> str:
+    return f"field '{at}'" if at else "the document"
+
+
+def _validate(value: Any, rule: dict[str, Any], root: dict[str, Any], at: str) -> str | None:
+    """The first violation of the JSON-schema subset diag's schema uses, or None.
+
+    Supported: type, required, properties, additionalProperties, items, enum, const, oneOf, $ref.
+    Recursion depth follows the document's, which :data:`MAX_DEPTH` bounds.
+    """
+    if "$ref" in rule:
+        ref = rule["$ref"].removeprefix("#/$defs/")
+        rule = {**root["$defs"][ref], **{k: v for k, v in rule.items() if k != "$ref"}}
+    if "oneOf" in rule:
+        if not any(_validate(value, r, root, at) is None for r in rule["oneOf"]):
+            return f"{_where(at)} has {_short(value)}, which is not a number, 'inf', '-inf', 'nan' or null"
+    t = rule.get("type")
+    if t is not None:
+        types = t if isinstance(t, list) else [t]
+        if not any(_type_ok(value, x) for x in types):
+            return f"{_where(at)} is {_kind(value)}, the schema wants {' or '.join(types)}"
+    if "const" in rule and value != rule["const"]:
+        return f"{_where(at)} is {_short(value)}, the schema wants {rule['const']!r}"
+    if "enum" in rule and value not in rule["enum"]:
+        return f"{_where(at)} is {_short(value)}, the schema wants one of {rule['enum']}"
+    if isinstance(value, dict):
+        for key in rule.get("required", []):
+            if key not in value:
+                return f"{_where(at)} lacks the required key '{key}'"
+        props = rule.get("properties", {})
+        extra = rule.get("additionalProperties")
+        for key, sub in value.items():
+            child = f"{at}.{key}" if at else str(key)
+            if key in props:
+                problem = _validate(sub, props[key], root, child)
+            elif isinstance(extra, dict):
+                problem = _validate(sub, extra, root, child)
+            else:
+                problem = None
+            if problem is not None:
+                return problem
+    if isinstance(value, list) and isinstance(rule.get("items"), dict):
+        for i, item in enumerate(value):
+            problem = _validate(item, rule["items"], root, f"{at}[{i}]")
+            if problem is not None:
+                return problem
+    return None
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), f"a {type(value).__name__}"
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _count(value: Any, at: str, path: object, top: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _bad(path, f"field '{at}' is {_short(value)}, not a count (an integer >= 0)")
+    if top is not None and value > top:
+        raise _bad(path, f"field '{at}' is {value:,}, more than {top:,}", "re-run diag compare to write it again")
+    return value
+
+
+def _semantics(doc: dict[str, Any], path: object) -> None:
+    """What the schema cannot say: counts, a shard's index against its count, the state's layout."""
+    run = doc["run"]
+    _count(run.get("samples"), "run.samples", path)
+    _count(run.get("batches"), "run.batches", path)
+    shard = doc.get("shard")
+    if shard is None:
+        return
+    if not isinstance(shard, dict):
+        raise _bad(path, "field 'shard' is not an object")
+    n = _count(shard.get("count"), "shard.count", path, MAX_SHARDS)
+    k = _count(shard.get("index"), "shard.index", path)
+    if n < 1 or k >= n:
+        raise _bad(path, f"field 'shard.index' is {k} but 'shard.count' is {n}: shards are numbered 0..count-1")
+    state = shard.get("state")
+    if not isinstance(state, dict):
+        raise _bad(path, "field 'shard.state' is not an object")
+    for key in ("samples", "batches", "passes"):
+        _count(state.get(key), f"shard.state.{key}", path)
+    for key in ("accumulated", "local", "outputs", "distributions", "deployed", "labelled"):
+        part = state.get(key)
+        if not isinstance(part, dict):
+            raise _bad(path, f"field 'shard.state.{key}' is {_kind(part)}, not an object")
+        for name, item in part.items():
+            if key == "labelled":
+                _count(item, f"shard.state.labelled.{name}", path)
+            elif not isinstance(item, dict):
+                raise _bad(path, f"field 'shard.state.{key}.{name}' is {_kind(item)}, not an object")
+    if not isinstance(state.get("fused"), list):
+        raise _bad(path, "field 'shard.state.fused' is not an array")
+    if not isinstance(shard.get("runtime_unmatched"), dict):
+        raise _bad(path, "field 'shard.runtime_unmatched' is not an object")
+
+
+@contextlib.contextmanager
+def fields_of(path: object) -> Iterator[None]:
+    """Run code that reads a validated document's fields; a value the schema let through but the code
+    cannot use (a string where a count is needed deep in a shard's state) is ``bad-report`` naming the
+    file, never an internal error."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        if isinstance(e, DiagError):
+            raise
+        raise _bad(
+            path, f"has a missing or malformed field ({type(e).__name__}: {str(e)[:80]})", "re-run diag compare"
+        ) from e
