@@ -407,7 +407,8 @@ def test_a_target_no_recipe_meets_writes_no_best_recipe(tmp_path, capsys):
 @pytest.mark.slow
 def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxruntime(tmp_path):
     """PP-OCR mobile direction classifier (opset 11, Constant-node weights) from the RapidOCR wheel,
-    swept over the whole default grid (48 recipes) with short latency runs to stay under a minute.
+    swept over the default grid's mode x format x per_channel axes (6 recipes: dynamic has no format;
+    the whole 48-recipe grid runs on the convnet fixture) with short latency runs.
     """
     from diag.fixtures.thirdparty import rapidocr_model, text_images
 
@@ -415,7 +416,10 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
     images = np.asarray(text_images(12, 48, 192, seed=3), dtype=np.float32)
     arrays = {"x": images}
     np.savez(tmp_path / "inputs.npz", **arrays)
-    grid = None
+    grid = json.dumps(
+        {"mode": ["dynamic", "static"], "quant_format": ["QDQ", "QOperator"], "per_channel": [False, True]}
+        | {"activation_type": "QUInt8", "weight_type": "QInt8"}
+    )
     out = tmp_path / "sweep"
     _, files = sweep_to_dir(
         fp32,
@@ -429,9 +433,10 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
         progress=False,
     )
     doc = json.loads((out / "sweep.json").read_text())
-    assert doc["counts"]["recipes"] == 48 and doc["counts"]["measured"] + doc["counts"]["skipped"] == 48
+    n = doc["counts"]["recipes"]
+    assert n == 6 and doc["counts"]["measured"] + doc["counts"]["skipped"] == n
     ok = [e for e in doc["entries"] if e["status"] == "ok"]
-    assert len(ok) >= 40
+    assert len(ok) >= n - 1
     # the guards fired on this export and are recorded per recipe
     assert any("lifted" in a for e in ok for a in e["actions"])
     assert any("upgraded opset 11 -> 13" in a for e in ok for a in e["actions"])
