@@ -487,6 +487,11 @@ def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
     from diag.errors import GATE_FAILED
     from diag.tiers import summary_lines, tier_plan_to_dir
 
+    for flag, given in (("--scheduler", args.scheduler), ("--no-estimates", args.no_estimates)):
+        if given:
+            raise DiagError(
+                "bad-option", f"{flag} with --tiers", "is not supported by the tier search", f"drop {flag} or --tiers"
+            )
     plan, files = tier_plan_to_dir(
         args.fp32,
         recipe,

@@ -997,6 +997,46 @@ class _Search(SearchAlgorithm):
         return self.search_real()
 
 
+def search_target(
+    target: str | Target, metric: str | None, labels: str | None, max_trials: int | None, time_budget: float | None
+) -> Target:
+    """The parsed ``--target`` of a search, after checking the options it depends on (exclude, tiers).
+
+    A plugin's declared names are targets too (``--metric``); label-based targets need ``--labels``;
+    the budget caps must be positive. Every problem is a ``bad-option`` before any work.
+    """
+    if max_trials is not None and max_trials < 1:
+        raise DiagError("bad-option", f"--max-trials {max_trials}", "must be at least 1", "e.g. --max-trials 50")
+    if time_budget is not None and not time_budget > 0:
+        raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
+    plugin = None
+    if metric:
+        from diag.taskmetrics import metric_factory
+
+        plugin = dict(metric_factory(metric)().better)
+    tgt = parse_target(target, plugin) if isinstance(target, str) else target
+    if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
+        raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
+    return tgt
+
+
+#: reproduce.py's replay of ``quantize.lift_constants`` (paddle2onnx stores weights as Constant nodes).
+LIFT_CONSTANTS_SNIPPET = [
+    "# Constant nodes -> initializers (the quantizer only quantizes initializer weights).",
+    "kept = []",
+    "for node in model.graph.node:",
+    '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
+    "        t = onnx.TensorProto()",
+    "        t.CopyFrom(node.attribute[0].t)",
+    "        t.name = node.output[0]",
+    "        model.graph.initializer.append(t)",
+    "    else:",
+    "        kept.append(node)",
+    "del model.graph.node[:]",
+    "model.graph.node.extend(kept)",
+]
+
+
 def derive_exclusions(
     fp32_path: str | Path,
     recipe: Recipe,
@@ -1054,23 +1094,12 @@ def derive_exclusions(
     from diag.compare import CompareOptions, compare_models
 
     start = time.perf_counter()
-    if max_trials is not None and max_trials < 1:
-        raise DiagError("bad-option", f"--max-trials {max_trials}", "must be at least 1", "e.g. --max-trials 50")
-    if time_budget is not None and not time_budget > 0:
-        raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
+    tgt = search_target(target, metric, labels, max_trials, time_budget)
     deadline = start + time_budget if time_budget is not None else None
     if scheduler is not None:
         from diag.cluster import require_scheduler
 
         require_scheduler(scheduler)  # no Dask, no scheduler: say so before any work
-    plugin = None
-    if metric:
-        from diag.taskmetrics import metric_factory
-
-        plugin = dict(metric_factory(metric)().better)
-    tgt = parse_target(target, plugin) if isinstance(target, str) else target
-    if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
-        raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
     fp32 = Path(fp32_path)
     fp = float_model_from_path(fp32)
     label_array = load_labels(labels) if labels else None
@@ -1445,20 +1474,7 @@ def reproduce_snippet(
     lines += ["", "", "model = onnx.load(FP32)"]
     for step in steps:
         if step == "lift_constants":
-            lines += [
-                "# Constant nodes -> initializers (paddle2onnx stores weights as Constant nodes).",
-                "kept = []",
-                "for node in model.graph.node:",
-                '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
-                "        t = onnx.TensorProto()",
-                "        t.CopyFrom(node.attribute[0].t)",
-                "        t.name = node.output[0]",
-                "        model.graph.initializer.append(t)",
-                "    else:",
-                "        kept.append(node)",
-                "del model.graph.node[:]",
-                "model.graph.node.extend(kept)",
-            ]
+            lines += LIFT_CONSTANTS_SNIPPET
         elif step == "upgrade_opset":
             lines += [
                 "# per-channel QDQ writes DequantizeLinear(axis=...), which opset < 13 forbids.",

@@ -542,20 +542,9 @@ def weight_only_snippet(recipe: dict[str, Any], fp32: str, model_out: str, heade
         "model = onnx.load(FP32)",
     ]
     if lift:
-        lines += [
-            "# Constant nodes -> initializers (the quantizer only quantizes initializer weights).",
-            "kept = []",
-            "for node in model.graph.node:",
-            '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
-            "        t = onnx.TensorProto()",
-            "        t.CopyFrom(node.attribute[0].t)",
-            "        t.name = node.output[0]",
-            "        model.graph.initializer.append(t)",
-            "    else:",
-            "        kept.append(node)",
-            "del model.graph.node[:]",
-            "model.graph.node.extend(kept)",
-        ]
+        from diag.exclude import LIFT_CONSTANTS_SNIPPET
+
+        lines += LIFT_CONSTANTS_SNIPPET
     if r.quant_format == "QDQ":
         lines += [
             "if next(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx')) < 21:",

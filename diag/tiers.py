@@ -52,8 +52,8 @@ from diag.exclude import (
     HeldOutEvaluator,
     HeldOutMetrics,
     Target,
-    parse_target,
     ranked_candidates,
+    search_target,
     split_feeds,
 )
 from diag.feeds import FeedSource, FeedSpec, load_labels
@@ -456,18 +456,7 @@ def derive_tier_plan(
 
     start = time.perf_counter()
     tier_list = parse_tiers(",".join(tiers) if isinstance(tiers, list) else tiers, recipe)
-    if max_trials is not None and max_trials < 1:
-        raise DiagError("bad-option", f"--max-trials {max_trials}", "must be at least 1", "e.g. --max-trials 50")
-    if time_budget is not None and not time_budget > 0:
-        raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
-    plugin = None
-    if metric:
-        from diag.taskmetrics import metric_factory
-
-        plugin = dict(metric_factory(metric)().better)
-    tgt = parse_target(target, plugin) if isinstance(target, str) else target
-    if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
-        raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
+    tgt = search_target(target, metric, labels, max_trials, time_budget)
     fp32 = Path(fp32_path)
     fp = float_model_from_path(fp32)
     label_array = load_labels(labels) if labels else None

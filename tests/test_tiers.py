@@ -138,3 +138,14 @@ def test_tier_lists_a_recipe_cannot_express_are_bad_options(text: str, recipe: R
     with pytest.raises(DiagError) as e:
         parse_tiers(text, recipe)
     assert e.value.slug == "bad-option" and says in str(e.value)
+
+
+@pytest.mark.parametrize("flag", [["--scheduler", "local:2"], ["--no-estimates"]])
+def test_flags_the_tier_search_does_not_take_are_refused_not_ignored(tmp_path: Path, capsys, flag: list[str]) -> None:
+    from diag.cli import main
+
+    argv = ["exclude", str(tmp_path / "m.onnx"), "--random", "--target", "cosine>=0.9", "--tiers", "int8,fp32"]
+    assert main([*argv, *flag, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"diag: error[bad-option]: {flag[0]} with --tiers") and "\n" not in err
+    assert not (tmp_path / "out").exists()
