@@ -51,9 +51,8 @@ def trajectory_plot(doc: dict[str, Any]) -> str:
                 label=phase,
                 zorder=3,
             )
-    for i, s in enumerate(steps):
-        if s["phase"].startswith("estimate"):
-            continue
+    real = [s for s in steps if not s["phase"].startswith("estimate")]
+    for i, s in enumerate(real):
         ax.annotate(
             str(i),
             (s["excluded_groups"], _metric(s["metric"])),
