@@ -48,7 +48,8 @@ def test_hand_edited_diag_json_is_a_bad_report_not_a_crash(tmp_path, capsys):
     broken.write_text(json.dumps(doc))
     assert main(["report", str(broken), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("diag: error[bad-report]: report '") and "missing or malformed fields" in err
+    assert err.startswith("diag: error[bad-report]: report '")
+    assert "field 'nodes[0]' lacks the required key 'accumulated'" in err  # the field is named
     assert not (tmp_path / "r" / "report.html").exists()
 
 
