@@ -131,7 +131,7 @@ def layer_table(doc: Path) -> dict[str, str]:
 def _targets(node: ast.Import | ast.ImportFrom, modules: set[str]) -> list[str]:
     """The diag modules one import statement loads (``from diag import files`` loads ``files``)."""
     if isinstance(node, ast.Import):
-        found = []
+        found: list[str] = []
         for alias in node.names:
             parts = alias.name.split(".")
             if parts[0] == "diag":
@@ -160,7 +160,7 @@ def module_imports(path: Path, modules: set[str]) -> list[Import]:
 
     def visit(node: ast.AST, kind: str) -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            private = ()
+            private: tuple[str, ...] = ()
             if isinstance(node, ast.ImportFrom):
                 private = tuple(a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__"))
             found.extend(
