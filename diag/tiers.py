@@ -550,41 +550,56 @@ def tier_plan_to_dir(
         >>> sorted(files)  # doctest: +SKIP
         ['plan model', 'recipe.json', 'reproduce.py', 'tiers.json']
     """
-    from diag.recipe import save_recipe
-    from diag.report import atomic_write, ensure_out_dir
+    from diag.files import check_outputs, internal_writes, work_dir, write_set
+    from diag.files import out_dir as checked_out_dir
+    from diag.recipe import recipe_file_text
+    from diag.report import OUTPUT_NAMES, document_from_result, output_texts
 
-    out = ensure_out_dir(out_dir)
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
-    files: dict[str, Path] = {}
-    with tempfile.TemporaryDirectory(prefix=".diag-tiers-", dir=out) as work:
-        plan = derive_tier_plan(fp32_path, recipe, feeds, target, tiers, work_dir=work, **kwargs)
-        stale = [out / f"{stem}.plan.onnx", out / "reproduce.py", out / "recipe.json"]
+    plan_name = f"{stem}.plan.onnx"
+    names_out = ["tiers.json", plan_name, "reproduce.py", "recipe.json", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
+    check_outputs(out_dir, names_out, [fp32_path, feeds.inputs, kwargs.get("labels"), recipe.calibration_path()])
+    out = checked_out_dir(out_dir)
+    model, reproduce, recipe_out = out / plan_name, out / "reproduce.py", out / "recipe.json"
+    # NOTE: one set, written all or nothing (diag.files.write_set), as diag exclude writes its own:
+    # tiers.json, the plan model, recipe.json, reproduce.py and the diagnosis report. Without a plan,
+    # an earlier run's model, recipe and script would read as this run's answer: they are removed.
+    with work_dir(out, "tiers") as work:
+        with internal_writes():  # trial models are not this verb's outputs
+            plan = derive_tier_plan(fp32_path, recipe, feeds, target, tiers, work_dir=work, **kwargs)
+        contents: dict[Path, str | bytes | Path] = {}
+        names: dict[str, Path] = {}
+        remove: list[Path] = []
         if plan.reachable and plan.model:
-            model = out / f"{stem}.plan.onnx"
-            Path(plan.model).replace(model)
+            contents[model] = Path(plan.model)
             plan.model = str(model)
-            files["plan model"] = model
+            names["plan model"] = model
             final = Recipe.from_dict(plan.recipe, "plan recipe")
-            files["recipe.json"] = save_recipe(final, out / "recipe.json")
+            contents[recipe_out] = recipe_file_text(final, recipe_out)
+            names["recipe.json"] = recipe_out
             if recipe.calibration:  # the recipe's own calibration data, as quantize_model used it
                 calib, count, batch = recipe.calibration_path(), recipe.calibration_samples, 1
             else:
                 calib, count, batch = feeds.inputs, plan.split["ranking_samples"], plan.split["batch"]
             again = str(out / f"{stem}.reproduced.onnx")
             plan.snippet = plan_snippet(plan, final, again, str(calib) if calib else None, count, batch)
-            files["reproduce.py"] = atomic_write(out / "reproduce.py", plan.snippet)
+            contents[reproduce] = plan.snippet
+            names["reproduce.py"] = reproduce
         else:
-            for p in stale:
-                p.unlink(missing_ok=True)
-    text = json.dumps(plan.to_dict(), indent=1, ensure_ascii=False) + "\n"
-    files = {"tiers.json": atomic_write(out / "tiers.json", text), **files}
-    if plan.diagnosis is not None:
-        from diag.report import document_from_result, write_outputs
-
-        # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
-        doc = document_from_result(plan.diagnosis)
-        doc["models"]["int8"]["path"] = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
-        files.update(write_outputs(doc, out))
+            remove = [model, reproduce, recipe_out]
+        contents = {out / "tiers.json": json.dumps(plan.to_dict(), indent=1, ensure_ascii=False) + "\n", **contents}
+        if plan.diagnosis is not None:
+            # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
+            doc = document_from_result(plan.diagnosis)
+            doc["models"]["int8"]["path"] = (
+                f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
+            )
+            contents.update({out / name: text for name, text in output_texts(doc).items()})
+        else:  # an earlier run's report would read as this run's diagnosis
+            remove += [out / name for name in OUTPUT_NAMES]
+        written = write_set(contents, remove=remove)
+    files = {"tiers.json": out / "tiers.json", **names}
+    files.update({k: v for k, v in written.items() if k in ("diag.json", "report.html", "summary.md")})
     return plan, files
 
 

@@ -54,7 +54,7 @@ def stray(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[st
 def run_tiers(fp32: Path, inputs: Path, out: Path, recipe: str, target: str, tiers: str) -> tuple[int, dict]:
     flags = ["--target", target, "--tiers", tiers, "--out", str(out), "--bench-runs", "0", "--quiet"]
     code = main(["exclude", str(fp32), "--recipe", recipe, "--inputs", str(inputs), *flags])
-    return code, json.loads((out / "tiers.json").read_text())
+    return code, json.loads((out / "tiers.json").read_text()) if code != 2 else {}
 
 
 def test_int4_plan_promotes_the_stray_head_to_8_bits_and_plain_onnxruntime_confirms_it(
@@ -78,6 +78,15 @@ def test_int4_plan_promotes_the_stray_head_to_8_bits_and_plain_onnxruntime_confi
     assert len(plan["plan"]) <= len(fp32_only["plan"])
     assert plan["sizes"]["plan"] < fp32_only["sizes"]["plan"]
     assert (tmp_path / "tiers" / "reproduce.py").read_text().count("MatMulNBitsQuantizer(model, bits=") == 2
+    # One output set, all or nothing: a folder in the way of one file replaces none of the others.
+    before = {p.name: p.read_bytes() for p in (tmp_path / "tiers").iterdir() if p.is_file()}
+    assert {"tiers.json", "fp32.plan.onnx", "recipe.json", "reproduce.py", "diag.json"} <= set(before)
+    (tmp_path / "tiers" / "report.html").unlink()
+    (tmp_path / "tiers" / "report.html").mkdir()
+    assert run_tiers(fp32, inputs, tmp_path / "tiers", recipe, "cosine>=0.95", "int4,int8,fp32")[0] == 2
+    after = {p.name: p.read_bytes() for p in (tmp_path / "tiers").iterdir() if p.is_file()}
+    assert after == {k: v for k, v in before.items() if k != "report.html"}
+    assert not [p for p in (tmp_path / "tiers").iterdir() if p.name.startswith(".")], "no work folder left"
 
 
 def test_a16_plan_widens_the_outlier_tensor_and_meets_a_target_all_8_bit_misses(tmp_path: Path) -> None:
