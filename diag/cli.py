@@ -167,6 +167,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         output_kinds=parse_output_kinds(args.output_kind),
         effects=args.effects,
         effect_samples=args.effect_samples,
+        accuracy_level_check=args.accuracy_level_check,
         metric=args.metric,
         reductions=args.reductions,
         scheduler=args.scheduler,
@@ -247,6 +248,14 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
         print(
             f"  worst weight block: {_safe(b.weight)} {b.where()}: "
             f"error {b.rel_rmse:.2f}x the weight's rms, {b.levels} levels used, max |w| {b.peak_ratio:.0f}x the median"
+        )
+    level = getattr(result, "accuracy_level", None)
+    if level is not None and level.worst_node() is not None:
+        node, db = level.worst_node()  # type: ignore[misc]
+        outs = ", ".join(f"{_safe(k)} {v:.1f} dB" for k, v in level.outputs.items())
+        print(
+            f"  accuracy_level {level.level} vs 0 (MatMulNBits inputs quantized inside the kernel): SQNR {outs}; "
+            f"worst node {_safe(node)} {db:.1f} dB ({level.samples} samples)"
         )
     effects = getattr(result, "effects", None)
     if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
@@ -756,6 +765,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         metavar="N",
         help="samples each effect check runs on (the first N; default 8)",
+    )
+    p.add_argument(
+        "--accuracy-level-check",
+        type=int,
+        metavar="LEVEL",
+        default=0,
+        help="weight-only models: also run every MatMulNBits node at accuracy_level LEVEL (4: int8 inputs) and "
+        "measure it against accuracy_level 0 (float inputs) on the first --effect-samples samples",
     )
     p.add_argument(
         "--labels",

@@ -95,6 +95,9 @@ class CompareOptions:
     reductions: str = "numpy"
     #: ``ADDRESS`` or ``local[:N]``: run the batches as shards on a Dask cluster (:mod:`diag.cluster`).
     scheduler: str | None = None
+    #: Also run the MatMulNBits nodes at this ``accuracy_level`` and measure it against level 0
+    #: (:func:`diag.nbits.check_accuracy_level`); 0: off.
+    accuracy_level_check: int = 0
 
 
 @dataclass
@@ -198,6 +201,8 @@ class CompareResult:
     task_metrics: dict[str, Any] = field(default_factory=dict)
     #: ``--scheduler``: the cluster's workers, shards, tasks and retries (empty for a local run).
     cluster: dict[str, Any] = field(default_factory=dict)
+    #: ``--accuracy-level-check``: the MatMulNBits nodes at that accuracy_level vs 0 (diag.nbits).
+    accuracy_level: Any = None
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -265,6 +270,10 @@ def compare_models(
 
         require_scheduler(options.scheduler)  # no Dask, no scheduler: say so before any work
     fp, q = load_pair(fp32_path, int8_path)
+    if options.accuracy_level_check:
+        from diag.nbits import accuracy_level_nodes
+
+        accuracy_level_nodes(q.proto, options.accuracy_level_check)  # a wrong flag fails before any work
     from diag.cpu import saturation_warning
 
     cpu_warning = saturation_warning(q.proto)
@@ -322,6 +331,13 @@ def compare_models(
     from diag.infer import fix_recipe
     from diag.taskmetrics import attach_task_metrics
 
+    if options.accuracy_level_check and options.shard is None:
+        from diag.nbits import check_accuracy_level
+
+        result.accuracy_level = check_accuracy_level(
+            q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
+        )
+        result.seconds = time.perf_counter() - start
     result.fix_recipe = fix_recipe(q.path, options.recipe)
     attach_task_metrics(result, state, options.metric)
     if options.sensitivity > 0:

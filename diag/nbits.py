@@ -601,3 +601,127 @@ def weight_only_fix_snippet(settings: dict[str, Any], head: str, fp32_path: str,
             f"onnx.save(model, {out_path!r})",
         ]
     )
+
+
+# ---------------------------------------------------------------- accuracy_level
+
+
+@dataclass
+class AccuracyLevelCheck:
+    """What a ``MatMulNBits`` ``accuracy_level`` costs, measured: the model run at ``level`` against level 0.
+
+    ``accuracy_level`` 4 quantizes each MatMulNBits *input* to int8 inside the kernel (block-wise,
+    per row); level 0 computes with float inputs. An activation outlier that a float input carries
+    is rounded away there, invisibly: no node of the graph shows it. Both runs use the same 4-bit
+    weights, so the difference is that input quantization alone, accumulated along the graph.
+    """
+
+    level: int
+    samples: int
+    #: MatMulNBits node -> worst model-output SQNR (dB) with that node alone at ``level``, worst first.
+    nodes: dict[str, float]
+    #: Model output -> SQNR (dB) at ``level`` against level 0.
+    outputs: dict[str, float]
+
+    def worst_node(self) -> tuple[str, float] | None:
+        return next(iter(self.nodes.items()), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        from diag.metrics import json_number
+
+        return {
+            "level": self.level,
+            "samples": self.samples,
+            "nodes": {k: json_number(v) for k, v in self.nodes.items()},
+            "outputs": {k: json_number(v) for k, v in self.outputs.items()},
+        }
+
+
+def accuracy_level_nodes(q: onnx.ModelProto, level: int) -> list[str]:
+    """The output tensors of ``q``'s MatMulNBits nodes; ``bad-option`` when there are none or ``level`` is not 1-4."""
+    from diag.errors import DiagError
+
+    if level not in (1, 2, 3, 4):
+        raise DiagError("bad-option", f"--accuracy-level-check {level}", "is not an accuracy_level", "use 1-4")
+    names = [n.output[0] for n in q.graph.node if n.op_type == "MatMulNBits" and n.output]
+    if not names:
+        raise DiagError(
+            "bad-option",
+            "--accuracy-level-check",
+            "needs MatMulNBits nodes; the quantized model has none",
+            "drop the flag (accuracy_level only exists on MatMulNBits)",
+        )
+    return names
+
+
+def check_accuracy_level(
+    q: onnx.ModelProto,
+    feeds: Any,
+    level: int,
+    samples: int = 8,
+    threads: int | None = None,
+    fp: onnx.ModelProto | None = None,
+) -> AccuracyLevelCheck:
+    """Run the MatMulNBits nodes of ``q`` at ``accuracy_level`` ``level`` against level 0, on the first ``samples``.
+
+    The model outputs are measured with every node at ``level``; each node is then measured on its
+    own, the only one at ``level`` (one session per node): its worst output SQNR is what that node's
+    int8 inputs cost — a per-node figure a user can act on (keep that node at level 0, or in float),
+    where a node's own output error would mostly repeat what it inherits.
+
+    Nodes are named as in ``fp`` (the FP32 node writing the same output: what ``nodes_to_exclude``
+    takes) when it is given, else by their own MatMulNBits names. Raises ``bad-option`` when the
+    model has no MatMulNBits node or ``level`` is not 1-4.
+
+    Example:
+        >>> check_accuracy_level(q.proto, source, 4).worst_node()  # doctest: +SKIP
+        ('fc2', 31.4)
+    """
+    from diag.run import run_batch, session_from_model
+
+    names = accuracy_level_nodes(q, level)
+    outputs = [o.name for o in q.graph.output]
+    feeds_used: list[dict[str, np.ndarray]] = []
+    done = 0
+    for batch in feeds:
+        if done >= samples:
+            break
+        feeds_used.append(batch.feeds)
+        done += batch.size
+
+    def run(at_level: set[str]) -> list[dict[str, np.ndarray]]:
+        m = onnx.ModelProto()
+        m.CopyFrom(q)
+        for n in m.graph.node:
+            if n.op_type == "MatMulNBits":
+                kept = [a for a in n.attribute if a.name != "accuracy_level"]
+                del n.attribute[:]
+                lv = level if n.output[0] in at_level else 0
+                n.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", lv)])
+        role = f"quantized model with {len(at_level)} MatMulNBits node(s) at accuracy_level {level}"
+        sess = session_from_model(m, role, "all", threads)
+        return [{k: v for k, v in run_batch(sess, f, role).items() if k in outputs} for f in feeds_used]
+
+    reference = run(set())
+
+    def sqnr(got: list[dict[str, np.ndarray]], name: str) -> float:
+        signal = noise = 0.0
+        for ref, out in zip(reference, got, strict=True):
+            x, y = np.asarray(ref[name], np.float64), np.asarray(out[name], np.float64)
+            signal += float((x * x).sum())
+            noise += float(((y - x) ** 2).sum())
+        if noise == 0:
+            return math.inf
+        return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+    everything = run(set(names))
+    producers = {n.output[0]: (n.name or n.output[0]) for n in q.graph.node if n.op_type == "MatMulNBits"}
+    if fp is not None:
+        fp_names = {o: n.name for n in fp.graph.node for o in n.output if n.name}
+        producers = {t: fp_names.get(t, name) for t, name in producers.items()}
+    per_node = []
+    for t in names:
+        alone = run({t})
+        per_node.append((producers[t], min(sqnr(alone, o) for o in outputs)))
+    per_node.sort(key=lambda kv: kv[1])
+    return AccuracyLevelCheck(level, done, dict(per_node), {o: sqnr(everything, o) for o in outputs})

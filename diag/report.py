@@ -85,6 +85,12 @@ def document_from_result(result: Any) -> dict[str, Any]:
             },
         },
         **_fp16(result),
+        # --accuracy-level-check: MatMulNBits at that accuracy_level vs 0 (diag.nbits); absent otherwise.
+        **(
+            {"accuracy_level": result.accuracy_level.to_dict()}
+            if getattr(result, "accuracy_level", None) is not None
+            else {}
+        ),
         "run": {
             "inputs": result.input_description,
             "samples": result.samples,

@@ -255,3 +255,55 @@ def test_weight_only_recipe_round_trips_with_only_its_own_keys() -> None:
         "node_bits": {"lm_head": 8},
     }
     assert Recipe.from_dict(r.to_dict()) == r
+
+
+def test_accuracy_level_check_names_the_node_fed_by_the_outlier_and_matches_plain_onnxruntime(tmp_path, capsys):
+    """accuracy_level 4 quantizes each MatMulNBits input to int8 inside the kernel: the node reading the
+    transformer fixture's outlier hidden dimension loses most; the output figure is what two plain
+    onnxruntime sessions (accuracy_level 0 and 4) give."""
+    import json
+
+    from diag.documents import validate_document
+    from diag.fixtures.models import build
+
+    fx = build("transformer")
+    onnx.save(fx.model, tmp_path / "fp32.onnx")
+    x = fx.make_inputs(16, 1)
+    np.savez(tmp_path / "x.npz", **x)
+    q4 = nbits_quantize(fx.model, tmp_path / "q4.onnx", block_size=32)
+    argv = ["compare", str(tmp_path / "fp32.onnx"), str(q4), "--inputs", str(tmp_path / "x.npz"), "--batch", "8"]
+    assert main([*argv, "--accuracy-level-check", "4", "--out", str(tmp_path / "out"), "--quiet"]) in (0, 3)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "accuracy_level 4 vs 0" in x)
+    doc = json.loads((tmp_path / "out" / "diag.json").read_text())
+    validate_document(doc, "diag.json")
+    check = doc["accuracy_level"]
+    assert check["level"] == 4 and check["samples"] == 8
+    assert next(iter(check["nodes"])) == fx.expected.culprit_node  # worst first, named as in the FP32 graph
+    assert f"worst node {fx.expected.culprit_node}" in line
+
+    def logits(level: int) -> np.ndarray:
+        m = onnx.load(str(q4))
+        for n in m.graph.node:
+            if n.op_type == "MatMulNBits":
+                kept = [a for a in n.attribute if a.name != "accuracy_level"]
+                del n.attribute[:]
+                n.attribute.extend([*kept, helper.make_attribute("accuracy_level", level)])
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return sess.run(None, {k: v[:8] for k, v in x.items()})[0].astype(np.float64)  # the first 8 samples
+
+    a, b = logits(0), logits(4)
+    expected = 10 * np.log10((a * a).sum() / ((b - a) ** 2).sum())
+    assert check["outputs"]["logits"] == pytest.approx(expected, abs=1e-3)
+    assert 10 < expected < 60, "the int8 inputs cost something, and not everything"
+    # a model without MatMulNBits: one line, before any work
+    dyn = tmp_path / "dyn.onnx"
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(tmp_path / "fp32.onnx", dyn, weight_type=QuantType.QUInt8)
+    argv[2] = str(dyn)
+    assert main([*argv, "--accuracy-level-check", "4", "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("diag: error[bad-option]: --accuracy-level-check | needs MatMulNBits nodes") and "\n" not in err
+    )
+    assert not (tmp_path / "o2").exists()
