@@ -55,6 +55,7 @@ from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
 from diag.jsonnum import json_number, json_numbers
 from diag.load import LoadedModel, float_model_from_path, model_from_path
 from diag.metrics import OutputAccumulator, OutputStats
+from diag.numfmt import fixed_number
 from diag.outputs import output_specs
 from diag.recipe import Recipe
 
@@ -1734,7 +1735,7 @@ def _fmt(v: float | None, target: Target | None = None) -> str:
     digits = 4
     if target is not None:
         digits = max(4, len(f"{target.value:g}".partition(".")[2]) + 1)
-    return f"{v:.{digits}f}" if abs(v) < 10 else f"{v:.4g}"
+    return fixed_number(v, digits)
 
 
 def report_section(doc: dict[str, Any]) -> dict[str, Any]:

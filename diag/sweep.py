@@ -45,6 +45,7 @@ from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
 from diag.files import remove_tree, signals_held
 from diag.jsonnum import json_numbers
+from diag.numfmt import fixed_number
 from diag.recipe import STATIC_ONLY, Recipe
 
 #: The default grid: the settings popular guides make claims about.
@@ -1090,7 +1091,7 @@ def _fmt(v: Any, digits: int = 6) -> str:
     if isinstance(v, str):
         return v
     if isinstance(v, float):
-        return f"{v:.{digits}f}" if abs(v) < 10 else f"{v:.4g}"
+        return fixed_number(v, digits)
     return str(v)
 
 
