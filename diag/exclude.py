@@ -200,7 +200,7 @@ class HeldOutMetrics:
         d = dataclasses.asdict(self)
         d["accuracy_drop"] = self.accuracy_drop
         d["f1_drop"] = self.f1_drop
-        return json_numbers(d, nan=None)  # exclusion.json writes NaN as null
+        return json_numbers(d, digits=None, nan=None)  # exclusion.json writes NaN as null
 
 
 @dataclass(frozen=True)

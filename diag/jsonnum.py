@@ -47,14 +47,14 @@ def json_number(x: float | None, *, digits: int | None = 6, nan: str | None = "n
     return float(x) if digits is None else float(f"{x:.{digits}g}")
 
 
-def json_numbers(tree: Any, *, digits: int | None = None, nan: str | None = "nan") -> Any:
+def json_numbers(tree: Any, *, digits: int | None = 6, nan: str | None = "nan") -> Any:
     """A copy of nested dicts / lists with every float passed through :func:`json_number`.
 
-    Other values (strings, ints, bools, None) are kept as they are. The default keeps exact values.
+    Other values (strings, ints, bools, None) are kept as they are; ``digits`` and ``nan`` as there.
 
     Example:
-        >>> json_numbers({"a": [1, float("-inf")], "b": "x"})
-        {'a': [1, '-inf'], 'b': 'x'}
+        >>> json_numbers({"a": [1, float("-inf"), 0.1234567891], "b": "x"}, digits=None)
+        {'a': [1, '-inf', 0.1234567891], 'b': 'x'}
     """
     if isinstance(tree, float):
         return json_number(tree, digits=digits, nan=nan)

@@ -661,7 +661,7 @@ class SweepResult:
             else {"label": self.labels[best.key], "key": best.key, "recipe": self.best_recipe_dict()},
             "folklore": folklore(self.entries),
         } | ({"cluster": self.cluster} if self.cluster else {})
-        return json_numbers(doc)
+        return json_numbers(doc, digits=None)
 
     def best_recipe_dict(self) -> dict[str, Any] | None:
         return recipe_file_dict(self.best_recipe) if self.best_recipe else None
@@ -726,7 +726,7 @@ def read_jsonl(path: Path, context: str) -> dict[str, SweepEntry]:
 
 
 def _append(path: Path, context: str, entry: SweepEntry) -> None:
-    line = json.dumps({"context": context, "entry": json_numbers(entry.to_dict())}, ensure_ascii=False)
+    line = json.dumps({"context": context, "entry": json_numbers(entry.to_dict(), digits=None)}, ensure_ascii=False)
     try:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
