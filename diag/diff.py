@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diag.gate import GRADES
+from diag.jsonnum import json_number, number_from_json
 
 #: verdict.outputs[*] metric -> True when higher is better.
 OUTPUT_METRICS: dict[str, bool] = {
@@ -40,9 +41,7 @@ RUN_KEYS = ("inputs", "samples", "opt_level", "local_error")
 
 
 def _value(raw: Any) -> float | None:
-    if raw is None:
-        return None
-    return float(raw)  # numbers, or the strings "inf", "-inf", "nan"
+    return None if raw is None else number_from_json(raw, strict=True)
 
 
 def _fmt(v: float | None, spec: str = ".6g") -> str:
@@ -67,12 +66,6 @@ def _delta(a: float | None, b: float | None) -> float | None:
     return None if math.isnan(d) else d
 
 
-def _json_number(v: float | None) -> float | str | None:
-    if v is None or math.isfinite(v):
-        return v
-    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-
-
 @dataclass(frozen=True)
 class MetricDelta:
     """One metric of one model output in both runs; ``delta = b - a``."""
@@ -88,9 +81,9 @@ class MetricDelta:
         return {
             "output": self.output,
             "metric": self.metric,
-            "a": _json_number(self.a),
-            "b": _json_number(self.b),
-            "delta": _json_number(self.delta),
+            "a": json_number(self.a, digits=None),
+            "b": json_number(self.b, digits=None),
+            "delta": json_number(self.delta, digits=None),
             "change": self.change,
         }
 
@@ -122,9 +115,9 @@ class SqnrDelta:
         return {
             "name": self.name,
             "kind": self.kind,
-            "a": _json_number(self.a),
-            "b": _json_number(self.b),
-            "delta": _json_number(self.delta),
+            "a": json_number(self.a, digits=None),
+            "b": json_number(self.b, digits=None),
+            "delta": json_number(self.delta, digits=None),
             "change": _change(self.a, self.b, True),
         }
 

@@ -31,6 +31,7 @@ from onnx import helper, numpy_helper
 
 from diag.analyze import BAD_SQNR_DB, NodeFinding, single_cause
 from diag.feeds import FeedSource
+from diag.jsonnum import json_number
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
 from diag.metrics import ErrorAccumulator, OutputSpec
@@ -60,8 +61,6 @@ class Effect:
     why: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        from diag.metrics import json_number
-
         return {
             "node": self.finding.group.label,
             "fp_nodes": list(self.finding.group.fp_nodes),

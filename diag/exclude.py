@@ -52,8 +52,10 @@ import numpy as np
 
 from diag.errors import DiagError
 from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
+from diag.jsonnum import json_number, json_numbers
 from diag.load import LoadedModel, float_model_from_path, model_from_path
 from diag.metrics import OutputAccumulator, OutputStats
+from diag.numfmt import fixed_number
 from diag.outputs import output_specs
 from diag.recipe import Recipe
 
@@ -198,8 +200,7 @@ class HeldOutMetrics:
         d = dataclasses.asdict(self)
         d["accuracy_drop"] = self.accuracy_drop
         d["f1_drop"] = self.f1_drop
-        d["task"] = {k: _json_float(v) for k, v in self.task.items()}
-        return {k: _json_float(v) for k, v in d.items()}
+        return json_numbers(d, digits=None, nan=None)  # exclusion.json writes NaN as null
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ class Step:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["metric"] = _json_float(self.metric)
+        d["metric"] = json_number(self.metric, digits=None, nan=None)
         return d
 
 
@@ -234,8 +235,8 @@ class Candidate:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["local_sqnr_db"] = _json_float(self.local_sqnr_db)
-        d["accumulated_sqnr_db"] = _json_float(self.accumulated_sqnr_db)
+        d["local_sqnr_db"] = json_number(self.local_sqnr_db, digits=None, nan=None)
+        d["accumulated_sqnr_db"] = json_number(self.accumulated_sqnr_db, digits=None, nan=None)
         return d
 
 
@@ -339,12 +340,6 @@ class ExclusionResult:
             "model": self.model,
             "snippet": self.snippet,
         }
-
-
-def _json_float(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
 
 
 # ---------------------------------------------------------------- held-out split
@@ -1322,7 +1317,7 @@ def _op_type_suggestions(
                 "of": len(total),
                 "op_types_to_quantize": keep,
                 "nodes_to_exclude": search.nodes(rest),
-                "metric": _json_float(value),
+                "metric": json_number(value, digits=None, nan=None),
                 "met": met,
             }
         )
@@ -1740,7 +1735,7 @@ def _fmt(v: float | None, target: Target | None = None) -> str:
     digits = 4
     if target is not None:
         digits = max(4, len(f"{target.value:g}".partition(".")[2]) + 1)
-    return f"{v:.{digits}f}" if abs(v) < 10 else f"{v:.4g}"
+    return fixed_number(v, digits)
 
 
 def report_section(doc: dict[str, Any]) -> dict[str, Any]:

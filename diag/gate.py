@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diag.errors import DiagError
+from diag.jsonnum import number_from_json
 
 #: Verdict grades, best first; ``--max-grade`` fails on any grade after the bound.
 GRADES = ("excellent", "acceptable", "marginal", "reject")
@@ -160,11 +161,7 @@ class GateResult:
 
 def _value(raw: Any) -> float | None:
     """diag.json writes non-finite numbers as strings; None stays None (metric not applicable)."""
-    if raw is None:
-        return None
-    if isinstance(raw, str):
-        return float(raw)  # "inf", "-inf", "nan"
-    return float(raw)
+    return None if raw is None else number_from_json(raw, strict=True)
 
 
 def _metric_results(outputs: list[dict[str, Any]], gate: str, bound: float) -> list[GateResult]:

@@ -13,7 +13,6 @@ and histograms are exactly equal (their bins do not depend on batch order).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import asdict
@@ -27,6 +26,7 @@ from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
 from diag.documents import fields_of
 from diag.errors import DiagError
 from diag.instrument import FusedKernel
+from diag.jsonnum import json_number, number_from_json
 from diag.match import match_models
 from diag.metrics import ErrorAccumulator, OutputAccumulator, OutputSpec
 from diag.taskmetrics import attach_task_metrics, task_state_from_json, task_state_to_json
@@ -36,15 +36,12 @@ STATE_VERSION = 1
 
 
 def _f(x: float) -> float | str:
-    """A float for JSON: finite values as is (exact round trip), others as "inf" / "-inf" / "nan"."""
-    x = float(x)
-    if math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    """A float for JSON: finite values exact (bit-for-bit round trip), others as "inf" / "-inf" / "nan"."""
+    return json_number(float(x), digits=None)  # type: ignore[return-value]  # a float is never None
 
 
 def _u(v: float | str | int) -> float:
-    return float(v)  # float("inf"), float("-inf"), float("nan") parse the strings written above
+    return number_from_json(v, strict=True)  # a malformed value is ValueError, which fields_of reports
 
 
 def _error_state(acc: ErrorAccumulator) -> dict[str, Any]:

@@ -28,38 +28,6 @@ from diag.errors import DiagError
 ROUNDING_NOISE = 1.0 / math.sqrt(12.0)
 
 
-def json_number(x: float | int | None) -> float | int | str | None:
-    """A number for JSON, which has no inf/nan: those become the strings "inf", "-inf", "nan".
-
-    Floats keep 6 significant digits: diag.json stays diffable between runs and small.
-
-    Example:
-        >>> json_number(float("inf")), json_number(0.1234567891)
-        ('inf', 0.123457)
-    """
-    if x is None or isinstance(x, int):
-        return x
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return float(f"{x:.6g}")
-
-
-def number_from_json(v: Any) -> float:
-    """The inverse of :func:`json_number` for plotting: None and "nan" become NaN.
-
-    Example:
-        >>> number_from_json("-inf"), number_from_json(2)
-        (-inf, 2.0)
-    """
-    if v is None:
-        return math.nan
-    if isinstance(v, str):
-        return math.inf if v == "inf" else -math.inf if v == "-inf" else math.nan
-    return float(v)
-
-
 @dataclass(frozen=True)
 class ErrorStats:
     """Final error figures for one tensor (see module docstring for definitions)."""

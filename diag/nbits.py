@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import onnx
 
+from diag.jsonnum import json_number as _num
+
 #: Blocks kept per weight (worst first) in a finding; the JSON and report list these.
 WORST_BLOCKS = 10
 
@@ -94,12 +96,6 @@ class BlockError:
             "peak_ratio": _num(self.peak_ratio),
             "where": self.where(),
         }
-
-
-def _num(v: float) -> Any:
-    from diag.metrics import json_number
-
-    return json_number(v)
 
 
 @dataclass(frozen=True)

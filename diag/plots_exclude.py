@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diag.metrics import number_from_json as _metric
+from diag.jsonnum import number_from_json as _metric
 from diag.plots import _pyplot, _svg
 
 #: marker colour per search phase (op-type checks share one colour)

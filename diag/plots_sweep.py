@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from diag.metrics import number_from_json as _num
+from diag.jsonnum import number_from_json as _num
 from diag.plots import _pyplot, _svg
 
 #: marker colour per quantization format

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from diag.errors import DiagError
-from diag.metrics import json_number as _num
+from diag.jsonnum import json_number as _num
+from diag.jsonnum import number_from_json
 
 SCHEMA = "diag/compare"
 SCHEMA_VERSION = 1
@@ -1159,7 +1160,6 @@ def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
 
 
 def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
-    from diag.metrics import number_from_json
     from diag.taskmetrics import task_lines
 
     lines = []

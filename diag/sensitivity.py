@@ -21,7 +21,7 @@ from typing import Any
 
 from diag.exclude import Candidate, HeldOutEvaluator, HeldOutMetrics, ranked_candidates
 from diag.feeds import FeedSource
-from diag.metrics import json_number as _j
+from diag.jsonnum import json_number as _j
 from diag.progress import Progress
 from diag.recipe import Recipe
 

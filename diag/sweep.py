@@ -44,6 +44,8 @@ from typing import Any
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
 from diag.files import remove_tree, signals_held
+from diag.jsonnum import json_numbers
+from diag.numfmt import fixed_number
 from diag.recipe import STATIC_ONLY, Recipe
 
 #: The default grid: the settings popular guides make claims about.
@@ -659,7 +661,7 @@ class SweepResult:
             else {"label": self.labels[best.key], "key": best.key, "recipe": self.best_recipe_dict()},
             "folklore": folklore(self.entries),
         } | ({"cluster": self.cluster} if self.cluster else {})
-        return _json_safe(doc)
+        return json_numbers(doc, digits=None)
 
     def best_recipe_dict(self) -> dict[str, Any] | None:
         return recipe_file_dict(self.best_recipe) if self.best_recipe else None
@@ -670,16 +672,6 @@ def _target_value(e: SweepEntry, metric: str) -> float | None:
         return None  # a model with NaN/Inf outputs meets no target
     v = (e.metrics or {}).get(metric)
     return None if v is None or isinstance(v, str) else float(v)
-
-
-def _json_safe(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_json_safe(x) for x in v]
-    return v
 
 
 def _sha256(path: Path, limit: int = 2**31) -> str:
@@ -734,7 +726,7 @@ def read_jsonl(path: Path, context: str) -> dict[str, SweepEntry]:
 
 
 def _append(path: Path, context: str, entry: SweepEntry) -> None:
-    line = json.dumps({"context": context, "entry": _json_safe(entry.to_dict())}, ensure_ascii=False)
+    line = json.dumps({"context": context, "entry": json_numbers(entry.to_dict(), digits=None)}, ensure_ascii=False)
     try:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
@@ -1099,7 +1091,7 @@ def _fmt(v: Any, digits: int = 6) -> str:
     if isinstance(v, str):
         return v
     if isinstance(v, float):
-        return f"{v:.{digits}f}" if abs(v) < 10 else f"{v:.4g}"
+        return fixed_number(v, digits)
     return str(v)
 
 

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from diag.errors import DiagError
+from diag.jsonnum import json_number
 
 #: F1 drop bands (FP32 minus INT8, a fraction): the same as the accuracy-drop bands users grade by.
 F1_DROP_BAND = {"excellent": 0.005, "acceptable": 0.015, "reject_above": 0.02}
@@ -385,8 +386,6 @@ def _show(v: Any) -> str:
 
 def json_values(task_metrics: dict[str, Any]) -> dict[str, Any]:
     """``task_metrics`` with non-finite numbers as the strings diag.json uses ("nan", "inf")."""
-    from diag.metrics import json_number
-
     out: dict[str, Any] = {}
     for key, entry in task_metrics.items():
         out[key] = {**entry, "values": {k: json_number(v) for k, v in entry["values"].items()}}

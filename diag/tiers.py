@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -57,6 +56,7 @@ from diag.exclude import (
     split_feeds,
 )
 from diag.feeds import FeedSource, FeedSpec, load_labels
+from diag.jsonnum import json_number
 from diag.load import float_model_from_path
 from diag.recipe import Recipe
 
@@ -201,7 +201,7 @@ class TierTrial:
         return {
             "phase": self.phase,
             "promoted": {tiers[lv]: sum(1 for x in self.levels if x == lv) for lv in sorted(set(self.levels)) if lv},
-            "value": _json(self.value),
+            "value": json_number(self.value, digits=None),
             "met": self.met,
             "seconds": round(self.seconds, 3),
         }
@@ -277,12 +277,6 @@ class TierPlan:
             "budget": self.budget,
             "model": self.model,
         }
-
-
-def _json(v: float | None) -> Any:
-    if v is None or math.isfinite(v):
-        return v
-    return str(v)
 
 
 class _TierSearch:

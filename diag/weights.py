@@ -48,7 +48,7 @@ import onnx
 from onnx import numpy_helper
 
 from diag.errors import DiagError
-from diag.metrics import json_number as _num
+from diag.jsonnum import json_number as _num
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}

@@ -1,0 +1,23 @@
+"""Numbers as text: the one rule the exclusion and sweep outputs print metrics with.
+
+NOTE: the other formatters stay apart because their rules differ: the report's tables use
+``report.fmt_num`` (3 significant digits, "–" for none) and ``report.fmt_db`` (dB, one decimal,
+"∞"); ``diff`` prints 6 significant digits, the ``--tiers`` summary 4 significant digits.
+
+A foundation module: it imports nothing from diag.
+"""
+
+from __future__ import annotations
+
+
+def fixed_number(v: float, decimals: int) -> str:
+    """``decimals`` decimals below 10 (0.99995 with 5 stays 0.99995, never 1.0), 4 significant digits from 10 up.
+
+    A metric near its bound (cosine 0.9999 against ``cosine>=0.9999``) must show the digit that
+    decides it; a large one (max_abs 1234.5) needs no decimals.
+
+    Example:
+        >>> fixed_number(0.99995, 5), fixed_number(1234.5678, 4), fixed_number(float("nan"), 4)
+        ('0.99995', '1235', 'nan')
+    """
+    return f"{v:.{decimals}f}" if abs(v) < 10 else f"{v:.4g}"
