@@ -623,7 +623,7 @@ class AccuracyLevelCheck:
         return next(iter(self.nodes.items()), None)
 
     def to_dict(self) -> dict[str, Any]:
-        from diag.metrics import json_number
+        from diag.jsonnum import json_number
 
         return {
             "level": self.level,
