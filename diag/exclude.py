@@ -1560,7 +1560,7 @@ def exclude_to_dir(
     """
     from diag.files import check_outputs, internal_writes, work_dir, write_set
     from diag.files import out_dir as checked_out_dir
-    from diag.report import OUTPUT_NAMES, document_from_result, output_texts
+    from diag.report import OUTPUT_NAMES
 
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     names_out = ["exclusion.json", f"{stem}.mixed.onnx", "reproduce.py", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
@@ -1611,19 +1611,34 @@ def exclude_to_dir(
             remove = [mixed, reproduce, again]
         exclusion = result.to_dict()
         contents = {out / "exclusion.json": json.dumps(exclusion, indent=1, ensure_ascii=False) + "\n", **contents}
-        if result.diagnosis is not None:
-            # One report: the diagnosis of the baseline INT8 model, then the verified fix.
-            doc = document_from_result(result.diagnosis)
-            # The diagnosed model is the recipe's baseline, quantized in a temp folder now gone.
-            doc["models"]["int8"]["path"] = "baseline INT8 (the recipe as given, quantized by diag exclude)"
-            doc["exclusion"] = exclusion
-            contents.update({out / name: text for name, text in output_texts(doc).items()})
-        else:  # an earlier run's report would read as this run's diagnosis
-            remove += [out / name for name in OUTPUT_NAMES]
-        written = write_set(contents, remove=remove)
+        # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
+        # model is the recipe's baseline, quantized in a temp folder now gone.
+        report, stale = diagnosis_outputs(
+            out, result.diagnosis, "baseline INT8 (the recipe as given, quantized by diag exclude)", exclusion
+        )
+        written = write_set({**contents, **report}, remove=remove + stale)
     files = {"exclusion.json": out / "exclusion.json", **names}
-    files.update({k: v for k, v in written.items() if k in ("diag.json", "report.html", "summary.md")})
+    files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
     return result, files
+
+
+def diagnosis_outputs(
+    out: Path, diagnosis: Any, model_note: str, exclusion: dict[str, Any] | None = None
+) -> tuple[dict[Path, str], list[Path]]:
+    """The report of a search's diagnosis (diag.json, report.html, summary.md) for ``write_set``.
+
+    Returns (files to write, files to remove): without a diagnosis (the target was already met) an
+    earlier run's report would read as this run's, so it is removed in the same step.
+    """
+    from diag.report import OUTPUT_NAMES, document_from_result, output_texts
+
+    if diagnosis is None:
+        return {}, [out / name for name in OUTPUT_NAMES]
+    doc = document_from_result(diagnosis)
+    doc["models"]["int8"]["path"] = model_note
+    if exclusion is not None:
+        doc["exclusion"] = exclusion
+    return {out / name: text for name, text in output_texts(doc).items()}, []
 
 
 def summary_lines(result: ExclusionResult) -> list[str]:

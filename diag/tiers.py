@@ -51,6 +51,7 @@ from diag.exclude import (
     HeldOutEvaluator,
     HeldOutMetrics,
     Target,
+    diagnosis_outputs,
     ranked_candidates,
     search_target,
     split_feeds,
@@ -547,7 +548,7 @@ def tier_plan_to_dir(
     from diag.files import check_outputs, internal_writes, work_dir, write_set
     from diag.files import out_dir as checked_out_dir
     from diag.recipe import recipe_file_text
-    from diag.report import OUTPUT_NAMES, document_from_result, output_texts
+    from diag.report import OUTPUT_NAMES
 
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     plan_name = f"{stem}.plan.onnx"
@@ -582,18 +583,12 @@ def tier_plan_to_dir(
         else:
             remove = [model, reproduce, recipe_out]
         contents = {out / "tiers.json": json.dumps(plan.to_dict(), indent=1, ensure_ascii=False) + "\n", **contents}
-        if plan.diagnosis is not None:
-            # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
-            doc = document_from_result(plan.diagnosis)
-            doc["models"]["int8"]["path"] = (
-                f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
-            )
-            contents.update({out / name: text for name, text in output_texts(doc).items()})
-        else:  # an earlier run's report would read as this run's diagnosis
-            remove += [out / name for name in OUTPUT_NAMES]
-        written = write_set(contents, remove=remove)
+        # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
+        note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
+        report, stale = diagnosis_outputs(out, plan.diagnosis, note)
+        written = write_set({**contents, **report}, remove=remove + stale)
     files = {"tiers.json": out / "tiers.json", **names}
-    files.update({k: v for k, v in written.items() if k in ("diag.json", "report.html", "summary.md")})
+    files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
     return plan, files
 
 
