@@ -1743,7 +1743,7 @@ def _count(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
-def _fmt(v: float | None, target: Target | None = None) -> str:
+def format_metric(v: float | None, target: Target | None = None) -> str:
     """Four decimals, or one more than the target has, so that 0.99995 never prints as 1.0000."""
     if v is None:
         return "n/a"
@@ -1751,6 +1751,9 @@ def _fmt(v: float | None, target: Target | None = None) -> str:
     if target is not None:
         digits = max(4, len(f"{target.value:g}".partition(".")[2]) + 1)
     return fixed_number(v, digits)
+
+
+_fmt = format_metric  # the summary lines' short name
 
 
 def report_section(doc: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from diag.exclude import (
     search_target,
     split_feeds,
 )
+from diag.exclude import format_metric as _fmt
 from diag.feeds import FeedSource, FeedSpec, load_labels
 from diag.jsonnum import json_number
 from diag.load import float_model_from_path
@@ -640,18 +641,18 @@ def summary_lines(plan: TierPlan) -> list[str]:
     low = plan.tiers[0]
     lines: list[str] = []
     if plan.already_met:
-        lines.append(f"target {t} already met on {held} held-out samples by all {low}: {t.metric} {_f(b)}")
+        lines.append(f"target {t} already met on {held} held-out samples by all {low}: {t.metric} {_fmt(b, t)}")
     elif plan.reachable and plan.after is not None:
         lines.append(
-            f"target {t} met on {held} held-out samples: {t.metric} {_f(b)} (all {low}) -> "
-            f"{_f(plan.after.value(t.metric))} (plan)"
+            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)} (all {low}) -> "
+            f"{_fmt(plan.after.value(t.metric), t)} (plan)"
         )
         for tier, nodes in plan.by_tier.items():
             lines.append(f"  {tier}: {', '.join(nodes)}")
     else:
         why = f" ({plan.budget})" if plan.budget else ""
         lines.append(
-            f"target {t} not reachable{why}: all {low} gives {t.metric} {_f(b)}, and no plan short of every "
+            f"target {t} not reachable{why}: all {low} gives {t.metric} {_fmt(b, t)}, and no plan short of every "
             f"node at {plan.tiers[-1]} meets it"
         )
     sizes = plan.sizes
@@ -668,10 +669,6 @@ def summary_lines(plan: TierPlan) -> list[str]:
         )
     lines.append(f"  {plan.quantizations} quantizations in {plan.seconds:.1f} s")
     return lines
-
-
-def _f(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.4g}"
 
 
 def _kb(n: int) -> str:
