@@ -472,14 +472,7 @@ def cmd_exclude(args: argparse.Namespace) -> int:
         _feed_spec(args),
         args.target,
         args.out,
-        holdout=args.holdout,
-        labels=args.labels,
-        threads=args.threads,
-        bench_runs=args.bench_runs,
-        progress=not args.quiet,
-        max_trials=args.max_trials,
-        time_budget=args.time_budget,
-        metric=args.metric,
+        **_search_options(args),
         estimates=not args.no_estimates,
         scheduler=args.scheduler,
     )
@@ -489,6 +482,20 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     for name, path in files.items():
         print(f"wrote {name}: {path}")
     return OK if result.reachable else GATE_FAILED
+
+
+def _search_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags diag exclude and diag exclude --tiers share, as their library calls take them."""
+    return {
+        "holdout": args.holdout,
+        "labels": args.labels,
+        "threads": args.threads,
+        "bench_runs": args.bench_runs,
+        "progress": not args.quiet,
+        "max_trials": args.max_trials,
+        "time_budget": args.time_budget,
+        "metric": args.metric,
+    }
 
 
 def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
@@ -508,14 +515,7 @@ def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
         args.target,
         args.tiers,
         args.out,
-        holdout=args.holdout,
-        labels=args.labels,
-        threads=args.threads,
-        bench_runs=args.bench_runs,
-        progress=not args.quiet,
-        max_trials=args.max_trials,
-        time_budget=args.time_budget,
-        metric=args.metric,
+        **_search_options(args),
     )
     for line in summary_lines(plan):
         print(_safe(line))

@@ -573,11 +573,7 @@ def _run_pass(
             for name in output_names:
                 state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name)
             if deployed is not None:
-                dep_fp = run_batch(deployed[0], batch.feeds, f"FP32 model '{fp.path.name}' ({options.opt_level})")
-                dep_q = run_batch(deployed[1], batch.feeds, f"INT8 model '{q.path.name}' ({options.opt_level})")
-                for name in output_names:
-                    state.deployed.setdefault(name, OutputAccumulator()).update(dep_fp[name], dep_q[name])
-                del dep_fp, dep_q
+                _update_deployed(state, deployed, batch.feeds, fp, q, options.opt_level, output_names)
             if labels is not None and first:
                 _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size, offset)
             if state.task and first:
@@ -728,11 +724,7 @@ def _run_graph_pass(
                 q_vals = {n: out[dg.outputs[n][1]] for n in output_names}
                 _update_task(state, options, output_names, fp_vals, q_vals, labels, offset, batch.size)
             if deployed is not None:
-                dep_fp = run_batch(deployed[0], batch.feeds, f"FP32 model '{fp.path.name}' ({options.opt_level})")
-                dep_q = run_batch(deployed[1], batch.feeds, f"INT8 model '{q.path.name}' ({options.opt_level})")
-                for name in output_names:
-                    state.deployed.setdefault(name, OutputAccumulator()).update(dep_fp[name], dep_q[name])
-                del dep_fp, dep_q
+                _update_deployed(state, deployed, batch.feeds, fp, q, options.opt_level, output_names)
             if labels is not None and first:
                 f_out, q_out = (out[n] for n in dg.outputs[output_names[0]])
                 _count_correct(state, labels, f_out, q_out, batch.size, offset)
@@ -941,6 +933,16 @@ def _reduce(
     acc.update(ref, value, scale)
     if dist is not None:
         dist.update(ref, value, dynamic_scale)
+
+
+def _update_deployed(
+    state: Any, deployed: Any, feeds: dict[str, Any], fp: Any, q: Any, opt_level: str, output_names: list[str]
+) -> None:
+    """Output figures of what onnxruntime really runs at ``opt_level`` (both reduction paths)."""
+    dep_fp = run_batch(deployed[0], feeds, f"FP32 model '{fp.path.name}' ({opt_level})")
+    dep_q = run_batch(deployed[1], feeds, f"INT8 model '{q.path.name}' ({opt_level})")
+    for name in output_names:
+        state.deployed.setdefault(name, OutputAccumulator()).update(dep_fp[name], dep_q[name])
 
 
 def _count_correct(
