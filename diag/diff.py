@@ -17,8 +17,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from diag.documents import read_document
+from diag.errors import DiagError
 from diag.gate import GRADES
 from diag.jsonnum import json_number, number_from_json
+from diag.untrusted import fields_of
 
 #: verdict.outputs[*] metric -> True when higher is better.
 OUTPUT_METRICS: dict[str, bool] = {
@@ -276,7 +279,7 @@ def _sqnr_deltas(a_nodes: dict[str, Any], b_nodes: dict[str, Any], kind: str, to
 def diff_documents(
     a: dict[str, Any], b: dict[str, Any], top: int = 10, labels: tuple[str, str] = ("a", "b")
 ) -> DocumentDiff:
-    """Compare two loaded ``diag.json`` documents (``diag.report.load_document``): ``b`` relative to ``a``.
+    """Compare two loaded ``diag.json`` documents (``diag.documents.read_document``): ``b`` relative to ``a``.
 
     Args:
         a: the baseline run.
@@ -285,8 +288,8 @@ def diff_documents(
         labels: names of the runs in the output (their paths).
 
     Example:
-        >>> from diag.report import load_document
-        >>> d = diff_documents(load_document("base/diag.json"), load_document("excl/diag.json"))  # doctest: +SKIP
+        >>> from diag.documents import read_document
+        >>> d = diff_documents(read_document("base/diag.json"), read_document("excl/diag.json"))  # doctest: +SKIP
         >>> [c.name for c in d.status_changes if c.quantized == (True, False)]  # doctest: +SKIP
         ['layer1/ffn/fc1/MatMul']
     """
@@ -349,12 +352,9 @@ def diff_files(a_path: str | os.PathLike[str], b_path: str | os.PathLike[str], t
         a: a/diag.json
         ...
     """
-    from diag.documents import fields_of
-    from diag.errors import DiagError
-    from diag.report import load_document
 
     if top < 1:
         raise DiagError("bad-option", f"--top {top}", "must be at least 1", "e.g. --top 10")
-    a, b = load_document(a_path), load_document(b_path)
+    a, b = read_document(a_path), read_document(b_path)
     with fields_of(f"{a_path}' or '{b_path}"):
         return diff_documents(a, b, top, (str(a_path), str(b_path)))

@@ -4,7 +4,7 @@
 hands them. Before any field is used, :func:`read_document` makes sure that
 
 - the file is a regular file (:func:`diag.files.input_file`), of a sane size, valid UTF-8 JSON,
-  nested at most :data:`MAX_DEPTH` levels (deeper nesting would hit Python's recursion limit later)
+  nested at most :data:`diag.untrusted.MAX_DEPTH` levels (deeper nesting would hit Python's recursion limit later)
   and without integers longer than Python parses (``ValueError`` at 4300 digits);
 - it follows the shipped schema (``reports_templates/diag.schema.json``): types, required keys,
   enums and constants, every error naming the field (``verdict.outputs[0].sqnr_db``);
@@ -12,26 +12,27 @@ hands them. Before any field is used, :func:`read_document` makes sure that
   below :data:`MAX_SHARDS` (a count of 10^12 must be refused, not iterated).
 
 Every failure is a ``bad-report`` error naming the file and the field. Code that reads fields the
-schema does not pin down runs under :func:`fields_of`, which turns a malformed value into the same
+schema does not pin down runs under :func:`diag.untrusted.fields_of`, which turns a malformed value into the same
 error instead of an internal one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from typing import Any
 
 from diag.errors import DiagError
+from diag.untrusted import parse_json
 
-#: Deepest nesting a diag document has is ~8; anything far deeper is hostile.
-MAX_DEPTH = 64
 #: No run is split into more shards than this; a larger count is a corrupt or hostile file.
 MAX_SHARDS = 100_000
 #: diag.json of a 2,000-node model with histograms is a few MB; refuse to parse absurd files.
 MAX_BYTES = 1 << 30
+
+#: ``schema`` and ``schema_version`` of every diag.json this diag writes and reads.
+SCHEMA = "diag/compare"
+SCHEMA_VERSION = 1
 
 _SCHEMA: dict[str, Any] | None = None
 
@@ -47,50 +48,6 @@ def _schema() -> dict[str, Any]:
 
 def _bad(path: object, problem: str, hint: str = "pass the diag.json written by diag compare") -> DiagError:
     return DiagError("bad-report", f"report '{path}'", problem, hint)
-
-
-def parse_json(text: str, path: object, *, bad: Any = None) -> Any:
-    """``json.loads`` for untrusted text: deep nesting and giant integers are refused, never a crash.
-
-    Example:
-        >>> parse_json("[" * 100 + "]" * 100, "x.json")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        diag.errors.DiagError: report 'x.json' | is nested deeper than 64 levels. Hint: ...
-    """
-    make = bad or _bad
-    depth = max_depth(text)
-    if depth > MAX_DEPTH:
-        raise make(path, f"is nested deeper than {MAX_DEPTH} levels")
-    try:
-        return json.loads(text)
-    except RecursionError as e:  # pragma: no cover - the depth scan above comes first
-        raise make(path, f"is nested deeper than {MAX_DEPTH} levels") from e
-    except ValueError as e:
-        why = "has an integer too long to read" if "digits" in str(e) else f"is not readable JSON ({str(e)[:80]})"
-        raise make(path, why) from e
-
-
-def max_depth(text: str) -> int:
-    """Deepest bracket nesting, strings skipped; linear and without recursion."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
-    return deepest
 
 
 def read_document(path: str | os.PathLike[str], role: str = "report") -> dict[str, Any]:
@@ -119,8 +76,6 @@ def read_document(path: str | os.PathLike[str], role: str = "report") -> dict[st
 
 def validate_document(doc: Any, path: object) -> None:
     """Schema and semantic checks of a parsed ``diag.json``; ``bad-report`` naming the field on failure."""
-    from diag.report import SCHEMA, SCHEMA_VERSION
-
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise _bad(path, "is not a diag compare document")
     if doc.get("schema_version") != SCHEMA_VERSION:
@@ -158,7 +113,7 @@ def _validate(value: Any, rule: dict[str, Any], root: dict[str, Any], at: str) -
     """The first violation of the JSON-schema subset diag's schema uses, or None.
 
     Supported: type, required, properties, additionalProperties, items, enum, const, oneOf, $ref.
-    Recursion depth follows the document's, which :data:`MAX_DEPTH` bounds.
+    Recursion depth follows the document's, which :data:`diag.untrusted.MAX_DEPTH` bounds.
     """
     if "$ref" in rule:
         ref = rule["$ref"].removeprefix("#/$defs/")
@@ -250,18 +205,3 @@ def _semantics(doc: dict[str, Any], path: object) -> None:
         raise _bad(path, "field 'shard.state.fused' is not an array")
     if not isinstance(shard.get("runtime_unmatched"), dict):
         raise _bad(path, "field 'shard.runtime_unmatched' is not an object")
-
-
-@contextlib.contextmanager
-def fields_of(path: object) -> Iterator[None]:
-    """Run code that reads a validated document's fields; a value the schema let through but the code
-    cannot use (a string where a count is needed deep in a shard's state) is ``bad-report`` naming the
-    file, never an internal error."""
-    try:
-        yield
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as e:
-        if isinstance(e, DiagError):
-            raise
-        raise _bad(
-            path, f"has a missing or malformed field ({type(e).__name__}: {str(e)[:80]})", "re-run diag compare"
-        ) from e

@@ -19,8 +19,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from diag.documents import read_document
 from diag.errors import DiagError
 from diag.jsonnum import number_from_json
+from diag.untrusted import fields_of
 
 #: Verdict grades, best first; ``--max-grade`` fails on any grade after the bound.
 GRADES = ("excellent", "acceptable", "marginal", "reject")
@@ -209,8 +211,8 @@ def check_document(doc: dict[str, Any], gates: Gates) -> list[GateResult]:
     that cannot be evaluated at all (none given, out-of-range bound, unknown ``outputs`` name).
 
     Example:
-        >>> from diag.report import load_document
-        >>> results = check_document(load_document("demo/diag.json"), Gates(min_cosine=0.999))  # doctest: +SKIP
+        >>> from diag.documents import read_document
+        >>> results = check_document(read_document("demo/diag.json"), Gates(min_cosine=0.999))  # doctest: +SKIP
         >>> [r.line() for r in results]  # doctest: +SKIP
         ["FAIL min-cosine: output 'logits' cosine_min 0.99629 < 0.999 (short by 0.00271)"]
     """
@@ -243,11 +245,9 @@ def check_file(path: str | os.PathLike[str], gates: Gates) -> list[GateResult]:
         >>> any(r.failed for r in results)  # doctest: +SKIP
         False
     """
-    from diag.documents import fields_of
-    from diag.report import load_document
 
     gates.validate()  # a missing gate is reported before a missing file
-    doc = load_document(path)
+    doc = read_document(path)
     with fields_of(path):
         return check_document(doc, gates)
 

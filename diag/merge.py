@@ -23,7 +23,7 @@ import numpy as np
 
 from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
 from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
-from diag.documents import fields_of
+from diag.untrusted import fields_of
 from diag.errors import DiagError
 from diag.instrument import FusedKernel
 from diag.jsonnum import json_number, number_from_json

@@ -505,7 +505,7 @@ MAX_RECIPE_DEPTH = 16
 
 def _refuse_hostile_text(text: str, obj: str) -> None:
     """Deep nesting would exhaust the parser's recursion (JSON) or blow the stack (TOML): refuse it first."""
-    from diag.documents import max_depth
+    from diag.untrusted import max_depth
 
     if max_depth(text) > MAX_RECIPE_DEPTH:
         raise DiagError(

@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.documents import SCHEMA, SCHEMA_VERSION
 from diag.errors import DiagError
 from diag.jsonnum import json_number as _num
 from diag.jsonnum import number_from_json
 
-SCHEMA = "diag/compare"
-SCHEMA_VERSION = 1
 SUMMARY_MAX_LINES = 60
 
 

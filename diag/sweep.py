@@ -706,7 +706,7 @@ def read_jsonl(path: Path, context: str) -> dict[str, SweepEntry]:
     done: dict[str, SweepEntry] = {}
     if not path.is_file():
         return done
-    from diag.documents import MAX_DEPTH, max_depth
+    from diag.untrusted import MAX_DEPTH, max_depth
 
     for raw in path.read_bytes().splitlines():
         try:
