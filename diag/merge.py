@@ -23,13 +23,13 @@ import numpy as np
 
 from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
 from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
-from diag.untrusted import fields_of
 from diag.errors import DiagError
 from diag.instrument import FusedKernel
 from diag.jsonnum import json_number, number_from_json
 from diag.match import match_models
 from diag.metrics import ErrorAccumulator, OutputAccumulator, OutputSpec
 from diag.taskmetrics import attach_task_metrics, task_state_from_json, task_state_to_json
+from diag.untrusted import fields_of
 
 #: Version of the ``shard.state`` layout; ``diag merge`` refuses others.
 STATE_VERSION = 1
