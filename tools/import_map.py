@@ -5,6 +5,7 @@ Usage (from anywhere; stdlib only, diag itself is never imported)::
     python tools/import_map.py              # summary, the cycles, the upward imports per module
     python tools/import_map.py --edges      # also every import between diag modules, with its line
     python tools/import_map.py --json       # the same facts as one JSON object
+    python tools/import_map.py --contract   # the import-linter contract pyproject.toml must hold
 
 The layer of each module is read from the module table of ``ARCHITECTURE.md`` (rows
 ``| `name` | layer | job |``), so the document is the one place the intended layers are written.
@@ -76,6 +77,8 @@ class ImportMap:
     upward: list[Import]
     #: The cycles that remain once every upward import is gone: cycles within one layer.
     layer_cycles: list[list[str]]
+    #: Imports of other packages inside functions: ``{"importer", "line", "package"}``.
+    lazy_external: list[dict[str, object]]
 
     @property
     def unlisted(self) -> list[str]:
@@ -108,6 +111,7 @@ class ImportMap:
             "upward": [asdict(i) for i in self.upward],
             "layer_cycles": self.layer_cycles,
             "imports": [asdict(i) for i in self.imports],
+            "lazy_external": self.lazy_external,
         }
 
 
@@ -187,6 +191,28 @@ def module_imports(path: Path, modules: set[str]) -> list[Import]:
     return found
 
 
+def lazy_external(path: Path) -> list[dict[str, object]]:
+    """Imports of other packages placed inside a function (``import onnxruntime as ort`` in a method)."""
+    found: list[dict[str, object]] = []
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                package = name.split(".")[0]
+                if package != "diag":
+                    found.append({"importer": path.stem, "line": node.lineno, "package": package})
+    unique = {(f["importer"], f["line"], f["package"]): f for f in found}  # nested functions are walked twice
+    return sorted(unique.values(), key=lambda f: (str(f["importer"]), int(str(f["line"]))))
+
+
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components (iterative), each sorted, largest first."""
     index: dict[str, int] = {}
@@ -250,7 +276,8 @@ def import_map(root: Path = ROOT) -> ImportMap:
         if imp not in upward:
             within[imp.importer].add(imp.imported)
     layer_cycles = [c for c in strongly_connected(within) if len(c) > 1]
-    return ImportMap(modules, layers, imports, cycles, upward, layer_cycles)
+    external = [f for name in modules for f in lazy_external(package / f"{name}.py")]
+    return ImportMap(modules, layers, imports, cycles, upward, layer_cycles, external)
 
 
 def summary(facts: ImportMap, edges: bool = False) -> list[str]:
@@ -286,14 +313,54 @@ def summary(facts: ImportMap, edges: bool = False) -> list[str]:
     return lines
 
 
+def contract(layers: dict[str, str]) -> str:
+    """The ``[tool.importlinter]`` section that enforces the table's layers, as pyproject.toml holds it.
+
+    One ``layers`` contract (highest layer first; the modules of one layer may import each other,
+    ``:``) that is exhaustive over diag's modules, so a new module must be placed in a layer, and one
+    ``acyclic_siblings`` contract, so the modules of one layer do not form a cycle either.
+    ``__init__`` is the package itself (the container), not a layer member.
+    """
+    rows = []
+    for layer in reversed(LAYERS):
+        members = sorted(m for m, where in layers.items() if where == layer and m != "__init__")
+        if members:
+            rows.append(f'    "{" : ".join(members)}",  # {layer}')
+    return "\n".join(
+        [
+            "[tool.importlinter]",
+            'root_package = "diag"',
+            "",
+            "[[tool.importlinter.contracts]]",
+            'name = "diag layers: foundations -> core -> analysis -> fix -> report -> cli (ARCHITECTURE.md)"',
+            'type = "layers"',
+            'containers = ["diag"]',
+            "exhaustive = true",
+            "# diag.fixtures exists only in an installed wheel (fixtures/ is mapped into the package there)",
+            'exhaustive_ignores = ["fixtures"]',
+            "layers = [",
+            *rows,
+            "]",
+            "",
+            "[[tool.importlinter.contracts]]",
+            'name = "no import cycle between diag modules"',
+            'type = "acyclic_siblings"',
+            'ancestors = ["diag"]',
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="project root (holds diag/ and ARCHITECTURE.md)")
     parser.add_argument("--edges", action="store_true", help="also list every import between diag modules")
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    parser.add_argument("--contract", action="store_true", help="print the import-linter contract of the table")
     args = parser.parse_args(argv)
     facts = import_map(args.root)
-    if args.json:
+    if args.contract:
+        print(contract(facts.layers))
+    elif args.json:
         json.dump(facts.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
