@@ -644,7 +644,7 @@ def _run_graph_pass(
             raise diagraph.Unsupported("the two models keep external data in different folders")
         if state.fp16_ranges:
             raise diagraph.Unsupported("an FP16 model: its range counts (diag.fp16.Fp16Range) are reduced in numpy")
-        from diag.match import _value_dtypes
+        from diag.protos import value_dtypes
 
         shapes, dtypes = diagraph.shapes_and_types(fp.proto, sample.feeds)
         parted = frozenset(n for n, acc in state.outputs.items() if acc.spec.parts)
@@ -657,7 +657,7 @@ def _run_graph_pass(
             output_names,
             shapes,
             dtypes,
-            _value_dtypes(q.proto),
+            value_dtypes(q.proto),
             parted,
         )
         sess = diagraph.session_from_graph(dg, f"diagnostic graph of '{q.path}'", threads, ext_fp or ext_q)

@@ -26,6 +26,7 @@ import onnx
 from onnx import numpy_helper
 
 from diag.load import DYNAMIC_OPS, NBITS_OPS, QDQ_OPS, QOPERATOR_OPS, outer_scope_inputs, subgraphs
+from diag.protos import node_id, value_dtypes
 
 QUANT_OPS = DYNAMIC_OPS | QDQ_OPS | QOPERATOR_OPS | NBITS_OPS | {"QGemm"}
 
@@ -187,11 +188,6 @@ class Matching:
         return 1.0 if total == 0 else len(self.pairs) / total
 
 
-def node_id(node: onnx.NodeProto, index: int) -> str:
-    """A node's name, or a stable stand-in for unnamed nodes (``<OpType>#<index>``)."""
-    return node.name if node.name else f"{node.op_type}#{index}"
-
-
 class TopLevelIndex:
     """Nodes, their ids, and the producer / consumers of every tensor of a graph's top level.
 
@@ -224,7 +220,7 @@ class _GraphIndex(TopLevelIndex):
                 self.initializers.setdefault(n.output[0], n.attribute[0].t)
         self.graph_inputs = [i.name for i in graph.input if i.name not in self.initializers]
         self.graph_outputs = [o.name for o in graph.output]
-        self.dtypes = _value_dtypes(model)
+        self.dtypes = value_dtypes(model)
 
     def array(self, name: str) -> np.ndarray | None:
         t = self.initializers.get(name)
@@ -234,51 +230,6 @@ class _GraphIndex(TopLevelIndex):
 
     def exists(self, name: str) -> bool:
         return name in self.producer or name in self.graph_inputs
-
-
-#: Initializers up to this many elements keep their data for shape inference (shape tensors,
-#: axes); larger ones (weights) are described by type and shape only.
-_SMALL_INITIALIZER = 4096
-
-
-def _structure_only(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` without weight data: large initializers become typed graph inputs.
-
-    NOTE: shape inference serializes the whole model; on a model with inline weights that means
-    two transient copies of every weight just to learn element types. Types need no weights.
-    """
-    g = model.graph
-    lite = onnx.ModelProto()
-    lite.ir_version = model.ir_version
-    lite.opset_import.extend(model.opset_import)
-    graph = lite.graph
-    graph.node.extend(g.node)
-    graph.input.extend(g.input)
-    graph.output.extend(g.output)
-    graph.value_info.extend(g.value_info)
-    declared = {i.name for i in g.input}
-    for t in g.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL and np.prod(t.dims, dtype=np.int64) <= _SMALL_INITIALIZER:
-            graph.initializer.append(t)
-        elif t.name not in declared:
-            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return lite
-
-
-def _value_dtypes(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every top-level value, using shape inference where the model lacks it."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(_structure_only(model), strict_mode=False)
-    except Exception:  # inference is a help, not a requirement
-        inferred = model
-    g = inferred.graph
-    types: dict[str, int] = {}
-    for vi in list(g.input) + list(g.output) + list(g.value_info):
-        if vi.type.HasField("tensor_type"):
-            types[vi.name] = vi.type.tensor_type.elem_type
-    for t in g.initializer:
-        types[t.name] = t.data_type
-    return types
 
 
 def _params(idx: _GraphIndex, scale_name: str, zp_name: str | None, axis: int | None) -> QuantParams | None:

@@ -322,45 +322,6 @@ def fp32_weight_of(fp: onnx.GraphProto, output: str) -> tuple[onnx.NodeProto, st
     return None
 
 
-# ---------------------------------------------------------------- what runs at which precision
-
-
-def precision_breakdown(model: onnx.ModelProto) -> dict[str, int]:
-    """How many compute nodes run at which weight precision: ``{"int4 weights (MatMulNBits)": 3, ...}``.
-
-    Counts MatMulNBits by ``bits``, MatMuls fed by a block-wise DequantizeLinear by the weight's
-    type, and the float MatMul / Gemm / Conv nodes left (what a mixed plan kept in float).
-
-    Example:
-        >>> precision_breakdown(onnx.load("mixed.onnx"))  # doctest: +SKIP
-        {'int4 weights (MatMulNBits)': 2, 'int8 weights (MatMulNBits)': 1}
-    """
-    counts: Counter[str] = Counter()
-    blocked_out: dict[str, str] = {}
-    dq_out: set[str] = set()
-    inits = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "DequantizeLinear":
-            dq_out.update(node.output)
-            if any(a.name == "block_size" and a.i > 0 for a in node.attribute) and node.input[0] in inits:
-                t = inits[node.input[0]].data_type
-                blocked_out[node.output[0]] = onnx.TensorProto.DataType.Name(t).lower()
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
-            counts[f"int{bits} weights (MatMulNBits)"] += 1
-        elif node.op_type == "GatherBlockQuantized":
-            t = inits[node.input[0]].data_type if node.input[0] in inits else onnx.TensorProto.UINT8
-            counts[f"{onnx.TensorProto.DataType.Name(t).lower()} table (GatherBlockQuantized)"] += 1
-        elif node.op_type in ("MatMul", "Gemm", "Conv"):
-            w = node.input[1] if len(node.input) > 1 else ""
-            if w in blocked_out:
-                counts[f"{blocked_out[w]} weights (block-wise DequantizeLinear)"] += 1
-            elif w not in dq_out and node.input[0] not in dq_out:
-                counts[f"float {node.op_type}"] += 1
-    return dict(sorted(counts.items()))
-
-
 def infer_weight_only(model: onnx.ModelProto) -> tuple[dict[str, Any], list[str]]:
     """The ``weight_only`` recipe (``MatMulNBitsQuantizer`` arguments) that made ``model``, with evidence.
 

@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 
 from diag.errors import DiagError
+from diag.fp16 import float16_feeds, float32_outputs
+from diag.protos import structure_only
 
 
 def session_from_model(
@@ -138,8 +140,6 @@ def run_batch(session: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str
     """Run one batch; returns every output by name. Failures name the node onnxruntime reported."""
     import onnxruntime as ort
 
-    from diag.fp16 import float16_feeds, float32_outputs
-
     names = [o.name for o in session.get_outputs()]
     feeds = float16_feeds(session, feeds)
     run_options = ort.RunOptions()
@@ -189,10 +189,8 @@ def tensor_bytes(model: onnx.ModelProto) -> list[tuple[int, str, tuple[int | str
         >>> tensor_bytes(model)[0]  # doctest: +SKIP
         (4000000000000, 'huge', (1000000, 1000000))
     """
-    from diag.match import _structure_only
-
     try:
-        inferred = onnx.shape_inference.infer_shapes(_structure_only(model), strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(structure_only(model), strict_mode=False)
     except Exception:  # inference is a help, not a requirement
         inferred = model
     g = inferred.graph
@@ -278,9 +276,7 @@ def inferred_for_batch(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> 
     Symbolic dims (batch, height, width) become numbers. Inference is a help, never a requirement:
     when it fails, the copy comes back without inferred shapes and callers fall back.
     """
-    from diag.match import _structure_only
-
-    shell = _structure_only(model)
+    shell = structure_only(model)
     for vi in shell.graph.input:
         if vi.name in feeds and vi.type.HasField("tensor_type"):
             shape = vi.type.tensor_type.shape
