@@ -1069,10 +1069,10 @@ def finish(
 
 
 def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, sentence: str) -> tuple[bool, str]:
-    """An FP16 model that creates NaN/Inf: its origin is the cause (see :func:`diag.fp16.nonfinite_cause`)."""
+    """An FP16 model that creates NaN/Inf: its origin is the cause (see :func:`diag.fp16health.nonfinite_cause`)."""
     if not state.fp16_ranges:
         return one, sentence
-    from diag.fp16 import nonfinite_cause
+    from diag.fp16health import nonfinite_cause
 
     cause = nonfinite_cause(findings, state.fp16_ranges)
     return (cause[0], cause[1]) if cause is not None else (one, sentence)

@@ -138,7 +138,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     if kind == "fp32":
         raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
     if loaded.format.family == "fp16":
-        from diag.fp16 import infer_fp16_recipe
+        from diag.fp16convert import infer_fp16_recipe
 
         recipe, evidence = infer_fp16_recipe(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
@@ -152,7 +152,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
             "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
         )
     if kind in ("matmulnbits", "qdq-int4-blocked"):
-        from diag.nbits import infer_weight_only
+        from diag.weightonly import infer_weight_only
 
         recipe, evidence = infer_weight_only(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)

@@ -279,7 +279,7 @@ def detect_format(proto: onnx.ModelProto) -> ModelFormat:
         nbits["DequantizeLinear(block_size)"] = blocked
     if not kinds:
         return _float_format(proto)
-    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {}), **nbits}  # type: ignore[dict-item]
+    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {}), **nbits}
     if kinds == ["qdq"]:
         wide = qdq_breakdown(proto)
         if wide is not None:

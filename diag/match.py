@@ -88,12 +88,14 @@ class QuantParams:
 
     def dequantize(self, q: np.ndarray) -> np.ndarray:
         scale, zp = self._broadcast(q.ndim)
-        return ((q.astype(np.float32) - zp) * scale).astype(np.float32)
+        out: np.ndarray = ((q.astype(np.float32) - zp) * scale).astype(np.float32)
+        return out
 
     def quantize(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
         scale, zp = self._broadcast(x.ndim)
         q = np.rint(x / scale) + zp
-        return np.clip(q, self.qmin, self.qmax).astype(dtype)
+        out: np.ndarray = np.clip(q, self.qmin, self.qmax).astype(dtype)
+        return out
 
     def _broadcast(self, ndim: int) -> tuple[np.ndarray, np.ndarray]:
         scale = self.scale.astype(np.float32)
@@ -300,7 +302,7 @@ def _dynamic_scale_of(idx: _GraphIndex, name: str) -> str | None:
     for c in idx.consumers.get(name, []):
         n = idx.nodes[c]
         if n.op_type == "DynamicQuantizeLinear" and len(n.output) > 1:
-            return n.output[1]
+            return str(n.output[1])
     return None
 
 
@@ -497,24 +499,7 @@ def _node_groups(
         outs = [o for o in node.output if o in pairs]
         if not outs:
             continue
-        mine = own[nid]
-        walked: set[int] = set()
-        seen: set[str] = set()
-        stack = [pairs[o].int8_name for o in outs]
-        while stack and len(walked) < 500:
-            t = stack.pop()
-            if t in seen:
-                continue
-            seen.add(t)
-            if t in boundary and t not in mine:  # another FP32 tensor, a weight or a model input
-                continue
-            prod = q.producer.get(t)
-            if prod is None or prod in walked:
-                continue
-            walked.add(prod)
-            pn = q.nodes[prod]
-            stack.extend(x for x in list(pn.input) + outer_scope_inputs(pn) if x)
-        found = sorted(walked)
+        found = _walk_back(q, [pairs[o].int8_name for o in outs], boundary, own[nid])
         covered.update(found)
         # An FP16 model has no quantization op: a node counts as low-precision when it writes float16.
         quantized = any(
@@ -544,13 +529,44 @@ def _node_groups(
         g = groups[target]
         g.fp_nodes.insert(0, nid)
         g.op_types.insert(0, op_type)
+    unmatched_nodes.update(_subgraph_nodes(f))
+    ordered = [groups[f.ids[i]] for i in range(len(f.nodes)) if f.ids[i] in groups]
+    return ordered, unmatched_nodes, covered
+
+
+def _walk_back(q: _GraphIndex, starts: list[str], boundary: set[str], mine: set[str]) -> list[int]:
+    """INT8 node indices (sorted) between ``starts`` and the boundary: weights, inputs, other FP32 tensors.
+
+    ``mine`` are boundary tensors of the group itself (its own cut and tail), walked through.
+    """
+    walked: set[int] = set()
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack and len(walked) < 500:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in boundary and t not in mine:  # another FP32 tensor, a weight or a model input
+            continue
+        prod = q.producer.get(t)
+        if prod is None or prod in walked:
+            continue
+        walked.add(prod)
+        pn = q.nodes[prod]
+        stack.extend(x for x in list(pn.input) + outer_scope_inputs(pn) if x)
+    return sorted(walked)
+
+
+def _subgraph_nodes(f: _GraphIndex) -> dict[str, str]:
+    """Every node inside an If / Loop / Scan body of the FP32 graph, with why it is not measured."""
+    out: dict[str, str] = {}
     for i, node in enumerate(f.nodes):
         for sub in subgraphs(node):
             for j, sn in enumerate(sub.node):
-                unmatched_nodes[node_id(sn, j) if sn.name else f"{f.ids[i]}/{sn.op_type}#{j}"] = (
+                out[node_id(sn, j) if sn.name else f"{f.ids[i]}/{sn.op_type}#{j}"] = (
                     f"inside a subgraph of {node.op_type} '{f.ids[i]}': onnxruntime cannot return "
                     "subgraph values as model outputs; its error is measured at the "
                     f"{node.op_type}'s outputs"
                 )
-    ordered = [groups[f.ids[i]] for i in range(len(f.nodes)) if f.ids[i] in groups]
-    return ordered, unmatched_nodes, covered
+    return out

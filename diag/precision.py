@@ -159,10 +159,7 @@ def qdq_breakdown(proto: onnx.ModelProto) -> PrecisionBreakdown | None:
     wts = {int(label.split("w")[1]) for label in nodes if "w" in label}
     # NOTE: with 16-bit activations onnxruntime also quantizes constant Add/Mul operands with the
     # activation type, so an A16W8 model holds 16-bit "weights" too: 8-bit weights anywhere = a16w8.
-    if act == {16}:
-        kind = "qdq-a16w8" if 8 in wts else "qdq16"
-    else:
-        kind = "mixed"
+    kind = ("qdq-a16w8" if 8 in wts else "qdq16") if act == {16} else "mixed"
     return PrecisionBreakdown(kind, "qdq", dict(sorted(nodes.items())))
 
 
