@@ -308,7 +308,7 @@ def compare_models(
     result.cluster = cluster
     # NOTE: no effect check on FP16 models: onnxruntime's CPU provider runs a float16 graph partly
     # in float32, and which parts depends on the graph, so a one-node change moves where FP16
-    # overflows. The NaN/Inf origin and the converter's re-run (fp16.fp16_fix) are the measure.
+    # overflows. The NaN/Inf origin and the converter's re-run (fp16health.fp16_fix) are the measure.
     if options.effects > 0 and options.local and options.shard is None and q.format.family != "fp16":
         specs = {k: a.spec for k, a in state.outputs.items()}
         result.effects = check_effects(

@@ -21,6 +21,7 @@ from onnx import helper
 
 from diag.errors import DiagError
 from diag.files import input_file, input_path
+from diag.lazy_npz import LazyRows, lazy_npy, lazy_npz
 
 DEFAULT_INT_RANGE = (0, 100)
 #: Refuse a random/loaded batch larger than this many bytes up front (per input).
@@ -159,16 +160,12 @@ def validate_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: st
 
 def load_npz(path: Path) -> dict[str, np.ndarray]:
     """Every array of a small ``.npz`` (one feed dict, labels) in memory; sizes checked first."""
-    from diag.lazy_npz import LazyRows, lazy_npz
-
     input_file(path, "inputs", "pass a .npz written by np.savez")
     return {k: (v[:] if isinstance(v, LazyRows) else v) for k, v in lazy_npz(path).items()}
 
 
 def load_npy(path: Path, lazy: bool = False) -> Any:
     """A ``.npy`` array; with ``lazy`` its rows are read only when a batch uses them (:mod:`diag.lazy_npz`)."""
-    from diag.lazy_npz import LazyRows, lazy_npy
-
     input_file(path, "inputs", "pass a .npy written by np.save")
     arr = lazy_npy(path)
     return arr[:] if isinstance(arr, LazyRows) and not lazy else arr
@@ -181,8 +178,6 @@ def _batchable(specs: list[InputSpec]) -> bool:
 
 def feeds_from_npz(path: Path, specs: list[InputSpec], samples: int | None, batch: int, skip: int = 0) -> FeedSource:
     """Stacked arrays from an ``.npz``, first axis = samples (see :func:`feeds_from_arrays`)."""
-    from diag.lazy_npz import lazy_npz
-
     # NOTE: lazily: only the rows of the batch being run are ever in memory, whatever the file holds.
     input_file(path, "inputs", "pass a .npz written by np.savez")
     return feeds_from_arrays(lazy_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
