@@ -223,7 +223,7 @@ def _print_result(result: Any, files: dict[str, Any]) -> None:
             f"{count} value(s) in '{_safe(f.tensor)}'"
         )
     if result.state is not None and result.state.fp16_ranges:
-        from diag.fp16 import fp16_range_lines
+        from diag.fp16health import fp16_range_lines
 
         for line in fp16_range_lines(result.findings, result.state.fp16_ranges):
             print(f"  {_safe(line)}")

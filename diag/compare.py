@@ -308,7 +308,7 @@ def compare_models(
     result.cluster = cluster
     # NOTE: no effect check on FP16 models: onnxruntime's CPU provider runs a float16 graph partly
     # in float32, and which parts depends on the graph, so a one-node change moves where FP16
-    # overflows. The NaN/Inf origin and the converter's re-run (fp16.fp16_fix) are the measure.
+    # overflows. The NaN/Inf origin and the converter's re-run (fp16health.fp16_fix) are the measure.
     if options.effects > 0 and options.local and options.shard is None and q.format.family != "fp16":
         specs = {k: a.spec for k, a in state.outputs.items()}
         result.effects = check_effects(
@@ -644,7 +644,7 @@ def _run_graph_pass(
             raise diagraph.Unsupported("the two models keep external data in different folders")
         if state.fp16_ranges:
             raise diagraph.Unsupported("an FP16 model: its range counts (diag.fp16.Fp16Range) are reduced in numpy")
-        from diag.match import _value_dtypes
+        from diag.protos import value_dtypes
 
         shapes, dtypes = diagraph.shapes_and_types(fp.proto, sample.feeds)
         parted = frozenset(n for n, acc in state.outputs.items() if acc.spec.parts)
@@ -657,7 +657,7 @@ def _run_graph_pass(
             output_names,
             shapes,
             dtypes,
-            _value_dtypes(q.proto),
+            value_dtypes(q.proto),
             parted,
         )
         sess = diagraph.session_from_graph(dg, f"diagnostic graph of '{q.path}'", threads, ext_fp or ext_q)
@@ -1069,10 +1069,10 @@ def finish(
 
 
 def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, sentence: str) -> tuple[bool, str]:
-    """An FP16 model that creates NaN/Inf: its origin is the cause (see :func:`diag.fp16.nonfinite_cause`)."""
+    """An FP16 model that creates NaN/Inf: its origin is the cause (see :func:`diag.fp16health.nonfinite_cause`)."""
     if not state.fp16_ranges:
         return one, sentence
-    from diag.fp16 import nonfinite_cause
+    from diag.fp16health import nonfinite_cause
 
     cause = nonfinite_cause(findings, state.fp16_ranges)
     return (cause[0], cause[1]) if cause is not None else (one, sentence)

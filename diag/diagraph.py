@@ -719,7 +719,7 @@ def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir
     model, dg.model = dg.model, onnx.ModelProto()
     if model.ByteSize() < PROTOBUF_LIMIT:
         return session_from_model(
-            model, role, "disabled", threads, external_data_dir, takes_turns=True, arena=True, mem_pattern=False
+            model, role, "disabled", threads, external_data_dir, takes_turns=True, frees_inside_run=True
         )
     if external_data_dir is not None:
         raise Unsupported("the graph exceeds 2 GiB with inline weights next to external ones")
@@ -728,6 +728,4 @@ def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir
         onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin")
         del model
         # NOTE: onnxruntime has read (or mapped) the weights once the session exists; the folder can go.
-        return session_from_model(
-            path, role, "disabled", threads, None, takes_turns=True, arena=True, mem_pattern=False
-        )
+        return session_from_model(path, role, "disabled", threads, None, takes_turns=True, frees_inside_run=True)

@@ -1394,12 +1394,13 @@ def reproduce_snippet(
     """
     r = result.recipe
     if r.get("mode") == "weight_only":
-        from diag.nbits import weight_only_snippet
+        from diag.weightonly import weight_only_snippet
 
         header = f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float."
-        return weight_only_snippet(r, result.fp32, model_out, header, "lift_constants" in result.steps)
+        lift = LIFT_CONSTANTS_SNIPPET if "lift_constants" in result.steps else []
+        return weight_only_snippet(r, result.fp32, model_out, header, lift)
     if r.get("mode") == "fp16":
-        from diag.fp16 import reproduce_fp16
+        from diag.fp16convert import reproduce_fp16
 
         return reproduce_fp16(result, model_out)
     static = r.get("mode") == "static"

@@ -21,6 +21,7 @@ from onnx import helper
 
 from diag.errors import DiagError
 from diag.files import input_file, input_path
+from diag.lazy_npz import LazyRows, lazy_npy, lazy_npz
 
 DEFAULT_INT_RANGE = (0, 100)
 #: Refuse a random/loaded batch larger than this many bytes up front (per input).
@@ -159,16 +160,12 @@ def validate_feed(feed: dict[str, np.ndarray], specs: list[InputSpec], where: st
 
 def load_npz(path: Path) -> dict[str, np.ndarray]:
     """Every array of a small ``.npz`` (one feed dict, labels) in memory; sizes checked first."""
-    from diag.lazy_npz import LazyRows, lazy_npz
-
     input_file(path, "inputs", "pass a .npz written by np.savez")
     return {k: (v[:] if isinstance(v, LazyRows) else v) for k, v in lazy_npz(path).items()}
 
 
 def load_npy(path: Path, lazy: bool = False) -> Any:
     """A ``.npy`` array; with ``lazy`` its rows are read only when a batch uses them (:mod:`diag.lazy_npz`)."""
-    from diag.lazy_npz import LazyRows, lazy_npy
-
     input_file(path, "inputs", "pass a .npy written by np.save")
     arr = lazy_npy(path)
     return arr[:] if isinstance(arr, LazyRows) and not lazy else arr
@@ -181,8 +178,6 @@ def _batchable(specs: list[InputSpec]) -> bool:
 
 def feeds_from_npz(path: Path, specs: list[InputSpec], samples: int | None, batch: int, skip: int = 0) -> FeedSource:
     """Stacked arrays from an ``.npz``, first axis = samples (see :func:`feeds_from_arrays`)."""
-    from diag.lazy_npz import lazy_npz
-
     # NOTE: lazily: only the rows of the batch being run are ever in memory, whatever the file holds.
     input_file(path, "inputs", "pass a .npz written by np.savez")
     return feeds_from_arrays(lazy_npz(path), specs, samples, batch, f"inputs '{path}'", skip)
@@ -298,6 +293,25 @@ def random_feeds(
     """
     if samples <= 0:
         raise DiagError("bad-option", "--samples", "must be at least 1", "pass --samples 8")
+    concrete = _concrete_dims(specs, shapes)
+    step = batch if _batchable(specs) else 1
+    _check_random_size(specs, concrete, samples, step)
+
+    def gen() -> Iterator[Batch]:
+        for b, start in enumerate(range(skip, skip + samples, step)):
+            size = min(step, skip + samples - start)
+            rng = np.random.default_rng([seed, start])
+            yield Batch(b, _random_feed(rng, specs, concrete, size, int_range), size)
+
+    return FeedSource(f"random (seed {seed}, {samples} samples)", _Restartable(gen), samples, specs)
+
+
+def _concrete_dims(specs: list[InputSpec], shapes: dict[str, tuple[int, ...]]) -> dict[str, list[int]]:
+    """Every input's dims with ``--shape`` applied; ``-1`` marks a symbolic batch axis.
+
+    Raises ``bad-option`` for a ``--shape`` of no input or of the wrong rank, ``bad-inputs`` for a
+    symbolic dim other than the first that no ``--shape`` fixes.
+    """
     unknown = [k for k in shapes if k not in {s.name for s in specs}]
     if unknown:
         raise DiagError(
@@ -306,7 +320,6 @@ def random_feeds(
             "names no model input",
             f"model inputs: {', '.join(s.name for s in specs)}",
         )
-    step = batch if _batchable(specs) else 1
     concrete: dict[str, list[int]] = {}
     for s in specs:
         if s.name in shapes:
@@ -333,6 +346,11 @@ def random_feeds(
                         f"pass --shape {s.name}=" + ",".join("1" if i == 0 else "N" for i in range(len(s.dims))),
                     )
         concrete[s.name] = dims
+    return concrete
+
+
+def _check_random_size(specs: list[InputSpec], concrete: dict[str, list[int]], samples: int, step: int) -> None:
+    """``too-large`` before anything is drawn: too many samples, or one batch over ``MAX_BATCH_BYTES``."""
     if samples > MAX_RANDOM_SAMPLES:
         per_sample = sum(math.prod(1 if d == -1 else d for d in concrete[s.name]) * s.dtype.itemsize for s in specs)
         raise DiagError(
@@ -351,31 +369,34 @@ def random_feeds(
                 f"one batch would need {elems * s.dtype.itemsize / 2**30:.1f} GiB",
                 "use smaller --shape or --batch",
             )
+
+
+def _random_feed(
+    rng: np.random.Generator,
+    specs: list[InputSpec],
+    concrete: dict[str, list[int]],
+    size: int,
+    int_range: tuple[int, int],
+) -> dict[str, np.ndarray]:
+    """One batch of ``size`` samples drawn from ``rng``, inputs in model order (the order fixes the draws)."""
     lo, hi = int_range
-
-    def gen() -> Iterator[Batch]:
-        for b, start in enumerate(range(skip, skip + samples, step)):
-            size = min(step, skip + samples - start)
-            rng = np.random.default_rng([seed, start])
-            feed: dict[str, np.ndarray] = {}
-            for s in specs:
-                dims = [size if d == -1 else d for d in concrete[s.name]]
-                if s.dtype.kind == "f":
-                    feed[s.name] = rng.standard_normal(dims).astype(s.dtype)
-                elif s.dtype.kind in "iu":
-                    feed[s.name] = rng.integers(lo, hi, size=dims).astype(s.dtype)
-                elif s.dtype.kind == "b":
-                    feed[s.name] = rng.integers(0, 2, size=dims).astype(bool)
-                else:
-                    raise DiagError(
-                        "bad-inputs",
-                        f"input '{s.name}'",
-                        f"has dtype {s.dtype}, which random inputs cannot produce",
-                        "pass --inputs with real data",
-                    )
-            yield Batch(b, feed, size)
-
-    return FeedSource(f"random (seed {seed}, {samples} samples)", _Restartable(gen), samples, specs)
+    feed: dict[str, np.ndarray] = {}
+    for s in specs:
+        dims = [size if d == -1 else d for d in concrete[s.name]]
+        if s.dtype.kind == "f":
+            feed[s.name] = rng.standard_normal(dims).astype(s.dtype)
+        elif s.dtype.kind in "iu":
+            feed[s.name] = rng.integers(lo, hi, size=dims).astype(s.dtype)
+        elif s.dtype.kind == "b":
+            feed[s.name] = rng.integers(0, 2, size=dims).astype(bool)
+        else:
+            raise DiagError(
+                "bad-inputs",
+                f"input '{s.name}'",
+                f"has dtype {s.dtype}, which random inputs cannot produce",
+                "pass --inputs with real data",
+            )
+    return feed
 
 
 def object_from_spec(spec: str, obj: str, slug: str, what: str, example: str) -> Any:
@@ -462,20 +483,16 @@ class _Restartable:
         return self._gen()  # type: ignore[operator, no-any-return]
 
 
-def feed_source(
-    model: onnx.ModelProto,
-    inputs: str | None = None,
-    random: bool = False,
-    reader: str | None = None,
-    samples: int | None = None,
-    batch: int = 1,
-    seed: int = 0,
-    shapes: dict[str, tuple[int, ...]] | None = None,
-    int_range: tuple[int, int] = DEFAULT_INT_RANGE,
-) -> FeedSource:
-    """Pick the source from the CLI-style arguments (exactly one of inputs/random/reader)."""
+def feed_source(model: onnx.ModelProto, spec: FeedSpec) -> FeedSource:
+    """Pick the source from the CLI-style arguments (exactly one of inputs/random/reader).
+
+    Example:
+        >>> feed_source(model, FeedSpec(random=True, samples=4, batch=2)).samples  # doctest: +SKIP
+        4
+    """
+    inputs, reader, samples, batch = spec.inputs, spec.reader, spec.samples, spec.batch
     specs = input_specs(model)
-    chosen = [x for x in (inputs, reader) if x] + (["random"] if random else [])
+    chosen = [x for x in (inputs, reader) if x] + (["random"] if spec.random else [])
     if len(chosen) != 1:
         raise DiagError(
             "bad-option",
@@ -503,7 +520,7 @@ def feed_source(
         return feeds_from_npz(p, specs, samples, batch)
     if reader:
         return feeds_from_reader(reader, specs, samples)
-    return random_feeds(specs, samples or 8, batch, seed, shapes or {}, int_range)
+    return random_feeds(specs, samples or 8, batch, spec.seed, spec.shapes or {}, spec.int_range)
 
 
 @dataclass
@@ -520,17 +537,7 @@ class FeedSpec:
     int_range: tuple[int, int] = DEFAULT_INT_RANGE
 
     def source(self, model: onnx.ModelProto) -> FeedSource:
-        return feed_source(
-            model,
-            self.inputs,
-            self.random,
-            self.reader,
-            self.samples,
-            self.batch,
-            self.seed,
-            self.shapes,
-            self.int_range,
-        )
+        return feed_source(model, self)
 
 
 def load_labels(path: str) -> np.ndarray:

@@ -194,9 +194,9 @@ def check_outputs(
         if isinstance(item, (str, os.PathLike)) and str(item):
             with contextlib.suppress(OSError):
                 q = Path(item)
-                st = os.stat(q)
-                if stat.S_ISREG(st.st_mode):
-                    _remember(q, st)
+                found = os.stat(q)
+                if stat.S_ISREG(found.st_mode):
+                    _remember(q, found)
     base = Path(folder)
     obj = f"{role} '{base}'"
     st = _stat(base, obj, missing_slug="bad-out")
@@ -430,11 +430,11 @@ def _commit(staged: list[tuple[Path, Path]], removals: list[Path], stage: Path, 
         try:
             for target in removals:
                 if os.path.lexists(target):
-                    kept = backup / target.name
-                    os.replace(target, kept)
-                    done.append((target, kept))
+                    aside = backup / target.name
+                    os.replace(target, aside)
+                    done.append((target, aside))
             for new, target in staged:
-                kept = None
+                kept: Path | None = None
                 if os.path.lexists(target):
                     kept = backup / target.name
                     try:

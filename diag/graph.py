@@ -11,7 +11,7 @@ import networkx as nx
 import onnx
 
 from diag.load import outer_scope_inputs
-from diag.match import node_id
+from diag.protos import node_id
 
 
 def fp_graph(model: onnx.ModelProto) -> nx.DiGraph:

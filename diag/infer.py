@@ -43,7 +43,7 @@ from onnx import numpy_helper
 from diag.errors import DiagError
 from diag.lint import DIAG_ONLY_KEYS, RECIPE_KEYS
 from diag.load import model_from_path
-from diag.match import _value_dtypes  # element types via shape inference on a weight-free copy
+from diag.protos import value_dtypes  # element types via shape inference on a weight-free copy
 
 #: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
@@ -138,7 +138,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     if kind == "fp32":
         raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
     if loaded.format.family == "fp16":
-        from diag.fp16 import infer_fp16_recipe
+        from diag.fp16convert import infer_fp16_recipe
 
         recipe, evidence = infer_fp16_recipe(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
@@ -152,7 +152,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
             "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
         )
     if kind in ("matmulnbits", "qdq-int4-blocked"):
-        from diag.nbits import infer_weight_only
+        from diag.weightonly import infer_weight_only
 
         recipe, evidence = infer_weight_only(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
@@ -254,7 +254,7 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
         float8 = all(z.data_type == onnx.TensorProto.FLOAT8E4M3FN for z in act_zps)
         if act_zps and not float8 and all(_is_symmetric(z, base_dir) for z in act_zps):
             extra["ActivationSymmetric"] = True
-    dtypes = _value_dtypes(model) if kind == "qoperator" else None
+    dtypes = value_dtypes(model) if kind == "qoperator" else None
     excluded = _excluded_nodes(graph, inits, producers, kind, dtypes)
     recipe["nodes_to_exclude"] = excluded
     evidence.append(

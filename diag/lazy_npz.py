@@ -107,7 +107,8 @@ class LazyRows:
             if step != 1:
                 raise IndexError("LazyRows supports contiguous slices only")
             return self.rows(start, max(start, stop))
-        return self.rows(key, key + 1)[0]
+        row: np.ndarray = self.rows(key, key + 1)[0]
+        return row
 
     def close(self) -> None:
         if self._stream is not None:

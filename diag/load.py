@@ -15,6 +15,7 @@ import onnx
 
 from diag.errors import DiagError
 from diag.files import input_file, remember_input
+from diag.precision import fp16_breakdown, has_float16, precision_breakdown, qdq_breakdown
 
 #: op types that only exist in quantized graphs, by the format that produces them.
 DYNAMIC_OPS = frozenset(
@@ -278,10 +279,8 @@ def detect_format(proto: onnx.ModelProto) -> ModelFormat:
         nbits["DequantizeLinear(block_size)"] = blocked
     if not kinds:
         return _float_format(proto)
-    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {}), **nbits}  # type: ignore[dict-item]
+    evidence = {**dynamic, **qop, **(qdq if "qdq" in kinds else {}), **nbits}
     if kinds == ["qdq"]:
-        from diag.precision import qdq_breakdown
-
         wide = qdq_breakdown(proto)
         if wide is not None:
             return ModelFormat(wide.kind, dict(sorted(evidence.items())), wide.nodes, "qdq")
@@ -290,8 +289,6 @@ def detect_format(proto: onnx.ModelProto) -> ModelFormat:
 
 def _float_format(proto: onnx.ModelProto) -> ModelFormat:
     """``fp32``, or ``fp16`` / ``mixed`` for a float16 model (see :mod:`diag.precision`)."""
-    from diag.precision import fp16_breakdown, has_float16
-
     if not has_float16(proto):
         return ModelFormat("fp32")
     b = fp16_breakdown(proto)
@@ -384,7 +381,7 @@ class ModelSummary:
     problems: list[str]
     #: Findings that did not stop diag (see :attr:`LoadedModel.warnings`).
     warnings: list[str] = field(default_factory=list)
-    #: Weight precision -> node count for block-wise / weight-only formats (:func:`diag.nbits.precision_breakdown`).
+    #: Weight precision -> node count for block-wise / weight-only formats (:func:`diag.precision.precision_breakdown`).
     precision: dict[str, int] = field(default_factory=dict)
 
 
@@ -472,8 +469,6 @@ def _precision(proto: onnx.ModelProto, fmt: ModelFormat) -> dict[str, int]:
     """Weight precision per compute node, for models with weight-only block-quantized parts."""
     if not any(k in NBITS_OPS or k == "DequantizeLinear(block_size)" for k in fmt.evidence):
         return {}
-    from diag.nbits import precision_breakdown
-
     return precision_breakdown(proto)
 
 

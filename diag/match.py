@@ -26,6 +26,7 @@ import onnx
 from onnx import numpy_helper
 
 from diag.load import DYNAMIC_OPS, NBITS_OPS, QDQ_OPS, QOPERATOR_OPS, outer_scope_inputs, subgraphs
+from diag.protos import node_id, value_dtypes
 
 QUANT_OPS = DYNAMIC_OPS | QDQ_OPS | QOPERATOR_OPS | NBITS_OPS | {"QGemm"}
 
@@ -87,12 +88,14 @@ class QuantParams:
 
     def dequantize(self, q: np.ndarray) -> np.ndarray:
         scale, zp = self._broadcast(q.ndim)
-        return ((q.astype(np.float32) - zp) * scale).astype(np.float32)
+        out: np.ndarray = ((q.astype(np.float32) - zp) * scale).astype(np.float32)
+        return out
 
     def quantize(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
         scale, zp = self._broadcast(x.ndim)
         q = np.rint(x / scale) + zp
-        return np.clip(q, self.qmin, self.qmax).astype(dtype)
+        out: np.ndarray = np.clip(q, self.qmin, self.qmax).astype(dtype)
+        return out
 
     def _broadcast(self, ndim: int) -> tuple[np.ndarray, np.ndarray]:
         scale = self.scale.astype(np.float32)
@@ -187,11 +190,6 @@ class Matching:
         return 1.0 if total == 0 else len(self.pairs) / total
 
 
-def node_id(node: onnx.NodeProto, index: int) -> str:
-    """A node's name, or a stable stand-in for unnamed nodes (``<OpType>#<index>``)."""
-    return node.name if node.name else f"{node.op_type}#{index}"
-
-
 class TopLevelIndex:
     """Nodes, their ids, and the producer / consumers of every tensor of a graph's top level.
 
@@ -224,7 +222,7 @@ class _GraphIndex(TopLevelIndex):
                 self.initializers.setdefault(n.output[0], n.attribute[0].t)
         self.graph_inputs = [i.name for i in graph.input if i.name not in self.initializers]
         self.graph_outputs = [o.name for o in graph.output]
-        self.dtypes = _value_dtypes(model)
+        self.dtypes = value_dtypes(model)
 
     def array(self, name: str) -> np.ndarray | None:
         t = self.initializers.get(name)
@@ -234,51 +232,6 @@ class _GraphIndex(TopLevelIndex):
 
     def exists(self, name: str) -> bool:
         return name in self.producer or name in self.graph_inputs
-
-
-#: Initializers up to this many elements keep their data for shape inference (shape tensors,
-#: axes); larger ones (weights) are described by type and shape only.
-_SMALL_INITIALIZER = 4096
-
-
-def _structure_only(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` without weight data: large initializers become typed graph inputs.
-
-    NOTE: shape inference serializes the whole model; on a model with inline weights that means
-    two transient copies of every weight just to learn element types. Types need no weights.
-    """
-    g = model.graph
-    lite = onnx.ModelProto()
-    lite.ir_version = model.ir_version
-    lite.opset_import.extend(model.opset_import)
-    graph = lite.graph
-    graph.node.extend(g.node)
-    graph.input.extend(g.input)
-    graph.output.extend(g.output)
-    graph.value_info.extend(g.value_info)
-    declared = {i.name for i in g.input}
-    for t in g.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL and np.prod(t.dims, dtype=np.int64) <= _SMALL_INITIALIZER:
-            graph.initializer.append(t)
-        elif t.name not in declared:
-            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return lite
-
-
-def _value_dtypes(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every top-level value, using shape inference where the model lacks it."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(_structure_only(model), strict_mode=False)
-    except Exception:  # inference is a help, not a requirement
-        inferred = model
-    g = inferred.graph
-    types: dict[str, int] = {}
-    for vi in list(g.input) + list(g.output) + list(g.value_info):
-        if vi.type.HasField("tensor_type"):
-            types[vi.name] = vi.type.tensor_type.elem_type
-    for t in g.initializer:
-        types[t.name] = t.data_type
-    return types
 
 
 def _params(idx: _GraphIndex, scale_name: str, zp_name: str | None, axis: int | None) -> QuantParams | None:
@@ -349,7 +302,7 @@ def _dynamic_scale_of(idx: _GraphIndex, name: str) -> str | None:
     for c in idx.consumers.get(name, []):
         n = idx.nodes[c]
         if n.op_type == "DynamicQuantizeLinear" and len(n.output) > 1:
-            return n.output[1]
+            return str(n.output[1])
     return None
 
 
@@ -546,24 +499,7 @@ def _node_groups(
         outs = [o for o in node.output if o in pairs]
         if not outs:
             continue
-        mine = own[nid]
-        walked: set[int] = set()
-        seen: set[str] = set()
-        stack = [pairs[o].int8_name for o in outs]
-        while stack and len(walked) < 500:
-            t = stack.pop()
-            if t in seen:
-                continue
-            seen.add(t)
-            if t in boundary and t not in mine:  # another FP32 tensor, a weight or a model input
-                continue
-            prod = q.producer.get(t)
-            if prod is None or prod in walked:
-                continue
-            walked.add(prod)
-            pn = q.nodes[prod]
-            stack.extend(x for x in list(pn.input) + outer_scope_inputs(pn) if x)
-        found = sorted(walked)
+        found = _walk_back(q, [pairs[o].int8_name for o in outs], boundary, own[nid])
         covered.update(found)
         # An FP16 model has no quantization op: a node counts as low-precision when it writes float16.
         quantized = any(
@@ -593,13 +529,44 @@ def _node_groups(
         g = groups[target]
         g.fp_nodes.insert(0, nid)
         g.op_types.insert(0, op_type)
+    unmatched_nodes.update(_subgraph_nodes(f))
+    ordered = [groups[f.ids[i]] for i in range(len(f.nodes)) if f.ids[i] in groups]
+    return ordered, unmatched_nodes, covered
+
+
+def _walk_back(q: _GraphIndex, starts: list[str], boundary: set[str], mine: set[str]) -> list[int]:
+    """INT8 node indices (sorted) between ``starts`` and the boundary: weights, inputs, other FP32 tensors.
+
+    ``mine`` are boundary tensors of the group itself (its own cut and tail), walked through.
+    """
+    walked: set[int] = set()
+    seen: set[str] = set()
+    stack = list(starts)
+    while stack and len(walked) < 500:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if t in boundary and t not in mine:  # another FP32 tensor, a weight or a model input
+            continue
+        prod = q.producer.get(t)
+        if prod is None or prod in walked:
+            continue
+        walked.add(prod)
+        pn = q.nodes[prod]
+        stack.extend(x for x in list(pn.input) + outer_scope_inputs(pn) if x)
+    return sorted(walked)
+
+
+def _subgraph_nodes(f: _GraphIndex) -> dict[str, str]:
+    """Every node inside an If / Loop / Scan body of the FP32 graph, with why it is not measured."""
+    out: dict[str, str] = {}
     for i, node in enumerate(f.nodes):
         for sub in subgraphs(node):
             for j, sn in enumerate(sub.node):
-                unmatched_nodes[node_id(sn, j) if sn.name else f"{f.ids[i]}/{sn.op_type}#{j}"] = (
+                out[node_id(sn, j) if sn.name else f"{f.ids[i]}/{sn.op_type}#{j}"] = (
                     f"inside a subgraph of {node.op_type} '{f.ids[i]}': onnxruntime cannot return "
                     "subgraph values as model outputs; its error is measured at the "
                     f"{node.op_type}'s outputs"
                 )
-    ordered = [groups[f.ids[i]] for i in range(len(f.nodes)) if f.ids[i] in groups]
-    return ordered, unmatched_nodes, covered
+    return out

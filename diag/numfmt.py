@@ -1,7 +1,7 @@
 """Numbers as text: the one rule the exclusion and sweep outputs print metrics with.
 
 NOTE: the other formatters stay apart because their rules differ: the report's tables use
-``report.fmt_num`` (3 significant digits, "–" for none) and ``report.fmt_db`` (dB, one decimal,
+``report.fmt_num`` (3 significant digits, an en dash for none) and ``report.fmt_db`` (dB, one decimal,
 "∞"); ``diff`` prints 6 significant digits, the ``--tiers`` summary 4 significant digits.
 
 A foundation module: it imports nothing from diag.

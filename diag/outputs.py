@@ -218,12 +218,13 @@ def _parts(
     axis = _norm_axis(_attr(node, "axis", 0), src_rank)
     if axis is None or axis == 0:
         return None  # a Concat over the batch axis stacks samples, not parts
-    sizes = []
+    sizes: list[int] = []
     for inp in node.input:
         s = g.shapes.get(inp)
-        if s is None or axis >= len(s) or s[axis] is None:
+        size = s[axis] if s is not None and axis < len(s) else None
+        if size is None:
             return None
-        sizes.append(s[axis])
+        sizes.append(size)
     out_axis = _to_out(axis, mapping, lost)
     if out_axis is None:
         return None

@@ -17,9 +17,12 @@ tensors); :attr:`diag.load.ModelFormat.family` keeps which tool made a ``mixed``
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import onnx
+
+from diag.protos import node_id, value_dtypes
 
 FLOAT16 = onnx.TensorProto.FLOAT16
 FLOAT = onnx.TensorProto.FLOAT
@@ -91,9 +94,7 @@ def fp16_breakdown(proto: onnx.ModelProto) -> PrecisionBreakdown | None:
         >>> b.kind, b.nodes["fp32"]  # doctest: +SKIP
         ('mixed', ['mm'])
     """
-    from diag.match import _value_dtypes, node_id
-
-    dtypes = _value_dtypes(proto)
+    dtypes = value_dtypes(proto)
     nodes: dict[str, list[str]] = {"fp16": [], "fp32": []}
     for i, n in enumerate(proto.graph.node):
         if n.op_type in _DATA_MOVEMENT:
@@ -122,8 +123,6 @@ def qdq_breakdown(proto: onnx.ModelProto) -> PrecisionBreakdown | None:
         >>> qdq_breakdown(a16w8_model).kind  # doctest: +SKIP
         'qdq-a16w8'
     """
-    from diag.match import node_id
-
     g = proto.graph
     inits = {t.name: t for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output if o}
@@ -160,11 +159,44 @@ def qdq_breakdown(proto: onnx.ModelProto) -> PrecisionBreakdown | None:
     wts = {int(label.split("w")[1]) for label in nodes if "w" in label}
     # NOTE: with 16-bit activations onnxruntime also quantizes constant Add/Mul operands with the
     # activation type, so an A16W8 model holds 16-bit "weights" too: 8-bit weights anywhere = a16w8.
-    if act == {16}:
-        kind = "qdq-a16w8" if 8 in wts else "qdq16"
-    else:
-        kind = "mixed"
+    kind = ("qdq-a16w8" if 8 in wts else "qdq16") if act == {16} else "mixed"
     return PrecisionBreakdown(kind, "qdq", dict(sorted(nodes.items())))
+
+
+def precision_breakdown(model: onnx.ModelProto) -> dict[str, int]:
+    """How many compute nodes run at which weight precision: ``{"int4 weights (MatMulNBits)": 3, ...}``.
+
+    Counts MatMulNBits by ``bits``, MatMuls fed by a block-wise DequantizeLinear by the weight's
+    type, and the float MatMul / Gemm / Conv nodes left (what a mixed plan kept in float).
+
+    Example:
+        >>> precision_breakdown(onnx.load("mixed.onnx"))  # doctest: +SKIP
+        {'int4 weights (MatMulNBits)': 2, 'int8 weights (MatMulNBits)': 1}
+    """
+    counts: Counter[str] = Counter()
+    blocked_out: dict[str, str] = {}
+    dq_out: set[str] = set()
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "DequantizeLinear":
+            dq_out.update(node.output)
+            if any(a.name == "block_size" and a.i > 0 for a in node.attribute) and node.input[0] in inits:
+                t = inits[node.input[0]].data_type
+                blocked_out[node.output[0]] = onnx.TensorProto.DataType.Name(t).lower()
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
+            counts[f"int{bits} weights (MatMulNBits)"] += 1
+        elif node.op_type == "GatherBlockQuantized":
+            t = inits[node.input[0]].data_type if node.input[0] in inits else onnx.TensorProto.UINT8
+            counts[f"{onnx.TensorProto.DataType.Name(t).lower()} table (GatherBlockQuantized)"] += 1
+        elif node.op_type in ("MatMul", "Gemm", "Conv"):
+            w = node.input[1] if len(node.input) > 1 else ""
+            if w in blocked_out:
+                counts[f"{blocked_out[w]} weights (block-wise DequantizeLinear)"] += 1
+            elif w not in dq_out and node.input[0] not in dq_out:
+                counts[f"float {node.op_type}"] += 1
+    return dict(sorted(counts.items()))
 
 
 def describe(nodes: dict[str, list[str]], limit: int = 3) -> str:

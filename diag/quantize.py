@@ -213,7 +213,7 @@ def quantize_model(
         recipe = Recipe.from_dict(recipe.to_dict(), "recipe")
         recipe.base_dir = base_dir
     if recipe.mode == "fp16":
-        from diag.fp16 import convert_model
+        from diag.fp16convert import convert_model  # LAYERING: fp16convert imports quantize's guards
 
         return convert_model(fp32_path, recipe, out_path)
     if samples is not None:
@@ -567,7 +567,7 @@ def _run_quantizer(
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     if recipe.mode == "weight_only":
-        from diag.nbits import quantize_weight_only
+        from diag.weightonly import quantize_weight_only  # LAYERING: weightonly imports upgrade_opset
 
         quantize_weight_only(recipe, src, dst, external, actions)
         return

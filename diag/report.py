@@ -1003,7 +1003,7 @@ def _fp16(result: Any) -> dict[str, Any]:
     state = getattr(result, "state", None)
     if state is None or not state.fp16_ranges:
         return {}
-    from diag.fp16 import fp16_fix
+    from diag.fp16health import fp16_fix
 
     fix = fp16_fix(result.findings, state.fp16_ranges)
     return {
@@ -1063,7 +1063,7 @@ def fix_snippet(
         )
     settings = dict(recipe["settings"])
     if settings.get("mode") == "fp16":
-        from diag.fp16 import fix_snippet_fp16
+        from diag.fp16convert import fix_snippet_fp16
 
         return fix_snippet_fp16(settings, nodes, fp32_path, int8_path)
     static = settings.get("mode") == "static"
@@ -1106,7 +1106,7 @@ def fix_snippet(
         )
     out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
     if settings.get("mode") == "weight_only":
-        from diag.nbits import weight_only_fix_snippet
+        from diag.weightonly import weight_only_fix_snippet
 
         return weight_only_fix_snippet(settings, lines[0], fp32_path, out)
     fn = "quantize_static" if static else "quantize_dynamic"
@@ -1138,7 +1138,7 @@ def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
     """The snippet for a diag.json without a recorded recipe: the format is all that is known."""
     listed = ", ".join(json.dumps(n) for n in nodes)
     if fmt in ("matmulnbits", "qdq-int4-blocked"):
-        from diag.nbits import weight_only_fix_snippet
+        from diag.weightonly import weight_only_fix_snippet
 
         quant_format = "QOperator" if fmt == "matmulnbits" else "QDQ"
         settings = {"mode": "weight_only", "quant_format": quant_format, "nodes_to_exclude": list(nodes)}

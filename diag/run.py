@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 
 from diag.errors import DiagError
+from diag.fp16 import float16_feeds, float32_outputs
+from diag.protos import structure_only
 
 
 def session_from_model(
@@ -27,8 +29,7 @@ def session_from_model(
     external_data_dir: Path | None = None,
     optimized_path: Path | None = None,
     takes_turns: bool = False,
-    arena: bool = False,
-    mem_pattern: bool = True,
+    frees_inside_run: bool = False,
 ) -> Any:
     """An ``InferenceSession`` on the CPU for ``model``.
 
@@ -37,7 +38,9 @@ def session_from_model(
     memory without copying the weights: ``model`` holds only the references, onnxruntime reads the
     files from that folder. ``threads`` sets intra-op threads (default: onnxruntime's; ``diag compare`` passes
     :func:`default_threads`); ``takes_turns=True`` for sessions
-    that run one after the other (no spinning workers, no memory arena unless ``arena``).
+    that run one after the other (no spinning workers, no memory arena); ``frees_inside_run=True``
+    for a session whose intermediate tensors are freed inside the run (the diagnostic graph): it
+    keeps its memory arena and runs without onnxruntime's memory pattern.
     ``optimized_path`` makes onnxruntime save the graph it really runs there (fused kernels).
     ``model`` may be a path (a graph too large to pass as bytes, saved with external data).
 
@@ -67,14 +70,14 @@ def session_from_model(
         # tensor of a batch) reserved for good, three times over. Without the arena a run's buffers
         # go back to the system: measured on PP-OCRv4 det 320x320, peak RSS 898 -> 686 MB.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # NOTE: ``arena=True`` keeps it for a session whose intermediate tensors are freed inside
+        # NOTE: ``frees_inside_run=True`` keeps it for a session whose intermediate tensors are freed inside
         # the run (the diagnostic graph): its peak is one run's working set, and reusing arena
         # blocks for thousands of small statistic tensors halves that session's run time.
-        so.enable_cpu_mem_arena = arena
+        so.enable_cpu_mem_arena = frees_inside_run
     # NOTE: onnxruntime's memory pattern preallocates one block for every intermediate tensor of
     # a run as planned; on the diagnostic graph (three models and their statistics) that block is
     # most of the peak: PP-OCRv4 det 320x320, peak RSS 804 -> 516 MB without it, no slower.
-    so.enable_mem_pattern = mem_pattern
+    so.enable_mem_pattern = not frees_inside_run
     if optimized_path is not None:
         so.optimized_model_filepath = str(optimized_path)
     if external_data_dir is not None:
@@ -138,8 +141,6 @@ def run_batch(session: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str
     """Run one batch; returns every output by name. Failures name the node onnxruntime reported."""
     import onnxruntime as ort
 
-    from diag.fp16 import float16_feeds, float32_outputs
-
     names = [o.name for o in session.get_outputs()]
     feeds = float16_feeds(session, feeds)
     run_options = ort.RunOptions()
@@ -189,10 +190,8 @@ def tensor_bytes(model: onnx.ModelProto) -> list[tuple[int, str, tuple[int | str
         >>> tensor_bytes(model)[0]  # doctest: +SKIP
         (4000000000000, 'huge', (1000000, 1000000))
     """
-    from diag.match import _structure_only
-
     try:
-        inferred = onnx.shape_inference.infer_shapes(_structure_only(model), strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(structure_only(model), strict_mode=False)
     except Exception:  # inference is a help, not a requirement
         inferred = model
     g = inferred.graph
@@ -278,9 +277,7 @@ def inferred_for_batch(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> 
     Symbolic dims (batch, height, width) become numbers. Inference is a help, never a requirement:
     when it fails, the copy comes back without inferred shapes and callers fall back.
     """
-    from diag.match import _structure_only
-
-    shell = _structure_only(model)
+    shell = structure_only(model)
     for vi in shell.graph.input:
         if vi.name in feeds and vi.type.HasField("tensor_type"):
             shape = vi.type.tensor_type.shape

@@ -610,7 +610,7 @@ def plan_snippet(
     """
     header = f"# target {plan.target}: plan {plan.by_tier or 'empty'}"
     if recipe.mode == "weight_only":
-        from diag.nbits import weight_only_snippet
+        from diag.weightonly import weight_only_snippet
 
         return weight_only_snippet(recipe.to_dict(), plan.fp32, model_out, header)
     from types import SimpleNamespace

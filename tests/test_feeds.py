@@ -32,8 +32,14 @@ def test_random_inputs_respect_int_range_and_are_reproducible(built):
     import onnx
 
     fp = onnx.load(str(b.fp32))
-    a = [x.feeds["input_ids"] for x in feed_source(fp, random=True, samples=4, batch=2, seed=3, int_range=(5, 9))]
-    again = [x.feeds["input_ids"] for x in feed_source(fp, random=True, samples=4, batch=2, seed=3, int_range=(5, 9))]
+    a = [
+        x.feeds["input_ids"]
+        for x in feed_source(fp, FeedSpec(random=True, samples=4, batch=2, seed=3, int_range=(5, 9)))
+    ]
+    again = [
+        x.feeds["input_ids"]
+        for x in feed_source(fp, FeedSpec(random=True, samples=4, batch=2, seed=3, int_range=(5, 9)))
+    ]
     assert len(a) == 2 and a[0].shape == (2, 16) and a[0].dtype == np.int64
     assert all(((x >= 5) & (x < 9)).all() for x in a)
     assert all((x == y).all() for x, y in zip(a, again, strict=True))
@@ -50,8 +56,8 @@ def test_random_inputs_ask_for_shape_of_symbolic_non_batch_dims(tmp_path):
     )
     m = helper.make_model(g)
     with pytest.raises(DiagError, match=r"symbolic dim 'seq'.*--shape x=1,N"):
-        feed_source(m, random=True, samples=2)
-    src = feed_source(m, random=True, samples=2, shapes={"x": (1, 7)})
+        feed_source(m, FeedSpec(random=True, samples=2))
+    src = feed_source(m, FeedSpec(random=True, samples=2, shapes={"x": (1, 7)}))
     assert next(iter(src)).feeds["x"].shape == (1, 7)
 
 

@@ -20,9 +20,10 @@ from diag.errors import DiagError
 from diag.fixtures.nbits_models import BLOCK, stray_block_mlp
 from diag.infer import infer_recipe
 from diag.load import detect_format, model_summary
-from diag.nbits import blocked_weights, unpack_bits, weight_only_calls
+from diag.nbits import blocked_weights, unpack_bits
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.weightonly import weight_only_calls
 from diag.weights import weight_report
 
 

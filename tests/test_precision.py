@@ -15,7 +15,7 @@ from diag.feeds import FeedSpec
 from diag.fixtures.models import transformer
 from diag.fixtures.precision_models import fp16_overflow
 from diag.fixtures.quantize import _ArrayReader
-from diag.fp16 import fp16_fix
+from diag.fp16health import fp16_fix
 from diag.load import model_from_path
 
 

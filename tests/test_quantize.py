@@ -130,7 +130,7 @@ def test_calibration_from_a_reader_a_folder_or_a_feed_source_honours_samples(
     assert "calibrated with MinMax on 5 sample(s) from reader calib_reader:Reader" in via_reader.actions
     via_folder = quantize_model(fp32, QDQ, tmp_path / "f.onnx", FeedSpec(inputs=str(tmp_path / "calib")))
     assert "calibrated with MinMax on 4 sample(s) from folder calib (4 feed files)" in via_folder.actions
-    source = feed_source(onnx.load(str(fp32)), inputs=str(convnet["calib"]), batch=3)
+    source = feed_source(onnx.load(str(fp32)), FeedSpec(inputs=str(convnet["calib"]), batch=3))
     via_source = quantize_model(fp32, QDQ, tmp_path / "s.onnx", source, samples=4)
     assert "calibrated with MinMax on 4 sample(s) from calib.npz (8 samples, batch 3)" in via_source.actions
 

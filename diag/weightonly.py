@@ -1,0 +1,246 @@
+"""Recipe mode ``weight_only``: ``MatMulNBitsQuantizer`` calls, their Python, and the recipe a model came from.
+
+The fix-side half of weight-only 4/8-bit quantization. Reading the graphs it writes (unpacking
+``MatMulNBits`` and block-wise ``DequantizeLinear`` weights, block errors, ``accuracy_level``) is
+core and lives in :mod:`diag.nbits`; this module runs onnxruntime's quantizer as a recipe says
+(one call per bit width for ``node_bits``), writes the same calls as plain Python for
+``reproduce.py`` and the `diag compare` fix, and infers the recipe back from a quantized graph.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from diag.quantize import upgrade_opset
+from diag.recipe import Recipe
+
+
+def infer_weight_only(model: onnx.ModelProto) -> tuple[dict[str, Any], list[str]]:
+    """The ``weight_only`` recipe (``MatMulNBitsQuantizer`` arguments) that made ``model``, with evidence.
+
+    FP32 node names come from onnxruntime's naming (``<node>_Q<bits>``, ``<node>_DQ_Q4``); a
+    float MatMul left in the graph is listed in ``nodes_to_exclude``; MatMulNBits nodes of
+    another bit width than the majority become ``node_bits``.
+
+    Example:
+        >>> infer_weight_only(onnx.load("model.q4.onnx"))[0]  # doctest: +SKIP
+        {'mode': 'weight_only', 'quant_format': 'QOperator', 'bits': 4, 'block_size': 32, ...}
+    """
+    evidence: list[str] = []
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
+    recipe: dict[str, Any] = {"mode": "weight_only"}
+    gathers = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    if gathers and not nbits:
+        nbits, attrs = gathers, [{"bits": 4, **a} for a in ({x.name: onnx.helper.get_attribute_value(x) for x in
+                                                            n.attribute} for n in gathers)]  # fmt: skip
+    if nbits:
+        recipe["quant_format"] = "QOperator"
+        bits = Counter(int(a.get("bits", 4)) for a in attrs)
+        main_bits = bits.most_common(1)[0][0]
+        blocks = Counter(int(a["block_size"]) for a in attrs)
+        recipe["bits"] = main_bits
+        recipe["block_size"] = blocks.most_common(1)[0][0]
+        recipe["is_symmetric"] = all(len(n.input) < 4 or not n.input[3] for n in nbits)
+        levels = {a["accuracy_level"] for a in attrs if "accuracy_level" in a}
+        if levels:
+            recipe["accuracy_level"] = int(sorted(levels)[0])
+        others = {
+            _fp_name(n.name, int(a.get("bits", 4))): int(a.get("bits", 4))
+            for n, a in zip(nbits, attrs, strict=True)
+            if int(a.get("bits", 4)) != main_bits
+        }
+        if others:
+            recipe["node_bits"] = dict(sorted(others.items()))
+        evidence.append(f"{len(nbits)} {nbits[0].op_type} node(s): bits {dict(bits)}, block_size {dict(blocks)}")
+        if gathers:
+            recipe["op_types_to_quantize"] = ["Gather"] if nbits is gathers else ["MatMul", "Gather"]
+            evidence.append(f"{len(gathers)} GatherBlockQuantized node(s): Gather tables quantized too")
+    else:
+        recipe["quant_format"] = "QDQ"
+        dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+        sizes = Counter(a.i for n in dq for a in n.attribute if a.name == "block_size")
+        recipe["bits"] = 4
+        if sizes:
+            recipe["block_size"] = sizes.most_common(1)[0][0]
+        recipe["is_symmetric"] = all(len(n.input) < 3 or not n.input[2] for n in dq)
+        evidence.append(f"{sum(sizes.values())} block-wise DequantizeLinear node(s): block_size {dict(sizes)}")
+    float_matmuls = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name and not _quantized_matmul(n)]
+    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    kept = [name for name in float_matmuls if not any(i in dq_outputs for i in _inputs_of(model, name))]
+    if kept:
+        recipe["nodes_to_exclude"] = kept
+        evidence.append(f"{len(kept)} MatMul node(s) left in float: {', '.join(kept[:5])}")
+    return recipe, evidence
+
+
+def _inputs_of(model: onnx.ModelProto, name: str) -> list[str]:
+    return next((list(n.input) for n in model.graph.node if n.name == name), [])
+
+
+def _quantized_matmul(node: onnx.NodeProto) -> bool:
+    return node.name.endswith("_Q4") or "_matmul_Q" in node.name
+
+
+def _fp_name(name: str, bits: int) -> str:
+    return name.removesuffix(f"_Q{bits}")
+
+
+def weight_only_calls(recipe: Recipe) -> list[dict[str, Any]]:
+    """The ``MatMulNBitsQuantizer`` keyword arguments a weight-only recipe runs, in order.
+
+    One call at ``recipe.bits`` that leaves out ``nodes_to_exclude`` and every ``node_bits`` node;
+    then one call per other bit width over the nodes given that width (MatMulNBits nodes of the
+    first pass are no longer MatMuls, so the second pass touches only what is still float).
+
+    NOTE: ``MatMulNBitsQuantizer`` has no per-node bits with its default (RTN) config (its
+    ``customized_weight_config`` is read by the neural-compressor algorithms only), and
+    ``nodes_to_include`` adds to ``op_types_to_quantize`` rather than restricting it: excluding
+    everything else is the only way to quantize named nodes at another width.
+
+    Example:
+        >>> r = Recipe(mode="weight_only", bits=4, block_size=32, node_bits={"head": 8})
+        >>> [(c["bits"], c["nodes_to_exclude"]) for c in weight_only_calls(r)]
+        [(4, ['head']), (8, [])]
+    """
+    excluded = list(recipe.nodes_to_exclude or [])
+    node_bits = dict(recipe.node_bits or {})
+    main = recipe.bits or 4
+    common: dict[str, Any] = {
+        "block_size": recipe.block_size or 128,
+        "is_symmetric": bool(recipe.is_symmetric),
+        "accuracy_level": recipe.accuracy_level,
+        "quant_format": recipe.quant_format or "QOperator",
+    }
+    if recipe.op_types_to_quantize:
+        common["op_types_to_quantize"] = tuple(recipe.op_types_to_quantize)
+    others = {n: b for n, b in node_bits.items() if b != main}
+    calls = [{"bits": main, **common, "nodes_to_exclude": list(dict.fromkeys([*excluded, *others]))}]
+    for bits in sorted(set(others.values())):
+        calls.append({"bits": bits, **common, "nodes_to_exclude": list(excluded)})
+    return calls
+
+
+def quantize_weight_only(recipe: Recipe, src: Path, dst: Path, external: bool, actions: list[str]) -> None:
+    """Run ``MatMulNBitsQuantizer`` as the recipe says (see :func:`weight_only_calls`) from ``src`` to ``dst``.
+
+    QDQ output needs opset 21 (int4 types): an older model is converted with
+    ``onnx.version_converter`` first (onnxruntime would only rewrite the opset number).
+
+    Example:
+        >>> quantize_weight_only(Recipe(mode="weight_only"), "fp32.onnx", "q4.onnx", False, [])  # doctest: +SKIP
+    """
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(src))
+    if recipe.quant_format == "QDQ":
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+        if 0 < opset < 21:
+            model = upgrade_opset(model, 21)
+            actions.append(
+                f"upgraded opset {opset} -> 21 with onnx.version_converter: block-wise int4 DequantizeLinear needs it"
+            )
+    calls = weight_only_calls(recipe)
+    for call in calls:
+        kwargs = dict(call)
+        kwargs["quant_format"] = QuantFormat[kwargs["quant_format"]]
+        quantizer = MatMulNBitsQuantizer(model, **kwargs)
+        quantizer.process()
+        model = quantizer.model.model
+    if len(calls) > 1:
+        actions.append(
+            "ran MatMulNBitsQuantizer "
+            + " then ".join(f"bits={c['bits']} (nodes_to_exclude {len(c['nodes_to_exclude'])})" for c in calls)
+        )
+    if external:
+        onnx.save(model, str(dst), save_as_external_data=True, location=f"{dst.name}.data")
+    else:
+        onnx.save(model, str(dst))
+
+
+def weight_only_snippet(
+    recipe: dict[str, Any], fp32: str, model_out: str, header: str, prelude: list[str] | None = None
+) -> str:
+    """Python that rebuilds a weight-only model with plain ``MatMulNBitsQuantizer`` calls (no diag).
+
+    ``recipe`` is a weight-only recipe in file form (``Recipe.to_dict()``); one call per bit width
+    (see :func:`weight_only_calls`), in the order diag ran them. ``prelude``: source lines run on
+    ``model`` before the quantizer (`diag exclude`'s replay of ``lift_constants``).
+
+    Example:
+        >>> print(weight_only_snippet({"mode": "weight_only", "bits": 4}, "m.onnx", "q.onnx", "# x"))  # doctest: +SKIP
+    """
+    r = Recipe.from_dict(recipe, "recipe")
+    lines = [
+        "# Rebuilds the model found by diag with plain onnx/onnxruntime calls (MatMulNBitsQuantizer, default RTN).",
+        header,
+        "import os",
+        "",
+        "import onnx",
+        "from onnxruntime.quantization import QuantFormat",
+        "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer",
+        "",
+        f"FP32 = os.path.abspath({fp32!r})",
+        f"OUT = os.path.abspath({model_out!r})",
+        "",
+        "model = onnx.load(FP32)",
+    ]
+    lines += prelude or []
+    if r.quant_format == "QDQ":
+        lines += [
+            "if next(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx')) < 21:",
+            "    model = onnx.version_converter.convert_version(model, 21)  # int4 DequantizeLinear needs opset 21",
+        ]
+    lines += quantizer_calls(r)
+    lines += ["onnx.save(model, OUT)", "print('wrote', OUT)"]
+    return "\n".join(lines) + "\n"
+
+
+def quantizer_calls(recipe: Recipe) -> list[str]:
+    """Source lines that run the recipe's ``MatMulNBitsQuantizer`` calls on ``model`` (see :func:`weight_only_calls`).
+
+    Example:
+        >>> quantizer_calls(Recipe(mode="weight_only", block_size=32))[0]
+        'quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=False, quant_format=QuantFormat.QOperator, nodes_to_exclude=[])'
+    """  # noqa: E501
+    lines: list[str] = []
+    for call in weight_only_calls(recipe):
+        args = ", ".join(
+            f"{k}=QuantFormat.{v}" if k == "quant_format" else f"{k}={v!r}" for k, v in call.items() if v is not None
+        )
+        lines += [
+            f"quantizer = MatMulNBitsQuantizer(model, {args})",
+            "quantizer.process()",
+            "model = quantizer.model.model",
+        ]
+    return lines
+
+
+def weight_only_fix_snippet(settings: dict[str, Any], head: str, fp32_path: str, out_path: str) -> str:
+    """The `diag compare` fix for a weight-only model: MatMulNBitsQuantizer calls with the new ``nodes_to_exclude``.
+
+    Example:
+        >>> print(weight_only_fix_snippet({"mode": "weight_only", "nodes_to_exclude": ["head"]}, "# x", "m.onnx",
+        ...                               "m.fixed.onnx"))  # doctest: +ELLIPSIS
+        # x
+        import onnx
+        ...
+    """
+    r = Recipe.from_dict(settings, "recipe")
+    return "\n".join(
+        [
+            head,
+            "import onnx",
+            "from onnxruntime.quantization import QuantFormat",
+            "from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer",
+            "",
+            f"model = onnx.load({fp32_path!r})",
+            *quantizer_calls(r),
+            f"onnx.save(model, {out_path!r})",
+        ]
+    )
