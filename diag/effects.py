@@ -36,6 +36,7 @@ from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
 from diag.metrics import ErrorAccumulator, OutputSpec
 from diag.progress import Progress
+from diag.run import default_threads, run_batch, session_from_model
 
 #: Candidates checked by default: enough for the worst local nodes, the path roots and the heads.
 DEFAULT_CANDIDATES = 8
@@ -461,8 +462,6 @@ def check_effects(
         >>> check.best.finding.group.label, round(check.best.recovered, 2)  # doctest: +SKIP
         ('conv3', 0.93)
     """
-    from diag.run import default_threads, run_batch, session_from_model
-
     if fp.has_external_data or q.has_external_data or limit <= 0:
         return None
     start = time.perf_counter()

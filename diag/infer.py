@@ -41,9 +41,14 @@ import onnx
 from onnx import numpy_helper
 
 from diag.errors import DiagError
-from diag.lint import DIAG_ONLY_KEYS, RECIPE_KEYS
+from diag.files import output_file, write_set
+from diag.fp16 import infer_fp16_recipe
+from diag.lint import DIAG_ONLY_KEYS, RECIPE_KEYS, quantizable_op_types
 from diag.load import model_from_path
 from diag.match import _value_dtypes  # element types via shape inference on a weight-free copy
+from diag.nbits import infer_weight_only
+from diag.precision import activation_overrides
+from diag.recipe import Recipe, recipe_from_option
 
 #: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
@@ -138,8 +143,6 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     if kind == "fp32":
         raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
     if loaded.format.family == "fp16":
-        from diag.fp16 import infer_fp16_recipe
-
         recipe, evidence = infer_fp16_recipe(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
     kind = loaded.format.family  # qdq-a16w8 / qdq16 / a mixed-precision QDQ model: onnxruntime's QDQ
@@ -152,8 +155,6 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
             "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
         )
     if kind in ("matmulnbits", "qdq-int4-blocked"):
-        from diag.nbits import infer_weight_only
-
         recipe, evidence = infer_weight_only(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
     # NOTE: external weights are read one tensor at a time where a value is needed (zero points,
@@ -197,8 +198,6 @@ def recipe_to_file(model: str | os.PathLike[str], out: str | os.PathLike[str]) -
         >>> recipe_to_file("int8.onnx", "recipe.toml")  # doctest: +SKIP
         (PosixPath('recipe.toml'), ['calibrate_method: cannot be inferred ...'])
     """
-    from diag.files import output_file, write_set
-
     inferred = infer_recipe(model)
     p = output_file(out, "--recipe-out")
     text = recipe_to_toml(model) + "\n" if p.suffix.lower() == ".toml" else inferred.to_json()
@@ -227,8 +226,6 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
             evidence.append(f"activation_type from {len(act_zps)} activation zero point(s)")
     extra: dict[str, Any] = {}
     if kind == "qdq" and act_zps and act_types:
-        from diag.precision import activation_overrides
-
         overrides = activation_overrides(graph, inits, act_types.most_common(1)[0][0], QUANT_TYPE_NAMES)
         if overrides:
             extra["TensorQuantOverrides"] = overrides
@@ -361,23 +358,6 @@ def _unconditional_qoperator_ops() -> set[str]:
     return {op for op, cls in registry.QLinearOpsRegistry.items() if cls.__name__ in classes}
 
 
-def quantizable_op_types(kind: str) -> list[str]:
-    """The op types the installed onnxruntime quantizes by default in this format.
-
-    ``kind`` is ``dynamic`` (IntegerOpsRegistry) or a static format (the union of QDQRegistry and
-    QLinearOpsRegistry: quantize_static's default ``op_types_to_quantize``).
-
-    Example:
-        >>> "MatMul" in quantizable_op_types("dynamic")
-        True
-    """
-    from onnxruntime.quantization import registry
-
-    if kind == "dynamic":
-        return list(registry.IntegerOpsRegistry)
-    return list(set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry))
-
-
 def _size(t: onnx.TensorProto) -> int:
     return int(np.prod(t.dims)) if t.dims else 1
 
@@ -436,8 +416,6 @@ def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str
         True
     """
     if given is not None:
-        from diag.recipe import Recipe, recipe_from_option
-
         recipe = given if isinstance(given, Recipe) else recipe_from_option(given)
         settings = {k: v for k, v in recipe.to_dict().items() if k in ("mode", *SNIPPET_KEYS)}
         unknown = {} if settings.get("mode") == "dynamic" else {"calibration": UNKNOWN_FIELDS["calibration"]}

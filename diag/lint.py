@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from diag.errors import DiagError
+from diag.load import float_model_from_path, iter_nodes
+from diag.recipe import FP16_KEYS, Recipe, read_recipe_file
 
 #: extra_options keys onnxruntime 1.32's quantizer reads (tests check this against the scan).
 FALLBACK_EXTRA_OPTIONS = frozenset(
@@ -108,6 +110,23 @@ RECIPE_KEYS = (
 #: Keys diag reads itself; onnxruntime's functions take the others under the same names.
 DIAG_ONLY_KEYS = ("calibration", "calibration_samples", "preprocess", "node_bits")
 STATIC_KEYS = ("quant_format", "activation_type", "calibrate_method", "calibration", "calibration_samples")
+
+
+def quantizable_op_types(kind: str) -> list[str]:
+    """The op types the installed onnxruntime quantizes by default in this format.
+
+    ``kind`` is ``dynamic`` (IntegerOpsRegistry) or a static format (the union of QDQRegistry and
+    QLinearOpsRegistry: quantize_static's default ``op_types_to_quantize``).
+
+    Example:
+        >>> "MatMul" in quantizable_op_types("dynamic")
+        True
+    """
+    from onnxruntime.quantization import registry
+
+    if kind == "dynamic":
+        return list(registry.IntegerOpsRegistry)
+    return list(set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry))
 
 
 @dataclass(frozen=True)
@@ -214,13 +233,9 @@ def lint_recipe_file(
         ...     print(f.line())
         error[unknown-extra-option] extra_options.OpTypesToExclude: onnxruntime 1.32.0 ignores this key. Hint: ...
     """
-    from diag.recipe import read_recipe_file
-
     data = read_recipe_file(recipe_path)
     model = None
     if model_path is not None:
-        from diag.load import float_model_from_path
-
         model = float_model_from_path(model_path).proto
     return lint_recipe(data, model)
 
@@ -274,8 +289,6 @@ def _suggest(word: str, choices: list[str] | set[str] | frozenset[str]) -> str |
 
 def _check_keys(data: dict[str, Any], findings: list[Finding]) -> dict[str, Any]:
     """Unknown recipe keys and invalid values; returns the valid key/value pairs."""
-    from diag.recipe import FP16_KEYS, Recipe
-
     valid: dict[str, Any] = {}
     for key, value in data.items():
         if key not in RECIPE_KEYS:
@@ -340,8 +353,6 @@ def _check_extra_options(extra: Any, mode: str, model: Any, findings: list[Findi
 
 def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
     """The op_types_to_quantize list that really keeps ``excluded`` op types in float."""
-    from diag.infer import quantizable_op_types
-
     kinds = set(quantizable_op_types("dynamic" if mode == "dynamic" else "qdq"))
     if model is not None:
         kinds &= {n.op_type for n in _all_nodes(model)}
@@ -355,15 +366,11 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
     mode = valid.get("mode", "static")
     fmt = valid.get("quant_format", "QDQ")
     if mode == "weight_only":  # settings valid one by one that onnxruntime cannot honour together
-        from diag.recipe import Recipe
-
         try:
             Recipe.from_dict(valid)
         except DiagError as e:
             key = e.obj.split("'")[1] if "'" in e.obj else "mode"
             findings.append(Finding("error", "contradiction", key, e.problem, e.hint))
-    from diag.recipe import FP16_KEYS
-
     for key in data:
         if key != "mode" and key in RECIPE_KEYS and (key in FP16_KEYS) != (mode == "fp16"):
             applies = "convert_float_to_float16" if key in FP16_KEYS else "quantize_dynamic / quantize_static"
@@ -465,8 +472,6 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
 
 
 def _all_nodes(model: Any) -> list[Any]:
-    from diag.load import iter_nodes
-
     return iter_nodes(model.graph)
 
 
@@ -519,8 +524,6 @@ def _check_names(valid: dict[str, Any], model: Any, findings: list[Finding]) -> 
             )
     present = {n.op_type for n in nodes}
     mode = valid.get("mode", "static")
-    from diag.infer import quantizable_op_types
-
     quantizable = set(quantizable_op_types("dynamic" if mode == "dynamic" else "qdq"))
     for op in dict.fromkeys(valid.get("op_types_to_quantize") or []):
         if op not in quantizable:

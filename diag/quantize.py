@@ -42,7 +42,12 @@ import onnx
 
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
+from diag.files import is_input, out_dir, output_file, write_set
+from diag.fp16 import convert_model
+from diag.lint import onnxruntime_extra_options
 from diag.load import detect_format, float_model_from_path, iter_nodes
+from diag.nbits import quantize_weight_only
+from diag.progress import Progress
 from diag.recipe import Recipe, recipe_from_option
 
 #: Above this many bytes of weights a model cannot be one protobuf: quantize with external data.
@@ -213,8 +218,6 @@ def quantize_model(
         recipe = Recipe.from_dict(recipe.to_dict(), "recipe")
         recipe.base_dir = base_dir
     if recipe.mode == "fp16":
-        from diag.fp16 import convert_model
-
         return convert_model(fp32_path, recipe, out_path)
     if samples is not None:
         if samples < 1:
@@ -353,8 +356,6 @@ def _checked_out(out_path: str | os.PathLike[str], source: Path) -> Path:
     out = Path(out_path)
     if out.suffix.lower() != ".onnx":
         raise DiagError("bad-option", f"-o '{out}'", "does not end in .onnx", "name the output e.g. model.int8.onnx")
-    from diag.files import is_input, out_dir, output_file
-
     if is_input(out) == source:
         raise DiagError("bad-out", f"-o '{out}'", "is the FP32 model itself", "write the INT8 model to another file")
 
@@ -395,8 +396,6 @@ def _check_node_names(recipe: Recipe, model: onnx.ModelProto) -> None:
 def _unread_extra_options(recipe: Recipe) -> list[str]:
     """A warning per ``extra_options`` key the installed onnxruntime never reads (it ignores them silently)."""
     import difflib
-
-    from diag.lint import onnxruntime_extra_options
 
     known = onnxruntime_extra_options()
     names = set(known.quantizer) | set(known.calibrator)
@@ -567,8 +566,6 @@ def _run_quantizer(
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     if recipe.mode == "weight_only":
-        from diag.nbits import quantize_weight_only
-
         quantize_weight_only(recipe, src, dst, external, actions)
         return
     kwargs = recipe.ort_kwargs()
@@ -614,8 +611,6 @@ def _reader(source: FeedSource, progress: bool, limit: int | None = None) -> Any
     sample axis, so the count is exact.
     """
     from onnxruntime.quantization import CalibrationDataReader
-
-    from diag.progress import Progress
 
     total = source.total_samples if limit is None or source.total_samples is None else min(limit, source.total_samples)
 
@@ -668,8 +663,6 @@ def _publish(staged: Path, out: Path) -> None:
     ``staged`` sits in a temp folder inside the output's folder, so each step is an atomic rename
     and a reader never sees a half-written ``.onnx``.
     """
-    from diag.files import write_set
-
     parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
     write_set({out.parent / p.name: p for p in parts}, "-o")
 

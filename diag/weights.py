@@ -49,6 +49,7 @@ from onnx import numpy_helper
 
 from diag.errors import DiagError
 from diag.jsonnum import json_number as _num
+from diag.nbits import WORST_BLOCKS, block_errors, blocked_weights, fp32_weight_of
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
@@ -304,8 +305,6 @@ def _blocked_findings(
     f: _Graph, q: _Graph, int8: onnx.ModelProto, findings: list[WeightFinding], unmatched: dict[str, str]
 ) -> None:
     """MatMulNBits and block-wise DequantizeLinear weights (:mod:`diag.nbits`), with their worst blocks."""
-    from diag.nbits import WORST_BLOCKS, block_errors, blocked_weights, fp32_weight_of
-
     fp_graph = onnx.GraphProto()
     fp_graph.node.extend(f.nodes)
     for w, name, why in blocked_weights(int8, q.array):
