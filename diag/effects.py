@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,93 +166,150 @@ def float_region_model(
     Example:
         >>> m = float_region_model(fp.proto, q.proto, ["conv3"], matching)  # doctest: +SKIP
     """
+    nodes = _region_nodes(fp, group_fp_nodes)
+    region = _Region(
+        pairs=matching.pairs,
+        produced={o for n in nodes for o in n.output if o},
+        stays_quantized=_still_quantized(fp, set(group_fp_nodes), matching, op_types),
+    )
+    _read_region_inputs(region, nodes, fp, {i.name for i in q.graph.input})
+    for o in region.produced:
+        region.rename[o] = _PREFIX + o
+    _copy_region_nodes(region, nodes)
+    model = onnx.ModelProto()
+    model.CopyFrom(q)
+    g = model.graph
+    fp_consumed = {t for n in fp.graph.node for t in n.input}
+    if not _splice_region_outputs(region, g, fp_consumed):
+        raise ValueError("no output of the group has an INT8 counterpart")
+    g.initializer.extend(region.new_inits)
+    g.node.extend(region.new_nodes)
+    _drop_dead_nodes(g)
+    _sort_topologically(g)
+    return model
+
+
+@dataclass
+class _Region:
+    """A float region being built: the nodes and initializers it adds, and what each FP32 tensor is read as."""
+
+    pairs: dict[str, TensorPair]
+    #: the tensors the region's nodes write
+    produced: set[str]
+    #: does a static QDQ model keep this tensor's Q/DQ with the region in float (``_still_quantized``)
+    stays_quantized: Callable[[str], bool]
+    new_nodes: list[onnx.NodeProto] = field(default_factory=list)
+    new_inits: list[onnx.TensorProto] = field(default_factory=list)
+    #: FP32 tensor name -> the tensor the float copy reads (or writes) instead
+    rename: dict[str, str] = field(default_factory=dict)
+    #: tensors made inside the region that a float node reads through their kept Q/DQ
+    requantized: dict[str, str] = field(default_factory=dict)
+
+
+def _region_nodes(fp: onnx.ModelProto, group_fp_nodes: list[str]) -> list[onnx.NodeProto]:
+    """The FP32 nodes of the group; a region diag cannot rebuild (missing node, subgraph) raises ValueError."""
     fp_index = {node_id(n, i): n for i, n in enumerate(fp.graph.node)}
     nodes = [fp_index[n] for n in group_fp_nodes if n in fp_index]
     if len(nodes) != len(group_fp_nodes):
         raise ValueError("a node of the group is not in the FP32 graph")
     if any(subgraphs(n) for n in nodes):
         raise ValueError("the group holds a subgraph (If / Loop)")
+    return nodes
+
+
+def _read_region_inputs(
+    region: _Region, nodes: list[onnx.NodeProto], fp: onnx.ModelProto, graph_inputs: set[str]
+) -> None:
+    """Decide what each input of the region reads: the value the INT8 node read before it was excluded.
+
+    Weights are the FP32 initializers (or Constant nodes) themselves; a tensor the region makes
+    itself is read directly, or through its kept Q/DQ while another consumer is still quantized;
+    any other tensor is read from the INT8 graph by :func:`_region_input`.
+    """
     fp_inits = {i.name: i for i in fp.graph.initializer}
     # Paddle and TF exports hold weights in Constant nodes, which the quantizer lifts into
     # initializers first: the float copy reads the constant itself.
     fp_consts = {n.output[0]: n for n in fp.graph.node if n.op_type == "Constant" and n.output}
-    graph_inputs = {i.name for i in q.graph.input}
-    produced = {o for n in nodes for o in n.output if o}
-    pairs = matching.pairs
-    stays_quantized = _still_quantized(fp, set(group_fp_nodes), matching, op_types)
-
-    new_nodes: list[onnx.NodeProto] = []
-    new_inits: list[onnx.TensorProto] = []
-    rename: dict[str, str] = {}
-    #: tensors made inside the region that a float node reads through their kept Q/DQ
-    requantized: dict[str, str] = {}
-    out_grids = [pairs[o].grid for o in produced if o in pairs and pairs[o].grid is not None]
+    pairs, rename = region.pairs, region.rename
+    out_grids = [pairs[o].grid for o in region.produced if o in pairs and pairs[o].grid is not None]
     is_concat = any(n.op_type == "Concat" for n in nodes)
-    fp_consumed = {t for n in fp.graph.node for t in n.input}
     for n in nodes:
         for t in n.input:
-            if not t or t in rename or t in requantized:
+            if not t or t in rename or t in region.requantized:
                 continue
-            if t in produced:
+            if t in region.produced:
                 pair = pairs.get(t)
-                if pair is not None and pair.how == "qdq" and pair.grid is not None and stays_quantized(t):
+                if pair is not None and pair.how == "qdq" and pair.grid is not None and region.stays_quantized(t):
                     # Another consumer is still quantized, so onnxruntime keeps this tensor's Q/DQ
                     # and every consumer, this float one too, reads the dequantized value.
-                    q_out = _grid_node("QuantizeLinear", _PREFIX + t, pair.grid, new_nodes, new_inits)
-                    requantized[t] = _grid_node("DequantizeLinear", q_out, pair.grid, new_nodes, new_inits)
+                    q_out = _grid_node("QuantizeLinear", _PREFIX + t, pair.grid, region.new_nodes, region.new_inits)
+                    region.requantized[t] = _grid_node(
+                        "DequantizeLinear", q_out, pair.grid, region.new_nodes, region.new_inits
+                    )
                 continue
             if t in fp_inits:
                 init = onnx.TensorProto()
                 init.CopyFrom(fp_inits[t])
                 init.name = _PREFIX + t
-                new_inits.append(init)
+                region.new_inits.append(init)
                 rename[t] = init.name
             elif t in fp_consts and t not in pairs:
                 const = onnx.NodeProto()
                 const.CopyFrom(fp_consts[t])
                 const.name = _PREFIX + (const.name or t)
                 const.output[0] = _PREFIX + t
-                new_nodes.append(const)
+                region.new_nodes.append(const)
                 rename[t] = const.output[0]
-            elif t in graph_inputs and not (t in pairs and pairs[t].how == "qdq" and stays_quantized(t)):
+            elif t in graph_inputs and not (t in pairs and pairs[t].how == "qdq" and region.stays_quantized(t)):
                 rename[t] = t
             elif t in pairs:
-                pair = pairs[t]
-                if pair.how == "qdq" and pair.tail and not stays_quantized(t):
-                    # Nothing that still quantizes this tensor touches it: excluded, it stays float.
-                    rename[t] = pair.cut_name
-                elif is_concat and pair.how == "qdq" and pair.tail and _shares_grid(pair, out_grids):
-                    # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
-                    # quantization belongs to this node and goes with it (excluded, the input keeps
-                    # its producer's own, finer grid; its float value is the closest stand-in).
-                    rename[t] = pair.cut_name
-                elif pair.how == "fp16":
-                    # What node_block_list does: the float32 node reads its float16 input cast up.
-                    rename[t] = _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, new_nodes)
-                else:
-                    rename[t] = (
-                        _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, new_nodes, new_inits)
-                        if pair.dequant is not None
-                        else pair.int8_name
-                    )
+                rename[t] = _region_input(region, t, pairs[t], is_concat and _shares_grid(pairs[t], out_grids))
             else:
                 raise ValueError(f"input '{t}' has no INT8 counterpart")
-    for o in produced:
-        rename[o] = _PREFIX + o
+
+
+def _region_input(region: _Region, t: str, pair: TensorPair, concat_grid: bool) -> str:
+    """The INT8 graph's value a float node reads for input ``t``, made outside the region.
+
+    ``concat_grid``: the region is a Concat whose output grid this input shares.
+    """
+    if pair.how == "qdq" and pair.tail and not region.stays_quantized(t):
+        # Nothing that still quantizes this tensor touches it: excluded, it stays float.
+        return pair.cut_name
+    if concat_grid and pair.how == "qdq" and pair.tail:
+        # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
+        # quantization belongs to this node and goes with it (excluded, the input keeps
+        # its producer's own, finer grid; its float value is the closest stand-in).
+        return pair.cut_name
+    if pair.how == "fp16":
+        # What node_block_list does: the float32 node reads its float16 input cast up.
+        return _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, region.new_nodes)
+    if pair.dequant is not None:
+        return _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, region.new_nodes, region.new_inits)
+    return pair.int8_name
+
+
+def _copy_region_nodes(region: _Region, nodes: list[onnx.NodeProto]) -> None:
+    """The float copies of the region's nodes, reading and writing the renamed tensors."""
     for n in nodes:
         copy = helper.make_node(
             n.op_type,
-            [requantized.get(t) or rename.get(t, t) if t else "" for t in n.input],
-            [rename.get(o, o) if o else "" for o in n.output],
+            [region.requantized.get(t) or region.rename.get(t, t) if t else "" for t in n.input],
+            [region.rename.get(o, o) if o else "" for o in n.output],
             name=_PREFIX + (n.name or n.op_type),
             domain=n.domain,
         )
         copy.attribute.extend(n.attribute)
-        new_nodes.append(copy)
+        region.new_nodes.append(copy)
 
-    model = onnx.ModelProto()
-    model.CopyFrom(q)
-    g = model.graph
+
+def _splice_region_outputs(region: _Region, g: onnx.GraphProto, fp_consumed: set[str]) -> int:
+    """Make the INT8 graph read the region's outputs where it read the INT8 node's; returns how many.
+
+    Each output enters where the INT8 node's did (``cut_name``), re-quantized onto its grid when
+    the consumers expect integers, or replaces the quantized tensor itself when no quantized
+    consumer is left (onnxruntime drops its Q/DQ then), or the model output nothing else reads.
+    """
     graph_outputs = {o.name for o in g.output}
     replaced = 0
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
@@ -261,38 +319,36 @@ def float_region_model(
             readers.setdefault(t, []).append((node, i))
         for i, t in enumerate(node.output):
             writers.setdefault(t, []).append((node, i))
-    for o in sorted(produced):
-        pair = pairs.get(o)
+    for o in sorted(region.produced):
+        pair = region.pairs.get(o)
         if pair is None:
             continue  # an internal tensor of a fused group: it has no INT8 twin to replace
-        value = rename[o]
+        value = region.rename[o]
         target = pair.cut_name
         if o in graph_outputs and o not in fp_consumed and pair.int8_name in graph_outputs:
             # A model output nothing else reads: excluded, onnxruntime leaves it unquantized.
             target = pair.int8_name
-        elif pair.how == "qdq" and pair.tail and not stays_quantized(o):
+        elif pair.how == "qdq" and pair.tail and not region.stays_quantized(o):
             target = pair.int8_name  # no quantized consumer is left: its Q/DQ goes too
         elif pair.cut_quant is not None:
-            value = _grid_node("QuantizeLinear", value, pair.cut_quant, new_nodes, new_inits, pair.cut_dtype)
+            value = _grid_node(
+                "QuantizeLinear", value, pair.cut_quant, region.new_nodes, region.new_inits, pair.cut_dtype
+            )
         elif pair.cut_dtype == onnx.TensorProto.FLOAT16:
-            value = _cast_node(value, onnx.TensorProto.FLOAT16, new_nodes)  # and its output cast back down
+            value = _cast_node(value, onnx.TensorProto.FLOAT16, region.new_nodes)  # and its output cast back down
         for node, i in readers.get(target, []):
             node.input[i] = value
         if target in graph_outputs:
             for node, i in writers.get(target, []):
                 node.output[i] = target + "__diag_replaced"
-            new_nodes.append(helper.make_node("Identity", [value], [target], name=_PREFIX + "out/" + target))
+            region.new_nodes.append(helper.make_node("Identity", [value], [target], name=_PREFIX + "out/" + target))
         replaced += 1
-    if not replaced:
-        raise ValueError("no output of the group has an INT8 counterpart")
-    g.initializer.extend(new_inits)
-    g.node.extend(new_nodes)
-    _drop_dead_nodes(g)
-    _sort_topologically(g)
-    return model
+    return replaced
 
 
-def _still_quantized(fp: onnx.ModelProto, excluded: set[str], matching: Matching, op_types: set[str] | None) -> Any:
+def _still_quantized(
+    fp: onnx.ModelProto, excluded: set[str], matching: Matching, op_types: set[str] | None
+) -> Callable[[str], bool]:
     """``f(tensor)``: does a static QDQ model keep ``tensor``'s Q/DQ with ``excluded`` in float?
 
     onnxruntime's QDQ quantizer quantizes a tensor when a node it quantizes reads or writes it,
