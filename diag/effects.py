@@ -35,7 +35,7 @@ from diag.feeds import FeedSource
 from diag.jsonnum import json_number
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
-from diag.metrics import ErrorAccumulator, OutputSpec
+from diag.metrics import ErrorAccumulator, ErrorStats, OutputSpec
 from diag.progress import Progress
 from diag.run import default_threads, run_batch, session_from_model
 
@@ -494,6 +494,18 @@ def _sort_topologically(g: onnx.GraphProto) -> None:
     g.node.extend(nodes[i] for i in order)
 
 
+@dataclass(frozen=True)
+class EffectBudget:
+    """How much an effect check may spend: candidates, samples, threads, and whether to show progress."""
+
+    #: candidates checked (0: no check)
+    candidates: int = DEFAULT_CANDIDATES
+    #: samples each candidate runs on (the first ones of the inputs)
+    samples: int = DEFAULT_SAMPLES
+    threads: int | None = None
+    progress: bool = True
+
+
 def check_effects(
     fp: LoadedModel,
     q: LoadedModel,
@@ -502,10 +514,7 @@ def check_effects(
     findings: list[NodeFinding],
     paths: dict[str, list[NodeFinding]],
     specs: dict[str, OutputSpec],
-    limit: int = DEFAULT_CANDIDATES,
-    samples: int = DEFAULT_SAMPLES,
-    threads: int | None = None,
-    progress: bool = True,
+    budget: EffectBudget = EffectBudget(),
 ) -> EffectCheck | None:
     """Measure, for each candidate, how much output error keeping it in float removes.
 
@@ -518,14 +527,48 @@ def check_effects(
         >>> check.best.finding.group.label, round(check.best.recovered, 2)  # doctest: +SKIP
         ('conv3', 0.93)
     """
-    if fp.has_external_data or q.has_external_data or limit <= 0:
+    if fp.has_external_data or q.has_external_data or budget.candidates <= 0:
         return None
     start = time.perf_counter()
-    cands = candidates_for(findings, paths, specs, limit)
+    cands = candidates_for(findings, paths, specs, budget.candidates)
     if not cands:
         return None
-    threads = threads or default_threads()
-    names = [o.name for o in fp.graph.output]
+    threads = budget.threads or default_threads()
+    batches, taken = _first_samples(feeds, budget.samples)
+    # NOTE: measured as onnxruntime runs a model by default (all optimizations), because that is
+    # where keeping a node in float pays off or not. Exact mode can disagree by a lot: on the
+    # convnet fixture (QDQ), excluding conv2 takes the logits error from 0.12 to 0.002 with
+    # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
+    measure = _OutputErrors(fp, batches, specs, threads)
+    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
+    base = measure.stats(q_sess, "INT8 model")
+    del q_sess
+    target = min(base, key=lambda k: (base[k].sqnr_db, k))
+    skipped: dict[str, str] = {}
+    effects: list[Effect] = []
+    bar = Progress(len(cands), "effect check", enabled=budget.progress)
+    try:
+        for f, why in cands:
+            try:
+                model = float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching)
+                role = f"INT8 model with '{f.group.label}' in float"
+                sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, takes_turns=True)
+                got = measure.stats(sess, f"INT8 model with '{f.group.label}' in float")
+            except Exception as e:  # a region diag cannot rebuild is reported, never fatal
+                skipped[f.group.label] = str(e).splitlines()[0][:200]
+                bar.advance(1)
+                continue
+            effects.append(_effect(f, why, base[target], got, target))
+            bar.advance(1)
+    finally:
+        bar.close()
+    effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
+    sqnr_before = {k: s.sqnr_db for k, s in base.items()}
+    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, sqnr_before)
+
+
+def _first_samples(feeds: FeedSource, samples: int) -> tuple[list[dict[str, np.ndarray]], int]:
+    """The first batches holding at least ``samples`` samples (all, when there are fewer), and their count."""
     batches = []
     taken = 0
     for batch in feeds:
@@ -533,58 +576,51 @@ def check_effects(
         taken += batch.size
         if taken >= samples:
             break
-    # NOTE: measured as onnxruntime runs a model by default (all optimizations), because that is
-    # where keeping a node in float pays off or not. Exact mode can disagree by a lot: on the
-    # convnet fixture (QDQ), excluding conv2 takes the logits error from 0.12 to 0.002 with
-    # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
-    fp_sess = session_from_model(fp.proto, "FP32 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
-    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
-    refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in names} for b in batches]
-    del fp_sess
+    return batches, taken
 
-    def errors(sess: Any, role: str) -> dict[str, ErrorAccumulator]:
+
+class _OutputErrors:
+    """A model's error per output (and Concat part) against the FP32 outputs of the same batches.
+
+    The FP32 outputs are computed once, here, and kept: ``samples`` is small (the first few
+    inputs), and every candidate is measured against them.
+    """
+
+    def __init__(
+        self, fp: LoadedModel, batches: list[dict[str, np.ndarray]], specs: dict[str, OutputSpec], threads: int
+    ) -> None:
+        self.names = [o.name for o in fp.graph.output]
+        self.batches = batches
+        self.specs = specs
+        fp_sess = session_from_model(fp.proto, "FP32 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
+        self.refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in self.names} for b in batches]
+
+    def stats(self, sess: Any, role: str) -> dict[str, ErrorStats]:
+        """Run ``sess`` on the batches; its finalized error per output and per part (``"out part"``)."""
         accs: dict[str, ErrorAccumulator] = {}
-        for b, ref in zip(batches, refs, strict=True):
+        for b, ref in zip(self.batches, self.refs, strict=True):
             got = run_batch(sess, b, role)
-            for name in names:
+            for name in self.names:
                 accs.setdefault(name, ErrorAccumulator()).update(ref[name], got[name])
-                spec = specs.get(name)
-                for p in spec.parts if spec is not None else ():
+                spec = self.specs.get(name)
+                if spec is None:
+                    continue
+                for p in spec.parts:
                     sl = [slice(None)] * ref[name].ndim
                     sl[spec.part_axis or 0] = slice(p.start, p.stop)
                     key = f"{name} {p.label}"
                     accs.setdefault(key, ErrorAccumulator()).update(ref[name][tuple(sl)], got[name][tuple(sl)])
-        return accs
+        return {k: a.finalize() for k, a in accs.items()}
 
-    base = {k: a.finalize() for k, a in errors(q_sess, "INT8 model").items()}
-    del q_sess
-    target = min(base, key=lambda k: (base[k].sqnr_db, k))
-    skipped: dict[str, str] = {}
-    effects: list[Effect] = []
-    bar = Progress(len(cands), "effect check", enabled=progress)
-    try:
-        for f, why in cands:
-            try:
-                model = float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching)
-                role = f"INT8 model with '{f.group.label}' in float"
-                sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, takes_turns=True)
-                got = {k: a.finalize() for k, a in errors(sess, f"INT8 model with '{f.group.label}' in float").items()}
-            except Exception as e:  # a region diag cannot rebuild is reported, never fatal
-                skipped[f.group.label] = str(e).splitlines()[0][:200]
-                bar.advance(1)
-                continue
-            before, after = base[target].mse, got[target].mse
-            recovered = 1.0 - after / before if before > 0 else 0.0
-            if got[target].nonfinite_int8 > base[target].nonfinite_int8:
-                recovered = -math.inf  # keeping it in float creates NaN/Inf: the worst outcome
-                why = f"{why}; creates NaN/Inf in {target}"
-            effects.append(Effect(f, recovered, {k: s.sqnr_db for k, s in got.items()}, [why]))
-            bar.advance(1)
-    finally:
-        bar.close()
-    effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
-    before = {k: s.sqnr_db for k, s in base.items()}
-    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, before)
+
+def _effect(f: NodeFinding, why: str, base: ErrorStats, got: dict[str, ErrorStats], target: str) -> Effect:
+    """The share of ``target``'s error energy keeping ``f`` in float removes (-inf if it creates NaN/Inf)."""
+    before, after = base.mse, got[target].mse
+    recovered = 1.0 - after / before if before > 0 else 0.0
+    if got[target].nonfinite_int8 > base.nonfinite_int8:
+        recovered = -math.inf  # keeping it in float creates NaN/Inf: the worst outcome
+        why = f"{why}; creates NaN/Inf in {target}"
+    return Effect(f, recovered, {k: s.sqnr_db for k, s in got.items()}, [why])
 
 
 #: A Concat part is "destroyed" when its SQNR is bad and this many dB below the whole output's.
@@ -640,30 +676,53 @@ def confirmed_cause(
     problem = bool(bad_local) or poor
     confirmed = problem and check is not None and check.best is not None and check.best.recovered >= CONFIRMED_SHARE
     part_cause = concat_cause(findings, verdicts or [], specs or {}, matching)
-    if part_cause is not None and confirmed and check is not None and check.best is not None:
-        if check.best.finding is not part_cause[0]:
-            part_cause = None  # another node measurably fixes the outputs: the effect decides
+    best = check.best if check is not None else None
+    if part_cause is not None and confirmed and best is not None and best.finding is not part_cause[0]:
+        part_cause = None  # another node measurably fixes the outputs: the effect decides
     if part_cause is not None:
-        cause, sentence = part_cause
-        e = check.of(cause.group.label) if check is not None else None
-        if e is not None:
-            sentence += f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of {check.target})"
-        for other in findings:
-            if other is cause:
-                other.role = "root-cause"
-            elif other.role == "root-cause":
-                other.role = "contributor"
-        return True, sentence, cause
+        return _concat_headline(findings, check, *part_cause)
     if check is None or check.best is None:
         one, sentence = single_cause(findings)
         if not one and poor and not bad_local:
-            quantized = [f for f in findings if f.group.quantized and f.local is not None]
-            sentence = spread_sentence(quantized, None)
+            sentence = spread_sentence(_quantized(findings), None)
         return one, sentence, None
-    best = check.best
+    if confirmed:
+        return _confirmed_headline(findings, check, check.best, bad_local)
+    return _unconfirmed_headline(findings, check, poor, bad_local)
+
+
+def _quantized(findings: list[NodeFinding]) -> list[NodeFinding]:
+    return [f for f in findings if f.group.quantized and f.local is not None]
+
+
+def _make_root_cause(findings: list[NodeFinding], cause: NodeFinding) -> None:
+    """``cause`` becomes the root cause; any other root cause is locally bad only: a contributor."""
+    for other in findings:
+        if other is cause:
+            other.role = "root-cause"
+        elif other.role == "root-cause":
+            # Locally bad, but the outputs suffer from ``cause``: listed with its measured effect.
+            other.role = "contributor"
+
+
+def _concat_headline(
+    findings: list[NodeFinding], check: EffectCheck | None, cause: NodeFinding, sentence: str
+) -> tuple[bool, str, NodeFinding | None]:
+    """A Concat that destroys one part of an output is the cause, with its measured effect when there is one."""
+    e = check.of(cause.group.label) if check is not None else None
+    if e is not None and check is not None:
+        sentence += f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of {check.target})"
+    _make_root_cause(findings, cause)
+    return True, sentence, cause
+
+
+def _confirmed_headline(
+    findings: list[NodeFinding], check: EffectCheck, best: Effect, bad_local: list[NodeFinding]
+) -> tuple[bool, str, NodeFinding | None]:
+    """The best-measured node is the cause; say so when the worst local node is another one."""
     top_local = min(bad_local or [best.finding], key=lambda f: (f.rank_local, f.index))
     disagree = ""
-    if top_local is not best.finding and confirmed:
+    if top_local is not best.finding:
         e = check.of(top_local.group.label)
         measured = f"keeping it in float recovers only {max(e.recovered, 0):.0%}" if e else "it was not measured"
         disagree = (
@@ -672,27 +731,27 @@ def confirmed_cause(
             if top_local.local
             else ""
         )
-    if confirmed:
-        f = best.finding
-        for other in findings:
-            if other is f:
-                other.role = "root-cause"
-            elif other.role == "root-cause":
-                # Locally bad, but the outputs suffer from ``f``: listed with its measured effect.
-                other.role = "contributor"
-        return (
-            True,
-            f"single root cause: {f.group.label} (keeping it in float recovers {best.recovered:.0%} of the error "
-            f"of {check.target} on {check.samples} samples){disagree}",
-            f,
-        )
+    f = best.finding
+    _make_root_cause(findings, f)
+    return (
+        True,
+        f"single root cause: {f.group.label} (keeping it in float recovers {best.recovered:.0%} of the error "
+        f"of {check.target} on {check.samples} samples){disagree}",
+        f,
+    )
+
+
+def _unconfirmed_headline(
+    findings: list[NodeFinding], check: EffectCheck, poor: bool, bad_local: list[NodeFinding]
+) -> tuple[bool, str, NodeFinding | None]:
+    """No measured node fixes the outputs: rounding noise, spread error, or a likely cause left unconfirmed."""
     if not bad_local:
         if not poor:
             return False, "no node has a bad local error: the INT8 model adds only rounding-level noise", None
-        quantized = [f for f in findings if f.group.quantized and f.local is not None]
-        return False, spread_sentence(quantized, check), None
+        return False, spread_sentence(_quantized(findings), check), None
     one, sentence = single_cause(findings)
     if one:
+        top_local = min(bad_local, key=lambda f: (f.rank_local, f.index))
         e = check.of(top_local.group.label)
         measured = (
             f"keeping it alone in float recovers only {max(e.recovered, 0.0):.0%} of the error of {check.target}"
@@ -701,8 +760,7 @@ def confirmed_cause(
         )
         head = sentence.replace("single root cause:", "likely root cause (by local error):", 1)
         return False, f"{head}; not confirmed: {measured} (see the remedies for its inputs)", top_local
-    quantized = [f for f in findings if f.group.quantized and f.local is not None]
-    return False, spread_sentence(quantized, check), None
+    return False, spread_sentence(_quantized(findings), check), None
 
 
 def spread_sentence(quantized: list[NodeFinding], check: EffectCheck | None) -> str:
