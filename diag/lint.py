@@ -363,8 +363,18 @@ def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
 
 
 def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: Any, findings: list[Finding]) -> None:
+    """Settings valid one by one that onnxruntime cannot honour together (errors), or reads otherwise than meant."""
     mode = valid.get("mode", "static")
     fmt = valid.get("quant_format", "QDQ")
+    _check_mode_keys(data, valid, mode, findings)
+    _check_types(valid, mode, fmt, findings)
+    _check_lists(valid, findings)
+    if model is not None and mode == "static" and fmt == "QDQ" and valid.get("per_channel"):
+        _check_opset(model, findings)
+
+
+def _check_mode_keys(data: dict[str, Any], valid: dict[str, Any], mode: str, findings: list[Finding]) -> None:
+    """Keys the mode's onnxruntime function does not take: it would never see them."""
     if mode == "weight_only":  # settings valid one by one that onnxruntime cannot honour together
         try:
             Recipe.from_dict(valid)
@@ -395,26 +405,21 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                         f"remove '{key}' or set mode to 'static'",
                     )
                 )
-    if mode == "static" and fmt == "QOperator" and valid.get("activation_type") in ("QInt16", "QUInt16"):
-        findings.append(
-            Finding(
-                "error",
-                "contradiction",
-                "activation_type",
-                f"{valid['activation_type']} needs quant_format QDQ: QOperator kernels are 8-bit only",
-                'set "quant_format": "QDQ"',
+
+
+def _check_types(valid: dict[str, Any], mode: str, fmt: str, findings: list[Finding]) -> None:
+    """Quantization types onnxruntime refuses in this format or with this calibration (it raises mid-run)."""
+    for key in ("activation_type", "weight_type"):
+        if mode == "static" and fmt == "QOperator" and valid.get(key) in ("QInt16", "QUInt16"):
+            findings.append(
+                Finding(
+                    "error",
+                    "contradiction",
+                    key,
+                    f"{valid[key]} needs quant_format QDQ: QOperator kernels are 8-bit only",
+                    'set "quant_format": "QDQ"',
+                )
             )
-        )
-    if mode == "static" and fmt == "QOperator" and valid.get("weight_type") in ("QInt16", "QUInt16"):
-        findings.append(
-            Finding(
-                "error",
-                "contradiction",
-                "weight_type",
-                f"{valid['weight_type']} needs quant_format QDQ: QOperator kernels are 8-bit only",
-                'set "quant_format": "QDQ"',
-            )
-        )
     float8 = [k for k in ("activation_type", "weight_type") if valid.get(k) == "QFLOAT8E4M3FN"]
     if mode == "static" and float8 and valid.get("calibrate_method", "MinMax") != "Distribution":
         findings.append(
@@ -427,6 +432,10 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                 'set "calibrate_method": "Distribution"',
             )
         )
+
+
+def _check_lists(valid: dict[str, Any], findings: list[Finding]) -> None:
+    """Node and op-type lists onnxruntime reads otherwise than written (both lists, empty = every)."""
     include = valid.get("nodes_to_quantize") or []
     for name in dict.fromkeys(n for n in valid.get("nodes_to_exclude") or [] if n in include):
         findings.append(
@@ -455,20 +464,23 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                 "warning", "unused-option", "calibration_samples", "is set but calibration is not", "add calibration"
             )
         )
-    if model is not None and mode == "static" and fmt == "QDQ" and valid.get("per_channel"):
-        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-        if opset < 13:
-            findings.append(
-                Finding(
-                    "warning",
-                    "old-opset",
-                    "per_channel",
-                    f"QDQ per-channel writes DequantizeLinear with 'axis', which opset {opset} forbids:"
-                    " quantize_static's INT8 model will not load",
-                    "diag quantize upgrades the opset to 13 first; with onnxruntime directly, run"
-                    " onnx.version_converter.convert_version(model, 13) before quantizing",
-                )
+
+
+def _check_opset(model: Any, findings: list[Finding]) -> None:
+    """Per-channel QDQ on a model below opset 13: onnxruntime writes a model that does not load."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 13:
+        findings.append(
+            Finding(
+                "warning",
+                "old-opset",
+                "per_channel",
+                f"QDQ per-channel writes DequantizeLinear with 'axis', which opset {opset} forbids:"
+                " quantize_static's INT8 model will not load",
+                "diag quantize upgrades the opset to 13 first; with onnxruntime directly, run"
+                " onnx.version_converter.convert_version(model, 13) before quantizing",
             )
+        )
 
 
 def _all_nodes(model: Any) -> list[Any]:
@@ -537,8 +549,8 @@ def _check_names(valid: dict[str, Any], model: Any, findings: list[Finding]) -> 
                 )
             )
         elif op not in present:
-            close = _suggest(op, present)
-            hint = f"did you mean '{close}'?" if close else f"the model's op types: {', '.join(sorted(present))}"
+            near = _suggest(op, present)
+            hint = f"did you mean '{near}'?" if near else f"the model's op types: {', '.join(sorted(present))}"
             findings.append(
                 Finding(
                     "warning", "unknown-op-type", f"op_types_to_quantize '{op}'", "occurs in no node of the model", hint
