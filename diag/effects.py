@@ -130,9 +130,9 @@ def candidates_for(
             add(path[0], f"root of the error path to '{out}'")
     writer = {t: f for f in findings for t in f.group.outputs}
     for name, spec in specs.items():
-        f = writer.get(name)
-        if f is not None:
-            add(f, f"writes output '{name}'")
+        head = writer.get(name)
+        if head is not None:
+            add(head, f"writes output '{name}'")
         if spec.concat_node:
             c = next((x for x in findings if spec.concat_node in x.group.fp_nodes), None)
             if c is not None:

@@ -53,7 +53,7 @@ from diag.recipe import Recipe, recipe_from_option
 #: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 #: integer dtype -> onnxruntime QuantType name.
-QUANT_TYPE_NAMES = {
+QUANT_TYPE_NAMES: dict[int, str] = {
     onnx.TensorProto.INT8: "QInt8",
     onnx.TensorProto.UINT8: "QUInt8",
     onnx.TensorProto.INT16: "QInt16",
@@ -61,7 +61,7 @@ QUANT_TYPE_NAMES = {
     onnx.TensorProto.FLOAT8E4M3FN: "QFLOAT8E4M3FN",
 }
 #: zero points of symmetric quantization: the midpoint of the full or the reduced range (quant_utils).
-SYMMETRIC_ZERO_POINTS = {
+SYMMETRIC_ZERO_POINTS: dict[int, tuple[int, ...]] = {
     onnx.TensorProto.INT8: (0,),
     onnx.TensorProto.INT16: (0,),
     onnx.TensorProto.UINT8: (128, 64),
@@ -69,7 +69,7 @@ SYMMETRIC_ZERO_POINTS = {
 }
 #: widest span (max q - min q) of one weight quantized with reduce_range: 7 bits (+1 for the
 #: symmetric ranges -64..64 and 0..128). Full-range weights span 127 (symmetric) to 255.
-REDUCED_SPAN = {
+REDUCED_SPAN: dict[int, int] = {
     onnx.TensorProto.INT8: 128,
     onnx.TensorProto.UINT8: 128,
     onnx.TensorProto.INT16: 32768,
