@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from diag.analyze import BAD_SQNR_DB, NodeFinding, single_cause
+from diag.analyze import BAD_SQNR_DB, NodeFinding, OutputVerdict, single_cause
 from diag.feeds import FeedSource
 from diag.jsonnum import json_number
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
@@ -628,7 +628,10 @@ HIDDEN_PART_DB = 10.0
 
 
 def concat_cause(
-    findings: list[NodeFinding], verdicts: list[Any], specs: dict[str, OutputSpec], matching: Matching | None
+    findings: list[NodeFinding],
+    verdicts: list[OutputVerdict],
+    specs: dict[str, OutputSpec],
+    matching: Matching | None,
 ) -> tuple[NodeFinding, str] | None:
     """The Concat that destroys one part of an output that its other parts keep looking fine.
 
@@ -660,7 +663,7 @@ def confirmed_cause(
     findings: list[NodeFinding],
     check: EffectCheck | None,
     grade: str,
-    verdicts: list[Any] | None = None,
+    verdicts: list[OutputVerdict] | None = None,
     specs: dict[str, OutputSpec] | None = None,
     matching: Matching | None = None,
 ) -> tuple[bool, str, NodeFinding | None]:

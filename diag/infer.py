@@ -401,7 +401,9 @@ def _toml(value: Any) -> str:
 SNIPPET_KEYS = tuple(k for k in RECIPE_KEYS if k not in ("mode", *DIAG_ONLY_KEYS))
 
 
-def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str, Any] | None:
+def fix_recipe(
+    int8_path: str | os.PathLike[str], given: Recipe | str | os.PathLike[str] | None = None
+) -> dict[str, Any] | None:
     """The recipe a suggested fix must re-quantize with, as recorded in ``diag.json``.
 
     ``given`` (a :class:`diag.recipe.Recipe`, a recipe file path or inline JSON: ``--recipe``) wins;

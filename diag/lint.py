@@ -26,6 +26,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from diag.errors import DiagError
 from diag.load import float_model_from_path, iter_nodes
 from diag.recipe import FP16_KEYS, Recipe, read_recipe_file
@@ -240,7 +242,7 @@ def lint_recipe_file(
     return lint_recipe(data, model)
 
 
-def lint_recipe(data: dict[str, Any], model: Any = None) -> list[Finding]:
+def lint_recipe(data: dict[str, Any], model: onnx.ModelProto | None = None) -> list[Finding]:
     """Lint a parsed recipe dict; ``model`` (an FP32 ``onnx.ModelProto``) enables name checks.
 
     Example:

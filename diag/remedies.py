@@ -21,6 +21,7 @@ import onnx
 
 from diag.distributions import TensorHealth
 from diag.match import Matching, NodeGroup, TopLevelIndex
+from diag.weights import WeightFinding
 
 #: Effective bits this far below the grid's bits mean the tails waste the grid.
 WASTED_BITS = 3.0
@@ -249,7 +250,7 @@ def _exclude(name: str, problem: str, consumers: list[str], fmt: str) -> Suggest
 BAD_CHANNEL_DB = 20.0
 
 
-def per_channel_suggestions(weights: list[Any], fmt: str) -> list[Suggestion]:
+def per_channel_suggestions(weights: list[WeightFinding], fmt: str) -> list[Suggestion]:
     """``per_channel=True`` when per-tensor weights ruin some output channels.
 
     One suggestion (it is a model-wide switch) naming the worst weights.
@@ -289,7 +290,7 @@ def all_suggestions(
     matching: Matching,
     health: dict[str, TensorHealth],
     fmt: str,
-    weights: list[Any] | None = None,
+    weights: list[WeightFinding] | None = None,
 ) -> list[Suggestion]:
     """Suggestions for every unhealthy tensor, worst first (outliers, then clipping, then tails),
     then ``per_channel=True`` when per-tensor weights ruin channels."""

@@ -49,7 +49,7 @@ from onnx import numpy_helper
 
 from diag.errors import DiagError
 from diag.jsonnum import json_number as _num
-from diag.nbits import WORST_BLOCKS, block_errors, blocked_weights, fp32_weight_of
+from diag.nbits import WORST_BLOCKS, BlockError, block_errors, blocked_weights, fp32_weight_of
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
@@ -178,7 +178,7 @@ class WeightFinding:
     is_bias: bool = False
     #: Block-wise weights (MatMulNBits, int4 QDQ): rows per block and the worst blocks (see diag.nbits).
     block_size: int | None = None
-    blocks: list[Any] = field(default_factory=list)
+    blocks: list[BlockError] = field(default_factory=list)
 
     @property
     def worst_sqnr_db(self) -> float:
@@ -241,7 +241,7 @@ class WeightReport:
             {"blocks": [b.to_dict() for b in blocks]} if blocks else {}
         )
 
-    def worst_blocks(self, top: int = 10) -> list[Any]:
+    def worst_blocks(self, top: int = 10) -> list[BlockError]:
         """The worst quantization blocks over every block-wise weight (largest ``rel_rmse`` first).
 
         Example:
