@@ -322,9 +322,9 @@ def error_paths(findings: list[NodeFinding], outputs: list[str]) -> dict[str, li
         ['conv3 (+relu3)', 'pool', 'flatten', 'fc']
     """
     writer: dict[str, NodeFinding] = {}
-    for f in findings:
-        for t in f.group.outputs:
-            writer[t] = f
+    for finding in findings:
+        for t in finding.group.outputs:
+            writer[t] = finding
     paths: dict[str, list[NodeFinding]] = {}
     for out in outputs:
         f = writer.get(out)

@@ -35,7 +35,14 @@ from diag.distributions import (
     TensorHealth,
     persistent_outliers,
 )
-from diag.effects import DEFAULT_CANDIDATES, DEFAULT_SAMPLES, EffectCheck, check_effects, confirmed_cause
+from diag.effects import (
+    DEFAULT_CANDIDATES,
+    DEFAULT_SAMPLES,
+    EffectBudget,
+    EffectCheck,
+    check_effects,
+    confirmed_cause,
+)
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
 from diag.graph import fp_graph
@@ -311,19 +318,8 @@ def compare_models(
     # overflows. The NaN/Inf origin and the converter's re-run (fp16health.fp16_fix) are the measure.
     if options.effects > 0 and options.local and options.shard is None and q.format.family != "fp16":
         specs = {k: a.spec for k, a in state.outputs.items()}
-        result.effects = check_effects(
-            fp,
-            q,
-            matching,
-            feeds,
-            result.findings,
-            result.paths,
-            specs,
-            options.effects,
-            options.effect_samples,
-            options.threads,
-            options.progress,
-        )
+        budget = EffectBudget(options.effects, options.effect_samples, options.threads, options.progress)
+        result.effects = check_effects(fp, q, matching, feeds, result.findings, result.paths, specs, budget)
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +30,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from diag.analyze import BAD_SQNR_DB, NodeFinding, single_cause
+from diag.analyze import BAD_SQNR_DB, NodeFinding, OutputVerdict, single_cause
 from diag.feeds import FeedSource
 from diag.jsonnum import json_number
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
-from diag.metrics import ErrorAccumulator, OutputSpec
+from diag.metrics import ErrorAccumulator, ErrorStats, OutputSpec
 from diag.progress import Progress
+from diag.run import default_threads, run_batch, session_from_model
 
 #: Candidates checked by default: enough for the worst local nodes, the path roots and the heads.
 DEFAULT_CANDIDATES = 8
@@ -128,9 +130,9 @@ def candidates_for(
             add(path[0], f"root of the error path to '{out}'")
     writer = {t: f for f in findings for t in f.group.outputs}
     for name, spec in specs.items():
-        f = writer.get(name)
-        if f is not None:
-            add(f, f"writes output '{name}'")
+        head = writer.get(name)
+        if head is not None:
+            add(head, f"writes output '{name}'")
         if spec.concat_node:
             c = next((x for x in findings if spec.concat_node in x.group.fp_nodes), None)
             if c is not None:
@@ -164,93 +166,150 @@ def float_region_model(
     Example:
         >>> m = float_region_model(fp.proto, q.proto, ["conv3"], matching)  # doctest: +SKIP
     """
+    nodes = _region_nodes(fp, group_fp_nodes)
+    region = _Region(
+        pairs=matching.pairs,
+        produced={o for n in nodes for o in n.output if o},
+        stays_quantized=_still_quantized(fp, set(group_fp_nodes), matching, op_types),
+    )
+    _read_region_inputs(region, nodes, fp, {i.name for i in q.graph.input})
+    for o in region.produced:
+        region.rename[o] = _PREFIX + o
+    _copy_region_nodes(region, nodes)
+    model = onnx.ModelProto()
+    model.CopyFrom(q)
+    g = model.graph
+    fp_consumed = {t for n in fp.graph.node for t in n.input}
+    if not _splice_region_outputs(region, g, fp_consumed):
+        raise ValueError("no output of the group has an INT8 counterpart")
+    g.initializer.extend(region.new_inits)
+    g.node.extend(region.new_nodes)
+    _drop_dead_nodes(g)
+    _sort_topologically(g)
+    return model
+
+
+@dataclass
+class _Region:
+    """A float region being built: the nodes and initializers it adds, and what each FP32 tensor is read as."""
+
+    pairs: dict[str, TensorPair]
+    #: the tensors the region's nodes write
+    produced: set[str]
+    #: does a static QDQ model keep this tensor's Q/DQ with the region in float (``_still_quantized``)
+    stays_quantized: Callable[[str], bool]
+    new_nodes: list[onnx.NodeProto] = field(default_factory=list)
+    new_inits: list[onnx.TensorProto] = field(default_factory=list)
+    #: FP32 tensor name -> the tensor the float copy reads (or writes) instead
+    rename: dict[str, str] = field(default_factory=dict)
+    #: tensors made inside the region that a float node reads through their kept Q/DQ
+    requantized: dict[str, str] = field(default_factory=dict)
+
+
+def _region_nodes(fp: onnx.ModelProto, group_fp_nodes: list[str]) -> list[onnx.NodeProto]:
+    """The FP32 nodes of the group; a region diag cannot rebuild (missing node, subgraph) raises ValueError."""
     fp_index = {node_id(n, i): n for i, n in enumerate(fp.graph.node)}
     nodes = [fp_index[n] for n in group_fp_nodes if n in fp_index]
     if len(nodes) != len(group_fp_nodes):
         raise ValueError("a node of the group is not in the FP32 graph")
     if any(subgraphs(n) for n in nodes):
         raise ValueError("the group holds a subgraph (If / Loop)")
+    return nodes
+
+
+def _read_region_inputs(
+    region: _Region, nodes: list[onnx.NodeProto], fp: onnx.ModelProto, graph_inputs: set[str]
+) -> None:
+    """Decide what each input of the region reads: the value the INT8 node read before it was excluded.
+
+    Weights are the FP32 initializers (or Constant nodes) themselves; a tensor the region makes
+    itself is read directly, or through its kept Q/DQ while another consumer is still quantized;
+    any other tensor is read from the INT8 graph by :func:`_region_input`.
+    """
     fp_inits = {i.name: i for i in fp.graph.initializer}
     # Paddle and TF exports hold weights in Constant nodes, which the quantizer lifts into
     # initializers first: the float copy reads the constant itself.
     fp_consts = {n.output[0]: n for n in fp.graph.node if n.op_type == "Constant" and n.output}
-    graph_inputs = {i.name for i in q.graph.input}
-    produced = {o for n in nodes for o in n.output if o}
-    pairs = matching.pairs
-    stays_quantized = _still_quantized(fp, set(group_fp_nodes), matching, op_types)
-
-    new_nodes: list[onnx.NodeProto] = []
-    new_inits: list[onnx.TensorProto] = []
-    rename: dict[str, str] = {}
-    #: tensors made inside the region that a float node reads through their kept Q/DQ
-    requantized: dict[str, str] = {}
-    out_grids = [pairs[o].grid for o in produced if o in pairs and pairs[o].grid is not None]
+    pairs, rename = region.pairs, region.rename
+    out_grids = [pairs[o].grid for o in region.produced if o in pairs and pairs[o].grid is not None]
     is_concat = any(n.op_type == "Concat" for n in nodes)
-    fp_consumed = {t for n in fp.graph.node for t in n.input}
     for n in nodes:
         for t in n.input:
-            if not t or t in rename or t in requantized:
+            if not t or t in rename or t in region.requantized:
                 continue
-            if t in produced:
+            if t in region.produced:
                 pair = pairs.get(t)
-                if pair is not None and pair.how == "qdq" and pair.grid is not None and stays_quantized(t):
+                if pair is not None and pair.how == "qdq" and pair.grid is not None and region.stays_quantized(t):
                     # Another consumer is still quantized, so onnxruntime keeps this tensor's Q/DQ
                     # and every consumer, this float one too, reads the dequantized value.
-                    q_out = _grid_node("QuantizeLinear", _PREFIX + t, pair.grid, new_nodes, new_inits)
-                    requantized[t] = _grid_node("DequantizeLinear", q_out, pair.grid, new_nodes, new_inits)
+                    q_out = _grid_node("QuantizeLinear", _PREFIX + t, pair.grid, region.new_nodes, region.new_inits)
+                    region.requantized[t] = _grid_node(
+                        "DequantizeLinear", q_out, pair.grid, region.new_nodes, region.new_inits
+                    )
                 continue
             if t in fp_inits:
                 init = onnx.TensorProto()
                 init.CopyFrom(fp_inits[t])
                 init.name = _PREFIX + t
-                new_inits.append(init)
+                region.new_inits.append(init)
                 rename[t] = init.name
             elif t in fp_consts and t not in pairs:
                 const = onnx.NodeProto()
                 const.CopyFrom(fp_consts[t])
                 const.name = _PREFIX + (const.name or t)
                 const.output[0] = _PREFIX + t
-                new_nodes.append(const)
+                region.new_nodes.append(const)
                 rename[t] = const.output[0]
-            elif t in graph_inputs and not (t in pairs and pairs[t].how == "qdq" and stays_quantized(t)):
+            elif t in graph_inputs and not (t in pairs and pairs[t].how == "qdq" and region.stays_quantized(t)):
                 rename[t] = t
             elif t in pairs:
-                pair = pairs[t]
-                if pair.how == "qdq" and pair.tail and not stays_quantized(t):
-                    # Nothing that still quantizes this tensor touches it: excluded, it stays float.
-                    rename[t] = pair.cut_name
-                elif is_concat and pair.how == "qdq" and pair.tail and _shares_grid(pair, out_grids):
-                    # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
-                    # quantization belongs to this node and goes with it (excluded, the input keeps
-                    # its producer's own, finer grid; its float value is the closest stand-in).
-                    rename[t] = pair.cut_name
-                elif pair.how == "fp16":
-                    # What node_block_list does: the float32 node reads its float16 input cast up.
-                    rename[t] = _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, new_nodes)
-                else:
-                    rename[t] = (
-                        _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, new_nodes, new_inits)
-                        if pair.dequant is not None
-                        else pair.int8_name
-                    )
+                rename[t] = _region_input(region, t, pairs[t], is_concat and _shares_grid(pairs[t], out_grids))
             else:
                 raise ValueError(f"input '{t}' has no INT8 counterpart")
-    for o in produced:
-        rename[o] = _PREFIX + o
+
+
+def _region_input(region: _Region, t: str, pair: TensorPair, concat_grid: bool) -> str:
+    """The INT8 graph's value a float node reads for input ``t``, made outside the region.
+
+    ``concat_grid``: the region is a Concat whose output grid this input shares.
+    """
+    if pair.how == "qdq" and pair.tail and not region.stays_quantized(t):
+        # Nothing that still quantizes this tensor touches it: excluded, it stays float.
+        return pair.cut_name
+    if concat_grid and pair.how == "qdq" and pair.tail:
+        # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
+        # quantization belongs to this node and goes with it (excluded, the input keeps
+        # its producer's own, finer grid; its float value is the closest stand-in).
+        return pair.cut_name
+    if pair.how == "fp16":
+        # What node_block_list does: the float32 node reads its float16 input cast up.
+        return _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, region.new_nodes)
+    if pair.dequant is not None:
+        return _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, region.new_nodes, region.new_inits)
+    return pair.int8_name
+
+
+def _copy_region_nodes(region: _Region, nodes: list[onnx.NodeProto]) -> None:
+    """The float copies of the region's nodes, reading and writing the renamed tensors."""
     for n in nodes:
         copy = helper.make_node(
             n.op_type,
-            [requantized.get(t) or rename.get(t, t) if t else "" for t in n.input],
-            [rename.get(o, o) if o else "" for o in n.output],
+            [region.requantized.get(t) or region.rename.get(t, t) if t else "" for t in n.input],
+            [region.rename.get(o, o) if o else "" for o in n.output],
             name=_PREFIX + (n.name or n.op_type),
             domain=n.domain,
         )
         copy.attribute.extend(n.attribute)
-        new_nodes.append(copy)
+        region.new_nodes.append(copy)
 
-    model = onnx.ModelProto()
-    model.CopyFrom(q)
-    g = model.graph
+
+def _splice_region_outputs(region: _Region, g: onnx.GraphProto, fp_consumed: set[str]) -> int:
+    """Make the INT8 graph read the region's outputs where it read the INT8 node's; returns how many.
+
+    Each output enters where the INT8 node's did (``cut_name``), re-quantized onto its grid when
+    the consumers expect integers, or replaces the quantized tensor itself when no quantized
+    consumer is left (onnxruntime drops its Q/DQ then), or the model output nothing else reads.
+    """
     graph_outputs = {o.name for o in g.output}
     replaced = 0
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
@@ -260,38 +319,36 @@ def float_region_model(
             readers.setdefault(t, []).append((node, i))
         for i, t in enumerate(node.output):
             writers.setdefault(t, []).append((node, i))
-    for o in sorted(produced):
-        pair = pairs.get(o)
+    for o in sorted(region.produced):
+        pair = region.pairs.get(o)
         if pair is None:
             continue  # an internal tensor of a fused group: it has no INT8 twin to replace
-        value = rename[o]
+        value = region.rename[o]
         target = pair.cut_name
         if o in graph_outputs and o not in fp_consumed and pair.int8_name in graph_outputs:
             # A model output nothing else reads: excluded, onnxruntime leaves it unquantized.
             target = pair.int8_name
-        elif pair.how == "qdq" and pair.tail and not stays_quantized(o):
+        elif pair.how == "qdq" and pair.tail and not region.stays_quantized(o):
             target = pair.int8_name  # no quantized consumer is left: its Q/DQ goes too
         elif pair.cut_quant is not None:
-            value = _grid_node("QuantizeLinear", value, pair.cut_quant, new_nodes, new_inits, pair.cut_dtype)
+            value = _grid_node(
+                "QuantizeLinear", value, pair.cut_quant, region.new_nodes, region.new_inits, pair.cut_dtype
+            )
         elif pair.cut_dtype == onnx.TensorProto.FLOAT16:
-            value = _cast_node(value, onnx.TensorProto.FLOAT16, new_nodes)  # and its output cast back down
+            value = _cast_node(value, onnx.TensorProto.FLOAT16, region.new_nodes)  # and its output cast back down
         for node, i in readers.get(target, []):
             node.input[i] = value
         if target in graph_outputs:
             for node, i in writers.get(target, []):
                 node.output[i] = target + "__diag_replaced"
-            new_nodes.append(helper.make_node("Identity", [value], [target], name=_PREFIX + "out/" + target))
+            region.new_nodes.append(helper.make_node("Identity", [value], [target], name=_PREFIX + "out/" + target))
         replaced += 1
-    if not replaced:
-        raise ValueError("no output of the group has an INT8 counterpart")
-    g.initializer.extend(new_inits)
-    g.node.extend(new_nodes)
-    _drop_dead_nodes(g)
-    _sort_topologically(g)
-    return model
+    return replaced
 
 
-def _still_quantized(fp: onnx.ModelProto, excluded: set[str], matching: Matching, op_types: set[str] | None) -> Any:
+def _still_quantized(
+    fp: onnx.ModelProto, excluded: set[str], matching: Matching, op_types: set[str] | None
+) -> Callable[[str], bool]:
     """``f(tensor)``: does a static QDQ model keep ``tensor``'s Q/DQ with ``excluded`` in float?
 
     onnxruntime's QDQ quantizer quantizes a tensor when a node it quantizes reads or writes it,
@@ -437,6 +494,18 @@ def _sort_topologically(g: onnx.GraphProto) -> None:
     g.node.extend(nodes[i] for i in order)
 
 
+@dataclass(frozen=True)
+class EffectBudget:
+    """How much an effect check may spend: candidates, samples, threads, and whether to show progress."""
+
+    #: candidates checked (0: no check)
+    candidates: int = DEFAULT_CANDIDATES
+    #: samples each candidate runs on (the first ones of the inputs)
+    samples: int = DEFAULT_SAMPLES
+    threads: int | None = None
+    progress: bool = True
+
+
 def check_effects(
     fp: LoadedModel,
     q: LoadedModel,
@@ -445,10 +514,7 @@ def check_effects(
     findings: list[NodeFinding],
     paths: dict[str, list[NodeFinding]],
     specs: dict[str, OutputSpec],
-    limit: int = DEFAULT_CANDIDATES,
-    samples: int = DEFAULT_SAMPLES,
-    threads: int | None = None,
-    progress: bool = True,
+    budget: EffectBudget = EffectBudget(),
 ) -> EffectCheck | None:
     """Measure, for each candidate, how much output error keeping it in float removes.
 
@@ -461,16 +527,48 @@ def check_effects(
         >>> check.best.finding.group.label, round(check.best.recovered, 2)  # doctest: +SKIP
         ('conv3', 0.93)
     """
-    from diag.run import default_threads, run_batch, session_from_model
-
-    if fp.has_external_data or q.has_external_data or limit <= 0:
+    if fp.has_external_data or q.has_external_data or budget.candidates <= 0:
         return None
     start = time.perf_counter()
-    cands = candidates_for(findings, paths, specs, limit)
+    cands = candidates_for(findings, paths, specs, budget.candidates)
     if not cands:
         return None
-    threads = threads or default_threads()
-    names = [o.name for o in fp.graph.output]
+    threads = budget.threads or default_threads()
+    batches, taken = _first_samples(feeds, budget.samples)
+    # NOTE: measured as onnxruntime runs a model by default (all optimizations), because that is
+    # where keeping a node in float pays off or not. Exact mode can disagree by a lot: on the
+    # convnet fixture (QDQ), excluding conv2 takes the logits error from 0.12 to 0.002 with
+    # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
+    measure = _OutputErrors(fp, batches, specs, threads)
+    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
+    base = measure.stats(q_sess, "INT8 model")
+    del q_sess
+    target = min(base, key=lambda k: (base[k].sqnr_db, k))
+    skipped: dict[str, str] = {}
+    effects: list[Effect] = []
+    bar = Progress(len(cands), "effect check", enabled=budget.progress)
+    try:
+        for f, why in cands:
+            try:
+                model = float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching)
+                role = f"INT8 model with '{f.group.label}' in float"
+                sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, takes_turns=True)
+                got = measure.stats(sess, f"INT8 model with '{f.group.label}' in float")
+            except Exception as e:  # a region diag cannot rebuild is reported, never fatal
+                skipped[f.group.label] = str(e).splitlines()[0][:200]
+                bar.advance(1)
+                continue
+            effects.append(_effect(f, why, base[target], got, target))
+            bar.advance(1)
+    finally:
+        bar.close()
+    effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
+    sqnr_before = {k: s.sqnr_db for k, s in base.items()}
+    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, sqnr_before)
+
+
+def _first_samples(feeds: FeedSource, samples: int) -> tuple[list[dict[str, np.ndarray]], int]:
+    """The first batches holding at least ``samples`` samples (all, when there are fewer), and their count."""
     batches = []
     taken = 0
     for batch in feeds:
@@ -478,58 +576,51 @@ def check_effects(
         taken += batch.size
         if taken >= samples:
             break
-    # NOTE: measured as onnxruntime runs a model by default (all optimizations), because that is
-    # where keeping a node in float pays off or not. Exact mode can disagree by a lot: on the
-    # convnet fixture (QDQ), excluding conv2 takes the logits error from 0.12 to 0.002 with
-    # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
-    fp_sess = session_from_model(fp.proto, "FP32 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
-    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
-    refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in names} for b in batches]
-    del fp_sess
+    return batches, taken
 
-    def errors(sess: Any, role: str) -> dict[str, ErrorAccumulator]:
+
+class _OutputErrors:
+    """A model's error per output (and Concat part) against the FP32 outputs of the same batches.
+
+    The FP32 outputs are computed once, here, and kept: ``samples`` is small (the first few
+    inputs), and every candidate is measured against them.
+    """
+
+    def __init__(
+        self, fp: LoadedModel, batches: list[dict[str, np.ndarray]], specs: dict[str, OutputSpec], threads: int
+    ) -> None:
+        self.names = [o.name for o in fp.graph.output]
+        self.batches = batches
+        self.specs = specs
+        fp_sess = session_from_model(fp.proto, "FP32 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
+        self.refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in self.names} for b in batches]
+
+    def stats(self, sess: Any, role: str) -> dict[str, ErrorStats]:
+        """Run ``sess`` on the batches; its finalized error per output and per part (``"out part"``)."""
         accs: dict[str, ErrorAccumulator] = {}
-        for b, ref in zip(batches, refs, strict=True):
+        for b, ref in zip(self.batches, self.refs, strict=True):
             got = run_batch(sess, b, role)
-            for name in names:
+            for name in self.names:
                 accs.setdefault(name, ErrorAccumulator()).update(ref[name], got[name])
-                spec = specs.get(name)
-                for p in spec.parts if spec is not None else ():
+                spec = self.specs.get(name)
+                if spec is None:
+                    continue
+                for p in spec.parts:
                     sl = [slice(None)] * ref[name].ndim
                     sl[spec.part_axis or 0] = slice(p.start, p.stop)
                     key = f"{name} {p.label}"
                     accs.setdefault(key, ErrorAccumulator()).update(ref[name][tuple(sl)], got[name][tuple(sl)])
-        return accs
+        return {k: a.finalize() for k, a in accs.items()}
 
-    base = {k: a.finalize() for k, a in errors(q_sess, "INT8 model").items()}
-    del q_sess
-    target = min(base, key=lambda k: (base[k].sqnr_db, k))
-    skipped: dict[str, str] = {}
-    effects: list[Effect] = []
-    bar = Progress(len(cands), "effect check", enabled=progress)
-    try:
-        for f, why in cands:
-            try:
-                model = float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching)
-                role = f"INT8 model with '{f.group.label}' in float"
-                sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, takes_turns=True)
-                got = {k: a.finalize() for k, a in errors(sess, f"INT8 model with '{f.group.label}' in float").items()}
-            except Exception as e:  # a region diag cannot rebuild is reported, never fatal
-                skipped[f.group.label] = str(e).splitlines()[0][:200]
-                bar.advance(1)
-                continue
-            before, after = base[target].mse, got[target].mse
-            recovered = 1.0 - after / before if before > 0 else 0.0
-            if got[target].nonfinite_int8 > base[target].nonfinite_int8:
-                recovered = -math.inf  # keeping it in float creates NaN/Inf: the worst outcome
-                why = f"{why}; creates NaN/Inf in {target}"
-            effects.append(Effect(f, recovered, {k: s.sqnr_db for k, s in got.items()}, [why]))
-            bar.advance(1)
-    finally:
-        bar.close()
-    effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
-    before = {k: s.sqnr_db for k, s in base.items()}
-    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, before)
+
+def _effect(f: NodeFinding, why: str, base: ErrorStats, got: dict[str, ErrorStats], target: str) -> Effect:
+    """The share of ``target``'s error energy keeping ``f`` in float removes (-inf if it creates NaN/Inf)."""
+    before, after = base.mse, got[target].mse
+    recovered = 1.0 - after / before if before > 0 else 0.0
+    if got[target].nonfinite_int8 > base.nonfinite_int8:
+        recovered = -math.inf  # keeping it in float creates NaN/Inf: the worst outcome
+        why = f"{why}; creates NaN/Inf in {target}"
+    return Effect(f, recovered, {k: s.sqnr_db for k, s in got.items()}, [why])
 
 
 #: A Concat part is "destroyed" when its SQNR is bad and this many dB below the whole output's.
@@ -537,7 +628,10 @@ HIDDEN_PART_DB = 10.0
 
 
 def concat_cause(
-    findings: list[NodeFinding], verdicts: list[Any], specs: dict[str, OutputSpec], matching: Matching | None
+    findings: list[NodeFinding],
+    verdicts: list[OutputVerdict],
+    specs: dict[str, OutputSpec],
+    matching: Matching | None,
 ) -> tuple[NodeFinding, str] | None:
     """The Concat that destroys one part of an output that its other parts keep looking fine.
 
@@ -569,7 +663,7 @@ def confirmed_cause(
     findings: list[NodeFinding],
     check: EffectCheck | None,
     grade: str,
-    verdicts: list[Any] | None = None,
+    verdicts: list[OutputVerdict] | None = None,
     specs: dict[str, OutputSpec] | None = None,
     matching: Matching | None = None,
 ) -> tuple[bool, str, NodeFinding | None]:
@@ -585,30 +679,53 @@ def confirmed_cause(
     problem = bool(bad_local) or poor
     confirmed = problem and check is not None and check.best is not None and check.best.recovered >= CONFIRMED_SHARE
     part_cause = concat_cause(findings, verdicts or [], specs or {}, matching)
-    if part_cause is not None and confirmed and check is not None and check.best is not None:
-        if check.best.finding is not part_cause[0]:
-            part_cause = None  # another node measurably fixes the outputs: the effect decides
+    best = check.best if check is not None else None
+    if part_cause is not None and confirmed and best is not None and best.finding is not part_cause[0]:
+        part_cause = None  # another node measurably fixes the outputs: the effect decides
     if part_cause is not None:
-        cause, sentence = part_cause
-        e = check.of(cause.group.label) if check is not None else None
-        if e is not None:
-            sentence += f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of {check.target})"
-        for other in findings:
-            if other is cause:
-                other.role = "root-cause"
-            elif other.role == "root-cause":
-                other.role = "contributor"
-        return True, sentence, cause
+        return _concat_headline(findings, check, *part_cause)
     if check is None or check.best is None:
         one, sentence = single_cause(findings)
         if not one and poor and not bad_local:
-            quantized = [f for f in findings if f.group.quantized and f.local is not None]
-            sentence = spread_sentence(quantized, None)
+            sentence = spread_sentence(_quantized(findings), None)
         return one, sentence, None
-    best = check.best
+    if confirmed:
+        return _confirmed_headline(findings, check, check.best, bad_local)
+    return _unconfirmed_headline(findings, check, poor, bad_local)
+
+
+def _quantized(findings: list[NodeFinding]) -> list[NodeFinding]:
+    return [f for f in findings if f.group.quantized and f.local is not None]
+
+
+def _make_root_cause(findings: list[NodeFinding], cause: NodeFinding) -> None:
+    """``cause`` becomes the root cause; any other root cause is locally bad only: a contributor."""
+    for other in findings:
+        if other is cause:
+            other.role = "root-cause"
+        elif other.role == "root-cause":
+            # Locally bad, but the outputs suffer from ``cause``: listed with its measured effect.
+            other.role = "contributor"
+
+
+def _concat_headline(
+    findings: list[NodeFinding], check: EffectCheck | None, cause: NodeFinding, sentence: str
+) -> tuple[bool, str, NodeFinding | None]:
+    """A Concat that destroys one part of an output is the cause, with its measured effect when there is one."""
+    e = check.of(cause.group.label) if check is not None else None
+    if e is not None and check is not None:
+        sentence += f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of {check.target})"
+    _make_root_cause(findings, cause)
+    return True, sentence, cause
+
+
+def _confirmed_headline(
+    findings: list[NodeFinding], check: EffectCheck, best: Effect, bad_local: list[NodeFinding]
+) -> tuple[bool, str, NodeFinding | None]:
+    """The best-measured node is the cause; say so when the worst local node is another one."""
     top_local = min(bad_local or [best.finding], key=lambda f: (f.rank_local, f.index))
     disagree = ""
-    if top_local is not best.finding and confirmed:
+    if top_local is not best.finding:
         e = check.of(top_local.group.label)
         measured = f"keeping it in float recovers only {max(e.recovered, 0):.0%}" if e else "it was not measured"
         disagree = (
@@ -617,27 +734,27 @@ def confirmed_cause(
             if top_local.local
             else ""
         )
-    if confirmed:
-        f = best.finding
-        for other in findings:
-            if other is f:
-                other.role = "root-cause"
-            elif other.role == "root-cause":
-                # Locally bad, but the outputs suffer from ``f``: listed with its measured effect.
-                other.role = "contributor"
-        return (
-            True,
-            f"single root cause: {f.group.label} (keeping it in float recovers {best.recovered:.0%} of the error "
-            f"of {check.target} on {check.samples} samples){disagree}",
-            f,
-        )
+    f = best.finding
+    _make_root_cause(findings, f)
+    return (
+        True,
+        f"single root cause: {f.group.label} (keeping it in float recovers {best.recovered:.0%} of the error "
+        f"of {check.target} on {check.samples} samples){disagree}",
+        f,
+    )
+
+
+def _unconfirmed_headline(
+    findings: list[NodeFinding], check: EffectCheck, poor: bool, bad_local: list[NodeFinding]
+) -> tuple[bool, str, NodeFinding | None]:
+    """No measured node fixes the outputs: rounding noise, spread error, or a likely cause left unconfirmed."""
     if not bad_local:
         if not poor:
             return False, "no node has a bad local error: the INT8 model adds only rounding-level noise", None
-        quantized = [f for f in findings if f.group.quantized and f.local is not None]
-        return False, spread_sentence(quantized, check), None
+        return False, spread_sentence(_quantized(findings), check), None
     one, sentence = single_cause(findings)
     if one:
+        top_local = min(bad_local, key=lambda f: (f.rank_local, f.index))
         e = check.of(top_local.group.label)
         measured = (
             f"keeping it alone in float recovers only {max(e.recovered, 0.0):.0%} of the error of {check.target}"
@@ -646,8 +763,7 @@ def confirmed_cause(
         )
         head = sentence.replace("single root cause:", "likely root cause (by local error):", 1)
         return False, f"{head}; not confirmed: {measured} (see the remedies for its inputs)", top_local
-    quantized = [f for f in findings if f.group.quantized and f.local is not None]
-    return False, spread_sentence(quantized, check), None
+    return False, spread_sentence(_quantized(findings), check), None
 
 
 def spread_sentence(quantized: list[NodeFinding], check: EffectCheck | None) -> str:

@@ -52,6 +52,7 @@ import numpy as np
 
 from diag.errors import DiagError
 from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
+from diag.fixcode import LIFT_CONSTANTS_SNIPPET, reproduce_snippet  # noqa: F401 (LIFT_CONSTANTS_SNIPPET: nbits)
 from diag.jsonnum import json_number, json_numbers
 from diag.load import LoadedModel, float_model_from_path, model_from_path
 from diag.metrics import OutputAccumulator, OutputStats
@@ -1015,23 +1016,6 @@ def search_target(
     return tgt
 
 
-#: reproduce.py's replay of ``quantize.lift_constants`` (paddle2onnx stores weights as Constant nodes).
-LIFT_CONSTANTS_SNIPPET = [
-    "# Constant nodes -> initializers (the quantizer only quantizes initializer weights).",
-    "kept = []",
-    "for node in model.graph.node:",
-    '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
-    "        t = onnx.TensorProto()",
-    "        t.CopyFrom(node.attribute[0].t)",
-    "        t.name = node.output[0]",
-    "        model.graph.initializer.append(t)",
-    "    else:",
-    "        kept.append(node)",
-    "del model.graph.node[:]",
-    "model.graph.node.extend(kept)",
-]
-
-
 def derive_exclusions(
     fp32_path: str | Path,
     recipe: Recipe,
@@ -1369,167 +1353,6 @@ def alternatives(recipe: Recipe, candidates: list[Candidate]) -> list[dict[str, 
 
 
 # ---------------------------------------------------------------- outputs
-
-
-def reproduce_snippet(
-    result: ExclusionResult,
-    model_out: str,
-    calibration: str | None = None,
-    calibration_samples: int | None = None,
-    batch: int = 1,
-) -> str:
-    """Python that rebuilds the verified mixed-precision model with plain onnx/onnxruntime calls (no diag).
-
-    It replays every step diag took before onnxruntime's quantizer (``result.steps``: Constant
-    nodes lifted to initializers, opset upgrade for per-channel QDQ, ``quant_pre_process`` with
-    or without symbolic shapes), then quantizes with the final recipe: the same calls in the same
-    order, so it writes the same model. ``model_out`` must not be the verified model's own path
-    (``diag exclude`` passes ``<stem>.reproduced.onnx``). ``calibration`` is the ``.npz`` a static
-    recipe calibrates on (its first ``calibration_samples`` rows, ``batch`` rows per call).
-
-    Example:
-        >>> print(reproduce_snippet(result, "m.reproduced.onnx"))  # doctest: +SKIP
-        # Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.
-        ...
-    """
-    r = result.recipe
-    if r.get("mode") == "weight_only":
-        from diag.weightonly import weight_only_snippet
-
-        header = f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float."
-        lift = LIFT_CONSTANTS_SNIPPET if "lift_constants" in result.steps else []
-        return weight_only_snippet(r, result.fp32, model_out, header, lift)
-    if r.get("mode") == "fp16":
-        from diag.fp16convert import reproduce_fp16
-
-        return reproduce_fp16(result, model_out)
-    static = r.get("mode") == "static"
-    steps = list(result.steps)
-    if r.get("preprocess") and not any(x.startswith("quant_pre_process") for x in steps):
-        steps.append("quant_pre_process")
-    external = "external_data" in steps
-    args: list[str] = []
-
-    def enum(kind: str, key: str) -> None:
-        args.append(f"    {key}={kind}.{r[key]},")
-
-    if static:
-        enum("QuantFormat", "quant_format")
-        enum("QuantType", "activation_type")
-    enum("QuantType", "weight_type")
-    for key in ("per_channel", "reduce_range"):
-        args.append(f"    {key}={bool(r.get(key))!r},")
-    for key in ("op_types_to_quantize", "nodes_to_quantize"):
-        if r.get(key) is not None:
-            args.append(f"    {key}={r[key]!r},")
-    args.append(f"    nodes_to_exclude={result.nodes_to_exclude!r},")
-    if static:
-        enum("CalibrationMethod", "calibrate_method")
-    if r.get("extra_options"):
-        args.append(f"    extra_options={_extra_options_source(r['extra_options'])},")
-    if external:
-        args.append("    use_external_data_format=True,")
-    names = ["QuantType", "quantize_static" if static else "quantize_dynamic"]
-    if static:
-        names = ["CalibrationDataReader", "CalibrationMethod", "QuantFormat", *names]
-    save = ", save_as_external_data=True, location='model.onnx.data'" if external else ""
-    lines = [
-        "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.",
-        f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float.",
-        f"# Replays diag's steps before quantizing: {', '.join(steps) or 'none'}.",
-        "# Paths are as given to diag exclude: run this from the folder diag exclude ran in.",
-        "import os",
-        "import shutil",
-        "import tempfile",
-        "",
-        *(["import numpy as np"] if static else []),
-        "import onnx",
-        f"from onnxruntime.quantization import {', '.join(names)}",
-    ]
-    if any(x.startswith("quant_pre_process") for x in steps):
-        lines.append("from onnxruntime.quantization.shape_inference import quant_pre_process")
-    lines += ["", f"FP32 = os.path.abspath({result.fp32!r})", f"OUT = os.path.abspath({model_out!r})"]
-    if static:
-        lines += [
-            f"CALIBRATION = os.path.abspath({calibration or 'CALIBRATION.npz'!r})",
-            "",
-            "",
-            "class Reader(CalibrationDataReader):",
-            '    """The first `count` rows of a stacked .npz, `batch` rows per get_next (as diag fed them)."""',
-            "",
-            "    def __init__(self, path, count, batch):",
-            "        with np.load(path) as z:",
-            "            arrays = {k: z[k] for k in z.files}",
-            "        n = len(next(iter(arrays.values()))) if count is None else count",
-            "        rows = range(0, n, batch)",
-            "        self.feeds = iter([{k: v[i : min(i + batch, n)] for k, v in arrays.items()} for i in rows])",
-            "",
-            "    def get_next(self):",
-            "        return next(self.feeds, None)",
-        ]
-    lines += ["", "", "model = onnx.load(FP32)"]
-    for step in steps:
-        if step == "lift_constants":
-            lines += LIFT_CONSTANTS_SNIPPET
-        elif step == "upgrade_opset":
-            lines += [
-                "# per-channel QDQ writes DequantizeLinear(axis=...), which opset < 13 forbids.",
-                "model = onnx.version_converter.convert_version(model, 13)",
-            ]
-    lines += [
-        "work = tempfile.mkdtemp()",
-        "src = os.path.join(work, 'model.onnx')",
-        f"onnx.save_model(model, src{save})",
-        "del model",
-        "os.chdir(work)  # quant_pre_process may leave temp files in the current folder",
-    ]
-    for step in steps:
-        if step.startswith("quant_pre_process"):
-            skip = ", skip_symbolic_shape=True" if step.endswith("skip_symbolic_shape") else ""
-            ext = ", save_as_external_data=True, all_tensors_to_one_file=True" if external else ""
-            lines += [
-                f"quant_pre_process(src, os.path.join(work, 'pre.onnx'){skip}{ext})",
-                "src = os.path.join(work, 'pre.onnx')",
-            ]
-        elif step == "upgrade_opset_after_load_error":
-            lines += [
-                "# diag's first INT8 model did not load (DequantizeLinear axis on opset < 13): upgraded, as here.",
-                "upgraded = onnx.version_converter.convert_version(onnx.load(src), 13)",
-                "onnx.save_model(upgraded, os.path.join(work, 'up.onnx'))",
-                "src = os.path.join(work, 'up.onnx')",
-            ]
-    if static:
-        lines += [
-            "quantize_static(",
-            "    src,",
-            "    OUT,",
-            f"    Reader(CALIBRATION, {calibration_samples!r}, {batch!r}),",
-        ]
-    else:
-        lines += ["quantize_dynamic(", "    src,", "    OUT,"]
-    lines += [
-        *args,
-        ")",
-        "os.chdir(os.path.dirname(OUT))",
-        "shutil.rmtree(work, ignore_errors=True)",
-        "print('wrote', OUT)",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _extra_options_source(extra: dict[str, Any]) -> str:
-    """``extra_options`` as Python source, TensorQuantOverrides values as onnxruntime wants them.
-
-    A recipe file holds ``"quant_type": "QInt16"`` as a string; onnxruntime compares it with
-    ``QuantType`` members and silently ignores a string (see :func:`diag.recipe.resolve_quant_types`).
-
-    Example:
-        >>> _extra_options_source({"TensorQuantOverrides": {"h": [{"quant_type": "QInt16"}]}})
-        "{'TensorQuantOverrides': {'h': [{'quant_type': QuantType.QInt16}]}}"
-    """
-    text = repr(extra)
-    text = re.sub(r"'quant_type': '(\w+)'", r"'quant_type': QuantType.\1", text)
-    return re.sub(r"'(rmin|rmax|scale)': ([-+0-9.eE]+)", r"'\1': np.float32(\2)", text)
 
 
 def exclude_to_dir(

@@ -41,14 +41,17 @@ import onnx
 from onnx import numpy_helper
 
 from diag.errors import DiagError
-from diag.lint import DIAG_ONLY_KEYS, RECIPE_KEYS
+from diag.files import output_file, write_set
+from diag.lint import DIAG_ONLY_KEYS, RECIPE_KEYS, quantizable_op_types
 from diag.load import model_from_path
+from diag.precision import activation_overrides
 from diag.protos import value_dtypes  # element types via shape inference on a weight-free copy
+from diag.recipe import Recipe, recipe_from_option
 
 #: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 #: integer dtype -> onnxruntime QuantType name.
-QUANT_TYPE_NAMES = {
+QUANT_TYPE_NAMES: dict[int, str] = {
     onnx.TensorProto.INT8: "QInt8",
     onnx.TensorProto.UINT8: "QUInt8",
     onnx.TensorProto.INT16: "QInt16",
@@ -56,7 +59,7 @@ QUANT_TYPE_NAMES = {
     onnx.TensorProto.FLOAT8E4M3FN: "QFLOAT8E4M3FN",
 }
 #: zero points of symmetric quantization: the midpoint of the full or the reduced range (quant_utils).
-SYMMETRIC_ZERO_POINTS = {
+SYMMETRIC_ZERO_POINTS: dict[int, tuple[int, ...]] = {
     onnx.TensorProto.INT8: (0,),
     onnx.TensorProto.INT16: (0,),
     onnx.TensorProto.UINT8: (128, 64),
@@ -64,7 +67,7 @@ SYMMETRIC_ZERO_POINTS = {
 }
 #: widest span (max q - min q) of one weight quantized with reduce_range: 7 bits (+1 for the
 #: symmetric ranges -64..64 and 0..128). Full-range weights span 127 (symmetric) to 255.
-REDUCED_SPAN = {
+REDUCED_SPAN: dict[int, int] = {
     onnx.TensorProto.INT8: 128,
     onnx.TensorProto.UINT8: 128,
     onnx.TensorProto.INT16: 32768,
@@ -138,7 +141,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     if kind == "fp32":
         raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
     if loaded.format.family == "fp16":
-        from diag.fp16convert import infer_fp16_recipe
+        from diag.fp16convert import infer_fp16_recipe  # LAYERING: fp16convert imports infer
 
         recipe, evidence = infer_fp16_recipe(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
@@ -152,7 +155,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
             "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
         )
     if kind in ("matmulnbits", "qdq-int4-blocked"):
-        from diag.weightonly import infer_weight_only
+        from diag.weightonly import infer_weight_only  # LAYERING: weightonly imports quantize
 
         recipe, evidence = infer_weight_only(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
@@ -197,8 +200,6 @@ def recipe_to_file(model: str | os.PathLike[str], out: str | os.PathLike[str]) -
         >>> recipe_to_file("int8.onnx", "recipe.toml")  # doctest: +SKIP
         (PosixPath('recipe.toml'), ['calibrate_method: cannot be inferred ...'])
     """
-    from diag.files import output_file, write_set
-
     inferred = infer_recipe(model)
     p = output_file(out, "--recipe-out")
     text = recipe_to_toml(model) + "\n" if p.suffix.lower() == ".toml" else inferred.to_json()
@@ -227,8 +228,6 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
             evidence.append(f"activation_type from {len(act_zps)} activation zero point(s)")
     extra: dict[str, Any] = {}
     if kind == "qdq" and act_zps and act_types:
-        from diag.precision import activation_overrides
-
         overrides = activation_overrides(graph, inits, act_types.most_common(1)[0][0], QUANT_TYPE_NAMES)
         if overrides:
             extra["TensorQuantOverrides"] = overrides
@@ -361,23 +360,6 @@ def _unconditional_qoperator_ops() -> set[str]:
     return {op for op, cls in registry.QLinearOpsRegistry.items() if cls.__name__ in classes}
 
 
-def quantizable_op_types(kind: str) -> list[str]:
-    """The op types the installed onnxruntime quantizes by default in this format.
-
-    ``kind`` is ``dynamic`` (IntegerOpsRegistry) or a static format (the union of QDQRegistry and
-    QLinearOpsRegistry: quantize_static's default ``op_types_to_quantize``).
-
-    Example:
-        >>> "MatMul" in quantizable_op_types("dynamic")
-        True
-    """
-    from onnxruntime.quantization import registry
-
-    if kind == "dynamic":
-        return list(registry.IntegerOpsRegistry)
-    return list(set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry))
-
-
 def _size(t: onnx.TensorProto) -> int:
     return int(np.prod(t.dims)) if t.dims else 1
 
@@ -421,7 +403,9 @@ def _toml(value: Any) -> str:
 SNIPPET_KEYS = tuple(k for k in RECIPE_KEYS if k not in ("mode", *DIAG_ONLY_KEYS))
 
 
-def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str, Any] | None:
+def fix_recipe(
+    int8_path: str | os.PathLike[str], given: Recipe | str | os.PathLike[str] | None = None
+) -> dict[str, Any] | None:
     """The recipe a suggested fix must re-quantize with, as recorded in ``diag.json``.
 
     ``given`` (a :class:`diag.recipe.Recipe`, a recipe file path or inline JSON: ``--recipe``) wins;
@@ -436,8 +420,6 @@ def fix_recipe(int8_path: str | os.PathLike[str], given: Any = None) -> dict[str
         True
     """
     if given is not None:
-        from diag.recipe import Recipe, recipe_from_option
-
         recipe = given if isinstance(given, Recipe) else recipe_from_option(given)
         settings = {k: v for k, v in recipe.to_dict().items() if k in ("mode", *SNIPPET_KEYS)}
         unknown = {} if settings.get("mode") == "dynamic" else {"calibration": UNKNOWN_FIELDS["calibration"]}

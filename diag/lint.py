@@ -26,7 +26,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from diag.errors import DiagError
+from diag.load import float_model_from_path, iter_nodes
+from diag.recipe import FP16_KEYS, Recipe, read_recipe_file
 
 #: extra_options keys onnxruntime 1.32's quantizer reads (tests check this against the scan).
 FALLBACK_EXTRA_OPTIONS = frozenset(
@@ -108,6 +112,23 @@ RECIPE_KEYS = (
 #: Keys diag reads itself; onnxruntime's functions take the others under the same names.
 DIAG_ONLY_KEYS = ("calibration", "calibration_samples", "preprocess", "node_bits")
 STATIC_KEYS = ("quant_format", "activation_type", "calibrate_method", "calibration", "calibration_samples")
+
+
+def quantizable_op_types(kind: str) -> list[str]:
+    """The op types the installed onnxruntime quantizes by default in this format.
+
+    ``kind`` is ``dynamic`` (IntegerOpsRegistry) or a static format (the union of QDQRegistry and
+    QLinearOpsRegistry: quantize_static's default ``op_types_to_quantize``).
+
+    Example:
+        >>> "MatMul" in quantizable_op_types("dynamic")
+        True
+    """
+    from onnxruntime.quantization import registry
+
+    if kind == "dynamic":
+        return list(registry.IntegerOpsRegistry)
+    return list(set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry))
 
 
 @dataclass(frozen=True)
@@ -214,18 +235,14 @@ def lint_recipe_file(
         ...     print(f.line())
         error[unknown-extra-option] extra_options.OpTypesToExclude: onnxruntime 1.32.0 ignores this key. Hint: ...
     """
-    from diag.recipe import read_recipe_file
-
     data = read_recipe_file(recipe_path)
     model = None
     if model_path is not None:
-        from diag.load import float_model_from_path
-
         model = float_model_from_path(model_path).proto
     return lint_recipe(data, model)
 
 
-def lint_recipe(data: dict[str, Any], model: Any = None) -> list[Finding]:
+def lint_recipe(data: dict[str, Any], model: onnx.ModelProto | None = None) -> list[Finding]:
     """Lint a parsed recipe dict; ``model`` (an FP32 ``onnx.ModelProto``) enables name checks.
 
     Example:
@@ -274,8 +291,6 @@ def _suggest(word: str, choices: list[str] | set[str] | frozenset[str]) -> str |
 
 def _check_keys(data: dict[str, Any], findings: list[Finding]) -> dict[str, Any]:
     """Unknown recipe keys and invalid values; returns the valid key/value pairs."""
-    from diag.recipe import FP16_KEYS, Recipe
-
     valid: dict[str, Any] = {}
     for key, value in data.items():
         if key not in RECIPE_KEYS:
@@ -340,8 +355,6 @@ def _check_extra_options(extra: Any, mode: str, model: Any, findings: list[Findi
 
 def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
     """The op_types_to_quantize list that really keeps ``excluded`` op types in float."""
-    from diag.infer import quantizable_op_types
-
     kinds = set(quantizable_op_types("dynamic" if mode == "dynamic" else "qdq"))
     if model is not None:
         kinds &= {n.op_type for n in _all_nodes(model)}
@@ -352,18 +365,24 @@ def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
 
 
 def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: Any, findings: list[Finding]) -> None:
+    """Settings valid one by one that onnxruntime cannot honour together (errors), or reads otherwise than meant."""
     mode = valid.get("mode", "static")
     fmt = valid.get("quant_format", "QDQ")
-    if mode == "weight_only":  # settings valid one by one that onnxruntime cannot honour together
-        from diag.recipe import Recipe
+    _check_mode_keys(data, valid, mode, findings)
+    _check_types(valid, mode, fmt, findings)
+    _check_lists(valid, findings)
+    if model is not None and mode == "static" and fmt == "QDQ" and valid.get("per_channel"):
+        _check_opset(model, findings)
 
+
+def _check_mode_keys(data: dict[str, Any], valid: dict[str, Any], mode: str, findings: list[Finding]) -> None:
+    """Keys the mode's onnxruntime function does not take: it would never see them."""
+    if mode == "weight_only":  # settings valid one by one that onnxruntime cannot honour together
         try:
             Recipe.from_dict(valid)
         except DiagError as e:
             key = e.obj.split("'")[1] if "'" in e.obj else "mode"
             findings.append(Finding("error", "contradiction", key, e.problem, e.hint))
-    from diag.recipe import FP16_KEYS
-
     for key in data:
         if key != "mode" and key in RECIPE_KEYS and (key in FP16_KEYS) != (mode == "fp16"):
             applies = "convert_float_to_float16" if key in FP16_KEYS else "quantize_dynamic / quantize_static"
@@ -388,26 +407,21 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                         f"remove '{key}' or set mode to 'static'",
                     )
                 )
-    if mode == "static" and fmt == "QOperator" and valid.get("activation_type") in ("QInt16", "QUInt16"):
-        findings.append(
-            Finding(
-                "error",
-                "contradiction",
-                "activation_type",
-                f"{valid['activation_type']} needs quant_format QDQ: QOperator kernels are 8-bit only",
-                'set "quant_format": "QDQ"',
+
+
+def _check_types(valid: dict[str, Any], mode: str, fmt: str, findings: list[Finding]) -> None:
+    """Quantization types onnxruntime refuses in this format or with this calibration (it raises mid-run)."""
+    for key in ("activation_type", "weight_type"):
+        if mode == "static" and fmt == "QOperator" and valid.get(key) in ("QInt16", "QUInt16"):
+            findings.append(
+                Finding(
+                    "error",
+                    "contradiction",
+                    key,
+                    f"{valid[key]} needs quant_format QDQ: QOperator kernels are 8-bit only",
+                    'set "quant_format": "QDQ"',
+                )
             )
-        )
-    if mode == "static" and fmt == "QOperator" and valid.get("weight_type") in ("QInt16", "QUInt16"):
-        findings.append(
-            Finding(
-                "error",
-                "contradiction",
-                "weight_type",
-                f"{valid['weight_type']} needs quant_format QDQ: QOperator kernels are 8-bit only",
-                'set "quant_format": "QDQ"',
-            )
-        )
     float8 = [k for k in ("activation_type", "weight_type") if valid.get(k) == "QFLOAT8E4M3FN"]
     if mode == "static" and float8 and valid.get("calibrate_method", "MinMax") != "Distribution":
         findings.append(
@@ -420,6 +434,10 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                 'set "calibrate_method": "Distribution"',
             )
         )
+
+
+def _check_lists(valid: dict[str, Any], findings: list[Finding]) -> None:
+    """Node and op-type lists onnxruntime reads otherwise than written (both lists, empty = every)."""
     include = valid.get("nodes_to_quantize") or []
     for name in dict.fromkeys(n for n in valid.get("nodes_to_exclude") or [] if n in include):
         findings.append(
@@ -448,25 +466,26 @@ def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: An
                 "warning", "unused-option", "calibration_samples", "is set but calibration is not", "add calibration"
             )
         )
-    if model is not None and mode == "static" and fmt == "QDQ" and valid.get("per_channel"):
-        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-        if opset < 13:
-            findings.append(
-                Finding(
-                    "warning",
-                    "old-opset",
-                    "per_channel",
-                    f"QDQ per-channel writes DequantizeLinear with 'axis', which opset {opset} forbids:"
-                    " quantize_static's INT8 model will not load",
-                    "diag quantize upgrades the opset to 13 first; with onnxruntime directly, run"
-                    " onnx.version_converter.convert_version(model, 13) before quantizing",
-                )
+
+
+def _check_opset(model: Any, findings: list[Finding]) -> None:
+    """Per-channel QDQ on a model below opset 13: onnxruntime writes a model that does not load."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 13:
+        findings.append(
+            Finding(
+                "warning",
+                "old-opset",
+                "per_channel",
+                f"QDQ per-channel writes DequantizeLinear with 'axis', which opset {opset} forbids:"
+                " quantize_static's INT8 model will not load",
+                "diag quantize upgrades the opset to 13 first; with onnxruntime directly, run"
+                " onnx.version_converter.convert_version(model, 13) before quantizing",
             )
+        )
 
 
 def _all_nodes(model: Any) -> list[Any]:
-    from diag.load import iter_nodes
-
     return iter_nodes(model.graph)
 
 
@@ -519,8 +538,6 @@ def _check_names(valid: dict[str, Any], model: Any, findings: list[Finding]) -> 
             )
     present = {n.op_type for n in nodes}
     mode = valid.get("mode", "static")
-    from diag.infer import quantizable_op_types
-
     quantizable = set(quantizable_op_types("dynamic" if mode == "dynamic" else "qdq"))
     for op in dict.fromkeys(valid.get("op_types_to_quantize") or []):
         if op not in quantizable:
@@ -534,8 +551,8 @@ def _check_names(valid: dict[str, Any], model: Any, findings: list[Finding]) -> 
                 )
             )
         elif op not in present:
-            close = _suggest(op, present)
-            hint = f"did you mean '{close}'?" if close else f"the model's op types: {', '.join(sorted(present))}"
+            near = _suggest(op, present)
+            hint = f"did you mean '{near}'?" if near else f"the model's op types: {', '.join(sorted(present))}"
             findings.append(
                 Finding(
                     "warning", "unknown-op-type", f"op_types_to_quantize '{op}'", "occurs in no node of the model", hint

@@ -411,6 +411,11 @@ def _gelu_at(ix: _Index, core: int) -> _Match | None:
     return [*inner, core, a, *outer_nodes], output
 
 
+def _any_gelu_at(ix: _Index, i: int, op: str) -> _Match | None:
+    """A GELU around node ``i``: decomposed around its ``Erf`` / ``Tanh``, or QuickGELU around its ``Sigmoid``."""
+    return _quick_gelu_at(ix, i) if op == "Sigmoid" else _gelu_at(ix, i)
+
+
 def _quick_gelu_at(ix: _Index, sig: int) -> _Match | None:
     """Sigmoid-approximated GELU (CLIP's QuickGELU): x * Sigmoid(1.702 * x)."""
     p = ix.producer.get(ix.nodes[sig].input[0])
@@ -761,9 +766,7 @@ def find_patterns(model: onnx.ModelProto) -> list[PatternInstance]:
                 softmaxes.append(([i], ix.out(i)))
         elif op == "ReduceMean" and (m := _layernorm_at(ix, i)) is not None:
             add("layernorm", "LayerNorm", *m)
-        elif op in ("Erf", "Tanh") and (m := _gelu_at(ix, i)) is not None:
-            add("gelu", "GELU", *m)
-        elif op == "Sigmoid" and (m := _quick_gelu_at(ix, i)) is not None:
+        elif op in ("Erf", "Tanh", "Sigmoid") and (m := _any_gelu_at(ix, i, op)) is not None:
             add("gelu", "GELU", *m)
         elif op == "Exp" and (m := _softmax_at(ix, i)) is not None:
             add("softmax", "Softmax", *m)
@@ -815,17 +818,20 @@ def _energy(s: ErrorStats) -> float:
     return e if math.isfinite(e) else 0.0
 
 
-def _total(
-    kind: str,
-    label: str,
-    count: int,
-    nodes: Iterable[str],
-    output: str | None,
-    accumulated: dict[str, ErrorStats],
-    local: dict[str, ErrorStats],
-    tensor_of_node: dict[str, str],
-    model_energy: float,
-) -> PatternTotal:
+@dataclass(frozen=True)
+class _Measured:
+    """The run's error per FP32 tensor, which tensor each node is measured on, and the model's total local energy."""
+
+    accumulated: dict[str, ErrorStats]
+    local: dict[str, ErrorStats]
+    tensor_of_node: dict[str, str]
+    #: the share's denominator: the local error energy of every tensor in ``local``
+    model_energy: float
+
+
+def _total(kind: str, label: str, count: int, nodes: Iterable[str], output: str | None, m: _Measured) -> PatternTotal:
+    """One pattern's (or one kind's) error: worst local and accumulated SQNR, local energy and its share."""
+    accumulated, local, tensor_of_node, model_energy = m.accumulated, m.local, m.tensor_of_node, m.model_energy
     node_list = list(dict.fromkeys(nodes))
     tensors = {n: tensor_of_node[n] for n in node_list if n in tensor_of_node}
     measured = [n for n, t in tensors.items() if t in local or t in accumulated]
@@ -870,29 +876,15 @@ def pattern_totals(
         ('LayerNorm', 0.83)
     """
     instances = list(instances)
-    model_energy = sum(_energy(s) for s in local.values())
-    per_instance = [
-        _total(p.kind, p.label, 1, p.nodes, p.output, accumulated, local, tensor_of_node, model_energy)
-        for p in instances
-    ]
+    measured = _Measured(accumulated, local, tensor_of_node, sum(_energy(s) for s in local.values()))
+    per_instance = [_total(p.kind, p.label, 1, p.nodes, p.output, measured) for p in instances]
     nodes_by_kind: dict[str, list[str]] = defaultdict(list)
     count_by_kind: dict[str, int] = defaultdict(int)
     for p in instances:
         nodes_by_kind[p.kind].extend(p.nodes)
         count_by_kind[p.kind] += 1
     per_kind = [
-        _total(
-            k,
-            KIND_NAMES.get(k, k),
-            count_by_kind[k],
-            nodes_by_kind[k],
-            None,
-            accumulated,
-            local,
-            tensor_of_node,
-            model_energy,
-        )
-        for k in nodes_by_kind
+        _total(k, KIND_NAMES.get(k, k), count_by_kind[k], nodes_by_kind[k], None, measured) for k in nodes_by_kind
     ]
     per_instance.sort(key=lambda t: -t.local_energy)
     per_kind.sort(key=lambda t: -t.local_energy)

@@ -42,7 +42,10 @@ import onnx
 
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
-from diag.load import detect_format, float_model_from_path, iter_nodes
+from diag.files import is_input, out_dir, output_file, write_set
+from diag.lint import onnxruntime_extra_options
+from diag.load import ModelFormat, detect_format, float_model_from_path, iter_nodes
+from diag.progress import Progress
 from diag.recipe import Recipe, recipe_from_option
 
 #: Above this many bytes of weights a model cannot be one protobuf: quantize with external data.
@@ -206,36 +209,17 @@ def quantize_model(
         "lifted 342 Constant node(s) to initializers: quantize_dynamic fails with 'Expected ... ...
     """
     start = time.perf_counter()
-    if not isinstance(recipe, Recipe):
-        recipe = recipe_from_option(recipe)
-    else:  # built in code: the same checks as a recipe file (enum names, types, static-only keys)
-        base_dir = recipe.base_dir
-        recipe = Recipe.from_dict(recipe.to_dict(), "recipe")
-        recipe.base_dir = base_dir
+    recipe = _validated_recipe(recipe)
     if recipe.mode == "fp16":
         from diag.fp16convert import convert_model  # LAYERING: fp16convert imports quantize's guards
 
         return convert_model(fp32_path, recipe, out_path)
-    if samples is not None:
-        if samples < 1:
-            raise DiagError("bad-option", "--samples", "must be at least 1", "pass e.g. --samples 64")
-        recipe = dataclasses.replace(recipe, calibration_samples=samples)
-    if recipe.mode != "static" and calibration is not None:
-        raise DiagError(
-            "bad-option",
-            "calibration inputs",
-            f"only apply to static quantization but the recipe's mode is '{recipe.mode}'",
-            'drop --calib/--reader, or set "mode": "static" in the recipe',
-        )
+    recipe = _with_calibration_samples(recipe, samples, calibration is not None)
     loaded = float_model_from_path(fp32_path)
     out = _checked_out(out_path, loaded.path)
     _check_node_names(recipe, loaded.proto)
     source = _calibration_source(recipe, calibration, loaded.proto) if recipe.mode == "static" else None
-
-    actions: list[str] = _unread_extra_options(recipe)
-    log: list[str] = []
-    steps: list[str] = []
-    calibrations = [0]
+    job = _Job(recipe, source, actions=_unread_extra_options(recipe))
     with (
         tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name,
         tempfile.TemporaryDirectory(prefix=f".diag-quantize-{os.getpid()}-", dir=out.parent) as stage_name,
@@ -243,85 +227,155 @@ def quantize_model(
         tmp = Path(tmp_name).resolve()
         staged = Path(stage_name).resolve() / out.name  # same folder as the output: publishing is a rename
         model = onnx.load(str(loaded.path))  # with weights: the quantizer needs them
-        external = loaded.has_external_data or _weight_bytes(model) > EXTERNAL_DATA_BYTES
-        if external:
-            steps.append("external_data")
-            actions.append(
-                "quantized with use_external_data_format=True: the model's weights are stored as external data "
-                f"(written next to the output as {out.name}.data)"
-            )
-        model, lifted = lift_constants(model)
-        if lifted:
-            steps.append("lift_constants")
-            why = (
-                "quantize_dynamic fails with 'Expected ... to be an initializer' on any other weight"
-                if recipe.mode == "dynamic"
-                else "quantize_static would quantize those weights like activations (a QuantizeLinear at run time, "
-                "activation_type, per-tensor), ignoring weight_type and per_channel"
-            )
-            actions.append(f"lifted {lifted} Constant node(s) to initializers: {why}")
-        upgraded = False
-        opset = default_opset(model)
-        if _needs_per_axis(recipe) and 0 < opset < PER_AXIS_OPSET:
-            model = upgrade_opset(model)
-            upgraded = True
-            steps.append("upgrade_opset")
-            actions.append(
-                f"upgraded opset {opset} -> {PER_AXIS_OPSET} with onnx.version_converter: per-channel QDQ writes "
-                "DequantizeLinear with an axis attribute, which opset < 13 forbids (the INT8 model would not load)"
-            )
-        with _captured_ort_logging(log):
-            src = _save(model, tmp / "fp32" / "model.onnx", external)
+        job.external = loaded.has_external_data or _weight_bytes(model) > EXTERNAL_DATA_BYTES
+        model, upgraded = _preflight(job, model, out.name)
+        with _captured_ort_logging(job.log):
+            src = _save(model, tmp / "fp32" / "model.onnx", job.external)
             del model
             if recipe.preprocess:
-                src = _preprocess(src, tmp / "pre" / "model.onnx", external, actions, log)
-                skipped = any("skip_symbolic_shape=True" in a for a in actions)
-                steps.append("quant_pre_process_skip_symbolic_shape" if skipped else "quant_pre_process")
-            _check_names_survived(recipe, src, actions)
-            cache = Path(calibration_cache) if calibration_cache is not None and _caches(recipe) else None
-            _run_quantizer(recipe, src, staged, source, external, actions, progress, cache, calibrations)
+                src = _preprocess(src, tmp / "pre" / "model.onnx", job.external, job.actions, job.log)
+                skipped = any("skip_symbolic_shape=True" in a for a in job.actions)
+                job.steps.append("quant_pre_process_skip_symbolic_shape" if skipped else "quant_pre_process")
+            _check_names_survived(recipe, src, job.actions)
+            job.cache = Path(calibration_cache) if calibration_cache is not None and _caches(recipe) else None
+            _run_quantizer(job, src, staged, progress)
             error = _load_error(staged)
             if error and "axis" in error and not upgraded and 0 < default_opset(_structure(src)) < PER_AXIS_OPSET:
-                old = default_opset(_structure(src))
-                src = _save(upgrade_opset(onnx.load(str(src))), tmp / "fp32-upgraded" / "model.onnx", external)
-                actions.append(
-                    f"upgraded opset {old} -> {PER_AXIS_OPSET} with onnx.version_converter and quantized again: "
-                    f"the first INT8 model did not load in onnxruntime ({error})"
-                )
-                steps.append("upgrade_opset_after_load_error")
-                for p in staged.parent.iterdir():
-                    p.unlink()
-                if cache is not None:
-                    cache.unlink(missing_ok=True)  # ranges of the model before the upgrade
-                _run_quantizer(recipe, src, staged, source, external, actions, False, cache, calibrations)
-                error = _load_error(staged)
-        if not error and _raise_ir_version(staged, actions):
-            error = _load_error(staged)  # verified as written
-        if error:
-            raise DiagError(
-                "quantize-failed",
-                f"INT8 model for '{loaded.path}'",
-                f"does not load in onnxruntime ({error})",
-                "nothing was written; try per_channel=false or preprocess=true, or report the model",
-            )
-        actions.extend(_notable(log))
-        fmt = detect_format(_structure(staged))
-        if not fmt.is_quantized:
-            actions.append(
-                "warning: no operator was quantized (check op_types_to_quantize / nodes_to_quantize "
-                "against the model's op types)"
-            )
-        wanted = {"dynamic": "dynamic", "weight_only": _weight_only_format(recipe)}.get(
-            recipe.mode, recipe.quant_format.lower()
-        )
-        if fmt.is_quantized and fmt.family != wanted:
-            ev = ", ".join(f"{k} x{v}" for k, v in fmt.evidence.items())
-            actions.append(f"note: the recipe asked for {wanted} but the output is {fmt.kind} ({ev})")
-        actions.append(f"verified: the INT8 model loads in onnxruntime (format {fmt.kind})")
+                error = _quantize_upgraded(job, src, tmp, staged, error)
+        fmt = _verified_format(job, staged, loaded.path, error)
         _publish(staged, out)
-    return QuantizeReport(
-        out, list(dict.fromkeys(actions)), time.perf_counter() - start, fmt.kind, log, steps, calibrations[0]
+    actions = list(dict.fromkeys(job.actions))
+    return QuantizeReport(out, actions, time.perf_counter() - start, fmt.kind, job.log, job.steps, job.calibrations)
+
+
+@dataclass
+class _Job:
+    """One quantize_model call: what it quantizes with, and what it records as it goes.
+
+    ``actions`` become the report's sentences, ``steps`` the replayable step names of
+    :attr:`QuantizeReport.steps`, ``log`` onnxruntime's captured messages.
+    """
+
+    recipe: Recipe
+    source: FeedSource | None
+    #: weights stored as external data (the input has them, or the model is too big for one protobuf)
+    external: bool = False
+    #: the calibration cache file static recipes read or write (None: calibrate every time)
+    cache: Path | None = None
+    actions: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+    steps: list[str] = field(default_factory=list)
+    #: calibration passes run
+    calibrations: int = 0
+
+
+def _validated_recipe(recipe: Recipe | str | os.PathLike[str]) -> Recipe:
+    """The recipe as a file would give it: a recipe built in code gets the same checks (enum names, types, keys)."""
+    if not isinstance(recipe, Recipe):
+        return recipe_from_option(recipe)
+    base_dir = recipe.base_dir
+    checked = Recipe.from_dict(recipe.to_dict(), "recipe")
+    checked.base_dir = base_dir
+    return checked
+
+
+def _with_calibration_samples(recipe: Recipe, samples: int | None, has_calibration: bool) -> Recipe:
+    """The recipe with ``--samples`` applied; calibration inputs for a recipe that does not calibrate are refused."""
+    if samples is not None:
+        if samples < 1:
+            raise DiagError("bad-option", "--samples", "must be at least 1", "pass e.g. --samples 64")
+        recipe = dataclasses.replace(recipe, calibration_samples=samples)
+    if recipe.mode != "static" and has_calibration:
+        raise DiagError(
+            "bad-option",
+            "calibration inputs",
+            f"only apply to static quantization but the recipe's mode is '{recipe.mode}'",
+            'drop --calib/--reader, or set "mode": "static" in the recipe',
+        )
+    return recipe
+
+
+def _preflight(job: _Job, model: onnx.ModelProto, out_name: str) -> tuple[onnx.ModelProto, bool]:
+    """The fixes real exports need before onnxruntime's quantizer sees them: (model, opset upgraded?).
+
+    External data for big models, Constant weights lifted to initializers, and opset 13 for
+    per-channel QDQ: each one recorded as an action and a replayable step.
+    """
+    if job.external:
+        job.steps.append("external_data")
+        job.actions.append(
+            "quantized with use_external_data_format=True: the model's weights are stored as external data "
+            f"(written next to the output as {out_name}.data)"
+        )
+    model, lifted = lift_constants(model)
+    if lifted:
+        job.steps.append("lift_constants")
+        why = (
+            "quantize_dynamic fails with 'Expected ... to be an initializer' on any other weight"
+            if job.recipe.mode == "dynamic"
+            else "quantize_static would quantize those weights like activations (a QuantizeLinear at run time, "
+            "activation_type, per-tensor), ignoring weight_type and per_channel"
+        )
+        job.actions.append(f"lifted {lifted} Constant node(s) to initializers: {why}")
+    opset = default_opset(model)
+    if not (_needs_per_axis(job.recipe) and 0 < opset < PER_AXIS_OPSET):
+        return model, False
+    model = upgrade_opset(model)
+    job.steps.append("upgrade_opset")
+    job.actions.append(
+        f"upgraded opset {opset} -> {PER_AXIS_OPSET} with onnx.version_converter: per-channel QDQ writes "
+        "DequantizeLinear with an axis attribute, which opset < 13 forbids (the INT8 model would not load)"
     )
+    return model, True
+
+
+def _quantize_upgraded(job: _Job, src: Path, tmp: Path, staged: Path, error: str) -> str | None:
+    """Quantize again from the model upgraded to opset 13: the first INT8 model did not load (an axis on opset < 13).
+
+    Returns the new model's load error (None: it loads).
+    """
+    old = default_opset(_structure(src))
+    src = _save(upgrade_opset(onnx.load(str(src))), tmp / "fp32-upgraded" / "model.onnx", job.external)
+    job.actions.append(
+        f"upgraded opset {old} -> {PER_AXIS_OPSET} with onnx.version_converter and quantized again: "
+        f"the first INT8 model did not load in onnxruntime ({error})"
+    )
+    job.steps.append("upgrade_opset_after_load_error")
+    for p in staged.parent.iterdir():
+        p.unlink()
+    if job.cache is not None:
+        job.cache.unlink(missing_ok=True)  # ranges of the model before the upgrade
+    _run_quantizer(job, src, staged, False)
+    return _load_error(staged)
+
+
+def _verified_format(job: _Job, staged: Path, fp32_path: Path, error: str | None) -> ModelFormat:
+    """The staged INT8 model's format, once it is verified to load; notes when it is not what the recipe asked for."""
+    if not error and _raise_ir_version(staged, job.actions):
+        error = _load_error(staged)  # verified as written
+    if error:
+        raise DiagError(
+            "quantize-failed",
+            f"INT8 model for '{fp32_path}'",
+            f"does not load in onnxruntime ({error})",
+            "nothing was written; try per_channel=false or preprocess=true, or report the model",
+        )
+    job.actions.extend(_notable(job.log))
+    fmt = detect_format(_structure(staged))
+    if not fmt.is_quantized:
+        job.actions.append(
+            "warning: no operator was quantized (check op_types_to_quantize / nodes_to_quantize "
+            "against the model's op types)"
+        )
+    recipe = job.recipe
+    wanted = {"dynamic": "dynamic", "weight_only": _weight_only_format(recipe)}.get(
+        recipe.mode, recipe.quant_format.lower()
+    )
+    if fmt.is_quantized and fmt.family != wanted:
+        ev = ", ".join(f"{k} x{v}" for k, v in fmt.evidence.items())
+        job.actions.append(f"note: the recipe asked for {wanted} but the output is {fmt.kind} ({ev})")
+    job.actions.append(f"verified: the INT8 model loads in onnxruntime (format {fmt.kind})")
+    return fmt
 
 
 # ---------------------------------------------------------------- steps
@@ -353,8 +407,6 @@ def _checked_out(out_path: str | os.PathLike[str], source: Path) -> Path:
     out = Path(out_path)
     if out.suffix.lower() != ".onnx":
         raise DiagError("bad-option", f"-o '{out}'", "does not end in .onnx", "name the output e.g. model.int8.onnx")
-    from diag.files import is_input, out_dir, output_file
-
     if is_input(out) == source:
         raise DiagError("bad-out", f"-o '{out}'", "is the FP32 model itself", "write the INT8 model to another file")
 
@@ -395,8 +447,6 @@ def _check_node_names(recipe: Recipe, model: onnx.ModelProto) -> None:
 def _unread_extra_options(recipe: Recipe) -> list[str]:
     """A warning per ``extra_options`` key the installed onnxruntime never reads (it ignores them silently)."""
     import difflib
-
-    from diag.lint import onnxruntime_extra_options
 
     known = onnxruntime_extra_options()
     names = set(known.quantizer) | set(known.calibrator)
@@ -552,43 +602,38 @@ def _check_names_survived(recipe: Recipe, src: Path, actions: list[str]) -> None
             )
 
 
-def _run_quantizer(
-    recipe: Recipe,
-    src: Path,
-    dst: Path,
-    source: FeedSource | None,
-    external: bool,
-    actions: list[str],
-    progress: bool,
-    cache: Path | None = None,
-    calibrations: list[int] | None = None,
-) -> None:
+def _run_quantizer(job: _Job, src: Path, dst: Path, progress: bool) -> None:
+    """One call of onnxruntime's quantizer (or MatMulNBitsQuantizer) from ``src`` to ``dst``.
+
+    Static recipes calibrate on ``job.source``, or reuse ``job.cache``'s ranges when the file
+    exists; anything onnxruntime raises becomes one ``quantize-failed`` line.
+    """
     from onnxruntime.quantization import quantize_dynamic, quantize_static
 
+    recipe, source, cache = job.recipe, job.source, job.cache
     dst.parent.mkdir(parents=True, exist_ok=True)
     if recipe.mode == "weight_only":
         from diag.weightonly import quantize_weight_only  # LAYERING: weightonly imports upgrade_opset
 
-        quantize_weight_only(recipe, src, dst, external, actions)
+        quantize_weight_only(recipe, src, dst, job.external, job.actions)
         return
     kwargs = recipe.ort_kwargs()
-    kwargs["use_external_data_format"] = external
+    kwargs["use_external_data_format"] = job.external
     try:
         if recipe.mode == "dynamic":
             quantize_dynamic(str(src), str(dst), **kwargs)
         else:
             assert source is not None
             reader = _reader(source, progress, recipe.calibration_samples)
-            hit = cache is not None and cache.is_file()
             if cache is not None:
                 kwargs["calibration_cache_path"] = str(cache)
+            hit = cache is not None and cache.is_file()
             quantize_static(str(src), str(dst), reader, **kwargs)
-            if hit:
-                actions.append(f"reused the calibrated ranges of {cache.name} (no calibration pass)")  # type: ignore[union-attr]
+            if hit and cache is not None:
+                job.actions.append(f"reused the calibrated ranges of {cache.name} (no calibration pass)")
             else:
-                if calibrations is not None:
-                    calibrations[0] += 1
-                actions.append(
+                job.calibrations += 1
+                job.actions.append(
                     f"calibrated with {recipe.calibrate_method} on {reader.samples} sample(s) from {source.description}"
                 )
     except DiagError:
@@ -614,8 +659,6 @@ def _reader(source: FeedSource, progress: bool, limit: int | None = None) -> Any
     sample axis, so the count is exact.
     """
     from onnxruntime.quantization import CalibrationDataReader
-
-    from diag.progress import Progress
 
     total = source.total_samples if limit is None or source.total_samples is None else min(limit, source.total_samples)
 
@@ -668,8 +711,6 @@ def _publish(staged: Path, out: Path) -> None:
     ``staged`` sits in a temp folder inside the output's folder, so each step is an atomic rename
     and a reader never sees a half-written ``.onnx``.
     """
-    from diag.files import write_set
-
     parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
     write_set({out.parent / p.name: p for p in parts}, "-o")
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from diag.errors import DiagError
+from diag.files import input_file, output_file, write_set
 
 MODES = ("dynamic", "static", "weight_only", "fp16")
 QUANT_FORMATS = ("QDQ", "QOperator")
@@ -416,8 +417,6 @@ def read_recipe_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         >>> read_recipe_file("recipe.json")  # doctest: +SKIP
         {'mode': 'dynamic', 'per_channel': True}
     """
-    from diag.files import input_file
-
     p = input_file(path, "recipe", "pass a .json or .toml file")
     obj = f"recipe '{p}'"
     try:
@@ -563,8 +562,6 @@ def save_recipe(recipe: Recipe, path: str | os.PathLike[str]) -> Path:
         >>> save_recipe(Recipe(mode="dynamic"), "recipe.json")  # doctest: +SKIP
         PosixPath('recipe.json')
     """
-    from diag.files import output_file, write_set
-
     p = output_file(path, "recipe")
     write_set({p: recipe_file_text(recipe, p)}, "recipe")
     return p

@@ -21,6 +21,7 @@ import onnx
 
 from diag.distributions import TensorHealth
 from diag.match import Matching, NodeGroup, TopLevelIndex
+from diag.weights import WeightFinding
 
 #: Effective bits this far below the grid's bits mean the tails waste the grid.
 WASTED_BITS = 3.0
@@ -97,105 +98,128 @@ def suggestions_for(
 ) -> list[Suggestion]:
     """Remedies for one tensor, most targeted first. Empty when the tensor is healthy.
 
+    An outlier channel decides alone (its remedies fix the range problems too); otherwise a
+    clipped calibration range and a range wasted on rare tails each get theirs.
+
     Example:
         >>> suggestions_for("t", health, "qdq", ["fc1"], ["MatMul"])[0].remedy  # doctest: +SKIP
         'qint16-activation'
     """
-    out: list[Suggestion] = []
     if health.grid == "none":
-        return out
+        return []
     static = fmt in ("qdq", "qoperator", "mixed")
     # On a 16-bit grid a typical channel can still span more levels than a whole 8-bit grid: the
     # outlier channel then costs nothing and needs no remedy.
     roomy = health.median_channel_levels is not None and health.median_channel_levels >= ROOMY_LEVELS
     if health.outliers and not roomy:
-        top = health.outliers[0]
-        dims = ", ".join(str(o.index) for o in health.outliers[:5])
-        levels = f"{health.median_channel_levels:.1f}" if health.median_channel_levels is not None else "few"
-        n = len(health.outliers)
-        which = f"channel {dims} reaches" if n == 1 else f"{n} channels ({dims}{', ...' if n > 5 else ''}) reach up to"
-        problem = (
-            f"{which} {top.max_abs:.3g}, {top.times_median:.0f}x the median channel; "
-            f"with one per-tensor scale a typical channel spans only {levels} levels"
-        )
-        if static and (health.grid_bits or 8) < 16:  # not for a tensor already on a 16-bit grid
-            override = {"TensorQuantOverrides": {name: [{"quant_type": "QInt16"}]}}
-            recipe: dict[str, Any] = {"extra_options": override}
-            note = "16-bit activations exist only in QDQ format"
-            if fmt == "qoperator":
-                recipe = {"quant_format": "QDQ", "extra_options": override}
-                note += ": this also switches the model to QDQ"
-            out.append(
-                Suggestion(
-                    name,
-                    problem,
-                    "qint16-activation",
-                    recipe,
-                    f"extra_options={_py(override)}" + (", quant_format=QuantFormat.QDQ" if fmt == "qoperator" else ""),
-                    "quantize_static",
-                    note,
-                    consumers,
-                )
-            )
-        if consumers:
-            out.append(_exclude(name, problem, consumers, fmt))
-        if static and health.axis is not None and set(consumer_ops) & SMOOTHABLE:
-            opts = {"SmoothQuant": True, "SmoothQuantAlpha": 0.5}
-            out.append(
-                Suggestion(
-                    name,
-                    problem,
-                    "smoothquant",
-                    {"extra_options": opts},
-                    f"extra_options={_py(opts)}",
-                    "quantize_static",
-                    "needs `pip install neural-compressor`; migrates the outlier into the MatMul weights",
-                    consumers,
-                )
-            )
-        return out
+        return _outlier_remedies(name, health, fmt, consumers, consumer_ops)
+    out: list[Suggestion] = []
     if static and health.clips and health.clip_fraction is not None:
-        rng = {"rmin": round(health.fp_min, 6), "rmax": round(health.fp_max, 6)}
-        override = {"TensorQuantOverrides": {name: [rng]}}
+        out.append(_clipping_remedy(name, health, consumers))
+    out += _wasted_range_remedies(name, health, fmt, consumers)
+    return out
+
+
+def _outlier_remedies(
+    name: str, health: TensorHealth, fmt: str, consumers: list[str], consumer_ops: list[str]
+) -> list[Suggestion]:
+    """An outlier channel crushes the others under one scale: 16 bits, float consumers, or SmoothQuant."""
+    static = fmt in ("qdq", "qoperator", "mixed")
+    out: list[Suggestion] = []
+    top = health.outliers[0]
+    dims = ", ".join(str(o.index) for o in health.outliers[:5])
+    levels = f"{health.median_channel_levels:.1f}" if health.median_channel_levels is not None else "few"
+    n = len(health.outliers)
+    which = f"channel {dims} reaches" if n == 1 else f"{n} channels ({dims}{', ...' if n > 5 else ''}) reach up to"
+    problem = (
+        f"{which} {top.max_abs:.3g}, {top.times_median:.0f}x the median channel; "
+        f"with one per-tensor scale a typical channel spans only {levels} levels"
+    )
+    if static and (health.grid_bits or 8) < 16:  # not for a tensor already on a 16-bit grid
+        override = {"TensorQuantOverrides": {name: [{"quant_type": "QInt16"}]}}
+        recipe: dict[str, Any] = {"extra_options": override}
+        note = "16-bit activations exist only in QDQ format"
+        if fmt == "qoperator":
+            recipe = {"quant_format": "QDQ", "extra_options": override}
+            note += ": this also switches the model to QDQ"
         out.append(
             Suggestion(
                 name,
-                f"{health.clip_fraction:.2%} of values fall outside the calibrated range "
-                f"[{_range(health)}] (inputs reach [{health.fp_min:.4g}, {health.fp_max:.4g}])",
-                "calibration-range",
-                {"extra_options": override},
-                f"extra_options={_py(override)}",
+                problem,
+                "qint16-activation",
+                recipe,
+                f"extra_options={_py(override)}" + (", quant_format=QuantFormat.QDQ" if fmt == "qoperator" else ""),
                 "quantize_static",
-                "or calibrate on inputs that cover this range (more / more representative samples)",
+                note,
                 consumers,
             )
         )
+    if consumers:
+        out.append(_exclude(name, problem, consumers, fmt))
+    if static and health.axis is not None and set(consumer_ops) & SMOOTHABLE:
+        opts = {"SmoothQuant": True, "SmoothQuantAlpha": 0.5}
+        out.append(
+            Suggestion(
+                name,
+                problem,
+                "smoothquant",
+                {"extra_options": opts},
+                f"extra_options={_py(opts)}",
+                "quantize_static",
+                "needs `pip install neural-compressor`; migrates the outlier into the MatMul weights",
+                consumers,
+            )
+        )
+    return out
+
+
+def _clipping_remedy(name: str, health: TensorHealth, consumers: list[str]) -> Suggestion:
+    """Values beyond the calibrated range are clipped: give the tensor the range its inputs reach."""
+    rng = {"rmin": round(health.fp_min, 6), "rmax": round(health.fp_max, 6)}
+    override = {"TensorQuantOverrides": {name: [rng]}}
+    return Suggestion(
+        name,
+        f"{health.clip_fraction:.2%} of values fall outside the calibrated range "
+        f"[{_range(health)}] (inputs reach [{health.fp_min:.4g}, {health.fp_max:.4g}])",
+        "calibration-range",
+        {"extra_options": override},
+        f"extra_options={_py(override)}",
+        "quantize_static",
+        "or calibrate on inputs that cover this range (more / more representative samples)",
+        consumers,
+    )
+
+
+def _wasted_range_remedies(name: str, health: TensorHealth, fmt: str, consumers: list[str]) -> list[Suggestion]:
+    """Rare tail values set the range and the bulk gets few bits: percentile calibration, or float consumers."""
     wasted = (
         health.effective_bits is not None
         and health.grid_bits is not None
         and health.effective_bits < health.grid_bits - WASTED_BITS
     )
-    if wasted:
-        problem = (
-            f"the bulk (P0.1..P99.9) spans {health.effective_bits:.1f} of {health.grid_bits:.0f} bits: "
-            f"rare tail values set the range ({health.range_over_bulk:.0f}x the bulk)"
-        )
-        if static:
-            opts = {"CalibPercentile": 99.99}
-            out.append(
-                Suggestion(
-                    name,
-                    problem,
-                    "percentile-calibration",
-                    {"calibrate_method": "Percentile", "extra_options": opts},
-                    f"calibrate_method=CalibrationMethod.Percentile, extra_options={_py(opts)}",
-                    "quantize_static",
-                    "applies to every activation; clips the rarest 0.01 % of values",
-                    consumers,
-                )
+    if not wasted:
+        return []
+    out: list[Suggestion] = []
+    problem = (
+        f"the bulk (P0.1..P99.9) spans {health.effective_bits:.1f} of {health.grid_bits:.0f} bits: "
+        f"rare tail values set the range ({health.range_over_bulk:.0f}x the bulk)"
+    )
+    if fmt in ("qdq", "qoperator", "mixed"):
+        opts = {"CalibPercentile": 99.99}
+        out.append(
+            Suggestion(
+                name,
+                problem,
+                "percentile-calibration",
+                {"calibrate_method": "Percentile", "extra_options": opts},
+                f"calibrate_method=CalibrationMethod.Percentile, extra_options={_py(opts)}",
+                "quantize_static",
+                "applies to every activation; clips the rarest 0.01 % of values",
+                consumers,
             )
-        if consumers:
-            out.append(_exclude(name, problem, consumers, fmt))
+        )
+    if consumers:
+        out.append(_exclude(name, problem, consumers, fmt))
     return out
 
 
@@ -226,7 +250,7 @@ def _exclude(name: str, problem: str, consumers: list[str], fmt: str) -> Suggest
 BAD_CHANNEL_DB = 20.0
 
 
-def per_channel_suggestions(weights: list[Any], fmt: str) -> list[Suggestion]:
+def per_channel_suggestions(weights: list[WeightFinding], fmt: str) -> list[Suggestion]:
     """``per_channel=True`` when per-tensor weights ruin some output channels.
 
     One suggestion (it is a model-wide switch) naming the worst weights.
@@ -266,7 +290,7 @@ def all_suggestions(
     matching: Matching,
     health: dict[str, TensorHealth],
     fmt: str,
-    weights: list[Any] | None = None,
+    weights: list[WeightFinding] | None = None,
 ) -> list[Suggestion]:
     """Suggestions for every unhealthy tensor, worst first (outliers, then clipping, then tails),
     then ``per_channel=True`` when per-tensor weights ruin channels."""

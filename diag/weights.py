@@ -49,6 +49,7 @@ from onnx import numpy_helper
 
 from diag.errors import DiagError
 from diag.jsonnum import json_number as _num
+from diag.nbits import WORST_BLOCKS, BlockError, block_errors, blocked_weights, fp32_weight_of
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
@@ -177,7 +178,7 @@ class WeightFinding:
     is_bias: bool = False
     #: Block-wise weights (MatMulNBits, int4 QDQ): rows per block and the worst blocks (see diag.nbits).
     block_size: int | None = None
-    blocks: list[Any] = field(default_factory=list)
+    blocks: list[BlockError] = field(default_factory=list)
 
     @property
     def worst_sqnr_db(self) -> float:
@@ -240,7 +241,7 @@ class WeightReport:
             {"blocks": [b.to_dict() for b in blocks]} if blocks else {}
         )
 
-    def worst_blocks(self, top: int = 10) -> list[Any]:
+    def worst_blocks(self, top: int = 10) -> list[BlockError]:
         """The worst quantization blocks over every block-wise weight (largest ``rel_rmse`` first).
 
         Example:
@@ -304,8 +305,6 @@ def _blocked_findings(
     f: _Graph, q: _Graph, int8: onnx.ModelProto, findings: list[WeightFinding], unmatched: dict[str, str]
 ) -> None:
     """MatMulNBits and block-wise DequantizeLinear weights (:mod:`diag.nbits`), with their worst blocks."""
-    from diag.nbits import WORST_BLOCKS, block_errors, blocked_weights, fp32_weight_of
-
     fp_graph = onnx.GraphProto()
     fp_graph.node.extend(f.nodes)
     for w, name, why in blocked_weights(int8, q.array):
@@ -319,7 +318,9 @@ def _blocked_findings(
             continue
         if w.transposed and ref_arr.ndim == 2:
             ref_arr = ref_arr.T  # blocks along the table's axis 1 (GatherBlockQuantized): rows here
-        ref = ref_arr.astype(np.float64).reshape(w.levels.shape) if ref_arr.size == w.levels.size else None
+        ref: np.ndarray | None = (
+            ref_arr.astype(np.float64).reshape(w.levels.shape) if ref_arr.size == w.levels.size else None
+        )
         if ref is None:
             unmatched[name] = f"FP32 weight '{pair[1]}' has shape {ref_arr.shape}, the quantized one {w.levels.shape}"
             continue
@@ -578,37 +579,43 @@ def _finding(qw: _QuantizedWeight, f: _Graph, q: _Graph) -> WeightFinding:
     base = qw.name.removesuffix("_quantized")
     direct = f.const(base) if base != qw.name else None
     if direct is not None and direct.shape == qarr.shape:
-        ref = direct.astype(np.float64)
-        fp_name = base
-        fp_nodes = [n.name for n, _ in f.consumers.get(base, [])]
-        folded = None
         fp_node = f.consumers[base][0][0] if f.consumers.get(base) else None
         op_type = fp_node.op_type if fp_node is not None else fp_op
-        out_axis = None if qw.is_bias else _output_axis(op_type, qw.fp_index, qarr.ndim, fp_node)
+        ref = _Reference(
+            value=direct.astype(np.float64),
+            fp_name=base,
+            fp_nodes=[n.name for n, _ in f.consumers.get(base, [])],
+            op_type=op_type,
+            folded=None,
+            out_axis=None if qw.is_bias else _output_axis(op_type, qw.fp_index, qarr.ndim, fp_node),
+        )
     else:
-        ref, fp_name, fp_nodes, folded, fp_node, out_axis = _folded_reference(qw, f, q, qarr.shape)
-        op_type = fp_node.op_type
+        ref = _folded_reference(qw, f, q, qarr.shape)
     deq = _dequantize(qarr, qw.scale, qw.zero_point, qw.axis)
     # NOTE: only weights of ops with output channels (Conv, MatMul, Gemm) get a channel list. A
     # (C, 1, 1) operand of Mul/Add is a 1-d weight in disguise: one value per "channel" gives an
     # SQNR of 0 dB whenever that value rounds to zero, which is noise, not a finding.
-    return _measure(
-        fp_name=fp_name,
-        int8_name=qw.name,
-        fp_nodes=fp_nodes,
-        op_type=op_type,
-        ref=ref,
-        deq=deq,
-        qarr=qarr,
-        qw=qw,
-        folded=folded,
-        out_axis=out_axis,
-    )
+    return _measure(ref, qw, qarr, deq)
 
 
-def _folded_reference(
-    qw: _QuantizedWeight, f: _Graph, q: _Graph, shape: tuple[int, ...]
-) -> tuple[np.ndarray, str, list[str], str | None, onnx.NodeProto, int | None]:
+@dataclass
+class _Reference:
+    """The FP32 side of a quantized weight: its float value and where it comes from."""
+
+    #: the FP32 value (float64), in the INT8 weight's orientation
+    value: np.ndarray
+    #: its FP32 name (``"<w> folded with <bn>"`` for a folded weight)
+    fp_name: str
+    fp_nodes: list[str]
+    #: the FP32 op that reads it
+    op_type: str
+    #: the FP32 nodes folded into it, comma-separated (None: read as is)
+    folded: str | None
+    #: its output-channel axis in that orientation (None: no channel list)
+    out_axis: int | None
+
+
+def _folded_reference(qw: _QuantizedWeight, f: _Graph, q: _Graph, shape: tuple[int, ...]) -> _Reference:
     """Rebuild the FP32 value of a weight the optimizer folded (Conv+BN, Conv+Mul, Conv+Add).
 
     The INT8 consumer's result is followed to the FP32 tensor it computes; the FP32 nodes that
@@ -618,6 +625,35 @@ def _folded_reference(
     (``<w>_Transposed_quantized``). Returns the reference in the INT8 weight's orientation and
     the output-channel axis in that orientation.
     """
+    fp_op = _FLOAT_OP_OF.get(qw.consumer.op_type, qw.consumer.op_type)
+    compute, chain = _fold_chain(qw, f, q, fp_op)
+    w_name = compute.input[1] if len(compute.input) > 1 else ""
+    b_name = compute.input[2] if len(compute.input) > 2 else ""
+    folds = _replay_folds(compute, chain, f)
+    out_axis: int | None = folds.out_axis
+    if qw.fp_index == 1:
+        ref, src, names = folds.weight, w_name, folds.w_folds
+        if compute.op_type == "Gemm" and _attr(compute, "transB", 0) and fp_op != "Gemm":
+            ref, src, out_axis = ref.T, f"{w_name} transposed", 1  # MatMul(Integer) reads W^T
+    elif qw.fp_index == 2:
+        ref, src, names = folds.bias, b_name or f"bias of {compute.name}", folds.b_folds
+    else:
+        raise _Unmatched(f"input {qw.fp_index} of {compute.op_type} '{compute.name}' is not a weight or bias")
+    if ref.shape != tuple(shape):
+        raise _Unmatched(f"FP32 value of '{src}' has shape {ref.shape}, INT8 weight has {tuple(shape)}")
+    name = f"{src} folded with {', '.join(names)}" if names else src
+    return _Reference(
+        ref, name, folds.fp_nodes, compute.op_type, ", ".join(names) or None, out_axis if qw.fp_index == 1 else None
+    )
+
+
+def _fold_chain(qw: _QuantizedWeight, f: _Graph, q: _Graph, fp_op: str) -> tuple[onnx.NodeProto, list[onnx.NodeProto]]:
+    """The FP32 compute node the INT8 weight stands for, and the foldable nodes after it, in order.
+
+    Walks back from the FP32 tensor the INT8 consumer computes through single-input foldable
+    ops (BatchNormalization, Mul, Add, fused activations); raises _Unmatched when it meets
+    anything else first.
+    """
     target = _fp_tensor_of(qw.consumer, f, q)
     if target is None:
         raise _Unmatched(
@@ -626,7 +662,6 @@ def _folded_reference(
         )
     chain: list[onnx.NodeProto] = []
     node = f.producer.get(target)
-    fp_op = _FLOAT_OP_OF.get(qw.consumer.op_type, qw.consumer.op_type)
     family = _CONV_OPS if fp_op in _CONV_OPS else _MATMUL_OPS if fp_op in _MATMUL_OPS else {fp_op}
     while node is not None and node.op_type not in family:
         if node.op_type not in _FOLDABLE | _FUSED_ACTIVATIONS or len(chain) > 8:
@@ -644,7 +679,24 @@ def _folded_reference(
             f"a {fp_op} followed by foldable ops"
         )
     chain.reverse()
-    compute = node
+    return node, chain
+
+
+@dataclass
+class _Folds:
+    """A compute node's weight and bias with the chain after it folded in (float64)."""
+
+    weight: np.ndarray
+    bias: np.ndarray
+    #: nodes folded into the weight / into the bias
+    w_folds: list[str]
+    b_folds: list[str]
+    fp_nodes: list[str]
+    out_axis: int
+
+
+def _replay_folds(compute: onnx.NodeProto, chain: list[onnx.NodeProto], f: _Graph) -> _Folds:
+    """Fold ``chain`` into ``compute``'s weight and bias as the optimizer did, per output channel."""
     w_name = compute.input[1] if len(compute.input) > 1 else ""
     w = f.const(w_name)
     if w is None:
@@ -681,18 +733,7 @@ def _folded_reference(
             (c,) = per_channel
             bias = bias + c if n.op_type == "Add" else bias - c
         b_folds.append(n.name)
-    if qw.fp_index == 1:
-        ref, src, folds = weight, w_name, w_folds
-        if compute.op_type == "Gemm" and _attr(compute, "transB", 0) and fp_op != "Gemm":
-            ref, src, out_axis = ref.T, f"{w_name} transposed", 1  # MatMul(Integer) reads W^T
-    elif qw.fp_index == 2:
-        ref, src, folds = bias, b_name or f"bias of {compute.name}", b_folds
-    else:
-        raise _Unmatched(f"input {qw.fp_index} of {compute.op_type} '{compute.name}' is not a weight or bias")
-    if ref.shape != tuple(shape):
-        raise _Unmatched(f"FP32 value of '{src}' has shape {ref.shape}, INT8 weight has {tuple(shape)}")
-    name = f"{src} folded with {', '.join(folds)}" if folds else src
-    return ref, name, fp_nodes, ", ".join(folds) or None, compute, out_axis if qw.fp_index == 1 else None
+    return _Folds(weight, bias, w_folds, b_folds, fp_nodes, out_axis)
 
 
 def _per_channel_operand(n: onnx.NodeProto, f: _Graph, channels: int, compute_op: str) -> list[np.ndarray]:
@@ -759,7 +800,10 @@ def _dequantize(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, axis: int | No
     return (q.astype(np.float64) - z) * s
 
 
-def _grid(scale: np.ndarray, zp: np.ndarray, axis: int | None, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+def _grid(
+    scale: np.ndarray, zp: np.ndarray, axis: int | None, ndim: int
+) -> tuple[np.ndarray | np.float64, np.ndarray | np.float64]:
+    """Scale and zero point broadcastable against the weight (scalars for a per-tensor grid)."""
     s = scale.astype(np.float64)
     z = zp.astype(np.float64)
     if axis is not None and s.size > 1:
@@ -789,8 +833,8 @@ def _cosine(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.sum(x * y)) / math.sqrt(nx * ny)
 
 
-def _rmse_over_scale(e: np.ndarray, s: np.ndarray) -> float | None:
-    s = np.broadcast_to(s, e.shape)
+def _rmse_over_scale(e: np.ndarray, scale: np.ndarray | np.float64) -> float | None:
+    s = np.broadcast_to(scale, e.shape)
     ok = s > 0
     if not ok.any():
         return None
@@ -803,31 +847,18 @@ def _is_symmetric(zp: np.ndarray, dtype: np.dtype) -> bool:
         return bool(np.all(zp.astype(np.int64) == middle))
     if not np.issubdtype(dtype, np.integer):  # float8 weights: symmetric means a zero point of 0
         return bool(np.all(zp.astype(np.float32) == 0))
-    if np.issubdtype(dtype, np.signedinteger):
-        middle = 0
-    else:
-        middle = (int(np.iinfo(dtype).max) + 1) // 2
+    middle = 0 if np.issubdtype(dtype, np.signedinteger) else (int(np.iinfo(dtype).max) + 1) // 2
     return bool(np.all(zp.astype(np.int64) == middle))
 
 
-def _measure(
-    *,
-    fp_name: str,
-    int8_name: str,
-    fp_nodes: list[str],
-    op_type: str,
-    ref: np.ndarray,
-    deq: np.ndarray,
-    qarr: np.ndarray,
-    qw: _QuantizedWeight,
-    folded: str | None,
-    out_axis: int | None,
-) -> WeightFinding:
-    e = deq - ref
+def _measure(ref: _Reference, qw: _QuantizedWeight, qarr: np.ndarray, deq: np.ndarray) -> WeightFinding:
+    """The weight's error against its FP32 reference: whole-tensor numbers and one row per output channel."""
+    out_axis = ref.out_axis
+    e = deq - ref.value
     s, _ = _grid(qw.scale, qw.zero_point, qw.axis, qarr.ndim)
     channels: list[ChannelError] = []
     if out_axis is not None and qarr.ndim >= 2:
-        xs = np.moveaxis(ref, out_axis, 0).reshape(qarr.shape[out_axis], -1)
+        xs = np.moveaxis(ref.value, out_axis, 0).reshape(qarr.shape[out_axis], -1)
         es = np.moveaxis(e, out_axis, 0).reshape(qarr.shape[out_axis], -1)
         ss = np.moveaxis(np.broadcast_to(s, e.shape), out_axis, 0).reshape(qarr.shape[out_axis], -1)
         # One vectorised pass over all channels (a loop per channel cost ~0.5 s on a real conv net).
@@ -843,19 +874,19 @@ def _measure(
             channels.append(ChannelError(c, _sqnr_from(float(signal[c]), float(noise[c])), float(peak[c]), ros_c))
     ros = _rmse_over_scale(e, s)
     return WeightFinding(
-        fp_name=fp_name,
-        int8_name=int8_name,
-        fp_nodes=fp_nodes,
-        op_type=op_type,
+        fp_name=ref.fp_name,
+        int8_name=qw.name,
+        fp_nodes=ref.fp_nodes,
+        op_type=ref.op_type,
         shape=tuple(int(d) for d in qarr.shape),
         dtype=str(qarr.dtype),
         axis=qw.axis,
         symmetric=_is_symmetric(qw.zero_point, qarr.dtype),
-        folded=folded,
-        sqnr_db=_sqnr(ref, e),
+        folded=ref.folded,
+        sqnr_db=_sqnr(ref.value, e),
         max_abs=float(np.max(np.abs(e))) if e.size else 0.0,
         rmse_over_scale=math.nan if ros is None else ros,
-        cosine=_cosine(ref, deq),
+        cosine=_cosine(ref.value, deq),
         channels=channels,
         is_bias=qw.is_bias,
     )
