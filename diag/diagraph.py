@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, DistributionAccumulator, channel_axis
+from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, BatchSummary, DistributionAccumulator, channel_axis
 from diag.instrument import CutModel
 from diag.match import QuantParams, TensorPair
 from diag.metrics import ErrorAccumulator
@@ -627,16 +627,18 @@ def stats_to_accumulators(
                 channels = None
                 lo, hi = (float(np.min(out[p + "min"])), float(np.max(out[p + "max"]))) if n else (0.0, 0.0)
             dist.update_from_sums(
-                n,
-                spec.rank or 0,
-                lo,
-                hi,
-                channels,
-                out[p + "sample"],
-                out[p + "sample8"],
-                int(out[p + "clo"]) if spec.clip else 0,
-                int(out[p + "chi"]) if spec.clip else 0,
-                dyn if pair.dynamic_scale else None,
+                BatchSummary(
+                    n,
+                    spec.rank or 0,
+                    lo,
+                    hi,
+                    channels,
+                    out[p + "sample"],
+                    out[p + "sample8"],
+                    int(out[p + "clo"]) if spec.clip else 0,
+                    int(out[p + "chi"]) if spec.clip else 0,
+                    dyn if pair.dynamic_scale else None,
+                )
             )
     for ls in dg.local:
         if ls.fp_name in dropped or ls.fp_name not in pairs:
