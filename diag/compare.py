@@ -110,8 +110,20 @@ class CompareState:
 
     The composite :class:`diag.state.Accumulator`: ``merge`` merges every accumulator it holds,
     ``to_state`` / ``from_state`` are the shard file's ``state`` (:mod:`diag.merge`), and
-    ``finalize`` is :func:`finish` (it needs the models, so it is not a method).
+    ``finalize`` finalizes each of them (:func:`finish` then analyses the figures with the models).
     """
+
+    @dataclass
+    class Figures:
+        """What :meth:`CompareState.finalize` returns: every accumulator's figures, by tensor / output."""
+
+        accumulated: dict[str, ErrorStats]
+        local: dict[str, ErrorStats]
+        outputs: dict[str, OutputStats]
+        deployed: dict[str, OutputStats]
+        health: dict[str, TensorHealth]
+        task: dict[str, dict[str, float]]
+        fp16_ranges: dict[str, dict[str, Any]]
 
     #: Version of the ``to_state`` layout. 2: a tensor's dynamic scales are a summary (count,
     #: sum, min, max) instead of one float per batch, FP16 range counts are saved; 1 is still read.
@@ -167,6 +179,18 @@ class CompareState:
             else:
                 self.fp16_ranges[k] = rng
         return self
+
+    def finalize(self, outlier_factor: float = OUTLIER_FACTOR) -> CompareState.Figures:
+        """Every accumulator finalized (``outlier_factor``: see :class:`CompareOptions`)."""
+        return CompareState.Figures(
+            accumulated={k: a.finalize() for k, a in self.accumulated.items()},
+            local={k: a.finalize() for k, a in self.local.items()},
+            outputs={k: a.finalize() for k, a in self.outputs.items()},
+            deployed={k: a.finalize() for k, a in self.deployed.items()},
+            health={k: d.finalize(outlier_factor) for k, d in self.distributions.items()},
+            task={k: m.finalize() for k, m in self.task.items()},
+            fp16_ranges={k: r.finalize() for k, r in self.fp16_ranges.items()},
+        )
 
     def to_state(self) -> State:
         """Every accumulator's state, as plain JSON (no tensors: sums, maxima, bins)."""
