@@ -727,9 +727,7 @@ def _run_graph_pass(
             mine,
             state.distributions,
             output_names,
-            shapes,
-            dtypes,
-            _value_dtypes(q.proto),
+            diagraph.ValueTypes(shapes, dtypes, _value_dtypes(q.proto)),
             parted,
         )
         sess = diagraph.session_from_graph(dg, f"diagnostic graph of '{q.path}'", threads, ext_fp or ext_q)

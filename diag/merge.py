@@ -135,7 +135,9 @@ def _merge_documents(
 ) -> CompareResult:
     _check_shards(docs)
     first_path, first = docs[0]
-    fp, q = load_pair(fp32 or first["models"]["fp32"]["path"], int8 or first["models"]["int8"]["path"])
+    fp, q = load_pair(
+        os.fspath(fp32 or first["models"]["fp32"]["path"]), os.fspath(int8 or first["models"]["int8"]["path"])
+    )
     _check_same_models(first_path, first, fp, q)
     matching = match_models(fp.proto, q.proto)
     state = CompareState()

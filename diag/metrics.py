@@ -357,7 +357,7 @@ class OutputAccumulator:
             x, y = x.reshape(1, -1), y.reshape(1, -1)
         xs = x.reshape(x.shape[0], -1).astype(np.float64)
         ys = y.reshape(y.shape[0], -1).astype(np.float64)
-        finite_x = np.isfinite(xs).all(axis=1)
+        finite_x = np.asarray(np.isfinite(xs).all(axis=1))
         finite = finite_x & np.isfinite(ys).all(axis=1)
         # A sample the FP32 model itself breaks on says nothing about quantization.
         self.nonfinite += int((finite_x & ~finite).sum())
