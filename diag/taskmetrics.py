@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from diag.jsonnum import json_number
 from diag.state import State
 
 DIRECTIONS = ("higher", "lower")
+_T = TypeVar("_T")
 
 
 @runtime_checkable
@@ -413,12 +414,17 @@ def merge_task_metrics(mine: dict[str, TaskAccumulator], theirs: dict[str, TaskA
         have = mine.get(key)
         if have is None:
             mine[key] = metric
-        elif isinstance(have, F1Metric) and isinstance(metric, F1Metric):  # noqa: SIM114 (narrows both types)
-            have.merge(metric)
-        elif isinstance(have, PluginMetric) and isinstance(metric, PluginMetric):
-            have.merge(metric)
+        elif isinstance(have, F1Metric):
+            have.merge(_same_kind(F1Metric, metric, key))
         else:
-            raise TypeError(f"task metric '{key}' is a {type(have).__name__} here, a {type(metric).__name__} there")
+            have.merge(_same_kind(PluginMetric, metric, key))
+
+
+def _same_kind(kind: type[_T], metric: TaskAccumulator, key: str) -> _T:
+    """``metric`` if it is a ``kind`` (the same task metric as the one it merges into), else ``TypeError``."""
+    if not isinstance(metric, kind):
+        raise TypeError(f"task metric '{key}' is a {kind.__name__} here, a {type(metric).__name__} there")
+    return metric
 
 
 def task_to_state(task: dict[str, TaskAccumulator]) -> State:
