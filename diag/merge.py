@@ -5,6 +5,11 @@
 maxima, per-channel arrays and histogram bins. ``diag merge part*/diag.json --out all/`` reads
 them back, merges them and runs the same analysis as one run over every batch.
 
+The state is written and read by the accumulators themselves (:class:`diag.state.Accumulator`:
+``CompareState.to_state`` / ``from_state``); this module only checks that the shards belong to one
+run and hands the merged state to the analysis. Layout version 2 (dynamic scales as a bounded
+summary, FP16 range counts); version-1 shard files are still read.
+
 NOTE: the state is plain JSON, never pickles (shard files travel between machines and users).
 Floats are written with Python's shortest round-trip repr, so a number read back is bit for bit
 the number written; only the order of the sums differs from one run (equal to float tolerance),
