@@ -10,10 +10,10 @@ import platform
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx
@@ -45,6 +45,7 @@ from diag.effects import (
 )
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
+from diag.fp16 import Fp16Range
 from diag.graph import fp_graph
 from diag.instrument import CutModel, FusedKernel, cut_model, exposed_model, fused_kernels, pruned_cut
 from diag.load import LoadedModel, model_from_path
@@ -63,6 +64,9 @@ from diag.run import (
     run_batch,
     session_from_model,
 )
+from diag.state import State, from_states, states_of
+from diag.taskgrade import attach_task_metrics
+from diag.taskmetrics import TaskAccumulator, merge_task_metrics, task_from_state, task_to_state
 from diag.weights import WeightReport, weight_report
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
@@ -109,7 +113,29 @@ class CompareOptions:
 
 @dataclass
 class CompareState:
-    """The mergeable part of a comparison: accumulators only, no tensors."""
+    """The mergeable part of a comparison: accumulators only, no tensors.
+
+    The composite :class:`diag.state.Accumulator`: ``merge`` merges every accumulator it holds,
+    ``to_state`` / ``from_state`` are the shard file's ``state`` (:mod:`diag.merge`), and
+    ``finalize`` finalizes each of them (:func:`finish` then analyses the figures with the models).
+    """
+
+    @dataclass
+    class Figures:
+        """What :meth:`CompareState.finalize` returns: every accumulator's figures, by tensor / output."""
+
+        accumulated: dict[str, ErrorStats]
+        local: dict[str, ErrorStats]
+        outputs: dict[str, OutputStats]
+        deployed: dict[str, OutputStats]
+        health: dict[str, TensorHealth]
+        task: dict[str, dict[str, float]]
+        fp16_ranges: dict[str, dict[str, Any]]
+
+    #: Version of the ``to_state`` layout. 2: a tensor's dynamic scales are a summary (count,
+    #: sum, min, max) instead of one float per batch, FP16 range counts are saved; 1 is still read.
+    STATE_VERSION: ClassVar[int] = 2
+    READS_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)
 
     accumulated: dict[str, ErrorAccumulator] = field(default_factory=dict)
     local: dict[str, ErrorAccumulator] = field(default_factory=dict)
@@ -125,9 +151,9 @@ class CompareState:
     #: Kernels of the optimized INT8 graph that hide nodes of the model as written.
     fused: list[FusedKernel] = field(default_factory=list)
     #: Task metrics (:mod:`diag.taskmetrics`): ``f1`` with --labels, ``plugin`` with --metric.
-    task: dict[str, Any] = field(default_factory=dict)
+    task: dict[str, TaskAccumulator] = field(default_factory=dict)
     #: FP16 models: how each FP32 tensor fits FP16's range (:class:`diag.fp16.Fp16Range`).
-    fp16_ranges: dict[str, Any] = field(default_factory=dict)
+    fp16_ranges: dict[str, Fp16Range] = field(default_factory=dict)
     #: With ``reductions="graph"``: what was reduced by the numpy reference instead, and why
     #: (a tensor name, or ``"pass N"`` for a whole pass). Not part of the shard state.
     numpy_reduced: dict[str, str] = field(default_factory=dict)
@@ -151,8 +177,6 @@ class CompareState:
         for k, dep in other.deployed.items():
             self.deployed.setdefault(k, OutputAccumulator(dep.spec)).merge(dep)
         self.fused = self.fused or list(other.fused)
-        from diag.taskmetrics import merge_task_metrics
-
         merge_task_metrics(self.task, other.task)
         for k, why in other.numpy_reduced.items():
             self.numpy_reduced.setdefault(k, why)
@@ -162,6 +186,55 @@ class CompareState:
             else:
                 self.fp16_ranges[k] = rng
         return self
+
+    def finalize(self, outlier_factor: float = OUTLIER_FACTOR) -> CompareState.Figures:
+        """Every accumulator finalized (``outlier_factor``: see :class:`CompareOptions`)."""
+        return CompareState.Figures(
+            accumulated={k: a.finalize() for k, a in self.accumulated.items()},
+            local={k: a.finalize() for k, a in self.local.items()},
+            outputs={k: a.finalize() for k, a in self.outputs.items()},
+            deployed={k: a.finalize() for k, a in self.deployed.items()},
+            health={k: d.finalize(outlier_factor) for k, d in self.distributions.items()},
+            task={k: m.finalize() for k, m in self.task.items()},
+            fp16_ranges={k: r.finalize() for k, r in self.fp16_ranges.items()},
+        )
+
+    def to_state(self) -> State:
+        """Every accumulator's state, as plain JSON (no tensors: sums, maxima, bins)."""
+        return {
+            "version": self.STATE_VERSION,
+            "samples": self.samples,
+            "batches": self.batches,
+            "passes": self.passes,
+            "labelled": dict(self.labelled),
+            "accumulated": states_of(self.accumulated),
+            "local": states_of(self.local),
+            "outputs": states_of(self.outputs),
+            "distributions": states_of(self.distributions),
+            "deployed": states_of(self.deployed),
+            "fused": [asdict(k) for k in self.fused],
+            # Task metrics (F1 counts, a --metric plugin's state() with its module:function).
+            "task": task_to_state(self.task),
+            "fp16_ranges": states_of(self.fp16_ranges),
+        }
+
+    @classmethod
+    def from_state(cls, state: State) -> CompareState:
+        """The inverse of :meth:`to_state` (any version of :data:`READS_VERSIONS`)."""
+        return cls(
+            accumulated=from_states(ErrorAccumulator, state["accumulated"]),
+            local=from_states(ErrorAccumulator, state["local"]),
+            outputs=from_states(OutputAccumulator, state["outputs"]),
+            distributions=from_states(DistributionAccumulator, state["distributions"]),
+            labelled={str(k): int(v) for k, v in state["labelled"].items()},
+            samples=int(state["samples"]),
+            batches=int(state["batches"]),
+            passes=int(state["passes"]),
+            deployed=from_states(OutputAccumulator, state["deployed"]),
+            fused=[FusedKernel(**k) for k in state["fused"]],
+            task=task_from_state(state.get("task")),
+            fp16_ranges=from_states(Fp16Range, state.get("fp16_ranges") or {}),
+        )
 
 
 @dataclass
@@ -204,7 +277,7 @@ class CompareResult:
     effects: EffectCheck | None = None
     #: The recipe a suggested fix re-quantizes with (see :func:`diag.infer.fix_recipe`).
     fix_recipe: dict[str, Any] | None = None
-    #: Finalized task metrics (see :func:`diag.taskmetrics.attach_task_metrics`).
+    #: Finalized task metrics (see :func:`diag.taskgrade.attach_task_metrics`).
     task_metrics: dict[str, Any] = field(default_factory=dict)
     #: ``--scheduler``: the cluster's workers, shards, tasks and retries (empty for a local run).
     cluster: dict[str, Any] = field(default_factory=dict)
@@ -325,7 +398,6 @@ def compare_models(
         )
         result.seconds = time.perf_counter() - start
     from diag.infer import fix_recipe
-    from diag.taskmetrics import attach_task_metrics
 
     if options.accuracy_level_check and options.shard is None:
         from diag.nbits import check_accuracy_level
@@ -651,9 +723,7 @@ def _run_graph_pass(
             mine,
             state.distributions,
             output_names,
-            shapes,
-            dtypes,
-            value_dtypes(q.proto),
+            diagraph.ValueTypes(shapes, dtypes, value_dtypes(q.proto)),
             parted,
         )
         sess = diagraph.session_from_graph(dg, f"diagnostic graph of '{q.path}'", threads, ext_fp or ext_q)

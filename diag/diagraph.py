@@ -20,7 +20,7 @@ reference) is not reduced here: :func:`stats_to_accumulators` returns those tens
 reduces them with the numpy reference, so NaN handling is the reference's, exactly.
 
 Example:
-    >>> dg = diagnostic_graph(fp.proto, q.proto, cut, pairs, dists, ["logits"], ranks, opset)  # doctest: +SKIP
+    >>> dg = diagnostic_graph(fp.proto, q.proto, cut, pairs, dists, ["logits"], types)  # doctest: +SKIP
     >>> sorted(dg.model.graph.output, key=lambda o: o.name)[0].name  # doctest: +SKIP
     'diag/0/emax'
 """
@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, DistributionAccumulator, channel_axis
+from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, BatchSummary, DistributionAccumulator, channel_axis
 from diag.instrument import CutModel
 from diag.match import QuantParams, TensorPair
 from diag.metrics import ErrorAccumulator
@@ -200,6 +200,44 @@ def _check_supported(fp: onnx.ModelProto, q: onnx.ModelProto) -> int:
     return opset
 
 
+@dataclass(frozen=True)
+class ValueTypes:
+    """What shape inference says about one pass's values, for the first batch's input shapes.
+
+    Attributes:
+        shapes: FP32 value -> shape (None for an unknown dimension); a value of unknown rank is absent.
+        dtypes: FP32 value -> ONNX element type.
+        q_dtypes: INT8 value -> ONNX element type.
+    """
+
+    shapes: dict[str, tuple[int | None, ...]]
+    dtypes: dict[str, int]
+    q_dtypes: dict[str, int]
+
+
+class _Names:
+    """Value names of the three models inside the diagnostic graph (the model inputs are shared)."""
+
+    def __init__(self, shared: set[str], q_inits: set[str]) -> None:
+        self.shared = shared
+        self.q_inits = q_inits
+        #: Cut model input -> the diagnostic graph value that feeds it.
+        self.wired: dict[str, str] = {}
+
+    def fp(self, n: str) -> str:
+        return n if n in self.shared else FP_PREFIX + n
+
+    def q(self, n: str) -> str:
+        return n if n in self.shared else INT8_PREFIX + n
+
+    def cut(self, n: str) -> str:
+        if n in self.wired:
+            return self.wired[n]
+        if n in self.q_inits:
+            return INT8_PREFIX + n  # NOTE: the cut model is the INT8 model: share its weights
+        return n if n in self.shared else CUT_PREFIX + n
+
+
 def diagnostic_graph(
     fp: onnx.ModelProto,
     q: onnx.ModelProto,
@@ -207,17 +245,15 @@ def diagnostic_graph(
     pairs: dict[str, TensorPair],
     distributions: dict[str, DistributionAccumulator],
     output_names: list[str],
-    shapes: dict[str, tuple[int | None, ...]],
-    dtypes: dict[str, int],
-    q_dtypes: dict[str, int],
+    types: ValueTypes,
     part_outputs: frozenset[str] = frozenset(),
 ) -> DiagGraph:
     """Build the diagnostic graph of one pass: three models, statistics of ``pairs``, model outputs.
 
     ``part_outputs``: model outputs built from Concat parts, whose local values are returned too.
 
-    ``shapes`` / ``dtypes`` are the FP32 tensors' shapes and element types (shape inference with the
-    first batch's shapes), ``q_dtypes`` the INT8 model's. A pair whose rank is unknown while its
+    ``types`` holds the FP32 tensors' shapes and element types (shape inference with the first
+    batch's shapes) and the INT8 model's element types. A pair whose rank is unknown while its
     distribution is wanted is exposed raw and reduced by the numpy reference (listed in
     ``DiagGraph.exposed``). Never modifies its arguments.
 
@@ -225,6 +261,25 @@ def diagnostic_graph(
         Unsupported: the pass cannot be one graph (different opsets, local functions, ...).
     """
     opset = _check_supported(fp, q)
+    model, names = _three_models(fp, q)
+    b = _Builder(model.graph, opset)
+    if cut is not None:
+        _wire_cut(b, cut, names)
+    dg = DiagGraph(model, [], [], {})
+    xs = _pair_statistics(b, dg, pairs, distributions, types, names)
+    if cut is not None:
+        _local_statistics(b, dg, cut, pairs, types, names, xs, frozenset(output_names) & part_outputs)
+    for name in output_names:
+        fo = b.node("Identity", [names.fp(name)], f"{STAT_PREFIX}out/f/{name}")
+        qo = b.node("Identity", [names.q(name)], f"{STAT_PREFIX}out/q/{name}")
+        b.output(fo)
+        b.output(qo)
+        dg.outputs[name] = (fo, qo)
+    return dg
+
+
+def _three_models(fp: onnx.ModelProto, q: onnx.ModelProto) -> tuple[onnx.ModelProto, _Names]:
+    """A new model holding the FP32 and INT8 graphs side by side, renamed, their inputs shared."""
     model = onnx.ModelProto()
     model.ir_version = max(fp.ir_version, q.ir_version)
     versions: dict[str, int] = {}
@@ -238,102 +293,101 @@ def diagnostic_graph(
     fp_inits = {t.name for t in fp.graph.initializer}
     shared = [i for i in fp.graph.input if i.name not in fp_inits]
     graph.input.extend(shared)
-    shared_names = {i.name for i in shared}
+    names = _Names({i.name for i in shared}, {t.name for t in q.graph.initializer})
+    _copy_model_into(graph, fp.graph, names.fp, FP_PREFIX, True)
+    _copy_model_into(graph, q.graph, names.q, INT8_PREFIX, True)
+    return model, names
 
-    def f_name(n: str) -> str:
-        return n if n in shared_names else FP_PREFIX + n
 
-    def q_name(n: str) -> str:
-        return n if n in shared_names else INT8_PREFIX + n
+def _wire_cut(b: _Builder, cut: CutModel, names: _Names) -> None:
+    """Add the cut model, its inputs wired to the FP32 graph's tensors (quantized for integer cuts)."""
+    for ci in cut.inputs:
+        src = names.fp(ci.fp_name)
+        if ci.quant is None:
+            names.wired[ci.name] = src
+            continue
+        if ci.dtype not in _INTEGER_GRIDS or (ci.quant.axis is not None and b.opset < 13):
+            raise Unsupported(f"cut input '{ci.name}' has a grid QuantizeLinear cannot express here")
+        scale, zp, axis = _grid_constants(b, ci.quant, ci.dtype)
+        attrs = {"axis": axis} if axis is not None else {}
+        names.wired[ci.name] = b.node("QuantizeLinear", [src, scale, zp], CUT_PREFIX + ci.name, **attrs)
+    # The cut model's initializers are the INT8 model's: not copied (a > 2 GB model stays one copy).
+    _copy_model_into(b.graph, cut.model.graph, names.cut, CUT_PREFIX, False)
 
-    _copy_model_into(graph, fp.graph, f_name, FP_PREFIX, True)
-    _copy_model_into(graph, q.graph, q_name, INT8_PREFIX, True)
-    b = _Builder(graph, opset)
-    if cut is not None:
-        q_inits = {t.name for t in q.graph.initializer}
-        wired: dict[str, str] = {}
-        for ci in cut.inputs:
-            src = f_name(ci.fp_name)
-            if ci.quant is None:
-                wired[ci.name] = src
-                continue
-            if ci.dtype not in _INTEGER_GRIDS or (ci.quant.axis is not None and opset < 13):
-                raise Unsupported(f"cut input '{ci.name}' has a grid QuantizeLinear cannot express here")
-            scale, zp, axis = _grid_constants(b, ci.quant, ci.dtype)
-            attrs = {"axis": axis} if axis is not None else {}
-            wired[ci.name] = b.node("QuantizeLinear", [src, scale, zp], CUT_PREFIX + ci.name, **attrs)
 
-        def c_name(n: str) -> str:
-            if n in wired:
-                return wired[n]
-            if n in q_inits:
-                return INT8_PREFIX + n  # NOTE: the cut model is the INT8 model: share its weights
-            return n if n in shared_names else CUT_PREFIX + n
+def _pair_statistics(
+    b: _Builder,
+    dg: DiagGraph,
+    pairs: dict[str, TensorPair],
+    distributions: dict[str, DistributionAccumulator],
+    types: ValueTypes,
+    names: _Names,
+) -> dict[str, tuple[str, str]]:
+    """Error sums and distribution statistics of every pair into ``dg.pairs``.
 
-        # The cut model's initializers are the INT8 model's: not copied (a > 2 GB model stays one copy).
-        _copy_model_into(graph, cut.model.graph, c_name, CUT_PREFIX, False)
-
-    exposed: dict[str, str] = {}
-    specs: list[PairSpec] = []
-    local_specs: list[LocalSpec] = []
-    local_outputs: dict[str, str] = {}
-    xs: dict[str, str] = {}
-    xx_of: dict[str, str] = {}
-    index_of: dict[str, int] = {}
+    Returns:
+        FP32 tensor -> (its float32 value in the graph, its sum x^2), for the local-error sums.
+    """
+    xs: dict[str, tuple[str, str]] = {}
     for k, (name, pair) in enumerate(pairs.items()):
         dist = distributions.get(name)
-        shape = shapes.get(name)
+        shape = types.shapes.get(name)
         rank = len(shape) if shape is not None else None
         axis = None
         if dist is not None and rank is not None:
             # The graph's proof of the channel axis (a detector output's parts) wins over the guess.
             guess = channel_axis(rank, dist.channel_hint)
             axis = dist.axis_override if dist.axis_override is not None else guess
-        index_of[name] = k
-        needs_axis = pair.dequant is not None and pair.dequant.scale.size > 1 and opset < 13
+        needs_axis = pair.dequant is not None and pair.dequant.scale.size > 1 and b.opset < 13
         if needs_axis or (dist is not None and rank is None):
             why = "its rank is unknown before the run" if not needs_axis else "its grid needs opset 13"
-            exposed[name] = f"exposed and reduced in numpy: {why}"
-            specs.append(PairSpec(k, name, "", "", False, None, None, False, None))
+            dg.exposed[name] = f"exposed and reduced in numpy: {why}"
+            dg.pairs.append(PairSpec(k, name, "", "", False, None, None, False, None))
             continue
-        x = _as_float32(b, f_name(name), dtypes.get(name), f"{k}/x")
-        xs[name] = x
-        y = _int8_value(b, q_name(pair.int8_name), pair.dequant, q_dtypes.get(pair.int8_name), opset, f"{k}/y")
+        x = _as_float32(b, names.fp(name), types.dtypes.get(name), f"{k}/x")
+        y = _int8_value(b, names.q(pair.int8_name), pair.dequant, types.q_dtypes.get(pair.int8_name), b.opset, f"{k}/y")
         assert y is not None
-        grid_clip = dist is not None and dist.grid is not None
         dyn = None
         if pair.dynamic_scale:
-            dyn = b.node("Identity", [q_name(pair.dynamic_scale)], f"{STAT_PREFIX}{k}/dyn")
+            dyn = b.node("Identity", [names.q(pair.dynamic_scale)], f"{STAT_PREFIX}{k}/dyn")
             b.output(dyn)
+        grid_clip = dist is not None and dist.grid is not None
         spec = PairSpec(k, name, x, y, dist is not None, axis, rank, grid_clip, dyn)
-        xx_of[name] = _error_sums(b, x, y, f"{STAT_PREFIX}{k}/", shape)
+        xs[name] = (x, _error_sums(b, x, y, f"{STAT_PREFIX}{k}/", shape))
         if dist is not None:
             _distribution_stats(b, x, y, spec, dist, f"{STAT_PREFIX}{k}/", shape)
-        specs.append(spec)
-    if cut is not None:
-        for lo in cut.outputs:
-            if lo.fp_name not in xs or lo.fp_name in exposed:
-                continue
-            k = len(specs) + len(local_specs)
-            dtype = pairs[lo.fp_name].cut_dtype if lo.dequant is not None else TensorProto.FLOAT
-            y = _int8_value(b, c_name(lo.name), lo.dequant, dtype, opset, f"{k}/ly")
-            if y is None:
-                exposed[lo.fp_name] = "reduced in numpy: its grid needs a newer opset"
-                continue
-            _error_sums(b, xs[lo.fp_name], y, f"{STAT_PREFIX}{k}/", shapes.get(lo.fp_name), xx_of.get(lo.fp_name))
-            local_specs.append(LocalSpec(k, lo.fp_name, xs[lo.fp_name], y, index_of[lo.fp_name]))
-            if lo.fp_name in output_names and lo.fp_name in part_outputs:
-                lo_out = b.node("Identity", [y], f"{STAT_PREFIX}out/l/{lo.fp_name}")
-                b.output(lo_out)
-                local_outputs[lo.fp_name] = lo_out
-    outputs: dict[str, tuple[str, str]] = {}
-    for name in output_names:
-        fo = b.node("Identity", [f_name(name)], f"{STAT_PREFIX}out/f/{name}")
-        qo = b.node("Identity", [q_name(name)], f"{STAT_PREFIX}out/q/{name}")
-        b.output(fo)
-        b.output(qo)
-        outputs[name] = (fo, qo)
-    return DiagGraph(model, specs, local_specs, outputs, exposed, local_outputs)
+        dg.pairs.append(spec)
+    return xs
+
+
+def _local_statistics(
+    b: _Builder,
+    dg: DiagGraph,
+    cut: CutModel,
+    pairs: dict[str, TensorPair],
+    types: ValueTypes,
+    names: _Names,
+    xs: dict[str, tuple[str, str]],
+    part_outputs: frozenset[str],
+) -> None:
+    """Local-error sums of every cut output into ``dg.local`` (sharing each pair's sum x^2)."""
+    index_of = {s.fp_name: s.index for s in dg.pairs}
+    for lo in cut.outputs:
+        if lo.fp_name not in xs or lo.fp_name in dg.exposed:
+            continue
+        k = len(dg.pairs) + len(dg.local)
+        dtype = pairs[lo.fp_name].cut_dtype if lo.dequant is not None else TensorProto.FLOAT
+        y = _int8_value(b, names.cut(lo.name), lo.dequant, dtype, b.opset, f"{k}/ly")
+        if y is None:
+            dg.exposed[lo.fp_name] = "reduced in numpy: its grid needs a newer opset"
+            continue
+        x, xx = xs[lo.fp_name]
+        _error_sums(b, x, y, f"{STAT_PREFIX}{k}/", types.shapes.get(lo.fp_name), xx)
+        dg.local.append(LocalSpec(k, lo.fp_name, x, y, index_of[lo.fp_name]))
+        if lo.fp_name in part_outputs:
+            lo_out = b.node("Identity", [y], f"{STAT_PREFIX}out/l/{lo.fp_name}")
+            b.output(lo_out)
+            dg.local_outputs[lo.fp_name] = lo_out
 
 
 def _grid_constants(b: _Builder, grid: QuantParams, dtype: int) -> tuple[str, str, int | None]:
@@ -387,7 +441,8 @@ def _row_axes(shape: tuple[int | None, ...] | None) -> tuple[list[int], int | No
     """
     if shape is None:
         return None
-    if all(d is not None for d in shape) and int(np.prod(shape, dtype=np.int64)) <= _FULL_MAX:
+    size = _known_size(shape)
+    if size is not None and size <= _FULL_MAX:
         return [], 1
     if not shape:
         return None
@@ -401,10 +456,17 @@ def _row_axes(shape: tuple[int | None, ...] | None) -> tuple[list[int], int | No
         axes.insert(0, a)
     if not axes:
         return None
-    rows = 1
-    for d in shape[: axes[0]]:
-        rows = rows * d if (d is not None and rows is not None) else None
-    return axes, rows
+    return axes, _known_size(shape[: axes[0]])
+
+
+def _known_size(shape: tuple[int | None, ...]) -> int | None:
+    """The number of values of ``shape`` (1 for a scalar); None when a dimension is unknown."""
+    size = 1
+    for d in shape:
+        if d is None:
+            return None
+        size *= d
+    return size
 
 
 def _partial(b: _Builder, op: str, x: str, rows: tuple[list[int], int | None] | None, out: str) -> str:
@@ -517,7 +579,7 @@ def _distribution_stats(
                     else_branch=_zero_branch(b),
                 )
             )
-    size = int(np.prod(shape, dtype=np.int64)) if shape is not None and None not in shape else None
+    size = _known_size(shape) if shape is not None else None
     if size is not None:
         spec.stride_of = b.stride_owner.setdefault(size, spec.index)
     b.output(_strided_sample(b, x, SAMPLE_MAX, p + "sample", (size, SAMPLE_MAX) if size is not None else None))
@@ -612,32 +674,8 @@ def stats_to_accumulators(
         acc = accumulated.setdefault(name, ErrorAccumulator())
         _update_error(acc, out, p, p + "xx", scale)
         dist = distributions.get(name)
-        n = int(np.prod(shx, dtype=np.int64))
-        if dist is not None and spec.dist and n > 0:  # the numpy reference skips empty tensors too
-            if spec.axis is not None:
-                c = shx[spec.axis]
-                cmin, cmax = out[p + "cmin"].reshape(-1, c), out[p + "cmax"].reshape(-1, c)
-                channels = (
-                    cmin.min(axis=0),
-                    cmax.max(axis=0),
-                    out[p + "csum"].reshape(-1, c).sum(axis=0, dtype=np.float64),
-                )
-                lo, hi = (float(cmin.min()), float(cmax.max())) if n else (0.0, 0.0)
-            else:
-                channels = None
-                lo, hi = (float(np.min(out[p + "min"])), float(np.max(out[p + "max"]))) if n else (0.0, 0.0)
-            dist.update_from_sums(
-                n,
-                spec.rank or 0,
-                lo,
-                hi,
-                channels,
-                out[p + "sample"],
-                out[p + "sample8"],
-                int(out[p + "clo"]) if spec.clip else 0,
-                int(out[p + "chi"]) if spec.clip else 0,
-                dyn if pair.dynamic_scale else None,
-            )
+        if dist is not None and spec.dist and int(np.prod(shx, dtype=np.int64)) > 0:  # the reference skips empty ones
+            dist.update_from_sums(_batch_summary(spec, out, p, shx, dyn if pair.dynamic_scale else None))
     for ls in dg.local:
         if ls.fp_name in dropped or ls.fp_name not in pairs:
             continue
@@ -656,13 +694,40 @@ def stats_to_accumulators(
     return flagged
 
 
+def _batch_summary(
+    spec: PairSpec, out: dict[str, np.ndarray], p: str, shx: tuple[int, ...], dyn: float | None
+) -> BatchSummary:
+    """One pair's distribution statistics of a batch (``p``: its output prefix; ``shx``: its shape)."""
+    n = int(np.prod(shx, dtype=np.int64))
+    channels: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    if spec.axis is not None:
+        c = shx[spec.axis]
+        cmin, cmax = out[p + "cmin"].reshape(-1, c), out[p + "cmax"].reshape(-1, c)
+        channels = (cmin.min(axis=0), cmax.max(axis=0), out[p + "csum"].reshape(-1, c).sum(axis=0, dtype=np.float64))
+        lo, hi = (float(cmin.min()), float(cmax.max())) if n else (0.0, 0.0)
+    else:
+        lo, hi = (float(np.min(out[p + "min"])), float(np.max(out[p + "max"]))) if n else (0.0, 0.0)
+    return BatchSummary(
+        n,
+        spec.rank or 0,
+        lo,
+        hi,
+        channels,
+        out[p + "sample"],
+        out[p + "sample8"],
+        int(out[p + "clo"]) if spec.clip else 0,
+        int(out[p + "chi"]) if spec.clip else 0,
+        dyn,
+    )
+
+
 def _update_error(acc: ErrorAccumulator, out: dict[str, np.ndarray], p: str, xx: str, scale: float | None) -> None:
     n = int(np.prod(out[p + "shx"], dtype=np.int64))
     if n == 0:
         return
     max_abs = max(float(np.max(out[p + "emax"])), -float(np.min(out[p + "emin"])))
-    sums = (_total(out[xx]), *(_total(out[p + k]) for k in ("xe", "ee", "ab")))
-    acc.update_from_sums(n, *sums, max_abs, scale)
+    s_xe, s_ee, s_abs_e = (_total(out[p + k]) for k in ("xe", "ee", "ab"))
+    acc.update_from_sums(n, _total(out[xx]), s_xe, s_ee, s_abs_e, max_abs, scale)
 
 
 def stat_to_model(name: str) -> tuple[str, str]:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from diag.match import QuantParams
+from diag.state import State, array_from_state, array_to_state, float_from_state, float_to_state, int_from_state
 
 #: Histogram bins (divisible by 4 so that folding keeps zero on a bin edge).
 BINS = 2048
@@ -87,6 +87,8 @@ def channel_axis(rank: int, producer_op: str | None) -> int | None:
 
 class Pow2Histogram:
     """Histogram over ``[-2^k, 2^k]`` with ``BINS`` equal bins; ``k`` grows to cover every value.
+
+    Implements :class:`diag.state.Accumulator`; memory ``BINS`` integers.
 
     Example:
         >>> h = Pow2Histogram()
@@ -197,8 +199,12 @@ class Pow2Histogram:
         kurt = float(np.dot(p, d**4)) / (var * var) - 3.0
         return mean, math.sqrt(var), kurt
 
-    def state(self) -> dict[str, Any]:
-        """JSON-ready state: the exponent and the non-empty bin range (for shard files)."""
+    def finalize(self) -> Pow2Histogram:
+        """The histogram is its own result (percentiles and moments are read from it)."""
+        return self
+
+    def to_state(self) -> State:
+        """JSON-ready state: the exponent and the non-empty bin range (shard files and diag.json)."""
         nz = np.nonzero(self.counts)[0]
         if self.exponent is None or nz.size == 0:
             return {"exponent": self.exponent, "first": 0, "counts": []}
@@ -206,11 +212,12 @@ class Pow2Histogram:
         return {"exponent": self.exponent, "first": a, "counts": self.counts[a:b].tolist()}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Pow2Histogram:
+    def from_state(cls, state: State) -> Pow2Histogram:
         h = cls()
-        h.exponent = state["exponent"]
+        h.exponent = None if state["exponent"] is None else int(state["exponent"])
         counts = state["counts"]
-        h.counts[state["first"] : state["first"] + len(counts)] = counts
+        first = int(state["first"])
+        h.counts[first : first + len(counts)] = counts
         return h
 
 
@@ -253,8 +260,39 @@ class GridInfo:
         return cls(float(q.scale.reshape(-1)[0]), float(q.zero_point.reshape(-1)[0]), q.qmin, q.qmax)
 
 
+@dataclass(frozen=True)
+class BatchSummary:
+    """One batch of a tensor as its statistics, computed inside onnxruntime by :mod:`diag.diagraph`.
+
+    Attributes:
+        size: values in the batch; ``rank``: its rank.
+        lo, hi: the smallest and largest FP32 value.
+        channels: per-channel min / max / sum over every axis but :func:`channel_axis`'s (None
+            when the graph did not reduce per channel).
+        sample, display_sample: the strided subsamples :func:`_sample` takes of the FP32 and INT8
+            values (for the histograms).
+        clipped_low, clipped_high: values beyond the grid (counted only when the batch leaves it).
+        dynamic_scale: the batch's DynamicQuantizeLinear scale, if any.
+    """
+
+    size: int
+    rank: int
+    lo: float
+    hi: float
+    channels: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    sample: np.ndarray
+    display_sample: np.ndarray
+    clipped_low: int = 0
+    clipped_high: int = 0
+    dynamic_scale: float | None = None
+
+
 class DistributionAccumulator:
     """Distribution of one matched tensor, FP32 and INT8 side by side. O(BINS + channels) memory.
+
+    Implements :class:`diag.state.Accumulator`. The per-batch dynamic scales of
+    DynamicQuantizeLinear are kept as their count, sum, minimum and maximum (all the report shows:
+    the mean scale, the spread, the batches), never as a list.
 
     Example:
         >>> acc = DistributionAccumulator(channel_hint="MatMul")
@@ -283,11 +321,20 @@ class DistributionAccumulator:
         self.ch_sum: np.ndarray | None = None
         self.ch_count = 0
         self.channel_consistent = True
-        self.dyn_scales: list[float] = []
+        #: Batches with a dynamic scale, and those scales' sum, minimum and maximum.
+        self.dyn_batches = 0
+        self.dyn_sum = 0.0
+        self.dyn_min = math.inf
+        self.dyn_max = -math.inf
 
     @property
     def channels(self) -> int:
         return 0 if self.ch_max is None else int(self.ch_max.size)
+
+    @property
+    def dynamic_scale_mean(self) -> float | None:
+        """The mean of the batches' dynamic scales (None without any)."""
+        return self.dyn_sum / self.dyn_batches if self.dyn_batches else None
 
     def update(self, fp: np.ndarray, q: np.ndarray, dynamic_scale: float | None = None) -> None:
         """Add one batch of the FP32 tensor and the INT8 model's (dequantized) value of it."""
@@ -323,55 +370,52 @@ class DistributionAccumulator:
             self.clipped_low += int(np.count_nonzero(xf < self.grid.low))
         if self.grid is not None and hi > self.grid.high:
             self.clipped_high += int(np.count_nonzero(xf > self.grid.high))
-        if dynamic_scale is not None and math.isfinite(dynamic_scale) and dynamic_scale > 0:
-            self.dyn_scales.append(float(dynamic_scale))
+        self._add_scale(dynamic_scale)
 
-    def update_from_sums(
-        self,
-        size: int,
-        rank: int,
-        lo: float,
-        hi: float,
-        channels: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-        sample: np.ndarray,
-        display_sample: np.ndarray,
-        clipped_low: int,
-        clipped_high: int,
-        dynamic_scale: float | None = None,
-    ) -> None:
+    def update_from_sums(self, batch: BatchSummary) -> None:
         """Add one batch given as its statistics (computed inside onnxruntime by :mod:`diag.diagraph`).
 
-        ``channels``: per-channel min / max / sum over every axis but :func:`channel_axis`'s;
-        ``sample`` / ``display_sample``: the strided subsamples :func:`_sample` takes of the FP32
-        and INT8 values; ``clipped_*``: values beyond the grid. Same state as :meth:`update` on a
-        batch of finite values (histograms bit-identical), so ``merge`` and shard files are unchanged.
+        Same state as :meth:`update` on a batch of finite values (histograms bit-identical), so
+        ``merge`` and shard files are unchanged.
         """
-        if size == 0:
+        if batch.size == 0:
             return
         if self.rank is None:
-            self.rank = rank
-            self.axis = channel_axis(rank, self.channel_hint)
+            self.rank = batch.rank
+            self.axis = channel_axis(batch.rank, self.channel_hint)
         stats = None
-        if channels is not None and self.axis is not None and self.channel_consistent and rank == self.rank:
+        channels = batch.channels
+        if channels is not None and self.axis is not None and self.channel_consistent and batch.rank == self.rank:
             c = channels[1].size
             if self.ch_max is not None and self.ch_max.size != c:
-                self.channel_consistent = False
-                self.ch_min = self.ch_max = self.ch_sum = None
+                self._drop_channels()
             else:
-                stats = tuple(np.asarray(a, dtype=np.float64).reshape(-1) for a in channels)
-        self.fp_min = min(self.fp_min, lo)
-        self.fp_max = max(self.fp_max, hi)
-        self.count += size
+                mn, mx, sm = (np.asarray(a, dtype=np.float64).reshape(-1) for a in channels)
+                stats = (mn, mx, sm)
+        self.fp_min = min(self.fp_min, batch.lo)
+        self.fp_max = max(self.fp_max, batch.hi)
+        self.count += batch.size
         if stats is not None:
-            self._add_channels(*stats, size)
-        self.fp.update(sample, max(abs(lo), abs(hi)))
-        self.int8.update(display_sample)
-        if self.grid is not None and lo < self.grid.low:
-            self.clipped_low += clipped_low
-        if self.grid is not None and hi > self.grid.high:
-            self.clipped_high += clipped_high
-        if dynamic_scale is not None and math.isfinite(dynamic_scale) and dynamic_scale > 0:
-            self.dyn_scales.append(float(dynamic_scale))
+            self._add_channels(*stats, batch.size)
+        self.fp.update(batch.sample, max(abs(batch.lo), abs(batch.hi)))
+        self.int8.update(batch.display_sample)
+        if self.grid is not None and batch.lo < self.grid.low:
+            self.clipped_low += batch.clipped_low
+        if self.grid is not None and batch.hi > self.grid.high:
+            self.clipped_high += batch.clipped_high
+        self._add_scale(batch.dynamic_scale)
+
+    def _add_scale(self, scale: float | None) -> None:
+        if scale is not None and math.isfinite(scale) and scale > 0:
+            self.dyn_batches += 1
+            self.dyn_sum += float(scale)
+            self.dyn_min = min(self.dyn_min, float(scale))
+            self.dyn_max = max(self.dyn_max, float(scale))
+
+    def _drop_channels(self) -> None:
+        """Channel counts changed between batches: per-channel statistics mean nothing any more."""
+        self.channel_consistent = False
+        self.ch_min = self.ch_max = self.ch_sum = None
 
     def _channel_stats(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Per-channel min, max and sum of one batch (None when channels are not tracked)."""
@@ -379,8 +423,7 @@ class DistributionAccumulator:
             return None
         c = x.shape[self.axis]
         if self.ch_max is not None and self.ch_max.size != c:
-            self.channel_consistent = False
-            self.ch_min = self.ch_max = self.ch_sum = None
+            self._drop_channels()
             return None
         # Bring channels to axis 1 of a 3-d view [before, C, after] without copying.
         before = int(np.prod(x.shape[: self.axis], dtype=np.int64))
@@ -392,10 +435,9 @@ class DistributionAccumulator:
 
     def _add_channels(self, mn: np.ndarray, mx: np.ndarray, sm: np.ndarray, size: int) -> None:
         c = mx.size
-        if self.ch_max is None:
+        if self.ch_min is None or self.ch_max is None or self.ch_sum is None:
             self.ch_min, self.ch_max, self.ch_sum = mn, mx, sm
         else:
-            assert self.ch_min is not None and self.ch_sum is not None
             np.minimum(self.ch_min, mn, out=self.ch_min)
             np.maximum(self.ch_max, mx, out=self.ch_max)
             self.ch_sum += sm
@@ -410,32 +452,97 @@ class DistributionAccumulator:
         self.clipped_high += other.clipped_high
         self.fp_min = min(self.fp_min, other.fp_min)
         self.fp_max = max(self.fp_max, other.fp_max)
-        self.dyn_scales.extend(other.dyn_scales)
+        self.dyn_batches += other.dyn_batches
+        self.dyn_sum += other.dyn_sum
+        self.dyn_min = min(self.dyn_min, other.dyn_min)
+        self.dyn_max = max(self.dyn_max, other.dyn_max)
         if self.rank is None:
             self.rank, self.axis = other.rank, other.axis
-        if other.ch_max is None or not other.channel_consistent:
+        self._merge_channels(other)
+        return self
+
+    def _merge_channels(self, other: DistributionAccumulator) -> None:
+        if other.ch_min is None or other.ch_max is None or other.ch_sum is None or not other.channel_consistent:
             self.channel_consistent = self.channel_consistent and (other.ch_max is None and other.channel_consistent)
             if not self.channel_consistent:
-                self.ch_min = self.ch_max = self.ch_sum = None
-            return self
-        if self.ch_max is None:
+                self._drop_channels()
+            return
+        if self.ch_min is None or self.ch_max is None or self.ch_sum is None:
             if self.channel_consistent:
-                self.ch_min, self.ch_max = other.ch_min.copy(), other.ch_max.copy()  # type: ignore[union-attr]
-                self.ch_sum = other.ch_sum.copy()  # type: ignore[union-attr]
+                self.ch_min, self.ch_max = other.ch_min.copy(), other.ch_max.copy()
+                self.ch_sum = other.ch_sum.copy()
                 self.ch_count = other.ch_count
-            return self
+            return
         if self.ch_max.size != other.ch_max.size:
-            self.channel_consistent = False
-            self.ch_min = self.ch_max = self.ch_sum = None
-            return self
+            self._drop_channels()
+            return
         np.minimum(self.ch_min, other.ch_min, out=self.ch_min)
         np.maximum(self.ch_max, other.ch_max, out=self.ch_max)
-        self.ch_sum += other.ch_sum  # type: ignore[operator]
+        self.ch_sum += other.ch_sum
         self.ch_count += other.ch_count
-        return self
 
     def finalize(self, factor: float = OUTLIER_FACTOR) -> TensorHealth:
         return health_from(self, factor)
+
+    def to_state(self) -> State:
+        """Everything but the tensors: histograms, counts, extremes, per-channel arrays, the grid."""
+        g = self.grid
+        return {
+            "grid": None
+            if g is None
+            else {"scale": g.scale, "zero_point": g.zero_point, "qmin": g.qmin, "qmax": g.qmax},
+            "channel_hint": self.channel_hint,
+            "axis_override": self.axis_override,
+            "fp": self.fp.to_state(),
+            "int8": self.int8.to_state(),
+            "count": self.count,
+            "clipped_low": self.clipped_low,
+            "clipped_high": self.clipped_high,
+            "fp_min": float_to_state(self.fp_min),
+            "fp_max": float_to_state(self.fp_max),
+            "axis": self.axis,
+            "rank": self.rank,
+            "ch_min": array_to_state(self.ch_min),
+            "ch_max": array_to_state(self.ch_max),
+            "ch_sum": array_to_state(self.ch_sum),
+            "ch_count": self.ch_count,
+            "channel_consistent": self.channel_consistent,
+            "dynamic_scales": {
+                "batches": self.dyn_batches,
+                "sum": float_to_state(self.dyn_sum),
+                "min": float_to_state(self.dyn_min),
+                "max": float_to_state(self.dyn_max),
+            },
+        }
+
+    @classmethod
+    def from_state(cls, state: State) -> DistributionAccumulator:
+        """The inverse of :meth:`to_state`; also reads shard state version 1 (a ``dyn_scales`` list)."""
+        g = state["grid"]
+        grid = None if g is None else GridInfo(**g)
+        override = state.get("axis_override")
+        acc = cls(grid, state["channel_hint"], None if override is None else int(override))
+        acc.fp = Pow2Histogram.from_state(state["fp"])
+        acc.int8 = Pow2Histogram.from_state(state["int8"])
+        acc.count = int_from_state(state["count"])
+        acc.clipped_low = int_from_state(state["clipped_low"])
+        acc.clipped_high = int_from_state(state["clipped_high"])
+        acc.ch_count = int_from_state(state["ch_count"])
+        acc.fp_min, acc.fp_max = float_from_state(state["fp_min"]), float_from_state(state["fp_max"])
+        acc.axis, acc.rank = state["axis"], state["rank"]
+        acc.ch_min = array_from_state(state["ch_min"])
+        acc.ch_max = array_from_state(state["ch_max"])
+        acc.ch_sum = array_from_state(state["ch_sum"])
+        acc.channel_consistent = bool(state["channel_consistent"])
+        if "dyn_scales" in state:  # version 1: one scale per batch, folded in that order
+            for v in state["dyn_scales"]:
+                acc._add_scale(float_from_state(v))
+        else:
+            dyn = state["dynamic_scales"]
+            acc.dyn_batches = int_from_state(dyn["batches"])
+            acc.dyn_sum = float_from_state(dyn["sum"])
+            acc.dyn_min, acc.dyn_max = float_from_state(dyn["min"]), float_from_state(dyn["max"])
+        return acc
 
 
 @dataclass(frozen=True)
@@ -522,9 +629,9 @@ def health_from(acc: DistributionAccumulator, factor: float = OUTLIER_FACTOR) ->
         zp_pos = (g.zero_point - g.qmin) / max(g.qmax - g.qmin, 1)
         clip = (acc.clipped_low + acc.clipped_high) / acc.count if acc.count else 0.0
         clip_ratio = _clip_noise_ratio(acc.fp, g)
-    elif acc.dyn_scales:
+    elif acc.dyn_batches:
         kind = "dynamic"
-        scale = float(np.mean(acc.dyn_scales))
+        scale = acc.dynamic_scale_mean
         bits = 8.0
         clip = 0.0  # DynamicQuantizeLinear covers each batch's [min, max] by construction
     if scale is not None and scale > 0 and bits is not None and math.isfinite(bulk):
@@ -566,9 +673,9 @@ def health_from(acc: DistributionAccumulator, factor: float = OUTLIER_FACTOR) ->
         clip_noise_ratio=clip_ratio,
         effective_bits=eff,
         grid_bits=bits,
-        dynamic_scale_min=min(acc.dyn_scales) if acc.dyn_scales else None,
-        dynamic_scale_max=max(acc.dyn_scales) if acc.dyn_scales else None,
-        dynamic_batches=len(acc.dyn_scales),
+        dynamic_scale_min=acc.dyn_min if acc.dyn_batches else None,
+        dynamic_scale_max=acc.dyn_max if acc.dyn_batches else None,
+        dynamic_batches=acc.dyn_batches,
         axis=acc.axis if acc.ch_max is not None else None,
         channels=acc.channels,
         median_channel_max=median,

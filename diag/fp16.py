@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from diag.state import float_from_state, float_to_state
+
 #: Largest finite float16 value; anything larger in magnitude rounds to inf.
 FP16_MAX = 65504.0
 #: Smallest magnitude float16 rounds to inf (65504 plus half its spacing of 32).
@@ -63,7 +65,7 @@ class Fp16Range:
     Counts come from the FP32 values, i.e. what the FP16 model would have to hold there:
     ``overflow`` values round to inf (|x| >= 65520, the first value float16 rounds up to inf),
     ``subnormal`` keep fewer than 11 significant bits (0 < |x| < 2^-14), ``flushed`` round to zero
-    (0 < |x| < 2^-25). Memory O(1).
+    (0 < |x| < 2^-25). Memory O(1). Implements :class:`diag.state.Accumulator`.
 
     Example:
         >>> r = Fp16Range()
@@ -109,3 +111,21 @@ class Fp16Range:
             "flushed": self.flushed,
             "peak": self.peak,
         }
+
+    def finalize(self) -> dict[str, Any]:
+        """The counts and the peak as diag.json reports them (:meth:`to_dict`)."""
+        return self.to_dict()
+
+    def to_state(self) -> dict[str, Any]:
+        """Shard state: the counts, and the peak as an exact float (inf-safe)."""
+        return {**self.to_dict(), "peak": float_to_state(self.peak)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Fp16Range:
+        return cls(
+            count=int(state["count"]),
+            overflow=int(state["overflow"]),
+            subnormal=int(state["subnormal"]),
+            flushed=int(state["flushed"]),
+            peak=float_from_state(state["peak"]),
+        )

@@ -5,6 +5,11 @@
 maxima, per-channel arrays and histogram bins. ``diag merge part*/diag.json --out all/`` reads
 them back, merges them and runs the same analysis as one run over every batch.
 
+The state is written and read by the accumulators themselves (:class:`diag.state.Accumulator`:
+``CompareState.to_state`` / ``from_state``); this module only checks that the shards belong to one
+run and hands the merged state to the analysis. Layout version 2 (dynamic scales as a bounded
+summary, FP16 range counts); version-1 shard files are still read.
+
 NOTE: the state is plain JSON, never pickles (shard files travel between machines and users).
 Floats are written with Python's shortest round-trip repr, so a number read back is bit for bit
 the number written; only the order of the sums differs from one run (equal to float tolerance),
@@ -15,166 +20,43 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
-from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
 from diag.errors import DiagError
-from diag.instrument import FusedKernel
-from diag.jsonnum import json_number, number_from_json
 from diag.match import match_models
-from diag.metrics import ErrorAccumulator, OutputAccumulator, OutputSpec
-from diag.taskmetrics import attach_task_metrics, task_state_from_json, task_state_to_json
+from diag.taskgrade import attach_task_metrics
 from diag.untrusted import fields_of
 
-#: Version of the ``shard.state`` layout; ``diag merge`` refuses others.
-STATE_VERSION = 1
-
-
-def _f(x: float) -> float | str:
-    """A float for JSON: finite values exact (bit-for-bit round trip), others as "inf" / "-inf" / "nan"."""
-    return json_number(float(x), digits=None)  # type: ignore[return-value]  # a float is never None
-
-
-def _u(v: float | str | int) -> float:
-    return number_from_json(v, strict=True)  # a malformed value is ValueError, which fields_of reports
-
-
-def _error_state(acc: ErrorAccumulator) -> dict[str, Any]:
-    return {k: (getattr(acc, k) if isinstance(getattr(acc, k), int) else _f(getattr(acc, k))) for k in acc.__slots__}
-
-
-def _error_from(d: dict[str, Any]) -> ErrorAccumulator:
-    acc = ErrorAccumulator()
-    for k in acc.__slots__:
-        setattr(acc, k, int(d[k]) if isinstance(getattr(acc, k), int) else _u(d[k]))
-    return acc
-
-
-_OUTPUT_INTS = ("samples", "nonfinite", "nonfinite_fp", "total", "rows", "agree", "mask_inter", "mask_union")
-_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax")
-
-
-def _output_state(acc: OutputAccumulator) -> dict[str, Any]:
-    d: dict[str, Any] = {k: getattr(acc, k) for k in _OUTPUT_INTS}
-    d.update({k: _f(getattr(acc, k)) for k in _OUTPUT_FLOATS})
-    d["classlike"] = acc.classlike
-    d["spec"] = acc.spec.to_dict()
-    d["parts"] = {k: _output_state(a) for k, a in acc.parts.items()}
-    d["part_errors"] = {k: _error_state(a) for k, a in acc.part_errors.items()}
-    d["part_local"] = {k: _error_state(a) for k, a in acc.part_local.items()}
-    return d
-
-
-def _output_from(d: dict[str, Any]) -> OutputAccumulator:
-    acc = OutputAccumulator(OutputSpec.from_dict(d["spec"]) if d.get("spec") else None)
-    for k in _OUTPUT_INTS:
-        setattr(acc, k, int(d.get(k, 0)))
-    for k in _OUTPUT_FLOATS:
-        if k in d:
-            setattr(acc, k, _u(d[k]))
-    acc.classlike = bool(d["classlike"])
-    acc.parts = {k: _output_from(v) for k, v in (d.get("parts") or {}).items()}
-    acc.part_errors = {k: _error_from(v) for k, v in (d.get("part_errors") or {}).items()}
-    acc.part_local = {k: _error_from(v) for k, v in (d.get("part_local") or {}).items()}
-    return acc
-
-
-def _array(a: np.ndarray | None) -> list[float | str] | None:
-    return None if a is None else [_f(x) for x in a.tolist()]
-
-
-def _unarray(v: list[float | str] | None) -> np.ndarray | None:
-    return None if v is None else np.array([_u(x) for x in v], dtype=np.float64)
-
-
-def _distribution_state(acc: DistributionAccumulator) -> dict[str, Any]:
-    g = acc.grid
-    return {
-        "grid": None if g is None else {"scale": g.scale, "zero_point": g.zero_point, "qmin": g.qmin, "qmax": g.qmax},
-        "channel_hint": acc.channel_hint,
-        "fp": acc.fp.state(),
-        "int8": acc.int8.state(),
-        "count": acc.count,
-        "clipped_low": acc.clipped_low,
-        "clipped_high": acc.clipped_high,
-        "fp_min": _f(acc.fp_min),
-        "fp_max": _f(acc.fp_max),
-        "axis": acc.axis,
-        "rank": acc.rank,
-        "ch_min": _array(acc.ch_min),
-        "ch_max": _array(acc.ch_max),
-        "ch_sum": _array(acc.ch_sum),
-        "ch_count": acc.ch_count,
-        "channel_consistent": acc.channel_consistent,
-        "dyn_scales": [_f(x) for x in acc.dyn_scales],
-    }
-
-
-def _distribution_from(d: dict[str, Any]) -> DistributionAccumulator:
-    grid = None if d["grid"] is None else GridInfo(**d["grid"])
-    acc = DistributionAccumulator(grid, d["channel_hint"])
-    acc.fp = Pow2Histogram.from_state(d["fp"])
-    acc.int8 = Pow2Histogram.from_state(d["int8"])
-    for k in ("count", "clipped_low", "clipped_high", "ch_count"):
-        setattr(acc, k, int(d[k]))
-    acc.fp_min, acc.fp_max = _u(d["fp_min"]), _u(d["fp_max"])
-    acc.axis, acc.rank = d["axis"], d["rank"]
-    acc.ch_min, acc.ch_max, acc.ch_sum = _unarray(d["ch_min"]), _unarray(d["ch_max"]), _unarray(d["ch_sum"])
-    acc.channel_consistent = bool(d["channel_consistent"])
-    acc.dyn_scales = [_u(x) for x in d["dyn_scales"]]
-    return acc
+#: Version of the ``shard.state`` layout written (see :attr:`CompareState.STATE_VERSION`).
+STATE_VERSION = CompareState.STATE_VERSION
 
 
 def state_to_json(state: CompareState, metric: str | None = None) -> dict[str, Any]:
     """The accumulators of ``state`` as a JSON-ready dict (no tensors: sums, maxima, bins).
 
+    The state is written through the accumulators' own ``to_state`` (:mod:`diag.state`).
+    ``metric``: unused, kept for callers that still pass ``--metric``'s spec (a plugin's spec now
+    travels with it, :class:`diag.taskmetrics.PluginMetric`).
+
     Example:
         >>> s = state_to_json(CompareState())
         >>> s["version"], s["samples"]
-        (1, 0)
+        (2, 0)
     """
-    return {
-        "version": STATE_VERSION,
-        "samples": state.samples,
-        "batches": state.batches,
-        "passes": state.passes,
-        "labelled": dict(state.labelled),
-        "accumulated": {k: _error_state(a) for k, a in state.accumulated.items()},
-        "local": {k: _error_state(a) for k, a in state.local.items()},
-        "outputs": {k: _output_state(a) for k, a in state.outputs.items()},
-        "distributions": {k: _distribution_state(a) for k, a in state.distributions.items()},
-        "deployed": {k: _output_state(a) for k, a in state.deployed.items()},
-        "fused": [asdict(k) for k in state.fused],
-        # Task metrics (F1 counts, a --metric plugin's state() with its module:function).
-        "task": task_state_to_json(state.task, metric),
-    }
+    return state.to_state()
 
 
 def state_from_json(d: dict[str, Any]) -> CompareState:
-    """Rebuild a :class:`CompareState` written by :func:`state_to_json`.
+    """Rebuild a :class:`CompareState` written by :func:`state_to_json` (or by a version-1 diag).
 
     Example:
         >>> state_from_json(state_to_json(CompareState())).samples
         0
     """
-    return CompareState(
-        accumulated={k: _error_from(v) for k, v in d["accumulated"].items()},
-        local={k: _error_from(v) for k, v in d["local"].items()},
-        outputs={k: _output_from(v) for k, v in d["outputs"].items()},
-        distributions={k: _distribution_from(v) for k, v in d["distributions"].items()},
-        labelled={k: int(v) for k, v in d["labelled"].items()},
-        samples=int(d["samples"]),
-        batches=int(d["batches"]),
-        passes=int(d["passes"]),
-        deployed={k: _output_from(v) for k, v in d["deployed"].items()},
-        fused=[FusedKernel(**k) for k in d["fused"]],
-        task=task_state_from_json(d.get("task"))[0],
-    )
+    return CompareState.from_state(d)
 
 
 def graph_fingerprint(model: Any) -> str:
@@ -256,61 +138,11 @@ def _merge_documents(
     int8: str | os.PathLike[str] | None,
     start: float,
 ) -> CompareResult:
-    for p, doc in docs:
-        shard = doc.get("shard")
-        if not isinstance(shard, dict) or not isinstance(shard.get("state"), dict):
-            raise DiagError(
-                "bad-report",
-                f"'{p}'",
-                "has no shard state (it was not written by diag compare --shard k/n)",
-                "merge the diag.json files of diag compare --shard runs",
-            )
-        if shard["state"].get("version") != STATE_VERSION:
-            raise DiagError(
-                "bad-report",
-                f"'{p}'",
-                f"has shard state version {shard['state'].get('version')}, this diag reads {STATE_VERSION}",
-                "merge shards written by the same diag version",
-            )
+    _check_shards(docs)
     first_path, first = docs[0]
-    n = first["shard"]["count"]
-
-    def same(key: str, get: Any) -> None:
-        for p, doc in docs[1:]:
-            if get(doc) != get(first):
-                raise DiagError(
-                    "bad-report",
-                    f"'{p}'",
-                    f"has {key} {get(doc)!r}, '{first_path}' has {get(first)!r}",
-                    "merge shards of one run only (same models, inputs and options)",
-                )
-
-    same("shard count", lambda d: d["shard"]["count"])
-    same("models (graph fingerprints)", lambda d: d["shard"].get("graphs"))
-    same("FP32 model", lambda d: d["models"]["fp32"]["path"])
-    same("INT8 model", lambda d: d["models"]["int8"]["path"])
-    same("inputs", lambda d: d["shard"]["inputs"])
-    same("opt_level", lambda d: d["run"]["opt_level"])
-    same("local_error", lambda d: d["run"]["local_error"])
-    same("task metrics", lambda d: sorted(d["shard"]["state"].get("task") or {}))
-    same("--metric", lambda d: ((d["shard"]["state"].get("task") or {}).get("plugin") or {}).get("spec"))
-    seen: dict[int, str] = {}
-    for p, doc in docs:
-        k = doc["shard"]["index"]
-        if k in seen:
-            raise DiagError(
-                "bad-report", f"'{p}'", f"is shard {k}/{n} again (also '{seen[k]}')", "give each shard once"
-            )
-        seen[k] = p
-    missing = [f"{k}/{n}" for k in range(n) if k not in seen]
-    if missing:
-        raise DiagError(
-            "bad-report",
-            "shards",
-            f"{', '.join(missing)} missing ({len(seen)} of {n} given)",
-            "merge every shard of the run, or the result is not the whole run",
-        )
-    fp, q = load_pair(fp32 or first["models"]["fp32"]["path"], int8 or first["models"]["int8"]["path"])
+    fp, q = load_pair(
+        os.fspath(fp32 or first["models"]["fp32"]["path"]), os.fspath(int8 or first["models"]["int8"]["path"])
+    )
     _check_same_models(first_path, first, fp, q)
     matching = match_models(fp.proto, q.proto)
     state = CompareState()
@@ -335,7 +167,7 @@ def _merge_documents(
         local=bool(first["run"]["local_error"]),
         progress=False,
         outlier_factor=float(first["shard"]["outlier_factor"]),
-        metric=((first["shard"]["state"].get("task") or {}).get("plugin") or {}).get("spec"),
+        metric=_plugin_spec(first),
     )
     seconds = sum(float(doc["run"]["seconds"]) for _, doc in docs) + (time.perf_counter() - start)
     result = finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
@@ -343,6 +175,76 @@ def _merge_documents(
     result.fix_recipe = first.get("recommendation", {}).get("recipe")
     attach_task_metrics(result, state, options.metric)
     return result
+
+
+def _plugin_spec(doc: dict[str, Any]) -> Any:
+    """The ``--metric`` spec a shard's state records (None without a plugin)."""
+    return ((doc["shard"]["state"].get("task") or {}).get("plugin") or {}).get("spec")
+
+
+def _check_shards(docs: list[tuple[str, dict[str, Any]]]) -> None:
+    """Every file is a shard with a state this diag reads, all of one run, each shard exactly once."""
+    for p, doc in docs:
+        shard = doc.get("shard")
+        if not isinstance(shard, dict) or not isinstance(shard.get("state"), dict):
+            raise DiagError(
+                "bad-report",
+                f"'{p}'",
+                "has no shard state (it was not written by diag compare --shard k/n)",
+                "merge the diag.json files of diag compare --shard runs",
+            )
+        version = shard["state"].get("version")
+        if version not in CompareState.READS_VERSIONS:
+            raise DiagError(
+                "bad-report",
+                f"'{p}'",
+                f"has shard state version {version}, this diag reads "
+                + " and ".join(str(v) for v in CompareState.READS_VERSIONS),
+                "merge shards written by the same diag version",
+            )
+    _check_same_run(docs)
+    n = docs[0][1]["shard"]["count"]
+    seen: dict[int, str] = {}
+    for p, doc in docs:
+        k = doc["shard"]["index"]
+        if k in seen:
+            raise DiagError(
+                "bad-report", f"'{p}'", f"is shard {k}/{n} again (also '{seen[k]}')", "give each shard once"
+            )
+        seen[k] = p
+    missing = [f"{k}/{n}" for k in range(n) if k not in seen]
+    if missing:
+        raise DiagError(
+            "bad-report",
+            "shards",
+            f"{', '.join(missing)} missing ({len(seen)} of {n} given)",
+            "merge every shard of the run, or the result is not the whole run",
+        )
+
+
+def _check_same_run(docs: list[tuple[str, dict[str, Any]]]) -> None:
+    """The shards agree on count, models, inputs and options (else ``bad-report`` naming both files)."""
+    first_path, first = docs[0]
+    checks: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
+        ("shard count", lambda d: d["shard"]["count"]),
+        ("models (graph fingerprints)", lambda d: d["shard"].get("graphs")),
+        ("FP32 model", lambda d: d["models"]["fp32"]["path"]),
+        ("INT8 model", lambda d: d["models"]["int8"]["path"]),
+        ("inputs", lambda d: d["shard"]["inputs"]),
+        ("opt_level", lambda d: d["run"]["opt_level"]),
+        ("local_error", lambda d: d["run"]["local_error"]),
+        ("task metrics", lambda d: sorted(d["shard"]["state"].get("task") or {})),
+        ("--metric", _plugin_spec),
+    ]
+    for key, get in checks:
+        for p, doc in docs[1:]:
+            if get(doc) != get(first):
+                raise DiagError(
+                    "bad-report",
+                    f"'{p}'",
+                    f"has {key} {get(doc)!r}, '{first_path}' has {get(first)!r}",
+                    "merge shards of one run only (same models, inputs and options)",
+                )
 
 
 def _check_same_models(path: str, doc: dict[str, Any], fp: Any, q: Any) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from diag.errors import DiagError
+from diag.state import State, float_from_state, float_to_state, int_from_state
 
 ROUNDING_NOISE = 1.0 / math.sqrt(12.0)
 
@@ -56,8 +57,12 @@ def _as_float(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
+@dataclass(slots=True)
 class ErrorAccumulator:
-    """Running sums for the error between one FP32 tensor and its INT8 counterpart.
+    """Running sums for the error between one FP32 tensor and its INT8 counterpart. O(1) memory.
+
+    Implements :class:`diag.state.Accumulator`: ``update`` (or :meth:`update_from_sums`) per
+    batch, ``merge``, ``finalize`` into :class:`ErrorStats`, ``to_state`` / ``from_state``.
 
     Example:
         >>> acc = ErrorAccumulator()
@@ -66,23 +71,21 @@ class ErrorAccumulator:
         0.5
     """
 
-    __slots__ = (
-        "n",
-        "s_xx",
-        "s_yy",
-        "s_xy",
-        "s_ee",
-        "s_abs_e",
-        "max_abs",
-        "n_scaled",
-        "s_ee_scaled",
-        "nonfinite_x",
-        "nonfinite_y",
-    )
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0 if name in ("n", "n_scaled", "nonfinite_x", "nonfinite_y") else 0.0)
+    #: Finite value pairs counted.
+    n: int = 0
+    #: Sums over those pairs (float64): x^2, y^2, x*y, e^2, |e|.
+    s_xx: float = 0.0
+    s_yy: float = 0.0
+    s_xy: float = 0.0
+    s_ee: float = 0.0
+    s_abs_e: float = 0.0
+    max_abs: float = 0.0
+    #: Values seen with a quantization scale, and their sum e^2 / scale^2.
+    n_scaled: int = 0
+    s_ee_scaled: float = 0.0
+    #: NaN / Inf values of the FP32 and INT8 tensors (left out of every sum).
+    nonfinite_x: int = 0
+    nonfinite_y: int = 0
 
     def update(self, fp: np.ndarray, q: np.ndarray, scale: float | None = None) -> None:
         """Add one batch. ``scale``: the quantization step in force for this batch, if any."""
@@ -150,11 +153,50 @@ class ErrorAccumulator:
 
     def merge(self, other: ErrorAccumulator) -> ErrorAccumulator:
         """Combine with another shard in place; returns self. Every sum adds; ``max_abs`` maxes."""
-        for name in self.__slots__:
-            if name != "max_abs":
-                setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.n += other.n
+        self.s_xx += other.s_xx
+        self.s_yy += other.s_yy
+        self.s_xy += other.s_xy
+        self.s_ee += other.s_ee
+        self.s_abs_e += other.s_abs_e
         self.max_abs = max(self.max_abs, other.max_abs)
+        self.n_scaled += other.n_scaled
+        self.s_ee_scaled += other.s_ee_scaled
+        self.nonfinite_x += other.nonfinite_x
+        self.nonfinite_y += other.nonfinite_y
         return self
+
+    def to_state(self) -> State:
+        """Counts as ints, sums as exact floats (the shard file layout of every version)."""
+        return {
+            "n": self.n,
+            "s_xx": float_to_state(self.s_xx),
+            "s_yy": float_to_state(self.s_yy),
+            "s_xy": float_to_state(self.s_xy),
+            "s_ee": float_to_state(self.s_ee),
+            "s_abs_e": float_to_state(self.s_abs_e),
+            "max_abs": float_to_state(self.max_abs),
+            "n_scaled": self.n_scaled,
+            "s_ee_scaled": float_to_state(self.s_ee_scaled),
+            "nonfinite_x": self.nonfinite_x,
+            "nonfinite_y": self.nonfinite_y,
+        }
+
+    @classmethod
+    def from_state(cls, state: State) -> ErrorAccumulator:
+        return cls(
+            n=int_from_state(state["n"]),
+            s_xx=float_from_state(state["s_xx"]),
+            s_yy=float_from_state(state["s_yy"]),
+            s_xy=float_from_state(state["s_xy"]),
+            s_ee=float_from_state(state["s_ee"]),
+            s_abs_e=float_from_state(state["s_abs_e"]),
+            max_abs=float_from_state(state["max_abs"]),
+            n_scaled=int_from_state(state["n_scaled"]),
+            s_ee_scaled=float_from_state(state["s_ee_scaled"]),
+            nonfinite_x=int_from_state(state["nonfinite_x"]),
+            nonfinite_y=int_from_state(state["nonfinite_y"]),
+        )
 
     def finalize(self) -> ErrorStats:
         n = max(self.n, 1)
@@ -258,12 +300,18 @@ class OutputStats:
     parts: dict[str, tuple[OutputStats, ErrorStats, ErrorStats | None]] = field(default_factory=dict)
 
 
+#: The counts and floats of :class:`OutputAccumulator` in its state, in shard-file order.
+_OUTPUT_INTS = ("samples", "nonfinite", "nonfinite_fp", "total", "rows", "agree", "mask_inter", "mask_union")
+_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax")
+
+
 class OutputAccumulator:
     """Per-sample cosine, top-1 agreement, mask IoU and per-part errors of a model output (axis 0 = samples).
 
     What is measured follows ``spec`` (see :class:`OutputSpec`): top-1 agreement only over a class
     axis, mask IoU only for probability maps, and every Concat part on its own (its per-sample
     cosine, its accumulated error, and — fed by :meth:`update_local` — its local error).
+    Implements :class:`diag.state.Accumulator`; memory O(parts).
     """
 
     def __init__(self, spec: OutputSpec | None = None) -> None:
@@ -309,7 +357,7 @@ class OutputAccumulator:
             x, y = x.reshape(1, -1), y.reshape(1, -1)
         xs = x.reshape(x.shape[0], -1).astype(np.float64)
         ys = y.reshape(y.shape[0], -1).astype(np.float64)
-        finite_x = np.isfinite(xs).all(axis=1)
+        finite_x = np.asarray(np.isfinite(xs).all(axis=1))
         finite = finite_x & np.isfinite(ys).all(axis=1)
         # A sample the FP32 model itself breaks on says nothing about quantization.
         self.nonfinite += int((finite_x & ~finite).sum())
@@ -385,6 +433,32 @@ class OutputAccumulator:
             for k, e in theirs.items():
                 mine.setdefault(k, ErrorAccumulator()).merge(e)
         return self
+
+    def to_state(self) -> State:
+        """Counts, exact floats, the spec and every part's own state (the shard file layout)."""
+        d: State = {k: getattr(self, k) for k in _OUTPUT_INTS}
+        d.update({k: float_to_state(getattr(self, k)) for k in _OUTPUT_FLOATS})
+        d["classlike"] = self.classlike
+        d["spec"] = self.spec.to_dict()
+        d["parts"] = {k: a.to_state() for k, a in self.parts.items()}
+        d["part_errors"] = {k: a.to_state() for k, a in self.part_errors.items()}
+        d["part_local"] = {k: a.to_state() for k, a in self.part_local.items()}
+        return d
+
+    @classmethod
+    def from_state(cls, state: State) -> OutputAccumulator:
+        """The inverse of :meth:`to_state`; counts and floats missing from older files read as unset."""
+        acc = cls(OutputSpec.from_dict(state["spec"]) if state.get("spec") else None)
+        for k in _OUTPUT_INTS:
+            setattr(acc, k, int_from_state(state.get(k, 0)))
+        for k in _OUTPUT_FLOATS:
+            if k in state:
+                setattr(acc, k, float_from_state(state[k]))
+        acc.classlike = bool(state["classlike"])
+        acc.parts = {str(k): cls.from_state(v) for k, v in (state.get("parts") or {}).items()}
+        acc.part_errors = {str(k): ErrorAccumulator.from_state(v) for k, v in (state.get("part_errors") or {}).items()}
+        acc.part_local = {str(k): ErrorAccumulator.from_state(v) for k, v in (state.get("part_local") or {}).items()}
+        return acc
 
     def finalize(self) -> OutputStats:
         agreement = self.agree / self.rows if (self.classlike and self.rows) else None

@@ -123,7 +123,7 @@ def distribution(name: str, plotted: dict[str, Any], health: dict[str, Any]) -> 
     for st in (fp, q):
         h = Pow2Histogram.from_state(st)
         h._grow_to(exponent)
-        hists.append(h.state())
+        hists.append(h.to_state())
     used = [i for st in hists for i in (st["first"], st["first"] + len(st["counts"])) if st["counts"]]
     lo, hi = (min(used), max(used)) if used else (0, 1)
     fig, ax = plt.subplots(figsize=(5.2, 2.6), dpi=80)

@@ -334,8 +334,8 @@ def _distributions(result: Any) -> dict[str, Any] | None:
         "tensors": {name: _health_dict(h) for name, h in result.health.items()},
         "plotted": {
             name: {
-                "fp32": result.health[name].fp_hist.state(),
-                "int8": result.health[name].int8_hist.state(),
+                "fp32": result.health[name].fp_hist.to_state(),
+                "int8": result.health[name].int8_hist.to_state(),
                 "channel_max": [round(v, 6) for v in result.health[name].channel_max],
             }
             for name in worst

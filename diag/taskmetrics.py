@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from diag.errors import DiagError
 from diag.jsonnum import json_number
+from diag.state import State
 
-#: F1 drop bands (FP32 minus INT8, a fraction): the same as the accuracy-drop bands users grade by.
-F1_DROP_BAND = {"excellent": 0.005, "acceptable": 0.015, "reject_above": 0.02}
 DIRECTIONS = ("higher", "lower")
+_T = TypeVar("_T")
 
 
 @runtime_checkable
@@ -56,7 +56,8 @@ class TaskMetric(Protocol):
         True
     """
 
-    better: Mapping[str, str]
+    @property
+    def better(self) -> Mapping[str, str]: ...
 
     def update(
         self, fp32_outputs: dict[str, np.ndarray], int8_outputs: dict[str, np.ndarray], labels: np.ndarray | None
@@ -72,6 +73,8 @@ class TaskMetric(Protocol):
 
 class F1Metric:
     """Macro and micro F1 of the FP32 and INT8 models' argmax on ``output`` against labels.
+
+    Implements :class:`diag.state.Accumulator` (and :class:`TaskMetric`).
 
     Per class c of the labels seen: F1_c = 2·TP / (2·TP + FP + FN). Macro-F1 is the mean over the
     classes that occur in the labels (a class only ever predicted, never labelled, adds its false
@@ -144,11 +147,11 @@ class F1Metric:
         out["f1_micro_drop"] = out["f1_micro_fp32"] - out["f1_micro_int8"]
         return {k: out[k] for k in self.better}
 
-    def state(self) -> dict[str, Any]:
+    def to_state(self) -> State:
         return {"output": self.output, "samples": self.samples, "counts": {str(c): r for c, r in self.counts.items()}}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> F1Metric:
+    def from_state(cls, state: State) -> F1Metric:
         m = cls(str(state["output"]))
         m.samples = int(state["samples"])
         m.counts = {int(c): [int(v) for v in r] for c, r in state["counts"].items()}
@@ -157,22 +160,6 @@ class F1Metric:
 
 def _f1(tp: int, fp: int, fn: int) -> float:
     return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0
-
-
-def f1_drop_grade(drop: float) -> str:
-    """Grade an F1 drop (fraction) with :data:`F1_DROP_BAND`; NaN is a reject.
-
-    Example:
-        >>> f1_drop_grade(0.004), f1_drop_grade(0.012), f1_drop_grade(0.018), f1_drop_grade(0.03)
-        ('excellent', 'acceptable', 'marginal', 'reject')
-    """
-    if math.isnan(drop):
-        return "reject"
-    if drop < F1_DROP_BAND["excellent"]:
-        return "excellent"
-    if drop < F1_DROP_BAND["acceptable"]:
-        return "acceptable"
-    return "reject" if drop > F1_DROP_BAND["reject_above"] else "marginal"
 
 
 # ---------------------------------------------------------------- plugins
@@ -319,52 +306,81 @@ def metric_from_state(factory: Callable[[], TaskMetric], spec: str, state: Any) 
         ) from e
 
 
+class PluginMetric:
+    """A ``--metric`` plugin inside a comparison: the plugin with its spec, as a diag accumulator.
+
+    Implements :class:`diag.state.Accumulator` over the plugin's own protocol: ``update`` /
+    ``merge`` / ``finalize`` call the plugin's (an exception there is a ``bad-metric`` error naming
+    it); ``to_state`` is ``{"spec": spec, "state": plugin.state()}``, and ``from_state`` imports
+    the plugin again by its spec and calls its ``from_state``. It keeps what the plugin keeps.
+
+    Example:
+        >>> m = PluginMetric("mymetrics:detection_map", metric_factory("mymetrics:detection_map")())  # doctest: +SKIP
+        >>> PluginMetric.from_state(m.to_state()).spec  # doctest: +SKIP
+        'mymetrics:detection_map'
+    """
+
+    def __init__(self, spec: str, metric: TaskMetric) -> None:
+        self.spec = spec
+        self.metric = metric
+
+    @property
+    def better(self) -> Mapping[str, str]:
+        return self.metric.better
+
+    def update(
+        self, fp32_outputs: dict[str, np.ndarray], int8_outputs: dict[str, np.ndarray], labels: np.ndarray | None
+    ) -> None:
+        call_update(self.metric, self.spec, fp32_outputs, int8_outputs, labels)
+
+    def merge(self, other: PluginMetric) -> PluginMetric:
+        try:
+            merged = self.metric.merge(other.metric)
+        except DiagError:
+            raise
+        except Exception as e:
+            raise DiagError(
+                "bad-metric", f"--metric {self.spec!r}", f"raised {type(e).__name__} in merge(): {e}", "fix the metric"
+            ) from e
+        self.metric = merged if merged is not None else self.metric
+        return self
+
+    def finalize(self) -> dict[str, float]:
+        return finalized(self.metric, self.spec)
+
+    def to_state(self) -> State:
+        return {"spec": self.spec, "state": metric_state(self.metric, self.spec)}
+
+    @classmethod
+    def from_state(cls, state: State) -> PluginMetric:
+        spec = str(state["spec"])
+        return cls(spec, metric_from_state(metric_factory(spec), spec, state["state"]))
+
+
+#: What ``CompareState.task`` holds: ``f1`` with --labels, ``plugin`` with --metric.
+TaskAccumulator = F1Metric | PluginMetric
+
+
 # ---------------------------------------------------------------- compare / merge glue
 
 
-def start_task_metrics(first_output: str, labels: np.ndarray | None, spec: str | None, shard: bool) -> dict[str, Any]:
+def start_task_metrics(
+    first_output: str, labels: np.ndarray | None, spec: str | None, shard: bool
+) -> dict[str, TaskAccumulator]:
     """The task metrics of one comparison: ``f1`` with labels, ``plugin`` with ``--metric``.
 
     With ``shard`` a plugin must be serializable (see :func:`metric_state`): refused here, before
     any model runs.
     """
-    task: dict[str, Any] = {}
+    task: dict[str, TaskAccumulator] = {}
     if labels is not None:
         task["f1"] = F1Metric(first_output)
     if spec:
-        task["plugin"] = metric_factory(spec)()
+        plugin = PluginMetric(spec, metric_factory(spec)())
         if shard:
-            metric_state(task["plugin"], spec)
+            plugin.to_state()
+        task["plugin"] = plugin
     return task
-
-
-def attach_task_metrics(result: Any, state: Any, spec: str | None) -> None:
-    """Finalize ``state.task`` into ``result.task_metrics`` and grade the F1 drop of the first output.
-
-    The F1 drop is graded with :data:`F1_DROP_BAND` and joins the first output's reasons; the
-    output's grade (and the model's) becomes the worse of the two. A plugin's values are reported
-    as they are: diag cannot know their bands.
-    """
-    from diag.analyze import GRADES, overall_grade
-
-    out: dict[str, Any] = {}
-    f1 = state.task.get("f1")
-    if f1 is not None and f1.samples:
-        values = f1.finalize()
-        grade = f1_drop_grade(values["f1_macro_drop"])
-        out["f1"] = {"output": f1.output, "samples": f1.samples, "values": values, "better": dict(f1.better)}
-        v = next((v for v in result.verdicts if v.name == f1.output), None)
-        if v is not None:
-            v.reasons.append(
-                f"macro-F1 {values['f1_macro_fp32']:.2%} -> {values['f1_macro_int8']:.2%}, drop "
-                f"{values['f1_macro_drop']:.2%} ({grade}); micro-F1 drop {values['f1_micro_drop']:.2%}"
-            )
-            v.grade = GRADES[max(GRADES.index(v.grade), GRADES.index(grade))]
-            result.grade = overall_grade(result.verdicts)
-    plugin = state.task.get("plugin")
-    if plugin is not None and spec:
-        out["plugin"] = {"spec": spec, "values": finalized(plugin, spec), "better": dict(plugin.better)}
-    result.task_metrics = out
 
 
 def task_lines(task_metrics: dict[str, Any]) -> list[str]:
@@ -392,42 +408,37 @@ def json_values(task_metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def merge_task_metrics(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+def merge_task_metrics(mine: dict[str, TaskAccumulator], theirs: dict[str, TaskAccumulator]) -> None:
     """Merge ``theirs`` into ``mine`` in place with each metric's own ``merge`` (a plugin failing: ``bad-metric``)."""
     for key, metric in theirs.items():
-        if key not in mine:
+        have = mine.get(key)
+        if have is None:
             mine[key] = metric
-            continue
-        try:
-            merged = mine[key].merge(metric)
-        except DiagError:
-            raise
-        except Exception as e:
-            raise DiagError(
-                "bad-metric", f"--metric ({key})", f"raised {type(e).__name__} in merge(): {e}", "fix the metric"
-            ) from e
-        mine[key] = merged if merged is not None else mine[key]
+        elif isinstance(have, F1Metric):
+            have.merge(_same_kind(F1Metric, metric, key))
+        else:
+            have.merge(_same_kind(PluginMetric, metric, key))
 
 
-def task_state_to_json(task: dict[str, Any], spec: str | None) -> dict[str, Any]:
-    """The task metrics' mergeable state for a shard file (the plugin's via its ``state()``)."""
-    out: dict[str, Any] = {}
-    if "f1" in task:
-        out["f1"] = task["f1"].state()
-    if "plugin" in task and spec:
-        out["plugin"] = {"spec": spec, "state": metric_state(task["plugin"], spec)}
-    return out
+def _same_kind(kind: type[_T], metric: TaskAccumulator, key: str) -> _T:
+    """``metric`` if it is a ``kind`` (the same task metric as the one it merges into), else ``TypeError``."""
+    if not isinstance(metric, kind):
+        raise TypeError(f"task metric '{key}' is a {kind.__name__} here, a {type(metric).__name__} there")
+    return metric
 
 
-def task_state_from_json(d: dict[str, Any] | None) -> tuple[dict[str, Any], str | None]:
-    """Rebuild shard task metrics: ``(task, plugin spec or None)``; the plugin is imported again."""
-    task: dict[str, Any] = {}
-    spec = None
-    if not d:
-        return task, spec
-    if "f1" in d:
-        task["f1"] = F1Metric.from_state(d["f1"])
-    if "plugin" in d:
-        spec = str(d["plugin"]["spec"])
-        task["plugin"] = metric_from_state(metric_factory(spec), spec, d["plugin"]["state"])
-    return task, spec
+def task_to_state(task: dict[str, TaskAccumulator]) -> State:
+    """The task metrics' mergeable state for a shard file: ``{"f1": ..., "plugin": {"spec", "state"}}``."""
+    return {key: metric.to_state() for key, metric in task.items()}
+
+
+def task_from_state(state: State | None) -> dict[str, TaskAccumulator]:
+    """The inverse of :func:`task_to_state`; a plugin is imported again by its recorded spec."""
+    task: dict[str, TaskAccumulator] = {}
+    if not state:
+        return task
+    if "f1" in state:
+        task["f1"] = F1Metric.from_state(state["f1"])
+    if "plugin" in state:
+        task["plugin"] = PluginMetric.from_state(state["plugin"])
+    return task

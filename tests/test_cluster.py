@@ -120,7 +120,7 @@ def test_compare_on_a_cluster_writes_the_numbers_of_a_local_run(cluster, transfo
     assert remote.findings[0].group.label == local.findings[0].group.label
     # histograms are integer bins: equal exactly, not to tolerance
     for name, h in local.state.distributions.items():
-        assert h.fp.state() == remote.state.distributions[name].fp.state(), name
+        assert h.fp.to_state() == remote.state.distributions[name].fp.to_state(), name
     _numbers_equal(_scrub(a), _scrub(b))
 
 

@@ -58,7 +58,20 @@ def assert_same_statistics(ref: CompareState, got: CompareState, numpy_reduced: 
         for hist in ("fp", "int8"):
             assert getattr(g, hist).exponent == getattr(d, hist).exponent, (name, hist)
             assert np.array_equal(getattr(g, hist).counts, getattr(d, hist).counts), (name, hist)
-        for k in ("count", "clipped_low", "clipped_high", "fp_min", "fp_max", "ch_count", "dyn_scales", "rank", "axis"):
+        for k in (
+            "count",
+            "clipped_low",
+            "clipped_high",
+            "fp_min",
+            "fp_max",
+            "ch_count",
+            "rank",
+            "axis",
+            "dyn_batches",
+            "dyn_sum",
+            "dyn_min",
+            "dyn_max",
+        ):
             assert getattr(g, k) == getattr(d, k), (name, k)
         for arr in ("ch_min", "ch_max"):
             x, y = getattr(g, arr), getattr(d, arr)

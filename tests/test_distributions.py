@@ -210,7 +210,7 @@ def test_histogram_memory_does_not_grow_with_samples():
 def test_histogram_state_round_trips_for_shard_files():
     h = Pow2Histogram()
     h.update(np.array([-3.0, 0.1, 0.2, 7.5], np.float32))
-    again = Pow2Histogram.from_state(h.state())
+    again = Pow2Histogram.from_state(h.to_state())
     assert again.exponent == h.exponent and np.array_equal(again.counts, h.counts)
 
 

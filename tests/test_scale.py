@@ -66,7 +66,18 @@ def _assert_states_identical(a: CompareState, b: CompareState) -> None:
         for arr in ("ch_min", "ch_max", "ch_sum"):
             x, y = getattr(mine, arr), getattr(d, arr)
             assert (x is None and y is None) or np.array_equal(x, y), (name, arr)
-        for k in ("count", "clipped_low", "clipped_high", "fp_min", "fp_max", "ch_count", "dyn_scales"):
+        for k in (
+            "count",
+            "clipped_low",
+            "clipped_high",
+            "fp_min",
+            "fp_max",
+            "ch_count",
+            "dyn_batches",
+            "dyn_sum",
+            "dyn_min",
+            "dyn_max",
+        ):
             assert getattr(mine, k) == getattr(d, k), (name, k)
 
 

@@ -66,7 +66,7 @@ def test_f1_macro_and_micro_match_a_hand_computation():
     assert v["f1_micro_int8"] == pytest.approx(micro_q, abs=1e-12) == pytest.approx(4 / 6)
     assert v["f1_macro_drop"] == pytest.approx(1 - macro_q) and v["f1_micro_drop"] == pytest.approx(1 - micro_q)
     assert _f1_by_hand(truth, q_pred) == pytest.approx((macro_q, micro_q))
-    merged = halves[0].merge(F1Metric.from_state(json.loads(json.dumps(halves[1].state()))))
+    merged = halves[0].merge(F1Metric.from_state(json.loads(json.dumps(halves[1].to_state()))))
     assert merged.finalize() == v  # streaming + merge (through the JSON state) = one pass
     assert isinstance(m, TaskMetric)
 
