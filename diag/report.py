@@ -17,13 +17,17 @@ from typing import Any
 from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict
 from diag.compare import CompareResult
 from diag.distributions import TensorHealth, worst_tensors
+from diag.documents import read_document
 from diag.errors import DiagError
+from diag.exclude import report_section
 from diag.fp16 import fp16_fix
 from diag.jsonnum import json_number as _num
 from diag.jsonnum import number_from_json
 from diag.metrics import ErrorStats
 from diag.patterns import PatternInstance, PatternTotal
-from diag.taskmetrics import json_values
+from diag.plots import NEIGHBOURHOOD_HOPS, channel_ranges, distribution, error_along_graph, neighbourhood
+from diag.precision import describe
+from diag.taskmetrics import json_values, task_lines
 from diag.weights import WeightReport
 
 SCHEMA = "diag/compare"
@@ -249,6 +253,27 @@ def _deployed(result: CompareResult) -> dict[str, Any] | None:
     }
 
 
+def _fp16(result: CompareResult) -> dict[str, Any]:
+    """``{"fp16": {...}}`` for an FP16 comparison: range counts per tensor and the derived fix."""
+    state = result.state
+    if state is None or not state.fp16_ranges:
+        return {}
+    fix = fp16_fix(result.findings, state.fp16_ranges)
+    return {
+        "fp16": {
+            "ranges": {k: r.to_dict() for k, r in state.fp16_ranges.items()},
+            "fix": None
+            if fix is None
+            else {
+                "node_block_list": fix.node_block_list,
+                "op_block_list": fix.op_block_list,
+                "over_range": fix.over_range,
+                "why": fix.why,
+            },
+        }
+    }
+
+
 #: Tensors whose histograms and channel charts go into diag.json and the report.
 PLOTTED_TENSORS = 6
 #: Per-channel entries kept per weight in diag.json (the worst ones).
@@ -393,17 +418,18 @@ def view_from_file(path: str | os.PathLike[str]) -> ReportView:
 
 def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a ``diag.json``, validated against the shipped schema and for meaning (:mod:`diag.documents`)."""
-    from diag.documents import read_document
-
     return read_document(path)
 
 
 # ---------------------------------------------------------------- formatting
 
+#: What a missing number prints as.
+NO_VALUE = "\u2013"  # an en dash
+
 
 def fmt_db(v: Any) -> str:
     if v in ("inf", None):
-        return "∞" if v == "inf" else "–"
+        return "\u221e" if v == "inf" else NO_VALUE
     if v in ("-inf", "nan"):
         return str(v)
     return f"{float(v):.1f}"
@@ -411,7 +437,7 @@ def fmt_db(v: Any) -> str:
 
 def fmt_num(v: Any, digits: int = 3) -> str:
     if v is None:
-        return "–"
+        return NO_VALUE
     if isinstance(v, str):
         return v
     if v == 0:
@@ -420,7 +446,7 @@ def fmt_num(v: Any, digits: int = 3) -> str:
 
 
 def fmt_pct(v: Any) -> str:
-    return "–" if v is None or isinstance(v, str) else f"{100 * float(v):.2f}%"
+    return NO_VALUE if v is None or isinstance(v, str) else f"{100 * float(v):.2f}%"
 
 
 def _sortable(v: Any) -> str:
@@ -432,6 +458,33 @@ def _sortable(v: Any) -> str:
     if v == "-inf":
         return "-1e9"
     return str(v)
+
+
+# ---------------------------------------------------------------- view models
+# Every number is formatted and every cut is made here: the templates loop and print.
+
+#: Root causes and victims listed in the report's sentences (the node table has them all).
+CAUSE_LINES = 5
+#: Items of each list the Markdown summary repeats (victims, effects, sensitivity, remedies, metrics).
+SUMMARY_ITEMS = 3
+#: Steps of an error path printed in full; a longer one keeps its first and last three.
+PATH_STEPS = 7
+#: Pattern instances listed (worst first); diag.json has them all.
+PATTERN_INSTANCES = 25
+#: Weights listed (worst first); diag.json has them all.
+WEIGHT_ROWS = 40
+#: Tensors named in a persistent-outlier sentence.
+PERSISTENT_TENSORS = 8
+#: Outlier channels named per tensor.
+OUTLIER_CHANNELS = 6
+#: Rows of the outlier and health tables.
+OUTLIER_ROWS = 200
+HEALTH_ROWS = 300
+#: Tensors whose remedies the report lists (worst first); diag.json has them all.
+REMEDY_GROUPS = 12
+#: Root causes drawn with their graph neighbourhood.
+NEIGHBOURHOODS = 3
+_NUMBER_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 
 
 @dataclass
@@ -532,6 +585,14 @@ class DistributionPlot:
 
 
 @dataclass
+class Neighbourhood:
+    """One root cause's graph neighbourhood, drawn (inline SVG)."""
+
+    name: str
+    svg: str
+
+
+@dataclass
 class PatternRow:
     label: str
     instances: int
@@ -559,6 +620,18 @@ class WeightRow:
 
 
 @dataclass
+class BlockRow:
+    """One of the worst quantization blocks of a block-wise weight (see :mod:`diag.nbits`)."""
+
+    weight: str
+    where: str
+    rel_rmse: str
+    max_abs: str
+    levels: str
+    peak: str
+
+
+@dataclass
 class SensitivityRowView:
     label: str
     local_sqnr: str
@@ -569,8 +642,56 @@ class SensitivityRowView:
 
 
 @dataclass
+class MetricRow:
+    """A held-out metric before and after the verified exclusions."""
+
+    name: str
+    before: str
+    after: str
+
+
+@dataclass
+class LatencyRow:
+    model: str
+    p50: str
+    p90: str
+    speedup: str
+
+
+@dataclass
+class ExclusionView:
+    """The verified-fix section, from an ``exclusion.json`` (:func:`diag.exclude.report_section`)."""
+
+    verdict: str
+    target: str
+    held_out: str
+    nodes: list[str]
+    node_count: int
+    metrics: list[MetricRow]
+    #: The first :data:`SUMMARY_ITEMS` metrics, for summary.md.
+    summary_metrics: list[MetricRow]
+    latency: list[LatencyRow]
+    counts: str
+    trajectory_svg: str
+    snippet: str
+    alternatives: list[str]
+
+
+@dataclass
+class SummaryView:
+    """What summary.md repeats of the report: the first :data:`SUMMARY_ITEMS` of each list."""
+
+    victims: list[str]
+    effects: list[EffectRow]
+    sensitivity: list[SensitivityRowView]
+    #: The first persistent-outlier sentence, or "".
+    persistent: str
+    remedy_groups: list[RemedyGroup]
+
+
+@dataclass
 class ReportView:
-    """Everything the templates print, already formatted."""
+    """Everything the templates print, already formatted and already cut."""
 
     title: str
     grade: str
@@ -587,7 +708,11 @@ class ReportView:
     root_causes: list[str]
     victims: list[str]
     nodes_to_exclude: list[str]
+    #: len(nodes_to_exclude), printed by the summary.
+    fix_node_count: int
     unnamed_nodes: list[str]
+    #: unnamed_nodes joined for a sentence.
+    unnamed_list: str
     fix_command: str
     nodes: list[NodeRow]
     unmatched: list[tuple[str, str]]
@@ -597,23 +722,30 @@ class ReportView:
     accounted: int
     plot_error_along_graph: str
     bad_db: str
+    #: The loss (dB) under which a node only passes its input's error on (the document's threshold).
+    inherit_db: str
     outliers: list[OutlierRow]
     persistent: list[str]
     health: list[HealthRow]
     remedy_groups: list[RemedyGroup]
-    remedy_total: int
+    #: " The 12 worst of 30 tensors; diag.json lists them all." when the list is cut; else "".
+    remedy_note: str
     distribution_plots: list[DistributionPlot]
     pattern_kinds: list[PatternRow]
     pattern_instances: list[PatternRow]
     weights: list[WeightRow]
+    weights_shown: int
     weights_total: int
-    exclusion: dict[str, Any] | None
+    exclusion: ExclusionView | None
     sensitivity: list[SensitivityRowView]
-    neighbourhoods: list[tuple[str, str]]
+    neighbourhoods: list[Neighbourhood]
+    #: How far around a root cause its neighbourhood plot reaches, in words ("two").
+    neighbourhood_hops: str
     versions: str
     nonfinite: list[str]
     error_paths: list[str]
     sensitivity_note: str
+    summary: SummaryView
     #: Root-cause candidates with their measured effect on the outputs, and what it was measured on.
     effects: list[EffectRow] = field(default_factory=list)
     effects_note: str = ""
@@ -623,191 +755,235 @@ class ReportView:
     model_warnings: list[str] = field(default_factory=list)
     #: One line per --metric plugin value.
     task_lines: list[str] = field(default_factory=list)
-    #: Worst quantization blocks of block-wise weights (MatMulNBits, int4 QDQ), formatted cells.
-    weight_blocks: list[dict[str, str]] = field(default_factory=list)
-
-
-def _run_note(run: dict[str, Any]) -> str:
-    passes = int(run.get("passes", 1))
-    return f" · {passes} passes (memory budget)" if passes > 1 else ""
+    #: Worst quantization blocks of block-wise weights (MatMulNBits, int4 QDQ).
+    weight_blocks: list[BlockRow] = field(default_factory=list)
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
-    """Format a ``diag.json`` document for the templates."""
-    nodes = doc["nodes"]
-    rows = []
-    for n in nodes:
-        a = n["accumulated"]
-        loc = n["local"] or {}
-        rows.append(
-            NodeRow(
-                rank=n["rank_accumulated"],
-                rank_local=n["rank_local"],
-                name=n["name"],
-                op_type=n["op_type"],
-                role=n["role"],
-                quantized="yes" if n["quantized"] else "no",
-                acc_sqnr=fmt_db(a["sqnr_db"]),
-                acc_sqnr_key=_sortable(a["sqnr_db"]),
-                loc_sqnr=fmt_db(loc.get("sqnr_db")),
-                loc_sqnr_key=_sortable(loc.get("sqnr_db")),
-                amplification=fmt_db(n["amplification_db"]),
-                amplification_key=_sortable(n["amplification_db"]),
-                cosine=fmt_num(a["cosine"], 6),
-                max_abs=fmt_num(a["max_abs"]),
-                rmse_scale=fmt_num(a["rmse_over_scale"]),
-                tensor=n["tensor"],
-                pattern=n.get("pattern") or "",
-            )
-        )
-    by_local = sorted(nodes, key=lambda n: n["rank_local"])
+    """Format a ``diag.json`` document for the templates (``with_plots=False``: no SVG drawn).
+
+    Example:
+        >>> view_from_document(json.load(open("out/diag.json"))).grade  # doctest: +SKIP
+        'acceptable'
+    """
+    nodes, models, verdict, rec, m = doc["nodes"], doc["models"], doc["verdict"], doc["recommendation"], doc["matching"]
+    bad_db = doc["thresholds"]["bad_sqnr_db"]
     dist = doc.get("distributions") or {}
     remedy_groups = _remedy_groups(doc.get("suggestions", []))
-    dist_tensors = dist.get("tensors", {})
-    roots = [
-        (f"{n['pattern']}: " if n.get("pattern") else "")
-        + f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
-        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB" + _input_outliers(n, doc, dist_tensors)
-        for n in by_local
-        if n["role"] == "root-cause"
-    ][:5]
-    victims = [
-        f"{n['name']} ({n['op_type']}): accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB, "
-        f"local {fmt_db((n['local'] or {}).get('sqnr_db'))} dB"
-        for n in nodes
-        if n["role"] in ("victim", "amplifier")
-    ][:5]
-    rec = doc["recommendation"]
-    fmt = doc["models"]["int8"]["format"]
-    verdict = doc["verdict"]
-    plot = ""
-    if with_plots and nodes:
-        from diag.plots import error_along_graph
-
-        plot = error_along_graph(nodes, doc["thresholds"]["bad_sqnr_db"])
-    m = doc["matching"]
+    weights = _weight_rows(doc.get("weights"))
+    weights_total = len((doc.get("weights") or {}).get("findings", []))
+    effects = _effect_rows(doc.get("effects"))
+    sensitivity = _sensitivity_rows(doc.get("sensitivity"))
+    victims = _victim_lines(nodes)
+    persistent = _persistent_lines(dist)
+    shown_groups = remedy_groups[:REMEDY_GROUPS]
     return ReportView(
-        title=f"diag: {Path(doc['models']['int8']['path']).name} vs {Path(doc['models']['fp32']['path']).name}",
+        title=f"diag: {Path(models['int8']['path']).name} vs {Path(models['fp32']['path']).name}",
         grade=verdict["grade"],
         cause=verdict["cause"],
         single_cause=verdict["single_cause"],
-        fp32_path=doc["models"]["fp32"]["path"],
-        int8_path=doc["models"]["int8"]["path"],
-        int8_format=fmt + _precision_note(doc["models"]["int8"].get("precisions")),
+        fp32_path=models["fp32"]["path"],
+        int8_path=models["int8"]["path"],
+        int8_format=models["int8"]["format"] + _precision_note(models["int8"].get("precisions")),
         inputs=doc["run"]["inputs"],
         samples=doc["run"]["samples"],
         seconds=f"{doc['run']['seconds']:.1f}",
         run_note=_run_note(doc["run"]),
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
-        outputs=[
-            OutputRow(
-                o["name"],
-                o["grade"],
-                "; ".join(o["reasons"]),
-                fmt_db(o["sqnr_db"]),
-                fmt_num(o["cosine_min"], 6),
-                fmt_num(o["max_abs"]),
-                fmt_pct(o["top1_agreement"]),
-                o.get("kind") or "",
-                o.get("kind_evidence") or "",
-            )
-            for o in verdict["outputs"]
-        ]
-        + [
-            OutputRow(
-                f"{o['name']} · {p['label']}",
-                "",
-                f"Concat part; local SQNR {fmt_db(p['local_sqnr_db'])} dB",
-                fmt_db(p["sqnr_db"]),
-                fmt_num(p["cosine_min"], 6),
-                fmt_num(p["max_abs"]),
-                "",
-                "part",
-                "",
-            )
-            for o in verdict["outputs"]
-            for p in o.get("parts") or []
-        ],
-        root_causes=roots,
+        outputs=_output_rows(verdict["outputs"]),
+        root_causes=_root_cause_lines(doc),
         victims=victims,
         nodes_to_exclude=rec["nodes_to_exclude"],
+        fix_node_count=len(rec["nodes_to_exclude"]),
         unnamed_nodes=rec["unnamed_nodes"],
+        unnamed_list=", ".join(rec["unnamed_nodes"]),
         fix_command=fix_snippet(
-            fmt,
+            models["int8"]["format"],
             rec["nodes_to_exclude"],
             rec.get("recipe"),
-            doc["models"]["fp32"]["path"],
-            doc["models"]["int8"]["path"],
+            models["fp32"]["path"],
+            models["int8"]["path"],
         ),
-        nodes=rows,
+        nodes=[_node_row(n) for n in nodes],
         unmatched=sorted(m["unmatched_tensors"].items()),
         skipped_count=len(m["skipped_tensors"]),
         compared=m["compared"],
         float_tensors=m["float_tensors"],
         accounted=m["accounted"],
-        plot_error_along_graph=plot,
-        bad_db=f"{doc['thresholds']['bad_sqnr_db']:g}",
-        outliers=_outlier_rows(dist_tensors),
-        persistent=[
-            f"channel {p['index']} is an outlier in {len(p['tensors'])} of the {p['of_tensors']} tensors "
-            f"with {p['channels']} channels: " + ", ".join(p["tensors"][:8]) + (" ..." if len(p["tensors"]) > 8 else "")
-            for p in dist.get("persistent_outliers", [])
-        ],
-        health=_health_rows(dist_tensors),
-        remedy_groups=remedy_groups[:REMEDY_GROUPS],
-        remedy_total=len(remedy_groups),
+        plot_error_along_graph=error_along_graph(nodes, bad_db) if with_plots and nodes else "",
+        bad_db=f"{bad_db:g}",
+        inherit_db=f"{doc['thresholds']['inherit_db']:g}",
+        outliers=_outlier_rows(dist.get("tensors", {})),
+        persistent=persistent,
+        health=_health_rows(dist.get("tensors", {})),
+        remedy_groups=shown_groups,
+        remedy_note=_cut_note(len(shown_groups), len(remedy_groups)),
         distribution_plots=_distribution_plots(dist) if with_plots else [],
         pattern_kinds=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("kinds", [])],
-        pattern_instances=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:25]],
-        weights=_weight_rows(doc.get("weights")),
-        weights_total=len((doc.get("weights") or {}).get("findings", [])),
+        pattern_instances=[
+            _pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:PATTERN_INSTANCES]
+        ],
+        weights=weights,
+        weights_shown=len(weights),
+        weights_total=weights_total,
         weight_blocks=_block_rows(doc.get("weights")),
         exclusion=_exclusion_view(doc.get("exclusion"), with_plots),
-        sensitivity=[
-            SensitivityRowView(
-                r["label"],
-                fmt_db(r["local_sqnr_db"]),
-                fmt_num(r["cosine"], 6),
-                ("+" if isinstance(r["cosine_recovered"], float) and r["cosine_recovered"] >= 0 else "")
-                + fmt_num(r["cosine_recovered"], 4),
-                _sortable(r["cosine_recovered"]),
-                fmt_num(r["max_abs"]),
-            )
-            for r in (doc.get("sensitivity") or {}).get("rows", [])
-        ],
+        sensitivity=sensitivity,
         sensitivity_note=_sensitivity_note(doc.get("sensitivity")),
-        effects=[
-            EffectRow(
-                e["node"],
-                "; ".join(e["why"]),
-                fmt_db(e["local_sqnr_db"]),
-                fmt_pct(e["recovered"]),
-                _sortable(e["recovered"]),
-            )
-            for e in (doc.get("effects") or {}).get("effects", [])
-        ],
+        effects=effects,
         effects_note=_effects_note(doc.get("effects")),
         versions=" · ".join(
             f"{k} {doc['environment'][k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in doc["environment"]
         ),
         nonfinite=_nonfinite(nodes),
         error_paths=_error_paths(verdict["outputs"], nodes),
-        neighbourhoods=_neighbourhoods(nodes, doc["thresholds"]["bad_sqnr_db"]) if with_plots else [],
-        model_warnings=[w for k in ("fp32", "int8") for w in doc["models"][k].get("warnings", [])],
+        neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
+        neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
+        model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
         task_lines=_task_lines(doc.get("task_metrics") or {}),
+        summary=SummaryView(
+            victims=victims[:SUMMARY_ITEMS],
+            effects=effects[:SUMMARY_ITEMS],
+            sensitivity=sensitivity[:SUMMARY_ITEMS],
+            persistent=persistent[0] if persistent else "",
+            remedy_groups=shown_groups[:SUMMARY_ITEMS],
+        ),
     )
 
 
-#: Root causes drawn with their graph neighbourhood.
-NEIGHBOURHOODS = 3
+def _run_note(run: dict[str, Any]) -> str:
+    passes = int(run.get("passes", 1))
+    return f" \u00b7 {passes} passes (memory budget)" if passes > 1 else ""
 
 
-def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[tuple[str, str]]:
-    from diag.plots import neighbourhood
+def _cut_note(shown: int, total: int) -> str:
+    """The sentence that says a list was cut, or ""."""
+    return f" The {shown} worst of {total} tensors; diag.json lists them all." if total > shown else ""
 
+
+def _node_row(n: dict[str, Any]) -> NodeRow:
+    a = n["accumulated"]
+    loc = n["local"] or {}
+    return NodeRow(
+        rank=n["rank_accumulated"],
+        rank_local=n["rank_local"],
+        name=n["name"],
+        op_type=n["op_type"],
+        role=n["role"],
+        quantized="yes" if n["quantized"] else "no",
+        acc_sqnr=fmt_db(a["sqnr_db"]),
+        acc_sqnr_key=_sortable(a["sqnr_db"]),
+        loc_sqnr=fmt_db(loc.get("sqnr_db")),
+        loc_sqnr_key=_sortable(loc.get("sqnr_db")),
+        amplification=fmt_db(n["amplification_db"]),
+        amplification_key=_sortable(n["amplification_db"]),
+        cosine=fmt_num(a["cosine"], 6),
+        max_abs=fmt_num(a["max_abs"]),
+        rmse_scale=fmt_num(a["rmse_over_scale"]),
+        tensor=n["tensor"],
+        pattern=n.get("pattern") or "",
+    )
+
+
+def _root_cause_lines(doc: dict[str, Any]) -> list[str]:
+    """The first :data:`CAUSE_LINES` root causes by local rank, with their SQNRs and input outliers."""
+    dist_tensors = (doc.get("distributions") or {}).get("tensors", {})
+    return [
+        (f"{n['pattern']}: " if n.get("pattern") else "")
+        + f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
+        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB" + _input_outliers(n, dist_tensors)
+        for n in sorted(doc["nodes"], key=lambda n: n["rank_local"])
+        if n["role"] == "root-cause"
+    ][:CAUSE_LINES]
+
+
+def _victim_lines(nodes: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"{n['name']} ({n['op_type']}): accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB, "
+        f"local {fmt_db((n['local'] or {}).get('sqnr_db'))} dB"
+        for n in nodes
+        if n["role"] in ("victim", "amplifier")
+    ][:CAUSE_LINES]
+
+
+def _output_rows(outputs: list[dict[str, Any]]) -> list[OutputRow]:
+    """One row per model output, then one per Concat part of each."""
+    rows = [
+        OutputRow(
+            o["name"],
+            o["grade"],
+            "; ".join(o["reasons"]),
+            fmt_db(o["sqnr_db"]),
+            fmt_num(o["cosine_min"], 6),
+            fmt_num(o["max_abs"]),
+            fmt_pct(o["top1_agreement"]),
+            o.get("kind") or "",
+            o.get("kind_evidence") or "",
+        )
+        for o in outputs
+    ]
+    return rows + [
+        OutputRow(
+            f"{o['name']} \u00b7 {p['label']}",
+            "",
+            f"Concat part; local SQNR {fmt_db(p['local_sqnr_db'])} dB",
+            fmt_db(p["sqnr_db"]),
+            fmt_num(p["cosine_min"], 6),
+            fmt_num(p["max_abs"]),
+            "",
+            "part",
+            "",
+        )
+        for o in outputs
+        for p in o.get("parts") or []
+    ]
+
+
+def _sensitivity_rows(sens: dict[str, Any] | None) -> list[SensitivityRowView]:
+    return [
+        SensitivityRowView(
+            r["label"],
+            fmt_db(r["local_sqnr_db"]),
+            fmt_num(r["cosine"], 6),
+            ("+" if isinstance(r["cosine_recovered"], float) and r["cosine_recovered"] >= 0 else "")
+            + fmt_num(r["cosine_recovered"], 4),
+            _sortable(r["cosine_recovered"]),
+            fmt_num(r["max_abs"]),
+        )
+        for r in (sens or {}).get("rows", [])
+    ]
+
+
+def _effect_rows(effects: dict[str, Any] | None) -> list[EffectRow]:
+    return [
+        EffectRow(
+            e["node"],
+            "; ".join(e["why"]),
+            fmt_db(e["local_sqnr_db"]),
+            fmt_pct(e["recovered"]),
+            _sortable(e["recovered"]),
+        )
+        for e in (effects or {}).get("effects", [])
+    ]
+
+
+def _persistent_lines(dist: dict[str, Any]) -> list[str]:
+    """One sentence per channel index that is an outlier in several tensors."""
+    lines = []
+    for p in dist.get("persistent_outliers", []):
+        tensors = p["tensors"]
+        named = ", ".join(tensors[:PERSISTENT_TENSORS]) + (" ..." if len(tensors) > PERSISTENT_TENSORS else "")
+        lines.append(
+            f"channel {p['index']} is an outlier in {len(tensors)} of the {p['of_tensors']} tensors "
+            f"with {p['channels']} channels: " + named
+        )
+    return lines
+
+
+def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[Neighbourhood]:
     roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
-    drawn = [(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
-    return [(name, svg) for name, svg in drawn if svg]
+    drawn = [Neighbourhood(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
+    return [d for d in drawn if d.svg]
 
 
 def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> list[str]:
@@ -822,9 +998,9 @@ def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> 
         for n in path:
             role = f"{n['role']}, " if n["role"] not in ("ok", "victim") else ""
             steps.append(f"{n['name']} [{role}{fmt_db(n['accumulated']['sqnr_db'])} dB]")
-        if len(steps) > 7:
-            steps = [*steps[:3], f"… {len(steps) - 6} more …", *steps[-3:]]
-        lines.append(f"{o['name']}: " + " → ".join(steps))
+        if len(steps) > PATH_STEPS:
+            steps = [*steps[:3], f"\u2026 {len(steps) - 6} more \u2026", *steps[-3:]]
+        lines.append(f"{o['name']}: " + " \u2192 ".join(steps))
     return lines
 
 
@@ -868,20 +1044,26 @@ def _sensitivity_note(sens: dict[str, Any] | None) -> str:
     return note
 
 
-def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> dict[str, Any] | None:
+def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> ExclusionView | None:
     """The verified-fix section, from an ``exclusion.json`` document (see diag.exclude.report_section)."""
     if not exclusion:
         return None
-    from diag.exclude import report_section
-
-    view = report_section(exclusion)
-    if not with_plots:
-        view["trajectory_svg"] = ""
-    return view
-
-
-#: Tensors whose remedies the report lists (worst first); diag.json has them all.
-REMEDY_GROUPS = 12
+    section = report_section(exclusion)
+    metrics = [MetricRow(r["name"], r["before"], r["after"]) for r in section["metrics"]]
+    return ExclusionView(
+        verdict=section["verdict"],
+        target=section["target"],
+        held_out=section["held_out"],
+        nodes=section["nodes"],
+        node_count=len(section["nodes"]),
+        metrics=metrics,
+        summary_metrics=metrics[:SUMMARY_ITEMS],
+        latency=[LatencyRow(r["model"], r["p50"], r["p90"], r["speedup"]) for r in section["latency"]],
+        counts=section["counts"],
+        trajectory_svg=section["trajectory_svg"] if with_plots else "",
+        snippet=section["snippet"],
+        alternatives=section["alternatives"],
+    )
 
 
 def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
@@ -909,7 +1091,7 @@ def _pattern_row(t: dict[str, Any]) -> PatternRow:
     )
 
 
-def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[WeightRow]:
+def _weight_rows(weights: dict[str, Any] | None, limit: int = WEIGHT_ROWS) -> list[WeightRow]:
     rows = []
     for w in (weights or {}).get("findings", [])[:limit]:
         worst = w["channels"][0] if w["channels"] else None
@@ -922,7 +1104,7 @@ def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[Weight
             WeightRow(
                 w["fp_name"],
                 w["op_type"] + (" bias" if w["is_bias"] else ""),
-                "×".join(str(d) for d in w["shape"]) or "scalar",
+                "\u00d7".join(str(d) for d in w["shape"]) or "scalar",
                 f"{w['dtype']} {gran}",
                 fmt_db(w["sqnr_db"]),
                 _sortable(w["sqnr_db"]),
@@ -935,22 +1117,22 @@ def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[Weight
     return rows
 
 
-def _block_rows(weights: dict[str, Any] | None) -> list[dict[str, str]]:
+def _block_rows(weights: dict[str, Any] | None) -> list[BlockRow]:
     """The worst blocks of block-wise weights as table cells (see :mod:`diag.nbits`)."""
     return [
-        {
-            "weight": b["weight"],
-            "where": b["where"],
-            "rel_rmse": fmt_num(b["rel_rmse"]),
-            "max_abs": fmt_num(b["max_abs"]),
-            "levels": str(b["levels"]),
-            "peak": fmt_num(b["peak_ratio"]),
-        }
+        BlockRow(
+            weight=b["weight"],
+            where=b["where"],
+            rel_rmse=fmt_num(b["rel_rmse"]),
+            max_abs=fmt_num(b["max_abs"]),
+            levels=str(b["levels"]),
+            peak=fmt_num(b["peak_ratio"]),
+        )
         for b in (weights or {}).get("blocks", [])
     ]
 
 
-def _input_outliers(node: dict[str, Any], doc: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
+def _input_outliers(node: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
     """ "; input 'x' has outlier channel 7 (42x the median)" for a root cause, when it does."""
     parts = []
     for t in node.get("inputs", []):
@@ -968,16 +1150,17 @@ def _outlier_rows(dist_tensors: dict[str, Any]) -> list[OutlierRow]:
             continue
         shown = ", ".join(
             f"{o['index']} ({fmt_num(o['times_median'], 3)}x, {fmt_pct(o['scale_share'])} of range)"
-            for o in h["outliers"][:6]
+            for o in h["outliers"][:OUTLIER_CHANNELS]
         )
-        more = f" +{len(h['outliers']) - 6} more" if len(h["outliers"]) > 6 else ""
+        extra = len(h["outliers"]) - OUTLIER_CHANNELS
+        more = f" +{extra} more" if extra > 0 else ""
         rows.append(
             OutlierRow(
                 name, h["grid"], str(h["axis"]), h["channels"], shown + more, fmt_num(h["median_channel_levels"], 3)
             )
         )
     quantized_first = sorted(rows, key=lambda r: (r.grid == "none",))
-    return quantized_first[:200]
+    return quantized_first[:OUTLIER_ROWS]
 
 
 def _health_rows(dist_tensors: dict[str, Any]) -> list[HealthRow]:
@@ -997,17 +1180,15 @@ def _health_rows(dist_tensors: dict[str, Any]) -> list[HealthRow]:
                 fmt_num(h["range_over_bulk"], 3),
                 fmt_num(h["kurtosis"], 3),
                 fmt_pct(h["zero_point_position"]),
-                f"{fmt_num(dyn['min'])}–{fmt_num(dyn['max'])} over {dyn['batches']} batches" if dyn else "",
+                f"{fmt_num(dyn['min'])}\u2013{fmt_num(dyn['max'])} over {dyn['batches']} batches" if dyn else "",
                 "; ".join(h["reasons"]),
             )
         )
     rows.sort(key=lambda r: (not r.reasons, float(r.effective_bits_key or 99)))
-    return rows[:300]
+    return rows[:HEALTH_ROWS]
 
 
 def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
-    from diag.plots import channel_ranges, distribution
-
     plots = []
     factor = dist.get("outlier_factor", 6.0)
     for name, p in dist.get("plotted", {}).items():
@@ -1023,30 +1204,7 @@ def _precision_note(precisions: dict[str, list[str]] | None) -> str:
     """`` (fp16 6 nodes; fp32 1 (attn/Attention))`` for the report header; empty for 8-bit models."""
     if not precisions:
         return ""
-    from diag.precision import describe
-
     return f" ({describe(precisions)})"
-
-
-def _fp16(result: CompareResult) -> dict[str, Any]:
-    """``{"fp16": {...}}`` for an FP16 comparison: range counts per tensor and the derived fix."""
-    state = result.state
-    if state is None or not state.fp16_ranges:
-        return {}
-    fix = fp16_fix(result.findings, state.fp16_ranges)
-    return {
-        "fp16": {
-            "ranges": {k: r.to_dict() for k, r in state.fp16_ranges.items()},
-            "fix": None
-            if fix is None
-            else {
-                "node_block_list": fix.node_block_list,
-                "op_block_list": fix.op_block_list,
-                "over_range": fix.over_range,
-                "why": fix.why,
-            },
-        }
-    }
 
 
 def fix_snippet(
@@ -1187,8 +1345,6 @@ def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
 
 
 def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
-    from diag.taskmetrics import task_lines
-
     lines = []
     f1 = task_metrics.get("f1")
     if f1:
