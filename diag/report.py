@@ -768,14 +768,12 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     """
     nodes, models, verdict, rec, m = doc["nodes"], doc["models"], doc["verdict"], doc["recommendation"], doc["matching"]
     bad_db = doc["thresholds"]["bad_sqnr_db"]
-    dist = doc.get("distributions") or {}
+    dist, patterns = doc.get("distributions") or {}, doc.get("patterns") or {}
     remedy_groups = _remedy_groups(doc.get("suggestions", []))
     weights = _weight_rows(doc.get("weights"))
     weights_total = len((doc.get("weights") or {}).get("findings", []))
-    effects = _effect_rows(doc.get("effects"))
-    sensitivity = _sensitivity_rows(doc.get("sensitivity"))
-    victims = _victim_lines(nodes)
-    persistent = _persistent_lines(dist)
+    effects, sensitivity = _effect_rows(doc.get("effects")), _sensitivity_rows(doc.get("sensitivity"))
+    victims, persistent = _victim_lines(nodes), _persistent_lines(dist)
     shown_groups = remedy_groups[:REMEDY_GROUPS]
     return ReportView(
         title=f"diag: {Path(models['int8']['path']).name} vs {Path(models['fp32']['path']).name}",
@@ -797,13 +795,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         fix_node_count=len(rec["nodes_to_exclude"]),
         unnamed_nodes=rec["unnamed_nodes"],
         unnamed_list=", ".join(rec["unnamed_nodes"]),
-        fix_command=fix_snippet(
-            models["int8"]["format"],
-            rec["nodes_to_exclude"],
-            rec.get("recipe"),
-            models["fp32"]["path"],
-            models["int8"]["path"],
-        ),
+        fix_command=_fix_command(models, rec),
         nodes=[_node_row(n) for n in nodes],
         unmatched=sorted(m["unmatched_tensors"].items()),
         skipped_count=len(m["skipped_tensors"]),
@@ -819,10 +811,8 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         remedy_groups=shown_groups,
         remedy_note=_cut_note(len(shown_groups), len(remedy_groups)),
         distribution_plots=_distribution_plots(dist) if with_plots else [],
-        pattern_kinds=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("kinds", [])],
-        pattern_instances=[
-            _pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:PATTERN_INSTANCES]
-        ],
+        pattern_kinds=[_pattern_row(t) for t in patterns.get("kinds", [])],
+        pattern_instances=[_pattern_row(t) for t in patterns.get("instances", [])[:PATTERN_INSTANCES]],
         weights=weights,
         weights_shown=len(weights),
         weights_total=weights_total,
@@ -832,9 +822,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         sensitivity_note=_sensitivity_note(doc.get("sensitivity")),
         effects=effects,
         effects_note=_effects_note(doc.get("effects")),
-        versions=" · ".join(
-            f"{k} {doc['environment'][k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in doc["environment"]
-        ),
+        versions=_versions(doc["environment"]),
         nonfinite=_nonfinite(nodes),
         error_paths=_error_paths(verdict["outputs"], nodes),
         neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
@@ -842,13 +830,24 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
         task_lines=_task_lines(doc.get("task_metrics") or {}),
         summary=SummaryView(
-            victims=victims[:SUMMARY_ITEMS],
-            effects=effects[:SUMMARY_ITEMS],
-            sensitivity=sensitivity[:SUMMARY_ITEMS],
-            persistent=persistent[0] if persistent else "",
-            remedy_groups=shown_groups[:SUMMARY_ITEMS],
+            victims[:SUMMARY_ITEMS],
+            effects[:SUMMARY_ITEMS],
+            sensitivity[:SUMMARY_ITEMS],
+            persistent[0] if persistent else "",
+            shown_groups[:SUMMARY_ITEMS],
         ),
     )
+
+
+def _fix_command(models: dict[str, Any], rec: dict[str, Any]) -> str:
+    """The unverified fix as Python to paste: re-quantize with the root causes kept in float."""
+    int8 = models["int8"]
+    return fix_snippet(int8["format"], rec["nodes_to_exclude"], rec.get("recipe"), models["fp32"]["path"], int8["path"])
+
+
+def _versions(environment: dict[str, Any]) -> str:
+    """``onnxruntime 1.20.1 · onnx 1.17.0 · diag 0.9.0 · date ...`` for the report's header."""
+    return " · ".join(f"{k} {environment[k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in environment)
 
 
 def _run_note(run: dict[str, Any]) -> str:
