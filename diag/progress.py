@@ -136,7 +136,7 @@ def _bar_class() -> Any:
     # `diag --help` (or a run on a pipe, which draws no bar) should not pay for it.
     from tqdm import tqdm
 
-    class Bar(tqdm):  # type: ignore[misc,valid-type]  # tqdm ships no type hints
+    class Bar(tqdm):  # type: ignore[misc]  # tqdm ships no type hints
         def __init__(self, owner: Progress, **kwargs: Any) -> None:
             self._owner = owner  # before tqdm's __init__, which draws
             super().__init__(**kwargs)
