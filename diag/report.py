@@ -1370,9 +1370,7 @@ def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
 
 def templates_dir() -> Path:
     """Where the jinja2 templates live: in the installed package, or the source checkout."""
-    import diag
-
-    here = Path(diag.__file__).resolve().parent
+    here = Path(__file__).resolve().parent  # the diag package (not `import diag`: that is the cli layer)
     for candidate in (here / "reports_templates", here.parent / "reports_templates"):
         if (candidate / "report.html.j2").is_file():
             return candidate
