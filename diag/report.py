@@ -812,7 +812,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         persistent=persistent,
         health=_health_rows(dist.get("tensors", {})),
         remedy_groups=shown_groups,
-        remedy_note=_cut_note(len(shown_groups), len(remedy_groups)),
+        remedy_note=_remedy_note(len(shown_groups), len(remedy_groups)),
         distribution_plots=_distribution_plots(dist) if with_plots else [],
         pattern_kinds=[_pattern_row(t) for t in patterns.get("kinds", [])],
         pattern_instances=[_pattern_row(t) for t in patterns.get("instances", [])[:PATTERN_INSTANCES]],
@@ -858,8 +858,8 @@ def _run_note(run: dict[str, Any]) -> str:
     return f" \u00b7 {passes} passes (memory budget)" if passes > 1 else ""
 
 
-def _cut_note(shown: int, total: int) -> str:
-    """The sentence that says a list was cut, or ""."""
+def _remedy_note(shown: int, total: int) -> str:
+    """The sentence that says the remedy list was cut to the worst tensors, or ""."""
     return f" The {shown} worst of {total} tensors; diag.json lists them all." if total > shown else ""
 
 
