@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, set up for small, stable inline SVG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,10 +25,11 @@ def _pyplot() -> Any:
     return plt
 
 
-def _svg(fig: Any) -> str:
+def figure_svg(fig: Any) -> str:
+    """``fig`` as an inline ``<svg>`` element (closed after), safe to embed in a report."""
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
-    _pyplot().close(fig)
+    pyplot().close(fig)
     text = buf.getvalue()
     # Drop the XML prolog/doctype so the SVG can be inlined in HTML; metadata carries a date.
     start = text.find("<svg")
@@ -57,7 +59,7 @@ def error_along_graph(nodes: list[dict[str, Any]], bad_db: float) -> str:
     Reading it: where the accumulated line drops and the local dot sits on it, the node is a
     root cause; where the line is low but the dot is high, the node inherits the error.
     """
-    plt = _pyplot()
+    plt = pyplot()
     ordered = sorted(nodes, key=lambda n: n["index"])
     xs = list(range(len(ordered)))
     acc = [_clip_db(n["accumulated"]["sqnr_db"]) for n in ordered]
@@ -80,7 +82,7 @@ def error_along_graph(nodes: list[dict[str, Any]], bad_db: float) -> str:
     ax.set_ylabel("SQNR dB (capped at 80)")
     ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
-    return _svg(fig)
+    return figure_svg(fig)
 
 
 def _display_bins(state: dict[str, Any], lo: int, hi: int, target: int = 300) -> tuple[list[float], list[float]]:
@@ -114,7 +116,7 @@ def distribution(name: str, plotted: dict[str, Any], health: dict[str, Any]) -> 
     Values outside the shaded band are clipped by a static grid; a tall FP32 spike inside a few
     INT8 levels means the grid is too coarse where the data lives.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fp, q = plotted["fp32"], plotted["int8"]
     exponent = max(e for e in (fp["exponent"], q["exponent"]) if e is not None)
     from diag.distributions import Pow2Histogram
@@ -144,12 +146,12 @@ def distribution(name: str, plotted: dict[str, Any], health: dict[str, Any]) -> 
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=6, loc="upper right")
     ax.grid(alpha=0.25)
-    return _svg(fig)
+    return figure_svg(fig)
 
 
 def channel_ranges(name: str, channel_max: list[float], outliers: list[int], factor: float) -> str:
     """Per-channel max |x| with outlier channels in red and the flagging threshold dashed."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.2, 2.6), dpi=80)
     xs = list(range(len(channel_max)))
     bad = set(outliers)
@@ -168,10 +170,14 @@ def channel_ranges(name: str, channel_max: list[float], outliers: list[int], fac
     ax.set_title(f"{name[:50]}: max |x| per channel", fontsize=8)
     ax.set_xlabel("channel / hidden dim", fontsize=7)
     ax.tick_params(labelsize=7)
-    return _svg(fig)
+    return figure_svg(fig)
 
 
-def neighbourhood(nodes: list[dict[str, Any]], center: str, bad_db: float, hops: int = 2) -> str:
+#: How many edges around a root cause its neighbourhood plot reaches.
+NEIGHBOURHOOD_HOPS = 2
+
+
+def neighbourhood(nodes: list[dict[str, Any]], center: str, bad_db: float, hops: int = NEIGHBOURHOOD_HOPS) -> str:
     """The graph around one root cause: nodes within ``hops`` edges, left to right in graph order,
     coloured by accumulated SQNR (red = bad), the root cause outlined.
 
@@ -180,15 +186,15 @@ def neighbourhood(nodes: list[dict[str, Any]], center: str, bad_db: float, hops:
     """
     import networkx as nx
 
-    plt = _pyplot()
+    plt = pyplot()
     by_name = {n["name"]: n for n in nodes}
     producer = {n["tensor"]: n["name"] for n in nodes}
     g = nx.DiGraph()
-    for n in nodes:
-        g.add_node(n["name"])
-        for t in n.get("inputs", []):
-            if t in producer and producer[t] != n["name"]:
-                g.add_edge(producer[t], n["name"])
+    for node in nodes:
+        g.add_node(node["name"])
+        for t in node.get("inputs", []):
+            if t in producer and producer[t] != node["name"]:
+                g.add_edge(producer[t], node["name"])
     if center not in g:
         return ""
     keep = set(nx.single_source_shortest_path_length(g.to_undirected(as_view=True), center, cutoff=hops))
@@ -223,7 +229,7 @@ def neighbourhood(nodes: list[dict[str, Any]], center: str, bad_db: float, hops:
     ax.set_title(f"around {center[:60]} (accumulated SQNR dB; red below {bad_db:g})", fontsize=8)
     ax.axis("off")
     ax.margins(0.15)
-    return _svg(fig)
+    return figure_svg(fig)
 
 
 def _db_text(v: float | str | None) -> str:

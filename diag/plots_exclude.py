@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from diag.jsonnum import number_from_json as _metric
-from diag.plots import _pyplot, _svg
+from diag.plots import figure_svg, pyplot
 
 #: marker colour per search phase (op-type checks share one colour)
 PHASE_COLOURS = {
@@ -36,7 +36,7 @@ def trajectory_plot(doc: dict[str, Any]) -> str:
         >>> svg.startswith("<svg")  # doctest: +SKIP
         True
     """
-    plt = _pyplot()
+    plt = pyplot()
     steps = doc["search"]["trajectory"]
     metric, _, threshold = _split_target(doc["target"])
     fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80)
@@ -81,7 +81,7 @@ def trajectory_plot(doc: dict[str, Any]) -> str:
     ax.set_title(f"{doc['search']['quantizations']} re-quantizations, verdict: {doc['verdict']}", fontsize=9)
     ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
-    return _svg(fig)
+    return figure_svg(fig)
 
 
 def _split_target(text: str) -> tuple[str, str, float]:

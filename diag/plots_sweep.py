@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from diag.jsonnum import number_from_json as _num
-from diag.plots import _pyplot, _svg
+from diag.plots import figure_svg, pyplot
 
 #: marker colour per quantization format
 FORMAT_COLOURS = {"dynamic": "#2471a3", "QDQ": "#d35400", "QOperator": "#8e44ad"}
@@ -30,7 +30,7 @@ def pareto_plot(doc: dict[str, Any]) -> str:
         >>> svg.startswith("<svg")  # doctest: +SKIP
         True
     """
-    plt = _pyplot()
+    plt = pyplot()
     axis = doc["accuracy_axis"]
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=80)
     ok = [e for e in doc["entries"] if e["status"] == "ok"]
@@ -83,4 +83,4 @@ def pareto_plot(doc: dict[str, Any]) -> str:
     ax.set_title(f"{len(ok)} measured recipes, {len(front)} on the Pareto front", fontsize=9)
     ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
-    return _svg(fig)
+    return figure_svg(fig)

@@ -12,13 +12,27 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from diag.documents import SCHEMA, SCHEMA_VERSION
+from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict
+from diag.compare import CompareResult
+from diag.distributions import TensorHealth, worst_tensors
+from diag.documents import SCHEMA, SCHEMA_VERSION, read_document
 from diag.errors import DiagError
+from diag.exclude import report_section
 from diag.fixcode import fix_snippet
+from diag.fp16health import fp16_fix
 from diag.jsonnum import json_number as _num
 from diag.jsonnum import number_from_json
+from diag.metrics import ErrorStats
+from diag.patterns import PatternInstance, PatternTotal
+from diag.plots import NEIGHBOURHOOD_HOPS, channel_ranges, distribution, error_along_graph, neighbourhood
+from diag.precision import describe
+from diag.taskmetrics import json_values, task_lines
+from diag.weights import WeightReport
+
+if TYPE_CHECKING:
+    import jinja2
 
 SUMMARY_MAX_LINES = 60
 
@@ -26,18 +40,63 @@ SUMMARY_MAX_LINES = 60
 # ---------------------------------------------------------------- JSON document
 
 
-def _stats(s: Any) -> dict[str, Any] | None:
+def _stats(s: ErrorStats | None) -> dict[str, Any] | None:
     if s is None:
         return None
     return {k: _num(v) for k, v in s.to_dict().items()}
 
 
-def document_from_result(result: Any) -> dict[str, Any]:
-    """The ``diag.json`` document of a CompareResult (see ``reports_templates/diag.schema.json``)."""
-    from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB
+def document_from_result(result: CompareResult) -> dict[str, Any]:
+    """The ``diag.json`` document of a CompareResult (see ``reports_templates/diag.schema.json``).
 
-    m = result.matching
-    accounted = len(m.pairs) + len(m.fused_away)
+    Example:
+        >>> doc = document_from_result(compare_models("fp32.onnx", "int8.onnx", FeedSpec()))  # doctest: +SKIP
+        >>> doc["verdict"]["grade"]  # doctest: +SKIP
+        'acceptable'
+    """
+    nodes = _node_dicts(result)
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "environment": result.environment,
+        "models": _models(result),
+        **_fp16(result),
+        # --accuracy-level-check: MatMulNBits at that accuracy_level vs 0 (diag.nbits); absent otherwise.
+        **({"accuracy_level": result.accuracy_level.to_dict()} if result.accuracy_level is not None else {}),
+        "run": {
+            "inputs": result.input_description,
+            "samples": result.samples,
+            "batches": result.batches,
+            "seconds": round(result.seconds, 2),
+            "opt_level": result.options.opt_level,
+            "local_error": result.options.local,
+            "passes": result.passes,
+        },
+        "deployed": _deployed(result),
+        "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB, "bands": BANDS},
+        "verdict": {
+            "grade": result.grade,
+            "single_cause": result.single_cause,
+            "cause": result.cause_sentence,
+            "outputs": [_output_dict(result, v) for v in result.verdicts],
+        },
+        # F1 against --labels and --metric plugin values (see diag.taskmetrics).
+        "task_metrics": json_values(result.task_metrics or {}),
+        "recommendation": _recommendation(result, nodes),
+        "matching": _matching(result),
+        "nodes": nodes,
+        "distributions": _distributions(result),
+        "suggestions": [x.to_dict() for x in result.suggestions],
+        "weights": _weights(result.weights),
+        "patterns": _patterns(result),
+        "sensitivity": result.sensitivity.to_dict() if result.sensitivity is not None else None,
+        "effects": result.effects.to_dict() if result.effects is not None else None,
+        "tensors": _tensors(result),
+    }
+
+
+def _node_dicts(result: CompareResult) -> list[dict[str, Any]]:
+    """Every node finding, in accumulated-rank order."""
     pattern_of = _innermost_patterns(result.patterns)
     nodes = []
     for f in sorted(result.findings, key=lambda f: f.rank_accumulated):
@@ -62,146 +121,120 @@ def document_from_result(result: Any) -> dict[str, Any]:
                 "int8_nodes": g.int8_nodes,
             }
         )
-    roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
-    # Unnamed nodes only have diag's stand-in ids (``MatMul#2``), which nodes_to_exclude cannot take.
-    exclude = [name for n in roots for name in n["fp_nodes"] if n["quantized"] and not n["unnamed"]]
-    unnamed = [n["name"] for n in roots if n["unnamed"]]
+    return nodes
+
+
+def _models(result: CompareResult) -> dict[str, Any]:
+    int8_format = result.int8.format
     return {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "environment": result.environment,
-        "models": {
-            "fp32": {
-                "path": str(result.fp32.path),
-                "format": result.fp32.format.kind,
-                "warnings": list(getattr(result.fp32, "warnings", [])),
-            },
-            "int8": {
-                "path": str(result.int8.path),
-                "format": result.int8.format.kind,
-                "evidence": result.int8.format.evidence,
-                "warnings": list(getattr(result.int8, "warnings", [])),
-                # Which nodes run at which precision (FP16, 16-bit activations); absent otherwise.
-                **({"precisions": result.int8.format.precisions} if result.int8.format.precisions else {}),
-            },
+        "fp32": {
+            "path": str(result.fp32.path),
+            "format": result.fp32.format.kind,
+            "warnings": list(result.fp32.warnings),
         },
-        **_fp16(result),
-        # --accuracy-level-check: MatMulNBits at that accuracy_level vs 0 (diag.nbits); absent otherwise.
-        **(
-            {"accuracy_level": result.accuracy_level.to_dict()}
-            if getattr(result, "accuracy_level", None) is not None
-            else {}
-        ),
-        "run": {
-            "inputs": result.input_description,
-            "samples": result.samples,
-            "batches": result.batches,
-            "seconds": round(result.seconds, 2),
-            "opt_level": result.options.opt_level,
-            "local_error": result.options.local,
-            "passes": getattr(result, "passes", 1),
-        },
-        "deployed": _deployed(result),
-        "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB, "bands": BANDS},
-        "verdict": {
-            "grade": result.grade,
-            "single_cause": result.single_cause,
-            "cause": result.cause_sentence,
-            "outputs": [
-                {
-                    "name": v.name,
-                    "grade": v.grade,
-                    "reasons": v.reasons,
-                    "sqnr_db": _num(v.stats.sqnr_db),
-                    "cosine_min": _num(v.per_sample.cosine_min),
-                    "cosine_mean": _num(v.per_sample.cosine_mean),
-                    "max_abs": _num(v.per_sample.max_abs),
-                    "top1_agreement": _num(v.per_sample.top1_agreement),
-                    "samples": v.per_sample.samples,
-                    "accuracy_fp32": _num(v.accuracy_fp32),
-                    "accuracy_int8": _num(v.accuracy_int8),
-                    "accuracy_drop": _num(v.accuracy_drop),
-                    **_f1_fields(result, v.name),
-                    "error_path": [f.group.label for f in result.paths.get(v.name, [])],
-                    "kind": v.per_sample.kind,
-                    "kind_evidence": result.state.outputs[v.name].spec.evidence
-                    if result.state is not None and v.name in result.state.outputs
-                    else "",
-                    "nonfinite_samples": v.per_sample.nonfinite_samples,
-                    "mask_iou": _num(v.per_sample.mask_iou),
-                    "rel_max_abs": _num(v.per_sample.rel_max_abs),
-                    "parts": [
-                        {
-                            "label": label,
-                            "sqnr_db": _num(acc.sqnr_db),
-                            "cosine_min": _num(part.cosine_min),
-                            "max_abs": _num(part.max_abs),
-                            "local_sqnr_db": _num(local.sqnr_db) if local is not None else None,
-                        }
-                        for label, (part, acc, local) in v.per_sample.parts.items()
-                    ],
-                }
-                for v in result.verdicts
-            ],
-        },
-        # F1 against --labels and --metric plugin values (see diag.taskmetrics).
-        "task_metrics": _task_metrics(result),
-        "recommendation": {
-            "nodes_to_exclude": exclude,
-            "unnamed_nodes": unnamed,
-            "verified": False,
-            # The settings the fix snippet re-quantizes with (given or inferred), so that
-            # `diag report` renders the same snippet without the models.
-            "recipe": getattr(result, "fix_recipe", None),
-        },
-        "matching": {
-            "float_tensors": len(m.fp_float_tensors),
-            "compared": len(result.accumulated),
-            "accounted": accounted,
-            "coverage": _num(m.coverage),
-            "unmatched_tensors": dict(sorted({**m.unmatched_tensors, **result.runtime_unmatched}.items())),
-            "skipped_tensors": dict(sorted(m.skipped_tensors.items())),
-            "unmatched_nodes": dict(sorted(m.unmatched_nodes.items())),
-            "int8_only_nodes": m.int8_only_nodes,
-        },
-        "nodes": nodes,
-        "distributions": _distributions(result),
-        "suggestions": [x.to_dict() for x in result.suggestions],
-        "weights": _weights(result.weights),
-        "patterns": _patterns(result),
-        "sensitivity": result.sensitivity.to_dict() if result.sensitivity is not None else None,
-        "effects": result.effects.to_dict() if getattr(result, "effects", None) is not None else None,
-        "tensors": {
-            name: {
-                "how": m.pairs[name].how,
-                "int8_name": m.pairs[name].int8_name,
-                "accumulated": _stats(result.accumulated.get(name)),
-                "local": _stats(result.local.get(name)),
-            }
-            for name in m.fp_float_tensors
-            if name in result.accumulated
+        "int8": {
+            "path": str(result.int8.path),
+            "format": int8_format.kind,
+            "evidence": int8_format.evidence,
+            "warnings": list(result.int8.warnings),
+            # Which nodes run at which precision (FP16, 16-bit activations); absent otherwise.
+            **({"precisions": int8_format.precisions} if int8_format.precisions else {}),
         },
     }
 
 
-def _task_metrics(result: Any) -> dict[str, Any]:
-    from diag.taskmetrics import json_values
+def _output_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
+    """One model output's verdict, its figures, its error path and its Concat parts."""
+    state = result.state
+    return {
+        "name": v.name,
+        "grade": v.grade,
+        "reasons": v.reasons,
+        "sqnr_db": _num(v.stats.sqnr_db),
+        "cosine_min": _num(v.per_sample.cosine_min),
+        "cosine_mean": _num(v.per_sample.cosine_mean),
+        "max_abs": _num(v.per_sample.max_abs),
+        "top1_agreement": _num(v.per_sample.top1_agreement),
+        "samples": v.per_sample.samples,
+        "accuracy_fp32": _num(v.accuracy_fp32),
+        "accuracy_int8": _num(v.accuracy_int8),
+        "accuracy_drop": _num(v.accuracy_drop),
+        **_f1_fields(result, v.name),
+        "error_path": [f.group.label for f in result.paths.get(v.name, [])],
+        "kind": v.per_sample.kind,
+        "kind_evidence": state.outputs[v.name].spec.evidence if state is not None and v.name in state.outputs else "",
+        "nonfinite_samples": v.per_sample.nonfinite_samples,
+        "mask_iou": _num(v.per_sample.mask_iou),
+        "rel_max_abs": _num(v.per_sample.rel_max_abs),
+        "parts": [
+            {
+                "label": label,
+                "sqnr_db": _num(acc.sqnr_db),
+                "cosine_min": _num(part.cosine_min),
+                "max_abs": _num(part.max_abs),
+                "local_sqnr_db": _num(local.sqnr_db) if local is not None else None,
+            }
+            for label, (part, acc, local) in v.per_sample.parts.items()
+        ],
+    }
 
-    return json_values(getattr(result, "task_metrics", {}) or {})
+
+def _recommendation(result: CompareResult, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The root causes' nodes to keep in float, and the recipe the fix snippet re-quantizes with."""
+    roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
+    # Unnamed nodes only have diag's stand-in ids (``MatMul#2``), which nodes_to_exclude cannot take.
+    exclude = [name for n in roots for name in n["fp_nodes"] if n["quantized"] and not n["unnamed"]]
+    return {
+        "nodes_to_exclude": exclude,
+        "unnamed_nodes": [n["name"] for n in roots if n["unnamed"]],
+        "verified": False,
+        # The settings the fix snippet re-quantizes with (given or inferred), so that
+        # `diag report` renders the same snippet without the models.
+        "recipe": result.fix_recipe,
+    }
 
 
-def _f1_fields(result: Any, output: str) -> dict[str, Any]:
+def _matching(result: CompareResult) -> dict[str, Any]:
+    m = result.matching
+    return {
+        "float_tensors": len(m.fp_float_tensors),
+        "compared": len(result.accumulated),
+        "accounted": len(m.pairs) + len(m.fused_away),
+        "coverage": _num(m.coverage),
+        "unmatched_tensors": dict(sorted({**m.unmatched_tensors, **result.runtime_unmatched}.items())),
+        "skipped_tensors": dict(sorted(m.skipped_tensors.items())),
+        "unmatched_nodes": dict(sorted(m.unmatched_nodes.items())),
+        "int8_only_nodes": m.int8_only_nodes,
+    }
+
+
+def _tensors(result: CompareResult) -> dict[str, Any]:
+    """How each compared FP32 tensor was paired, and its accumulated and local error."""
+    m = result.matching
+    return {
+        name: {
+            "how": m.pairs[name].how,
+            "int8_name": m.pairs[name].int8_name,
+            "accumulated": _stats(result.accumulated.get(name)),
+            "local": _stats(result.local.get(name)),
+        }
+        for name in m.fp_float_tensors
+        if name in result.accumulated
+    }
+
+
+def _f1_fields(result: CompareResult, output: str) -> dict[str, Any]:
     """``f1_macro_*`` / ``f1_micro_*`` of the labelled output (None elsewhere: ``diag check`` skips those)."""
-    f1 = (getattr(result, "task_metrics", {}) or {}).get("f1")
+    f1 = (result.task_metrics or {}).get("f1")
     keys = ("f1_macro_fp32", "f1_macro_int8", "f1_macro_drop", "f1_micro_fp32", "f1_micro_int8", "f1_micro_drop")
     if not f1 or f1["output"] != output:
         return dict.fromkeys(keys)
     return {k: _num(f1["values"][k]) for k in keys}
 
 
-def _deployed(result: Any) -> dict[str, Any] | None:
+def _deployed(result: CompareResult) -> dict[str, Any] | None:
     """Outputs as onnxruntime really runs the models at --ort-opt-level, and what its fusions hide."""
-    deployed = getattr(result, "deployed", None)
+    deployed = result.deployed
     if not deployed:
         return None
     return {
@@ -222,13 +255,34 @@ def _deployed(result: Any) -> dict[str, Any] | None:
     }
 
 
+def _fp16(result: CompareResult) -> dict[str, Any]:
+    """``{"fp16": {...}}`` for an FP16 comparison: range counts per tensor and the derived fix."""
+    state = result.state
+    if state is None or not state.fp16_ranges:
+        return {}
+    fix = fp16_fix(result.findings, state.fp16_ranges)
+    return {
+        "fp16": {
+            "ranges": {k: r.to_dict() for k, r in state.fp16_ranges.items()},
+            "fix": None
+            if fix is None
+            else {
+                "node_block_list": fix.node_block_list,
+                "op_block_list": fix.op_block_list,
+                "over_range": fix.over_range,
+                "why": fix.why,
+            },
+        }
+    }
+
+
 #: Tensors whose histograms and channel charts go into diag.json and the report.
 PLOTTED_TENSORS = 6
 #: Per-channel entries kept per weight in diag.json (the worst ones).
 WEIGHT_CHANNELS = 8
 
 
-def _innermost_patterns(instances: list[Any]) -> dict[str, str]:
+def _innermost_patterns(instances: list[PatternInstance]) -> dict[str, str]:
     """Node id -> label of the smallest pattern instance containing it ("GELU in layer1 (ffn/gelu)")."""
     best: dict[str, tuple[int, str]] = {}
     for p in instances:
@@ -238,7 +292,7 @@ def _innermost_patterns(instances: list[Any]) -> dict[str, str]:
     return {n: label for n, (_, label) in best.items()}
 
 
-def _weights(report: Any) -> dict[str, Any] | None:
+def _weights(report: WeightReport | None) -> dict[str, Any] | None:
     if report is None:
         return None
     weights = []
@@ -254,7 +308,7 @@ def _weights(report: Any) -> dict[str, Any] | None:
     )
 
 
-def _pattern_total(t: Any) -> dict[str, Any]:
+def _pattern_total(t: PatternTotal) -> dict[str, Any]:
     return {
         "kind": t.kind,
         "label": t.label,
@@ -270,14 +324,14 @@ def _pattern_total(t: Any) -> dict[str, Any]:
     }
 
 
-def _patterns(result: Any) -> dict[str, Any]:
+def _patterns(result: CompareResult) -> dict[str, Any]:
     return {
         "kinds": [_pattern_total(t) for t in result.pattern_kinds],
         "instances": [_pattern_total(t) for t in result.pattern_instances],
     }
 
 
-def _health_dict(h: Any) -> dict[str, Any]:
+def _health_dict(h: TensorHealth) -> dict[str, Any]:
     return {
         "grid": h.grid,
         "scale": _num(h.scale),
@@ -318,12 +372,10 @@ def _health_dict(h: Any) -> dict[str, Any]:
     }
 
 
-def _distributions(result: Any) -> dict[str, Any] | None:
+def _distributions(result: CompareResult) -> dict[str, Any] | None:
     """Per-tensor health for every compared tensor; histograms for the worst few only."""
     if not result.health:
         return None
-    from diag.distributions import worst_tensors
-
     worst = worst_tensors(result.health, PLOTTED_TENSORS)
     return {
         "outlier_factor": result.options.outlier_factor,
@@ -332,14 +384,18 @@ def _distributions(result: Any) -> dict[str, Any] | None:
             for p in result.persistent
         ],
         "tensors": {name: _health_dict(h) for name, h in result.health.items()},
-        "plotted": {
-            name: {
-                "fp32": result.health[name].fp_hist.to_state(),
-                "int8": result.health[name].int8_hist.to_state(),
-                "channel_max": [round(v, 6) for v in result.health[name].channel_max],
-            }
-            for name in worst
-        },
+        "plotted": {name: _plotted(result.health[name]) for name in worst},
+    }
+
+
+def _plotted(h: TensorHealth) -> dict[str, Any]:
+    """Both histograms and the channel maxima of one tensor, for the report's plots."""
+    # A finalized TensorHealth always has both histograms; only a hand-built one has none.
+    assert h.fp_hist is not None and h.int8_hist is not None, "plotted tensors have histograms"
+    return {
+        "fp32": h.fp_hist.to_state(),
+        "int8": h.int8_hist.to_state(),
+        "channel_max": [round(v, 6) for v in h.channel_max],
     }
 
 
@@ -364,17 +420,18 @@ def view_from_file(path: str | os.PathLike[str]) -> ReportView:
 
 def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a ``diag.json``, validated against the shipped schema and for meaning (:mod:`diag.documents`)."""
-    from diag.documents import read_document
-
     return read_document(path)
 
 
 # ---------------------------------------------------------------- formatting
 
+#: What a missing number prints as.
+NO_VALUE = "\u2013"  # an en dash
+
 
 def fmt_db(v: Any) -> str:
     if v in ("inf", None):
-        return "∞" if v == "inf" else "–"
+        return "\u221e" if v == "inf" else NO_VALUE
     if v in ("-inf", "nan"):
         return str(v)
     return f"{float(v):.1f}"
@@ -382,7 +439,7 @@ def fmt_db(v: Any) -> str:
 
 def fmt_num(v: Any, digits: int = 3) -> str:
     if v is None:
-        return "–"
+        return NO_VALUE
     if isinstance(v, str):
         return v
     if v == 0:
@@ -391,7 +448,7 @@ def fmt_num(v: Any, digits: int = 3) -> str:
 
 
 def fmt_pct(v: Any) -> str:
-    return "–" if v is None or isinstance(v, str) else f"{100 * float(v):.2f}%"
+    return NO_VALUE if v is None or isinstance(v, str) else f"{100 * float(v):.2f}%"
 
 
 def _sortable(v: Any) -> str:
@@ -403,6 +460,33 @@ def _sortable(v: Any) -> str:
     if v == "-inf":
         return "-1e9"
     return str(v)
+
+
+# ---------------------------------------------------------------- view models
+# Every number is formatted and every cut is made here: the templates loop and print.
+
+#: Root causes and victims listed in the report's sentences (the node table has them all).
+CAUSE_LINES = 5
+#: Items of each list the Markdown summary repeats (victims, effects, sensitivity, remedies, metrics).
+SUMMARY_ITEMS = 3
+#: Steps of an error path printed in full; a longer one keeps its first and last three.
+PATH_STEPS = 7
+#: Pattern instances listed (worst first); diag.json has them all.
+PATTERN_INSTANCES = 25
+#: Weights listed (worst first); diag.json has them all.
+WEIGHT_ROWS = 40
+#: Tensors named in a persistent-outlier sentence.
+PERSISTENT_TENSORS = 8
+#: Outlier channels named per tensor.
+OUTLIER_CHANNELS = 6
+#: Rows of the outlier and health tables.
+OUTLIER_ROWS = 200
+HEALTH_ROWS = 300
+#: Tensors whose remedies the report lists (worst first); diag.json has them all.
+REMEDY_GROUPS = 12
+#: Root causes drawn with their graph neighbourhood.
+NEIGHBOURHOODS = 3
+_NUMBER_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
 
 
 @dataclass
@@ -503,6 +587,14 @@ class DistributionPlot:
 
 
 @dataclass
+class Neighbourhood:
+    """One root cause's graph neighbourhood, drawn (inline SVG)."""
+
+    name: str
+    svg: str
+
+
+@dataclass
 class PatternRow:
     label: str
     instances: int
@@ -530,6 +622,18 @@ class WeightRow:
 
 
 @dataclass
+class BlockRow:
+    """One of the worst quantization blocks of a block-wise weight (see :mod:`diag.nbits`)."""
+
+    weight: str
+    where: str
+    rel_rmse: str
+    max_abs: str
+    levels: str
+    peak: str
+
+
+@dataclass
 class SensitivityRowView:
     label: str
     local_sqnr: str
@@ -540,8 +644,56 @@ class SensitivityRowView:
 
 
 @dataclass
+class MetricRow:
+    """A held-out metric before and after the verified exclusions."""
+
+    name: str
+    before: str
+    after: str
+
+
+@dataclass
+class LatencyRow:
+    model: str
+    p50: str
+    p90: str
+    speedup: str
+
+
+@dataclass
+class ExclusionView:
+    """The verified-fix section, from an ``exclusion.json`` (:func:`diag.exclude.report_section`)."""
+
+    verdict: str
+    target: str
+    held_out: str
+    nodes: list[str]
+    node_count: int
+    metrics: list[MetricRow]
+    #: The first :data:`SUMMARY_ITEMS` metrics, for summary.md.
+    summary_metrics: list[MetricRow]
+    latency: list[LatencyRow]
+    counts: str
+    trajectory_svg: str
+    snippet: str
+    alternatives: list[str]
+
+
+@dataclass
+class SummaryView:
+    """What summary.md repeats of the report: the first :data:`SUMMARY_ITEMS` of each list."""
+
+    victims: list[str]
+    effects: list[EffectRow]
+    sensitivity: list[SensitivityRowView]
+    #: The first persistent-outlier sentence, or "".
+    persistent: str
+    remedy_groups: list[RemedyGroup]
+
+
+@dataclass
 class ReportView:
-    """Everything the templates print, already formatted."""
+    """Everything the templates print, already formatted and already cut."""
 
     title: str
     grade: str
@@ -558,7 +710,11 @@ class ReportView:
     root_causes: list[str]
     victims: list[str]
     nodes_to_exclude: list[str]
+    #: len(nodes_to_exclude), printed by the summary.
+    fix_node_count: int
     unnamed_nodes: list[str]
+    #: unnamed_nodes joined for a sentence.
+    unnamed_list: str
     fix_command: str
     nodes: list[NodeRow]
     unmatched: list[tuple[str, str]]
@@ -568,23 +724,30 @@ class ReportView:
     accounted: int
     plot_error_along_graph: str
     bad_db: str
+    #: The loss (dB) under which a node only passes its input's error on (the document's threshold).
+    inherit_db: str
     outliers: list[OutlierRow]
     persistent: list[str]
     health: list[HealthRow]
     remedy_groups: list[RemedyGroup]
-    remedy_total: int
+    #: " The 12 worst of 30 tensors; diag.json lists them all." when the list is cut; else "".
+    remedy_note: str
     distribution_plots: list[DistributionPlot]
     pattern_kinds: list[PatternRow]
     pattern_instances: list[PatternRow]
     weights: list[WeightRow]
+    weights_shown: int
     weights_total: int
-    exclusion: dict[str, Any] | None
+    exclusion: ExclusionView | None
     sensitivity: list[SensitivityRowView]
-    neighbourhoods: list[tuple[str, str]]
+    neighbourhoods: list[Neighbourhood]
+    #: How far around a root cause its neighbourhood plot reaches, in words ("two").
+    neighbourhood_hops: str
     versions: str
     nonfinite: list[str]
     error_paths: list[str]
     sensitivity_note: str
+    summary: SummaryView
     #: Root-cause candidates with their measured effect on the outputs, and what it was measured on.
     effects: list[EffectRow] = field(default_factory=list)
     effects_note: str = ""
@@ -594,191 +757,234 @@ class ReportView:
     model_warnings: list[str] = field(default_factory=list)
     #: One line per --metric plugin value.
     task_lines: list[str] = field(default_factory=list)
-    #: Worst quantization blocks of block-wise weights (MatMulNBits, int4 QDQ), formatted cells.
-    weight_blocks: list[dict[str, str]] = field(default_factory=list)
-
-
-def _run_note(run: dict[str, Any]) -> str:
-    passes = int(run.get("passes", 1))
-    return f" · {passes} passes (memory budget)" if passes > 1 else ""
+    #: Worst quantization blocks of block-wise weights (MatMulNBits, int4 QDQ).
+    weight_blocks: list[BlockRow] = field(default_factory=list)
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
-    """Format a ``diag.json`` document for the templates."""
-    nodes = doc["nodes"]
-    rows = []
-    for n in nodes:
-        a = n["accumulated"]
-        loc = n["local"] or {}
-        rows.append(
-            NodeRow(
-                rank=n["rank_accumulated"],
-                rank_local=n["rank_local"],
-                name=n["name"],
-                op_type=n["op_type"],
-                role=n["role"],
-                quantized="yes" if n["quantized"] else "no",
-                acc_sqnr=fmt_db(a["sqnr_db"]),
-                acc_sqnr_key=_sortable(a["sqnr_db"]),
-                loc_sqnr=fmt_db(loc.get("sqnr_db")),
-                loc_sqnr_key=_sortable(loc.get("sqnr_db")),
-                amplification=fmt_db(n["amplification_db"]),
-                amplification_key=_sortable(n["amplification_db"]),
-                cosine=fmt_num(a["cosine"], 6),
-                max_abs=fmt_num(a["max_abs"]),
-                rmse_scale=fmt_num(a["rmse_over_scale"]),
-                tensor=n["tensor"],
-                pattern=n.get("pattern") or "",
-            )
-        )
-    by_local = sorted(nodes, key=lambda n: n["rank_local"])
-    dist = doc.get("distributions") or {}
-    remedy_groups = _remedy_groups(doc.get("suggestions", []))
-    dist_tensors = dist.get("tensors", {})
-    roots = [
-        (f"{n['pattern']}: " if n.get("pattern") else "")
-        + f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
-        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB" + _input_outliers(n, doc, dist_tensors)
-        for n in by_local
-        if n["role"] == "root-cause"
-    ][:5]
-    victims = [
-        f"{n['name']} ({n['op_type']}): accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB, "
-        f"local {fmt_db((n['local'] or {}).get('sqnr_db'))} dB"
-        for n in nodes
-        if n["role"] in ("victim", "amplifier")
-    ][:5]
-    rec = doc["recommendation"]
-    fmt = doc["models"]["int8"]["format"]
-    verdict = doc["verdict"]
-    plot = ""
-    if with_plots and nodes:
-        from diag.plots import error_along_graph
+    """Format a ``diag.json`` document for the templates (``with_plots=False``: no SVG drawn).
 
-        plot = error_along_graph(nodes, doc["thresholds"]["bad_sqnr_db"])
-    m = doc["matching"]
+    Example:
+        >>> view_from_document(json.load(open("out/diag.json"))).grade  # doctest: +SKIP
+        'acceptable'
+    """
+    nodes, models, verdict, rec, m = doc["nodes"], doc["models"], doc["verdict"], doc["recommendation"], doc["matching"]
+    bad_db = doc["thresholds"]["bad_sqnr_db"]
+    dist, patterns = doc.get("distributions") or {}, doc.get("patterns") or {}
+    remedy_groups = _remedy_groups(doc.get("suggestions", []))
+    weights = _weight_rows(doc.get("weights"))
+    weights_total = len((doc.get("weights") or {}).get("findings", []))
+    effects, sensitivity = _effect_rows(doc.get("effects")), _sensitivity_rows(doc.get("sensitivity"))
+    victims, persistent = _victim_lines(nodes), _persistent_lines(dist)
+    shown_groups = remedy_groups[:REMEDY_GROUPS]
     return ReportView(
-        title=f"diag: {Path(doc['models']['int8']['path']).name} vs {Path(doc['models']['fp32']['path']).name}",
+        title=f"diag: {Path(models['int8']['path']).name} vs {Path(models['fp32']['path']).name}",
         grade=verdict["grade"],
         cause=verdict["cause"],
         single_cause=verdict["single_cause"],
-        fp32_path=doc["models"]["fp32"]["path"],
-        int8_path=doc["models"]["int8"]["path"],
-        int8_format=fmt + _precision_note(doc["models"]["int8"].get("precisions")),
+        fp32_path=models["fp32"]["path"],
+        int8_path=models["int8"]["path"],
+        int8_format=models["int8"]["format"] + _precision_note(models["int8"].get("precisions")),
         inputs=doc["run"]["inputs"],
         samples=doc["run"]["samples"],
         seconds=f"{doc['run']['seconds']:.1f}",
         run_note=_run_note(doc["run"]),
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
-        outputs=[
-            OutputRow(
-                o["name"],
-                o["grade"],
-                "; ".join(o["reasons"]),
-                fmt_db(o["sqnr_db"]),
-                fmt_num(o["cosine_min"], 6),
-                fmt_num(o["max_abs"]),
-                fmt_pct(o["top1_agreement"]),
-                o.get("kind") or "",
-                o.get("kind_evidence") or "",
-            )
-            for o in verdict["outputs"]
-        ]
-        + [
-            OutputRow(
-                f"{o['name']} · {p['label']}",
-                "",
-                f"Concat part; local SQNR {fmt_db(p['local_sqnr_db'])} dB",
-                fmt_db(p["sqnr_db"]),
-                fmt_num(p["cosine_min"], 6),
-                fmt_num(p["max_abs"]),
-                "",
-                "part",
-                "",
-            )
-            for o in verdict["outputs"]
-            for p in o.get("parts") or []
-        ],
-        root_causes=roots,
+        outputs=_output_rows(verdict["outputs"]),
+        root_causes=_root_cause_lines(doc),
         victims=victims,
         nodes_to_exclude=rec["nodes_to_exclude"],
+        fix_node_count=len(rec["nodes_to_exclude"]),
         unnamed_nodes=rec["unnamed_nodes"],
-        fix_command=fix_snippet(
-            fmt,
-            rec["nodes_to_exclude"],
-            rec.get("recipe"),
-            doc["models"]["fp32"]["path"],
-            doc["models"]["int8"]["path"],
-        ),
-        nodes=rows,
+        unnamed_list=", ".join(rec["unnamed_nodes"]),
+        fix_command=_fix_command(models, rec),
+        nodes=[_node_row(n) for n in nodes],
         unmatched=sorted(m["unmatched_tensors"].items()),
         skipped_count=len(m["skipped_tensors"]),
         compared=m["compared"],
         float_tensors=m["float_tensors"],
         accounted=m["accounted"],
-        plot_error_along_graph=plot,
-        bad_db=f"{doc['thresholds']['bad_sqnr_db']:g}",
-        outliers=_outlier_rows(dist_tensors),
-        persistent=[
-            f"channel {p['index']} is an outlier in {len(p['tensors'])} of the {p['of_tensors']} tensors "
-            f"with {p['channels']} channels: " + ", ".join(p["tensors"][:8]) + (" ..." if len(p["tensors"]) > 8 else "")
-            for p in dist.get("persistent_outliers", [])
-        ],
-        health=_health_rows(dist_tensors),
-        remedy_groups=remedy_groups[:REMEDY_GROUPS],
-        remedy_total=len(remedy_groups),
+        plot_error_along_graph=error_along_graph(nodes, bad_db) if with_plots and nodes else "",
+        bad_db=f"{bad_db:g}",
+        inherit_db=f"{doc['thresholds']['inherit_db']:g}",
+        outliers=_outlier_rows(dist.get("tensors", {})),
+        persistent=persistent,
+        health=_health_rows(dist.get("tensors", {})),
+        remedy_groups=shown_groups,
+        remedy_note=_remedy_note(len(shown_groups), len(remedy_groups)),
         distribution_plots=_distribution_plots(dist) if with_plots else [],
-        pattern_kinds=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("kinds", [])],
-        pattern_instances=[_pattern_row(t) for t in (doc.get("patterns") or {}).get("instances", [])[:25]],
-        weights=_weight_rows(doc.get("weights")),
-        weights_total=len((doc.get("weights") or {}).get("findings", [])),
+        pattern_kinds=[_pattern_row(t) for t in patterns.get("kinds", [])],
+        pattern_instances=[_pattern_row(t) for t in patterns.get("instances", [])[:PATTERN_INSTANCES]],
+        weights=weights,
+        weights_shown=len(weights),
+        weights_total=weights_total,
         weight_blocks=_block_rows(doc.get("weights")),
         exclusion=_exclusion_view(doc.get("exclusion"), with_plots),
-        sensitivity=[
-            SensitivityRowView(
-                r["label"],
-                fmt_db(r["local_sqnr_db"]),
-                fmt_num(r["cosine"], 6),
-                ("+" if isinstance(r["cosine_recovered"], float) and r["cosine_recovered"] >= 0 else "")
-                + fmt_num(r["cosine_recovered"], 4),
-                _sortable(r["cosine_recovered"]),
-                fmt_num(r["max_abs"]),
-            )
-            for r in (doc.get("sensitivity") or {}).get("rows", [])
-        ],
+        sensitivity=sensitivity,
         sensitivity_note=_sensitivity_note(doc.get("sensitivity")),
-        effects=[
-            EffectRow(
-                e["node"],
-                "; ".join(e["why"]),
-                fmt_db(e["local_sqnr_db"]),
-                fmt_pct(e["recovered"]),
-                _sortable(e["recovered"]),
-            )
-            for e in (doc.get("effects") or {}).get("effects", [])
-        ],
+        effects=effects,
         effects_note=_effects_note(doc.get("effects")),
-        versions=" · ".join(
-            f"{k} {doc['environment'][k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in doc["environment"]
-        ),
+        versions=_versions(doc["environment"]),
         nonfinite=_nonfinite(nodes),
         error_paths=_error_paths(verdict["outputs"], nodes),
-        neighbourhoods=_neighbourhoods(nodes, doc["thresholds"]["bad_sqnr_db"]) if with_plots else [],
-        model_warnings=[w for k in ("fp32", "int8") for w in doc["models"][k].get("warnings", [])],
+        neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
+        neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
+        model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
         task_lines=_task_lines(doc.get("task_metrics") or {}),
+        summary=SummaryView(
+            victims[:SUMMARY_ITEMS],
+            effects[:SUMMARY_ITEMS],
+            sensitivity[:SUMMARY_ITEMS],
+            persistent[0] if persistent else "",
+            shown_groups[:SUMMARY_ITEMS],
+        ),
     )
 
 
-#: Root causes drawn with their graph neighbourhood.
-NEIGHBOURHOODS = 3
+def _fix_command(models: dict[str, Any], rec: dict[str, Any]) -> str:
+    """The unverified fix as Python to paste: re-quantize with the root causes kept in float."""
+    int8 = models["int8"]
+    return fix_snippet(int8["format"], rec["nodes_to_exclude"], rec.get("recipe"), models["fp32"]["path"], int8["path"])
 
 
-def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[tuple[str, str]]:
-    from diag.plots import neighbourhood
+def _versions(environment: dict[str, Any]) -> str:
+    """``onnxruntime 1.20.1 · onnx 1.17.0 · diag 0.9.0 · date ...`` for the report's header."""
+    return " · ".join(f"{k} {environment[k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in environment)
 
+
+def _run_note(run: dict[str, Any]) -> str:
+    passes = int(run.get("passes", 1))
+    return f" \u00b7 {passes} passes (memory budget)" if passes > 1 else ""
+
+
+def _remedy_note(shown: int, total: int) -> str:
+    """The sentence that says the remedy list was cut to the worst tensors, or ""."""
+    return f" The {shown} worst of {total} tensors; diag.json lists them all." if total > shown else ""
+
+
+def _node_row(n: dict[str, Any]) -> NodeRow:
+    a = n["accumulated"]
+    loc = n["local"] or {}
+    return NodeRow(
+        rank=n["rank_accumulated"],
+        rank_local=n["rank_local"],
+        name=n["name"],
+        op_type=n["op_type"],
+        role=n["role"],
+        quantized="yes" if n["quantized"] else "no",
+        acc_sqnr=fmt_db(a["sqnr_db"]),
+        acc_sqnr_key=_sortable(a["sqnr_db"]),
+        loc_sqnr=fmt_db(loc.get("sqnr_db")),
+        loc_sqnr_key=_sortable(loc.get("sqnr_db")),
+        amplification=fmt_db(n["amplification_db"]),
+        amplification_key=_sortable(n["amplification_db"]),
+        cosine=fmt_num(a["cosine"], 6),
+        max_abs=fmt_num(a["max_abs"]),
+        rmse_scale=fmt_num(a["rmse_over_scale"]),
+        tensor=n["tensor"],
+        pattern=n.get("pattern") or "",
+    )
+
+
+def _root_cause_lines(doc: dict[str, Any]) -> list[str]:
+    """The first :data:`CAUSE_LINES` root causes by local rank, with their SQNRs and input outliers."""
+    dist_tensors = (doc.get("distributions") or {}).get("tensors", {})
+    return [
+        (f"{n['pattern']}: " if n.get("pattern") else "")
+        + f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
+        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB" + _input_outliers(n, dist_tensors)
+        for n in sorted(doc["nodes"], key=lambda n: n["rank_local"])
+        if n["role"] == "root-cause"
+    ][:CAUSE_LINES]
+
+
+def _victim_lines(nodes: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"{n['name']} ({n['op_type']}): accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB, "
+        f"local {fmt_db((n['local'] or {}).get('sqnr_db'))} dB"
+        for n in nodes
+        if n["role"] in ("victim", "amplifier")
+    ][:CAUSE_LINES]
+
+
+def _output_rows(outputs: list[dict[str, Any]]) -> list[OutputRow]:
+    """One row per model output, then one per Concat part of each."""
+    rows = [
+        OutputRow(
+            o["name"],
+            o["grade"],
+            "; ".join(o["reasons"]),
+            fmt_db(o["sqnr_db"]),
+            fmt_num(o["cosine_min"], 6),
+            fmt_num(o["max_abs"]),
+            fmt_pct(o["top1_agreement"]),
+            o.get("kind") or "",
+            o.get("kind_evidence") or "",
+        )
+        for o in outputs
+    ]
+    return rows + [
+        OutputRow(
+            f"{o['name']} \u00b7 {p['label']}",
+            "",
+            f"Concat part; local SQNR {fmt_db(p['local_sqnr_db'])} dB",
+            fmt_db(p["sqnr_db"]),
+            fmt_num(p["cosine_min"], 6),
+            fmt_num(p["max_abs"]),
+            "",
+            "part",
+            "",
+        )
+        for o in outputs
+        for p in o.get("parts") or []
+    ]
+
+
+def _sensitivity_rows(sens: dict[str, Any] | None) -> list[SensitivityRowView]:
+    return [
+        SensitivityRowView(
+            r["label"],
+            fmt_db(r["local_sqnr_db"]),
+            fmt_num(r["cosine"], 6),
+            ("+" if isinstance(r["cosine_recovered"], float) and r["cosine_recovered"] >= 0 else "")
+            + fmt_num(r["cosine_recovered"], 4),
+            _sortable(r["cosine_recovered"]),
+            fmt_num(r["max_abs"]),
+        )
+        for r in (sens or {}).get("rows", [])
+    ]
+
+
+def _effect_rows(effects: dict[str, Any] | None) -> list[EffectRow]:
+    return [
+        EffectRow(
+            e["node"],
+            "; ".join(e["why"]),
+            fmt_db(e["local_sqnr_db"]),
+            fmt_pct(e["recovered"]),
+            _sortable(e["recovered"]),
+        )
+        for e in (effects or {}).get("effects", [])
+    ]
+
+
+def _persistent_lines(dist: dict[str, Any]) -> list[str]:
+    """One sentence per channel index that is an outlier in several tensors."""
+    lines = []
+    for p in dist.get("persistent_outliers", []):
+        tensors = p["tensors"]
+        named = ", ".join(tensors[:PERSISTENT_TENSORS]) + (" ..." if len(tensors) > PERSISTENT_TENSORS else "")
+        lines.append(
+            f"channel {p['index']} is an outlier in {len(tensors)} of the {p['of_tensors']} tensors "
+            f"with {p['channels']} channels: " + named
+        )
+    return lines
+
+
+def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[Neighbourhood]:
     roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
-    drawn = [(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
-    return [(name, svg) for name, svg in drawn if svg]
+    drawn = [Neighbourhood(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
+    return [d for d in drawn if d.svg]
 
 
 def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> list[str]:
@@ -793,9 +999,9 @@ def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> 
         for n in path:
             role = f"{n['role']}, " if n["role"] not in ("ok", "victim") else ""
             steps.append(f"{n['name']} [{role}{fmt_db(n['accumulated']['sqnr_db'])} dB]")
-        if len(steps) > 7:
-            steps = [*steps[:3], f"… {len(steps) - 6} more …", *steps[-3:]]
-        lines.append(f"{o['name']}: " + " → ".join(steps))
+        if len(steps) > PATH_STEPS:
+            steps = [*steps[:3], f"\u2026 {len(steps) - 6} more \u2026", *steps[-3:]]
+        lines.append(f"{o['name']}: " + " \u2192 ".join(steps))
     return lines
 
 
@@ -839,20 +1045,26 @@ def _sensitivity_note(sens: dict[str, Any] | None) -> str:
     return note
 
 
-def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> dict[str, Any] | None:
+def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> ExclusionView | None:
     """The verified-fix section, from an ``exclusion.json`` document (see diag.exclude.report_section)."""
     if not exclusion:
         return None
-    from diag.exclude import report_section
-
-    view = report_section(exclusion)
-    if not with_plots:
-        view["trajectory_svg"] = ""
-    return view
-
-
-#: Tensors whose remedies the report lists (worst first); diag.json has them all.
-REMEDY_GROUPS = 12
+    section = report_section(exclusion)
+    metrics = [MetricRow(r["name"], r["before"], r["after"]) for r in section["metrics"]]
+    return ExclusionView(
+        verdict=section["verdict"],
+        target=section["target"],
+        held_out=section["held_out"],
+        nodes=section["nodes"],
+        node_count=len(section["nodes"]),
+        metrics=metrics,
+        summary_metrics=metrics[:SUMMARY_ITEMS],
+        latency=[LatencyRow(r["model"], r["p50"], r["p90"], r["speedup"]) for r in section["latency"]],
+        counts=section["counts"],
+        trajectory_svg=section["trajectory_svg"] if with_plots else "",
+        snippet=section["snippet"],
+        alternatives=section["alternatives"],
+    )
 
 
 def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
@@ -880,7 +1092,7 @@ def _pattern_row(t: dict[str, Any]) -> PatternRow:
     )
 
 
-def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[WeightRow]:
+def _weight_rows(weights: dict[str, Any] | None, limit: int = WEIGHT_ROWS) -> list[WeightRow]:
     rows = []
     for w in (weights or {}).get("findings", [])[:limit]:
         worst = w["channels"][0] if w["channels"] else None
@@ -893,7 +1105,7 @@ def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[Weight
             WeightRow(
                 w["fp_name"],
                 w["op_type"] + (" bias" if w["is_bias"] else ""),
-                "×".join(str(d) for d in w["shape"]) or "scalar",
+                "\u00d7".join(str(d) for d in w["shape"]) or "scalar",
                 f"{w['dtype']} {gran}",
                 fmt_db(w["sqnr_db"]),
                 _sortable(w["sqnr_db"]),
@@ -906,22 +1118,22 @@ def _weight_rows(weights: dict[str, Any] | None, limit: int = 40) -> list[Weight
     return rows
 
 
-def _block_rows(weights: dict[str, Any] | None) -> list[dict[str, str]]:
+def _block_rows(weights: dict[str, Any] | None) -> list[BlockRow]:
     """The worst blocks of block-wise weights as table cells (see :mod:`diag.nbits`)."""
     return [
-        {
-            "weight": b["weight"],
-            "where": b["where"],
-            "rel_rmse": fmt_num(b["rel_rmse"]),
-            "max_abs": fmt_num(b["max_abs"]),
-            "levels": str(b["levels"]),
-            "peak": fmt_num(b["peak_ratio"]),
-        }
+        BlockRow(
+            weight=b["weight"],
+            where=b["where"],
+            rel_rmse=fmt_num(b["rel_rmse"]),
+            max_abs=fmt_num(b["max_abs"]),
+            levels=str(b["levels"]),
+            peak=fmt_num(b["peak_ratio"]),
+        )
         for b in (weights or {}).get("blocks", [])
     ]
 
 
-def _input_outliers(node: dict[str, Any], doc: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
+def _input_outliers(node: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
     """ "; input 'x' has outlier channel 7 (42x the median)" for a root cause, when it does."""
     parts = []
     for t in node.get("inputs", []):
@@ -939,16 +1151,17 @@ def _outlier_rows(dist_tensors: dict[str, Any]) -> list[OutlierRow]:
             continue
         shown = ", ".join(
             f"{o['index']} ({fmt_num(o['times_median'], 3)}x, {fmt_pct(o['scale_share'])} of range)"
-            for o in h["outliers"][:6]
+            for o in h["outliers"][:OUTLIER_CHANNELS]
         )
-        more = f" +{len(h['outliers']) - 6} more" if len(h["outliers"]) > 6 else ""
+        extra = len(h["outliers"]) - OUTLIER_CHANNELS
+        more = f" +{extra} more" if extra > 0 else ""
         rows.append(
             OutlierRow(
                 name, h["grid"], str(h["axis"]), h["channels"], shown + more, fmt_num(h["median_channel_levels"], 3)
             )
         )
     quantized_first = sorted(rows, key=lambda r: (r.grid == "none",))
-    return quantized_first[:200]
+    return quantized_first[:OUTLIER_ROWS]
 
 
 def _health_rows(dist_tensors: dict[str, Any]) -> list[HealthRow]:
@@ -968,17 +1181,15 @@ def _health_rows(dist_tensors: dict[str, Any]) -> list[HealthRow]:
                 fmt_num(h["range_over_bulk"], 3),
                 fmt_num(h["kurtosis"], 3),
                 fmt_pct(h["zero_point_position"]),
-                f"{fmt_num(dyn['min'])}–{fmt_num(dyn['max'])} over {dyn['batches']} batches" if dyn else "",
+                f"{fmt_num(dyn['min'])}\u2013{fmt_num(dyn['max'])} over {dyn['batches']} batches" if dyn else "",
                 "; ".join(h["reasons"]),
             )
         )
     rows.sort(key=lambda r: (not r.reasons, float(r.effective_bits_key or 99)))
-    return rows[:300]
+    return rows[:HEALTH_ROWS]
 
 
 def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
-    from diag.plots import channel_ranges, distribution
-
     plots = []
     factor = dist.get("outlier_factor", 6.0)
     for name, p in dist.get("plotted", {}).items():
@@ -994,37 +1205,10 @@ def _precision_note(precisions: dict[str, list[str]] | None) -> str:
     """`` (fp16 6 nodes; fp32 1 (attn/Attention))`` for the report header; empty for 8-bit models."""
     if not precisions:
         return ""
-    from diag.precision import describe
-
     return f" ({describe(precisions)})"
 
 
-def _fp16(result: Any) -> dict[str, Any]:
-    """``{"fp16": {...}}`` for an FP16 comparison: range counts per tensor and the derived fix."""
-    state = getattr(result, "state", None)
-    if state is None or not state.fp16_ranges:
-        return {}
-    from diag.fp16health import fp16_fix
-
-    fix = fp16_fix(result.findings, state.fp16_ranges)
-    return {
-        "fp16": {
-            "ranges": {k: r.to_dict() for k, r in state.fp16_ranges.items()},
-            "fix": None
-            if fix is None
-            else {
-                "node_block_list": fix.node_block_list,
-                "op_block_list": fix.op_block_list,
-                "over_range": fix.over_range,
-                "why": fix.why,
-            },
-        }
-    }
-
-
 def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
-    from diag.taskmetrics import task_lines
-
     lines = []
     f1 = task_metrics.get("f1")
     if f1:
@@ -1048,9 +1232,7 @@ def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
 
 def templates_dir() -> Path:
     """Where the jinja2 templates live: in the installed package, or the source checkout."""
-    import diag
-
-    here = Path(diag.__file__).resolve().parent
+    here = Path(__file__).resolve().parent  # the diag package (not `import diag`: that is the cli layer)
     for candidate in (here / "reports_templates", here.parent / "reports_templates"):
         if (candidate / "report.html.j2").is_file():
             return candidate
@@ -1069,8 +1251,9 @@ def _printable(value: Any) -> Any:
     return value
 
 
-def _environment() -> Any:
-    import jinja2
+def jinja_environment() -> jinja2.Environment:
+    """The templates' jinja2 environment: autoescaped, StrictUndefined, control characters dropped."""
+    import jinja2  # ~0.2 s to import: only when something is rendered
 
     return jinja2.Environment(
         finalize=_printable,
@@ -1084,12 +1267,12 @@ def _environment() -> Any:
 
 
 def render_html(view: ReportView) -> str:
-    return str(_environment().get_template("report.html.j2").render(v=view))
+    return str(jinja_environment().get_template("report.html.j2").render(v=view))
 
 
 def render_markdown(view: ReportView) -> str:
     """The PR-comment summary; Markdown control characters in names are escaped."""
-    env = _environment()
+    env = jinja_environment()
     env.autoescape = False
     env.filters["md"] = md_escape
     env.filters["mdcode"] = md_code
