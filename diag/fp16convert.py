@@ -19,8 +19,8 @@ import onnx
 
 from diag.errors import DiagError
 from diag.load import detect_format, float_model_from_path, iter_nodes
+from diag.modelprep import QuantizeReport, checked_out, load_error, publish
 from diag.precision import fp16_breakdown
-from diag.quantize import QuantizeReport, _checked_out, _load_error, _publish
 from diag.recipe import Recipe
 
 
@@ -55,7 +55,7 @@ def convert_model(
     """
     start = time.perf_counter()
     loaded = float_model_from_path(fp32_path)
-    out = _checked_out(out_path, loaded.path)
+    out = checked_out(out_path, loaded.path)
     names = {n.name for n in iter_nodes(loaded.graph) if n.name}
     for name in recipe.node_block_list or []:
         if name not in names:
@@ -92,7 +92,7 @@ def convert_model(
                 "report the model; nothing was written",
             ) from e
         onnx.save(model, str(staged))
-        error = _load_error(staged)
+        error = load_error(staged)
         if error:
             raise DiagError(
                 "quantize-failed",
@@ -105,7 +105,7 @@ def convert_model(
         if blocked:
             actions.append(f"kept {len(blocked)} node(s) in float32: {', '.join(blocked[:5])}")
         actions.append(f"verified: the FP16 model loads in onnxruntime (format {fmt.kind})")
-        _publish(staged, out)
+        publish(staged, out)
     return QuantizeReport(out, actions, time.perf_counter() - start, fmt.kind, [], ["convert_float_to_float16"])
 
 

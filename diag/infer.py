@@ -42,11 +42,13 @@ from onnx import numpy_helper
 
 from diag.errors import DiagError
 from diag.files import output_file, write_set
+from diag.fp16convert import infer_fp16_recipe
 from diag.lint import DIAG_ONLY_KEYS, RECIPE_KEYS, quantizable_op_types
 from diag.load import model_from_path
 from diag.precision import activation_overrides
 from diag.protos import value_dtypes  # element types via shape inference on a weight-free copy
 from diag.recipe import Recipe, recipe_from_option
+from diag.weightonly import infer_weight_only
 
 #: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
@@ -141,8 +143,6 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     if kind == "fp32":
         raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
     if loaded.format.family == "fp16":
-        from diag.fp16convert import infer_fp16_recipe  # LAYERING: fp16convert imports infer
-
         recipe, evidence = infer_fp16_recipe(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
     kind = loaded.format.family  # qdq-a16w8 / qdq16 / a mixed-precision QDQ model: onnxruntime's QDQ
@@ -155,8 +155,6 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
             "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
         )
     if kind in ("matmulnbits", "qdq-int4-blocked"):
-        from diag.weightonly import infer_weight_only  # LAYERING: weightonly imports quantize
-
         recipe, evidence = infer_weight_only(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
     # NOTE: external weights are read one tensor at a time where a value is needed (zero points,

@@ -31,6 +31,7 @@ import numpy as np
 
 from diag.errors import DiagError
 from diag.files import input_file, output_file, write_set
+from diag.untrusted import max_depth
 
 MODES = ("dynamic", "static", "weight_only", "fp16")
 QUANT_FORMATS = ("QDQ", "QOperator")
@@ -504,7 +505,6 @@ MAX_RECIPE_DEPTH = 16
 
 def _refuse_hostile_text(text: str, obj: str) -> None:
     """Deep nesting would exhaust the parser's recursion (JSON) or blow the stack (TOML): refuse it first."""
-    from diag.untrusted import max_depth
 
     if max_depth(text) > MAX_RECIPE_DEPTH:
         raise DiagError(

@@ -15,7 +15,7 @@ from typing import Any
 
 import onnx
 
-from diag.quantize import upgrade_opset
+from diag.modelprep import upgrade_opset
 from diag.recipe import Recipe
 
 

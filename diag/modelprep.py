@@ -1,0 +1,186 @@
+"""The model edits around every quantizer call, and the guarded writing of its result.
+
+``quantize`` (onnxruntime's static / dynamic quantizer), ``weightonly`` (MatMulNBitsQuantizer) and
+``fp16convert`` (the float16 converter) all need the same things around the call: Constant nodes
+lifted to initializers, the opset raised for per-channel Q/DQ, the output path checked before any
+work, the result verified to load in onnxruntime and moved into place all or nothing, and one
+:class:`QuantizeReport` of what was done. They live here, below the three, so none imports another.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from diag.errors import DiagError
+from diag.files import is_input, out_dir, output_file, write_set
+
+#: Above this many bytes of weights a model cannot be one protobuf: quantize with external data.
+EXTERNAL_DATA_BYTES = 2**31 - 2**26  # 2 GiB minus headroom for the graph itself
+#: Above this many bytes of weights, ``upgrade_opset`` converts the graph without them.
+STRIP_WEIGHTS_BYTES = EXTERNAL_DATA_BYTES
+#: Opset that first allows per-axis (per-channel) QuantizeLinear / DequantizeLinear.
+PER_AXIS_OPSET = 13
+
+
+@dataclass
+class QuantizeReport:
+    """What ``quantize_model`` wrote and what its guards did.
+
+    Attributes:
+        output: the INT8 model (verified to load in onnxruntime).
+        actions: plain sentences, one per thing diag did on the user's behalf or noticed.
+        seconds: wall time of the whole call.
+        format: the output's detected format (``dynamic``, ``qdq``, ``qoperator``, ``mixed``, ``fp32``).
+        log: onnxruntime's own warnings and messages, captured instead of printed.
+    """
+
+    output: Path
+    actions: list[str]
+    seconds: float
+    format: str = ""
+    log: list[str] = field(default_factory=list)
+    #: What was done to the FP32 model before onnxruntime's quantizer saw it, in order, as
+    #: replayable step names: ``lift_constants``, ``upgrade_opset``, ``quant_pre_process``,
+    #: ``quant_pre_process_skip_symbolic_shape``, ``external_data`` (see ``diag exclude``'s reproduce.py).
+    steps: list[str] = field(default_factory=list)
+    #: Calibration passes run (0 for dynamic recipes and when a calibration cache was reused).
+    calibrations: int = 0
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's ``ai.onnx`` opset version (0 when it imports none).
+
+    Example:
+        >>> default_opset(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []),
+        ...     opset_imports=[onnx.helper.make_opsetid("", 12)]))
+        12
+    """
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Return the model with its tensor ``Constant`` nodes as initializers, and how many were lifted.
+
+    paddle2onnx stores weights as Constant nodes; onnxruntime's quantizer only treats initializers
+    as weights ("Expected <w> to be an initializer" in ``quantize_dynamic``). Lifting is exact:
+    the same tensor under the same name. Never modifies ``model``: the result is a copy when
+    anything was lifted, ``model`` itself otherwise.
+
+    Example:
+        >>> lifted, n = lift_constants(onnx.load("det.onnx"))  # doctest: +SKIP
+        >>> n  # doctest: +SKIP
+        342
+    """
+    if not any(n.op_type == "Constant" for n in model.graph.node):
+        return model, 0  # nothing to lift: no copy of a possibly huge model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    keep = []
+    lifted = 0
+    for node in out.graph.node:
+        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+            t = onnx.TensorProto()
+            t.CopyFrom(node.attribute[0].t)
+            t.name = node.output[0]
+            out.graph.initializer.append(t)
+            lifted += 1
+        else:
+            keep.append(node)
+    if lifted:
+        del out.graph.node[:]
+        out.graph.node.extend(keep)
+    return out, lifted
+
+
+def upgrade_opset(model: onnx.ModelProto, target: int = PER_AXIS_OPSET) -> onnx.ModelProto:
+    """Convert ``model`` to ``ai.onnx`` opset ``target`` with ``onnx.version_converter``.
+
+    Models whose weights would not fit one protobuf (> 2 GB) are converted without their weights,
+    which are put back by name afterwards: the converter serializes the model, and the 12 -> 13
+    adapters only add new constants, they do not read existing initializers. Raises
+    ``quantize-failed`` when the converter has no adapter for one of the model's ops.
+
+    Example:
+        >>> default_opset(upgrade_opset(onnx.load("det.onnx")))  # doctest: +SKIP
+        13
+    """
+    weights: dict[str, bytes] = {}
+    if weight_bytes(model) > STRIP_WEIGHTS_BYTES:
+        stripped = onnx.ModelProto()
+        stripped.CopyFrom(model)
+        for t in stripped.graph.initializer:
+            if t.raw_data:
+                weights[t.name] = t.raw_data
+                t.ClearField("raw_data")
+        model = stripped
+    try:
+        converted = onnx.version_converter.convert_version(model, target)
+        onnx.checker.check_model(converted)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
+        raise DiagError(
+            "quantize-failed",
+            "FP32 model",
+            f"cannot be upgraded from opset {default_opset(model)} to {target} ({first})",
+            "re-export the model with opset >= 13, or set per_channel to false",
+        ) from e
+    for t in converted.graph.initializer:
+        if t.name in weights:
+            t.raw_data = weights.pop(t.name)
+    if weights:
+        raise DiagError(
+            "quantize-failed",
+            "FP32 model",
+            f"lost {len(weights)} weight(s) in the opset {target} conversion (e.g. '{next(iter(weights))}')",
+            "re-export the model with opset >= 13, or set per_channel to false",
+        )
+    return converted
+
+
+def checked_out(out_path: str | os.PathLike[str], source: Path) -> Path:
+    """The output path; its folder is created; it may not be the input model."""
+    out = Path(out_path)
+    if out.suffix.lower() != ".onnx":
+        raise DiagError("bad-option", f"-o '{out}'", "does not end in .onnx", "name the output e.g. model.int8.onnx")
+    if is_input(out) == source:
+        raise DiagError("bad-out", f"-o '{out}'", "is the FP32 model itself", "write the INT8 model to another file")
+
+    out_dir(out.parent if str(out.parent) else ".", "-o folder")
+    output_file(out, "-o")
+    if not out.name.endswith(".data"):
+        output_file(out.parent / (out.name + ".data"), "-o external data")
+    if not os.access(out.parent, os.W_OK):
+        raise DiagError("bad-out", f"-o '{out}'", "folder is not writable", "choose a writable folder")
+    return out
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    return sum(len(t.raw_data) for t in model.graph.initializer)
+
+
+def load_error(path: Path) -> str | None:
+    """None when onnxruntime can build a session for the model, else the first line of its error."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        text = str(e).strip().splitlines() or [type(e).__name__]
+        return text[0][:300]
+    return None
+
+
+def publish(staged: Path, out: Path) -> None:
+    """Rename the verified model into place: its external data first, the ``.onnx`` last.
+
+    ``staged`` sits in a temp folder inside the output's folder, so each step is an atomic rename
+    and a reader never sees a half-written ``.onnx``.
+    """
+    parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
+    write_set({out.parent / p.name: p for p in parts}, "-o")
