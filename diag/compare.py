@@ -6,19 +6,15 @@ accumulators and dropped before the next batch is read.
 
 from __future__ import annotations
 
-import platform
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
-from diag import __version__
 from diag.analyze import (
     NodeFinding,
     OutputVerdict,
@@ -27,6 +23,7 @@ from diag.analyze import (
     node_findings,
     overall_grade,
 )
+from diag.cpu import saturation_warning
 from diag.distributions import (
     OUTLIER_FACTOR,
     DistributionAccumulator,
@@ -36,6 +33,7 @@ from diag.distributions import (
     persistent_outliers,
 )
 from diag.effects import DEFAULT_CANDIDATES, DEFAULT_SAMPLES, EffectCheck, check_effects, confirmed_cause
+from diag.environment import environment
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
 from diag.graph import fp_graph
@@ -43,6 +41,7 @@ from diag.instrument import CutModel, FusedKernel, cut_model, exposed_model, fus
 from diag.load import LoadedModel, model_from_path
 from diag.match import Matching, TensorPair, match_models, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats
+from diag.nbits import accuracy_level_nodes, check_accuracy_level
 from diag.outputs import channel_axes, output_specs
 from diag.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.progress import Progress
@@ -56,13 +55,14 @@ from diag.run import (
     run_batch,
     session_from_model,
 )
+from diag.taskmetrics import attach_task_metrics
 from diag.weights import WeightReport, weight_report
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
 MIN_COVERAGE = 0.3
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompareOptions:
     """Knobs of a comparison (the CLI maps its flags one to one onto these)."""
 
@@ -252,10 +252,33 @@ def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel
     return fp, q
 
 
+@dataclass
+class Prepared:
+    """Two models checked as a pair, their matching, and the inputs opened against the FP32 model.
+
+    What :func:`prepare_comparison` hands to a run (:func:`run_comparison` here, or the verb's
+    cluster run) and then to :func:`analyze_comparison`.
+    """
+
+    fp: LoadedModel
+    q: LoadedModel
+    matching: Matching
+    feeds: FeedSource
+    #: The inputs as given, when they were a FeedSpec (a cluster's workers open them themselves).
+    spec: FeedSpec | None
+    #: ``time.perf_counter()`` when the comparison started (``CompareResult.seconds`` counts from it).
+    start: float
+
+
 def compare_models(
     fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec, options: CompareOptions | None = None
 ) -> CompareResult:
     """Compare an FP32 model and its INT8 version tensor by tensor on ``feeds``.
+
+    The diagnosis only: the fix-side additions of ``diag compare`` (the recipe a fix re-quantizes
+    with, ``--sensitivity``, ``--scheduler``) are :func:`diag.verbs.diagnose`'s, which calls the
+    three steps below; ``options.scheduler``, ``options.sensitivity`` and ``options.recipe`` are
+    not read here.
 
     Example:
         >>> from diag.feeds import FeedSpec
@@ -264,18 +287,19 @@ def compare_models(
         'conv3'
     """
     options = options or CompareOptions()
-    start = time.perf_counter()
-    if options.scheduler is not None:
-        from diag.cluster import require_scheduler
+    run = prepare_comparison(fp32_path, int8_path, feeds, options)
+    state, runtime_unmatched = run_comparison(run.fp, run.q, run.matching, run.feeds, options)
+    return analyze_comparison(run, state, runtime_unmatched, options)
 
-        require_scheduler(options.scheduler)  # no Dask, no scheduler: say so before any work
+
+def prepare_comparison(
+    fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec, options: CompareOptions
+) -> Prepared:
+    """Load and check the pair, refuse what cannot fit or be matched, open the inputs: no model runs yet."""
+    start = time.perf_counter()
     fp, q = load_pair(fp32_path, int8_path)
     if options.accuracy_level_check:
-        from diag.nbits import accuracy_level_nodes
-
         accuracy_level_nodes(q.proto, options.accuracy_level_check)  # a wrong flag fails before any work
-    from diag.cpu import saturation_warning
-
     cpu_warning = saturation_warning(q.proto)
     if cpu_warning is not None and cpu_warning not in q.warnings:
         q.warnings.append(cpu_warning)
@@ -287,8 +311,7 @@ def compare_models(
             feeds.batch if isinstance(feeds, FeedSpec) else 1,
         )
     spec = feeds if isinstance(feeds, FeedSpec) else None
-    if isinstance(feeds, FeedSpec):
-        feeds = feeds.source(fp.proto)
+    source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
     matching = match_models(fp.proto, q.proto)
     if matching.coverage < MIN_COVERAGE:
         raise DiagError(
@@ -297,15 +320,16 @@ def compare_models(
             f"only {matching.coverage:.0%} of FP32 tensors exist in the INT8 model",
             "compare an INT8 model with the FP32 model it was quantized from",
         )
-    cluster: dict[str, Any] = {}
-    if options.scheduler is not None:
-        from diag.cluster import compare_on_cluster
+    return Prepared(fp, q, matching, source, spec, start)
 
-        state, runtime_unmatched, cluster = compare_on_cluster(fp32_path, int8_path, spec, feeds, options)
-    else:
-        state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
-    result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
-    result.cluster = cluster
+
+def analyze_comparison(
+    run: Prepared, state: CompareState, runtime_unmatched: dict[str, str], options: CompareOptions
+) -> CompareResult:
+    """Finish the state into a result, then confirm causes by effect and attach the task metrics."""
+    fp, q, matching, feeds = run.fp, run.q, run.matching, run.feeds
+    seconds = time.perf_counter() - run.start
+    result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, seconds)
     # NOTE: no effect check on FP16 models: onnxruntime's CPU provider runs a float16 graph partly
     # in float32, and which parts depends on the graph, so a one-node change moves where FP16
     # overflows. The NaN/Inf origin and the converter's re-run (fp16.fp16_fix) are the measure.
@@ -327,55 +351,14 @@ def compare_models(
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching
         )
-        result.seconds = time.perf_counter() - start
-    from diag.infer import fix_recipe
-    from diag.taskmetrics import attach_task_metrics
-
+        result.seconds = time.perf_counter() - run.start
     if options.accuracy_level_check and options.shard is None:
-        from diag.nbits import check_accuracy_level
-
         result.accuracy_level = check_accuracy_level(
             q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
         )
-        result.seconds = time.perf_counter() - start
-    result.fix_recipe = fix_recipe(q.path, options.recipe)
+        result.seconds = time.perf_counter() - run.start
     attach_task_metrics(result, state, options.metric)
-    if options.sensitivity > 0:
-        result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options, spec)
-        result.seconds = time.perf_counter() - start
     return result
-
-
-def _sensitivity(
-    fp32_path: str | Path,
-    int8_path: str | Path,
-    feeds: FeedSource,
-    result: CompareResult,
-    options: CompareOptions,
-    spec: FeedSpec | None = None,
-) -> Any:
-    from diag.recipe import Recipe, recipe_from_option
-    from diag.sensitivity import skip_one_sensitivity
-
-    if options.recipe is None:
-        raise DiagError(
-            "bad-option",
-            "--sensitivity",
-            "needs the recipe that made the INT8 model",
-            "add --recipe recipe.json (diag inspect INT8 --recipe writes one)",
-        )
-    recipe = options.recipe if isinstance(options.recipe, Recipe) else recipe_from_option(options.recipe)
-    return skip_one_sensitivity(
-        fp32_path,
-        int8_path,
-        recipe,
-        feeds,
-        result.findings,
-        options.sensitivity,
-        options.threads,
-        options.progress,
-        (options.scheduler, spec) if options.scheduler is not None else None,
-    )
 
 
 def run_comparison(
@@ -1076,44 +1059,3 @@ def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, 
 
     cause = nonfinite_cause(findings, state.fp16_ranges)
     return (cause[0], cause[1]) if cause is not None else (one, sentence)
-
-
-def environment() -> dict[str, str]:
-    """Versions and date recorded in every report (scrubbed in golden tests)."""
-    import onnxruntime as ort
-
-    return {
-        "diag": __version__,
-        "onnx": onnx.__version__,
-        "onnxruntime": ort.__version__,
-        "numpy": np.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(terse=True),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
-def compare_to_dir(
-    fp32_path: str | Path,
-    int8_path: str | Path,
-    feeds: FeedSource | FeedSpec,
-    out_dir: str | Path,
-    options: CompareOptions | None = None,
-) -> tuple[CompareResult, dict[str, Path]]:
-    """`diag compare` end to end: compare, then write diag.json, report.html and summary.md."""
-    from diag.files import check_outputs
-    from diag.report import OUTPUT_NAMES, document_from_result, write_outputs
-
-    given = [fp32_path, int8_path, getattr(feeds, "inputs", None)]
-    if options is not None:
-        given += [options.labels, options.recipe]
-    check_outputs(out_dir, OUTPUT_NAMES, given)  # before the run, not after it
-    result = compare_models(fp32_path, int8_path, feeds, options)
-    doc = document_from_result(result)
-    if result.cluster:
-        doc["run"]["cluster"] = result.cluster
-    if result.options.shard is not None:
-        from diag.merge import add_shard_state
-
-        add_shard_state(doc, result)
-    return result, write_outputs(doc, out_dir)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.environment import templates_dir
 from diag.errors import DiagError
 from diag.jsonnum import json_number as _num
 from diag.jsonnum import number_from_json
@@ -1181,22 +1182,6 @@ def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- rendering
-
-
-def templates_dir() -> Path:
-    """Where the jinja2 templates live: in the installed package, or the source checkout."""
-    import diag
-
-    here = Path(diag.__file__).resolve().parent
-    for candidate in (here / "reports_templates", here.parent / "reports_templates"):
-        if (candidate / "report.html.j2").is_file():
-            return candidate
-    raise DiagError(
-        "missing-templates",
-        f"templates folder near '{here}'",
-        "report templates are not installed",
-        "reinstall diag (pip install --force-reinstall diag)",
-    )
 
 
 def _printable(value: Any) -> Any:
