@@ -496,12 +496,6 @@ class _Pass:
     def output_names(self) -> list[str]:
         return [o.name for o in self.fp.graph.output] if self.first else []
 
-    def external_data(self) -> tuple[Path | None, Path | None]:
-        """The folders the FP32 and INT8 models keep external data in (None: inside the model)."""
-        ext_fp = self.fp.path.resolve().parent if self.fp.has_external_data else None
-        ext_q = self.q.path.resolve().parent if self.q.has_external_data else None
-        return ext_fp, ext_q
-
     def skips(self, index: int) -> bool:
         """Whether batch ``index`` belongs to another shard (``--shard k/n``)."""
         return self.options.shard is not None and index % self.options.shard[1] != self.options.shard[0]
@@ -519,7 +513,7 @@ def _run_pass(p: _Pass) -> None:
     mine = p.mine()
     output_names = p.output_names()
     threads = p.options.threads or default_threads()
-    fp_sess, q_sess, cut_sess = _exposed_sessions(p, mine, output_names, threads)
+    fp_sess, q_sess, cut_sess = _exposed_sessions(p.fp, p.q, mine, p.cut, output_names, threads)
     reductions = _Reductions(threads)
     try:
         offset = 0
@@ -552,20 +546,28 @@ def _run_pass(p: _Pass) -> None:
         reductions.close()
 
 
+def _external_folder(model: LoadedModel) -> Path | None:
+    """The folder a model keeps its external data in (sessions read the weights from there), or None."""
+    return model.path.resolve().parent if model.has_external_data else None
+
+
 def _exposed_sessions(
-    p: _Pass, mine: dict[str, TensorPair], output_names: list[str], threads: int
+    fp: LoadedModel,
+    q: LoadedModel,
+    mine: dict[str, TensorPair],
+    cut: CutModel | None,
+    output_names: list[str],
+    threads: int,
 ) -> tuple[Any, Any, Any | None]:
-    """FP32 and INT8 sessions exposing this pass's tensors (and the model outputs), and the cut model's."""
-    cut_inputs = [ci.fp_name for ci in (p.cut.inputs if p.cut else [])]
-    fp_names = list(dict.fromkeys(list(mine) + cut_inputs + output_names))
+    """FP32 and INT8 sessions exposing ``mine`` (and ``output_names``), and the cut model's session."""
+    fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (cut.inputs if cut else [])] + output_names))
     int8_names = list(
         dict.fromkeys(
-            [pair.int8_name for pair in mine.values()]
-            + [pair.dynamic_scale for pair in mine.values() if pair.dynamic_scale]
+            [t.int8_name for t in mine.values()] + [t.dynamic_scale for t in mine.values() if t.dynamic_scale]
         )
     )
     int8_names += [n for n in output_names if n not in int8_names]
-    ext_fp, ext_q = p.external_data()
+    ext_fp, ext_q = _external_folder(fp), _external_folder(q)
 
     def session(model: onnx.ModelProto, role: str, ext: Path | None) -> Any:
         # Exposed tensors are compared in exact mode whatever --ort-opt-level says: exposing a
@@ -573,10 +575,24 @@ def _exposed_sessions(
         # exact nor what really runs. What really runs is measured by the deployed sessions.
         return session_from_model(model, role, "disabled", threads, ext, takes_turns=True)
 
-    fp_sess = session(exposed_model(p.fp.proto, fp_names), f"FP32 model '{p.fp.path}'", ext_fp)
-    q_sess = session(exposed_model(p.q.proto, int8_names), f"INT8 model '{p.q.path}'", ext_q)
-    cut_sess = session(p.cut.model, f"cut INT8 model of '{p.q.path}'", ext_q) if p.cut is not None else None
+    fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", ext_fp)
+    q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)
+    cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
     return fp_sess, q_sess, cut_sess
+
+
+def _cut_feeds(
+    cut: CutModel, cut_sess: Any, feeds: dict[str, np.ndarray], fp_out: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The cut model's inputs for a batch: FP32 values, quantized as the INT8 model would see them."""
+    cut_inputs = {i.name for i in cut_sess.get_inputs()}
+    cut_feeds = {k: v for k, v in feeds.items() if k in cut_inputs}
+    for ci in cut.inputs:
+        v = fp_out[ci.fp_name]
+        if ci.quant is not None:
+            v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
+        cut_feeds[ci.name] = v
+    return cut_feeds
 
 
 def _update_outputs(
@@ -611,13 +627,7 @@ def _reduce_local(
     reductions: _Reductions,
 ) -> None:
     """Run the cut model on FP32 values (quantized as the INT8 model would) and reduce its local error."""
-    cut_inputs = {i.name for i in cut_sess.get_inputs()}
-    cut_feeds = {k: v for k, v in feeds.items() if k in cut_inputs}
-    for ci in cut.inputs:
-        v = fp_out[ci.fp_name]
-        if ci.quant is not None:
-            v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
-        cut_feeds[ci.name] = v
+    cut_feeds = _cut_feeds(cut, cut_sess, feeds, fp_out)
     local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
     del cut_feeds
     # Local and accumulated reductions touch different accumulators: no wait between them.
@@ -695,7 +705,7 @@ def _diagnostic_session(
     p: _Pass, mine: dict[str, TensorPair], output_names: list[str], sample: dict[str, np.ndarray], threads: int
 ) -> tuple[Any, Any]:
     """The pass's diagnostic graph and its session; ``diagraph.Unsupported`` when it cannot be built."""
-    ext_fp, ext_q = p.external_data()
+    ext_fp, ext_q = _external_folder(p.fp), _external_folder(p.q)
     if ext_fp is not None and ext_q is not None and ext_fp != ext_q:
         raise diagraph.Unsupported("the two models keep external data in different folders")
     if p.state.fp16_ranges:
@@ -783,8 +793,7 @@ def _deployed_sessions(
     import tempfile
 
     threads = options.threads or default_threads()
-    ext_fp = fp.path.resolve().parent if fp.has_external_data else None
-    ext_q = q.path.resolve().parent if q.has_external_data else None
+    ext_fp, ext_q = _external_folder(fp), _external_folder(q)
     role = f"FP32 model '{fp.path}' ({options.opt_level})"
     fp_sess = session_from_model(fp.proto, role, options.opt_level, threads, ext_fp, takes_turns=True)
     role = f"INT8 model '{q.path}' ({options.opt_level})"
@@ -845,30 +854,10 @@ class _ReferenceSessions:
     def __init__(
         self, fp: LoadedModel, q: LoadedModel, mine: dict[str, TensorPair], cut: CutModel | None, threads: int
     ) -> None:
-        self.fp, self.q, self.mine, self.cut = fp, q, mine, cut
-        ext_fp = fp.path.resolve().parent if fp.has_external_data else None
-        ext_q = q.path.resolve().parent if q.has_external_data else None
+        self.fp, self.q, self.mine = fp, q, mine
         cut = pruned_cut(cut, list(mine)) if cut is not None else None
         self.cut = cut if cut is not None and cut.outputs else None
-        fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (self.cut.inputs if self.cut else [])]))
-        int8_names = list(
-            dict.fromkeys(
-                [p.int8_name for p in mine.values()] + [p.dynamic_scale for p in mine.values() if p.dynamic_scale]
-            )
-        )
-        self.fp_sess = session_from_model(
-            exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", "disabled", threads, ext_fp, takes_turns=True
-        )
-        self.q_sess = session_from_model(
-            exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", "disabled", threads, ext_q, takes_turns=True
-        )
-        self.cut_sess = (
-            session_from_model(
-                self.cut.model, f"cut INT8 model of '{q.path}'", "disabled", threads, ext_q, takes_turns=True
-            )
-            if self.cut is not None
-            else None
-        )
+        self.fp_sess, self.q_sess, self.cut_sess = _exposed_sessions(fp, q, mine, self.cut, [], threads)
 
     def reduce(
         self, feeds: dict[str, np.ndarray], accumulated: list[str], local: list[str], state: CompareState
@@ -881,13 +870,7 @@ class _ReferenceSessions:
             _reduce(*job)
         del q_out
         if local and self.cut is not None and self.cut_sess is not None:
-            cut_inputs = {i.name for i in self.cut_sess.get_inputs()}
-            cut_feeds = {k: v for k, v in feeds.items() if k in cut_inputs}
-            for ci in self.cut.inputs:
-                v = fp_out[ci.fp_name]
-                if ci.quant is not None:
-                    v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
-                cut_feeds[ci.name] = v
+            cut_feeds = _cut_feeds(self.cut, self.cut_sess, feeds, fp_out)
             local_out = run_batch(self.cut_sess, cut_feeds, f"cut INT8 model of '{self.q.path.name}'")
             wanted = {n: self.mine[n] for n in local if n in self.mine}
             for job in _local_jobs(self.cut, wanted, fp_out, local_out, state):
@@ -1058,7 +1041,7 @@ def _update_task(
     q = {n: q_out[n] for n in names}
     truth = labels[start : start + size] if labels is not None else None
     for key, metric in state.task.items():
-        call_update(metric, options.metric if key == "plugin" else "f1", fp, q, truth)
+        call_update(metric, options.metric if key == "plugin" and options.metric else "f1", fp, q, truth)
 
 
 def _scale_for(pair: TensorPair, q_out: dict[str, np.ndarray] | None) -> float | None:
@@ -1101,8 +1084,8 @@ def finish(
     weights = weight_report(
         fp.proto,
         q.proto,
-        fp.path.resolve().parent if fp.has_external_data else None,
-        q.path.resolve().parent if q.has_external_data else None,
+        _external_folder(fp),
+        _external_folder(q),
     )
     suggestions = all_suggestions(fp.proto, matching, health, q.format.family, weights.findings)
     patterns = find_patterns(fp.proto)

@@ -371,7 +371,7 @@ def _cause_lines(result: CompareResult) -> list[str]:
     roots = sorted((f for f in result.findings if f.role == "root-cause"), key=lambda f: f.rank_local)
     for f in roots[:3]:
         local, acc = f.local, f.accumulated
-        assert local is not None  # a root cause is ranked by its local error
+        assert local is not None and acc is not None  # a root cause is ranked by both errors
         lines.append(
             f"  root cause: {f.group.label} ({f.group.op_type}) local SQNR "
             f"{local.sqnr_db:.1f} dB, accumulated {acc.sqnr_db:.1f} dB"
@@ -383,7 +383,9 @@ def _cause_lines(result: CompareResult) -> list[str]:
             )
         )
     for model, f in nonfinite_origins(result.findings).items():
-        count = f.accumulated.nonfinite_fp if model == "FP32" else f.accumulated.nonfinite_int8
+        acc = f.accumulated
+        assert acc is not None  # an origin is found by its accumulated NaN/Inf counts
+        count = acc.nonfinite_fp if model == "FP32" else acc.nonfinite_int8
         lines.append(
             f"  NaN/Inf: first produced in the {model} model by {f.group.label} ({f.group.op_type}): "
             f"{count} value(s) in '{f.tensor}'"
