@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -44,7 +44,7 @@ from diag.instrument import CutModel, FusedKernel, cut_model, exposed_model, fus
 from diag.load import LoadedModel, model_from_path
 from diag.match import Matching, TensorPair, _value_dtypes, match_models, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats
-from diag.nbits import accuracy_level_nodes, check_accuracy_level
+from diag.nbits import AccuracyLevelCheck, accuracy_level_nodes, check_accuracy_level
 from diag.outputs import channel_axes, output_specs
 from diag.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.progress import Progress
@@ -60,6 +60,15 @@ from diag.run import (
 )
 from diag.taskmetrics import attach_task_metrics, call_update, start_task_metrics
 from diag.weights import WeightReport, weight_report
+
+if TYPE_CHECKING:
+    # LAYERING: types only, never imported at run time. The options and the result carry two values
+    # of the fix layer for diag.verbs.diagnose (the recipe given, the sensitivity it measured);
+    # the pipeline here never reads them.
+    import onnxruntime as ort
+
+    from diag.recipe import Recipe
+    from diag.sensitivity import SensitivityResult
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
 MIN_COVERAGE = 0.3
@@ -82,8 +91,9 @@ class CompareOptions:
     shard: tuple[int, int] | None = None
     #: Skip-one sensitivity for the top-K local-ranking nodes (0 = off); needs ``recipe``.
     sensitivity: int = 0
-    #: The recipe that made the INT8 model (a path or a Recipe), for ``sensitivity``.
-    recipe: Any = None
+    #: The recipe that made the INT8 model (a path, inline JSON or a Recipe), for ``sensitivity``
+    #: and the recipe a fix re-quantizes with (read by :func:`diag.verbs.diagnose`, not here).
+    recipe: str | Recipe | None = None
     #: ``--output-kind NAME=KIND`` overrides of the kinds inferred from the graph (diag.outputs).
     output_kinds: dict[str, str] = field(default_factory=dict)
     #: Candidates whose effect on the outputs is measured by keeping each in float (0 = off).
@@ -194,7 +204,8 @@ class CompareResult:
     fused: list[FusedKernel] = field(default_factory=list)
     #: The mergeable accumulators behind this result (written into shard files).
     state: CompareState | None = None
-    sensitivity: Any = None
+    #: ``--sensitivity``: skip-one re-quantizations (set by :func:`diag.verbs.diagnose`).
+    sensitivity: SensitivityResult | None = None
     paths: dict[str, list[NodeFinding]] = field(default_factory=dict)
     #: Measured effect on the outputs of keeping each candidate in float (diag.effects).
     effects: EffectCheck | None = None
@@ -205,7 +216,7 @@ class CompareResult:
     #: ``--scheduler``: the cluster's workers, shards, tasks and retries (empty for a local run).
     cluster: dict[str, Any] = field(default_factory=dict)
     #: ``--accuracy-level-check``: the MatMulNBits nodes at that accuracy_level vs 0 (diag.nbits).
-    accuracy_level: Any = None
+    accuracy_level: AccuracyLevelCheck | None = None
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -487,7 +498,7 @@ class _Pass:
     labels: np.ndarray | None
     progress: Progress
     #: The FP32 and INT8 sessions at ``--ort-opt-level`` (first pass only, and only when not disabled).
-    deployed: tuple[Any, Any] | None = None
+    deployed: tuple[ort.InferenceSession, ort.InferenceSession] | None = None
 
     def mine(self) -> dict[str, TensorPair]:
         """This pass's matched tensors (a new dict: a pass drops the pairs whose shapes differ from it)."""
@@ -558,7 +569,7 @@ def _exposed_sessions(
     cut: CutModel | None,
     output_names: list[str],
     threads: int,
-) -> tuple[Any, Any, Any | None]:
+) -> tuple[ort.InferenceSession, ort.InferenceSession, ort.InferenceSession | None]:
     """FP32 and INT8 sessions exposing ``mine`` (and ``output_names``), and the cut model's session."""
     fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (cut.inputs if cut else [])] + output_names))
     int8_names = list(
@@ -569,7 +580,7 @@ def _exposed_sessions(
     int8_names += [n for n in output_names if n not in int8_names]
     ext_fp, ext_q = _external_folder(fp), _external_folder(q)
 
-    def session(model: onnx.ModelProto, role: str, ext: Path | None) -> Any:
+    def session(model: onnx.ModelProto, role: str, ext: Path | None) -> ort.InferenceSession:
         # Exposed tensors are compared in exact mode whatever --ort-opt-level says: exposing a
         # tensor blocks the fusions that would hide it, so an optimized exposed session is neither
         # exact nor what really runs. What really runs is measured by the deployed sessions.
@@ -582,7 +593,7 @@ def _exposed_sessions(
 
 
 def _cut_feeds(
-    cut: CutModel, cut_sess: Any, feeds: dict[str, np.ndarray], fp_out: dict[str, np.ndarray]
+    cut: CutModel, cut_sess: ort.InferenceSession, feeds: dict[str, np.ndarray], fp_out: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """The cut model's inputs for a batch: FP32 values, quantized as the INT8 model would see them."""
     cut_inputs = {i.name for i in cut_sess.get_inputs()}
@@ -618,7 +629,7 @@ def _update_outputs(
 
 def _reduce_local(
     cut: CutModel,
-    cut_sess: Any,
+    cut_sess: ort.InferenceSession,
     q: LoadedModel,
     feeds: dict[str, np.ndarray],
     fp_out: dict[str, np.ndarray],
@@ -703,7 +714,7 @@ def _run_graph_pass(p: _Pass) -> None:
 
 def _diagnostic_session(
     p: _Pass, mine: dict[str, TensorPair], output_names: list[str], sample: dict[str, np.ndarray], threads: int
-) -> tuple[Any, Any]:
+) -> tuple[diagraph.DiagGraph, ort.InferenceSession]:
     """The pass's diagnostic graph and its session; ``diagraph.Unsupported`` when it cannot be built."""
     ext_fp, ext_q = _external_folder(p.fp), _external_folder(p.q)
     if ext_fp is not None and ext_q is not None and ext_fp != ext_q:
@@ -732,7 +743,7 @@ class _GraphReducer:
     """Feeds a batch's graph statistics to the accumulators, and the few tensors the graph could
     not reduce (flagged, or exposed by design) to the numpy reference (built on first need)."""
 
-    def __init__(self, p: _Pass, dg: Any, mine: dict[str, TensorPair], threads: int) -> None:
+    def __init__(self, p: _Pass, dg: diagraph.DiagGraph, mine: dict[str, TensorPair], threads: int) -> None:
         self.p, self.dg, self.mine, self.threads = p, dg, mine, threads
         self.references: dict[frozenset[str], _ReferenceSessions] = {}
         self.exposed = [s.fp_name for s in dg.pairs if s.fp_name in dg.exposed]
@@ -756,7 +767,7 @@ class _GraphReducer:
 
 def _update_graph_outputs(
     p: _Pass,
-    dg: Any,
+    dg: diagraph.DiagGraph,
     output_names: list[str],
     out: dict[str, np.ndarray],
     feeds: dict[str, np.ndarray],
@@ -783,7 +794,7 @@ def _update_graph_outputs(
 
 def _deployed_sessions(
     fp: LoadedModel, q: LoadedModel, matching: Matching, options: CompareOptions, state: CompareState
-) -> tuple[Any, Any]:
+) -> tuple[ort.InferenceSession, ort.InferenceSession]:
     """FP32 and INT8 sessions at ``options.opt_level`` with only the model outputs: what really runs.
 
     The INT8 graph onnxruntime optimizes is saved to a temp file to see which fused kernels hide
@@ -994,7 +1005,13 @@ def _reduce(
 
 
 def _update_deployed(
-    state: Any, deployed: Any, feeds: dict[str, Any], fp: Any, q: Any, opt_level: str, output_names: list[str]
+    state: CompareState,
+    deployed: tuple[ort.InferenceSession, ort.InferenceSession],
+    feeds: dict[str, np.ndarray],
+    fp: LoadedModel,
+    q: LoadedModel,
+    opt_level: str,
+    output_names: list[str],
 ) -> None:
     """Output figures of what onnxruntime really runs at ``opt_level`` (both reduction paths)."""
     dep_fp = run_batch(deployed[0], feeds, f"FP32 model '{fp.path.name}' ({opt_level})")

@@ -426,7 +426,7 @@ def _measured_lines(result: CompareResult) -> list[str]:
     lines = []
     level = result.accuracy_level
     worst = level.worst_node() if level is not None else None
-    if worst is not None:
+    if level is not None and worst is not None:
         node, db = worst
         outs = ", ".join(f"{k} {v:.1f} dB" for k, v in level.outputs.items())
         lines.append(
