@@ -1,4 +1,11 @@
-"""`diag compare` as one library call: load, match, instrument, stream, reduce, analyze.
+"""The diagnosis as one library call: load, match, instrument, stream, reduce, analyze.
+
+:func:`compare_models` is three steps, each usable alone: :func:`prepare_comparison` (the pair
+loaded, checked and matched, the inputs opened), :func:`run_comparison` (batches streamed into a
+:class:`CompareState`; a cluster or ``diag merge`` produces the same state another way) and
+:func:`analyze_comparison` (the state finished into a :class:`CompareResult`, causes confirmed by
+effect). Analysis layer: nothing here re-quantizes, writes a file or renders a report; the
+fix-side additions of ``diag compare`` and its files are :mod:`diag.verbs`'.
 
 Memory is O(one batch): each batch's FP32, INT8 and cut-model outputs are reduced into
 accumulators and dropped before the next batch is read.
