@@ -18,8 +18,10 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from diag import files
 from diag.environment import __version__, printable
 from diag.errors import GATE_FAILED, INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
+from diag.gate import Gates
 
 if TYPE_CHECKING:
     from diag.compare import CompareOptions
@@ -243,7 +245,6 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
 
 
 def check_options(args: argparse.Namespace) -> CheckOptions:
-    from diag.gate import Gates
     from diag.verbs import CheckOptions
 
     gates = Gates(
@@ -942,8 +943,6 @@ def _verb_parser(sub: Any, name: str, epilog: str | None) -> argparse.ArgumentPa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from diag import files
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verb:
@@ -982,8 +981,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def interrupt_state() -> str:
     """What is on disk after Ctrl-C: output sets are written whole (diag.files.write_set) or not at all."""
-    from diag import files
-
     written = files.written_sets()
     files.remove_created_empty_folders()
     if not written:
