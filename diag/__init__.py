@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from diag.environment import __version__ as __version__
 
 _LAZY = {
     "CompareOptions": "diag.compare",
@@ -31,9 +31,10 @@ _LAZY = {
     "save_recipe": "diag.recipe",
     "QuantizeReport": "diag.quantize",
     "quantize_model": "diag.quantize",
-    "compare_to_dir": "diag.compare",
+    "compare_to_dir": "diag.verbs",
+    "diagnose": "diag.verbs",
     "merge_shards": "diag.merge",
-    "merge_to_dir": "diag.merge",
+    "merge_to_dir": "diag.verbs",
     "FeedSpec": "diag.feeds",
     "derive_exclusions": "diag.exclude",
     "exclude_to_dir": "diag.exclude",

@@ -1,9 +1,12 @@
-"""The ``diag`` command line: each verb parses flags and makes one library call.
+"""The ``diag`` command line: each verb parses flags into options, makes one library call and
+prints the library's own lines (:mod:`diag.verbs`).
 
 Exit codes live here: 0 ok, 1 internal error (a bug: please report), 2 user error (one line
 ``diag: error[<slug>]: ...``), 3 a CI gate failed, 130 interrupted. ``--debug`` shows tracebacks.
-Heavy modules (numpy, onnx, onnxruntime, matplotlib) are imported inside the verbs so that
-``diag --help`` is instant.
+
+NOTE: the library (numpy, onnx, onnxruntime, matplotlib behind it) is imported inside the verbs and
+the options builders, not at module top, so that ``diag --help`` is instant
+(``tests/test_cli.py::test_help_is_instant_because_heavy_modules_are_not_imported``).
 """
 
 from __future__ import annotations
@@ -11,13 +14,28 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
-import textwrap
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from diag import __version__
-from diag.errors import INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
+from diag import files
+from diag.environment import __version__, printable
+from diag.errors import GATE_FAILED, INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
+from diag.gate import Gates
+
+if TYPE_CHECKING:
+    from diag.compare import CompareOptions
+    from diag.feeds import FeedSpec
+    from diag.verbs import (
+        CheckOptions,
+        DemoOptions,
+        DiffOptions,
+        InspectOptions,
+        LintOptions,
+        MergeOptions,
+        ReportOptions,
+        Summary,
+    )
 
 TARGET_HELP = """\
 Metrics (all computed over every element of every sample, FP32 x vs INT8 y, e = y - x):
@@ -34,7 +52,32 @@ With --labels (first output, [batch, classes], argmax vs label; classes = those 
 
 def _safe(text: object) -> str:
     """Printable text only: names from model files must not drive the terminal."""
-    return "".join(ch if ch.isprintable() else "?" for ch in str(text))
+    return printable(text)
+
+
+def _safe_lines(text: str) -> str:
+    return "\n".join(_safe(line) for line in text.splitlines())
+
+
+def _emit(summary: Summary) -> int:
+    """Print a verb's lines (made printable) and turn its gate into the exit code."""
+    for line in summary.lines:
+        print(_safe(line))
+    return GATE_FAILED if summary.failed else OK
+
+
+def _print_cluster(info: dict[str, Any], indent: str = "") -> None:
+    """One line on what ``--scheduler`` did (:func:`diag.verbs.cluster_line`), if it did anything."""
+    from diag.verbs import cluster_line
+
+    line = cluster_line(info, indent)
+    if line is not None:
+        print(_safe(line))
+
+
+# ---------------------------------------------------------------- flag groups
+# Each flag that several verbs take is defined once here: its name, type and metavar; the verb
+# gives only the help text that says what the flag means for it.
 
 
 def _add_feed_flags(p: argparse.ArgumentParser) -> None:
@@ -75,7 +118,48 @@ def _add_feed_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _feed_spec(args: argparse.Namespace) -> Any:
+def _add_out(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--out", default=default, metavar="DIR", help=f"output folder (default {default})")
+
+
+def _add_threads(p: argparse.ArgumentParser, default: str = "physical cores", help: str | None = None) -> None:
+    p.add_argument("--threads", type=int, help=help or f"intra-op threads per session (default: {default})")
+
+
+def _add_quiet(p: argparse.ArgumentParser, what: str = "bar") -> None:
+    p.add_argument("--quiet", action="store_true", help=f"no progress {what}")
+
+
+def _add_scheduler(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--scheduler", metavar="ADDRESS|local[:N]", help=help)
+
+
+def _add_target(p: argparse.ArgumentParser, help: str, required: bool = False) -> None:
+    p.add_argument("--target", required=required, metavar="METRIC>=V", help=help)
+
+
+def _add_recipe(p: argparse.ArgumentParser, help: str, metavar: str = "R", required: bool = False) -> None:
+    p.add_argument("--recipe", required=required, metavar=metavar, help=help)
+
+
+def _add_labels(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--labels", metavar="PATH", help=help)
+
+
+def _add_metric(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--metric", metavar="MOD:FUNC", help=help)
+
+
+def _add_holdout(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--holdout", type=float, default=0.5, metavar="F", help=help)
+
+
+# ---------------------------------------------------------------- options builders
+# Flags -> the options of the verb's one library call (tests/test_verb_flags.py checks each).
+
+
+def feed_spec(args: argparse.Namespace) -> FeedSpec:
+    """The inputs flags (:func:`_add_feed_flags`) as a :class:`diag.feeds.FeedSpec`."""
     from diag.feeds import FeedSpec, parse_shapes
 
     try:
@@ -98,61 +182,16 @@ def _feed_spec(args: argparse.Namespace) -> Any:
     )
 
 
-# ---------------------------------------------------------------- verbs
+_feed_spec = feed_spec
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    """Print a model's quantization format, opsets, op counts, subgraphs and visible problems.
-
-    With --recipe, print instead the recipe that made an INT8 model (mode, format, types,
-    per-channel, symmetric, reduce_range, excluded nodes) as a TOML recipe file; fields a model
-    cannot tell (calibrate_method) are commented out with the reason. --recipe-out FILE writes it
-    (.toml with the comments, .json without)."""
-    if args.recipe or args.recipe_out:
-        return _inspect_recipe(args)
-    from diag.load import model_summary
-
-    s = model_summary(args.model)
-    print(f"model:      {_safe(s.path)}")
-    ev = ", ".join(f"{k} x{v}" for k, v in s.format.evidence.items())
-    print(f"format:     {s.format.kind}" + (f"  ({_safe(ev)})" if ev else ""))
-    if s.format.precisions:
-        from diag.precision import describe
-
-        print(f"precision:  {_safe(describe(s.format.precisions))}")
-    print(
-        f"opsets:     {', '.join(f'{k} {v}' for k, v in s.opsets.items())}; IR {s.ir_version}; "
-        f"producer {_safe(s.producer) or '?'}"
-    )
-    print(f"inputs:     {_safe(', '.join(s.inputs))}")
-    print(f"outputs:    {_safe(', '.join(s.outputs))}")
-    print(
-        f"nodes:      {s.node_count} ({s.quantized_nodes} quantization ops, {s.float_nodes} other)"
-        + ("; external data" if s.external_data else "")
-    )
-    ops = ", ".join(f"{_safe(k)} {v}" for k, v in s.op_counts.items())
-    print("op counts:  " + textwrap.fill(ops, 96, subsequent_indent=" " * 12))
-    if s.precision:
-        print(f"precision:  {_safe(', '.join(f'{k} x{v}' for k, v in s.precision.items()))}")
-    if s.subgraph_nodes:
-        print(f"subgraphs:  {_safe(', '.join(s.subgraph_nodes))}")
-    for w in s.warnings:
-        print(f"warning:    {_safe(w)}")
-    for p in s.problems:
-        print(f"problem:    {_safe(p)}")
-    if not s.problems:
-        print("problems:   none found")
-    return OK
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    """Compare an FP32 model and its INT8 version tensor by tensor; write diag.json, report.html
-    and summary.md into --out."""
-    from diag.compare import CompareOptions, compare_to_dir
+def compare_options(args: argparse.Namespace) -> CompareOptions:
+    """`diag compare`'s flags as :class:`diag.compare.CompareOptions` (the inputs: :func:`feed_spec`)."""
+    from diag.compare import CompareOptions
     from diag.outputs import parse_output_kinds
     from diag.run import parse_shard, parse_size
 
-    options = CompareOptions(
+    return CompareOptions(
         opt_level=args.ort_opt_level,
         threads=args.threads,
         max_memory=parse_size(args.max_memory) if args.max_memory else None,
@@ -172,189 +211,41 @@ def cmd_compare(args: argparse.Namespace) -> int:
         reductions=args.reductions,
         scheduler=args.scheduler,
     )
-    result, files = compare_to_dir(args.fp32, args.int8, _feed_spec(args), args.out, options)
-    _print_result(result, files)
-    return OK
 
 
-def _print_result(result: Any, files: dict[str, Any]) -> None:
-    for model in (result.fp32, result.int8):
-        for w in getattr(model, "warnings", []):
-            print(f"warning: {_safe(w)}")
-    print(f"verdict: {result.grade.upper()} - {_safe(result.cause_sentence)}")
-    for v in result.verdicts:
-        print(f"  output {_safe(v.name)}: {v.grade} ({_safe('; '.join(v.reasons))})")
-    from diag.taskmetrics import task_lines
+def inspect_options(args: argparse.Namespace) -> InspectOptions:
+    from diag.verbs import InspectOptions
 
-    for line in task_lines(getattr(result, "task_metrics", {}) or {}):
-        print(f"  {_safe(line)}")
-    exact = {v.name: v.per_sample for v in result.verdicts}
-    for name, d in getattr(result, "deployed", {}).items():
-        e = exact.get(name)
-        print(
-            f"  deployed ({result.options.opt_level}) output {_safe(name)}: cosine min {d.cosine_min:.6f}, "
-            f"max abs {d.max_abs:.3g}"
-            + (f" (exact mode: cosine min {e.cosine_min:.6f}, max abs {e.max_abs:.3g})" if e is not None else "")
-        )
-    if getattr(result, "fused", None):
-        hidden = {n for k in result.fused for n in k.fp_nodes}
-        print(
-            f"  {len(result.fused)} fused onnxruntime kernel(s) hide {len(hidden)} FP32 node(s) "
-            "(diag.json deployed.fused_kernels)"
-        )
-    roots = sorted((f for f in result.findings if f.role == "root-cause"), key=lambda f: f.rank_local)
-    for f in roots[:3]:
-        print(
-            f"  root cause: {_safe(f.group.label)} ({f.group.op_type}) local SQNR "
-            f"{f.local.sqnr_db:.1f} dB, accumulated {f.accumulated.sqnr_db:.1f} dB"
-            # SQNR is over finite values: say when the node writes NaN/Inf even fed FP32 inputs.
-            + (
-                f" (its own NaN/Inf: {f.local.nonfinite_int8 - f.local.nonfinite_fp} with FP32 inputs)"
-                if f.local.nonfinite_int8 > f.local.nonfinite_fp
-                else ""
-            )
-        )
-    from diag.analyze import nonfinite_origins
-
-    for model, f in nonfinite_origins(result.findings).items():
-        count = f.accumulated.nonfinite_fp if model == "FP32" else f.accumulated.nonfinite_int8
-        print(
-            f"  NaN/Inf: first produced in the {model} model by {_safe(f.group.label)} ({f.group.op_type}): "
-            f"{count} value(s) in '{_safe(f.tensor)}'"
-        )
-    if result.state is not None and result.state.fp16_ranges:
-        from diag.fp16health import fp16_range_lines
-
-        for line in fp16_range_lines(result.findings, result.state.fp16_ranges):
-            print(f"  {_safe(line)}")
-    for out, path in result.paths.items():
-        labels = [f.group.label for f in path]
-        if len(labels) > 5:
-            labels = [*labels[:2], f"... {len(labels) - 4} more ...", *labels[-2:]]
-        print(f"  error path to {_safe(out)}: {_safe(' -> '.join(labels))}")
-    flagged = [(k, h) for k, h in result.health.items() if h.outliers and h.grid != "none"]
-    for name, h in sorted(flagged, key=lambda kv: -kv[1].outliers[0].times_median)[:2]:
-        o = h.outliers[0]
-        print(f"  outlier: channel {o.index} of {_safe(name)} is {o.times_median:.0f}x the median channel")
-    for p in result.persistent[:1]:
-        print(
-            f"  persistent outlier: channel {p.index} in {len(p.tensors)} of {p.of_tensors} tensors "
-            f"of width {p.channels}"
-        )
-    for s in result.suggestions[:2]:
-        print(f"  remedy for {_safe(s.tensor)}: {_safe(s.python)}")
-    blocks = result.weights.worst_blocks(1) if getattr(result, "weights", None) is not None else []
-    for b in blocks:  # block-wise weights (MatMulNBits, int4 QDQ): see diag.nbits
-        print(
-            f"  worst weight block: {_safe(b.weight)} {b.where()}: "
-            f"error {b.rel_rmse:.2f}x the weight's rms, {b.levels} levels used, max |w| {b.peak_ratio:.0f}x the median"
-        )
-    level = getattr(result, "accuracy_level", None)
-    if level is not None and level.worst_node() is not None:
-        node, db = level.worst_node()  # type: ignore[misc]
-        outs = ", ".join(f"{_safe(k)} {v:.1f} dB" for k, v in level.outputs.items())
-        print(
-            f"  accuracy_level {level.level} vs 0 (MatMulNBits inputs quantized inside the kernel): SQNR {outs}; "
-            f"worst node {_safe(node)} {db:.1f} dB ({level.samples} samples)"
-        )
-    effects = getattr(result, "effects", None)
-    if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
-        shown = [e for e in effects.effects[:3] if e.recovered > 0.01]
-        if shown:
-            print(
-                f"  effect on {_safe(effects.target)} of keeping one node in float: "
-                + ", ".join(f"{_safe(e.finding.group.label)} {e.recovered:.0%}" for e in shown)
-                + f" ({effects.samples} samples)"
-            )
-    for v in result.verdicts:
-        for label, (part, acc, local) in v.per_sample.parts.items():
-            print(
-                f"  output {_safe(v.name)} part {_safe(label)}: SQNR {acc.sqnr_db:.1f} dB, min cosine "
-                f"{part.cosine_min:.4f}" + (f", local SQNR {local.sqnr_db:.1f} dB" if local is not None else "")
-            )
-    if result.sensitivity is not None and result.sensitivity.rows:
-        best = result.sensitivity.rows[0]
-        print(
-            f"  sensitivity: keeping {_safe(best.candidate.label)} in float recovers "
-            f"{best.cosine_recovered:+.4f} output cosine ({result.sensitivity.quantizations} quantizations)"
-        )
-    _print_cluster(getattr(result, "cluster", {}), "  ")
-    m = result.matching
-    print(
-        f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "
-        f"({len(m.unmatched_tensors)} unmatched, listed in the report); {result.samples} samples "
-        + (f"({result.passes} passes, memory budget) " if getattr(result, "passes", 1) > 1 else "")
-        + f"in {result.seconds:.1f} s"
-    )
-    for name, path in files.items():
-        print(f"wrote {name}: {path}")
+    return InspectOptions(args.model, recipe=args.recipe, recipe_out=args.recipe_out)
 
 
-def _print_cluster(info: dict[str, Any], indent: str = "") -> None:
-    """One line on what ``--scheduler`` did: workers, tasks, retries, where latency was measured."""
-    if not info:
-        return
-    shards = f"{info['shards']} shards, " if "shards" in info else ""
-    unused = f", {info['unused_tasks']} computed ahead and not needed" if info.get("unused_tasks") else ""
-    where = f"; latency measured on {info['latency_measured_on']}" if "latency_measured_on" in info else ""
-    print(
-        f"{indent}cluster: {info['workers']} worker(s) at {_safe(info['scheduler'])}, {shards}{info['tasks']} tasks"
-        f"{unused}, {info['retries']} retried after a worker died{_safe(where)}"
+def merge_options(args: argparse.Namespace) -> MergeOptions:
+    from diag.verbs import MergeOptions
+
+    return MergeOptions(tuple(args.parts), out=args.out, fp32=args.fp32, int8=args.int8)
+
+
+def report_options(args: argparse.Namespace) -> ReportOptions:
+    from diag.verbs import ReportOptions
+
+    return ReportOptions(args.json, out=args.out)
+
+
+def demo_options(args: argparse.Namespace) -> DemoOptions:
+    from diag.verbs import DemoOptions
+
+    return DemoOptions(
+        out=args.out,
+        fixture=args.fixture,
+        format=args.format,
+        samples=args.samples,
+        progress=not args.quiet,
+        fix=not args.no_fix,
     )
 
 
-def cmd_merge(args: argparse.Namespace) -> int:
-    """Merge the diag.json files of diag compare --shard K/N runs into the result of one run; write
-    diag.json, report.html and summary.md into --out."""
-    from diag.merge import merge_to_dir
-
-    result, files = merge_to_dir(args.parts, args.out, args.fp32, args.int8)
-    _print_result(result, files)
-    return OK
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Build a bundled fixture with a known defect, quantize it with onnxruntime, compare, then
-    derive and verify the fix (the fewest nodes to keep in float for cosine>=0.999 on held-out
-    samples) with diag exclude. Works offline."""
-    from diag.demo import run_demo
-
-    result, files, fix = run_demo(
-        args.out, args.fixture, args.format, samples=args.samples, progress=not args.quiet, fix=not args.no_fix
-    )
-    _print_result(result, files)
-    if fix is not None:
-        before, after = fix.before.cosine, fix.after.cosine if fix.after else None
-        if fix.reachable and fix.nodes_to_exclude:
-            print(
-                f"verified fix: keep {len(fix.nodes_to_exclude)} node(s) in float "
-                f"({_safe(', '.join(fix.nodes_to_exclude))}): held-out cosine {before:.4f} -> {after:.4f} "
-                f"({fix.target})"
-            )
-        else:
-            print(f"verified fix: {fix.verdict} ({fix.target}, held-out cosine {before:.4f})")
-        print(f"wrote the fix's report: {_safe(args.out)}/fix/report.html")
-    return OK
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    """Re-render report.html and summary.md from a diag.json without re-running any model."""
-    from diag.report import report_to_dir
-
-    for path in report_to_dir(args.json, args.out).values():
-        print(f"wrote {_safe(path)}")
-    return OK
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    """CI gate on a diag.json: every gate is applied to every model output and printed as PASS, FAIL or
-    SKIP with its margin; exit code 3 when any gate fails.
-
-    A gate on a metric an output does not have (top-1 agreement of a non-class-like output, accuracy
-    drop without --labels) is skipped for that output with a printed note, and FAILS when it applies
-    to no output at all: a gate that cannot measure anything never passes."""
-    from diag.errors import GATE_FAILED
-    from diag.gate import Gates, check_file, summary_line
+def check_options(args: argparse.Namespace) -> CheckOptions:
+    from diag.verbs import CheckOptions
 
     gates = Gates(
         min_sqnr=args.min_sqnr,
@@ -366,45 +257,102 @@ def cmd_check(args: argparse.Namespace) -> int:
         max_grade=args.max_grade,
         outputs=tuple(args.output),
     )
-    results = check_file(args.json, gates)
-    for r in results:
-        print(_safe(r.line()))
-    print(summary_line(results))
-    return GATE_FAILED if any(r.failed for r in results) else OK
+    return CheckOptions(args.json, gates)
+
+
+def diff_options(args: argparse.Namespace) -> DiffOptions:
+    from diag.verbs import DiffOptions
+
+    return DiffOptions(args.a, args.b, top=args.top, as_json=args.json)
+
+
+def lint_options(args: argparse.Namespace) -> LintOptions:
+    from diag.verbs import LintOptions
+
+    return LintOptions(args.recipe, model=args.model)
+
+
+# ---------------------------------------------------------------- verbs
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Print a model's quantization format, opsets, op counts, subgraphs and visible problems.
+
+    With --recipe, print instead the recipe that made an INT8 model (mode, format, types,
+    per-channel, symmetric, reduce_range, excluded nodes) as a TOML recipe file; fields a model
+    cannot tell (calibrate_method) are commented out with the reason. --recipe-out FILE writes it
+    (.toml with the comments, .json without)."""
+    from diag import verbs
+
+    return _emit(verbs.inspect(inspect_options(args)))
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Compare an FP32 model and its INT8 version tensor by tensor; write diag.json, report.html
+    and summary.md into --out."""
+    from diag import verbs
+
+    return _emit(verbs.compare(args.fp32, args.int8, feed_spec(args), args.out, compare_options(args)))
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Merge the diag.json files of diag compare --shard K/N runs into the result of one run; write
+    diag.json, report.html and summary.md into --out."""
+    from diag import verbs
+
+    return _emit(verbs.merge(merge_options(args)))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Build a bundled fixture with a known defect, quantize it with onnxruntime, compare, then
+    derive and verify the fix (the fewest nodes to keep in float for cosine>=0.999 on held-out
+    samples) with diag exclude. Works offline."""
+    from diag.demo import demo
+
+    return _emit(demo(demo_options(args)))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Re-render report.html and summary.md from a diag.json without re-running any model."""
+    from diag import verbs
+
+    return _emit(verbs.report(report_options(args)))
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """CI gate on a diag.json: every gate is applied to every model output and printed as PASS, FAIL or
+    SKIP with its margin; exit code 3 when any gate fails.
+
+    A gate on a metric an output does not have (top-1 agreement of a non-class-like output, accuracy
+    drop without --labels) is skipped for that output with a printed note, and FAILS when it applies
+    to no output at all: a gate that cannot measure anything never passes."""
+    from diag import verbs
+
+    return _emit(verbs.check(check_options(args)))
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """Show what got better or worse between two diag.json runs (b relative to a): grade, per-output
     metric deltas, nodes whose quantized status or role changed, largest SQNR changes, nodes in one
     run only, changed settings and versions."""
-    import json
+    from diag import verbs
 
-    from diag.diff import diff_files
-
-    diff = diff_files(args.a, args.b, top=args.top)
-    if args.json:
-        print(json.dumps(diff.to_dict(), indent=2))
-    else:
-        for line in diff.lines():
-            print(_safe(line))
-    return OK
+    return _emit(verbs.diff(diff_options(args)))
 
 
-def _inspect_recipe(args: argparse.Namespace) -> int:
-    from diag.infer import recipe_to_file, recipe_to_toml
+def cmd_lint(args: argparse.Namespace) -> int:
+    """Check a recipe file for what onnxruntime would silently ignore or reject.
 
-    if args.recipe_out:
-        path, notes = recipe_to_file(args.model, args.recipe_out)
-        print(f"wrote recipe: {_safe(path)}")
-        for note in notes:
-            print(f"note: {_safe(note)}")
-    else:
-        print(_safe_lines(recipe_to_toml(args.model)))
-    return OK
+    Flags extra_options keys the installed onnxruntime never reads (OpTypesToExclude,
+    QuantizationPrecision), node names and op types that match no node of the FP32 model (PyTorch
+    module names get the ONNX node names that contain them), and options that contradict each
+    other or the format.
 
+    Every finding is one line, error or warning. Exit code 3 when there is an error (onnxruntime
+    would ignore or reject part of the recipe), 0 with warnings only (legal but probably not meant)."""
+    from diag import verbs
 
-def _safe_lines(text: str) -> str:
-    return "\n".join(_safe(line) for line in text.splitlines())
+    return _emit(verbs.lint(lint_options(args)))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -424,26 +372,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if written is not None:
         print(f"wrote {_safe(written)}")
     return OK
-
-
-def cmd_lint(args: argparse.Namespace) -> int:
-    """Check a recipe file for what onnxruntime would silently ignore or reject.
-
-    Flags extra_options keys the installed onnxruntime never reads (OpTypesToExclude,
-    QuantizationPrecision), node names and op types that match no node of the FP32 model (PyTorch
-    module names get the ONNX node names that contain them), and options that contradict each
-    other or the format.
-
-    Every finding is one line, error or warning. Exit code 3 when there is an error (onnxruntime
-    would ignore or reject part of the recipe), 0 with warnings only (legal but probably not meant)."""
-    from diag.errors import GATE_FAILED
-    from diag.lint import lint_recipe_file, summary_line
-
-    findings = lint_recipe_file(args.recipe, args.model)
-    for f in findings:
-        print(_safe(f.line()))
-    print(_safe(summary_line(args.recipe, findings)))
-    return GATE_FAILED if any(f.severity == "error" for f in findings) else OK
 
 
 def cmd_exclude(args: argparse.Namespace) -> int:
@@ -655,48 +583,24 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="diag",
-        description="Find which operator broke your INT8 ONNX model, and what to do about it.",
-        epilog="Exit codes: 0 ok, 1 internal error, 2 user error, 3 gate failed, 130 interrupted.",
-    )
-    parser.add_argument("--version", action="version", version=f"diag {__version__}")
-    parser.add_argument("--debug", dest="global_debug", action="store_true", help="show tracebacks for errors")
-    sub = parser.add_subparsers(dest="verb", metavar="VERB")
-
-    def verb(name: str, **kw: Any) -> argparse.ArgumentParser:
-        doc = inspect.cleandoc(VERBS[name].__doc__ or "")
-        # The verb list shows the docstring's first sentence, however many lines it spans.
-        paragraph = " ".join(doc.split("\n\n")[0].split())
-        summary = paragraph.split(". ")[0].rstrip(".") + "."
-        p = sub.add_parser(
-            name, help=summary, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kw
-        )
-        p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-        return p
-
-    p = verb("inspect")
+def _inspect_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="an .onnx model (FP32 or INT8)")
     p.add_argument("--recipe", action="store_true", help="print the recipe that made this INT8 model (TOML)")
     p.add_argument("--recipe-out", metavar="FILE", help="write that recipe to FILE (.toml or .json)")
 
-    p = verb("compare", epilog=TARGET_HELP)
+
+def _compare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("fp32", help="the FP32 model")
     p.add_argument("int8", help="its INT8 version (quantize_dynamic or quantize_static, QDQ or QOperator)")
     _add_feed_flags(p)
-    p.add_argument("--out", default="diag-out", metavar="DIR", help="output folder (default diag-out)")
+    _add_out(p, "diag-out")
     p.add_argument(
         "--ort-opt-level",
         choices=["disabled", "basic", "extended", "all"],
         default="disabled",
         help="onnxruntime graph optimizations; 'disabled' (default) keeps every tensor comparable",
     )
-    p.add_argument(
-        "--threads",
-        type=int,
-        help="intra-op threads of every session; they run one after the other (default: every core)",
-    )
+    _add_threads(p, help="intra-op threads of every session; they run one after the other (default: every core)")
     p.add_argument(
         "--max-memory",
         metavar="SIZE",
@@ -727,6 +631,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="X",
         help="a channel is an outlier when its max |x| exceeds the median channel's X times (default 6)",
     )
+    _compare_analysis_flags(p)
+
+
+def _compare_analysis_flags(p: argparse.ArgumentParser) -> None:
+    """`diag compare`'s flags past the run itself: what is measured on top, task metrics, the cluster."""
     p.add_argument(
         "--sensitivity",
         type=int,
@@ -737,11 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip-one sensitivity: re-quantize with each of the top K (default 5) local-ranking nodes kept in "
         "float and measure the outputs; needs --recipe",
     )
-    p.add_argument(
-        "--recipe",
-        metavar="R",
-        help="the recipe that made the INT8 model (file or inline JSON; diag inspect INT8 --recipe writes one)",
-    )
+    _add_recipe(p, "the recipe that made the INT8 model (file or inline JSON; diag inspect INT8 --recipe writes one)")
     p.add_argument(
         "--output-kind",
         action="append",
@@ -774,34 +679,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-only models: also run every MatMulNBits node at accuracy_level LEVEL (4: int8 inputs) and "
         "measure it against accuracy_level 0 (float inputs) on the first --effect-samples samples",
     )
-    p.add_argument(
-        "--labels",
-        metavar="PATH",
-        help=".npy of class indices, one per sample in input order: grades the accuracy drop and the macro-F1 drop "
+    _add_labels(
+        p,
+        ".npy of class indices, one per sample in input order: grades the accuracy drop and the macro-F1 drop "
         "of the first output (macro and micro F1 in diag.json)",
     )
-    p.add_argument(
-        "--metric",
-        metavar="MOD:FUNC",
-        help="task-metric plugin: import MOD and call FUNC() for an object with update(fp32_outputs, int8_outputs, "
+    _add_metric(
+        p,
+        "task-metric plugin: import MOD and call FUNC() for an object with update(fp32_outputs, int8_outputs, "
         "labels_or_None), merge(other), finalize() -> {name: value} and better = {name: 'higher'|'lower'}; "
         "its values are reported with the outputs (with --shard it also needs state() / from_state())",
     )
-    p.add_argument(
-        "--scheduler",
-        metavar="ADDRESS|local[:N]",
-        help="run the batches as shards on the Dask scheduler at ADDRESS (tcp://host:8786), or on a LocalCluster "
+    _add_scheduler(
+        p,
+        "run the batches as shards on the Dask scheduler at ADDRESS (tcp://host:8786), or on a LocalCluster "
         'of N worker processes (default N: every core); same answer as without; needs pip install "diag[dask]"',
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_quiet(p)
 
-    p = verb("merge")
+
+def _merge_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("parts", nargs="+", metavar="PART", help="diag.json of every shard (diag compare --shard K/N)")
-    p.add_argument("--out", default="diag-out", metavar="DIR", help="output folder (default diag-out)")
+    _add_out(p, "diag-out")
     p.add_argument("--fp32", metavar="PATH", help="the FP32 model, when it moved since the shards ran")
     p.add_argument("--int8", metavar="PATH", help="the INT8 model, when it moved since the shards ran")
 
-    p = verb("report")
+
+def _report_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("json", help="a diag.json written by diag compare")
     p.add_argument(
         "--out",
@@ -810,30 +714,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for report.html + summary.md, or a single .html path",
     )
 
-    p = verb("exclude", epilog=EXCLUDE_TARGET_HELP)
+
+def _exclude_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("fp32", help="the FP32 model")
-    p.add_argument(
-        "--recipe",
-        metavar="PATH",
-        help='recipe .json/.toml (onnxruntime\'s argument names); default {"mode": "dynamic"}',
-    )
-    p.add_argument("--target", required=True, metavar="METRIC>=V", help="goal on held-out inputs, e.g. cosine>=0.999")
+    _add_recipe(p, 'recipe .json/.toml (onnxruntime\'s argument names); default {"mode": "dynamic"}', metavar="PATH")
+    _add_target(p, "goal on held-out inputs, e.g. cosine>=0.999", required=True)
     _add_feed_flags(p)
-    p.add_argument(
-        "--holdout",
-        type=float,
-        default=0.5,
-        metavar="F",
-        help="share of the samples held out for verification, cut on batch boundaries (default 0.5)",
-    )
-    p.add_argument("--labels", metavar="PATH", help=".npy of class indices (accuracy_drop / f1_drop targets)")
-    p.add_argument(
-        "--metric",
-        metavar="MOD:FUNC",
-        help="task-metric plugin (as in diag compare --metric): the names its better declares are targets, "
+    _add_holdout(p, "share of the samples held out for verification, cut on batch boundaries (default 0.5)")
+    _add_labels(p, ".npy of class indices (accuracy_drop / f1_drop targets)")
+    _add_metric(
+        p,
+        "task-metric plugin (as in diag compare --metric): the names its better declares are targets, "
         "e.g. --target map50>=0.6",
     )
-    p.add_argument("--threads", type=int, help="intra-op threads per session (default: onnxruntime's)")
+    _add_threads(p, "onnxruntime's")
     p.add_argument(
         "--bench-runs", type=int, default=20, metavar="N", help="timed runs per model for latency (0: skip; default 20)"
     )
@@ -863,18 +757,18 @@ def build_parser() -> argparse.ArgumentParser:
         "int8,a16,fp32 (static: a16 = 16-bit activations via TensorQuantOverrides), int8,fp32; nodes are "
         "promoted one tier at a time; writes tiers.json, recipe.json, the plan model and reproduce.py",
     )
-    p.add_argument("--out", default="diag-exclude", metavar="DIR", help="output folder (default diag-exclude)")
-    p.add_argument(
-        "--scheduler",
-        metavar="ADDRESS|local[:N]",
-        help="run the search's trials as Dask tasks on the scheduler at ADDRESS (tcp://host:8786), or on a "
+    _add_out(p, "diag-exclude")
+    _add_scheduler(
+        p,
+        "run the search's trials as Dask tasks on the scheduler at ADDRESS (tcp://host:8786), or on a "
         "LocalCluster of N worker processes (default N: every core); same list as without; needs "
         'pip install "diag[dask]"',
     )
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_quiet(p, "lines")
 
-    p = verb("demo")
-    p.add_argument("--out", default="diag-demo", metavar="DIR", help="output folder (default diag-demo)")
+
+def _demo_flags(p: argparse.ArgumentParser) -> None:
+    _add_out(p, "diag-demo")
     p.add_argument(
         "--fixture",
         default="transformer",
@@ -889,15 +783,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--samples", type=int, default=32, help="samples to compare (default 32)")
     p.add_argument("--no-fix", action="store_true", help="diagnose only; skip the verified exclusion in DIR/fix")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_quiet(p)
 
-    p = verb("quantize")
+
+def _quantize_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("fp32", help="the FP32 model (never modified)")
-    p.add_argument(
-        "--recipe",
+    _add_recipe(
+        p,
+        "recipe file (.json or .toml; see README 'Recipe file') or inline JSON such as '{\"mode\": \"dynamic\"}'",
         required=True,
-        metavar="R",
-        help="recipe file (.json or .toml; see README 'Recipe file') or inline JSON such as '{\"mode\": \"dynamic\"}'",
     )
     p.add_argument("-o", required=True, metavar="OUT.onnx", help="the INT8 model to write")
     g = p.add_argument_group('calibration inputs (static recipes; default: the recipe\'s "calibration")')
@@ -912,9 +806,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", type=int, metavar="N", help="calibrate on the first N samples")
     g.add_argument("--batch", type=int, default=1, metavar="B", help="samples per calibration run (default 1)")
     p.add_argument("--verbose", action="store_true", help="print onnxruntime's own log messages")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_quiet(p)
 
-    p = verb("check", epilog=TARGET_HELP)
+
+def _check_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("json", help="a diag.json written by diag compare")
     p.add_argument("--min-sqnr", type=float, metavar="DB", help="fail when an output's SQNR is below DB")
     p.add_argument("--min-cosine", type=float, metavar="C", help="fail when an output's min per-sample cosine < C")
@@ -947,26 +842,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply the metric gates to this output only (repeatable; default: every output)",
     )
 
-    p = verb("diff")
+
+def _diff_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="the baseline diag.json")
     p.add_argument("b", help="the new diag.json (deltas are b - a)")
     p.add_argument("--top", type=int, default=10, metavar="N", help="nodes per SQNR ranking (default 10)")
     p.add_argument("--json", action="store_true", help="machine-readable JSON instead of text")
 
-    p = verb("bench")
+
+def _bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("models", nargs="+", help="models to time, FP32 first (speedup is relative to the first)")
     _add_feed_flags(p)
     p.add_argument("--runs", type=int, default=50, help="timed runs per model, one batch each (default 50)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs per model first (default 5)")
-    p.add_argument("--threads", type=int, help="intra-op threads per session (default: physical cores)")
+    _add_threads(p)
     p.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_quiet(p)
 
-    p = verb("lint")
+
+def _lint_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="a recipe file (.json or .toml)")
     p.add_argument("--model", metavar="FP32", help="the FP32 model: check node names and op types against it")
 
-    p = verb("sweep", epilog=SWEEP_HELP)
+
+def _sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("fp32", help="the FP32 model (never modified)")
     _add_feed_flags(p)
     p.add_argument(
@@ -981,34 +880,69 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop", "latency", "size"],
         help="what the table is sorted by and the best recipe is chosen on (default cosine)",
     )
-    p.add_argument("--target", metavar="METRIC>=V", help="the best recipe must meet this, e.g. cosine>=0.999")
-    p.add_argument("--labels", metavar="PATH", help=".npy of class indices (accuracy_drop / f1_drop)")
-    p.add_argument(
-        "--holdout",
-        type=float,
-        default=0.5,
-        metavar="F",
-        help="without --calib: share of the samples held out for metrics and latency (default 0.5)",
-    )
+    _add_target(p, "the best recipe must meet this, e.g. cosine>=0.999")
+    _add_labels(p, ".npy of class indices (accuracy_drop / f1_drop)")
+    _add_holdout(p, "without --calib: share of the samples held out for metrics and latency (default 0.5)")
     p.add_argument("--runs", type=int, default=20, help="timed runs per model and repeat (0: no latency; default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs per model and repeat (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="latency repeats; their spread is the noise (default 3)")
-    p.add_argument("--threads", type=int, help="intra-op threads per session (default: physical cores)")
-    p.add_argument("--out", default="diag-sweep", metavar="DIR", help="output folder (default diag-sweep)")
-    p.add_argument(
-        "--scheduler",
-        metavar="ADDRESS|local[:N]",
-        help="quantize and measure the recipes as Dask tasks on the scheduler at ADDRESS (tcp://host:8786), or on a "
+    _add_threads(p)
+    _add_out(p, "diag-sweep")
+    _add_scheduler(
+        p,
+        "quantize and measure the recipes as Dask tasks on the scheduler at ADDRESS (tcp://host:8786), or on a "
         "LocalCluster of N worker processes (default N: every core); latency is timed afterwards on this machine; "
         'needs pip install "diag[dask]"',
     )
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_quiet(p, "lines")
+
+
+#: Each verb's flags and the epilog of its --help, in the order ``diag --help`` lists the verbs.
+_SUBPARSERS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], str | None]] = {
+    "inspect": (_inspect_flags, None),
+    "compare": (_compare_flags, TARGET_HELP),
+    "merge": (_merge_flags, None),
+    "report": (_report_flags, None),
+    "exclude": (_exclude_flags, EXCLUDE_TARGET_HELP),
+    "demo": (_demo_flags, None),
+    "quantize": (_quantize_flags, None),
+    "check": (_check_flags, TARGET_HELP),
+    "diff": (_diff_flags, None),
+    "bench": (_bench_flags, None),
+    "lint": (_lint_flags, None),
+    "sweep": (_sweep_flags, SWEEP_HELP),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``diag`` parser: global flags, then one subparser per verb (:data:`_SUBPARSERS`)."""
+    parser = argparse.ArgumentParser(
+        prog="diag",
+        description="Find which operator broke your INT8 ONNX model, and what to do about it.",
+        epilog="Exit codes: 0 ok, 1 internal error, 2 user error, 3 gate failed, 130 interrupted.",
+    )
+    parser.add_argument("--version", action="version", version=f"diag {__version__}")
+    parser.add_argument("--debug", dest="global_debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name, (add_flags, epilog) in _SUBPARSERS.items():
+        add_flags(_verb_parser(sub, name, epilog))
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from diag import files
+def _verb_parser(sub: Any, name: str, epilog: str | None) -> argparse.ArgumentParser:
+    """A verb's subparser: its help is the first sentence of its docstring, its description all of it."""
+    doc = inspect.cleandoc(VERBS[name].__doc__ or "")
+    # The verb list shows the docstring's first sentence, however many lines it spans.
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    summary = paragraph.split(". ")[0].rstrip(".") + "."
+    p: argparse.ArgumentParser = sub.add_parser(
+        name, help=summary, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return p
 
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.verb:
@@ -1047,8 +981,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def interrupt_state() -> str:
     """What is on disk after Ctrl-C: output sets are written whole (diag.files.write_set) or not at all."""
-    from diag import files
-
     written = files.written_sets()
     files.remove_created_empty_folders()
     if not written:

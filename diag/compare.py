@@ -1,4 +1,11 @@
-"""`diag compare` as one library call: load, match, instrument, stream, reduce, analyze.
+"""The diagnosis as one library call: load, match, instrument, stream, reduce, analyze.
+
+:func:`compare_models` is three steps, each usable alone: :func:`prepare_comparison` (the pair
+loaded, checked and matched, the inputs opened), :func:`run_comparison` (batches streamed into a
+:class:`CompareState`; a cluster or ``diag merge`` produces the same state another way) and
+:func:`analyze_comparison` (the state finished into a :class:`CompareResult`, causes confirmed by
+effect). Analysis layer: nothing here re-quantizes, writes a file or renders a report; the
+fix-side additions of ``diag compare`` and its files are :mod:`diag.verbs`'.
 
 Memory is O(one batch): each batch's FP32, INT8 and cut-model outputs are reduced into
 accumulators and dropped before the next batch is read.
@@ -6,19 +13,17 @@ accumulators and dropped before the next batch is read.
 
 from __future__ import annotations
 
-import platform
-import sys
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import onnx
 
-from diag import __version__
+from diag import diagraph
 from diag.analyze import (
     NodeFinding,
     OutputVerdict,
@@ -27,6 +32,7 @@ from diag.analyze import (
     node_findings,
     overall_grade,
 )
+from diag.cpu import saturation_warning
 from diag.distributions import (
     OUTLIER_FACTOR,
     DistributionAccumulator,
@@ -43,17 +49,21 @@ from diag.effects import (
     check_effects,
     confirmed_cause,
 )
+from diag.environment import environment
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, load_labels
 from diag.fp16 import Fp16Range
+from diag.fp16health import nonfinite_cause
 from diag.graph import fp_graph
 from diag.instrument import CutModel, FusedKernel, cut_model, exposed_model, fused_kernels, pruned_cut
 from diag.load import LoadedModel, model_from_path
-from diag.match import Matching, TensorPair, match_models, node_id
+from diag.match import Matching, TensorPair, match_models
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats
+from diag.nbits import AccuracyLevelCheck, accuracy_level_nodes, check_accuracy_level
 from diag.outputs import channel_axes, output_specs
 from diag.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.progress import Progress
+from diag.protos import node_id, value_dtypes
 from diag.remedies import Suggestion, all_suggestions
 from diag.run import (
     batch_tensor_bytes,
@@ -66,14 +76,30 @@ from diag.run import (
 )
 from diag.state import State, from_states, states_of
 from diag.taskgrade import attach_task_metrics
-from diag.taskmetrics import TaskAccumulator, merge_task_metrics, task_from_state, task_to_state
+from diag.taskmetrics import (
+    TaskAccumulator,
+    call_update,
+    merge_task_metrics,
+    start_task_metrics,
+    task_from_state,
+    task_to_state,
+)
 from diag.weights import WeightReport, weight_report
+
+if TYPE_CHECKING:
+    # LAYERING: types only, never imported at run time. The options and the result carry two values
+    # of the fix layer for diag.verbs.diagnose (the recipe given, the sensitivity it measured);
+    # the pipeline here never reads them.
+    import onnxruntime as ort
+
+    from diag.recipe import Recipe
+    from diag.sensitivity import SensitivityResult
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
 MIN_COVERAGE = 0.3
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompareOptions:
     """Knobs of a comparison (the CLI maps its flags one to one onto these)."""
 
@@ -90,8 +116,9 @@ class CompareOptions:
     shard: tuple[int, int] | None = None
     #: Skip-one sensitivity for the top-K local-ranking nodes (0 = off); needs ``recipe``.
     sensitivity: int = 0
-    #: The recipe that made the INT8 model (a path or a Recipe), for ``sensitivity``.
-    recipe: Any = None
+    #: The recipe that made the INT8 model (a path, inline JSON or a Recipe), for ``sensitivity``
+    #: and the recipe a fix re-quantizes with (read by :func:`diag.verbs.diagnose`, not here).
+    recipe: str | Recipe | None = None
     #: ``--output-kind NAME=KIND`` overrides of the kinds inferred from the graph (diag.outputs).
     output_kinds: dict[str, str] = field(default_factory=dict)
     #: Candidates whose effect on the outputs is measured by keeping each in float (0 = off).
@@ -271,7 +298,8 @@ class CompareResult:
     fused: list[FusedKernel] = field(default_factory=list)
     #: The mergeable accumulators behind this result (written into shard files).
     state: CompareState | None = None
-    sensitivity: Any = None
+    #: ``--sensitivity``: skip-one re-quantizations (set by :func:`diag.verbs.diagnose`).
+    sensitivity: SensitivityResult | None = None
     paths: dict[str, list[NodeFinding]] = field(default_factory=dict)
     #: Measured effect on the outputs of keeping each candidate in float (diag.effects).
     effects: EffectCheck | None = None
@@ -282,7 +310,7 @@ class CompareResult:
     #: ``--scheduler``: the cluster's workers, shards, tasks and retries (empty for a local run).
     cluster: dict[str, Any] = field(default_factory=dict)
     #: ``--accuracy-level-check``: the MatMulNBits nodes at that accuracy_level vs 0 (diag.nbits).
-    accuracy_level: Any = None
+    accuracy_level: AccuracyLevelCheck | None = None
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -332,30 +360,55 @@ def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel
     return fp, q
 
 
+@dataclass
+class Prepared:
+    """Two models checked as a pair, their matching, and the inputs opened against the FP32 model.
+
+    What :func:`prepare_comparison` hands to a run (:func:`run_comparison` here, or the verb's
+    cluster run) and then to :func:`analyze_comparison`.
+    """
+
+    fp: LoadedModel
+    q: LoadedModel
+    matching: Matching
+    feeds: FeedSource
+    #: The inputs as given, when they were a FeedSpec (a cluster's workers open them themselves).
+    spec: FeedSpec | None
+    #: ``time.perf_counter()`` when the comparison started (``CompareResult.seconds`` counts from it).
+    start: float
+
+
 def compare_models(
     fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec, options: CompareOptions | None = None
 ) -> CompareResult:
     """Compare an FP32 model and its INT8 version tensor by tensor on ``feeds``.
 
-    Example:
-        >>> from diag.feeds import FeedSpec
-        >>> r = compare_models("fp32.onnx", "int8.onnx", FeedSpec(random=True))  # doctest: +SKIP
-        >>> r.findings[0].group.label  # doctest: +SKIP
-        'conv3'
+        The diagnosis only: the fix-side additions of ``diag compare`` (the recipe a fix re-quantizes
+        with, ``--sensitivity``, ``--scheduler``) are :func:`diag.verbs.diagnose`'s, which calls the
+        three steps below; ``options.scheduler``, ``options.sensitivity`` and ``options.recipe`` are
+        not read here.
+
+        Example:
+            >>> from diag.fp16 import Fp16Range, nonfinite_cause
+    from diag.feeds import FeedSpec
+            >>> r = compare_models("fp32.onnx", "int8.onnx", FeedSpec(random=True))  # doctest: +SKIP
+            >>> r.findings[0].group.label  # doctest: +SKIP
+            'conv3'
     """
     options = options or CompareOptions()
-    start = time.perf_counter()
-    if options.scheduler is not None:
-        from diag.cluster import require_scheduler
+    run = prepare_comparison(fp32_path, int8_path, feeds, options)
+    state, runtime_unmatched = run_comparison(run.fp, run.q, run.matching, run.feeds, options)
+    return analyze_comparison(run, state, runtime_unmatched, options)
 
-        require_scheduler(options.scheduler)  # no Dask, no scheduler: say so before any work
+
+def prepare_comparison(
+    fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec, options: CompareOptions
+) -> Prepared:
+    """Load and check the pair, refuse what cannot fit or be matched, open the inputs: no model runs yet."""
+    start = time.perf_counter()
     fp, q = load_pair(fp32_path, int8_path)
     if options.accuracy_level_check:
-        from diag.nbits import accuracy_level_nodes
-
         accuracy_level_nodes(q.proto, options.accuracy_level_check)  # a wrong flag fails before any work
-    from diag.cpu import saturation_warning
-
     cpu_warning = saturation_warning(q.proto)
     if cpu_warning is not None and cpu_warning not in q.warnings:
         q.warnings.append(cpu_warning)
@@ -367,8 +420,7 @@ def compare_models(
             feeds.batch if isinstance(feeds, FeedSpec) else 1,
         )
     spec = feeds if isinstance(feeds, FeedSpec) else None
-    if isinstance(feeds, FeedSpec):
-        feeds = feeds.source(fp.proto)
+    source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
     matching = match_models(fp.proto, q.proto)
     if matching.coverage < MIN_COVERAGE:
         raise DiagError(
@@ -377,15 +429,16 @@ def compare_models(
             f"only {matching.coverage:.0%} of FP32 tensors exist in the INT8 model",
             "compare an INT8 model with the FP32 model it was quantized from",
         )
-    cluster: dict[str, Any] = {}
-    if options.scheduler is not None:
-        from diag.cluster import compare_on_cluster
+    return Prepared(fp, q, matching, source, spec, start)
 
-        state, runtime_unmatched, cluster = compare_on_cluster(fp32_path, int8_path, spec, feeds, options)
-    else:
-        state, runtime_unmatched = run_comparison(fp, q, matching, feeds, options)
-    result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, time.perf_counter() - start)
-    result.cluster = cluster
+
+def analyze_comparison(
+    run: Prepared, state: CompareState, runtime_unmatched: dict[str, str], options: CompareOptions
+) -> CompareResult:
+    """Finish the state into a result, then confirm causes by effect and attach the task metrics."""
+    fp, q, matching, feeds = run.fp, run.q, run.matching, run.feeds
+    seconds = time.perf_counter() - run.start
+    result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, seconds)
     # NOTE: no effect check on FP16 models: onnxruntime's CPU provider runs a float16 graph partly
     # in float32, and which parts depends on the graph, so a one-node change moves where FP16
     # overflows. The NaN/Inf origin and the converter's re-run (fp16health.fp16_fix) are the measure.
@@ -396,54 +449,14 @@ def compare_models(
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching
         )
-        result.seconds = time.perf_counter() - start
-    from diag.infer import fix_recipe
-
+        result.seconds = time.perf_counter() - run.start
     if options.accuracy_level_check and options.shard is None:
-        from diag.nbits import check_accuracy_level
-
         result.accuracy_level = check_accuracy_level(
             q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
         )
-        result.seconds = time.perf_counter() - start
-    result.fix_recipe = fix_recipe(q.path, options.recipe)
+        result.seconds = time.perf_counter() - run.start
     attach_task_metrics(result, state, options.metric)
-    if options.sensitivity > 0:
-        result.sensitivity = _sensitivity(fp32_path, int8_path, feeds, result, options, spec)
-        result.seconds = time.perf_counter() - start
     return result
-
-
-def _sensitivity(
-    fp32_path: str | Path,
-    int8_path: str | Path,
-    feeds: FeedSource,
-    result: CompareResult,
-    options: CompareOptions,
-    spec: FeedSpec | None = None,
-) -> Any:
-    from diag.recipe import Recipe, recipe_from_option
-    from diag.sensitivity import skip_one_sensitivity
-
-    if options.recipe is None:
-        raise DiagError(
-            "bad-option",
-            "--sensitivity",
-            "needs the recipe that made the INT8 model",
-            "add --recipe recipe.json (diag inspect INT8 --recipe writes one)",
-        )
-    recipe = options.recipe if isinstance(options.recipe, Recipe) else recipe_from_option(options.recipe)
-    return skip_one_sensitivity(
-        fp32_path,
-        int8_path,
-        recipe,
-        feeds,
-        result.findings,
-        options.sensitivity,
-        options.threads,
-        options.progress,
-        (options.scheduler, spec) if options.scheduler is not None else None,
-    )
 
 
 def run_comparison(
@@ -464,65 +477,43 @@ def run_comparison(
         (32, 1)
     """
     reuse_freed_memory()
-    labels = load_labels(options.labels) if options.labels else None
-    if labels is not None and feeds.total_samples is not None and len(labels) < feeds.total_samples:
-        raise DiagError(
-            "bad-inputs",
-            "--labels",
-            f"has {len(labels)} labels but the inputs have {feeds.total_samples} samples",
-            "give one label per sample",
-        )
+    labels = _checked_labels(options, feeds)
     if options.shard is not None:
         k, n = options.shard
         if not 0 <= k < n:
             raise DiagError("bad-option", f"--shard {k}/{n}", "needs 0 <= k < n", "shards of 8 are 0/8 ... 7/8")
     pairs = dict(matching.pairs)
-    specs = output_specs(fp.proto, options.output_kinds)
-    axes = channel_axes(specs)
     cut = None
     if options.local:
         cut = cut_model(q.proto, [p for p in pairs.values() if p.producer is not None])
     groups = _plan_passes(fp, pairs, feeds, options)
-    state = CompareState(passes=len(groups))
-    state.outputs = {name: OutputAccumulator(spec) for name, spec in specs.items()}
-    if options.opt_level != "disabled":
-        state.deployed = {name: OutputAccumulator(spec) for name, spec in specs.items()}
-    from diag.taskmetrics import start_task_metrics
-
-    state.task = start_task_metrics(fp.graph.output[0].name, labels, options.metric, options.shard is not None)
-    if options.distributions:
-        ops = {node_id(n, i): n.op_type for i, n in enumerate(fp.graph.node)}
-        for name, pair in pairs.items():
-            grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
-            state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""), axes.get(name))
-    if q.format.family == "fp16":
-        from diag.fp16 import Fp16Range
-
-        state.fp16_ranges = {name: Fp16Range() for name, p in pairs.items() if p.how == "fp16"}
+    state = _start_state(fp, q, pairs, labels, options, len(groups))
     runtime_unmatched: dict[str, str] = {}
     deployed = _deployed_sessions(fp, q, matching, options, state) if options.opt_level != "disabled" else None
     total = feeds.total_samples * len(groups) if feeds.total_samples is not None else None
     progress = Progress(total, "compare", enabled=options.progress)
+    run_pass = _run_graph_pass if options.reductions == "graph" else _run_pass
     try:
         for i, group in enumerate(groups):
             part = cut if cut is None or len(groups) == 1 else pruned_cut(cut, group)
             if part is not None and not part.outputs:
                 part = None  # e.g. a pass of model inputs only: nothing to recompute locally
-            run_pass = _run_graph_pass if options.reductions == "graph" else _run_pass
             run_pass(
-                fp,
-                q,
-                pairs,
-                group,
-                i == 0,
-                part,
-                feeds,
-                options,
-                state,
-                runtime_unmatched,
-                labels,
-                progress,
-                deployed if i == 0 else None,
+                _Pass(
+                    fp=fp,
+                    q=q,
+                    pairs=pairs,
+                    group=group,
+                    first=i == 0,
+                    cut=part,
+                    feeds=feeds,
+                    options=options,
+                    state=state,
+                    runtime_unmatched=runtime_unmatched,
+                    labels=labels,
+                    progress=progress,
+                    deployed=deployed if i == 0 else None,
+                )
             )
     finally:
         progress.close()
@@ -531,9 +522,360 @@ def run_comparison(
     return state, runtime_unmatched
 
 
+def _checked_labels(options: CompareOptions, feeds: FeedSource) -> np.ndarray | None:
+    """``--labels``, read and checked against the number of samples when the inputs know it."""
+    labels = load_labels(options.labels) if options.labels else None
+    if labels is not None and feeds.total_samples is not None and len(labels) < feeds.total_samples:
+        raise DiagError(
+            "bad-inputs",
+            "--labels",
+            f"has {len(labels)} labels but the inputs have {feeds.total_samples} samples",
+            "give one label per sample",
+        )
+    return labels
+
+
+def _start_state(
+    fp: LoadedModel,
+    q: LoadedModel,
+    pairs: dict[str, TensorPair],
+    labels: np.ndarray | None,
+    options: CompareOptions,
+    passes: int,
+) -> CompareState:
+    """Empty accumulators for every model output, matched tensor and task metric the options ask for."""
+    specs = output_specs(fp.proto, options.output_kinds)
+    axes = channel_axes(specs)
+    state = CompareState(passes=passes)
+    state.outputs = {name: OutputAccumulator(spec) for name, spec in specs.items()}
+    if options.opt_level != "disabled":
+        state.deployed = {name: OutputAccumulator(spec) for name, spec in specs.items()}
+    state.task = start_task_metrics(fp.graph.output[0].name, labels, options.metric, options.shard is not None)
+    if options.distributions:
+        ops = {node_id(n, i): n.op_type for i, n in enumerate(fp.graph.node)}
+        for name, pair in pairs.items():
+            grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
+            state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""), axes.get(name))
+    if q.format.family == "fp16":
+        state.fp16_ranges = {name: Fp16Range() for name, p in pairs.items() if p.how == "fp16"}
+    return state
+
+
+@dataclass
+class _Pass:
+    """One pass over the inputs: the models, the tensors whose values it reduces, and where to."""
+
+    fp: LoadedModel
+    q: LoadedModel
+    #: Every matched tensor, shared by the passes (a pair whose shapes differ at run time is dropped).
+    pairs: dict[str, TensorPair]
+    #: The FP32 tensors this pass exposes and reduces.
+    group: list[str]
+    #: The first pass also reduces the model outputs, the labels and the task metrics, and counts samples.
+    first: bool
+    cut: CutModel | None
+    feeds: FeedSource
+    options: CompareOptions
+    state: CompareState
+    runtime_unmatched: dict[str, str]
+    labels: np.ndarray | None
+    progress: Progress
+    #: The FP32 and INT8 sessions at ``--ort-opt-level`` (first pass only, and only when not disabled).
+    deployed: tuple[ort.InferenceSession, ort.InferenceSession] | None = None
+
+    def mine(self) -> dict[str, TensorPair]:
+        """This pass's matched tensors (a new dict: a pass drops the pairs whose shapes differ from it)."""
+        return {name: self.pairs[name] for name in self.group if name in self.pairs}
+
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.fp.graph.output] if self.first else []
+
+    def skips(self, index: int) -> bool:
+        """Whether batch ``index`` belongs to another shard (``--shard k/n``)."""
+        return self.options.shard is not None and index % self.options.shard[1] != self.options.shard[0]
+
+    def done(self, size: int) -> None:
+        """A batch of ``size`` samples is reduced (counted once, by the first pass)."""
+        if self.first:
+            self.state.samples += size
+            self.state.batches += 1
+        self.progress.advance(size)
+
+
+def _run_pass(p: _Pass) -> None:
+    """One pass over the inputs for the tensors of ``p.group`` (model outputs and counts on the first)."""
+    mine = p.mine()
+    output_names = p.output_names()
+    threads = p.options.threads or default_threads()
+    fp_sess, q_sess, cut_sess = _exposed_sessions(p.fp, p.q, mine, p.cut, output_names, threads)
+    reductions = _Reductions(threads)
+    try:
+        offset = 0
+        for index, batch in enumerate(p.feeds):
+            if p.skips(index):
+                offset += batch.size
+                p.progress.advance(batch.size)
+                continue
+            # A batch's reductions overlap its own cut-model run but never the next batch: so
+            # at most one batch of values is alive (peak RSS as a sequential loop's), and each
+            # accumulator sees its batches in order.
+            reductions.wait()
+            fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{p.fp.path.name}'")
+            q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{p.q.path.name}'")
+            for name in mine:
+                if name in p.state.fp16_ranges and name in fp_out:
+                    p.state.fp16_ranges[name].update(fp_out[name])
+            # Each INT8 value is freed as soon as its reduction is done (the task holds the last reference).
+            reductions.submit(_accumulated_jobs(mine, p.pairs, fp_out, q_out, p.state, p.runtime_unmatched))
+            _update_outputs(p, output_names, batch.feeds, fp_out, q_out, offset, batch.size)
+            del q_out
+            if p.cut is not None and cut_sess is not None:
+                # The cut model runs while the pool reduces this batch's accumulated error.
+                _reduce_local(p.cut, cut_sess, p.q, batch.feeds, fp_out, mine, p.state, reductions)
+            del fp_out
+            offset += batch.size
+            p.done(batch.size)
+        reductions.wait()
+    finally:
+        reductions.close()
+
+
+def _external_folder(model: LoadedModel) -> Path | None:
+    """The folder a model keeps its external data in (sessions read the weights from there), or None."""
+    return model.path.resolve().parent if model.has_external_data else None
+
+
+def _exposed_sessions(
+    fp: LoadedModel,
+    q: LoadedModel,
+    mine: dict[str, TensorPair],
+    cut: CutModel | None,
+    output_names: list[str],
+    threads: int,
+) -> tuple[ort.InferenceSession, ort.InferenceSession, ort.InferenceSession | None]:
+    """FP32 and INT8 sessions exposing ``mine`` (and ``output_names``), and the cut model's session."""
+    fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (cut.inputs if cut else [])] + output_names))
+    int8_names = list(
+        dict.fromkeys(
+            [t.int8_name for t in mine.values()] + [t.dynamic_scale for t in mine.values() if t.dynamic_scale]
+        )
+    )
+    int8_names += [n for n in output_names if n not in int8_names]
+    ext_fp, ext_q = _external_folder(fp), _external_folder(q)
+
+    def session(model: onnx.ModelProto, role: str, ext: Path | None) -> ort.InferenceSession:
+        # Exposed tensors are compared in exact mode whatever --ort-opt-level says: exposing a
+        # tensor blocks the fusions that would hide it, so an optimized exposed session is neither
+        # exact nor what really runs. What really runs is measured by the deployed sessions.
+        return session_from_model(model, role, "disabled", threads, ext, takes_turns=True)
+
+    fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", ext_fp)
+    q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)
+    cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
+    return fp_sess, q_sess, cut_sess
+
+
+def _cut_feeds(
+    cut: CutModel, cut_sess: ort.InferenceSession, feeds: dict[str, np.ndarray], fp_out: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The cut model's inputs for a batch: FP32 values, quantized as the INT8 model would see them."""
+    cut_inputs = {i.name for i in cut_sess.get_inputs()}
+    cut_feeds = {k: v for k, v in feeds.items() if k in cut_inputs}
+    for ci in cut.inputs:
+        v = fp_out[ci.fp_name]
+        if ci.quant is not None:
+            v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
+        cut_feeds[ci.name] = v
+    return cut_feeds
+
+
+def _update_outputs(
+    p: _Pass,
+    output_names: list[str],
+    feeds: dict[str, np.ndarray],
+    fp_out: dict[str, np.ndarray],
+    q_out: dict[str, np.ndarray],
+    offset: int,
+    size: int,
+) -> None:
+    """The first pass's share of a batch: model outputs, deployed outputs, labels, task metrics."""
+    state = p.state
+    for name in output_names:
+        state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name)
+    if p.deployed is not None:
+        _update_deployed(state, p.deployed, feeds, p.fp, p.q, p.options.opt_level, output_names)
+    if p.labels is not None and p.first:
+        _count_correct(state, p.labels, fp_out[output_names[0]], q_out[output_names[0]], size, offset)
+    if state.task and p.first:
+        _update_task(state, p.options, output_names, fp_out, q_out, p.labels, offset, size)
+
+
+def _reduce_local(
+    cut: CutModel,
+    cut_sess: ort.InferenceSession,
+    q: LoadedModel,
+    feeds: dict[str, np.ndarray],
+    fp_out: dict[str, np.ndarray],
+    mine: dict[str, TensorPair],
+    state: CompareState,
+    reductions: _Reductions,
+) -> None:
+    """Run the cut model on FP32 values (quantized as the INT8 model would) and reduce its local error."""
+    cut_feeds = _cut_feeds(cut, cut_sess, feeds, fp_out)
+    local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
+    del cut_feeds
+    # Local and accumulated reductions touch different accumulators: no wait between them.
+    _local_parts(cut, fp_out, local_out, state)
+    reductions.submit(_local_jobs(cut, mine, fp_out, local_out, state))
+    del local_out
+
+
+def _run_graph_pass(p: _Pass) -> None:
+    """One pass with every statistic computed inside onnxruntime (:mod:`diag.diagraph`).
+
+    One session runs the FP32, INT8 and cut models and the statistics together; a batch returns
+    only sums, per-channel arrays, histogram subsamples and the model outputs. Falls back to
+    :func:`_run_pass` (the numpy reference) for the whole pass when the graph cannot be built or
+    fails on its first batch (then the reference reports the model's own error), and per tensor
+    and batch when a sum is not finite (NaN / Inf handled exactly as the reference does).
+    """
+    mine = p.mine()
+    output_names = p.output_names()
+    threads = p.options.threads or default_threads()
+    sample = next(iter(p.feeds), None)
+    if sample is None:
+        return
+    pass_key = f"pass from '{p.group[0]}'" if p.group else "pass"
+    try:
+        dg, sess = _diagnostic_session(p, mine, output_names, sample.feeds, threads)
+    except (diagraph.Unsupported, DiagError) as e:
+        p.state.numpy_reduced[pass_key] = f"whole pass reduced in numpy: {e}"
+        _run_pass(p)
+        return
+    p.state.numpy_reduced.update(dg.exposed)
+    names = [o.name for o in sess.get_outputs()]
+    reducer = _GraphReducer(p, dg, mine, threads)
+    # NOTE: a batch's statistics (a few KB, histograms binned in numpy) are fed to the
+    # accumulators on a worker while onnxruntime runs the next batch; the worker finishes batch k
+    # before batch k + 1 is handed over, so each accumulator sees its batches in order.
+    worker = ThreadPoolExecutor(1, thread_name_prefix="diag-stats") if threads > 1 else None
+    pending: Future[None] | None = None
+    processed = 0
+    offset = 0
+    try:
+        for index, batch in enumerate(p.feeds):
+            if p.skips(index):
+                offset += batch.size
+                p.progress.advance(batch.size)
+                continue
+            try:
+                out = dict(zip(names, sess.run(names, batch.feeds), strict=True))
+            except Exception as e:
+                if processed == 0:
+                    p.state.numpy_reduced[pass_key] = f"whole pass reduced in numpy: {str(e).splitlines()[0][:200]}"
+                    del sess
+                    _run_pass(p)
+                    return
+                raise _graph_failure(e, p.fp, p.q) from e
+            processed += 1
+            if pending is not None:
+                pending.result()
+            if worker is None:
+                reducer.reduce(out, batch.feeds)
+            else:
+                pending = worker.submit(reducer.reduce, out, batch.feeds)
+            _update_graph_outputs(p, dg, output_names, out, batch.feeds, offset, batch.size)
+            del out
+            offset += batch.size
+            p.done(batch.size)
+        if pending is not None:
+            pending.result()
+    finally:
+        if worker is not None:
+            worker.shutdown(cancel_futures=True)
+
+
+def _diagnostic_session(
+    p: _Pass, mine: dict[str, TensorPair], output_names: list[str], sample: dict[str, np.ndarray], threads: int
+) -> tuple[diagraph.DiagGraph, ort.InferenceSession]:
+    """The pass's diagnostic graph and its session; ``diagraph.Unsupported`` when it cannot be built."""
+    ext_fp, ext_q = _external_folder(p.fp), _external_folder(p.q)
+    if ext_fp is not None and ext_q is not None and ext_fp != ext_q:
+        raise diagraph.Unsupported("the two models keep external data in different folders")
+    if p.state.fp16_ranges:
+        raise diagraph.Unsupported("an FP16 model: its range counts (diag.fp16.Fp16Range) are reduced in numpy")
+    shapes, dtypes = diagraph.shapes_and_types(p.fp.proto, sample)
+    parted = frozenset(n for n, acc in p.state.outputs.items() if acc.spec.parts)
+    dg = diagraph.diagnostic_graph(
+        p.fp.proto,
+        p.q.proto,
+        p.cut,
+        mine,
+        p.state.distributions,
+        output_names,
+        diagraph.ValueTypes(shapes, dtypes, value_dtypes(p.q.proto)),
+        parted,
+    )
+    sess = diagraph.session_from_graph(dg, f"diagnostic graph of '{p.q.path}'", threads, ext_fp or ext_q)
+    return dg, sess
+
+
+class _GraphReducer:
+    """Feeds a batch's graph statistics to the accumulators, and the few tensors the graph could
+    not reduce (flagged, or exposed by design) to the numpy reference (built on first need)."""
+
+    def __init__(self, p: _Pass, dg: diagraph.DiagGraph, mine: dict[str, TensorPair], threads: int) -> None:
+        self.p, self.dg, self.mine, self.threads = p, dg, mine, threads
+        self.references: dict[frozenset[str], _ReferenceSessions] = {}
+        self.exposed = [s.fp_name for s in dg.pairs if s.fp_name in dg.exposed]
+
+    def reduce(self, out: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> None:
+        p, mine = self.p, self.mine
+        flagged = diagraph.stats_to_accumulators(
+            self.dg, out, mine, p.state.accumulated, p.state.local, p.state.distributions, p.runtime_unmatched
+        )
+        for name in list(p.pairs):
+            if name in p.runtime_unmatched and name not in mine:
+                p.pairs.pop(name, None)
+        acc_ref = [n for n in flagged.accumulated + self.exposed if n in mine]
+        loc_ref = [n for n in flagged.local + self.exposed if n in mine]
+        if acc_ref or loc_ref:
+            key = frozenset(acc_ref + loc_ref)
+            if key not in self.references:
+                self.references[key] = _ReferenceSessions(p.fp, p.q, {n: mine[n] for n in key}, p.cut, self.threads)
+            self.references[key].reduce(feeds, acc_ref, loc_ref, p.state)
+
+
+def _update_graph_outputs(
+    p: _Pass,
+    dg: diagraph.DiagGraph,
+    output_names: list[str],
+    out: dict[str, np.ndarray],
+    feeds: dict[str, np.ndarray],
+    offset: int,
+    size: int,
+) -> None:
+    """The first graph pass's share of a batch: model outputs, task metrics, deployed outputs, labels."""
+    state = p.state
+    for name in output_names:
+        f_out, q_out = (out[n] for n in dg.outputs[name])
+        state.outputs.setdefault(name, OutputAccumulator()).update(f_out, q_out, name)
+        if name in dg.local_outputs:
+            state.outputs[name].update_local(f_out, out[dg.local_outputs[name]])
+    if state.task and p.first:
+        fp_vals = {n: out[dg.outputs[n][0]] for n in output_names}
+        q_vals = {n: out[dg.outputs[n][1]] for n in output_names}
+        _update_task(state, p.options, output_names, fp_vals, q_vals, p.labels, offset, size)
+    if p.deployed is not None:
+        _update_deployed(state, p.deployed, feeds, p.fp, p.q, p.options.opt_level, output_names)
+    if p.labels is not None and p.first:
+        f_out, q_out = (out[n] for n in dg.outputs[output_names[0]])
+        _count_correct(state, p.labels, f_out, q_out, size, offset)
+
+
 def _deployed_sessions(
     fp: LoadedModel, q: LoadedModel, matching: Matching, options: CompareOptions, state: CompareState
-) -> tuple[Any, Any]:
+) -> tuple[ort.InferenceSession, ort.InferenceSession]:
     """FP32 and INT8 sessions at ``options.opt_level`` with only the model outputs: what really runs.
 
     The INT8 graph onnxruntime optimizes is saved to a temp file to see which fused kernels hide
@@ -543,8 +885,7 @@ def _deployed_sessions(
     import tempfile
 
     threads = options.threads or default_threads()
-    ext_fp = fp.path.resolve().parent if fp.has_external_data else None
-    ext_q = q.path.resolve().parent if q.has_external_data else None
+    ext_fp, ext_q = _external_folder(fp), _external_folder(q)
     role = f"FP32 model '{fp.path}' ({options.opt_level})"
     fp_sess = session_from_model(fp.proto, role, options.opt_level, threads, ext_fp, takes_turns=True)
     role = f"INT8 model '{q.path}' ({options.opt_level})"
@@ -580,244 +921,13 @@ def _plan_passes(
     return plan_passes(names, {n: copies * sizes.get(n, 0) for n in names}, options.max_memory)
 
 
-def _run_pass(
-    fp: LoadedModel,
-    q: LoadedModel,
-    pairs: dict[str, TensorPair],
-    group: list[str],
-    first: bool,
-    cut: CutModel | None,
-    feeds: FeedSource,
-    options: CompareOptions,
-    state: CompareState,
-    runtime_unmatched: dict[str, str],
-    labels: np.ndarray | None,
-    progress: Progress,
-    deployed: tuple[Any, Any] | None = None,
-) -> None:
-    """One pass over the inputs for the tensors of ``group`` (model outputs and counts on the first)."""
-    mine = {name: pairs[name] for name in group if name in pairs}
-    output_names = [o.name for o in fp.graph.output] if first else []
-    fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (cut.inputs if cut else [])] + output_names))
-    int8_names = list(
-        dict.fromkeys(
-            [p.int8_name for p in mine.values()] + [p.dynamic_scale for p in mine.values() if p.dynamic_scale]
-        )
-    )
-    int8_names += [n for n in output_names if n not in int8_names]
-    threads = options.threads or default_threads()
-    ext_fp = fp.path.resolve().parent if fp.has_external_data else None
-    ext_q = q.path.resolve().parent if q.has_external_data else None
-
-    def session(model: onnx.ModelProto, role: str, ext: Path | None) -> Any:
-        # Exposed tensors are compared in exact mode whatever --ort-opt-level says: exposing a
-        # tensor blocks the fusions that would hide it, so an optimized exposed session is neither
-        # exact nor what really runs. What really runs is measured by the deployed sessions.
-        return session_from_model(model, role, "disabled", threads, ext, takes_turns=True)
-
-    fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", ext_fp)
-    q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)
-    cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
-    cut_inputs = {i.name for i in cut_sess.get_inputs()} if cut_sess is not None else set()
-    reductions = _Reductions(threads)
-    try:
-        offset = 0
-        for index, batch in enumerate(feeds):
-            if options.shard is not None and index % options.shard[1] != options.shard[0]:
-                offset += batch.size
-                progress.advance(batch.size)
-                continue
-            # A batch's reductions overlap its own cut-model run but never the next batch: so
-            # at most one batch of values is alive (peak RSS as a sequential loop's), and each
-            # accumulator sees its batches in order.
-            reductions.wait()
-            fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{fp.path.name}'")
-            q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{q.path.name}'")
-            for name in mine:
-                if name in state.fp16_ranges and name in fp_out:
-                    state.fp16_ranges[name].update(fp_out[name])
-            # Each INT8 value is freed as soon as its reduction is done (the task holds the last reference).
-            reductions.submit(_accumulated_jobs(mine, pairs, fp_out, q_out, state, runtime_unmatched))
-            for name in output_names:
-                state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name)
-            if deployed is not None:
-                _update_deployed(state, deployed, batch.feeds, fp, q, options.opt_level, output_names)
-            if labels is not None and first:
-                _count_correct(state, labels, fp_out[output_names[0]], q_out[output_names[0]], batch.size, offset)
-            if state.task and first:
-                _update_task(state, options, output_names, fp_out, q_out, labels, offset, batch.size)
-            del q_out
-            if cut is not None and cut_sess is not None:
-                # The cut model runs while the pool reduces this batch's accumulated error.
-                cut_feeds = {k: v for k, v in batch.feeds.items() if k in cut_inputs}
-                for ci in cut.inputs:
-                    v = fp_out[ci.fp_name]
-                    if ci.quant is not None:
-                        v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
-                    cut_feeds[ci.name] = v
-                local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
-                del cut_feeds
-                # Local and accumulated reductions touch different accumulators: no wait between them.
-                _local_parts(cut, fp_out, local_out, state)
-                reductions.submit(_local_jobs(cut, mine, fp_out, local_out, state))
-                del local_out
-            del fp_out
-            if first:
-                state.samples += batch.size
-                state.batches += 1
-            offset += batch.size
-            progress.advance(batch.size)
-        reductions.wait()
-    finally:
-        reductions.close()
-
-
-def _run_graph_pass(
-    fp: LoadedModel,
-    q: LoadedModel,
-    pairs: dict[str, TensorPair],
-    group: list[str],
-    first: bool,
-    cut: CutModel | None,
-    feeds: FeedSource,
-    options: CompareOptions,
-    state: CompareState,
-    runtime_unmatched: dict[str, str],
-    labels: np.ndarray | None,
-    progress: Progress,
-    deployed: tuple[Any, Any] | None = None,
-) -> None:
-    """One pass with every statistic computed inside onnxruntime (:mod:`diag.diagraph`).
-
-    One session runs the FP32, INT8 and cut models and the statistics together; a batch returns
-    only sums, per-channel arrays, histogram subsamples and the model outputs. Falls back to
-    :func:`_run_pass` (the numpy reference) for the whole pass when the graph cannot be built or
-    fails on its first batch (then the reference reports the model's own error), and per tensor
-    and batch when a sum is not finite (NaN / Inf handled exactly as the reference does).
-    """
-    from diag import diagraph
-
-    args = (fp, q, pairs, group, first, cut, feeds, options, state, runtime_unmatched, labels, progress, deployed)
-    mine = {name: pairs[name] for name in group if name in pairs}
-    output_names = [o.name for o in fp.graph.output] if first else []
-    threads = options.threads or default_threads()
-    ext_fp = fp.path.resolve().parent if fp.has_external_data else None
-    ext_q = q.path.resolve().parent if q.has_external_data else None
-    sample = next(iter(feeds), None)
-    if sample is None:
-        return
-    pass_key = f"pass from '{group[0]}'" if group else "pass"
-    try:
-        if ext_fp is not None and ext_q is not None and ext_fp != ext_q:
-            raise diagraph.Unsupported("the two models keep external data in different folders")
-        if state.fp16_ranges:
-            raise diagraph.Unsupported("an FP16 model: its range counts (diag.fp16.Fp16Range) are reduced in numpy")
-        from diag.protos import value_dtypes
-
-        shapes, dtypes = diagraph.shapes_and_types(fp.proto, sample.feeds)
-        parted = frozenset(n for n, acc in state.outputs.items() if acc.spec.parts)
-        dg = diagraph.diagnostic_graph(
-            fp.proto,
-            q.proto,
-            cut,
-            mine,
-            state.distributions,
-            output_names,
-            diagraph.ValueTypes(shapes, dtypes, value_dtypes(q.proto)),
-            parted,
-        )
-        sess = diagraph.session_from_graph(dg, f"diagnostic graph of '{q.path}'", threads, ext_fp or ext_q)
-    except (diagraph.Unsupported, DiagError) as e:
-        state.numpy_reduced[pass_key] = f"whole pass reduced in numpy: {e}"
-        _run_pass(*args)
-        return
-    state.numpy_reduced.update(dg.exposed)
-    names = [o.name for o in sess.get_outputs()]
-    references: dict[frozenset[str], _ReferenceSessions] = {}
-    exposed = [s.fp_name for s in dg.pairs if s.fp_name in dg.exposed]
-
-    def reduce_batch(out: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> None:
-        flagged = diagraph.stats_to_accumulators(
-            dg, out, mine, state.accumulated, state.local, state.distributions, runtime_unmatched
-        )
-        for name in list(pairs):
-            if name in runtime_unmatched and name not in mine:
-                pairs.pop(name, None)
-        acc_ref = [n for n in flagged.accumulated + exposed if n in mine]
-        loc_ref = [n for n in flagged.local + exposed if n in mine]
-        if acc_ref or loc_ref:
-            key = frozenset(acc_ref + loc_ref)
-            if key not in references:
-                references[key] = _ReferenceSessions(fp, q, {n: mine[n] for n in key}, cut, threads)
-            references[key].reduce(feeds, acc_ref, loc_ref, state)
-
-    # NOTE: a batch's statistics (a few KB, histograms binned in numpy) are fed to the
-    # accumulators on a worker while onnxruntime runs the next batch; the worker finishes batch k
-    # before batch k + 1 is handed over, so each accumulator sees its batches in order.
-    worker = ThreadPoolExecutor(1, thread_name_prefix="diag-stats") if threads > 1 else None
-    pending: Future[None] | None = None
-    processed = 0
-    offset = 0
-    try:
-        for index, batch in enumerate(feeds):
-            if options.shard is not None and index % options.shard[1] != options.shard[0]:
-                offset += batch.size
-                progress.advance(batch.size)
-                continue
-            try:
-                out = dict(zip(names, sess.run(names, batch.feeds), strict=True))
-            except Exception as e:
-                if processed == 0:
-                    state.numpy_reduced[pass_key] = f"whole pass reduced in numpy: {str(e).splitlines()[0][:200]}"
-                    del sess
-                    _run_pass(*args)
-                    return
-                raise _graph_failure(e, fp, q) from e
-            processed += 1
-            if pending is not None:
-                pending.result()
-            if worker is None:
-                reduce_batch(out, batch.feeds)
-            else:
-                pending = worker.submit(reduce_batch, out, batch.feeds)
-            for name in output_names:
-                f_out, q_out = (out[n] for n in dg.outputs[name])
-                state.outputs.setdefault(name, OutputAccumulator()).update(f_out, q_out, name)
-                if name in dg.local_outputs:
-                    state.outputs[name].update_local(f_out, out[dg.local_outputs[name]])
-            if state.task and first:
-                fp_vals = {n: out[dg.outputs[n][0]] for n in output_names}
-                q_vals = {n: out[dg.outputs[n][1]] for n in output_names}
-                _update_task(state, options, output_names, fp_vals, q_vals, labels, offset, batch.size)
-            if deployed is not None:
-                _update_deployed(state, deployed, batch.feeds, fp, q, options.opt_level, output_names)
-            if labels is not None and first:
-                f_out, q_out = (out[n] for n in dg.outputs[output_names[0]])
-                _count_correct(state, labels, f_out, q_out, batch.size, offset)
-            del out
-            if first:
-                state.samples += batch.size
-                state.batches += 1
-            offset += batch.size
-            progress.advance(batch.size)
-        if pending is not None:
-            pending.result()
-    finally:
-        if worker is not None:
-            worker.shutdown(cancel_futures=True)
-
-
 def _graph_failure(e: Exception, fp: LoadedModel, q: LoadedModel) -> DiagError:
     """A one-line DiagError naming the model and node (prefix stripped) where the diagnostic graph failed."""
-    import re
-
-    from diag.diagraph import stat_to_model
-
     text = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
     node = re.search(r"Name:\s*'([^']*)'", str(e)) or re.search(r"[Nn]ode(?: \(|:\s*)?'([^'\s)]+)", str(e))
     role, where = "diagnostic graph", ""
     if node:
-        model, name = stat_to_model(node.group(1))
+        model, name = diagraph.stat_to_model(node.group(1))
         role = {"FP32": f"FP32 model '{fp.path.name}'", "INT8": f"INT8 model '{q.path.name}'"}.get(
             model, f"cut INT8 model of '{q.path.name}'" if model == "cut" else "diagnostic graph"
         )
@@ -836,30 +946,10 @@ class _ReferenceSessions:
     def __init__(
         self, fp: LoadedModel, q: LoadedModel, mine: dict[str, TensorPair], cut: CutModel | None, threads: int
     ) -> None:
-        self.fp, self.q, self.mine, self.cut = fp, q, mine, cut
-        ext_fp = fp.path.resolve().parent if fp.has_external_data else None
-        ext_q = q.path.resolve().parent if q.has_external_data else None
+        self.fp, self.q, self.mine = fp, q, mine
         cut = pruned_cut(cut, list(mine)) if cut is not None else None
         self.cut = cut if cut is not None and cut.outputs else None
-        fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (self.cut.inputs if self.cut else [])]))
-        int8_names = list(
-            dict.fromkeys(
-                [p.int8_name for p in mine.values()] + [p.dynamic_scale for p in mine.values() if p.dynamic_scale]
-            )
-        )
-        self.fp_sess = session_from_model(
-            exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", "disabled", threads, ext_fp, takes_turns=True
-        )
-        self.q_sess = session_from_model(
-            exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", "disabled", threads, ext_q, takes_turns=True
-        )
-        self.cut_sess = (
-            session_from_model(
-                self.cut.model, f"cut INT8 model of '{q.path}'", "disabled", threads, ext_q, takes_turns=True
-            )
-            if self.cut is not None
-            else None
-        )
+        self.fp_sess, self.q_sess, self.cut_sess = _exposed_sessions(fp, q, mine, self.cut, [], threads)
 
     def reduce(
         self, feeds: dict[str, np.ndarray], accumulated: list[str], local: list[str], state: CompareState
@@ -872,13 +962,7 @@ class _ReferenceSessions:
             _reduce(*job)
         del q_out
         if local and self.cut is not None and self.cut_sess is not None:
-            cut_inputs = {i.name for i in self.cut_sess.get_inputs()}
-            cut_feeds = {k: v for k, v in feeds.items() if k in cut_inputs}
-            for ci in self.cut.inputs:
-                v = fp_out[ci.fp_name]
-                if ci.quant is not None:
-                    v = ci.quant.quantize(v, onnx.helper.tensor_dtype_to_np_dtype(ci.dtype))
-                cut_feeds[ci.name] = v
+            cut_feeds = _cut_feeds(self.cut, self.cut_sess, feeds, fp_out)
             local_out = run_batch(self.cut_sess, cut_feeds, f"cut INT8 model of '{self.q.path.name}'")
             wanted = {n: self.mine[n] for n in local if n in self.mine}
             for job in _local_jobs(self.cut, wanted, fp_out, local_out, state):
@@ -1002,7 +1086,13 @@ def _reduce(
 
 
 def _update_deployed(
-    state: Any, deployed: Any, feeds: dict[str, Any], fp: Any, q: Any, opt_level: str, output_names: list[str]
+    state: CompareState,
+    deployed: tuple[ort.InferenceSession, ort.InferenceSession],
+    feeds: dict[str, np.ndarray],
+    fp: LoadedModel,
+    q: LoadedModel,
+    opt_level: str,
+    output_names: list[str],
 ) -> None:
     """Output figures of what onnxruntime really runs at ``opt_level`` (both reduction paths)."""
     dep_fp = run_batch(deployed[0], feeds, f"FP32 model '{fp.path.name}' ({opt_level})")
@@ -1045,13 +1135,11 @@ def _update_task(
     size: int,
 ) -> None:
     """Feed one batch of model outputs (and its labels) to the task metrics."""
-    from diag.taskmetrics import call_update
-
     fp = {n: fp_out[n] for n in names}
     q = {n: q_out[n] for n in names}
     truth = labels[start : start + size] if labels is not None else None
     for key, metric in state.task.items():
-        call_update(metric, options.metric if key == "plugin" else "f1", fp, q, truth)
+        call_update(metric, options.metric if key == "plugin" and options.metric else "f1", fp, q, truth)
 
 
 def _scale_for(pair: TensorPair, q_out: dict[str, np.ndarray] | None) -> float | None:
@@ -1094,8 +1182,8 @@ def finish(
     weights = weight_report(
         fp.proto,
         q.proto,
-        fp.path.resolve().parent if fp.has_external_data else None,
-        q.path.resolve().parent if q.has_external_data else None,
+        _external_folder(fp),
+        _external_folder(q),
     )
     suggestions = all_suggestions(fp.proto, matching, health, q.format.family, weights.findings)
     patterns = find_patterns(fp.proto)
@@ -1138,48 +1226,5 @@ def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, 
     """An FP16 model that creates NaN/Inf: its origin is the cause (see :func:`diag.fp16health.nonfinite_cause`)."""
     if not state.fp16_ranges:
         return one, sentence
-    from diag.fp16health import nonfinite_cause
-
     cause = nonfinite_cause(findings, state.fp16_ranges)
     return (cause[0], cause[1]) if cause is not None else (one, sentence)
-
-
-def environment() -> dict[str, str]:
-    """Versions and date recorded in every report (scrubbed in golden tests)."""
-    import onnxruntime as ort
-
-    return {
-        "diag": __version__,
-        "onnx": onnx.__version__,
-        "onnxruntime": ort.__version__,
-        "numpy": np.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(terse=True),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
-def compare_to_dir(
-    fp32_path: str | Path,
-    int8_path: str | Path,
-    feeds: FeedSource | FeedSpec,
-    out_dir: str | Path,
-    options: CompareOptions | None = None,
-) -> tuple[CompareResult, dict[str, Path]]:
-    """`diag compare` end to end: compare, then write diag.json, report.html and summary.md."""
-    from diag.files import check_outputs
-    from diag.report import OUTPUT_NAMES, document_from_result, write_outputs
-
-    given = [fp32_path, int8_path, getattr(feeds, "inputs", None)]
-    if options is not None:
-        given += [options.labels, options.recipe]
-    check_outputs(out_dir, OUTPUT_NAMES, given)  # before the run, not after it
-    result = compare_models(fp32_path, int8_path, feeds, options)
-    doc = document_from_result(result)
-    if result.cluster:
-        doc["run"]["cluster"] = result.cluster
-    if result.options.shard is not None:
-        from diag.merge import add_shard_state
-
-        add_shard_state(doc, result)
-    return result, write_outputs(doc, out_dir)

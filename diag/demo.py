@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
 
-from diag.compare import CompareOptions, CompareResult, compare_to_dir
+from diag.compare import CompareOptions, CompareResult
+from diag.exclude import ExclusionResult, exclude_to_dir
 from diag.feeds import FeedSpec
-from diag.report import ensure_out_dir
+from diag.files import out_dir as checked_out_dir
+from diag.fixtures import models, quantize
+from diag.recipe import Recipe
+from diag.verbs import DemoOptions, Summary, compare_to_dir, result_lines
 
 
 def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32) -> dict[str, Path]:
@@ -18,8 +21,6 @@ def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32)
 
     Calibration and comparison inputs are drawn from different seeds, as in real use.
     """
-    from diag.fixtures import models, quantize
-
     fx = models.build(fixture)
     folder.mkdir(parents=True, exist_ok=True)
     fp = folder / f"{fixture}.fp32.onnx"
@@ -50,16 +51,13 @@ def run_demo(
     samples: int = 32,
     progress: bool = True,
     fix: bool = True,
-) -> tuple[CompareResult, dict[str, Any], Any]:
+) -> tuple[CompareResult, dict[str, Path], ExclusionResult | None]:
     """Build, quantize and compare one fixture (report in ``out``), then derive and verify the
     fix with ``diag exclude`` (report in ``out/fix``) unless ``fix`` is False.
 
     Returns the comparison, its files, and the ExclusionResult (None without ``fix``).
     """
-    from diag.exclude import exclude_to_dir
-    from diag.recipe import Recipe
-
-    out = ensure_out_dir(out)
+    out = checked_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
     feeds = FeedSpec(inputs=str(files["inputs"]), batch=8)
     result, written = compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))
@@ -78,3 +76,28 @@ def run_demo(
         files["fp32"], recipe, feeds, DEMO_TARGET, out / "fix", bench_runs=10, progress=progress
     )
     return result, written, exclusion
+
+
+def demo(options: DemoOptions) -> Summary:
+    """`diag demo`: build, quantize, compare and (``fix``) derive the verified fix, offline."""
+    result, files, fix = run_demo(
+        options.out,
+        options.fixture,
+        options.format,
+        samples=options.samples,
+        progress=options.progress,
+        fix=options.fix,
+    )
+    lines = result_lines(result, files)
+    if fix is not None:
+        before, after = fix.before.cosine, fix.after.cosine if fix.after else None
+        if fix.reachable and fix.nodes_to_exclude:
+            lines.append(
+                f"verified fix: keep {len(fix.nodes_to_exclude)} node(s) in float "
+                f"({', '.join(fix.nodes_to_exclude)}): held-out cosine {before:.4f} -> {after:.4f} "
+                f"({fix.target})"
+            )
+        else:
+            lines.append(f"verified fix: {fix.verdict} ({fix.target}, held-out cosine {before:.4f})")
+        lines.append(f"wrote the fix's report: {options.out}/fix/report.html")
+    return Summary(lines)

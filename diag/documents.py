@@ -22,6 +22,7 @@ import json
 import os
 from typing import Any
 
+from diag.environment import templates_dir
 from diag.errors import DiagError
 from diag.untrusted import parse_json
 
@@ -40,8 +41,6 @@ _SCHEMA: dict[str, Any] | None = None
 def _schema() -> dict[str, Any]:
     global _SCHEMA
     if _SCHEMA is None:
-        from diag.report import templates_dir
-
         _SCHEMA = json.loads((templates_dir() / "diag.schema.json").read_text(encoding="utf-8"))
     return _SCHEMA
 

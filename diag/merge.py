@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
@@ -260,24 +259,3 @@ def _check_same_models(path: str, doc: dict[str, Any], fp: Any, q: Any) -> None:
                 f"is not the model the shards ran on (shard '{path}' records another graph)",
                 f"pass the {role.upper()} model the shards were computed with, or re-run the shards",
             )
-
-
-def merge_to_dir(
-    paths: list[str | os.PathLike[str]],
-    out_dir: str | os.PathLike[str],
-    fp32: str | os.PathLike[str] | None = None,
-    int8: str | os.PathLike[str] | None = None,
-) -> tuple[CompareResult, dict[str, Path]]:
-    """`diag merge` end to end: merge the shards, then write diag.json, report.html and summary.md.
-
-    Example:
-        >>> r, files = merge_to_dir(["part0/diag.json", "part1/diag.json"], "all")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
-        ['diag.json', 'report.html', 'summary.md']
-    """
-    from diag.files import check_outputs
-    from diag.report import OUTPUT_NAMES, document_from_result, write_outputs
-
-    check_outputs(out_dir, OUTPUT_NAMES, [*paths, fp32, int8])
-    result = merge_shards(paths, fp32, int8)
-    return result, write_outputs(document_from_result(result), out_dir)

@@ -18,6 +18,7 @@ from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdi
 from diag.compare import CompareResult
 from diag.distributions import TensorHealth, worst_tensors
 from diag.documents import SCHEMA, SCHEMA_VERSION, read_document
+from diag.environment import templates_dir
 from diag.errors import DiagError
 from diag.exclude import report_section
 from diag.fixcode import fix_snippet
@@ -1228,20 +1229,6 @@ def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- rendering
-
-
-def templates_dir() -> Path:
-    """Where the jinja2 templates live: in the installed package, or the source checkout."""
-    here = Path(__file__).resolve().parent  # the diag package (not `import diag`: that is the cli layer)
-    for candidate in (here / "reports_templates", here.parent / "reports_templates"):
-        if (candidate / "report.html.j2").is_file():
-            return candidate
-    raise DiagError(
-        "missing-templates",
-        f"templates folder near '{here}'",
-        "report templates are not installed",
-        "reinstall diag (pip install --force-reinstall diag)",
-    )
 
 
 def _printable(value: Any) -> Any:

@@ -40,7 +40,7 @@ def test_compare_flags_map_to_one_library_call(monkeypatch, tmp_path, capsys):
         seen.update(fp32=fp32, int8=int8, feeds=feeds, out=out, options=options)
         raise SystemExit(0)
 
-    monkeypatch.setattr("diag.compare.compare_to_dir", fake_compare_to_dir)
+    monkeypatch.setattr("diag.verbs.compare_to_dir", fake_compare_to_dir)
     with pytest.raises(SystemExit):
         cli.main(
             [

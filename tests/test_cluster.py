@@ -21,7 +21,7 @@ import pytest
 
 from diag import cli
 from diag.cluster import parse_scheduler, plan_ahead
-from diag.compare import CompareOptions, compare_models
+from diag.compare import CompareOptions
 from diag.errors import DiagError
 from diag.exclude import SearchAlgorithm, derive_exclusions
 from diag.feeds import FeedSpec
@@ -30,6 +30,7 @@ from diag.quantize import quantize_model
 from diag.recipe import Recipe
 from diag.report import document_from_result
 from diag.sweep import sweep_to_dir
+from diag.verbs import diagnose
 
 distributed = pytest.importorskip("distributed")
 
@@ -108,8 +109,8 @@ def test_compare_on_a_cluster_writes_the_numbers_of_a_local_run(cluster, transfo
     # effects=0: the effect check runs on this machine after the merge, the same code either way;
     # sensitivity: its 2 skip-one trials are tasks too
     kw = {"progress": False, "effects": 0, "sensitivity": 2, "recipe": DYNAMIC}
-    local = compare_models(fp, q, spec, CompareOptions(**kw))
-    remote = compare_models(fp, q, spec, CompareOptions(**kw, scheduler=cluster[0].scheduler_address))
+    local = diagnose(fp, q, spec, CompareOptions(**kw))
+    remote = diagnose(fp, q, spec, CompareOptions(**kw, scheduler=cluster[0].scheduler_address))
     assert [r.to_dict() for r in remote.sensitivity.rows] == [r.to_dict() for r in local.sensitivity.rows]
     assert len(trials) == 1 and len(trials[0]) == 2, "the skip-one trials ran as 2 tasks"
     # diag.json's content (rendering the HTML report would only add seconds)
@@ -130,7 +131,7 @@ def test_shard_and_scheduler_together_are_refused(cluster, transformer, tmp_path
     quantize_model(fp, DYNAMIC, q, progress=False)
     options = CompareOptions(progress=False, shard=(0, 2), scheduler=cluster[0].scheduler_address)
     with pytest.raises(DiagError, match="both split the batches") as e:
-        compare_models(fp, q, FeedSpec(inputs=str(npz), batch=8), options)
+        diagnose(fp, q, FeedSpec(inputs=str(npz), batch=8), options)
     assert e.value.slug == "bad-option"
 
 
@@ -354,7 +355,7 @@ def test_planning_ahead_asks_for_the_serial_searchs_trials_in_its_order(needed, 
 @pytest.mark.parametrize(
     ("verb", "target", "argv"),
     [
-        ("compare", "diag.compare.compare_to_dir", ["a.onnx", "b.onnx", "--random"]),
+        ("compare", "diag.verbs.compare_to_dir", ["a.onnx", "b.onnx", "--random"]),
         ("exclude", "diag.exclude.exclude_to_dir", ["a.onnx", "--random", "--target", "cosine>=0.99"]),
         ("sweep", "diag.sweep.sweep_to_dir", ["a.onnx", "--random"]),
     ],

@@ -284,7 +284,7 @@ def test_calibration_range_override_removes_the_clipping_it_reports(built, tmp_p
 
 
 def test_sections_for_analyses_that_did_not_run_are_absent_not_empty(built, tmp_path):
-    from diag.compare import compare_to_dir
+    from diag.verbs import compare_to_dir
 
     b = built("convnet")
     feeds = FeedSpec(inputs=str(b.inputs_path), samples=8, batch=8)

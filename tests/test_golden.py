@@ -38,12 +38,13 @@ def _scrub_svg(text: str) -> tuple[str, int]:
 
 def _document(built) -> dict:
     if UPDATE:
-        from diag.compare import CompareOptions, compare_models
+        from diag.compare import CompareOptions
         from diag.feeds import FeedSpec
         from diag.report import document_from_result
+        from diag.verbs import diagnose
 
         b = built("convnet")
-        r = compare_models(
+        r = diagnose(
             b.fp32, b.int8["qdq"], FeedSpec(inputs=str(b.inputs_path), batch=8), CompareOptions(progress=False)
         )
         DOC.write_text(json.dumps(_scrub_document(document_from_result(r)), indent=1, ensure_ascii=False) + "\n")

@@ -213,8 +213,9 @@ def test_fp16_recipe_converts_and_is_read_back_and_linted(overflow: dict[str, Pa
 
 def test_fp16_fix_snippet_run_as_is_removes_nonfinite_values(overflow: dict[str, Path], tmp_path: Path) -> None:
     from diag.report import fix_snippet
+    from diag.verbs import diagnose
 
-    r = compare_models(
+    r = diagnose(
         overflow["fp32"], overflow["fp16"], FeedSpec(inputs=str(overflow["inputs"])), CompareOptions(effects=0)
     )
     assert r.single_cause and "attn/Attention" in r.cause_sentence
@@ -295,8 +296,8 @@ def test_exclude_with_an_fp16_recipe_writes_a_reproduce_script_that_rebuilds_the
 def test_fp16_diag_json_follows_the_shipped_schema(overflow: dict[str, Path], tmp_path: Path) -> None:
     import json
 
-    from diag.compare import compare_to_dir
     from diag.documents import validate_document
+    from diag.verbs import compare_to_dir
 
     feeds = FeedSpec(inputs=str(overflow["inputs"]))
     compare_to_dir(overflow["fp32"], overflow["fp16"], feeds, tmp_path, CompareOptions(effects=0, progress=False))

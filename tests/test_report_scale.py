@@ -16,10 +16,11 @@ import pytest
 from browser import chromium
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.compare import CompareOptions, compare_to_dir
+from diag.compare import CompareOptions
 from diag.feeds import FeedSpec
 from diag.fixtures import quantize
 from diag.report import load_document
+from diag.verbs import compare_to_dir
 
 NODES = 1000
 HIDDEN = 8

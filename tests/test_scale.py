@@ -17,11 +17,12 @@ import pytest
 from onnx import TensorProto, helper
 
 from diag.cli import main
-from diag.compare import CompareOptions, CompareState, compare_to_dir, load_pair, run_comparison
+from diag.compare import CompareOptions, CompareState, load_pair, run_comparison
 from diag.feeds import FeedSpec, feeds_from_arrays, input_specs
 from diag.match import match_models
-from diag.merge import merge_to_dir, state_from_json, state_to_json
+from diag.merge import state_from_json, state_to_json
 from diag.run import default_threads, parse_shard, parse_size, plan_passes, session_from_model
+from diag.verbs import compare_to_dir, merge_to_dir
 
 # ---------------------------------------------------------------- helpers
 

@@ -7,14 +7,15 @@ import json
 import pytest
 
 from diag.cli import main
-from diag.compare import CompareOptions, compare_models
+from diag.compare import CompareOptions
 from diag.errors import DiagError
 from diag.feeds import FeedSpec
+from diag.verbs import diagnose
 
 
 def test_keeping_the_injected_culprit_in_float_recovers_the_most(built):
     b = built("transformer")
-    r = compare_models(
+    r = diagnose(
         b.fp32,
         b.int8["dynamic"],
         FeedSpec(inputs=str(b.inputs_path), batch=8),
@@ -53,7 +54,7 @@ def test_sensitivity_without_a_recipe_is_a_user_error(built, tmp_path, capsys):
     assert "error[bad-option]: --sensitivity | needs the recipe" in capsys.readouterr().err
     assert not (tmp_path / "o" / "diag.json").exists()
     with pytest.raises(DiagError):
-        compare_models(
+        diagnose(
             b.fp32,
             b.int8["dynamic"],
             FeedSpec(inputs=str(b.inputs_path), samples=4),
