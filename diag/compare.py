@@ -355,7 +355,7 @@ def _sensitivity(
     spec: FeedSpec | None = None,
 ) -> Any:
     from diag.recipe import Recipe, recipe_from_option
-    from diag.sensitivity import skip_one_sensitivity
+    from diag.sensitivity import SensitivityOptions, skip_one_sensitivity
 
     if options.recipe is None:
         raise DiagError(
@@ -365,16 +365,19 @@ def _sensitivity(
             "add --recipe recipe.json (diag inspect INT8 --recipe writes one)",
         )
     recipe = options.recipe if isinstance(options.recipe, Recipe) else recipe_from_option(options.recipe)
+    trials = None
+    if options.scheduler is not None:
+        from diag.cluster import ClusterSkipOne
+
+        trials = ClusterSkipOne(options.scheduler, spec)
     return skip_one_sensitivity(
         fp32_path,
         int8_path,
         recipe,
         feeds,
         result.findings,
-        options.sensitivity,
-        options.threads,
-        options.progress,
-        (options.scheduler, spec) if options.scheduler is not None else None,
+        SensitivityOptions(options.sensitivity, options.threads, options.progress),
+        trials,
     )
 
 

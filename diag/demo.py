@@ -56,7 +56,7 @@ def run_demo(
 
     Returns the comparison, its files, and the ExclusionResult (None without ``fix``).
     """
-    from diag.exclude import exclude_to_dir
+    from diag.exclude import ExcludeOptions
     from diag.recipe import Recipe
 
     out = ensure_out_dir(out)
@@ -74,7 +74,8 @@ def run_demo(
             calibration=str(files["calib"].resolve()),
         )
     )
-    exclusion, _ = exclude_to_dir(
-        files["fp32"], recipe, feeds, DEMO_TARGET, out / "fix", bench_runs=10, progress=progress
-    )
+    from diag.verbs import exclude_to_dir
+
+    options = ExcludeOptions(DEMO_TARGET, bench_runs=10, progress=progress)
+    exclusion, _ = exclude_to_dir(files["fp32"], recipe, feeds, options, out / "fix")
     return result, written, exclusion

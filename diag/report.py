@@ -843,7 +843,7 @@ def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> dict[
     """The verified-fix section, from an ``exclusion.json`` document (see diag.exclude.report_section)."""
     if not exclusion:
         return None
-    from diag.exclude import report_section
+    from diag.exclude_view import report_section
 
     view = report_section(exclusion)
     if not with_plots:
