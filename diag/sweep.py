@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from diag.bench import BenchOptions, bench_models, physical_cores
+from diag.compare import environment
 from diag.errors import DiagError
 from diag.exclude import HeldOutEvaluator, Target, parse_target, split_feeds
 from diag.feeds import FeedSource, FeedSpec, load_labels
@@ -630,8 +631,6 @@ class SweepResult:
             >>> sorted(result.to_dict())[:3]  # doctest: +SKIP
             ['accuracy_axis', 'best', 'calibration']
         """
-        from diag.compare import environment
-
         best = self.best
         front = pareto_front(self.entries, self.accuracy)
         doc = {
@@ -709,7 +708,7 @@ def read_jsonl(path: Path, context: str) -> dict[str, SweepEntry]:
     done: dict[str, SweepEntry] = {}
     if not path.is_file():
         return done
-    from diag.documents import MAX_DEPTH, max_depth
+    from diag.documents import MAX_DEPTH, max_depth  # LAYERING: the untrusted-JSON depth limit belongs in foundations
 
     for raw in path.read_bytes().splitlines():
         try:

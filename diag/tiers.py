@@ -56,11 +56,13 @@ from diag.exclude import (
     Target,
     prepare_search,
     ranked_candidates,
+    reproduce_snippet,
     search_target,
 )
 from diag.exclude import format_metric as _fmt
 from diag.feeds import FeedSource, FeedSpec
 from diag.jsonnum import json_number
+from diag.nbits import weight_only_snippet
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
@@ -548,12 +550,8 @@ def plan_snippet(
     """
     header = f"# target {plan.target}: plan {plan.by_tier or 'empty'}"
     if recipe.mode == "weight_only":
-        from diag.nbits import weight_only_snippet
-
         return weight_only_snippet(recipe.to_dict(), plan.fp32, model_out, header)
     from types import SimpleNamespace
-
-    from diag.exclude import reproduce_snippet
 
     result = SimpleNamespace(
         recipe=recipe.to_dict(),
