@@ -50,11 +50,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from diag.analyze import NodeFinding
 from diag.bench import BenchOptions, bench_models
-from diag.compare import CompareOptions, compare_models
+from diag.compare import CompareOptions, CompareResult, compare_models
 from diag.effects import float_region_model
 from diag.errors import DiagError
-from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
+from diag.feeds import Batch, FeedSource, FeedSpec, _Restartable, load_labels
 from diag.jsonnum import json_number, json_numbers
 from diag.load import LoadedModel, float_model_from_path, model_from_path
 from diag.match import match_models
@@ -344,7 +345,7 @@ class ExclusionResult:
     cluster: dict[str, Any] = field(default_factory=dict)
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
-    diagnosis: Any = None
+    diagnosis: CompareResult | None = None
 
     @property
     def verdict(self) -> str:
@@ -467,8 +468,6 @@ def split_feeds(feeds: FeedSource, holdout: float) -> Split:
                     yield Batch(i - first, b.feeds, b.size)
 
         return gen
-
-    from diag.feeds import _Restartable
 
     ranking = FeedSource(f"{feeds.description}, samples 0..{seen - 1}", _Restartable(part(0, cut)), seen, feeds.specs)
     held = FeedSource(
@@ -656,7 +655,7 @@ def macro_f1(truth: np.ndarray, pred: np.ndarray) -> float:
 # ---------------------------------------------------------------- candidates
 
 
-def ranked_candidates(findings: list[Any], already_excluded: set[str]) -> list[Candidate]:
+def ranked_candidates(findings: list[NodeFinding], already_excluded: set[str]) -> list[Candidate]:
     """Quantized node groups, worst local error first (accumulated error where no local exists).
 
     Groups already in the recipe's ``nodes_to_exclude`` and unnamed nodes (which
@@ -670,7 +669,7 @@ def ranked_candidates(findings: list[Any], already_excluded: set[str]) -> list[C
     def sqnr(stats: Any) -> float | None:
         return None if stats is None else float(stats.sqnr_db)
 
-    def key(f: Any) -> tuple[float, int]:
+    def key(f: NodeFinding) -> tuple[float, int]:
         v = sqnr(f.local)
         if v is None:
             v = sqnr(f.accumulated)
@@ -1186,7 +1185,7 @@ class _Outcome:
     baseline: Path
     chosen: frozenset[int] | None = None
     candidates: list[Candidate] = field(default_factory=list)
-    compared: Any = None
+    compared: CompareResult | None = None
     exhausted: str | None = None
     suggestions: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)

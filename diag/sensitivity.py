@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from diag.analyze import NodeFinding
 from diag.exclude import Candidate, HeldOutEvaluator, HeldOutMetrics, ranked_candidates
 from diag.feeds import FeedSource
 from diag.jsonnum import json_number as _j
@@ -107,7 +108,7 @@ def skip_one_sensitivity(
     int8_path: str | Path,
     recipe: Recipe,
     feeds: FeedSource,
-    findings: list[Any],
+    findings: list[NodeFinding],
     options: SensitivityOptions | None = None,
     trials: SkipOneTrials | None = None,
 ) -> SensitivityResult:

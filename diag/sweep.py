@@ -588,7 +588,7 @@ class SweepResult:
     entries: list[SweepEntry]
     labels: dict[str, str]
     objective: str
-    target: Any
+    target: Target | None
     settings: dict[str, Any]
     split: dict[str, Any]
     calibration: str | None
@@ -783,7 +783,8 @@ class MeasureContext:
     fp32: Path
     #: Calibration inputs of static recipes without calibration data of their own.
     calibration: FeedSource | None
-    evaluator: Any
+    #: None where only latency is timed (``diag.cluster.ClusterRecipes``: metrics came from a worker).
+    evaluator: HeldOutEvaluator | None
     held: FeedSource
     runs: int
     warmup: int
@@ -1104,6 +1105,7 @@ def measure_recipe(
             return SweepEntry(
                 key, d, "ok", None, same.metrics, size, rep.seconds, same.latency, actions, digest, same.key
             )
+        assert ctx.evaluator is not None, "measure_recipe needs an evaluator"
         metrics = ctx.evaluator.evaluate(path).to_dict()
         latency = None
         if ctx.runs > 0:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.bench import BenchOptions, bench_models
-from diag.compare import CompareOptions, compare_models
+from diag.compare import CompareOptions, CompareResult, compare_models
 from diag.errors import DiagError
 from diag.exclude import (
     BudgetExhausted,
@@ -272,7 +272,7 @@ class TierPlan:
     model: str | None = None
     snippet: str | None = None
     #: The ``diag compare`` result of the all-lowest model that ranked the nodes (not serialized).
-    diagnosis: Any = field(default=None, repr=False)
+    diagnosis: CompareResult | None = field(default=None, repr=False)
 
     @property
     def by_tier(self) -> dict[str, list[str]]:
@@ -456,7 +456,7 @@ def derive_tier_plan(
         before, met0 = s.trial((), "baseline")
         baseline = s.cache[()][1]
         chosen: tuple[int, ...] | None = ()
-        compared: Any = None
+        compared: CompareResult | None = None
         budget: str | None = None
         if not met0:
             compared = compare_models(

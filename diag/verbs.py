@@ -18,7 +18,7 @@ from typing import Any
 
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterTrialRunner
-from diag.compare import environment
+from diag.compare import CompareResult, environment
 from diag.exclude import ExcludeOptions, ExclusionResult, derive_exclusions, reproduce_snippet
 from diag.feeds import FeedSource, FeedSpec
 from diag.files import check_outputs, internal_writes, output_file, work_dir, write_set
@@ -116,7 +116,7 @@ def _calibration_of(recipe: Recipe, feeds: FeedSpec, split: dict[str, Any]) -> t
 
 
 def diagnosis_outputs(
-    out: Path, diagnosis: Any, model_note: str, exclusion: dict[str, Any] | None = None
+    out: Path, diagnosis: CompareResult | None, model_note: str, exclusion: dict[str, Any] | None = None
 ) -> tuple[dict[Path, str], list[Path]]:
     """The report of a search's diagnosis (diag.json, report.html, summary.md) for ``write_set``.
 
