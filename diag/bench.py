@@ -109,14 +109,33 @@ def physical_cores() -> int:
     return max(1, min(len(cores), logical) if cores else logical)
 
 
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `diag bench` takes besides the models and the inputs.
+
+    Attributes:
+        runs: timed runs per model (``--runs``).
+        warmup: untimed runs per model first: allocator, thread pool and cache warm-up (``--warmup``).
+        threads: intra-op threads per session; None: the physical cores (``--threads``).
+        progress: progress bar on stderr, only on a terminal (``--quiet`` turns it off).
+        json_path: also write the numbers as JSON here (``--json``; :func:`diag.verbs.bench_to_json`).
+        opt_level: onnxruntime graph optimization level (default ``all``, as deployed).
+
+    Example:
+        >>> BenchOptions(runs=20).warmup
+        5
+    """
+
+    runs: int = 50
+    warmup: int = 5
+    threads: int | None = None
+    progress: bool = True
+    json_path: str | None = None
+    opt_level: str = DEPLOY_OPT_LEVEL
+
+
 def bench_models(
-    paths: list[str | Path],
-    feeds: FeedSource | FeedSpec,
-    runs: int = 50,
-    warmup: int = 5,
-    threads: int | None = None,
-    progress: bool = True,
-    opt_level: str = DEPLOY_OPT_LEVEL,
+    paths: list[str | Path], feeds: FeedSource | FeedSpec, options: BenchOptions | None = None
 ) -> list[LatencyStats]:
     """Time every model on the same batches; one batch = one timed ``session.run``.
 
@@ -130,44 +149,55 @@ def bench_models(
         paths: the models; the first is the reference for ``speedup`` (put FP32 first).
         feeds: inputs, resolved against the first model when a :class:`FeedSpec`; every model
             must accept them (same input names and dtypes).
-        runs: timed runs per model.
-        warmup: untimed runs per model first (allocator, thread pool and cache warm-up).
-        threads: intra-op threads per session.
-        progress: progress bar on stderr (only on a terminal).
-        opt_level: onnxruntime graph optimization level (default ``all``, as deployed).
+        options: runs, warm-up, threads, progress and optimization level (:class:`BenchOptions`).
 
     Example:
         >>> from diag.feeds import FeedSpec
-        >>> stats = bench_models(["fp32.onnx", "int8.onnx"], FeedSpec(random=True), runs=20)  # doctest: +SKIP
+        >>> stats = bench_models(["fp32.onnx", "int8.onnx"], FeedSpec(random=True),
+        ...                      BenchOptions(runs=20))  # doctest: +SKIP
         >>> stats[1].speedup  # doctest: +SKIP
         1.7
     """
-    if not paths:
-        raise DiagError("bad-option", "models", "none given", "pass at least one model: diag bench fp32.onnx int8.onnx")
-    if runs < 1:
-        raise DiagError("bad-option", "--runs", "must be at least 1", "pass --runs 50")
-    if warmup < 0:
-        raise DiagError("bad-option", "--warmup", "must be 0 or more", "pass --warmup 5")
-    if threads is not None and threads < 1:
-        raise DiagError("bad-option", "--threads", "must be at least 1", "omit it to use the physical cores")
-    threads = threads or physical_cores()
+    o = options if options is not None else BenchOptions()
+    _check_options(paths, o)
+    threads = o.threads or physical_cores()
     models = [model_from_path(p, f"model {i + 1}") for i, p in enumerate(paths)]
     source = feeds.source(models[0].proto) if isinstance(feeds, FeedSpec) else feeds
     _check_same_inputs(models)
     sessions = []
     for m in models:
         ext = m.path.resolve().parent if m.has_external_data else None
-        sessions.append(session_from_model(m.proto, f"model '{m.path}'", opt_level, threads, ext))
+        sessions.append(session_from_model(m.proto, f"model '{m.path}'", o.opt_level, threads, ext))
     specs = [input_specs(m.proto) for m in models]
     del models  # the protos (weights included) are no longer needed; sessions hold their own copy
+    times, samples = _time_interleaved(paths, sessions, specs, source, o)
+    stats = [_stats(str(p), t, n, o.runs, o.warmup, threads) for p, t, n in zip(paths, times, samples, strict=True)]
+    ref = stats[0].p50_ms
+    return [stats[0]] + [_with_speedup(s, ref) for s in stats[1:]]
 
-    times = [np.empty(runs, dtype=np.float64) for _ in paths]
+
+def _check_options(paths: list[str | Path], o: BenchOptions) -> None:
+    if not paths:
+        raise DiagError("bad-option", "models", "none given", "pass at least one model: diag bench fp32.onnx int8.onnx")
+    if o.runs < 1:
+        raise DiagError("bad-option", "--runs", "must be at least 1", "pass --runs 50")
+    if o.warmup < 0:
+        raise DiagError("bad-option", "--warmup", "must be 0 or more", "pass --warmup 5")
+    if o.threads is not None and o.threads < 1:
+        raise DiagError("bad-option", "--threads", "must be at least 1", "omit it to use the physical cores")
+
+
+def _time_interleaved(
+    paths: list[str | Path], sessions: list[Any], specs: list[Any], source: FeedSource, o: BenchOptions
+) -> tuple[list[np.ndarray], list[int]]:
+    """Seconds of every timed run per model, and the samples each timed; models rotate per round."""
+    times = [np.empty(o.runs, dtype=np.float64) for _ in paths]
     samples = [0 for _ in paths]
-    bar = Progress(None, "bench", enabled=progress)
+    bar = Progress(None, "bench", enabled=o.progress)
     batches = _cycle(source)
     checked = False
     try:
-        for r in range(warmup + runs):
+        for r in range(o.warmup + o.runs):
             batch = next(batches)
             if not checked:  # fixed dims may differ between files: the first batch must fit every model
                 for p, sp in zip(paths[1:], specs[1:], strict=True):
@@ -176,27 +206,28 @@ def bench_models(
             start_at = r % len(sessions)
             for k in range(len(sessions)):
                 i = (start_at + k) % len(sessions)
-                sess = sessions[i]
-                t0 = time.perf_counter()
-                try:
-                    sess.run(None, batch.feeds)
-                except Exception as e:
-                    raise DiagError(
-                        "runtime-failure",
-                        f"model '{paths[i]}'",
-                        f"onnxruntime failed: {str(e).strip().splitlines()[0][:300] if str(e).strip() else e}",
-                        "check the model runs on these inputs (diag compare shows the failing node)",
-                    ) from e
-                elapsed = time.perf_counter() - t0
-                if r >= warmup:
-                    times[i][r - warmup] = elapsed
+                elapsed = _timed_run(sessions[i], batch.feeds, paths[i])
+                if r >= o.warmup:
+                    times[i][r - o.warmup] = elapsed
                     samples[i] += batch.size
             bar.advance(batch.size)
     finally:
         bar.close()
-    stats = [_stats(str(p), t, n, runs, warmup, threads) for p, t, n in zip(paths, times, samples, strict=True)]
-    ref = stats[0].p50_ms
-    return [stats[0]] + [_with_speedup(s, ref) for s in stats[1:]]
+    return times, samples
+
+
+def _timed_run(sess: Any, feeds: dict[str, np.ndarray], path: str | Path) -> float:
+    t0 = time.perf_counter()
+    try:
+        sess.run(None, feeds)
+    except Exception as e:
+        raise DiagError(
+            "runtime-failure",
+            f"model '{path}'",
+            f"onnxruntime failed: {str(e).strip().splitlines()[0][:300] if str(e).strip() else e}",
+            "check the model runs on these inputs (diag compare shows the failing node)",
+        ) from e
+    return time.perf_counter() - t0
 
 
 def format_table(stats: list[LatencyStats]) -> str:
@@ -278,47 +309,3 @@ def _with_speedup(s: LatencyStats, ref_p50: float) -> LatencyStats:
     d = s.to_dict()
     d["speedup"] = ref_p50 / s.p50_ms if s.p50_ms > 0 else None
     return LatencyStats(**d)
-
-
-def bench_to_json(
-    paths: list[str | Path],
-    feeds: FeedSource | FeedSpec,
-    runs: int = 50,
-    warmup: int = 5,
-    threads: int | None = None,
-    progress: bool = True,
-    json_path: str | Path | None = None,
-) -> tuple[list[LatencyStats], str, Path | None]:
-    """`diag bench` end to end: bench, format the table, write the JSON file when asked.
-
-    The JSON file is ``{"schema": "diag/bench", "schema_version": 1, "environment": ...,
-    "models": [LatencyStats.to_dict(), ...]}``, written atomically.
-
-    Example:
-        >>> stats, table, path = bench_to_json(["fp32.onnx", "int8.onnx"], FeedSpec(random=True),
-        ...                                    json_path="bench.json")  # doctest: +SKIP
-    """
-    import json
-
-    from diag.compare import environment
-    from diag.files import output_file, write_set
-    from diag.load import checked_path
-
-    if json_path is not None:
-        for path in paths:  # remembered as inputs first: --json may not name one of them
-            checked_path(path, "model")
-        output_file(json_path, "--json")
-    stats = bench_models(paths, feeds, runs, warmup, threads, progress)
-    table = format_table(stats)
-    written = None
-    if json_path is not None:
-        doc = {
-            "schema": "diag/bench",
-            "schema_version": 1,
-            "environment": environment(),
-            "opt_level": DEPLOY_OPT_LEVEL,
-            "models": [s.to_dict() for s in stats],
-        }
-        written = Path(json_path)
-        write_set({written: json.dumps(doc, indent=2) + "\n"}, "--json")
-    return stats, table, written

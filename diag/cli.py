@@ -37,6 +37,13 @@ if TYPE_CHECKING:
         Summary,
     )
 
+if TYPE_CHECKING:  # the options of the fixing verbs (their modules import numpy and onnx)
+    from diag.bench import BenchOptions
+    from diag.exclude import ExcludeOptions
+    from diag.quantize import QuantizeOptions
+    from diag.sweep import SweepOptions
+    from diag.tiers import TierOptions
+
 TARGET_HELP = """\
 Metrics (all computed over every element of every sample, FP32 x vs INT8 y, e = y - x):
   SQNR dB       10*log10(sum x^2 / sum e^2); higher is better, inf = identical
@@ -363,15 +370,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     level (all), as deployed, with the same intra-op thread count each (default: physical cores);
     models run interleaved, batch by batch, so background load hits them alike. One batch = one
     timed run; batches are cycled."""
-    from diag.bench import bench_to_json
+    from diag.verbs import bench_to_json
 
-    _, table, written = bench_to_json(
-        args.models, _feed_spec(args), args.runs, args.warmup, args.threads, not args.quiet, args.json
-    )
+    _, table, written = bench_to_json(args.models, _feed_spec(args), _bench_options(args))
     print(_safe_lines(table))
     if written is not None:
         print(f"wrote {_safe(written)}")
     return OK
+
+
+def _bench_options(args: argparse.Namespace) -> BenchOptions:
+    """``diag bench``'s flags as :class:`diag.bench.BenchOptions`."""
+    from diag.bench import BenchOptions
+
+    return BenchOptions(
+        runs=args.runs, warmup=args.warmup, threads=args.threads, progress=not args.quiet, json_path=args.json
+    )
 
 
 def cmd_exclude(args: argparse.Namespace) -> int:
@@ -388,22 +402,14 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     list short of keeping every quantized node in float meets the target, or when the budget ran
     out before any list met it."""
     from diag.errors import GATE_FAILED
-    from diag.exclude import exclude_to_dir, summary_lines
+    from diag.exclude import summary_lines
     from diag.recipe import Recipe, recipe_from_option
+    from diag.verbs import exclude_to_dir
 
     recipe = recipe_from_option(args.recipe) if args.recipe else Recipe(mode="dynamic")
     if args.tiers:
         return _exclude_tiers(args, recipe)
-    result, files = exclude_to_dir(
-        args.fp32,
-        recipe,
-        _feed_spec(args),
-        args.target,
-        args.out,
-        **_search_options(args),
-        estimates=not args.no_estimates,
-        scheduler=args.scheduler,
-    )
+    result, files = exclude_to_dir(args.fp32, recipe, _feed_spec(args), _exclude_options(args), args.out)
     for line in summary_lines(result):
         print(_safe(line))
     _print_cluster(result.cluster)
@@ -413,8 +419,9 @@ def cmd_exclude(args: argparse.Namespace) -> int:
 
 
 def _search_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags diag exclude and diag exclude --tiers share, as their library calls take them."""
+    """The flags diag exclude and diag exclude --tiers share, as :class:`diag.exclude.SearchOptions` fields."""
     return {
+        "target": args.target,
         "holdout": args.holdout,
         "labels": args.labels,
         "threads": args.threads,
@@ -426,25 +433,33 @@ def _search_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
-    """`diag exclude --tiers`: a mixed-precision plan across tiers (see diag.tiers)."""
-    from diag.errors import GATE_FAILED
-    from diag.tiers import summary_lines, tier_plan_to_dir
+def _exclude_options(args: argparse.Namespace) -> ExcludeOptions:
+    """``diag exclude``'s flags as :class:`diag.exclude.ExcludeOptions`."""
+    from diag.exclude import ExcludeOptions
+
+    return ExcludeOptions(**_search_options(args), estimates=not args.no_estimates, scheduler=args.scheduler)
+
+
+def _tier_options(args: argparse.Namespace) -> TierOptions:
+    """``diag exclude --tiers``'s flags as :class:`diag.tiers.TierOptions`."""
+    from diag.tiers import TierOptions
 
     for flag, given in (("--scheduler", args.scheduler), ("--no-estimates", args.no_estimates)):
         if given:
             raise DiagError(
                 "bad-option", f"{flag} with --tiers", "is not supported by the tier search", f"drop {flag} or --tiers"
             )
-    plan, files = tier_plan_to_dir(
-        args.fp32,
-        recipe,
-        _feed_spec(args),
-        args.target,
-        args.tiers,
-        args.out,
-        **_search_options(args),
-    )
+    return TierOptions(**_search_options(args), tiers=args.tiers)
+
+
+def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
+    """`diag exclude --tiers`: a mixed-precision plan across tiers (see diag.tiers)."""
+    from diag.errors import GATE_FAILED
+    from diag.tiers import summary_lines
+    from diag.verbs import tier_plan_to_dir
+
+    options = _tier_options(args)
+    plan, files = tier_plan_to_dir(args.fp32, recipe, _feed_spec(args), options, args.out)
     for line in summary_lines(plan):
         print(_safe(line))
     for name, path in files.items():
@@ -496,20 +511,28 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     onnxruntime. A recipe with "mode": "weight_only" runs MatMulNBitsQuantizer (bits, block_size,
     is_symmetric, accuracy_level; node_bits quantizes named nodes at another width).
     """
+    from diag.verbs import quantize_to_file
+
+    _, lines = quantize_to_file(args.fp32, _quantize_options(args))
+    for line in lines:
+        print(_safe(line))
+    return OK
+
+
+def _quantize_options(args: argparse.Namespace) -> QuantizeOptions:
+    """``diag quantize``'s flags as :class:`diag.quantize.QuantizeOptions`."""
     from diag.feeds import FeedSpec
-    from diag.quantize import quantize_model
+    from diag.quantize import QuantizeOptions
 
     calib = FeedSpec(inputs=args.calib, reader=args.reader, batch=args.batch) if args.calib or args.reader else None
-    report = quantize_model(args.fp32, args.recipe, args.o, calib, progress=not args.quiet, samples=args.samples)
-    for action in report.actions:
-        print(_safe(action))
-    if args.verbose:
-        for line in report.log:
-            print(f"onnxruntime: {_safe(line)}")
-    elif report.log:
-        print(f"onnxruntime logged {len(report.log)} message(s) (--verbose shows them)")
-    print(f"wrote {_safe(report.output)} ({report.format}) in {report.seconds:.1f} s")
-    return OK
+    return QuantizeOptions(
+        recipe=args.recipe,
+        out=args.o,
+        calibration=calib,
+        samples=args.samples,
+        progress=not args.quiet,
+        verbose=args.verbose,
+    )
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -525,28 +548,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     best.recipe.json into --out; every finished recipe is appended to sweep.jsonl, so an interrupted
     sweep resumes where it stopped when run again."""
     from diag.errors import INTERRUPTED
-    from diag.feeds import FeedSpec
-    from diag.sweep import summary_lines, sweep_to_dir
+    from diag.sweep import summary_lines
+    from diag.verbs import sweep_to_dir
 
-    calib = FeedSpec(inputs=args.calib, batch=args.batch) if args.calib else None
     try:
-        result, files = sweep_to_dir(
-            args.fp32,
-            _feed_spec(args),
-            args.out,
-            grid=args.grid,
-            calib=calib,
-            objective=args.objective,
-            target=args.target,
-            labels=args.labels,
-            holdout=args.holdout,
-            runs=args.runs,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            threads=args.threads,
-            progress=not args.quiet,
-            scheduler=args.scheduler,
-        )
+        result, files = sweep_to_dir(args.fp32, _feed_spec(args), args.out, _sweep_options(args))
     except KeyboardInterrupt:
         from pathlib import Path
 
@@ -563,6 +569,27 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for name, path in files.items():
         print(f"wrote {name}: {_safe(path)}")
     return OK
+
+
+def _sweep_options(args: argparse.Namespace) -> SweepOptions:
+    """``diag sweep``'s flags as :class:`diag.sweep.SweepOptions`."""
+    from diag.feeds import FeedSpec
+    from diag.sweep import SweepOptions
+
+    return SweepOptions(
+        grid=args.grid,
+        calib=FeedSpec(inputs=args.calib, batch=args.batch) if args.calib else None,
+        objective=args.objective,
+        target=args.target,
+        labels=args.labels,
+        holdout=args.holdout,
+        runs=args.runs,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        threads=args.threads,
+        progress=not args.quiet,
+        scheduler=args.scheduler,
+    )
 
 
 # ---------------------------------------------------------------- parser

@@ -29,22 +29,32 @@ work. Ctrl-C cancels every task this run submitted.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diag.compare import load_pair, run_comparison
 from diag.errors import DiagError
+from diag.exclude import ExcludeOptions, HeldOutEvaluator, HeldOutMetrics, SearchAlgorithm, split_feeds
+from diag.feeds import load_labels
+from diag.load import float_model_from_path
+from diag.match import match_models
+from diag.merge import state_from_json, state_to_json
+from diag.progress import Progress
+from diag.quantize import quantize_model
+from diag.recipe import Recipe
+from diag.sweep import MeasureContext, SweepEntry, SweepOptions, SweepRun, measure_recipe, time_against_fp32
 
 #: Seconds to wait for a scheduler given by address to answer.
 CONNECT_TIMEOUT = 10.0
@@ -183,10 +193,8 @@ class Cluster:
     def cancel(self, futures: list[Any]) -> None:
         """Cancel tasks, counting the re-runs they already cost (a speculative trial can be retried too)."""
         if futures:
-            try:
+            with contextlib.suppress(OSError, TimeoutError):  # the scheduler went away: nothing to count
                 self.count_retries(futures)
-            except (OSError, TimeoutError):
-                pass  # the scheduler went away: nothing left to cancel or count
             self.client.cancel(futures)
             self.cancelled += len(futures)
 
@@ -246,11 +254,11 @@ def open_cluster(text: str, progress: bool = True) -> Cluster:
         sum(int(w.get("nthreads", 1)) for w in workers.values()) or 1,
         local,
     )
+    lines = Progress(None, "dask", enabled=False)
     if dashboard:
-        sys.stderr.write(f"dask: dashboard at {dashboard}\n")
+        lines.note(f"dask: dashboard at {dashboard}")
     elif progress:
-        sys.stderr.write(f"dask: {cluster.workers} worker(s), {cluster.slots} thread(s) at {cluster.address}\n")
-    sys.stderr.flush()
+        lines.note(f"dask: {cluster.workers} worker(s), {cluster.slots} thread(s) at {cluster.address}")
     return cluster
 
 
@@ -265,8 +273,6 @@ class TaskBar:
     """
 
     def __init__(self, cluster: Cluster, label: str, enabled: bool) -> None:
-        from diag.progress import Progress
-
         self.cluster = cluster
         self._bar = Progress(0, label, enabled=enabled, unit="tasks")
         self._closed = False
@@ -337,7 +343,7 @@ def _worker_task(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def gather_as_done(
     cluster: Cluster, futures: list[Any], bar: TaskBar, wanted: set[int] | None = None
-) -> Iterator[tuple[int, Any]]:
+) -> Generator[tuple[int, Any], None, None]:
     """Yield ``(index, result)`` as tasks finish, in whatever order (only ``wanted`` indexes fetch
     their result; the others are counted); on Ctrl-C or an error every task is cancelled.
 
@@ -402,10 +408,6 @@ def _model_files(folder: Path, stem: str) -> dict[str, bytes]:
 
 @_worker_task
 def _compare_shard(fp32: str, int8: str, spec: Any, options: Any) -> dict[str, Any]:
-    from diag.compare import load_pair, run_comparison
-    from diag.match import match_models
-    from diag.merge import state_to_json
-
     fp, q = load_pair(fp32, int8)
     matching = match_models(fp.proto, q.proto)
     state, unmatched = run_comparison(fp, q, matching, spec.source(fp.proto), options)
@@ -414,8 +416,6 @@ def _compare_shard(fp32: str, int8: str, spec: Any, options: Any) -> dict[str, A
 
 @_worker_task
 def _merge_shards(a: dict[str, Any], b: dict[str, Any], metric: str | None) -> dict[str, Any]:
-    from diag.merge import state_from_json, state_to_json
-
     if "error" in a:
         return a
     if "error" in b:
@@ -441,8 +441,6 @@ def compare_on_cluster(
         >>> state.samples, info["shards"]  # doctest: +SKIP
         (32, 2)
     """
-    from diag.merge import state_from_json
-
     if spec is None:
         raise DiagError(
             "bad-option",
@@ -520,10 +518,6 @@ class TrialJob:
 
 
 def _trial_context(job: TrialJob) -> tuple[Any, Any]:
-    from diag.exclude import HeldOutEvaluator, split_feeds
-    from diag.feeds import load_labels
-    from diag.load import float_model_from_path
-
     fp = float_model_from_path(Path(job.fp32))
     source = job.feeds.source(fp.proto)
     labels = load_labels(job.labels) if job.labels else None
@@ -542,8 +536,6 @@ def _exclusion_trial(job: TrialJob, nodes: list[str], stem: str, calibration_cac
     The model comes back (as bytes) only when it met the target: the search reads met lists again
     (the answer is one of them) and never the others.
     """
-    from diag.quantize import quantize_model
-
     evaluator, calibration = _context(job.key(), lambda: _trial_context(job))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diag-trial-") as d:
@@ -581,48 +573,42 @@ class _Stop(Exception):
     """The replayed search would stop here (budget)."""
 
 
-def _replay_class() -> type:
-    """:class:`_Replay`, built on first use: diag.exclude (numpy, onnx) is imported only when a cluster runs."""
-    from diag.exclude import SearchAlgorithm
+class _Replay(SearchAlgorithm):
+    """Replays the exclusion search's real trials on known answers.
 
-    class _Replay(SearchAlgorithm):
-        """Replays the exclusion search's real trials on known answers.
+    It *is* the serial algorithm (:class:`diag.exclude.SearchAlgorithm`, the same code line for
+    line, not a copy that could drift from it); only :meth:`check` differs: a known answer, or
+    :class:`_Need` for the first unknown one.
+    """
 
-        It *is* the serial algorithm (:class:`diag.exclude.SearchAlgorithm`, the same code line for
-        line, not a copy that could drift from it); only :meth:`check` differs: a known answer, or
-        :class:`_Need` for the first unknown one.
-        """
+    def __init__(
+        self,
+        candidates: list[Any],
+        guess: frozenset[int] | None,
+        answers: dict[frozenset[int], bool],
+        consumed: set[frozenset[int]],
+        quantizations: int,
+        max_trials: int | None,
+    ) -> None:
+        self.candidates = candidates
+        self.guess = guess
+        self.answers = answers
+        self.consumed = consumed
+        self.quantizations = quantizations
+        self.max_trials = max_trials
 
-        def __init__(
-            self,
-            candidates: list[Any],
-            guess: frozenset[int] | None,
-            answers: dict[frozenset[int], bool],
-            consumed: set[frozenset[int]],
-            quantizations: int,
-            max_trials: int | None,
-        ) -> None:
-            self.candidates = candidates
-            self.guess = guess
-            self.answers = answers
-            self.consumed = consumed
-            self.quantizations = quantizations
-            self.max_trials = max_trials
+    def check(self, groups: frozenset[int], phase: str) -> bool:
+        if groups not in self.consumed:
+            if self.max_trials is not None and self.quantizations >= self.max_trials:
+                raise _Stop
+            self.quantizations += 1
+            self.consumed = self.consumed | {groups}
+        if groups in self.answers:
+            return self.answers[groups]
+        raise _Need(groups)
 
-        def check(self, groups: frozenset[int], phase: str) -> bool:
-            if groups not in self.consumed:
-                if self.max_trials is not None and self.quantizations >= self.max_trials:
-                    raise _Stop
-                self.quantizations += 1
-                self.consumed = self.consumed | {groups}
-            if groups in self.answers:
-                return self.answers[groups]
-            raise _Need(groups)
-
-        def run(self) -> None:
-            self.search_real()
-
-    return _Replay
+    def run(self) -> None:
+        self.search_real()
 
 
 def plan_ahead(
@@ -657,7 +643,7 @@ def plan_ahead(
     while queue and len(out) < limit and replays < MAX_REPLAYS:
         assumed = queue.popleft()
         replays += 1
-        replay = _replay_class()(candidates, guess, {**known, **assumed}, consumed, quantizations, max_trials)
+        replay = _Replay(candidates, guess, {**known, **assumed}, consumed, quantizations, max_trials)
         try:
             replay.run()
         except _Need as need:
@@ -776,53 +762,87 @@ def _stem(groups: frozenset[int]) -> str:
     return "trial-" + "-".join(str(i) for i in sorted(groups)) if groups else "trial-baseline"
 
 
-def attach_trials(
-    scheduler: str,
-    search: Any,
-    fp32: Path,
-    recipe: Any,
-    feeds: Any,
-    holdout: float,
-    labels: str | None,
-    threads: int | None,
-    metric: str | None,
-    progress: bool,
-) -> ClusterTrials:
-    """Connect and make ``search`` run its trials on the cluster (``search.remote``).
+def _static_without_calibration(recipe: Any) -> bool:
+    """A static recipe with no calibration data of its own (it calibrates on the inputs)."""
+    return getattr(recipe.mode, "name", recipe.mode) == "static" and not getattr(recipe, "calibration", None)
 
-    Called after the baseline trial and the ranking pass, which stay local: everything else
-    depends on them, and a static recipe's calibration is done once, by the baseline; its cached
-    ranges travel with every task.
+
+class ClusterTrialRunner:
+    """``diag exclude --scheduler``: the search's trials as Dask tasks (a :class:`diag.exclude.TrialRunner`).
+
+    :meth:`start` is called after the baseline trial and the ranking pass, which stay local:
+    everything else depends on them, and a static recipe's calibration is done once, by the
+    baseline; its cached ranges travel with every task.
 
     Example:
-        >>> trials = attach_trials("local:2", search, fp32, recipe, spec, 0.5, None, None, None, True)  # doctest: +SKIP
-        >>> k = search.smallest_prefix()  # doctest: +SKIP
+        >>> options = ExcludeOptions("cosine>=0.99", scheduler="local:2")
+        >>> runner = ClusterTrialRunner("local:2", "fp32.onnx", recipe, spec, options)  # doctest: +SKIP
+        >>> derive_exclusions("fp32.onnx", recipe, spec, options, trials=runner)  # doctest: +SKIP
     """
-    if not hasattr(feeds, "source"):
-        raise DiagError(
-            "bad-option",
-            "--scheduler",
-            "needs the inputs as a path or reader every worker can open (a FeedSpec), not a stream",
-            "pass FeedSpec(inputs=...) instead of a FeedSource",
-        )
-    from diag.exclude import _name
 
-    recipe = recipe if recipe.base_dir else dataclasses.replace(recipe, base_dir=os.getcwd())
-    static = _name(recipe.mode) == "static"
-    job = TrialJob(
-        str(Path(fp32).resolve()),
-        recipe,
-        _absolute(feeds),
-        holdout,
-        str(Path(labels).resolve()) if labels else None,
-        threads,
-        metric,
-        static and not getattr(recipe, "calibration", None),
-        search.target,
-    )
-    trials = ClusterTrials(open_cluster(scheduler, progress), search, job, progress)
-    search.remote = trials
-    return trials
+    def __init__(self, scheduler: str, fp32: str | Path, recipe: Recipe, feeds: Any, options: ExcludeOptions) -> None:
+        self.scheduler = scheduler
+        self.fp32 = Path(fp32)
+        self.recipe = recipe
+        self.feeds = feeds
+        self.options = options
+        self.trials: ClusterTrials | None = None
+
+    def check(self) -> None:
+        """No Dask, no scheduler, bad syntax: a slugged error before any work."""
+        require_scheduler(self.scheduler)
+
+    def start(self, search: Any) -> None:
+        """Connect and make ``search`` run its trials on the cluster (``search.remote``)."""
+        if not hasattr(self.feeds, "source"):
+            raise DiagError(
+                "bad-option",
+                "--scheduler",
+                "needs the inputs as a path or reader every worker can open (a FeedSpec), not a stream",
+                "pass FeedSpec(inputs=...) instead of a FeedSource",
+            )
+        o = self.options
+        recipe = _located(self.recipe)
+        job = TrialJob(
+            str(self.fp32.resolve()),
+            recipe,
+            _absolute(self.feeds),
+            o.holdout,
+            str(Path(o.labels).resolve()) if o.labels else None,
+            o.threads,
+            o.metric,
+            _static_without_calibration(recipe),
+            search.target,
+        )
+        self.trials = ClusterTrials(open_cluster(self.scheduler, o.progress), search, job, o.progress)
+        search.remote = self.trials
+
+    def close(self) -> None:
+        if self.trials is not None:
+            self.trials.close()
+
+    def info(self, latency: bool) -> dict[str, Any]:
+        return self.trials.cluster.info(latency=latency) if self.trials is not None else {}
+
+
+class ClusterSkipOne:
+    """``diag compare --sensitivity K --scheduler``: the skip-one trials as Dask tasks
+    (a :class:`diag.sensitivity.SkipOneTrials`), read from ``feeds`` (a FeedSpec) on every worker."""
+
+    def __init__(self, scheduler: str, feeds: Any) -> None:
+        self.scheduler = scheduler
+        self.feeds = feeds
+
+    def __call__(
+        self,
+        fp32: Path,
+        recipe: Recipe,
+        node_lists: list[list[str]],
+        calibration_cache: Path,
+        threads: int | None,
+        progress: bool,
+    ) -> list[HeldOutMetrics]:
+        return run_trials(self.scheduler, fp32, recipe, self.feeds, node_lists, calibration_cache, threads, progress)
 
 
 def run_trials(
@@ -843,8 +863,6 @@ def run_trials(
         >>> len(ms)  # doctest: +SKIP
         2
     """
-    from diag.exclude import _name
-
     if feeds is None:
         raise DiagError(
             "bad-option",
@@ -853,7 +871,6 @@ def run_trials(
             "pass FeedSpec(inputs=...) instead of a FeedSource",
         )
     recipe = _located(recipe)
-    static = _name(recipe.mode) == "static"
     job = TrialJob(
         str(Path(fp32).resolve()),
         recipe,
@@ -862,7 +879,7 @@ def run_trials(
         None,
         threads,
         None,
-        static and not getattr(recipe, "calibration", None),
+        _static_without_calibration(recipe),
         None,
     )
     cache = calibration_cache.read_bytes() if calibration_cache.exists() else None
@@ -901,10 +918,6 @@ class SweepJob:
 
 
 def _sweep_context(job: SweepJob) -> tuple[Any, Any, Any]:
-    from diag.exclude import HeldOutEvaluator, split_feeds
-    from diag.feeds import load_labels
-    from diag.load import float_model_from_path
-
     fp = float_model_from_path(Path(job.fp32))
     source = job.feeds.source(fp.proto)
     # NOTE: the same split as diag.sweep.sweep_model makes (kept in step with it by the test that
@@ -923,30 +936,11 @@ def _sweep_context(job: SweepJob) -> tuple[Any, Any, Any]:
 @_worker_task
 def _sweep_recipe(job: SweepJob, recipe: Any, key: str, stem: str) -> dict[str, Any]:
     """Quantize and evaluate one recipe on a worker (no latency); the model comes back for timing."""
-    from diag.bench import bench_models
-    from diag.quantize import quantize_model
-    from diag.sweep import _measure
-
     evaluator, held, calibration = _context(job.key(), lambda: _sweep_context(job))
     with tempfile.TemporaryDirectory(prefix="diag-sweep-") as d:
         path = Path(d) / f"{stem}.onnx"
-        entry = _measure(
-            recipe,
-            key,
-            Path(job.fp32),
-            path,
-            calibration,
-            evaluator,
-            held,
-            0,
-            0,
-            1,
-            job.threads,
-            {},
-            quantize_model,
-            bench_models,
-            keep=True,
-        )
+        ctx = MeasureContext(Path(job.fp32), calibration, evaluator, held, 0, 0, 1, job.threads)
+        entry = measure_recipe(recipe, key, path, ctx, {}, keep=True)
         files = _model_files(Path(d), stem) if entry.ok else {}
     return {"entry": entry.to_dict(), "files": files}
 
@@ -983,21 +977,10 @@ class SweepOnCluster:
                 path = self.work / name
         self.measured[i] = (result["entry"], path)
 
-    def entry(
-        self,
-        i: int,
-        by_hash: dict[str, Any],
-        held: Any,
-        runs: int,
-        warmup: int,
-        repeats: int,
-        threads: int,
-    ) -> Any:
+    def entry(self, i: int, by_hash: dict[str, Any], held: Any, timing: MeasureContext) -> SweepEntry:
         """Recipe ``i`` as the serial sweep records it: a byte-identical model reuses the earlier
-        entry's numbers; latency is measured now, on this machine, FP32 and INT8 interleaved."""
-        from diag.bench import bench_models
-        from diag.sweep import SweepEntry, latency_summary
-
+        entry's numbers; latency is measured now, on this machine, FP32 and INT8 interleaved
+        (``timing.runs`` 0: none)."""
         while i not in self.measured:
             n, result = next(self._done)
             self._store(n, result)
@@ -1009,14 +992,9 @@ class SweepOnCluster:
             same = by_hash.get(entry.model_sha256 or "")
             if same is not None:
                 return dataclasses.replace(entry, metrics=same.metrics, latency=same.latency, identical_to=same.key)
-            if runs > 0:
+            if timing.runs > 0:
                 try:
-                    pairs = []
-                    for _ in range(repeats):
-                        stats = bench_models(
-                            [self.fp32, path], held, runs=runs, warmup=warmup, threads=threads, progress=False
-                        )
-                        pairs.append((stats[0], stats[1]))
+                    latency = time_against_fp32(self.fp32, path, held, timing)
                 except DiagError as e:
                     if e.slug not in ("runtime-failure", "invalid-model"):
                         raise
@@ -1027,7 +1005,7 @@ class SweepOnCluster:
                         metrics=None,
                         latency=None,
                     )
-                entry = dataclasses.replace(entry, latency=latency_summary(pairs))
+                entry = dataclasses.replace(entry, latency=latency)
             return entry
         finally:
             if path is not None:
@@ -1042,55 +1020,72 @@ class SweepOnCluster:
         self.cluster.close()
 
 
-def sweep_on_cluster(
-    scheduler: str,
-    fp32: Path,
-    feeds: Any,
-    calib: Any,
-    holdout: float,
-    labels: str | None,
-    threads: int,
-    recipes: list[tuple[int, Any, str]],
-    split_for_calibration: bool,
-    work: Path,
-    progress: bool,
-    wait_all: bool = True,
-) -> SweepOnCluster:
-    """Quantize and evaluate ``recipes`` (``(index, recipe, key)``) on the cluster, all at once.
+class ClusterRecipes:
+    """``diag sweep --scheduler``: every recipe's quantization and held-out metrics as a Dask task
+    (a :class:`diag.sweep.RecipeRunner`); latency is timed here afterwards, one recipe at a time.
 
-    Every recipe is independent, so all are submitted together; the models come back into
-    ``work`` for the latency runs :meth:`SweepOnCluster.entry` does, one at a time, after every
-    task is back (``wait_all``; pass False when no latency is measured).
+    Every recipe is independent, so all are submitted together; the models come back into the
+    sweep's work folder for the latency runs :meth:`entry` does, after every task is back (when
+    latency is measured at all).
 
     Example:
-        >>> done = sweep_on_cluster("local:2", fp, spec, None, 0.5, None, 2, todo, False, work, True)  # doctest: +SKIP
-        >>> entry = done.entry(1, {}, held, 20, 3, 3, 2)  # doctest: +SKIP
+        >>> runner = ClusterRecipes("local:2", spec, SweepOptions(scheduler="local:2"))  # doctest: +SKIP
+        >>> sweep_model("fp32.onnx", spec, "out", options, runner=runner)  # doctest: +SKIP
     """
-    cluster = open_cluster(scheduler, progress)
-    job = SweepJob(
-        str(Path(fp32).resolve()),
-        _absolute(feeds),
-        _absolute(calib),
-        holdout,
-        str(Path(labels).resolve()) if labels else None,
-        threads,
-        split_for_calibration,
-    )
-    bar = TaskBar(cluster, "sweep", progress)
-    try:
-        futures = [cluster.submit(_sweep_recipe, job, _located(recipe), key, f"{i:03d}") for i, recipe, key in recipes]
-    except BaseException:
-        bar.close()
-        cluster.close()
-        raise
-    out = SweepOnCluster(cluster, Path(fp32), work, [i for i, _, _ in recipes], futures, bar)
-    if wait_all:
+
+    def __init__(self, scheduler: str, feeds: Any, options: SweepOptions) -> None:
+        self.scheduler = scheduler
+        self.feeds = feeds
+        self.options = options
+        self.remote: SweepOnCluster | None = None
+        self.run: SweepRun | None = None
+        self.lines: Progress | TaskBar = Progress(None, "sweep", enabled=False)
+
+    def check(self) -> None:
+        """No Dask, no scheduler, bad syntax: a slugged error before any work."""
+        require_scheduler(self.scheduler)
+
+    def start(self, run: SweepRun, todo: list[tuple[int, Recipe, str]]) -> None:
+        o = self.options
+        self.run = run
+        cluster = open_cluster(self.scheduler, o.progress)
+        job = SweepJob(
+            str(run.fp32.resolve()),
+            _absolute(self.feeds),
+            _absolute(o.calib),
+            o.holdout,
+            str(Path(o.labels).resolve()) if o.labels else None,
+            run.threads,
+            run.split_needed,
+        )
+        bar = TaskBar(cluster, "sweep", o.progress)
         try:
-            out.wait_all()
+            futures = [cluster.submit(_sweep_recipe, job, _located(r), key, f"{i:03d}") for i, r, key in todo]
         except BaseException:
-            out.close()
+            bar.close()
+            cluster.close()
             raise
-    return out
+        self.remote = SweepOnCluster(cluster, run.fp32, run.work, [i for i, _, _ in todo], futures, bar)
+        self.lines = bar
+        if o.runs > 0:  # latency is timed with the cluster idle
+            self.remote.wait_all()
+
+    def entry(self, i: int, recipe: Recipe, key: str, by_hash: dict[str, SweepEntry]) -> SweepEntry:
+        assert self.remote is not None and self.run is not None
+        o, run = self.options, self.run
+        timing = MeasureContext(run.fp32, None, None, run.held, o.runs, o.warmup, o.repeats, run.threads)
+        return self.remote.entry(i, by_hash, run.held, timing)
+
+    def note(self, line: str) -> None:
+        """Above the task bar, which is drawn again below it."""
+        self.lines.note(line)
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+
+    def info(self, latency: bool) -> dict[str, Any]:
+        return self.remote.cluster.info(latency=latency) if self.remote is not None else {}
 
 
 def _located(recipe: Any) -> Any:

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from diag.compare import CompareOptions, CompareResult
-from diag.exclude import ExclusionResult, exclude_to_dir
+from diag.exclude import ExclusionResult
 from diag.feeds import FeedSpec
 from diag.files import out_dir as checked_out_dir
 from diag.fixtures import models, quantize
@@ -57,6 +57,8 @@ def run_demo(
 
     Returns the comparison, its files, and the ExclusionResult (None without ``fix``).
     """
+    from diag.exclude import ExcludeOptions
+
     out = checked_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
     feeds = FeedSpec(inputs=str(files["inputs"]), batch=8)
@@ -72,9 +74,10 @@ def run_demo(
             calibration=str(files["calib"].resolve()),
         )
     )
-    exclusion, _ = exclude_to_dir(
-        files["fp32"], recipe, feeds, DEMO_TARGET, out / "fix", bench_runs=10, progress=progress
-    )
+    from diag.verbs import exclude_to_dir
+
+    options = ExcludeOptions(DEMO_TARGET, bench_runs=10, progress=progress)
+    exclusion, _ = exclude_to_dir(files["fp32"], recipe, feeds, options, out / "fix")
     return result, written, exclusion
 
 

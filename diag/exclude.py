@@ -22,7 +22,7 @@ model is good enough, and how few can I get away with?* The answer is searched, 
    a quantization (plus a calibration pass in onnxruntime before the cache). The estimated answer
    is re-quantized and verified; when it meets the target each of its groups is re-included once
    by real re-quantization (minimal in real terms too), and when it misses the real search of
-   steps 3–4 runs with it ranked first. RapidOCR's cls MobileNet (static QDQ, cosine>=0.99):
+   steps 3-4 runs with it ranked first. RapidOCR's cls MobileNet (static QDQ, cosine>=0.99):
    325 re-quantizations before, about 20 with estimates.
 6. A list that keeps every candidate in float is not a fix: when only that meets the target the
    verdict is "not reachable", with the cheaper alternatives worth trying instead.
@@ -46,19 +46,27 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from diag.analyze import NodeFinding
+from diag.bench import BenchOptions, bench_models
+from diag.compare import CompareOptions, CompareResult, compare_models
+from diag.effects import float_region_model
 from diag.errors import DiagError
-from diag.feeds import Batch, FeedSource, FeedSpec, load_labels
-from diag.fixcode import LIFT_CONSTANTS_SNIPPET, reproduce_snippet  # noqa: F401 (LIFT_CONSTANTS_SNIPPET: nbits)
+from diag.feeds import Batch, FeedSource, FeedSpec, _Restartable, load_labels
 from diag.jsonnum import json_number, json_numbers
 from diag.load import LoadedModel, float_model_from_path, model_from_path
+from diag.match import match_models
 from diag.metrics import OutputAccumulator, OutputStats
 from diag.numfmt import fixed_number
 from diag.outputs import output_specs
+from diag.progress import Progress
+from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.run import run_batch, session_from_model
+from diag.taskmetrics import call_update, finalized, metric_factory
 
 #: target metric -> (direction, how it is computed); the CLI's --help prints this table.
 TARGET_METRICS: dict[str, tuple[str, str]] = {
@@ -138,6 +146,57 @@ def parse_target(text: str, plugin: dict[str, str] | None = None) -> Target:
     except ValueError as e:
         raise DiagError("bad-option", f"--target {text!r}", f"'{raw}' is not a number", "e.g. cosine>=0.999") from e
     return Target(metric, op, value)
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """The options every held-out search shares (`diag exclude`, `diag exclude --tiers`).
+
+    Attributes:
+        target: ``metric>=value`` / ``metric<=value`` (see :data:`TARGET_METRICS`), or a parsed one.
+        holdout: share of the samples held out (cut on batch boundaries).
+        labels: ``.npy`` of class indices for ``accuracy_drop`` / ``f1_drop`` targets.
+        threads: intra-op threads for evaluation sessions.
+        bench_runs: timed runs per model for the latency table (0 skips it).
+        progress: one line per step on stderr.
+        max_trials: at most this many quantizations (the baseline included); None: no cap.
+        time_budget: no new trial starts after this many seconds; None: no limit. When a cap
+            stops the search, the answer is the smallest list that met the target so far
+            (verified on the held-out samples, not proven minimal), or none: ``budget`` says so.
+        metric: ``module:function`` of a task-metric plugin (:mod:`diag.taskmetrics`); the names
+            it declares become target metrics (``--target map50>=0.6``).
+    """
+
+    target: str | Target
+    holdout: float = 0.5
+    labels: str | None = None
+    threads: int | None = None
+    bench_runs: int = 20
+    progress: bool = True
+    max_trials: int | None = None
+    time_budget: float | None = None
+    metric: str | None = None
+
+
+@dataclass(frozen=True)
+class ExcludeOptions(SearchOptions):
+    """What `diag exclude` takes besides the model, the recipe and the inputs.
+
+    Attributes:
+        estimates: search on float-region estimates of the baseline first (one session per
+            trial, no re-quantization), then verify and prune the answer by re-quantizing; False
+            re-quantizes every trial.
+        scheduler: ``ADDRESS`` or ``local[:N]``: run the search's trials as Dask tasks; the trial
+            runner that does it (``diag.cluster.ClusterTrialRunner``) is passed to
+            :func:`derive_exclusions` by the verb (:func:`diag.verbs.exclude_to_dir`).
+
+    Example:
+        >>> ExcludeOptions("cosine>=0.999", bench_runs=0).holdout
+        0.5
+    """
+
+    estimates: bool = True
+    scheduler: str | None = None
 
 
 @dataclass(frozen=True)
@@ -286,7 +345,7 @@ class ExclusionResult:
     cluster: dict[str, Any] = field(default_factory=dict)
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
-    diagnosis: Any = None
+    diagnosis: CompareResult | None = None
 
     @property
     def verdict(self) -> str:
@@ -410,8 +469,6 @@ def split_feeds(feeds: FeedSource, holdout: float) -> Split:
 
         return gen
 
-    from diag.feeds import _Restartable
-
     ranking = FeedSource(f"{feeds.description}, samples 0..{seen - 1}", _Restartable(part(0, cut)), seen, feeds.specs)
     held = FeedSource(
         f"{feeds.description}, samples {seen}..{total - 1}",
@@ -442,8 +499,6 @@ class HeldOutEvaluator:
         metric: str | None = None,
         opt_level: str = "disabled",
     ) -> None:
-        from diag.run import session_from_model
-        from diag.taskmetrics import metric_factory
 
         #: "disabled" (exact mode: what the search compares) or "all" (as onnxruntime runs by default).
         self.opt_level = opt_level
@@ -470,8 +525,6 @@ class HeldOutEvaluator:
             self._cache.append(out)  # type: ignore[union-attr]
 
     def _run(self, sess: Any, feeds: dict[str, np.ndarray], role: str) -> dict[str, np.ndarray]:
-        from diag.run import run_batch
-
         return {k: v for k, v in run_batch(sess, feeds, role).items() if k in self.output_names}
 
     def evaluate(self, model_path: Path) -> HeldOutMetrics:
@@ -486,7 +539,6 @@ class HeldOutEvaluator:
 
     def evaluate_model(self, proto: Any, name: str) -> HeldOutMetrics:
         """:meth:`evaluate` for a model in memory (an estimate's float-region model)."""
-        from diag.run import session_from_model
 
         model_path = Path(name)
         sess = session_from_model(proto, f"quantized model '{name}'", self.opt_level, self.threads)
@@ -507,8 +559,6 @@ class HeldOutEvaluator:
             total += batch.size
             broken += int(bad.sum())
             if task is not None:
-                from diag.taskmetrics import call_update
-
                 rows = self.labels[start : start + batch.size] if self.labels is not None else None
                 call_update(task, str(self.metric), ref, got, rows)
             if self.labels is not None:
@@ -551,8 +601,6 @@ class HeldOutEvaluator:
                 f1_int8=macro_f1(t, q8),
             )
         if task is not None:
-            from diag.taskmetrics import finalized
-
             metrics = dataclasses.replace(metrics, task=finalized(task, str(self.metric)))
         return metrics
 
@@ -607,7 +655,7 @@ def macro_f1(truth: np.ndarray, pred: np.ndarray) -> float:
 # ---------------------------------------------------------------- candidates
 
 
-def ranked_candidates(findings: list[Any], already_excluded: set[str]) -> list[Candidate]:
+def ranked_candidates(findings: list[NodeFinding], already_excluded: set[str]) -> list[Candidate]:
     """Quantized node groups, worst local error first (accumulated error where no local exists).
 
     Groups already in the recipe's ``nodes_to_exclude`` and unnamed nodes (which
@@ -621,7 +669,7 @@ def ranked_candidates(findings: list[Any], already_excluded: set[str]) -> list[C
     def sqnr(stats: Any) -> float | None:
         return None if stats is None else float(stats.sqnr_db)
 
-    def key(f: Any) -> tuple[float, int]:
+    def key(f: NodeFinding) -> tuple[float, int]:
         v = sqnr(f.local)
         if v is None:
             v = sqnr(f.accumulated)
@@ -648,7 +696,7 @@ def ranked_candidates(findings: list[Any], already_excluded: set[str]) -> list[C
 def default_op_types(recipe: Recipe) -> list[str]:
     """The op types onnxruntime quantizes for this recipe when ``op_types_to_quantize`` is unset.
 
-    Dynamic: ``IntegerOpsRegistry``; static: ``QLinearOpsRegistry`` ∪ ``QDQRegistry`` (what
+    Dynamic: ``IntegerOpsRegistry``; static: ``QLinearOpsRegistry`` plus ``QDQRegistry`` (what
     ``quantize_static`` does with ``op_types_to_quantize=None``).
 
     Example:
@@ -785,34 +833,54 @@ class SearchAlgorithm:
         return current
 
 
+class TrialRunner(Protocol):
+    """Where an exclusion search's real trials run, when not in this process.
+
+    :func:`derive_exclusions` calls :meth:`check` before any work, :meth:`start` once the
+    baseline and the ranking are done (they stay local: everything else depends on them), and
+    :meth:`close` at the end; :meth:`info` is what the report says about where the trials ran.
+    ``diag.cluster.ClusterTrialRunner`` runs them as Dask tasks; :class:`LocalTrials` is the
+    default (the search quantizes and evaluates itself).
+    """
+
+    def check(self) -> None: ...
+
+    def start(self, search: _Search) -> None: ...
+
+    def close(self) -> None: ...
+
+    def info(self, latency: bool) -> dict[str, Any]: ...
+
+
+class LocalTrials:
+    """The default :class:`TrialRunner`: every trial is quantized and evaluated in this process."""
+
+    def check(self) -> None:
+        """Nothing to check: this process can always run a trial."""
+
+    def start(self, search: _Search) -> None:
+        """Nothing to attach: :meth:`_Search.try_groups` runs the trial itself."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def info(self, latency: bool) -> dict[str, Any]:
+        return {}
+
+
 class _Search(SearchAlgorithm):
     """Quantize-and-evaluate with a cache keyed by the set of excluded groups."""
 
-    def __init__(
-        self,
-        fp32: Path,
-        recipe: Recipe,
-        base_excluded: list[str],
-        candidates: list[Candidate],
-        evaluator: HeldOutEvaluator,
-        target: Target,
-        calibration: FeedSource | None,
-        work: Path,
-        progress: bool,
-        max_trials: int | None = None,
-        deadline: float | None = None,
-    ) -> None:
-        from diag.progress import Progress
-
-        self.fp32 = fp32
+    def __init__(self, setup: SearchSetup, recipe: Recipe, work: Path, options: SearchOptions) -> None:
+        self.fp32 = setup.fp32
         self.recipe = recipe
-        self.base = base_excluded
-        self.candidates = candidates
-        self.evaluator = evaluator
-        self.target = target
-        self.calibration = calibration
+        self.base = list(recipe.nodes_to_exclude or [])
+        self.candidates: list[Candidate] = []
+        self.evaluator = setup.evaluator
+        self.target = setup.target
+        self.calibration = setup.calibration
         self.work = work
-        self.progress = progress
+        self.progress = options.progress
         self.cache: dict[frozenset[int], tuple[HeldOutMetrics, Path]] = {}
         self.trajectory: list[Step] = []
         self.quantizations = 0
@@ -824,11 +892,11 @@ class _Search(SearchAlgorithm):
         self.calibration_cache = work / "calibration.json"
         #: The preparation steps of the last quantization (lift, opset upgrade, pre-processing).
         self.steps: list[str] = []
-        self.max_trials = max_trials
-        self.deadline = deadline
+        self.max_trials = options.max_trials
+        self.deadline = setup.deadline
         #: The met list with the fewest groups seen so far: the answer when the budget runs out.
         self.best: frozenset[int] | None = None
-        self.bar = Progress(max_trials, "exclude", enabled=progress, unit="trials")
+        self.bar: Any = Progress(options.max_trials, "exclude", enabled=options.progress, unit="trials")
         #: (FP32 proto, baseline INT8 proto, their matching): what estimates are built from; None
         #: when the baseline cannot be edited in memory (external data) or estimates are off.
         self.region: tuple[Any, Any, Any] | None = None
@@ -836,7 +904,7 @@ class _Search(SearchAlgorithm):
         #: While True, :meth:`check` answers with estimates (no re-quantization) where it can.
         self.estimating = False
         self.estimate_bar = Progress(None, "exclude: estimates", enabled=False, unit="estimates")
-        #: ``--scheduler``: runs a trial on a cluster instead (:class:`diag.cluster.ClusterTrials`).
+        #: ``--scheduler``: runs a trial elsewhere instead (set by a :class:`TrialRunner`'s ``start``).
         self.remote: Callable[[frozenset[int], Path], HeldOutMetrics] | None = None
 
     def expect(self, remaining: int) -> None:
@@ -857,8 +925,6 @@ class _Search(SearchAlgorithm):
         return list(dict.fromkeys([*self.base, *picked]))
 
     def quantize(self, nodes: list[str], out: Path, recipe: Recipe | None = None) -> Path:
-        from diag.quantize import quantize_model
-
         r = (recipe or self.recipe).with_excluded(nodes)
         report = quantize_model(
             self.fp32, r, out, calibration=self.calibration, progress=False, calibration_cache=self.calibration_cache
@@ -929,8 +995,6 @@ class _Search(SearchAlgorithm):
             return self.estimates[groups]
         if self.deadline is not None and time.perf_counter() >= self.deadline:
             raise BudgetExhausted("--time-budget reached")
-        from diag.effects import float_region_model
-
         assert self.region is not None
         fp, q, matching = self.region
         t0 = time.perf_counter()
@@ -973,8 +1037,6 @@ class _Search(SearchAlgorithm):
         real trials that follow are :meth:`SearchAlgorithm.search_real`'s.
         """
         if self.region is not None:
-            from diag.progress import Progress
-
             self.estimating = True
             self.estimate_bar = Progress(None, "exclude: estimates", enabled=self.progress, unit="estimates")
             order = list(range(len(self.candidates)))
@@ -1007,8 +1069,6 @@ def search_target(
         raise DiagError("bad-option", f"--time-budget {time_budget}", "must be positive", "e.g. --time-budget 600")
     plugin = None
     if metric:
-        from diag.taskmetrics import metric_factory
-
         plugin = dict(metric_factory(metric)().better)
     tgt = parse_target(target, plugin) if isinstance(target, str) else target
     if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
@@ -1016,48 +1076,126 @@ def search_target(
     return tgt
 
 
+@dataclass(frozen=True)
+class SearchSetup:
+    """What a held-out search starts from: the FP32 model, the split, the evaluator, the target.
+
+    Built once by :func:`prepare_search` for `diag exclude` and `diag exclude --tiers` alike.
+    """
+
+    fp32: Path
+    fp: LoadedModel
+    target: Target
+    split: Split
+    labels: np.ndarray | None
+    #: Static recipes without calibration data of their own calibrate on the ranking split.
+    calibration: FeedSource | None
+    calibration_note: str | None
+    evaluator: HeldOutEvaluator
+    #: ``time.perf_counter()`` when the search started, and the ``--time-budget`` deadline.
+    start: float
+    deadline: float | None
+
+
+def prepare_search(
+    fp32_path: str | Path, recipe: Recipe, feeds: FeedSource | FeedSpec, target: Target, options: SearchOptions
+) -> SearchSetup:
+    """Load the FP32 model, split the samples, and build the held-out evaluator (FP32 outputs cached).
+
+    Example:
+        >>> setup = prepare_search("fp32.onnx", recipe, FeedSpec(inputs="d.npz"), tgt, options)  # doctest: +SKIP
+        >>> setup.split.to_dict()["held_out"]  # doctest: +SKIP
+        'samples 16..31'
+    """
+    start = time.perf_counter()
+    fp32 = Path(fp32_path)
+    fp = float_model_from_path(fp32)
+    label_array = load_labels(options.labels) if options.labels else None
+    source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
+    split = split_feeds(source, options.holdout)
+    calibration: FeedSource | None = None
+    calib_note: str | None = None
+    if _name(recipe.mode) == "static":
+        if getattr(recipe, "calibration", None):
+            calib_note = f"recipe calibration {recipe.calibration}"
+        else:
+            calibration = split.ranking
+            calib_note = f"ranking split ({split.to_dict()['ranking']})"
+    return SearchSetup(
+        fp32=fp32,
+        fp=fp,
+        target=target,
+        split=split,
+        labels=label_array,
+        calibration=calibration,
+        calibration_note=calib_note,
+        evaluator=HeldOutEvaluator(
+            fp, split.held_out, split.held_out_first, label_array, options.threads, options.metric
+        ),
+        start=start,
+        deadline=start + options.time_budget if options.time_budget is not None else None,
+    )
+
+
+def _check_labels(setup: SearchSetup) -> None:
+    """One label per sample of the inputs, before any trial runs."""
+    split, labels = setup.split, setup.labels
+    if labels is not None and len(labels) < split.held_out_first + split.held_out_samples:
+        raise DiagError(
+            "bad-inputs",
+            "--labels",
+            f"has {len(labels)} labels but the inputs have {split.held_out_first + split.held_out_samples}",
+            "give one label per sample",
+        )
+
+
+def _check_measurable(before: HeldOutMetrics, tgt: Target) -> None:
+    if before.value(tgt.metric) is None:
+        raise DiagError(
+            "bad-option",
+            f"--target {tgt}",
+            "cannot be measured on this model: no output is class-like ([..., classes] scores)",
+            "use a cosine or max_abs target",
+        )
+
+
+@dataclass
+class _Outcome:
+    """What the search found, before it becomes an :class:`ExclusionResult`."""
+
+    before: HeldOutMetrics
+    met0: bool
+    baseline: Path
+    chosen: frozenset[int] | None = None
+    candidates: list[Candidate] = field(default_factory=list)
+    compared: CompareResult | None = None
+    exhausted: str | None = None
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    latency: list[dict[str, Any]] = field(default_factory=list)
+    model: Path | None = None
+
+
 def derive_exclusions(
     fp32_path: str | Path,
     recipe: Recipe,
     feeds: FeedSource | FeedSpec,
-    target: str | Target,
-    holdout: float = 0.5,
-    labels: str | None = None,
-    threads: int | None = None,
-    bench_runs: int = 20,
-    progress: bool = True,
+    options: ExcludeOptions,
     work_dir: str | Path | None = None,
-    max_trials: int | None = None,
-    time_budget: float | None = None,
-    metric: str | None = None,
-    estimates: bool = True,
-    scheduler: str | None = None,
+    trials: TrialRunner | None = None,
 ) -> ExclusionResult:
-    """Find a minimal ``nodes_to_exclude`` list that makes ``recipe`` meet ``target`` on held-out inputs.
+    """Find a minimal ``nodes_to_exclude`` list that makes ``recipe`` meet ``options.target`` on held-out inputs.
 
     Args:
         fp32_path: the FP32 model.
         recipe: a :class:`diag.recipe.Recipe` (its own ``nodes_to_exclude`` stay excluded).
         feeds: all samples; the first ``1 - holdout`` rank the nodes (and calibrate a static recipe
             without calibration data), the rest are held out for every verdict.
-        target: ``metric>=value`` / ``metric<=value`` (see :data:`TARGET_METRICS`).
-        holdout: share of the samples held out (cut on batch boundaries).
-        labels: ``.npy`` of class indices for ``accuracy_drop`` / ``f1_drop`` targets.
-        threads: intra-op threads for evaluation sessions.
-        bench_runs: timed runs per model for the latency table (0 skips it).
-        progress: one line per step on stderr.
+        options: target, split, budget and the rest (:class:`ExcludeOptions`).
         work_dir: where the final mixed model is kept (a temp folder is used for the trials).
-        max_trials: at most this many quantizations (the baseline included); None: no cap.
-        time_budget: no new trial starts after this many seconds; None: no limit. When a cap
-            stops the search, the answer is the smallest list that met the target so far
-            (verified on the held-out samples, not proven minimal), or none: ``budget`` says so.
-        metric: ``module:function`` of a task-metric plugin (:mod:`diag.taskmetrics`); the names
-            it declares become target metrics (``--target map50>=0.6``).
-        estimates: search on float-region estimates of the baseline first (one session per
-            trial, no re-quantization), then verify and prune the answer by re-quantizing; False
-            re-quantizes every trial.
-        scheduler: ``ADDRESS`` or ``local[:N]``: run the search's trials as Dask tasks
-            (:mod:`diag.cluster`); same list, same metrics, same trajectory as without.
+        trials: where the real trials run (default :class:`LocalTrials`, this process); with
+            ``options.scheduler`` the verb passes ``diag.cluster.ClusterTrialRunner``: same list,
+            same metrics, same trajectory as without.
 
     Returns:
         The result; ``reachable`` False (and an empty list) when only keeping every candidate in
@@ -1066,153 +1204,154 @@ def derive_exclusions(
     Example:
         >>> from diag.recipe import Recipe
         >>> r = derive_exclusions("fp32.onnx", Recipe(mode="dynamic"), FeedSpec(inputs="d.npz"),
-        ...                       "cosine>=0.999")  # doctest: +SKIP
+        ...                       ExcludeOptions("cosine>=0.999"))  # doctest: +SKIP
         >>> r.nodes_to_exclude  # doctest: +SKIP
         ['layer1/ffn/fc1/MatMul']
     """
-    from diag.compare import CompareOptions, compare_models
-
-    start = time.perf_counter()
-    tgt = search_target(target, metric, labels, max_trials, time_budget)
-    deadline = start + time_budget if time_budget is not None else None
-    if scheduler is not None:
-        from diag.cluster import require_scheduler
-
-        require_scheduler(scheduler)  # no Dask, no scheduler: say so before any work
-    fp32 = Path(fp32_path)
-    fp = float_model_from_path(fp32)
-    label_array = load_labels(labels) if labels else None
-    source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
-    split = split_feeds(source, holdout)
-    if label_array is not None and len(label_array) < split.held_out_first + split.held_out_samples:
-        raise DiagError(
-            "bad-inputs",
-            "--labels",
-            f"has {len(label_array)} labels but the inputs have {split.held_out_first + split.held_out_samples}",
-            "give one label per sample",
-        )
-    static = _name(recipe.mode) == "static"
-    calibration: FeedSource | None = None
-    calib_note: str | None = None
-    if static:
-        if getattr(recipe, "calibration", None):
-            calib_note = f"recipe calibration {recipe.calibration}"
-        else:
-            calibration = split.ranking
-            calib_note = f"ranking split ({split.to_dict()['ranking']})"
-    evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads, metric)
-    base = list(recipe.nodes_to_exclude or [])
-    exhausted: str | None = None
-    compared: Any = None
+    o = options
+    tgt = search_target(o.target, o.metric, o.labels, o.max_trials, o.time_budget)
+    if o.scheduler is not None and trials is None:
+        raise ValueError("options.scheduler needs trials=diag.cluster.ClusterTrialRunner(...)")
+    runner: TrialRunner = trials if trials is not None else LocalTrials()
+    runner.check()  # no Dask, no scheduler: say so before any work
+    setup = prepare_search(fp32_path, recipe, feeds, tgt, o)
+    _check_labels(setup)
     tmp = Path(tempfile.mkdtemp(prefix="diag-exclude-"))
-    trials: Any = None
+    started = False
     try:
-        search = _Search(fp32, recipe, base, [], evaluator, tgt, calibration, tmp, progress, max_trials, deadline)
+        search = _Search(setup, recipe, tmp, o)
         before, met0 = search.try_groups(frozenset(), "baseline")
-        if before.value(tgt.metric) is None:
-            raise DiagError(
-                "bad-option",
-                f"--target {tgt}",
-                "cannot be measured on this model: no output is class-like ([..., classes] scores)",
-                "use a cosine or max_abs target",
-            )
-        baseline_path = search.cache[frozenset()][1]
-        ranking_passes = 0
-        candidates: list[Candidate] = []
-        chosen: frozenset[int] | None = frozenset() if met0 else None
+        _check_measurable(before, tgt)
+        outcome = _Outcome(before, met0, search.cache[frozenset()][1], chosen=frozenset() if met0 else None)
         if not met0:
-            compared = compare_models(
-                fp32, baseline_path, split.ranking, CompareOptions(progress=False, threads=threads)
-            )
-            ranking_passes = 1
-            candidates = ranked_candidates(compared.findings, set(base))
-            search.candidates = candidates
-            if estimates:
-                search.region = _estimate_source(fp, baseline_path)
-            if scheduler is not None:
-                from diag.cluster import attach_trials
-
-                trials = attach_trials(
-                    scheduler, search, fp32, recipe, feeds, holdout, labels, threads, metric, progress
-                )
-            try:
-                chosen = search.find()
-            except BudgetExhausted as e:
-                exhausted = str(e)
-                chosen = search.best  # verified on the held-out samples, not proven minimal
+            _rank(setup, search, outcome, o)
+            runner.start(search)
+            started = True
+            _find(search, outcome)
         search.bar.finish()
-        after = search.cache[chosen][0] if chosen is not None else None
-        excluded = [candidates[i] for i in sorted(chosen)] if chosen else []
-        nodes = search.nodes(chosen) if chosen is not None else []
-        suggestions = _op_type_suggestions(search, fp, candidates, chosen) if chosen and not exhausted else []
-        deployed_warning: list[str] = []
-        if chosen and not met0:
-            # NOTE: the search compares in exact mode (optimizations off); onnxruntime's optimizer
-            # then fuses the remaining Q/DQ pairs into integer kernels, which can undo a fix (the
-            # convnet fixture, QDQ: excluding conv2 takes the logits error from 0.12 to 0.002 in exact
-            # mode, to 0.147 with optimizations). The answer is checked as it will really run.
-            deployed = HeldOutEvaluator(
-                fp, split.held_out, split.held_out_first, label_array, threads, metric, opt_level="all"
-            ).evaluate(search.cache[chosen][1])
-            if after is not None and not deployed.meets(tgt):
-                deployed_warning.append(
-                    f"warning: as onnxruntime runs it by default (all optimizations) the mixed model misses the "
-                    f"target: {tgt.metric} {_fmt(deployed.value(tgt.metric), tgt)} (exact mode: "
-                    f"{_fmt(after.value(tgt.metric), tgt)}); its fused integer kernels re-quantize what "
-                    "the exclusion kept in float: verify with --ort-opt-level all before deploying"
-                )
-        model_out: Path | None = None
-        if chosen is not None and work_dir is not None:
-            model_out = Path(work_dir) / "mixed.onnx"
-            shutil.copyfile(search.cache[chosen][1], model_out)
-        latency: list[dict[str, Any]] = []
-        if bench_runs > 0:
-            from diag.bench import bench_models
-
-            paths: list[str | Path] = [fp32, baseline_path]
-            if chosen:
-                paths.append(search.cache[chosen][1])
-            stats = bench_models(paths, split.held_out, runs=bench_runs, warmup=3, threads=threads, progress=False)
-            names = ["fp32", "int8", "mixed"]
-            latency = [{**s.to_dict(), "model": names[i]} for i, s in enumerate(stats)]
+        _finish(setup, search, outcome, o, work_dir)
     finally:
-        if trials is not None:
-            trials.close()
+        if started:
+            runner.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    result = _exclusion_result(setup, recipe, search, outcome, o)
+    result.cluster = runner.info(o.bench_runs > 0) if started else {}
+    return result
+
+
+def _rank(setup: SearchSetup, search: _Search, outcome: _Outcome, options: ExcludeOptions) -> None:
+    """The ranking pass: compare the baseline INT8 model with FP32 on the ranking split."""
+    outcome.compared = compare_models(
+        setup.fp32, outcome.baseline, setup.split.ranking, CompareOptions(progress=False, threads=options.threads)
+    )
+    outcome.candidates = ranked_candidates(outcome.compared.findings, set(search.base))
+    search.candidates = outcome.candidates
+    if options.estimates:
+        search.region = _estimate_source(setup.fp, outcome.baseline)
+
+
+def _find(search: _Search, outcome: _Outcome) -> None:
+    try:
+        outcome.chosen = search.find()
+    except BudgetExhausted as e:
+        outcome.exhausted = str(e)
+        outcome.chosen = search.best  # verified on the held-out samples, not proven minimal
+
+
+def _finish(
+    setup: SearchSetup, search: _Search, outcome: _Outcome, options: ExcludeOptions, work_dir: str | Path | None
+) -> None:
+    """After the search: op-type suggestions, the deployed-mode check, the kept model, latency."""
+    chosen = outcome.chosen
+    if chosen and not outcome.exhausted:
+        outcome.suggestions = _op_type_suggestions(search, setup.fp, outcome.candidates, chosen)
+    if chosen and not outcome.met0:
+        outcome.warnings = _deployed_warning(setup, search, chosen, options)
+    if chosen is not None and work_dir is not None:
+        outcome.model = Path(work_dir) / "mixed.onnx"
+        shutil.copyfile(search.cache[chosen][1], outcome.model)
+    if options.bench_runs > 0:
+        paths: list[str | Path] = [setup.fp32, outcome.baseline]
+        if chosen:
+            paths.append(search.cache[chosen][1])
+        bench = BenchOptions(runs=options.bench_runs, warmup=3, threads=options.threads, progress=False)
+        stats = bench_models(paths, setup.split.held_out, bench)
+        names = ["fp32", "int8", "mixed"]
+        outcome.latency = [{**s.to_dict(), "model": names[i]} for i, s in enumerate(stats)]
+
+
+def _deployed_warning(
+    setup: SearchSetup, search: _Search, chosen: frozenset[int], options: ExcludeOptions
+) -> list[str]:
+    """The answer checked as it will really run (onnxruntime's optimizations on).
+
+    NOTE: the search compares in exact mode (optimizations off); onnxruntime's optimizer then
+    fuses the remaining Q/DQ pairs into integer kernels, which can undo a fix (the convnet
+    fixture, QDQ: excluding conv2 takes the logits error from 0.12 to 0.002 in exact mode, to
+    0.147 with optimizations).
+    """
+    tgt, split = setup.target, setup.split
+    after = search.cache[chosen][0]
+    deployed = HeldOutEvaluator(
+        setup.fp, split.held_out, split.held_out_first, setup.labels, options.threads, options.metric, opt_level="all"
+    ).evaluate(search.cache[chosen][1])
+    if deployed.meets(tgt):
+        return []
+    return [
+        f"warning: as onnxruntime runs it by default (all optimizations) the mixed model misses the "
+        f"target: {tgt.metric} {_fmt(deployed.value(tgt.metric), tgt)} (exact mode: "
+        f"{_fmt(after.value(tgt.metric), tgt)}); its fused integer kernels re-quantize what "
+        "the exclusion kept in float: verify with --ort-opt-level all before deploying"
+    ]
+
+
+def _exclusion_result(
+    setup: SearchSetup, recipe: Recipe, search: _Search, outcome: _Outcome, options: ExcludeOptions
+) -> ExclusionResult:
+    chosen, candidates, exhausted = outcome.chosen, outcome.candidates, outcome.exhausted
+    nodes = search.nodes(chosen) if chosen is not None else []
     final_recipe = recipe.with_excluded(nodes) if chosen is not None else recipe
     result = ExclusionResult(
-        fp32=str(fp32),
-        target=tgt,
+        fp32=str(setup.fp32),
+        target=setup.target,
         reachable=chosen is not None,
-        already_met=met0,
+        already_met=outcome.met0,
         nodes_to_exclude=nodes,
-        excluded=excluded,
+        excluded=[candidates[i] for i in sorted(chosen)] if chosen else [],
         candidates=candidates,
         recipe=_recipe_dict(final_recipe),
         op_types_to_quantize=list(recipe.op_types_to_quantize) if recipe.op_types_to_quantize else None,
-        op_type_suggestions=suggestions,
-        before=before,
-        after=after,
+        op_type_suggestions=outcome.suggestions,
+        before=outcome.before,
+        after=search.cache[chosen][0] if chosen is not None else None,
         trajectory=search.trajectory,
         quantizations=search.quantizations,
         calibrations=search.calibrations,
         steps=search.steps,
-        budget={"max_trials": max_trials, "time_budget": time_budget, "exhausted": exhausted is not None}
-        | ({"reason": exhausted} if exhausted else {}),
-        warnings=deployed_warning + _slower_warning(latency),
+        budget=_budget(options, exhausted),
+        warnings=outcome.warnings + _slower_warning(outcome.latency),
         evaluations=search.evaluations,
         estimates=sum(1 for m in search.estimates.values() if m is not None),
-        ranking_passes=ranking_passes,
-        seconds=time.perf_counter() - start,
-        split=split.to_dict(),
-        calibration=calib_note,
+        ranking_passes=1 if outcome.compared is not None else 0,
+        seconds=time.perf_counter() - setup.start,
+        split=setup.split.to_dict(),
+        calibration=setup.calibration_note,
         alternatives=[] if chosen is not None else alternatives(recipe, candidates),
-        latency=latency,
-        model=str(model_out) if model_out else None,
-        cluster=trials.cluster.info(latency=bench_runs > 0) if trials is not None else {},
+        latency=outcome.latency,
+        model=str(outcome.model) if outcome.model else None,
     )
-    result.diagnosis = compared if ranking_passes else None
+    result.diagnosis = outcome.compared
     return result
+
+
+def _budget(options: SearchOptions, exhausted: str | None) -> dict[str, Any]:
+    """``{"max_trials": N, "time_budget": S, "exhausted": bool, "reason": str}`` of exclusion.json."""
+    budget: dict[str, Any] = {
+        "max_trials": options.max_trials,
+        "time_budget": options.time_budget,
+        "exhausted": exhausted is not None,
+    }
+    return budget | ({"reason": exhausted} if exhausted else {})
 
 
 def _estimate_source(fp: LoadedModel, baseline_path: Path) -> tuple[Any, Any, Any] | None:
@@ -1221,8 +1360,6 @@ def _estimate_source(fp: LoadedModel, baseline_path: Path) -> tuple[Any, Any, An
     None for models with external data (an in-memory copy per estimate is what they avoid) and
     when the two cannot be matched: the search then re-quantizes every trial.
     """
-    from diag.match import match_models
-
     q = model_from_path(baseline_path, "quantized model")
     if fp.has_external_data or q.has_external_data:
         return None
@@ -1355,116 +1492,6 @@ def alternatives(recipe: Recipe, candidates: list[Candidate]) -> list[dict[str, 
 # ---------------------------------------------------------------- outputs
 
 
-def exclude_to_dir(
-    fp32_path: str | Path,
-    recipe: Recipe,
-    feeds: FeedSpec,
-    target: str,
-    out_dir: str | Path,
-    holdout: float = 0.5,
-    labels: str | None = None,
-    threads: int | None = None,
-    bench_runs: int = 20,
-    progress: bool = True,
-    max_trials: int | None = None,
-    time_budget: float | None = None,
-    metric: str | None = None,
-    estimates: bool = True,
-    scheduler: str | None = None,
-) -> tuple[ExclusionResult, dict[str, Path]]:
-    """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
-
-    The mixed model and the snippet are written only when the target is reachable.
-
-    Example:
-        >>> res, files = exclude_to_dir("fp32.onnx", recipe, FeedSpec(inputs="d.npz"), "cosine>=0.999",
-        ...                             "out")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
-        ['exclusion.json', 'mixed.onnx', 'reproduce.py']
-    """
-    from diag.files import check_outputs, internal_writes, work_dir, write_set
-    from diag.files import out_dir as checked_out_dir
-    from diag.report import OUTPUT_NAMES
-
-    stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
-    names_out = ["exclusion.json", f"{stem}.mixed.onnx", "reproduce.py", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
-    check_outputs(out_dir, names_out, [fp32_path, feeds.inputs, labels, recipe.calibration_path()])
-    out = checked_out_dir(out_dir)
-    mixed, reproduce, again = out / f"{stem}.mixed.onnx", out / "reproduce.py", out / f"{stem}.reproduced.onnx"
-    with work_dir(out, "exclude") as work:
-        with internal_writes():  # candidate models are not this verb's outputs
-            result = derive_exclusions(
-                fp32_path,
-                recipe,
-                feeds,
-                target,
-                holdout,
-                labels,
-                threads,
-                bench_runs,
-                progress,
-                str(work),
-                max_trials,
-                time_budget,
-                metric,
-                estimates,
-                scheduler,
-            )
-        # NOTE: one set, written all or nothing: exclusion.json, the mixed model (and its external
-        # data), reproduce.py and the report. When there is no answer, a mixed model left by an
-        # earlier run in the same folder would read as this run's answer: it is removed in the same step.
-        contents: dict[Path, str | bytes | Path] = {}
-        names: dict[str, Path] = {}
-        remove: list[Path] = []
-        if result.reachable and result.model:
-            staged = Path(result.model)
-            for extra in sorted(staged.parent.glob(staged.name + ".*")):  # external data next to the model
-                contents[out / extra.name.replace(staged.name, mixed.name, 1)] = extra
-            contents[mixed] = staged
-            result.model = str(mixed)
-            names["mixed model"] = mixed
-            if recipe.calibration:
-                calib, count, batch = recipe.calibration_path(), recipe.calibration_samples, 1
-            else:
-                calib, count, batch = feeds.inputs, result.split["ranking_samples"], result.split["batch"]
-            # NOTE: never the verified model's path: running reproduce.py must not overwrite the answer.
-            result.snippet = reproduce_snippet(result, str(again), str(calib) if calib else None, count, batch)
-            contents[reproduce] = result.snippet
-            names["reproduce.py"] = reproduce
-        else:
-            remove = [mixed, reproduce, again]
-        exclusion = result.to_dict()
-        contents = {out / "exclusion.json": json.dumps(exclusion, indent=1, ensure_ascii=False) + "\n", **contents}
-        # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
-        # model is the recipe's baseline, quantized in a temp folder now gone.
-        report, stale = diagnosis_outputs(
-            out, result.diagnosis, "baseline INT8 (the recipe as given, quantized by diag exclude)", exclusion
-        )
-        written = write_set({**contents, **report}, remove=remove + stale)
-    files = {"exclusion.json": out / "exclusion.json", **names}
-    files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
-    return result, files
-
-
-def diagnosis_outputs(
-    out: Path, diagnosis: Any, model_note: str, exclusion: dict[str, Any] | None = None
-) -> tuple[dict[Path, str], list[Path]]:
-    """The report of a search's diagnosis (diag.json, report.html, summary.md) for ``write_set``.
-
-    Returns (files to write, files to remove): without a diagnosis (the target was already met) an
-    earlier run's report would read as this run's, so it is removed in the same step.
-    """
-    from diag.report import OUTPUT_NAMES, document_from_result, output_texts
-
-    if diagnosis is None:
-        return {}, [out / name for name in OUTPUT_NAMES]
-    doc = document_from_result(diagnosis)
-    doc["models"]["int8"]["path"] = model_note
-    if exclusion is not None:
-        doc["exclusion"] = exclusion
-    return {out / name: text for name, text in output_texts(doc).items()}, []
-
-
 def summary_lines(result: ExclusionResult) -> list[str]:
     """What `diag exclude` prints: the verdict first, counts and time last (ends "in N s").
 
@@ -1501,13 +1528,13 @@ def summary_lines(result: ExclusionResult) -> list[str]:
     else:
         best = max(
             (s for s in result.trajectory if s.metric is not None and not s.phase.startswith("estimate")),
-            key=lambda s: s.metric if t.op == ">=" else -s.metric,  # type: ignore[operator]
+            key=lambda s: (s.metric or 0.0) if t.op == ">=" else -(s.metric or 0.0),  # not None: filtered above
             default=None,
         )
         tail = f"; best tried: {_fmt(best.metric, t)} with {best.excluded_groups} group(s) in float" if best else ""
         nan = sum(1 for s in result.trajectory if s.nonfinite_samples and not s.phase.startswith("estimate"))
         if nan:
-            tail += f"; {_count(nan, 'list')} tried gave NaN/Inf outputs (failed)"
+            tail += f"; {count_phrase(nan, 'list')} tried gave NaN/Inf outputs (failed)"
         if result.budget.get("exhausted"):
             lines.append(
                 f"target {t} NOT MET: budget exhausted ({result.budget['reason']}) before any list met it on "
@@ -1528,32 +1555,21 @@ def summary_lines(result: ExclusionResult) -> list[str]:
     lines.extend(f"  {w}" for w in result.warnings)
     lines.append(
         f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; "
-        f"{_count(result.quantizations, 'quantization')}{_calibrations(result.calibrations)}, "
-        f"{_count(result.evaluations, 'evaluation')}{_estimated(result.estimates)}, "
-        f"{_count(result.ranking_passes, 'ranking pass', 'ranking passes')} in {result.seconds:.1f} s"
+        f"{count_phrase(result.quantizations, 'quantization')}{calibrations_phrase(result.calibrations)}, "
+        f"{count_phrase(result.evaluations, 'evaluation')}{estimates_phrase(result.estimates)}, "
+        f"{count_phrase(result.ranking_passes, 'ranking pass', 'ranking passes')} in {result.seconds:.1f} s"
     )
     return lines
 
 
-def _estimated(n: int) -> str:
+def estimates_phrase(n: int) -> str:
     """`` (+ 40 estimates)``: trials answered without re-quantizing; nothing when there were none."""
-    return f" (+ {_count(n, 'estimate')})" if n else ""
+    return f" (+ {count_phrase(n, 'estimate')})" if n else ""
 
 
-def _cluster_note(info: dict[str, Any]) -> str:
-    """``--scheduler``: where the trials ran, their retries, and where latency was measured."""
-    if not info:
-        return ""
-    where = f"; latency measured on {info['latency_measured_on']}" if info.get("latency_measured_on") else ""
-    return (
-        f"; trials on a Dask cluster of {info['workers']} worker(s): {info['tasks']} tasks, "
-        f"{info['retries']} retried after a worker died{where}"
-    )
-
-
-def _calibrations(n: int) -> str:
+def calibrations_phrase(n: int) -> str:
     """`` (1 calibration pass)`` for static recipes; nothing for dynamic ones."""
-    return f" ({_count(n, 'calibration pass', 'calibration passes')})" if n else ""
+    return f" ({count_phrase(n, 'calibration pass', 'calibration passes')})" if n else ""
 
 
 def _nonfinite_note(m: HeldOutMetrics | None) -> str:
@@ -1563,7 +1579,7 @@ def _nonfinite_note(m: HeldOutMetrics | None) -> str:
     return f" ({m.nonfinite_samples} of {m.samples} held-out samples NaN/Inf)"
 
 
-def _count(n: int, one: str, many: str | None = None) -> str:
+def count_phrase(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
@@ -1578,82 +1594,3 @@ def format_metric(v: float | None, target: Target | None = None) -> str:
 
 
 _fmt = format_metric  # the summary lines' short name
-
-
-def report_section(doc: dict[str, Any]) -> dict[str, Any]:
-    """View-model for the report's exclusion section, from ``exclusion.json`` alone (numbers formatted here).
-
-    Keys: ``verdict``, ``target``, ``nodes`` (the final list), ``metrics`` (rows of name / before /
-    after), ``latency`` (rows of model / p50 / p90 / speedup), ``counts`` (one sentence),
-    ``trajectory_svg`` (see :func:`diag.plots_exclude.trajectory_plot`), ``snippet`` and
-    ``alternatives``. Templates only loop and print.
-
-    Example:
-        >>> view = report_section(json.load(open("exclusion.json")))  # doctest: +SKIP
-        >>> view["nodes"]  # doctest: +SKIP
-        ['layer1/ffn/fc1/MatMul']
-    """
-    from diag.plots_exclude import trajectory_plot
-
-    before = doc["metrics"]["before"]
-    after = doc["metrics"]["after"] or {}
-
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, str):
-            return v
-        return f"{v:.6f}" if isinstance(v, float) else str(v)
-
-    names = ("cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop")
-    rows = [
-        {"name": n, "before": cell(before.get(n)), "after": cell(after.get(n))}
-        for n in names
-        if before.get(n) is not None
-    ]
-    if before.get("nonfinite_samples") or after.get("nonfinite_samples"):
-        # First, so that the summary's three lines show it: NaN samples decide the verdict.
-        rows.insert(
-            0,
-            {
-                "name": "NaN/Inf samples",
-                "before": f"{before['nonfinite_samples']} of {before['samples']}",
-                "after": f"{after['nonfinite_samples']} of {after['samples']}" if after else "-",
-            },
-        )
-    # --metric plugin values, by the names the plugin declares.
-    rows += [
-        {"name": n, "before": cell(v), "after": cell((after.get("task") or {}).get(n))}
-        for n, v in (before.get("task") or {}).items()
-    ]
-    latency = [
-        {
-            "model": x["model"],
-            "p50": f"{x['p50_ms']:.2f} ms",
-            "p90": f"{x['p90_ms']:.2f} ms",
-            "speedup": "ref" if x["speedup"] is None else f"{x['speedup']:.2f}x",
-        }
-        for x in doc["latency"]
-    ]
-    s = doc["search"]
-    verdict = doc["verdict"]
-    budget = s.get("budget") or {}
-    if budget.get("exhausted") and verdict == "met":
-        verdict = f"met (budget exhausted: {budget['reason']}; verified, not proven minimal)"
-    calib = s.get("calibrations") or 0
-    return {
-        "verdict": verdict,
-        "target": doc["target"],
-        "held_out": doc["split"]["held_out"],
-        "nodes": list(doc["nodes_to_exclude"]),
-        "metrics": rows,
-        "latency": latency,
-        "counts": f"{_count(s['quantizations'], 'quantization')}{_calibrations(calib)}, "
-        f"{_count(s['evaluations'], 'evaluation')}{_estimated(s.get('estimates', 0))}, "
-        f"{_count(s['ranking_passes'], 'ranking pass', 'ranking passes')} over {s['candidates']} candidate "
-        f"groups in {s['seconds']:.1f} s" + _cluster_note(s.get("cluster") or {}),
-        "trajectory_svg": trajectory_plot(doc) if s["trajectory"] else "",
-        "snippet": doc["snippet"],
-        "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
-        "op_type_suggestions": doc["op_type_suggestions"],
-    }

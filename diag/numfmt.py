@@ -21,3 +21,19 @@ def fixed_number(v: float, decimals: int) -> str:
         ('0.99995', '1235', 'nan')
     """
     return f"{v:.{decimals}f}" if abs(v) < 10 else f"{v:.4g}"
+
+
+def table_cell(v: object, digits: int = 6) -> str:
+    """One cell of a sweep table: "-" for none, text as is, floats by :func:`fixed_number`.
+
+    Example:
+        >>> table_cell(None), table_cell("n/a"), table_cell(0.9999512, 4), table_cell(3)
+        ('-', 'n/a', '0.9999', '3')
+    """
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float):
+        return fixed_number(v, digits)
+    return str(v)

@@ -61,6 +61,33 @@ from diag.progress import Progress
 from diag.recipe import Recipe, recipe_from_option
 from diag.weightonly import quantize_weight_only
 
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What `diag quantize` takes besides the FP32 model.
+
+    Attributes:
+        recipe: a :class:`Recipe`, or a recipe file / inline JSON as ``--recipe`` takes it.
+        out: the INT8 ``.onnx`` to write (``-o``).
+        calibration: calibration inputs for static recipes (``--calib`` / ``--reader`` with
+            ``--batch``); None uses the recipe's own ``calibration``.
+        samples: calibrate on the first N samples (``--samples``).
+        progress: a calibration progress bar on a terminal (``--quiet`` turns it off).
+        verbose: print onnxruntime's own log messages (``--verbose``).
+
+    Example:
+        >>> QuantizeOptions("recipe.json", "int8.onnx").samples is None
+        True
+    """
+
+    recipe: Recipe | str | os.PathLike[str]
+    out: str | os.PathLike[str]
+    calibration: FeedSpec | None = None
+    samples: int | None = None
+    progress: bool = True
+    verbose: bool = False
+
+
 # ---------------------------------------------------------------- public entry point
 
 

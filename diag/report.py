@@ -20,7 +20,7 @@ from diag.distributions import TensorHealth, worst_tensors
 from diag.documents import SCHEMA, SCHEMA_VERSION, read_document
 from diag.environment import templates_dir
 from diag.errors import DiagError
-from diag.exclude import report_section
+from diag.exclude_view import report_section
 from diag.fixcode import fix_snippet
 from diag.fp16health import fp16_fix
 from diag.jsonnum import json_number as _num

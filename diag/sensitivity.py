@@ -17,12 +17,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from diag.analyze import NodeFinding
 from diag.exclude import Candidate, HeldOutEvaluator, HeldOutMetrics, ranked_candidates
 from diag.feeds import FeedSource
 from diag.jsonnum import json_number as _j
+from diag.load import model_from_path
 from diag.progress import Progress
+from diag.quantize import quantize_model
 from diag.recipe import Recipe
 
 #: Baseline and the diagnosed INT8 model agree when their min cosines differ by less than this.
@@ -75,41 +78,62 @@ class SensitivityResult:
         }
 
 
+@dataclass(frozen=True)
+class SensitivityOptions:
+    """How many candidates to try (``--sensitivity K``), with how many threads, with a bar or not."""
+
+    k: int = 5
+    threads: int | None = None
+    progress: bool = True
+
+
+class SkipOneTrials(Protocol):
+    """Runs the skip-one trials elsewhere: ``recipe`` + each node list kept in float, evaluated on
+    every sample; their metrics in the order given. ``diag.cluster.ClusterSkipOne`` runs them as
+    Dask tasks; without one (:func:`skip_one_sensitivity`'s default) they run here, one by one."""
+
+    def __call__(
+        self,
+        fp32: Path,
+        recipe: Recipe,
+        node_lists: list[list[str]],
+        calibration_cache: Path,
+        threads: int | None,
+        progress: bool,
+    ) -> list[HeldOutMetrics]: ...
+
+
 def skip_one_sensitivity(
     fp32_path: str | Path,
     int8_path: str | Path,
     recipe: Recipe,
     feeds: FeedSource,
-    findings: list[Any],
-    k: int = 5,
-    threads: int | None = None,
-    progress: bool = True,
-    cluster: tuple[str, Any] | None = None,
+    findings: list[NodeFinding],
+    options: SensitivityOptions | None = None,
+    trials: SkipOneTrials | None = None,
 ) -> SensitivityResult:
     """Re-quantize with each of the top-``k`` local-ranking nodes kept in float; measure the outputs.
 
     Static recipes calibrate on the recipe's own calibration data when it names some, otherwise
     on ``feeds`` (say so in the report: calibrating on the evaluation inputs flatters every row
-    alike, so rows stay comparable). ``cluster = (scheduler, FeedSpec of feeds)`` runs the
-    ``k`` re-quantizations as Dask tasks (:func:`diag.cluster.run_trials`); same rows.
+    alike, so rows stay comparable). ``trials`` (``diag.cluster.ClusterSkipOne``) runs the ``k``
+    re-quantizations as Dask tasks; same rows.
 
     Example:
         >>> res = skip_one_sensitivity("fp32.onnx", "int8.onnx", Recipe(mode="dynamic"), feeds,
-        ...                            result.findings, k=3)  # doctest: +SKIP
+        ...                            result.findings, SensitivityOptions(k=3))  # doctest: +SKIP
         >>> res.rows[0].candidate.label  # doctest: +SKIP
         'layer1/ffn/fc1/MatMul'
     """
-    from diag.load import model_from_path
-    from diag.quantize import quantize_model
-
+    o = options if options is not None else SensitivityOptions()
     start = time.perf_counter()
     fp32_path, int8_path = Path(fp32_path), Path(int8_path)
-    evaluator = HeldOutEvaluator(model_from_path(fp32_path, "FP32 model"), feeds, 0, None, threads)
+    evaluator = HeldOutEvaluator(model_from_path(fp32_path, "FP32 model"), feeds, 0, None, o.threads)
     given = evaluator.evaluate(int8_path)
-    candidates = ranked_candidates(findings, set(recipe.nodes_to_exclude))[: max(k, 0)]
+    candidates = ranked_candidates(findings, set(recipe.nodes_to_exclude))[: max(o.k, 0)]
     calibration = None if recipe.mode == "dynamic" or recipe.calibration else feeds
     work = Path(tempfile.mkdtemp(prefix="diag-sensitivity-"))
-    bar = Progress(len(candidates) + 1, "sensitivity", enabled=progress)
+    bar = Progress(len(candidates) + 1, "sensitivity", enabled=o.progress)
     try:
         base_path = work / "baseline.onnx"
         # The ranges of the FP32 model do not depend on the excluded node: calibrate once.
@@ -119,25 +143,15 @@ def skip_one_sensitivity(
         bar.advance(1)
         rows = []
         remote = None
-        if cluster is not None and candidates:
-            from diag.cluster import run_trials
-
+        if trials is not None and candidates:
             nodes = [list(c.fp_nodes) for c in candidates]
-            remote = run_trials(cluster[0], fp32_path, recipe, cluster[1], nodes, cache, threads, progress)
+            remote = trials(fp32_path, recipe, nodes, cache, o.threads, o.progress)
         for i, cand in enumerate(candidates):
             if remote is not None:
                 m = remote[i]
             else:
                 path = work / f"skip{i}.onnx"
-                quantize_model(
-                    fp32_path,
-                    recipe.with_excluded(cand.fp_nodes),
-                    path,
-                    calibration=calibration,
-                    calibration_cache=cache,
-                )
-                m = evaluator.evaluate(path)
-                path.unlink(missing_ok=True)
+                m = _local_trial(fp32_path, recipe.with_excluded(cand.fp_nodes), path, calibration, cache, evaluator)
             rows.append(SensitivityRow(cand, m, m.cosine - baseline.cosine, baseline.max_abs - m.max_abs))
             bar.advance(1)
     finally:
@@ -153,3 +167,13 @@ def skip_one_sensitivity(
         quantizations=len(candidates) + 1,
         seconds=time.perf_counter() - start,
     )
+
+
+def _local_trial(
+    fp32: Path, recipe: Recipe, path: Path, calibration: FeedSource | None, cache: Path, evaluator: HeldOutEvaluator
+) -> HeldOutMetrics:
+    """One skip-one trial in this process: quantize (calibration ranges from ``cache``), evaluate, delete."""
+    quantize_model(fp32, recipe, path, calibration=calibration, calibration_cache=cache)
+    m = evaluator.evaluate(path)
+    path.unlink(missing_ok=True)
+    return m

@@ -32,21 +32,27 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from diag.bench import BenchOptions, bench_models, physical_cores
+from diag.environment import environment
 from diag.errors import DiagError
-from diag.feeds import FeedSource, FeedSpec
+from diag.exclude import HeldOutEvaluator, Target, parse_target, split_feeds
+from diag.feeds import FeedSource, FeedSpec, load_labels
+from diag.files import out_dir as checked_out_dir
 from diag.files import remove_tree, signals_held
 from diag.jsonnum import json_numbers
-from diag.numfmt import fixed_number
-from diag.recipe import STATIC_ONLY, Recipe
+from diag.load import float_model_from_path
+from diag.numfmt import table_cell
+from diag.progress import Progress
+from diag.quantize import quantize_model
+from diag.recipe import STATIC_ONLY, Recipe, inline_json, read_recipe_file
 
 #: The default grid: the settings popular guides make claims about.
 DEFAULT_GRID: dict[str, Any] = {
@@ -88,8 +94,6 @@ def load_grid(value: str | os.PathLike[str] | None) -> tuple[dict[str, Any], str
         >>> load_grid('{"mode": ["dynamic"], "per_channel": [false, true]}')[0]["per_channel"]
         [False, True]
     """
-    from diag.recipe import inline_json, read_recipe_file
-
     if value is None:
         return json.loads(json.dumps(DEFAULT_GRID)), None
     text = str(value)
@@ -544,7 +548,7 @@ def folklore(entries: list[SweepEntry]) -> list[dict[str, Any]]:
     if dyn:
         lo = min(e.latency["speedup"] for e in dyn)  # type: ignore[index]
         hi = max(e.latency["speedup"] for e in dyn)  # type: ignore[index]
-        reached = sum(1 for e in dyn if e.latency["speedup_range"][0] >= 2.0)  # type: ignore[index]
+        reached = len([e for e in dyn if e.latency and e.latency["speedup_range"][0] >= 2.0])
         verdict = "held" if reached == len(dyn) else "did not hold"
         ev = f"dynamic recipes ran at {lo:.2f}x-{hi:.2f}x FP32 speed; {reached} of {len(dyn)} reached 2x"
         out.append(
@@ -584,7 +588,7 @@ class SweepResult:
     entries: list[SweepEntry]
     labels: dict[str, str]
     objective: str
-    target: Any
+    target: Target | None
     settings: dict[str, Any]
     split: dict[str, Any]
     calibration: str | None
@@ -627,8 +631,6 @@ class SweepResult:
             >>> sorted(result.to_dict())[:3]  # doctest: +SKIP
             ['accuracy_axis', 'best', 'calibration']
         """
-        from diag.compare import environment
-
         best = self.best
         front = pareto_front(self.entries, self.accuracy)
         doc = {
@@ -738,210 +740,195 @@ def _append(path: Path, context: str, entry: SweepEntry) -> None:
         ) from e
 
 
-def sweep_model(
-    fp32_path: str | Path,
-    feeds: FeedSpec,
-    out_dir: str | Path,
-    grid: dict[str, Any] | None = None,
-    grid_dir: str | None = None,
-    calib: FeedSpec | None = None,
-    objective: str = "cosine",
-    target: str | None = None,
-    labels: str | None = None,
-    holdout: float = 0.5,
-    runs: int = 20,
-    warmup: int = 3,
-    repeats: int = 3,
-    threads: int | None = None,
-    progress: bool = True,
-    on_entry: Callable[[SweepEntry], None] | None = None,
-    scheduler: str | None = None,
-) -> SweepResult:
-    """Quantize ``fp32_path`` with every recipe of ``grid`` and measure each; resumable.
+@dataclass(frozen=True)
+class SweepOptions:
+    """What `diag sweep` takes besides the model, the inputs and ``--out``.
 
-    Metrics are measured on held-out samples: all of ``feeds`` when ``calib`` is given, otherwise
-    the last ``holdout`` share (the first part calibrates static recipes, cut on batch boundaries
-    as in `diag exclude`). Latency: ``repeats`` x :func:`diag.bench.bench_models` of FP32 and the
-    INT8 model interleaved, ``runs`` timed runs each, on the held-out batches (``runs=0`` skips).
-    A recipe onnxruntime rejects (or whose model fails to run) is recorded as skipped with
-    onnxruntime's message. Every finished recipe is appended to ``out_dir/sweep.jsonl`` at once;
-    a later call with the same model, inputs and bench settings reuses those lines.
-
-    Args:
-        fp32_path: the float model (never modified).
-        feeds: evaluation (and, without ``calib``, calibration) inputs.
-        out_dir: where ``sweep.jsonl`` lives; the final files are written by :func:`sweep_to_dir`.
-        grid: see :func:`expand_grid` (default :data:`DEFAULT_GRID`).
-        grid_dir: the folder a grid ``calibration`` path is relative to.
-        calib: calibration inputs for static recipes (then every sample of ``feeds`` is held out).
+    Attributes:
+        grid: what ``--grid`` takes: a ``.toml`` / ``.json`` file, inline JSON, or None for
+            :data:`DEFAULT_GRID` (see :func:`load_grid`).
+        calib: calibration inputs for static recipes (then every sample of the inputs is held out).
         objective: one of :data:`OBJECTIVES`.
         target: ``metric>=value`` as `diag exclude` takes it; the best recipe must meet it.
         labels: ``.npy`` class indices for ``accuracy_drop`` / ``f1_drop``.
         holdout: held-out share when ``calib`` is None.
         runs, warmup, repeats, threads: latency settings (``threads`` default: physical cores).
         progress: one line per recipe on stderr.
+        scheduler: ``ADDRESS`` or ``local[:N]``: quantize and evaluate the recipes as Dask tasks
+            (:class:`diag.cluster.ClusterRecipes`); latency is then measured here afterwards.
+
+    Example:
+        >>> SweepOptions(runs=0).objective
+        'cosine'
+    """
+
+    grid: str | os.PathLike[str] | None = None
+    calib: FeedSpec | None = None
+    objective: str = "cosine"
+    target: str | None = None
+    labels: str | None = None
+    holdout: float = 0.5
+    runs: int = 20
+    warmup: int = 3
+    repeats: int = 3
+    threads: int | None = None
+    progress: bool = True
+    scheduler: str | None = None
+
+
+@dataclass(frozen=True)
+class MeasureContext:
+    """What measuring one recipe needs besides the recipe: the FP32 model, the data, the bench settings."""
+
+    fp32: Path
+    #: Calibration inputs of static recipes without calibration data of their own.
+    calibration: FeedSource | None
+    #: None where only latency is timed (``diag.cluster.ClusterRecipes``: metrics came from a worker).
+    evaluator: HeldOutEvaluator | None
+    held: FeedSource
+    runs: int
+    warmup: int
+    repeats: int
+    threads: int
+
+
+@dataclass
+class SweepRun:
+    """One sweep's set-up, as a :class:`RecipeRunner` needs it."""
+
+    fp32: Path
+    #: The FP32 model as loaded (:class:`diag.load.LoadedModel`).
+    fp: Any
+    feeds: FeedSpec
+    options: SweepOptions
+    #: Some static recipe has no calibration data: the inputs are split for calibration.
+    split_needed: bool
+    held: FeedSource
+    first: int
+    calibration: FeedSource | None
+    labels: Any
+    threads: int
+    work: Path
+
+
+class RecipeRunner(Protocol):
+    """Where the sweep's recipes are quantized and measured: :class:`LocalRecipes` (this process,
+    one after the other) or ``diag.cluster.ClusterRecipes`` (Dask tasks, latency timed here after).
+
+    :meth:`check` runs before any work, :meth:`start` once with every recipe still to measure,
+    :meth:`entry` per recipe in grid order, :meth:`close` at the end (an interrupt included).
+    """
+
+    def check(self) -> None: ...
+
+    def start(self, run: SweepRun, todo: list[tuple[int, Recipe, str]]) -> None: ...
+
+    def entry(self, i: int, recipe: Recipe, key: str, by_hash: dict[str, SweepEntry]) -> SweepEntry: ...
+
+    def note(self, line: str) -> None: ...
+
+    def close(self) -> None: ...
+
+    def info(self, latency: bool) -> dict[str, Any]: ...
+
+
+class LocalRecipes:
+    """The default :class:`RecipeRunner`: quantize, evaluate and time each recipe here, in turn."""
+
+    def __init__(self) -> None:
+        self.lines = Progress(None, "sweep", enabled=False, unit="recipes")
+        self.context: MeasureContext | None = None
+        self.work = Path()
+
+    def check(self) -> None:
+        """Nothing to check: this process can always measure."""
+
+    def start(self, run: SweepRun, todo: list[tuple[int, Recipe, str]]) -> None:
+        o = run.options
+        evaluator = HeldOutEvaluator(run.fp, run.held, run.first, run.labels, run.threads)
+        self.context = MeasureContext(
+            run.fp32, run.calibration, evaluator, run.held, o.runs, o.warmup, o.repeats, run.threads
+        )
+        self.work = run.work
+
+    def entry(self, i: int, recipe: Recipe, key: str, by_hash: dict[str, SweepEntry]) -> SweepEntry:
+        assert self.context is not None
+        return measure_recipe(recipe, key, self.work / f"{i:03d}.onnx", self.context, by_hash)
+
+    def note(self, line: str) -> None:
+        self.lines.note(line)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def info(self, latency: bool) -> dict[str, Any]:
+        return {}
+
+
+def sweep_model(
+    fp32_path: str | Path,
+    feeds: FeedSpec,
+    out_dir: str | Path,
+    options: SweepOptions | None = None,
+    on_entry: Callable[[SweepEntry], None] | None = None,
+    runner: RecipeRunner | None = None,
+    grid: tuple[dict[str, Any], str | None] | None = None,
+) -> SweepResult:
+    """Quantize ``fp32_path`` with every recipe of the grid and measure each; resumable.
+
+    Metrics are measured on held-out samples: all of ``feeds`` when ``options.calib`` is given,
+    otherwise the last ``holdout`` share (the first part calibrates static recipes, cut on batch
+    boundaries as in `diag exclude`). Latency: ``repeats`` x :func:`diag.bench.bench_models` of
+    FP32 and the INT8 model interleaved, ``runs`` timed runs each, on the held-out batches
+    (``runs=0`` skips). A recipe onnxruntime rejects (or whose model fails to run) is recorded as
+    skipped with onnxruntime's message. Every finished recipe is appended to
+    ``out_dir/sweep.jsonl`` at once; a later call with the same model, inputs and bench settings
+    reuses those lines.
+
+    Args:
+        fp32_path: the float model (never modified).
+        feeds: evaluation (and, without ``options.calib``, calibration) inputs.
+        out_dir: where ``sweep.jsonl`` lives; the final files are written by ``diag.verbs.sweep_to_dir``.
+        options: grid, objective, target, split and bench settings (:class:`SweepOptions`).
         on_entry: called after each newly finished entry has been appended (a test hook: raising
             KeyboardInterrupt there simulates Ctrl-C).
-        scheduler: ``ADDRESS`` or ``local[:N]``: quantize and evaluate the recipes as Dask tasks
-            (:mod:`diag.cluster`); latency is then measured here afterwards, one recipe at a time.
+        runner: where the recipes are measured (default :class:`LocalRecipes`); with
+            ``options.scheduler`` the verb passes ``diag.cluster.ClusterRecipes``.
+        grid: the grid already read by :func:`load_grid` (and its folder); None reads ``options.grid``.
 
     Example:
         >>> r = sweep_model("fp32.onnx", FeedSpec(inputs="data.npz"), "sweep")  # doctest: +SKIP
         >>> r.best.recipe["mode"]  # doctest: +SKIP
         'static'
     """
-    from diag.bench import bench_models, physical_cores
-    from diag.exclude import HeldOutEvaluator, parse_target, split_feeds
-    from diag.feeds import load_labels
-    from diag.files import out_dir as checked_out_dir
-    from diag.load import float_model_from_path
-    from diag.quantize import quantize_model
-
+    o = options if options is not None else SweepOptions()
     start = time.perf_counter()
-    if scheduler is not None:
-        from diag.cluster import require_scheduler
-
-        require_scheduler(scheduler)  # no Dask, no scheduler: say so before any work
-    if objective not in OBJECTIVES:
-        raise DiagError(
-            "bad-option", f"--objective {objective}", "is not an objective", f"one of {', '.join(OBJECTIVES)}"
-        )
-    if runs < 0 or warmup < 0 or repeats < 1:
-        raise DiagError(
-            "bad-option", "--runs/--warmup/--repeats", "must be >= 0, >= 0, >= 1", "e.g. --runs 20 --repeats 3"
-        )
-    if objective == "latency" and runs == 0:
-        raise DiagError("bad-option", "--objective latency", "needs latency runs", "drop --runs 0")
-    if objective in ("accuracy_drop", "f1_drop") and not labels:
-        raise DiagError("bad-option", f"--objective {objective}", "needs --labels", "pass --labels labels.npy")
-    tgt = parse_target(target) if target else None
-    if tgt is not None and tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
-        raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
-    grid = grid if grid is not None else json.loads(json.dumps(DEFAULT_GRID))
-    recipes = expand_grid(grid, grid_dir)
+    if o.scheduler is not None and runner is None:
+        raise ValueError("options.scheduler needs runner=diag.cluster.ClusterRecipes(...)")
+    run_on: RecipeRunner = runner if runner is not None else LocalRecipes()
+    run_on.check()  # no Dask, no scheduler: say so before any work
+    tgt = _check_options(o)
+    grid_dict, grid_dir = grid if grid is not None else load_grid(o.grid)
+    recipes = expand_grid(grid_dict, grid_dir)
     fp32 = Path(fp32_path)
     fp = float_model_from_path(fp32)
     out = checked_out_dir(out_dir)
-    label_array = load_labels(labels) if labels else None
+    label_array = load_labels(o.labels) if o.labels else None
     source = feeds.source(fp.proto)
-    calibration: FeedSource | None
-    calib_desc: str | None
-    if calib is not None:
-        calibration = calib.source(fp.proto)
-        calib_desc = calibration.description
-        held, first = source, 0
-        total = source.total_samples or sum(b.size for b in source)
-        split = {
-            "batch": feeds.batch,
-            "held_out": f"samples 0..{total - 1}",
-            "held_out_samples": total,
-            "held_out_first": 0,
-            "ranking_samples": 0,
-        }
-    elif any(r.mode == "static" and r.calibration is None for r in recipes):
-        s = split_feeds(source, holdout)
-        calibration, held, first = s.ranking, s.held_out, s.held_out_first
-        calib_desc = f"{feeds.inputs or source.description}, {s.to_dict()['ranking']}"
-        split = s.to_dict()
-    else:
-        calibration, calib_desc, held, first = None, None, source, 0
-        total = source.total_samples or sum(b.size for b in source)
-        split = {
-            "batch": feeds.batch,
-            "held_out": f"samples 0..{total - 1}",
-            "held_out_samples": total,
-            "held_out_first": 0,
-            "ranking_samples": 0,
-        }
-    threads = threads or physical_cores()
-    settings = {
-        "runs": runs,
-        "warmup": warmup,
-        "repeats": repeats,
-        "threads": threads,
-        "noise_band": NOISE_BAND,
-        "batch": feeds.batch,
-        "inputs": feeds.inputs or source.description,
-        "labels": labels,
-        "opt_level_metrics": "disabled",
-        "opt_level_latency": "all",
-    }
-    context = _context(fp32, feeds, calib, labels, split, settings)
-    jsonl = out / JSONL
-    done = read_jsonl(jsonl, context)
-    # With --scheduler the workers evaluate (each its own evaluator); this one would idle.
-    evaluator = HeldOutEvaluator(fp, held, first, label_array, threads) if scheduler is None else None
-    run_id = uuid.uuid4().hex[:12]
-    entries: list[SweepEntry] = []
-    by_hash: dict[str, SweepEntry] = {e.model_sha256: e for e in done.values() if e.ok and e.model_sha256}
-    measured = resumed = 0
+    calibration, calib_desc, held, first, split = _sweep_split(feeds, fp, source, recipes, o)
+    threads = o.threads or physical_cores()
+    settings = _settings(o, feeds, source, threads)
+    context = _context(fp32, feeds, o.calib, o.labels, split, settings)
+    split_needed = o.calib is None and any(r.mode == "static" and r.calibration is None for r in recipes)
+    run = SweepRun(fp32, fp, feeds, o, split_needed, held, first, calibration, label_array, threads, Path())
+    entries, measured, resumed, run_id = _run_recipes(run, out, recipes, context, run_on, on_entry)
     varying = varying_keys(recipes)
-    work: Path | None = None
-    remote: Any = None
-    try:
-        with signals_held():  # a Ctrl-C right after mkdtemp must not leave the folder (diag.files.work_dir)
-            work = Path(tempfile.mkdtemp(prefix=f".diag-sweep-{os.getpid()}-", dir=out))
-        if scheduler is not None:
-            from diag.cluster import sweep_on_cluster
-
-            keys = [hashlib.sha256((context + _canonical(r)).encode()).hexdigest()[:16] for r in recipes]
-            todo = [(i, r, k) for i, (r, k) in enumerate(zip(recipes, keys, strict=True), 1) if k not in done]
-            split_needed = calib is None and any(r.mode == "static" and r.calibration is None for r in recipes)
-            remote = sweep_on_cluster(
-                scheduler, fp32, feeds, calib, holdout, labels, threads, todo, split_needed, work, progress, runs > 0
-            )
-        for i, recipe in enumerate(recipes, 1):
-            key = hashlib.sha256((context + _canonical(recipe)).encode()).hexdigest()[:16]
-            label = recipe_label(recipe.to_dict(), varying)
-            if key in done:
-                entries.append(done[key])
-                resumed += 1
-                if progress:
-                    sys.stderr.write(f"sweep {i}/{len(recipes)} {label}: done earlier (resumed)\n")
-                continue
-            if remote is not None:
-                entry = remote.entry(i, by_hash, held, runs, warmup, repeats, threads)
-            else:
-                entry = _measure(
-                    recipe,
-                    key,
-                    fp32,
-                    work / f"{i:03d}.onnx",
-                    calibration,
-                    evaluator,
-                    held,
-                    runs,
-                    warmup,
-                    repeats,
-                    threads,
-                    by_hash,
-                    quantize_model,
-                    bench_models,
-                )
-            entry.run_id = run_id
-            _append(jsonl, context, entry)
-            entries.append(entry)
-            measured += 1
-            if entry.ok and entry.model_sha256 and entry.model_sha256 not in by_hash:
-                by_hash[entry.model_sha256] = entry
-            if progress:
-                line = f"sweep {i}/{len(recipes)} {label}: {_progress_line(entry)}"
-                # --scheduler: above the task bar, which is drawn again below it
-                remote.bar.note(line) if remote is not None else sys.stderr.write(line + "\n")
-            if on_entry is not None:
-                on_entry(entry)
-    finally:
-        if remote is not None:
-            remote.close()
-        if work is not None:
-            remove_tree(work)
-    labels_by_key = {e.key: recipe_label(e.recipe, varying) for e in entries}
     result = SweepResult(
         fp32=str(fp32),
         fp32_size=_model_bytes(fp32),
         entries=entries,
-        labels=labels_by_key,
-        objective=objective,
+        labels={e.key: recipe_label(e.recipe, varying) for e in entries},
+        objective=o.objective,
         target=tgt,
         settings=settings,
         split=split,
@@ -949,14 +936,121 @@ def sweep_model(
         measured=measured,
         resumed=resumed,
         seconds=time.perf_counter() - start,
-        grid=grid,
+        grid=grid_dict,
         run_id=run_id,
-        cluster=remote.cluster.info(latency=runs > 0) if remote is not None else {},
+        cluster=run_on.info(o.runs > 0),
     )
     best = result.best
     if best is not None:
-        result.best_recipe = _best_recipe(best, feeds, calib, split, recipes)
+        result.best_recipe = _best_recipe(best, feeds, o.calib, split, recipes)
     return result
+
+
+def _check_options(o: SweepOptions) -> Target | None:
+    """Every option problem as a ``bad-option`` before any work; the parsed ``--target``."""
+    if o.objective not in OBJECTIVES:
+        raise DiagError(
+            "bad-option", f"--objective {o.objective}", "is not an objective", f"one of {', '.join(OBJECTIVES)}"
+        )
+    if o.runs < 0 or o.warmup < 0 or o.repeats < 1:
+        raise DiagError(
+            "bad-option", "--runs/--warmup/--repeats", "must be >= 0, >= 0, >= 1", "e.g. --runs 20 --repeats 3"
+        )
+    if o.objective == "latency" and o.runs == 0:
+        raise DiagError("bad-option", "--objective latency", "needs latency runs", "drop --runs 0")
+    if o.objective in ("accuracy_drop", "f1_drop") and not o.labels:
+        raise DiagError("bad-option", f"--objective {o.objective}", "needs --labels", "pass --labels labels.npy")
+    tgt = parse_target(o.target) if o.target else None
+    if tgt is not None and tgt.metric in ("accuracy_drop", "f1_drop") and not o.labels:
+        raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
+    return tgt
+
+
+def _sweep_split(
+    feeds: FeedSpec, fp: Any, source: FeedSource, recipes: list[Recipe], o: SweepOptions
+) -> tuple[FeedSource | None, str | None, FeedSource, int, dict[str, Any]]:
+    """(calibration, its description, held-out source, its first sample, the split as sweep.json says it)."""
+    if o.calib is None and any(r.mode == "static" and r.calibration is None for r in recipes):
+        s = split_feeds(source, o.holdout)
+        desc = f"{feeds.inputs or source.description}, {s.to_dict()['ranking']}"
+        return s.ranking, desc, s.held_out, s.held_out_first, s.to_dict()
+    calibration = o.calib.source(fp.proto) if o.calib is not None else None
+    total = source.total_samples or sum(b.size for b in source)
+    split = {
+        "batch": feeds.batch,
+        "held_out": f"samples 0..{total - 1}",
+        "held_out_samples": total,
+        "held_out_first": 0,
+        "ranking_samples": 0,
+    }
+    return calibration, calibration.description if calibration is not None else None, source, 0, split
+
+
+def _settings(o: SweepOptions, feeds: FeedSpec, source: FeedSource, threads: int) -> dict[str, Any]:
+    return {
+        "runs": o.runs,
+        "warmup": o.warmup,
+        "repeats": o.repeats,
+        "threads": threads,
+        "noise_band": NOISE_BAND,
+        "batch": feeds.batch,
+        "inputs": feeds.inputs or source.description,
+        "labels": o.labels,
+        "opt_level_metrics": "disabled",
+        "opt_level_latency": "all",
+    }
+
+
+def _run_recipes(
+    run: SweepRun,
+    out: Path,
+    recipes: list[Recipe],
+    context: str,
+    runner: RecipeRunner,
+    on_entry: Callable[[SweepEntry], None] | None,
+) -> tuple[list[SweepEntry], int, int, str]:
+    """Measure every recipe not done earlier (appending each to sweep.jsonl at once), in grid order.
+
+    Returns (entries, measured now, resumed, this run's id)."""
+    jsonl = out / JSONL
+    done = read_jsonl(jsonl, context)
+    run_id = uuid.uuid4().hex[:12]
+    entries: list[SweepEntry] = []
+    by_hash: dict[str, SweepEntry] = {e.model_sha256: e for e in done.values() if e.ok and e.model_sha256}
+    measured = resumed = 0
+    varying = varying_keys(recipes)
+    keys = [hashlib.sha256((context + _canonical(r)).encode()).hexdigest()[:16] for r in recipes]
+    progress = run.options.progress
+    work: Path | None = None
+    try:
+        with signals_held():  # a Ctrl-C right after mkdtemp must not leave the folder (diag.files.work_dir)
+            work = Path(tempfile.mkdtemp(prefix=f".diag-sweep-{os.getpid()}-", dir=out))
+        run.work = work
+        runner.start(run, [(i, r, k) for i, (r, k) in enumerate(zip(recipes, keys, strict=True), 1) if k not in done])
+        for i, (recipe, key) in enumerate(zip(recipes, keys, strict=True), 1):
+            label = recipe_label(recipe.to_dict(), varying)
+            if key in done:
+                entries.append(done[key])
+                resumed += 1
+                if progress:
+                    runner.note(f"sweep {i}/{len(recipes)} {label}: done earlier (resumed)")
+                continue
+            entry = runner.entry(i, recipe, key, by_hash)
+            entry.run_id = run_id
+            _append(jsonl, context, entry)
+            entries.append(entry)
+            measured += 1
+            if entry.ok and entry.model_sha256 and entry.model_sha256 not in by_hash:
+                by_hash[entry.model_sha256] = entry
+            if progress:
+                runner.note(f"sweep {i}/{len(recipes)} {label}: {_progress_line(entry)}")
+            if on_entry is not None:
+                on_entry(entry)
+    finally:
+        runner.close()
+        if work is not None:
+            remove_tree(work)
+    return entries, measured, resumed, run_id
 
 
 def _context(
@@ -981,30 +1075,21 @@ def _context(
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _measure(
+def measure_recipe(
     recipe: Recipe,
     key: str,
-    fp32: Path,
     path: Path,
-    calibration: FeedSource | None,
-    evaluator: Any,
-    held: FeedSource,
-    runs: int,
-    warmup: int,
-    repeats: int,
-    threads: int,
+    ctx: MeasureContext,
     by_hash: dict[str, SweepEntry],
-    quantize_model: Callable[..., Any],
-    bench_models: Callable[..., Any],
     keep: bool = False,
 ) -> SweepEntry:
     """Quantize, evaluate and time one recipe; onnxruntime's rejections become a skipped entry.
 
     ``keep``: leave the INT8 model at ``path`` (a cluster worker sends it back for timing)."""
     d = recipe_file_dict(recipe)
-    calib = calibration if recipe.mode == "static" and recipe.calibration is None else None
+    calib = ctx.calibration if recipe.mode == "static" and recipe.calibration is None else None
     try:
-        rep = quantize_model(fp32, recipe, path, calibration=calib, progress=False)
+        rep = quantize_model(ctx.fp32, recipe, path, calibration=calib, progress=False)
     except DiagError as e:
         if e.slug not in ("quantize-failed", "invalid-model"):
             raise
@@ -1020,14 +1105,11 @@ def _measure(
             return SweepEntry(
                 key, d, "ok", None, same.metrics, size, rep.seconds, same.latency, actions, digest, same.key
             )
-        metrics = evaluator.evaluate(path).to_dict()
+        assert ctx.evaluator is not None, "measure_recipe needs an evaluator"
+        metrics = ctx.evaluator.evaluate(path).to_dict()
         latency = None
-        if runs > 0:
-            pairs = []
-            for _ in range(repeats):
-                stats = bench_models([fp32, path], held, runs=runs, warmup=warmup, threads=threads, progress=False)
-                pairs.append((stats[0], stats[1]))
-            latency = latency_summary(pairs)
+        if ctx.runs > 0:
+            latency = time_against_fp32(ctx.fp32, path, ctx.held, ctx)
     except DiagError as e:
         if e.slug not in ("runtime-failure", "invalid-model"):
             raise
@@ -1048,6 +1130,16 @@ def _measure(
             if not keep:
                 p.unlink(missing_ok=True)
     return SweepEntry(key, d, "ok", None, metrics, size, rep.seconds, latency, actions, digest)
+
+
+def time_against_fp32(fp32: Path, path: Path, held: FeedSource, ctx: MeasureContext) -> dict[str, Any]:
+    """``repeats`` benches of FP32 and the INT8 model interleaved, summarised (:func:`latency_summary`)."""
+    bench = BenchOptions(runs=ctx.runs, warmup=ctx.warmup, threads=ctx.threads, progress=False)
+    pairs = []
+    for _ in range(ctx.repeats):
+        stats = bench_models([fp32, path], held, bench)
+        pairs.append((stats[0], stats[1]))
+    return latency_summary(pairs)
 
 
 def _progress_line(e: SweepEntry) -> str:
@@ -1085,100 +1177,8 @@ def _best_recipe(
 # ---------------------------------------------------------------- outputs
 
 
-def _fmt(v: Any, digits: int = 6) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, float):
-        return fixed_number(v, digits)
-    return str(v)
-
-
 #: The files of a sweep's --out besides sweep.jsonl, in the order they are printed.
 OUTPUT_NAMES = ("sweep.json", "sweep.md", "sweep.html", "pareto.svg", "best.recipe.json")
-
-
-def sweep_to_dir(
-    fp32_path: str | Path,
-    feeds: FeedSpec,
-    out_dir: str | Path,
-    grid: str | os.PathLike[str] | None = None,
-    calib: FeedSpec | None = None,
-    objective: str = "cosine",
-    target: str | None = None,
-    labels: str | None = None,
-    holdout: float = 0.5,
-    runs: int = 20,
-    warmup: int = 3,
-    repeats: int = 3,
-    threads: int | None = None,
-    progress: bool = True,
-    on_entry: Callable[[SweepEntry], None] | None = None,
-    scheduler: str | None = None,
-) -> tuple[SweepResult, dict[str, Path]]:
-    """`diag sweep` end to end: sweep, then write sweep.json, sweep.md, sweep.html, pareto.svg, best.recipe.json.
-
-    ``grid`` is what ``--grid`` takes (a file, inline JSON, or None for :data:`DEFAULT_GRID`).
-    ``best.recipe.json`` is written only when a recipe qualifies (a stale one is removed).
-
-    Example:
-        >>> res, files = sweep_to_dir("fp32.onnx", FeedSpec(inputs="d.npz", batch=8), "sweep")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
-        ['best.recipe.json', 'pareto.svg', 'sweep.html', 'sweep.json', 'sweep.jsonl', 'sweep.md']
-    """
-    from diag.files import check_outputs, write_set
-    from diag.files import out_dir as checked_out_dir
-    from diag.plots_sweep import pareto_plot
-    from diag.recipe import recipe_file_text
-
-    # LAYERING: sweep_to_dir writes the report-layer files from the fix layer; it moves up (helper B).
-    from diag.sweep_report import render_html, render_markdown, sweep_view
-
-    grid_dict, grid_dir = load_grid(grid)
-    given = [fp32_path, feeds.inputs, calib.inputs if calib else None, labels]
-    check_outputs(out_dir, [*OUTPUT_NAMES, JSONL], given)  # before any recipe is measured
-    out = checked_out_dir(out_dir)
-    result = sweep_model(
-        fp32_path,
-        feeds,
-        out,
-        grid_dict,
-        grid_dir,
-        calib,
-        objective,
-        target,
-        labels,
-        holdout,
-        runs,
-        warmup,
-        repeats,
-        threads,
-        progress,
-        on_entry,
-        scheduler,
-    )
-    doc = result.to_dict()
-    view = sweep_view(doc)
-    best_path = out / "best.recipe.json"
-    contents: dict[Path, str | bytes | Path] = {
-        out / "sweep.json": json.dumps(doc, indent=1, ensure_ascii=False) + "\n",
-        out / "sweep.md": render_markdown(view),
-        out / "sweep.html": render_html(view),
-        out / "pareto.svg": pareto_plot(doc),
-    }
-    if result.best_recipe is not None:
-        if result.best_recipe.mode == "dynamic":  # the static-only keys would be inert
-            contents[best_path] = json.dumps(recipe_file_dict(result.best_recipe), indent=2) + "\n"
-        else:  # rebases the calibration path onto the recipe's folder
-            contents[best_path] = recipe_file_text(result.best_recipe, best_path)
-    # NOTE: one set, all or nothing; a best recipe of an earlier run goes in the same step.
-    written = write_set(contents, remove=[] if best_path in contents else [best_path])
-    files = {name: written[name] for name in ("sweep.json", "sweep.md", "sweep.html", "pareto.svg")}
-    files["sweep.jsonl"] = out / JSONL
-    if best_path.name in written:
-        files["best.recipe.json"] = best_path
-    return result, files
 
 
 def summary_lines(result: SweepResult) -> list[str]:
@@ -1209,8 +1209,8 @@ def summary_lines(result: SweepResult) -> list[str]:
             sp = f"{e.latency['speedup']:.2f}x {lo:.2f}-{hi:.2f}"
         size = f"{(e.size_bytes or 0) / 1024:.1f}"
         lines.append(
-            f"  {rank:>4}  {result.labels[e.key]:<{width}}  {_fmt(m.get('cosine'))[:9]:>9}  "
-            f"{_fmt(m.get('max_abs'), 4):>9}  {size:>8}  {sp:>14}"
+            f"  {rank:>4}  {result.labels[e.key]:<{width}}  {table_cell(m.get('cosine'))[:9]:>9}  "
+            f"{table_cell(m.get('max_abs'), 4):>9}  {size:>8}  {sp:>14}"
         )
     if len(ranked) > 10:
         lines.append(f"  ... {len(ranked) - 10} more in sweep.md / sweep.html")
@@ -1220,7 +1220,7 @@ def summary_lines(result: SweepResult) -> list[str]:
         lines.append(f"best: none ({why})")
     else:
         v = objective_value(best, result.objective)
-        shown = f"{v:.2f}x FP32" if result.objective == "latency" else _fmt(v)
+        shown = f"{v:.2f}x FP32" if result.objective == "latency" else table_cell(v)
         lines.append(f"best by {result.objective}: {result.labels[best.key]} ({result.objective} {shown})")
         r = result.best_recipe
         if r is not None and r.mode == "static" and r.calibration is None:

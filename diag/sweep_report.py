@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diag.numfmt import fixed_number
+from diag.numfmt import table_cell
 from diag.plots_sweep import pareto_plot
 from diag.report import jinja_environment, md_code, md_escape
 
@@ -91,16 +91,6 @@ class SweepView:
     seconds: str
 
 
-def _cell(v: Any, digits: int = 6) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, float):
-        return fixed_number(v, digits)
-    return str(v)
-
-
 def _size(n: int | None) -> str:
     if n is None:
         return "-"
@@ -157,12 +147,12 @@ def _row(
         rank=rank,
         order=order,
         label=e["label"],
-        cosine=_cell(m.get("cosine")),
-        cosine_mean=_cell(m.get("cosine_mean")),
-        max_abs=_cell(m.get("max_abs"), 4),
-        agreement=_cell(m.get("agreement"), 4),
-        accuracy_drop=_cell(m.get("accuracy_drop"), 4),
-        f1_drop=_cell(m.get("f1_drop"), 4),
+        cosine=table_cell(m.get("cosine")),
+        cosine_mean=table_cell(m.get("cosine_mean")),
+        max_abs=table_cell(m.get("max_abs"), 4),
+        agreement=table_cell(m.get("agreement"), 4),
+        accuracy_drop=table_cell(m.get("accuracy_drop"), 4),
+        f1_drop=table_cell(m.get("f1_drop"), 4),
         size=_size(e["size_bytes"]),
         p50="-" if not lat else f"{lat['p50_ms']:.3f}",
         p50_range="-" if not lat else f"{lat['p50_range_ms'][0]:.3f}-{lat['p50_range_ms'][1]:.3f}",
@@ -170,7 +160,7 @@ def _row(
         speedup="-" if not lat else f"{lat['speedup']:.2f}x",
         speedup_range="-" if not lat else f"{lat['speedup_range'][0]:.2f}-{lat['speedup_range'][1]:.2f}",
         vs_fp32="-" if not lat else lat["vs_fp32"],
-        quantize_s=_cell(e["quantize_s"], 2),
+        quantize_s=table_cell(e["quantize_s"], 2),
         pareto=on_front,
         best=is_best,
         row_class=("best " if is_best else "") + ("front" if on_front else ""),

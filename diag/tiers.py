@@ -44,23 +44,46 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diag.bench import BenchOptions, bench_models
+from diag.compare import CompareOptions, CompareResult, compare_models
 from diag.errors import DiagError
 from diag.exclude import (
     BudgetExhausted,
     Candidate,
-    HeldOutEvaluator,
     HeldOutMetrics,
+    SearchOptions,
+    SearchSetup,
     Target,
-    diagnosis_outputs,
+    prepare_search,
     ranked_candidates,
     search_target,
-    split_feeds,
 )
 from diag.exclude import format_metric as _fmt
-from diag.feeds import FeedSource, FeedSpec, load_labels
+from diag.feeds import FeedSource, FeedSpec
+from diag.fixcode import reproduce_snippet
 from diag.jsonnum import json_number
-from diag.load import float_model_from_path
+from diag.progress import Progress
+from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.weightonly import weight_only_snippet
+
+
+@dataclass(frozen=True)
+class TierOptions(SearchOptions):
+    """What `diag exclude --tiers` takes: the search options of `diag exclude` and the tiers.
+
+    Attributes:
+        tiers: ordered lowest to highest (``"int4,int8,fp32"`` or a list; see :func:`parse_tiers`).
+        bench_runs: timed runs per model for the latency rows (0: size only, the default here).
+
+    Example:
+        >>> TierOptions("cosine>=0.94", tiers="int4,int8,fp32").bench_runs
+        0
+    """
+
+    bench_runs: int = 0
+    tiers: str | list[str] = field(default="", kw_only=True)
+
 
 #: The tiers each recipe mode can express, lowest first.
 TIERS_BY_MODE: dict[str, tuple[str, ...]] = {
@@ -249,7 +272,7 @@ class TierPlan:
     model: str | None = None
     snippet: str | None = None
     #: The ``diag compare`` result of the all-lowest model that ranked the nodes (not serialized).
-    diagnosis: Any = field(default=None, repr=False)
+    diagnosis: CompareResult | None = field(default=None, repr=False)
 
     @property
     def by_tier(self) -> dict[str, list[str]]:
@@ -285,27 +308,23 @@ class _TierSearch:
     """Quantize-and-evaluate plans (levels per ranked group), cached by the levels tuple."""
 
     def __init__(
-        self,
-        fp32: Path,
-        fp_proto: Any,
-        recipe: Recipe,
-        tiers: list[str],
-        evaluator: HeldOutEvaluator,
-        target: Target,
-        calibration: FeedSource | None,
-        work: Path,
-        progress: bool,
-        max_trials: int | None,
-        deadline: float | None = None,
+        self, setup: SearchSetup, recipe: Recipe, tiers: list[str], work: Path, options: SearchOptions
     ) -> None:
-        self.fp32, self.fp_proto, self.recipe, self.tiers = fp32, fp_proto, recipe, tiers
-        self.evaluator, self.target, self.calibration = evaluator, target, calibration
-        self.work, self.progress, self.max_trials, self.deadline = work, progress, max_trials, deadline
+        self.fp32, self.fp_proto, self.recipe, self.tiers = setup.fp32, setup.fp.proto, recipe, tiers
+        self.evaluator, self.target, self.calibration = setup.evaluator, setup.target, setup.calibration
+        self.work, self.progress, self.max_trials, self.deadline = (
+            work,
+            options.progress,
+            options.max_trials,
+            setup.deadline,
+        )
         self.candidates: list[Candidate] = []
         self.cache: dict[tuple[int, ...], tuple[HeldOutMetrics, Path]] = {}
         self.trials: list[TierTrial] = []
         self.quantizations = 0
         self.calibration_cache = work / "calibration.json"
+        #: Per-trial lines go above any bar (no bar of its own: a plan's trial count is not known).
+        self.lines = Progress(None, "tiers", enabled=False, unit="trials")
 
     def plan_of(self, levels: tuple[int, ...]) -> dict[str, str]:
         plan: dict[str, str] = {}
@@ -315,8 +334,6 @@ class _TierSearch:
         return plan
 
     def trial(self, levels: tuple[int, ...], phase: str) -> tuple[HeldOutMetrics, bool]:
-        from diag.quantize import quantize_model
-
         if levels in self.cache:
             m = self.cache[levels][0]
             return m, m.meets(self.target)
@@ -335,16 +352,13 @@ class _TierSearch:
         value = m.value(self.target.metric)
         self.trials.append(TierTrial(phase, levels, value, met, time.perf_counter() - t0))
         if self.progress:
-            import sys
-
             counts = ", ".join(
                 f"{sum(1 for x in levels if x == lv)} at {self.tiers[lv]}" for lv in sorted(set(levels)) if lv
             )
             shown = "n/a" if value is None else f"{value:.6g}"
-            print(
+            self.lines.note(
                 f"tiers: {phase:<8} {counts or 'all at ' + self.tiers[0]} -> {self.target.metric} {shown} "
-                f"({'met' if met else 'missed'})",
-                file=sys.stderr,
+                f"({'met' if met else 'missed'})"
             )
         return m, met
 
@@ -409,116 +423,106 @@ def derive_tier_plan(
     fp32_path: str | Path,
     recipe: Recipe,
     feeds: FeedSource | FeedSpec,
-    target: str | Target,
-    tiers: list[str] | str,
-    holdout: float = 0.5,
-    labels: str | None = None,
-    threads: int | None = None,
-    bench_runs: int = 0,
-    progress: bool = True,
+    options: TierOptions,
     work_dir: str | Path | None = None,
-    max_trials: int | None = None,
-    time_budget: float | None = None,
-    metric: str | None = None,
 ) -> TierPlan:
-    """Find the cheapest assignment of node groups to ``tiers`` that meets ``target`` on held-out inputs.
+    """Find the cheapest assignment of node groups to ``options.tiers`` that meets the target on held-out inputs.
 
     Args:
         fp32_path: the FP32 model.
         recipe: the lowest tier's recipe (weight_only, static or dynamic).
         feeds: all samples; split into ranking and held-out parts as :func:`diag.exclude.derive_exclusions`.
-        target: ``metric>=value`` / ``metric<=value``.
-        tiers: ordered lowest to highest (``"int4,int8,fp32"`` or a list; see :func:`parse_tiers`).
-        holdout: share of samples held out.
-        labels: ``.npy`` class indices for accuracy / F1 targets.
-        threads: intra-op threads.
-        bench_runs: timed runs per model for the latency rows (0: size only).
-        progress: one line per trial on stderr.
+        options: the tiers, the target and the search options (:class:`TierOptions`); ``max_trials``
+            caps re-quantizations (the pruning stops at the cap with a verified plan), ``bench_runs``
+            0 measures sizes only.
         work_dir: where the plan's model is kept (``plan.onnx``).
-        max_trials: cap on re-quantizations (the pruning stops at the cap with a verified plan).
-        time_budget: no new trial after this many seconds (as ``max_trials`` when reached).
-        metric: ``module:function`` of a task-metric plugin; the names it declares become targets.
 
     Returns:
         The plan; ``reachable`` False when only every group at the highest tier meets the target.
 
     Example:
-        >>> p = derive_tier_plan("fp32.onnx", Recipe(mode="weight_only", block_size=32),
-        ...                      FeedSpec(inputs="x.npz"), "cosine>=0.94", "int4,int8,fp32")  # doctest: +SKIP
+        >>> p = derive_tier_plan("fp32.onnx", Recipe(mode="weight_only", block_size=32), FeedSpec(inputs="x.npz"),
+        ...                      TierOptions("cosine>=0.94", tiers="int4,int8,fp32"))  # doctest: +SKIP
         >>> p.plan  # doctest: +SKIP
         {'fc2': 'int8'}
     """
-    from diag.compare import CompareOptions, compare_models
-
-    start = time.perf_counter()
-    tier_list = parse_tiers(",".join(tiers) if isinstance(tiers, list) else tiers, recipe)
-    tgt = search_target(target, metric, labels, max_trials, time_budget)
-    fp32 = Path(fp32_path)
-    fp = float_model_from_path(fp32)
-    label_array = load_labels(labels) if labels else None
-    source = feeds.source(fp.proto) if isinstance(feeds, FeedSpec) else feeds
-    split = split_feeds(source, holdout)
-    calibration = split.ranking if recipe.mode == "static" and not recipe.calibration else None
-    evaluator = HeldOutEvaluator(fp, split.held_out, split.held_out_first, label_array, threads, metric)
-    deadline = start + time_budget if time_budget is not None else None
+    o = options
+    tier_list = parse_tiers(",".join(o.tiers) if isinstance(o.tiers, list) else o.tiers, recipe)
+    tgt = search_target(o.target, o.metric, o.labels, o.max_trials, o.time_budget)
+    setup = prepare_search(fp32_path, recipe, feeds, tgt, o)
     tmp = Path(tempfile.mkdtemp(prefix="diag-tiers-"))
-    budget: str | None = None
     try:
-        s = _TierSearch(
-            fp32, fp.proto, recipe, tier_list, evaluator, tgt, calibration, tmp, progress, max_trials, deadline
-        )
+        s = _TierSearch(setup, recipe, tier_list, tmp, o)
         before, met0 = s.trial((), "baseline")
         baseline = s.cache[()][1]
         chosen: tuple[int, ...] | None = ()
-        compared: Any = None
+        compared: CompareResult | None = None
+        budget: str | None = None
         if not met0:
-            compared = compare_models(fp32, baseline, split.ranking, CompareOptions(progress=False, threads=threads))
+            compared = compare_models(
+                setup.fp32, baseline, setup.split.ranking, CompareOptions(progress=False, threads=o.threads)
+            )
             s.candidates = ranked_candidates(compared.findings, set(recipe.nodes_to_exclude or []))
             try:
                 chosen = s.search()
             except BudgetExhausted as e:
                 budget, chosen = str(e), None
-        levels = chosen if chosen is not None else ()
-        plan = s.plan_of(levels) if chosen is not None else {}
-        after = s.cache[chosen][0] if chosen is not None and chosen in s.cache else None
-        final = recipe_for_plan(recipe, fp.proto, plan)
-        plan_path = s.cache[chosen][1] if chosen is not None and chosen in s.cache else None
-        sizes = {"lowest": _size(baseline), "fp32": _size(fp32)}
-        if plan_path is not None:
-            sizes["plan"] = _size(plan_path)
-        latency: list[dict[str, Any]] = []
-        if bench_runs > 0:
-            from diag.bench import bench_models
-
-            paths: list[str | Path] = [fp32, baseline] + ([plan_path] if plan_path is not None and plan else [])
-            stats = bench_models(paths, split.held_out, runs=bench_runs, warmup=3, threads=threads, progress=False)
-            latency = [{**st.to_dict(), "model": ["fp32", "lowest", "plan"][i]} for i, st in enumerate(stats)]
-        model_out: str | None = None
-        if plan_path is not None and work_dir is not None:
-            model_out = str(Path(work_dir) / "plan.onnx")
-            shutil.copyfile(plan_path, model_out)
+        plan = _plan(setup, recipe, s, chosen, o, work_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    plan.before, plan.already_met, plan.budget, plan.diagnosis = before, met0, budget, compared
+    plan.seconds = time.perf_counter() - setup.start
+    return plan
+
+
+def _plan(
+    setup: SearchSetup,
+    recipe: Recipe,
+    s: _TierSearch,
+    chosen: tuple[int, ...] | None,
+    options: TierOptions,
+    work_dir: str | Path | None,
+) -> TierPlan:
+    """The plan found (or none): its recipe, sizes, latency and kept model; ``before`` and the
+    rest are filled in by :func:`derive_tier_plan`."""
+    fp32, baseline = setup.fp32, s.cache[()][1]
+    levels = chosen if chosen is not None else ()
+    plan = s.plan_of(levels) if chosen is not None else {}
+    after = s.cache[chosen][0] if chosen is not None and chosen in s.cache else None
+    final = recipe_for_plan(recipe, setup.fp.proto, plan)
+    plan_path = s.cache[chosen][1] if chosen is not None and chosen in s.cache else None
+    sizes = {"lowest": _size(baseline), "fp32": _size(fp32)}
+    if plan_path is not None:
+        sizes["plan"] = _size(plan_path)
+    latency: list[dict[str, Any]] = []
+    if options.bench_runs > 0:
+        paths: list[str | Path] = [fp32, baseline]
+        if plan_path is not None and plan:
+            paths.append(plan_path)
+        bench = BenchOptions(runs=options.bench_runs, warmup=3, threads=options.threads, progress=False)
+        stats = bench_models(paths, setup.split.held_out, bench)
+        latency = [{**st.to_dict(), "model": ["fp32", "lowest", "plan"][i]} for i, st in enumerate(stats)]
+    model_out: str | None = None
+    if plan_path is not None and work_dir is not None:
+        model_out = str(Path(work_dir) / "plan.onnx")
+        shutil.copyfile(plan_path, model_out)
     return TierPlan(
         fp32=str(fp32),
-        target=tgt,
-        tiers=tier_list,
+        target=setup.target,
+        tiers=s.tiers,
         reachable=chosen is not None,
-        already_met=met0,
+        already_met=False,
         plan=plan,
         candidates=s.candidates,
         recipe=final.to_dict(),
-        before=before,
+        before=s.cache[()][0],
         after=after,
         sizes=sizes,
-        split=split.to_dict(),
+        split=setup.split.to_dict(),
         trials=s.trials,
         quantizations=s.quantizations,
-        seconds=time.perf_counter() - start,
         latency=latency,
-        budget=budget,
         model=model_out,
-        diagnosis=compared,
     )
 
 
@@ -527,70 +531,6 @@ def _size(path: Path) -> int:
     p = Path(path)
     extra = p.with_name(p.name + ".data")
     return p.stat().st_size + (extra.stat().st_size if extra.is_file() else 0)
-
-
-def tier_plan_to_dir(
-    fp32_path: str | Path,
-    recipe: Recipe,
-    feeds: FeedSpec,
-    target: str,
-    tiers: str,
-    out_dir: str | Path,
-    **kwargs: Any,
-) -> tuple[TierPlan, dict[str, Path]]:
-    """`diag exclude --tiers` end to end: derive the plan, write tiers.json, recipe.json, the model and reproduce.py.
-
-    Example:
-        >>> plan, files = tier_plan_to_dir("fp32.onnx", recipe, FeedSpec(inputs="x.npz"), "cosine>=0.94",
-        ...                                "int4,int8,fp32", "out")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
-        ['plan model', 'recipe.json', 'reproduce.py', 'tiers.json']
-    """
-    from diag.files import check_outputs, internal_writes, work_dir, write_set
-    from diag.files import out_dir as checked_out_dir
-    from diag.recipe import recipe_file_text
-    from diag.report import OUTPUT_NAMES
-
-    stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
-    plan_name = f"{stem}.plan.onnx"
-    names_out = ["tiers.json", plan_name, "reproduce.py", "recipe.json", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
-    check_outputs(out_dir, names_out, [fp32_path, feeds.inputs, kwargs.get("labels"), recipe.calibration_path()])
-    out = checked_out_dir(out_dir)
-    model, reproduce, recipe_out = out / plan_name, out / "reproduce.py", out / "recipe.json"
-    # NOTE: one set, written all or nothing (diag.files.write_set), as diag exclude writes its own:
-    # tiers.json, the plan model, recipe.json, reproduce.py and the diagnosis report. Without a plan,
-    # an earlier run's model, recipe and script would read as this run's answer: they are removed.
-    with work_dir(out, "tiers") as work:
-        with internal_writes():  # trial models are not this verb's outputs
-            plan = derive_tier_plan(fp32_path, recipe, feeds, target, tiers, work_dir=work, **kwargs)
-        contents: dict[Path, str | bytes | Path] = {}
-        names: dict[str, Path] = {}
-        remove: list[Path] = []
-        if plan.reachable and plan.model:
-            contents[model] = Path(plan.model)
-            plan.model = str(model)
-            names["plan model"] = model
-            final = Recipe.from_dict(plan.recipe, "plan recipe")
-            contents[recipe_out] = recipe_file_text(final, recipe_out)
-            names["recipe.json"] = recipe_out
-            if recipe.calibration:  # the recipe's own calibration data, as quantize_model used it
-                calib, count, batch = recipe.calibration_path(), recipe.calibration_samples, 1
-            else:
-                calib, count, batch = feeds.inputs, plan.split["ranking_samples"], plan.split["batch"]
-            again = str(out / f"{stem}.reproduced.onnx")
-            plan.snippet = plan_snippet(plan, final, again, str(calib) if calib else None, count, batch)
-            contents[reproduce] = plan.snippet
-            names["reproduce.py"] = reproduce
-        else:
-            remove = [model, reproduce, recipe_out]
-        contents = {out / "tiers.json": json.dumps(plan.to_dict(), indent=1, ensure_ascii=False) + "\n", **contents}
-        # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
-        note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
-        report, stale = diagnosis_outputs(out, plan.diagnosis, note)
-        written = write_set({**contents, **report}, remove=remove + stale)
-    files = {"tiers.json": out / "tiers.json", **names}
-    files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
-    return plan, files
 
 
 def plan_snippet(
@@ -610,12 +550,8 @@ def plan_snippet(
     """
     header = f"# target {plan.target}: plan {plan.by_tier or 'empty'}"
     if recipe.mode == "weight_only":
-        from diag.weightonly import weight_only_snippet
-
         return weight_only_snippet(recipe.to_dict(), plan.fp32, model_out, header)
     from types import SimpleNamespace
-
-    from diag.exclude import reproduce_snippet
 
     result = SimpleNamespace(
         recipe=recipe.to_dict(),

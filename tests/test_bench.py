@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from diag import cli
-from diag.bench import LatencyStats, bench_models, format_table, physical_cores
+from diag.bench import BenchOptions, LatencyStats, bench_models, format_table, physical_cores
 from diag.errors import DiagError
 from diag.feeds import Batch, FeedSource, FeedSpec, input_specs
 
@@ -59,7 +59,9 @@ def _source(model_path: Path, sizes: list[int]) -> FeedSource:
 
 def test_model_doing_far_more_work_is_measured_slower(light_heavy):
     light, heavy = light_heavy
-    stats = bench_models([light, heavy], _source(light, [8]), runs=15, warmup=2, threads=1, progress=False)
+    stats = bench_models(
+        [light, heavy], _source(light, [8]), BenchOptions(runs=15, warmup=2, threads=1, progress=False)
+    )
     assert [Path(s.model).name for s in stats] == ["light.onnx", "heavy.onnx"]
     assert stats[0].speedup is None
     assert stats[1].speedup is not None and stats[1].speedup < 0.5
@@ -68,7 +70,9 @@ def test_model_doing_far_more_work_is_measured_slower(light_heavy):
 
 def test_stats_are_ordered_and_settings_recorded(light_heavy):
     light, heavy = light_heavy
-    stats = bench_models([light, heavy, light], _source(light, [4]), runs=9, warmup=1, threads=1, progress=False)
+    stats = bench_models(
+        [light, heavy, light], _source(light, [4]), BenchOptions(runs=9, warmup=1, threads=1, progress=False)
+    )
     assert len(stats) == 3
     for s in stats:
         assert (s.runs, s.warmup, s.threads) == (9, 1, 1)
@@ -84,14 +88,14 @@ def test_batches_are_cycled_and_throughput_counts_their_samples(light_heavy):
     light, _ = light_heavy
     # 2 warm-up + 7 timed rounds over batches of 1, 2, 3 samples: timed rounds 2..8 take
     # batches 2,0,1,2,0,1,2 -> 3+1+2+3+1+2+3 = 15 samples.
-    (s,) = bench_models([light], _source(light, [1, 2, 3]), runs=7, warmup=2, threads=1, progress=False)
+    (s,) = bench_models([light], _source(light, [1, 2, 3]), BenchOptions(runs=7, warmup=2, threads=1, progress=False))
     seconds = s.mean_ms * s.runs / 1000
     assert s.throughput_per_s * seconds == pytest.approx(15, rel=1e-6)
 
 
 def test_default_threads_are_the_physical_cores(light_heavy):
     light, _ = light_heavy
-    (s,) = bench_models([light], _source(light, [1]), runs=2, warmup=0, progress=False)
+    (s,) = bench_models([light], _source(light, [1]), BenchOptions(runs=2, warmup=0, progress=False))
     assert s.threads == physical_cores()
     assert 1 <= physical_cores() <= (os.cpu_count() or 1)
 
@@ -100,7 +104,7 @@ def test_models_with_different_inputs_are_refused(light_heavy, tmp_path):
     light, _ = light_heavy
     other = _model(tmp_path / "other.onnx", 1, input_name="pixels")
     with pytest.raises(DiagError) as e:
-        bench_models([light, other], _source(light, [1]), runs=2, progress=False)
+        bench_models([light, other], _source(light, [1]), BenchOptions(runs=2, progress=False))
     assert e.value.slug == "model-mismatch"
     assert "pixels" in str(e.value)
 
@@ -111,7 +115,7 @@ def test_models_with_different_inputs_are_refused(light_heavy, tmp_path):
 def test_bad_counts_are_refused_before_anything_runs(light_heavy, kw, flag):
     light, _ = light_heavy
     with pytest.raises(DiagError) as e:
-        bench_models([light], _source(light, [1]), progress=False, **kw)
+        bench_models([light], _source(light, [1]), BenchOptions(progress=False, **kw))
     assert e.value.slug == "bad-option" and e.value.obj == flag
 
 
@@ -141,5 +145,7 @@ def test_cli_bench_prints_the_table_and_writes_json(light_heavy, tmp_path, capsy
 
 def test_feed_spec_is_resolved_against_the_first_model(light_heavy):
     light, heavy = light_heavy
-    stats = bench_models([light, heavy], FeedSpec(random=True, samples=3), runs=3, warmup=0, threads=1, progress=False)
+    stats = bench_models(
+        [light, heavy], FeedSpec(random=True, samples=3), BenchOptions(runs=3, warmup=0, threads=1, progress=False)
+    )
     assert [s.runs for s in stats] == [3, 3]

@@ -20,17 +20,17 @@ import onnx
 import pytest
 
 from diag import cli
-from diag.cluster import parse_scheduler, plan_ahead
+from diag.cluster import ClusterTrialRunner, parse_scheduler, plan_ahead
 from diag.compare import CompareOptions
 from diag.errors import DiagError
-from diag.exclude import SearchAlgorithm, derive_exclusions
+from diag.exclude import ExcludeOptions, SearchAlgorithm, derive_exclusions
 from diag.feeds import FeedSpec
 from diag.fixtures import models
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
 from diag.report import document_from_result
-from diag.sweep import sweep_to_dir
-from diag.verbs import diagnose
+from diag.sweep import SweepOptions
+from diag.verbs import diagnose, sweep_to_dir
 
 distributed = pytest.importorskip("distributed")
 
@@ -67,7 +67,9 @@ def transformer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def serial_exclusion(transformer):
     fp, npz = transformer
-    return derive_exclusions(fp, DYNAMIC, FeedSpec(inputs=str(npz), batch=8), STRICT, bench_runs=0, progress=False)
+    return derive_exclusions(
+        fp, DYNAMIC, FeedSpec(inputs=str(npz), batch=8), ExcludeOptions(STRICT, bench_runs=0, progress=False)
+    )
 
 
 def _numbers_equal(a, b, path=""):
@@ -138,9 +140,9 @@ def test_shard_and_scheduler_together_are_refused(cluster, transformer, tmp_path
 def test_exclude_on_a_cluster_takes_the_serial_searchs_every_step(cluster, transformer, serial_exclusion):
     fp, npz = transformer
     spec = FeedSpec(inputs=str(npz), batch=8)
-    r = derive_exclusions(
-        fp, DYNAMIC, spec, STRICT, bench_runs=0, progress=False, scheduler=cluster[0].scheduler_address
-    )
+    options = ExcludeOptions(STRICT, bench_runs=0, progress=False, scheduler=cluster[0].scheduler_address)
+    trials = ClusterTrialRunner(cluster[0].scheduler_address, fp, DYNAMIC, spec, options)
+    r = derive_exclusions(fp, DYNAMIC, spec, options, trials=trials)
     s = serial_exclusion
     real = [t for t in s.trajectory if not t.phase.startswith("estimate")]
     assert len(real) >= 4 and {t.phase for t in real} == {"baseline", "verify", "prune"}
@@ -155,7 +157,7 @@ def test_exclude_on_a_cluster_takes_the_serial_searchs_every_step(cluster, trans
     remote = sum(1 for t in s.trajectory if t.phase in ("search", "verify", "prune"))
     assert info["tasks"] == remote + info["unused_tasks"]
     assert "latency_measured_on" not in info, "--bench-runs 0: no latency was measured anywhere"
-    from diag.exclude import report_section
+    from diag.exclude_view import report_section
 
     assert "trials on a Dask cluster of 2 worker(s)" in report_section(r.to_dict())["counts"]
 
@@ -178,14 +180,14 @@ def test_a_worker_killed_mid_trial_is_retried_and_the_answer_is_unchanged(cluste
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests
     fp, npz = transformer
     spec = FeedSpec(inputs=str(npz), batch=8)
-    serial = derive_exclusions(fp, DYNAMIC, spec, "cosine>=0.999", bench_runs=0, progress=False)
+    serial = derive_exclusions(fp, DYNAMIC, spec, ExcludeOptions("cosine>=0.999", bench_runs=0, progress=False))
     lc, client = cluster
     marker = tmp_path / "killed"
     client.register_plugin(_KillOnce(str(marker)), name="kill-once")
     try:
-        r = derive_exclusions(
-            fp, DYNAMIC, spec, "cosine>=0.999", bench_runs=0, progress=False, scheduler=lc.scheduler_address
-        )
+        options = ExcludeOptions("cosine>=0.999", bench_runs=0, progress=False, scheduler=lc.scheduler_address)
+        trials = ClusterTrialRunner(lc.scheduler_address, fp, DYNAMIC, spec, options)
+        r = derive_exclusions(fp, DYNAMIC, spec, options, trials=trials)
     finally:
         client.unregister_worker_plugin("kill-once")
     assert marker.exists(), "a worker process was killed during a trial"
@@ -199,9 +201,12 @@ def test_sweep_on_a_cluster_ranks_and_measures_as_the_serial_sweep(cluster, tran
     # static: calibrated by each worker on the same split as the serial sweep
     grid = json.dumps({"mode": ["dynamic", "static"], "weight_type": "QUInt8", "activation_type": "QUInt8"})
     spec = FeedSpec(inputs=str(npz), batch=8)
-    serial, _ = sweep_to_dir(fp, spec, tmp_path / "a", grid=grid, runs=0, progress=False)
+    serial, _ = sweep_to_dir(fp, spec, tmp_path / "a", SweepOptions(grid=grid, runs=0, progress=False))
     remote, files = sweep_to_dir(
-        fp, spec, tmp_path / "b", grid=grid, runs=2, repeats=1, progress=False, scheduler=cluster[0].scheduler_address
+        fp,
+        spec,
+        tmp_path / "b",
+        SweepOptions(grid=grid, runs=2, repeats=1, progress=False, scheduler=cluster[0].scheduler_address),
     )
     assert [(e.recipe, e.metrics, e.model_sha256) for e in remote.entries] == [
         (e.recipe, e.metrics, e.model_sha256) for e in serial.entries
@@ -225,10 +230,10 @@ def test_a_cluster_sweep_interrupted_after_one_recipe_resumes_where_it_stopped(c
 
     kw = {"grid": grid, "runs": 0, "progress": False}
     with pytest.raises(KeyboardInterrupt):  # without latency, entries are written as tasks come back
-        sweep_to_dir(fp, spec, tmp_path, on_entry=ctrl_c, scheduler=cluster[0].scheduler_address, **kw)
+        sweep_to_dir(fp, spec, tmp_path, SweepOptions(scheduler=cluster[0].scheduler_address, **kw), on_entry=ctrl_c)
     lines = (tmp_path / "sweep.jsonl").read_text().splitlines()
     assert len(lines) == 1, "the first recipe, written before the interruption"
-    again, _ = sweep_to_dir(fp, spec, tmp_path, **kw)  # serial: the same keys
+    again, _ = sweep_to_dir(fp, spec, tmp_path, SweepOptions(**kw))  # serial: the same keys
     assert (again.resumed, again.measured) == (1, 1)
 
 
@@ -356,15 +361,15 @@ def test_planning_ahead_asks_for_the_serial_searchs_trials_in_its_order(needed, 
     ("verb", "target", "argv"),
     [
         ("compare", "diag.verbs.compare_to_dir", ["a.onnx", "b.onnx", "--random"]),
-        ("exclude", "diag.exclude.exclude_to_dir", ["a.onnx", "--random", "--target", "cosine>=0.99"]),
-        ("sweep", "diag.sweep.sweep_to_dir", ["a.onnx", "--random"]),
+        ("exclude", "diag.verbs.exclude_to_dir", ["a.onnx", "--random", "--target", "cosine>=0.99"]),
+        ("sweep", "diag.verbs.sweep_to_dir", ["a.onnx", "--random"]),
     ],
 )
 def test_scheduler_flag_reaches_the_one_library_call(verb, target, argv, monkeypatch):
     seen = {}
 
     def fake(*args, **kwargs):
-        options = next((a for a in args if isinstance(a, CompareOptions)), None)
+        options = next((a for a in args if isinstance(a, (CompareOptions, ExcludeOptions, SweepOptions))), None)
         seen["scheduler"] = options.scheduler if options is not None else kwargs.get("scheduler")
         raise SystemExit(0)
 

@@ -15,8 +15,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from diag.cli import EXCLUDE_TARGET_HELP, main
 from diag.errors import DiagError
-from diag.exclude import TARGET_METRICS, derive_exclusions, parse_target, report_section, split_feeds
+from diag.exclude import TARGET_METRICS, ExcludeOptions, derive_exclusions, parse_target, split_feeds
 from diag.exclude import summary_lines as summary
+from diag.exclude_view import report_section
 from diag.feeds import FeedSpec
 from diag.fixtures import models
 from diag.plots_exclude import trajectory_plot
@@ -106,7 +107,7 @@ def assert_minimal(fp32: Path, recipe: Recipe, result, arrays, tmp: Path, calib:
 def test_transformer_culprit_is_kept_in_float_and_the_target_met_on_held_out_samples(tmp_path):
     fp, npz, arrays = write_fixture(tmp_path, "transformer")
     feeds = FeedSpec(inputs=str(npz), batch=8)
-    r = derive_exclusions(fp, DYNAMIC, feeds, "cosine>=0.999", bench_runs=0, progress=False, work_dir=tmp_path)
+    r = derive_exclusions(fp, DYNAMIC, feeds, ExcludeOptions("cosine>=0.999", bench_runs=0, progress=False), tmp_path)
     assert r.reachable and not r.already_met
     assert models.transformer().expected.culprit_node in r.nodes_to_exclude
     assert r.split["held_out_first"] == 16 and r.split["held_out_samples"] == 16
@@ -126,7 +127,7 @@ def test_transformer_culprit_is_kept_in_float_and_the_target_met_on_held_out_sam
 def test_convnet_qdq_list_holds_conv3_and_pruning_leaves_only_needed_groups(tmp_path):
     fp, npz, arrays = write_fixture(tmp_path, "convnet")
     feeds = FeedSpec(inputs=str(npz), batch=8)
-    r = derive_exclusions(fp, QDQ, feeds, "cosine>=0.9999", bench_runs=0, progress=False)
+    r = derive_exclusions(fp, QDQ, feeds, ExcludeOptions("cosine>=0.9999", bench_runs=0, progress=False))
     assert r.reachable
     assert models.convnet().expected.culprit_node in r.nodes_to_exclude
     assert r.candidates[0].label.startswith("conv3"), "the culprit is ranked first"
@@ -150,10 +151,7 @@ def test_many_candidates_need_logarithmic_requantizations(tmp_path):
         fp,
         DYNAMIC,
         FeedSpec(inputs=str(npz), batch=8),
-        "cosine>=0.995",
-        bench_runs=0,
-        progress=False,
-        estimates=False,
+        ExcludeOptions("cosine>=0.995", bench_runs=0, progress=False, estimates=False),
     )
     n = len(r.candidates)
     assert n == 40
@@ -168,7 +166,10 @@ def test_many_candidates_need_logarithmic_requantizations(tmp_path):
 def test_unreachable_target_is_reported_as_such_not_as_a_list(tmp_path):
     fp, npz, _ = write_chain(tmp_path, defect=None)
     r = derive_exclusions(
-        fp, DYNAMIC, FeedSpec(inputs=str(npz), batch=8), "cosine>=0.999999", bench_runs=0, progress=False
+        fp,
+        DYNAMIC,
+        FeedSpec(inputs=str(npz), batch=8),
+        ExcludeOptions("cosine>=0.999999", bench_runs=0, progress=False),
     )
     assert not r.reachable and r.verdict == "not reachable"
     assert r.nodes_to_exclude == [] and r.after is None and r.model is None
@@ -241,7 +242,9 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
 
 def test_target_already_met_costs_one_quantization(tmp_path):
     fp, npz, _ = write_fixture(tmp_path, "transformer")
-    r = derive_exclusions(fp, DYNAMIC, FeedSpec(inputs=str(npz), batch=8), "cosine>=0.99", bench_runs=0, progress=False)
+    r = derive_exclusions(
+        fp, DYNAMIC, FeedSpec(inputs=str(npz), batch=8), ExcludeOptions("cosine>=0.99", bench_runs=0, progress=False)
+    )
     assert r.already_met and r.reachable and r.nodes_to_exclude == []
     assert r.quantizations == 1 and r.ranking_passes == 0
 
@@ -254,12 +257,15 @@ def test_accuracy_and_f1_targets_use_labels_of_the_held_out_rows(tmp_path):
     np.save(tmp_path / "labels.npy", labels)
     feeds = FeedSpec(inputs=str(npz), batch=8)
     r = derive_exclusions(
-        fp, QDQ, feeds, "f1_drop<=0.2", labels=str(tmp_path / "labels.npy"), bench_runs=0, progress=False
+        fp,
+        QDQ,
+        feeds,
+        ExcludeOptions("f1_drop<=0.2", labels=str(tmp_path / "labels.npy"), bench_runs=0, progress=False),
     )
     assert r.before.accuracy_fp32 == pytest.approx(12 / 16)
     assert r.before.f1_drop is not None
     with pytest.raises(DiagError, match="needs --labels"):
-        derive_exclusions(fp, QDQ, feeds, "accuracy_drop<=0.01", bench_runs=0, progress=False)
+        derive_exclusions(fp, QDQ, feeds, ExcludeOptions("accuracy_drop<=0.01", bench_runs=0, progress=False))
 
 
 def test_split_keeps_ranking_and_held_out_disjoint(tmp_path):
@@ -401,7 +407,7 @@ def test_max_trials_returns_the_best_verified_list_so_far_and_says_budget_exhaus
     feeds = FeedSpec(inputs=str(npz), batch=8)
     # baseline, {a} (NaN), {a, b} (met): the cap stops the pruning, the met list is the answer
     r = derive_exclusions(
-        fp, DYNAMIC, feeds, "cosine>=0.99", bench_runs=0, progress=False, max_trials=3, estimates=False
+        fp, DYNAMIC, feeds, ExcludeOptions("cosine>=0.99", bench_runs=0, progress=False, max_trials=3, estimates=False)
     )
     assert r.quantizations == 3 and r.verdict == "met" and r.nodes_to_exclude == ["a/MatMul", "b/MatMul"]
     assert r.budget == {"max_trials": 3, "time_budget": None, "exhausted": True, "reason": "--max-trials 3 reached"}
@@ -422,12 +428,15 @@ def test_max_trials_returns_the_best_verified_list_so_far_and_says_budget_exhaus
 def test_time_budget_stops_the_search_after_the_baseline(tmp_path):
     fp, npz = _nan_fixture(tmp_path)
     r = derive_exclusions(
-        fp, DYNAMIC, FeedSpec(inputs=str(npz), batch=8), "cosine>=0.99", bench_runs=0, progress=False, time_budget=1e-6
+        fp,
+        DYNAMIC,
+        FeedSpec(inputs=str(npz), batch=8),
+        ExcludeOptions("cosine>=0.99", bench_runs=0, progress=False, time_budget=1e-6),
     )
     assert r.quantizations == 1 and r.verdict == "budget exhausted"
     assert r.budget["reason"] == "--time-budget reached"
     with pytest.raises(DiagError, match="must be at least 1"):
-        derive_exclusions(fp, DYNAMIC, FeedSpec(inputs=str(npz)), "cosine>=0.99", max_trials=0)
+        derive_exclusions(fp, DYNAMIC, FeedSpec(inputs=str(npz)), ExcludeOptions("cosine>=0.99", max_trials=0))
 
 
 def test_a_mixed_model_slower_than_fp32_is_warned_about():

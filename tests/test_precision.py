@@ -279,13 +279,16 @@ def test_exclude_with_an_fp16_recipe_writes_a_reproduce_script_that_rebuilds_the
     import subprocess
     import sys
 
-    from diag.exclude import exclude_to_dir
+    from diag.exclude import ExcludeOptions
     from diag.recipe import Recipe
+    from diag.verbs import exclude_to_dir
 
     recipe = Recipe(mode="fp16", keep_io_types=True, node_block_list=["attn/Attention"])
     assert recipe.with_excluded(["o/MatMul"]).node_block_list == ["attn/Attention", "o/MatMul"]
     feeds = FeedSpec(inputs=str(overflow["inputs"]))
-    exclude_to_dir(overflow["fp32"], recipe, feeds, "cosine>=0.999", tmp_path, bench_runs=1, progress=False)
+    exclude_to_dir(
+        overflow["fp32"], recipe, feeds, ExcludeOptions("cosine>=0.999", bench_runs=1, progress=False), tmp_path
+    )
     script = (tmp_path / "reproduce.py").read_text()
     assert "convert_float_to_float16" in script and "import diag" not in script and "from diag" not in script
     subprocess.run([sys.executable, str(tmp_path / "reproduce.py")], check=True, cwd=Path.cwd())

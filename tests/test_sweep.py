@@ -33,6 +33,7 @@ from diag.sweep import (
     DEFAULT_GRID,
     JSONL,
     SweepEntry,
+    SweepOptions,
     compare_latency,
     expand_grid,
     folklore,
@@ -40,8 +41,8 @@ from diag.sweep import (
     pareto_front,
     rank_entries,
     read_jsonl,
-    sweep_to_dir,
 )
+from diag.verbs import sweep_to_dir
 
 # ---------------------------------------------------------------- helpers
 
@@ -227,7 +228,10 @@ def test_default_grid_on_the_convnet_fixture_writes_table_front_and_a_best_recip
     fp32, inputs, arrays = write_fixture(tmp_path, "convnet")
     out = tmp_path / "sweep"
     _, files = sweep_to_dir(
-        fp32, FeedSpec(inputs=str(inputs), batch=8), out, runs=5, warmup=1, repeats=2, threads=1, progress=False
+        fp32,
+        FeedSpec(inputs=str(inputs), batch=8),
+        out,
+        SweepOptions(runs=5, warmup=1, repeats=2, threads=1, progress=False),
     )
     assert sorted(files) == ["best.recipe.json", "pareto.svg", "sweep.html", "sweep.json", "sweep.jsonl", "sweep.md"]
     doc = json.loads((out / "sweep.json").read_text())
@@ -279,7 +283,9 @@ def test_a_recipe_onnxruntime_rejects_is_reported_as_skipped_with_its_reason(tmp
     fp32, inputs, _ = write_fixture(tmp_path, "convnet", samples=16)
     grid = json.dumps({"mode": "static", "activation_type": ["QInt8", "QUInt8"], "weight_type": ["QInt8", "QUInt8"]})
     out = tmp_path / "sweep"
-    result, _ = sweep_to_dir(fp32, FeedSpec(inputs=str(inputs), batch=4), out, grid=grid, runs=0, progress=False)
+    result, _ = sweep_to_dir(
+        fp32, FeedSpec(inputs=str(inputs), batch=4), out, SweepOptions(grid=grid, runs=0, progress=False)
+    )
     by_label = {result.labels[e.key]: e for e in result.entries}
     assert sorted(by_label) == [
         "QDQ a:QInt8 w:QInt8",
@@ -296,7 +302,9 @@ def test_a_recipe_onnxruntime_rejects_is_reported_as_skipped_with_its_reason(tmp
     assert doc["counts"]["skipped"] == 1 and doc["counts"]["measured"] == 3
     assert "QDQ a:QInt8 w:QUInt8" in (out / "sweep.md").read_text().split("### Skipped")[1]
     # skipped entries are finished entries: they are in sweep.jsonl and a re-run does not retry them
-    again, _ = sweep_to_dir(fp32, FeedSpec(inputs=str(inputs), batch=4), out, grid=grid, runs=0, progress=False)
+    again, _ = sweep_to_dir(
+        fp32, FeedSpec(inputs=str(inputs), batch=4), out, SweepOptions(grid=grid, runs=0, progress=False)
+    )
     assert again.resumed == 4 and again.measured == 0
 
 
@@ -317,12 +325,18 @@ def test_resuming_after_an_interruption_does_not_redo_finished_recipes(tmp_path)
             raise Stop  # what Ctrl-C does between two recipes
 
     with pytest.raises(KeyboardInterrupt):
-        sweep_to_dir(fp32, feeds, out, grid=grid, runs=2, warmup=0, repeats=1, progress=False, on_entry=stop_after_two)
+        sweep_to_dir(
+            fp32,
+            feeds,
+            out,
+            SweepOptions(grid=grid, runs=2, warmup=0, repeats=1, progress=False),
+            on_entry=stop_after_two,
+        )
     lines = (out / JSONL).read_text().splitlines()
     assert len(lines) == 2 and not (out / "sweep.json").exists()
     first_run = {e.key: e.run_id for e in finished}
 
-    result, _ = sweep_to_dir(fp32, feeds, out, grid=grid, runs=2, warmup=0, repeats=1, progress=False)
+    result, _ = sweep_to_dir(fp32, feeds, out, SweepOptions(grid=grid, runs=2, warmup=0, repeats=1, progress=False))
     assert result.resumed == 2 and result.measured == 2 and len(result.entries) == 4
     for e in result.entries:
         if e.key in first_run:
@@ -341,7 +355,7 @@ def test_resuming_after_an_interruption_does_not_redo_finished_recipes(tmp_path)
             "reduce_range": [False, True],
         }
     )
-    result2, _ = sweep_to_dir(fp32, feeds, out, grid=bigger, runs=2, warmup=0, repeats=1, progress=False)
+    result2, _ = sweep_to_dir(fp32, feeds, out, SweepOptions(grid=bigger, runs=2, warmup=0, repeats=1, progress=False))
     assert result2.resumed == 4 and result2.measured == 4 and len(result2.entries) == 8
     assert {e.key for e in result2.entries if e.run_id != result2.run_id} == {e.key for e in result.entries}
 
@@ -350,7 +364,7 @@ def test_resuming_after_an_interruption_does_not_redo_finished_recipes(tmp_path)
         fh.write('{"context": "x", "entry": {"key"')
     assert len(read_jsonl(out / JSONL, json.loads(after[0])["context"])) == 8
     # other bench settings are another measurement: nothing is reused
-    result3, _ = sweep_to_dir(fp32, feeds, out, grid=grid, runs=3, warmup=0, repeats=1, progress=False)
+    result3, _ = sweep_to_dir(fp32, feeds, out, SweepOptions(grid=grid, runs=3, warmup=0, repeats=1, progress=False))
     assert result3.resumed == 0 and result3.measured == 4
 
 
@@ -358,7 +372,7 @@ def test_names_from_the_grid_stay_text_in_html_and_markdown(tmp_path):
     fp32, inputs, _ = write_fixture(tmp_path, "transformer", samples=8)
     grid = json.dumps({"mode": "dynamic", "extra_options": {"<b>x</b>": [1, 2]}})
     out = tmp_path / "sweep"
-    sweep_to_dir(fp32, FeedSpec(inputs=str(inputs), batch=4), out, grid=grid, runs=0, progress=False)
+    sweep_to_dir(fp32, FeedSpec(inputs=str(inputs), batch=4), out, SweepOptions(grid=grid, runs=0, progress=False))
     html = (out / "sweep.html").read_text()
     assert "<b>x</b>" not in html and "&lt;b&gt;x&lt;/b&gt;" in html
     md = (out / "sweep.md").read_text()
@@ -425,12 +439,7 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
         fp32,
         FeedSpec(inputs=str(tmp_path / "inputs.npz"), batch=4),
         out,
-        grid=grid,
-        runs=4,
-        warmup=1,
-        repeats=2,
-        threads=1,
-        progress=False,
+        SweepOptions(grid=grid, runs=4, warmup=1, repeats=2, threads=1, progress=False),
     )
     doc = json.loads((out / "sweep.json").read_text())
     n = doc["counts"]["recipes"]

@@ -13,7 +13,7 @@ import pytest
 
 from diag import cli
 from diag.errors import GATE_FAILED, OK, USER_ERROR
-from diag.exclude import derive_exclusions
+from diag.exclude import ExcludeOptions, derive_exclusions
 from diag.feeds import FeedSpec
 from diag.fixtures import models
 from diag.recipe import Recipe
@@ -228,11 +228,8 @@ def test_plugin_value_is_an_exclusion_target_met_by_real_requantization(tmp_path
         fp,
         Recipe(mode="dynamic"),
         feeds,
-        "rel_err<=0.15",
-        bench_runs=0,
-        progress=False,
+        ExcludeOptions("rel_err<=0.15", bench_runs=0, progress=False, metric=PLUGIN),
         work_dir=tmp_path,
-        metric=PLUGIN,
     )
     assert str(r.target) == "rel_err<=0.15"
     assert r.reachable and not r.already_met
@@ -249,7 +246,7 @@ def test_plugin_value_is_an_exclusion_target_met_by_real_requantization(tmp_path
     assert _rel_err(*runs) == pytest.approx(r.after.task["rel_err"], rel=1e-6)
     doc = r.to_dict()
     assert doc["metrics"]["after"]["task"] == {"rel_err": r.after.task["rel_err"]}
-    from diag.exclude import report_section
+    from diag.exclude_view import report_section
 
     row = next(x for x in report_section(doc)["metrics"] if x["name"] == "rel_err")
     assert row == {

@@ -30,7 +30,7 @@ def _compare(tmp_path: Path, name: str, fmt: str, samples: int = 16, **opts: obj
 
 def _static_qdq_exclusion(tmp_path: Path, name: str, target: str) -> Any:
     """diag exclude with a static QDQ recipe (calibrated on the ranking split) on fixture ``name``."""
-    from diag.exclude import derive_exclusions
+    from diag.exclude import ExcludeOptions, derive_exclusions
     from diag.recipe import Recipe
 
     fx = build(name)
@@ -38,7 +38,7 @@ def _static_qdq_exclusion(tmp_path: Path, name: str, target: str) -> Any:
     np.savez(tmp_path / "in.npz", **fx.make_inputs(32, 1))
     recipe = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8")
     feeds = FeedSpec(inputs=str(tmp_path / "in.npz"), batch=8)
-    return derive_exclusions(tmp_path / "fp.onnx", recipe, feeds, target, bench_runs=0, progress=False)
+    return derive_exclusions(tmp_path / "fp.onnx", recipe, feeds, ExcludeOptions(target, bench_runs=0, progress=False))
 
 
 def test_output_kinds_are_inferred_from_graph_evidence() -> None:

@@ -43,26 +43,22 @@ def _fixture(folder: Path) -> tuple[Path, Path]:
 
 
 def _exclude(fp: Path, npz: Path, target: str, batch: int, threads: int | None, scheduler: str | None) -> Any:
-    from diag.exclude import derive_exclusions
+    from diag.cluster import ClusterTrialRunner
+    from diag.exclude import ExcludeOptions, derive_exclusions
     from diag.feeds import FeedSpec
     from diag.recipe import Recipe
 
     recipe = Recipe(mode="dynamic", weight_type="QUInt8")
-    return derive_exclusions(
-        fp,
-        recipe,
-        FeedSpec(inputs=str(npz), batch=batch),
-        target,
-        bench_runs=0,
-        progress=False,
-        threads=threads,
-        scheduler=scheduler,
-    )
+    spec = FeedSpec(inputs=str(npz), batch=batch)
+    options = ExcludeOptions(target, bench_runs=0, progress=False, threads=threads, scheduler=scheduler)
+    trials = ClusterTrialRunner(scheduler, fp, recipe, spec, options) if scheduler else None
+    return derive_exclusions(fp, recipe, spec, options, trials=trials)
 
 
 def _sweep(fp: Path, npz: Path, out: Path, batch: int, threads: int | None, scheduler: str | None) -> Any:
+    from diag.cluster import ClusterRecipes
     from diag.feeds import FeedSpec
-    from diag.sweep import sweep_model
+    from diag.sweep import SweepOptions, sweep_model
 
     grid = {
         "mode": ["dynamic", "static"],
@@ -75,16 +71,10 @@ def _sweep(fp: Path, npz: Path, out: Path, batch: int, threads: int | None, sche
         for f in out.iterdir():
             if f.is_file():
                 f.unlink()  # no resuming between timed runs
-    return sweep_model(
-        fp,
-        FeedSpec(inputs=str(npz), batch=batch),
-        out,
-        grid=grid,
-        runs=0,
-        threads=threads or 1,
-        progress=False,
-        scheduler=scheduler,
-    )
+    spec = FeedSpec(inputs=str(npz), batch=batch)
+    options = SweepOptions(grid=json.dumps(grid), runs=0, threads=threads or 1, progress=False, scheduler=scheduler)
+    runner = ClusterRecipes(scheduler, spec, options) if scheduler else None
+    return sweep_model(fp, spec, out, options, runner=runner)
 
 
 def _row(name: str, serial: list[float], cluster: list[float], workers: int, trials: str) -> str:

@@ -1,0 +1,101 @@
+"""The report's verified-fix section, from ``exclusion.json`` alone (`diag exclude`, `diag compare --fix`).
+
+The search (:mod:`diag.exclude`) returns results and writes no view; this module turns the
+document it wrote into the rows the report templates print (every number formatted here) and
+draws its trajectory (:func:`diag.plots_exclude.trajectory_plot`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diag.exclude import calibrations_phrase, count_phrase, estimates_phrase
+from diag.plots_exclude import trajectory_plot
+
+
+def report_section(doc: dict[str, Any]) -> dict[str, Any]:
+    """View-model for the report's exclusion section, from ``exclusion.json`` alone (numbers formatted here).
+
+    Keys: ``verdict``, ``target``, ``nodes`` (the final list), ``metrics`` (rows of name / before /
+    after), ``latency`` (rows of model / p50 / p90 / speedup), ``counts`` (one sentence),
+    ``trajectory_svg`` (see :func:`diag.plots_exclude.trajectory_plot`), ``snippet`` and
+    ``alternatives``. Templates only loop and print.
+
+    Example:
+        >>> view = report_section(json.load(open("exclusion.json")))  # doctest: +SKIP
+        >>> view["nodes"]  # doctest: +SKIP
+        ['layer1/ffn/fc1/MatMul']
+    """
+    before = doc["metrics"]["before"]
+    after = doc["metrics"]["after"] or {}
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, str):
+            return v
+        return f"{v:.6f}" if isinstance(v, float) else str(v)
+
+    names = ("cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop")
+    rows = [
+        {"name": n, "before": cell(before.get(n)), "after": cell(after.get(n))}
+        for n in names
+        if before.get(n) is not None
+    ]
+    if before.get("nonfinite_samples") or after.get("nonfinite_samples"):
+        # First, so that the summary's three lines show it: NaN samples decide the verdict.
+        rows.insert(
+            0,
+            {
+                "name": "NaN/Inf samples",
+                "before": f"{before['nonfinite_samples']} of {before['samples']}",
+                "after": f"{after['nonfinite_samples']} of {after['samples']}" if after else "-",
+            },
+        )
+    # --metric plugin values, by the names the plugin declares.
+    rows += [
+        {"name": n, "before": cell(v), "after": cell((after.get("task") or {}).get(n))}
+        for n, v in (before.get("task") or {}).items()
+    ]
+    latency = [
+        {
+            "model": x["model"],
+            "p50": f"{x['p50_ms']:.2f} ms",
+            "p90": f"{x['p90_ms']:.2f} ms",
+            "speedup": "ref" if x["speedup"] is None else f"{x['speedup']:.2f}x",
+        }
+        for x in doc["latency"]
+    ]
+    s = doc["search"]
+    verdict = doc["verdict"]
+    budget = s.get("budget") or {}
+    if budget.get("exhausted") and verdict == "met":
+        verdict = f"met (budget exhausted: {budget['reason']}; verified, not proven minimal)"
+    calib = s.get("calibrations") or 0
+    return {
+        "verdict": verdict,
+        "target": doc["target"],
+        "held_out": doc["split"]["held_out"],
+        "nodes": list(doc["nodes_to_exclude"]),
+        "metrics": rows,
+        "latency": latency,
+        "counts": f"{count_phrase(s['quantizations'], 'quantization')}{calibrations_phrase(calib)}, "
+        f"{count_phrase(s['evaluations'], 'evaluation')}{estimates_phrase(s.get('estimates', 0))}, "
+        f"{count_phrase(s['ranking_passes'], 'ranking pass', 'ranking passes')} over {s['candidates']} candidate "
+        f"groups in {s['seconds']:.1f} s" + _cluster_note(s.get("cluster") or {}),
+        "trajectory_svg": trajectory_plot(doc) if s["trajectory"] else "",
+        "snippet": doc["snippet"],
+        "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
+        "op_type_suggestions": doc["op_type_suggestions"],
+    }
+
+
+def _cluster_note(info: dict[str, Any]) -> str:
+    """``--scheduler``: where the trials ran, their retries, and where latency was measured."""
+    if not info:
+        return ""
+    where = f"; latency measured on {info['latency_measured_on']}" if info.get("latency_measured_on") else ""
+    return (
+        f"; trials on a Dask cluster of {info['workers']} worker(s): {info['tasks']} tasks, "
+        f"{info['retries']} retried after a worker died{where}"
+    )
