@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag import files
@@ -554,8 +557,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         result, files = sweep_to_dir(args.fp32, _feed_spec(args), args.out, _sweep_options(args))
     except KeyboardInterrupt:
-        from pathlib import Path
-
         jsonl = Path(args.out) / "sweep.jsonl"
         finished = jsonl.is_file() and jsonl.stat().st_size > 0
         state = interrupt_state()
@@ -1020,8 +1021,6 @@ class _sigterm_as_interrupt:
     """SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so work folders are removed on the way out."""
 
     def __enter__(self) -> None:
-        import signal
-        import threading
 
         self._old = None
         if threading.current_thread() is threading.main_thread():
@@ -1032,7 +1031,6 @@ class _sigterm_as_interrupt:
         raise KeyboardInterrupt
 
     def __exit__(self, *exc: object) -> None:
-        import signal
 
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)

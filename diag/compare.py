@@ -14,11 +14,12 @@ accumulators and dropped before the next batch is read.
 from __future__ import annotations
 
 import re
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import onnx
@@ -64,6 +65,7 @@ from diag.outputs import channel_axes, output_specs
 from diag.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.progress import Progress
 from diag.protos import node_id, value_dtypes
+from diag.recipe import Recipe
 from diag.remedies import Suggestion, all_suggestions
 from diag.run import (
     batch_tensor_bytes,
@@ -87,13 +89,19 @@ from diag.taskmetrics import (
 from diag.weights import WeightReport, weight_report
 
 if TYPE_CHECKING:
-    # LAYERING: types only, never imported at run time. The options and the result carry two values
-    # of the fix layer for diag.verbs.diagnose (the recipe given, the sensitivity it measured);
-    # the pipeline here never reads them.
     import onnxruntime as ort
 
-    from diag.recipe import Recipe
-    from diag.sensitivity import SensitivityResult
+
+class SensitivitySection(Protocol):
+    """What a :class:`CompareResult` keeps of ``--sensitivity``: a result that writes its diag.json section.
+
+    :func:`diag.verbs.diagnose` stores a :class:`diag.sensitivity.SensitivityResult` here; the
+    diagnosis never reads it, and the report reads only its section, so this layer need not know
+    the fix layer's type.
+    """
+
+    def to_dict(self) -> dict[str, Any]: ...
+
 
 #: Below this fraction of matched float tensors the two files are not the same graph.
 MIN_COVERAGE = 0.3
@@ -299,7 +307,7 @@ class CompareResult:
     #: The mergeable accumulators behind this result (written into shard files).
     state: CompareState | None = None
     #: ``--sensitivity``: skip-one re-quantizations (set by :func:`diag.verbs.diagnose`).
-    sensitivity: SensitivityResult | None = None
+    sensitivity: SensitivitySection | None = None
     paths: dict[str, list[NodeFinding]] = field(default_factory=dict)
     #: Measured effect on the outputs of keeping each candidate in float (diag.effects).
     effects: EffectCheck | None = None
@@ -455,7 +463,7 @@ def analyze_comparison(
             q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
         )
         result.seconds = time.perf_counter() - run.start
-    attach_task_metrics(result, state, options.metric)
+    attach_task_metrics(result, state.task, options.metric)
     return result
 
 
@@ -882,7 +890,6 @@ def _deployed_sessions(
     which nodes (``state.fused``). Skipped for models with external data, whose saved graph
     would carry a copy of the weights.
     """
-    import tempfile
 
     threads = options.threads or default_threads()
     ext_fp, ext_q = _external_folder(fp), _external_folder(q)

@@ -8,12 +8,12 @@ import numpy as np
 import onnx
 
 from diag.compare import CompareOptions, CompareResult
-from diag.exclude import ExclusionResult
+from diag.exclude import ExcludeOptions, ExclusionResult
 from diag.feeds import FeedSpec
 from diag.files import out_dir as checked_out_dir
 from diag.fixtures import models, quantize
 from diag.recipe import Recipe
-from diag.verbs import DemoOptions, Summary, compare_to_dir, result_lines
+from diag.verbs import DemoOptions, Summary, compare_to_dir, exclude_to_dir, result_lines
 
 
 def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32) -> dict[str, Path]:
@@ -57,7 +57,6 @@ def run_demo(
 
     Returns the comparison, its files, and the ExclusionResult (None without ``fix``).
     """
-    from diag.exclude import ExcludeOptions
 
     out = checked_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
@@ -74,7 +73,6 @@ def run_demo(
             calibration=str(files["calib"].resolve()),
         )
     )
-    from diag.verbs import exclude_to_dir
 
     options = ExcludeOptions(DEMO_TARGET, bench_runs=10, progress=progress)
     exclusion, _ = exclude_to_dir(files["fp32"], recipe, feeds, options, out / "fix")

@@ -27,8 +27,10 @@ Example:
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, BatchSummary, Dis
 from diag.instrument import CutModel
 from diag.match import QuantParams, TensorPair
 from diag.metrics import ErrorAccumulator
+from diag.run import inferred_for_batch, session_from_model
 
 #: Name prefixes of the three models inside the diagnostic graph, and of diag's own nodes.
 FP_PREFIX, INT8_PREFIX, CUT_PREFIX, STAT_PREFIX = "f/", "q/", "c/", "diag/"
@@ -751,7 +754,6 @@ def shapes_and_types(
     Shape inference runs on a weight-free copy with the inputs pinned to the batch's shapes; a
     value whose rank stays unknown is absent (its pair is then reduced by the numpy reference).
     """
-    from diag.run import inferred_for_batch
 
     inferred = inferred_for_batch(model, feeds)  # unknown ranks fall back to the numpy reference
     shapes: dict[str, tuple[int | None, ...]] = {}
@@ -776,10 +778,6 @@ def session_from_graph(dg: DiagGraph, role: str, threads: int, external_data_dir
     A graph whose serialized size would pass protobuf's 2 GiB limit (inline weights of two large
     models) is saved with external data to a temporary folder and loaded from that path.
     """
-    import tempfile
-    from pathlib import Path
-
-    from diag.run import session_from_model
 
     model, dg.model = dg.model, onnx.ModelProto()
     if model.ByteSize() < PROTOBUF_LIMIT:

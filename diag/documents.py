@@ -24,6 +24,7 @@ from typing import Any
 
 from diag.environment import templates_dir
 from diag.errors import DiagError
+from diag.files import input_file
 from diag.untrusted import parse_json
 
 #: No run is split into more shards than this; a larger count is a corrupt or hostile file.
@@ -57,7 +58,6 @@ def read_document(path: str | os.PathLike[str], role: str = "report") -> dict[st
         >>> doc["verdict"]["grade"]  # doctest: +SKIP
         'acceptable'
     """
-    from diag.files import input_file
 
     p = input_file(path, role, "pass the diag.json written by diag compare")
     if p.stat().st_size > MAX_BYTES:

@@ -20,6 +20,7 @@ NOTE: the check never touches the models on disk; every candidate model is a new
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -468,7 +469,6 @@ def _drop_dead_nodes(g: onnx.GraphProto) -> None:
 
 def _sort_topologically(g: onnx.GraphProto) -> None:
     """Order nodes so each follows its producers (Kahn's algorithm; ties keep the current order)."""
-    import heapq
 
     nodes = list(g.node)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}

@@ -18,6 +18,7 @@ and histograms are exactly equal (their bins do not depend on batch order).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -65,7 +66,6 @@ def graph_fingerprint(model: Any) -> str:
     analyse them against another (``--fp32``/``--int8`` pointing at a different model); weights
     are left out so that hashing stays cheap for multi-GB models.
     """
-    import hashlib
 
     h = hashlib.sha256()
     for n in model.graph.node:
@@ -103,7 +103,7 @@ def add_shard_state(doc: dict[str, Any], result: CompareResult) -> dict[str, Any
 
 
 def merge_shards(
-    paths: list[str | os.PathLike[str]],
+    docs: list[tuple[str, dict[str, Any]]],
     fp32: str | os.PathLike[str] | None = None,
     int8: str | os.PathLike[str] | None = None,
 ) -> CompareResult:
@@ -115,16 +115,14 @@ def merge_shards(
     shards' times (compute spent, not wall time).
 
     Example:
-        >>> r = merge_shards(["part0/diag.json", "part1/diag.json"])  # doctest: +SKIP
+        >>> paths = ["part0/diag.json", "part1/diag.json"]
+        >>> r = merge_shards([(p, diag.documents.read_document(p)) for p in paths])  # doctest: +SKIP
         >>> r.samples  # doctest: +SKIP
         32
     """
-    from diag.report import load_document
-
     start = time.perf_counter()
-    if not paths:
+    if not docs:
         raise DiagError("bad-option", "diag merge", "needs at least one shard diag.json", "diag merge part*/diag.json")
-    docs = [(str(p), load_document(p)) for p in paths]
     # NOTE: the documents passed the schema; a field it does not pin down that the merge cannot use
     # is the shard file's fault (bad-report naming the files), not an internal error.
     with fields_of("' / '".join(p for p, _ in docs)):
@@ -172,7 +170,7 @@ def _merge_documents(
     result = finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
     # The shards recorded the recipe the fix re-quantizes with; the models may have moved since.
     result.fix_recipe = first.get("recommendation", {}).get("recipe")
-    attach_task_metrics(result, state, options.metric)
+    attach_task_metrics(result, state.task, options.metric)
     return result
 
 

@@ -10,6 +10,10 @@ import math
 import re
 from typing import Any
 
+import networkx as nx
+
+from diag.distributions import BINS, Pow2Histogram
+
 
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend, set up for small, stable inline SVG."""
@@ -91,7 +95,6 @@ def _display_bins(state: dict[str, Any], lo: int, hi: int, target: int = 300) ->
     Shares, not counts: the FP32 and INT8 histograms are built from subsamples of different
     sizes (see ``diag.distributions.DISPLAY_SAMPLE_MAX``), so only shares overlay.
     """
-    from diag.distributions import BINS
 
     limit = math.ldexp(1.0, state["exponent"])
     width = 2 * limit / BINS
@@ -119,7 +122,6 @@ def distribution(name: str, plotted: dict[str, Any], health: dict[str, Any]) -> 
     plt = pyplot()
     fp, q = plotted["fp32"], plotted["int8"]
     exponent = max(e for e in (fp["exponent"], q["exponent"]) if e is not None)
-    from diag.distributions import Pow2Histogram
 
     hists = []
     for st in (fp, q):
@@ -184,7 +186,6 @@ def neighbourhood(nodes: list[dict[str, Any]], center: str, bad_db: float, hops:
     Edges come from the document alone (a node's ``inputs`` are other nodes' ``tensor``), so
     ``diag report`` can redraw it.
     """
-    import networkx as nx
 
     plt = pyplot()
     by_name = {n["name"]: n for n in nodes}

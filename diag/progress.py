@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from tqdm import tqdm
+
 #: Seconds between two redraws of a bar (tqdm's ``mininterval``).
 REDRAW_SECONDS = 0.1
 
@@ -134,7 +136,6 @@ def _bar_class() -> Any:
     """tqdm, with the fields of :meth:`Progress.fields` available to ``bar_format``."""
     # NOTE: imported on the first bar drawn, not with diag: tqdm takes ~60 ms to import, and
     # `diag --help` (or a run on a pipe, which draws no bar) should not pay for it.
-    from tqdm import tqdm
 
     class Bar(tqdm):  # type: ignore[misc]  # tqdm ships no type hints
         def __init__(self, owner: Progress, **kwargs: Any) -> None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import inspect
 import io
 import logging
 import os
@@ -319,7 +321,6 @@ def _raise_ir_version(staged: Path, actions: list[str]) -> bool:
 
 def _check_node_names(recipe: Recipe, model: onnx.ModelProto) -> None:
     """Node names onnxruntime would silently ignore are a user error here."""
-    import difflib
 
     names = {n.name for n in iter_nodes(model.graph) if n.name}
     types = {n.op_type for n in iter_nodes(model.graph)}
@@ -344,7 +345,6 @@ def _check_node_names(recipe: Recipe, model: onnx.ModelProto) -> None:
 
 def _unread_extra_options(recipe: Recipe) -> list[str]:
     """A warning per ``extra_options`` key the installed onnxruntime never reads (it ignores them silently)."""
-    import difflib
 
     known = onnxruntime_extra_options()
     names = set(known.quantizer) | set(known.calibrator)
@@ -385,7 +385,6 @@ def _caches(recipe: Recipe) -> bool:
 
     SmoothQuant rewrites the model from the calibration data itself: its ranges cannot be cached.
     """
-    import inspect
 
     from onnxruntime.quantization import quantize_static
 

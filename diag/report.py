@@ -12,7 +12,9 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import jinja2
 
 from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict
 from diag.compare import CompareResult
@@ -21,6 +23,8 @@ from diag.documents import SCHEMA, SCHEMA_VERSION, read_document
 from diag.environment import templates_dir
 from diag.errors import DiagError
 from diag.exclude_view import report_section
+from diag.files import check_outputs, input_file, out_dir, output_file, write_set
+from diag.files import out_dir as checked_out_dir
 from diag.fixcode import fix_snippet
 from diag.fp16health import fp16_fix
 from diag.jsonnum import json_number as _num
@@ -31,9 +35,6 @@ from diag.plots import NEIGHBOURHOOD_HOPS, channel_ranges, distribution, error_a
 from diag.precision import describe
 from diag.taskmetrics import json_values, task_lines
 from diag.weights import WeightReport
-
-if TYPE_CHECKING:
-    import jinja2
 
 SUMMARY_MAX_LINES = 60
 
@@ -1240,7 +1241,6 @@ def _printable(value: Any) -> Any:
 
 def jinja_environment() -> jinja2.Environment:
     """The templates' jinja2 environment: autoescaped, StrictUndefined, control characters dropped."""
-    import jinja2  # ~0.2 s to import: only when something is rendered
 
     return jinja2.Environment(
         finalize=_printable,
@@ -1307,7 +1307,6 @@ def report_to_dir(json_path: str | os.PathLike[str], out: str | os.PathLike[str]
         >>> report_to_dir("run/diag.json", "run")  # doctest: +SKIP
         {'report.html': PosixPath('run/report.html'), 'summary.md': PosixPath('run/summary.md')}
     """
-    from diag.files import check_outputs, input_file, out_dir, output_file, write_set
 
     input_file(json_path, "report", "pass the diag.json written by diag compare")
     target = Path(out)
@@ -1336,8 +1335,6 @@ def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[
     Everything is rendered in memory first, so an existing report stays intact (all three files of
     it) until the new one is complete, and a failure leaves no half-written file.
     """
-    from diag.files import out_dir as checked_out_dir
-    from diag.files import write_set
 
     out = checked_out_dir(out_dir)
     return write_set({out / name: text for name, text in output_texts(doc).items()})
@@ -1345,14 +1342,12 @@ def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[
 
 def atomic_write_all(files: dict[Path, str], what: str = "output") -> dict[str, Path]:
     """Write several files in one folder so that either all are replaced or none is."""
-    from diag.files import write_set
 
     return write_set(files, what)
 
 
 def ensure_out_dir(out_dir: str | os.PathLike[str]) -> Path:
     """Create the ``--out`` folder if missing; a ``bad-out`` error when that is impossible."""
-    from diag.files import out_dir as checked_out_dir
 
     return checked_out_dir(out_dir)
 

@@ -26,6 +26,7 @@ and bench settings reuses every line whose recipe is in the grid and measures on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -53,6 +54,7 @@ from diag.numfmt import table_cell
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import STATIC_ONLY, Recipe, inline_json, read_recipe_file
+from diag.untrusted import MAX_DEPTH, max_depth
 
 #: The default grid: the settings popular guides make claims about.
 DEFAULT_GRID: dict[str, Any] = {
@@ -407,7 +409,6 @@ def rank_entries(entries: list[SweepEntry], objective: str) -> list[tuple[str, S
 
 def _sorted_with_speed_ties(entries: list[SweepEntry], objective: str, sign: float) -> list[SweepEntry]:
     """Sort by the objective; among equal values the measurably faster entry first, else grid order."""
-    import functools
 
     order = {id(e): i for i, e in enumerate(entries)}
 
@@ -708,7 +709,6 @@ def read_jsonl(path: Path, context: str) -> dict[str, SweepEntry]:
     done: dict[str, SweepEntry] = {}
     if not path.is_file():
         return done
-    from diag.untrusted import MAX_DEPTH, max_depth
 
     for raw in path.read_bytes().splitlines():
         try:

@@ -9,13 +9,20 @@ know their bands.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from diag.analyze import GRADES, overall_grade
-from diag.taskmetrics import F1Metric, PluginMetric
+from diag.analyze import GRADES, OutputVerdict, overall_grade
+from diag.taskmetrics import F1Metric, PluginMetric, TaskAccumulator
 
-if TYPE_CHECKING:  # LAYERING: compare imports this module; the types only, no import at run time
-    from diag.compare import CompareResult, CompareState
+
+class Graded(Protocol):
+    """The part of a result task metrics join (a :class:`diag.compare.CompareResult`, which imports
+    this module): the output verdicts, the overall grade, and where the finalized metrics go."""
+
+    verdicts: list[OutputVerdict]
+    grade: str
+    task_metrics: dict[str, Any]
+
 
 #: F1 drop bands (FP32 minus INT8, a fraction): the same as the accuracy-drop bands users grade by.
 F1_DROP_BAND = {"excellent": 0.005, "acceptable": 0.015, "reject_above": 0.02}
@@ -37,20 +44,20 @@ def f1_drop_grade(drop: float) -> str:
     return "reject" if drop > F1_DROP_BAND["reject_above"] else "marginal"
 
 
-def attach_task_metrics(result: CompareResult, state: CompareState, spec: str | None) -> None:
-    """Finalize ``state.task`` into ``result.task_metrics`` and grade the F1 drop of the first output.
+def attach_task_metrics(result: Graded, task: dict[str, TaskAccumulator], spec: str | None) -> None:
+    """Finalize ``task`` (a state's accumulators) into ``result.task_metrics``; grade the first output's F1 drop.
 
     The F1 drop is graded with :data:`F1_DROP_BAND` and joins the first output's reasons; the
     output's grade (and the model's) becomes the worse of the two. A plugin's values are reported
     as they are: diag cannot know their bands.
 
     Example:
-        >>> attach_task_metrics(result, result.state, None)  # doctest: +SKIP
+        >>> attach_task_metrics(result, result.state.task, None)  # doctest: +SKIP
         >>> result.task_metrics["f1"]["values"]["f1_macro_drop"]  # doctest: +SKIP
         0.0125
     """
     out: dict[str, Any] = {}
-    f1 = state.task.get("f1")
+    f1 = task.get("f1")
     if isinstance(f1, F1Metric) and f1.samples:
         values = f1.finalize()
         grade = f1_drop_grade(values["f1_macro_drop"])
@@ -63,7 +70,7 @@ def attach_task_metrics(result: CompareResult, state: CompareState, spec: str | 
             )
             v.grade = GRADES[max(GRADES.index(v.grade), GRADES.index(grade))]
             result.grade = overall_grade(result.verdicts)
-    plugin = state.task.get("plugin")
+    plugin = task.get("plugin")
     if isinstance(plugin, PluginMetric) and spec:
         out["plugin"] = {"spec": spec, "values": plugin.finalize(), "better": dict(plugin.better)}
     result.task_metrics = out

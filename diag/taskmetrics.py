@@ -21,6 +21,7 @@ long as it keeps sums and counts, which the protocol's ``merge`` forces anyway.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -28,6 +29,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from diag.errors import DiagError
+from diag.feeds import object_from_spec
 from diag.jsonnum import json_number
 from diag.state import State
 
@@ -180,7 +182,6 @@ def metric_factory(spec: str) -> Callable[[], TaskMetric]:
         ...
         diag.errors.DiagError: --metric 'nope' | is not 'package.module:function'. Hint: e.g. --metric mymetrics:f1
     """
-    from diag.feeds import object_from_spec
 
     obj = f"--metric {spec!r}"
     function = object_from_spec(spec, obj, "bad-metric", "function", "e.g. --metric mymetrics:f1")
@@ -275,7 +276,6 @@ def metric_state(metric: TaskMetric, spec: str) -> Any:
             "the metric has no state() / from_state() pair, so its partial sums cannot be written into the shard file",
             "add state() -> JSON-able and from_state(state) -> metric to the plugin, or run without --shard",
         )
-    import json
 
     try:
         state = metric.state()  # type: ignore[attr-defined]

@@ -42,6 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from diag.bench import BenchOptions, bench_models
@@ -551,7 +552,6 @@ def plan_snippet(
     header = f"# target {plan.target}: plan {plan.by_tier or 'empty'}"
     if recipe.mode == "weight_only":
         return weight_only_snippet(recipe.to_dict(), plan.fp32, model_out, header)
-    from types import SimpleNamespace
 
     result = SimpleNamespace(
         recipe=recipe.to_dict(),

@@ -26,6 +26,7 @@ from diag.analyze import nonfinite_origins
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
 from diag.compare import CompareOptions, CompareResult
+from diag.documents import read_document
 from diag.environment import environment, printable
 from diag.errors import DiagError
 from diag.exclude import ExcludeOptions, ExclusionResult, derive_exclusions
@@ -36,6 +37,7 @@ from diag.fixcode import reproduce_snippet
 from diag.fp16health import fp16_range_lines
 from diag.gate import Gates
 from diag.infer import fix_recipe, recipe_to_file, recipe_to_toml
+from diag.jsonnum import number_from_json
 from diag.lint import lint_recipe_file
 from diag.lint import summary_line as lint_summary_line
 from diag.load import checked_path, model_summary
@@ -242,7 +244,7 @@ def merge_to_dir(
         ['diag.json', 'report.html', 'summary.md']
     """
     check_outputs(out_dir, OUTPUT_NAMES, [*paths, fp32, int8])
-    result = merge_shards(paths, fp32, int8)
+    result = merge_shards([(str(p), read_document(p)) for p in paths], fp32, int8)
     return result, write_outputs(document_from_result(result), out_dir)
 
 
@@ -466,11 +468,13 @@ def _measured_lines(result: CompareResult) -> list[str]:
                 f"  output {v.name} part {label}: SQNR {acc.sqnr_db:.1f} dB, min cosine "
                 f"{part.cosine_min:.4f}" + (f", local SQNR {local.sqnr_db:.1f} dB" if local is not None else "")
             )
-    if result.sensitivity is not None and result.sensitivity.rows:
-        best = result.sensitivity.rows[0]
+    section = result.sensitivity.to_dict() if result.sensitivity is not None else {}
+    if section.get("rows"):
+        best = section["rows"][0]
+        recovered = number_from_json(best["cosine_recovered"])
         lines.append(
-            f"  sensitivity: keeping {best.candidate.label} in float recovers "
-            f"{best.cosine_recovered:+.4f} output cosine ({result.sensitivity.quantizations} quantizations)"
+            f"  sensitivity: keeping {best['label']} in float recovers "
+            f"{recovered:+.4f} output cosine ({section['quantizations']} quantizations)"
         )
     return lines
 

@@ -1,0 +1,123 @@
+"""The layers are a contract: import-linter enforces ARCHITECTURE.md's table, and the contract is strict.
+
+``pyproject.toml``'s ``[tool.importlinter]`` section is generated from the module table of
+ARCHITECTURE.md (``python tools/import_map.py --contract``), so the document and the check cannot
+drift apart. The planted-import tests show the contract can fail: an upward import, or a cycle
+inside one layer, in a temporary copy of diag/ breaks it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "import_map.py"
+
+#: Packages diag may import inside a function: heavy ones that would make ``diag --help`` slow
+#: (onnxruntime, matplotlib), optional extras (Dask), the TOML reader that depends on the Python
+#: version, and ``importlib`` for ``diag/__init__``'s lazy name table.
+LAZY_ALLOWED = {"onnxruntime", "matplotlib", "distributed", "dask", "tomllib", "tomli", "importlib"}
+#: ``diag.environment`` records numpy's and onnx's versions in a report; ``diag --version`` reads the
+#: same module and must not pay for them.
+LAZY_ALLOWED_IN = {("environment", "numpy"), ("environment", "onnx")}
+
+
+def _lint_imports(root: Path, config: Path) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("lint-imports")
+    cmd = [str(exe)] if exe.exists() else [shutil.which("lint-imports") or "lint-imports"]
+    env = {"PYTHONPATH": str(root), "PATH": str(Path(sys.executable).parent)}
+    return subprocess.run(
+        [*cmd, "--config", str(config), "--no-cache"], cwd=root, capture_output=True, text=True, env=env, check=False
+    )
+
+
+def _facts(root: Path = ROOT) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(root), "--json"], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def test_pyproject_contract_is_the_table_of_architecture_md():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--contract"], capture_output=True, text=True, check=True)
+    wanted = tomllib.loads(out.stdout)["tool"]["importlinter"]
+    held = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]
+    assert held == wanted, "rerun `python tools/import_map.py --contract` and paste it into pyproject.toml"
+
+
+def test_lint_imports_passes_on_diag():
+    result = _lint_imports(ROOT, ROOT / "pyproject.toml")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "2 kept, 0 broken" in result.stdout
+
+
+def _copy(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "diag", tmp_path / "diag", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_lint_imports_fails_on_a_planted_upward_import(tmp_path):
+    root = _copy(tmp_path)
+    with (root / "diag" / "errors.py").open("a", encoding="utf-8") as f:
+        f.write("\nimport diag.report  # planted: foundations importing the report layer\n")
+    result = _lint_imports(root, root / "pyproject.toml")
+    assert result.returncode != 0
+    assert "diag.errors is not allowed to import diag.report" in result.stdout
+
+
+def test_lint_imports_fails_on_a_planted_cycle_inside_one_layer(tmp_path):
+    facts = _facts()
+    layers = facts["layers"]
+    edge = next(
+        i
+        for i in facts["imports"]
+        if i["kind"] == "top" and layers.get(i["importer"]) == layers.get(i["imported"]) == "core"
+    )
+    root = _copy(tmp_path)
+    with (root / "diag" / f"{edge['imported']}.py").open("a", encoding="utf-8") as f:
+        f.write(f"\nimport diag.{edge['importer']}  # planted: closes a cycle inside the core layer\n")
+    result = _lint_imports(root, root / "pyproject.toml")
+    assert result.returncode != 0
+    assert "No cycles are allowed in diag" in result.stdout
+
+
+def test_no_import_cycle_and_no_upward_import_as_the_import_map_measures():
+    facts = _facts()
+    assert facts["unlisted"] == []
+    assert facts["cycles"] == []
+    assert facts["upward"] == []
+
+
+def test_diag_modules_are_imported_at_module_top_except_by_the_cli():
+    """cli.py imports a verb's library when the verb runs (``diag --help`` stays instant); nobody else."""
+    lazy = [f"{i['importer']}:{i['line']} -> {i['imported']}" for i in _facts()["imports"] if i["kind"] == "lazy"]
+    assert [x for x in lazy if not x.startswith("cli:")] == []
+
+
+def test_other_packages_are_imported_inside_functions_only_when_heavy_or_optional():
+    found = _facts()["lazy_external"]
+    assert found, "the measurement sees no lazy import at all: onnxruntime is imported lazily somewhere"
+    unexpected = [
+        f"{i['importer']}:{i['line']} {i['package']}"
+        for i in found
+        if i["package"] not in LAZY_ALLOWED and (i["importer"], i["package"]) not in LAZY_ALLOWED_IN
+    ]
+    assert unexpected == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["compare", "--help"], ["exclude", "--help"]])
+def test_diag_help_imports_neither_onnx_nor_onnxruntime_nor_numpy(argv):
+    code = (
+        "import sys\nfrom diag import cli\ntry:\n    cli.main(%r)\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('onnx', 'onnxruntime', 'numpy', 'matplotlib') if m in sys.modules))"
+    ) % (argv,)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
