@@ -117,9 +117,8 @@ def _validate(value: Any, rule: dict[str, Any], root: dict[str, Any], at: str) -
     if "$ref" in rule:
         ref = rule["$ref"].removeprefix("#/$defs/")
         rule = {**root["$defs"][ref], **{k: v for k, v in rule.items() if k != "$ref"}}
-    if "oneOf" in rule:
-        if not any(_validate(value, r, root, at) is None for r in rule["oneOf"]):
-            return f"{_where(at)} has {_short(value)}, which is not a number, 'inf', '-inf', 'nan' or null"
+    if "oneOf" in rule and not any(_validate(value, r, root, at) is None for r in rule["oneOf"]):
+        return f"{_where(at)} has {_short(value)}, which is not a number, 'inf', '-inf', 'nan' or null"
     t = rule.get("type")
     if t is not None:
         types = t if isinstance(t, list) else [t]

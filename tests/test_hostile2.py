@@ -89,8 +89,8 @@ def run_diag(
             fe = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fo, 1)
             os.dup2(fe, 2)
-            sys.stdout = open(1, "w", closefd=False)
-            sys.stderr = open(2, "w", closefd=False)
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child's stdout for the rest of its life
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
             signal.signal(signal.SIGINT, signal.default_int_handler)
             if cwd is not None:
                 os.chdir(cwd)
@@ -1002,15 +1002,17 @@ def bombs(zoo: Zoo) -> dict[str, Path]:
     out["folder"] = folder
     # 2^23 rows x 8 float32 = 256 MiB of zeros, ~0.3 MB on disk: written as a stream, never in memory.
     rows = 1 << 23
-    with zipfile.ZipFile(d / "bomb.npz", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
-        with zf.open("x.npy", "w", force_zip64=True) as fh:
-            fh.write(_npy_bytes((rows, 8), b""))
-            fh.write(_x(4).tobytes())  # four real samples first, then zeros
-            zero = bytes(1 << 22)
-            left = rows * 32 - 4 * 32
-            while left:
-                fh.write(zero[: min(left, len(zero))])
-                left -= min(left, len(zero))
+    with (
+        zipfile.ZipFile(d / "bomb.npz", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf,
+        zf.open("x.npy", "w", force_zip64=True) as fh,
+    ):
+        fh.write(_npy_bytes((rows, 8), b""))
+        fh.write(_x(4).tobytes())  # four real samples first, then zeros
+        zero = bytes(1 << 22)
+        left = rows * 32 - 4 * 32
+        while left:
+            fh.write(zero[: min(left, len(zero))])
+            left -= min(left, len(zero))
     out["bomb"] = d / "bomb.npz"
     return out
 

@@ -12,10 +12,10 @@ import json
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "import_map.py"
@@ -116,8 +116,8 @@ def test_other_packages_are_imported_inside_functions_only_when_heavy_or_optiona
 @pytest.mark.parametrize("argv", [["--help"], ["compare", "--help"], ["exclude", "--help"]])
 def test_diag_help_imports_neither_onnx_nor_onnxruntime_nor_numpy(argv):
     code = (
-        "import sys\nfrom diag import cli\ntry:\n    cli.main(%r)\nexcept SystemExit:\n    pass\n"
+        f"import sys\nfrom diag import cli\ntry:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('onnx', 'onnxruntime', 'numpy', 'matplotlib') if m in sys.modules))"
-    ) % (argv,)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "[]"

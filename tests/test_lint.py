@@ -87,7 +87,7 @@ def test_done_means_invented_key_misspelled_node_and_module_name_are_flagged(ber
     by_code = {f.code: f for f in findings}
     assert f"onnxruntime {onnxruntime.__version__} ignores this key" in by_code["unknown-extra-option"].message
     assert '"op_types_to_quantize": ["MatMul"]' in by_code["unknown-extra-option"].hint
-    assert "did you mean '/encoder/layer.0/attention/self/query/MatMul'?" == by_code["unknown-node"].hint
+    assert by_code["unknown-node"].hint == "did you mean '/encoder/layer.0/attention/self/query/MatMul'?"
     assert by_code["module-name"].hint == (
         "the module's nodes: /encoder/layer.0/attention/self/key/MatMul, /encoder/layer.0/attention/self/key/Add"
     )

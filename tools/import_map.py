@@ -6,6 +6,7 @@ Usage (from anywhere; stdlib only, diag itself is never imported)::
     python tools/import_map.py --edges      # also every import between diag modules, with its line
     python tools/import_map.py --json       # the same facts as one JSON object
     python tools/import_map.py --contract   # the import-linter contract pyproject.toml must hold
+    python tools/import_map.py --files foundations core   # the files of those layers (mypy --strict)
 
 The layer of each module is read from the module table of ``ARCHITECTURE.md`` (rows
 ``| `name` | layer | job |``), so the document is the one place the intended layers are written.
@@ -336,8 +337,8 @@ def contract(layers: dict[str, str]) -> str:
             'type = "layers"',
             'containers = ["diag"]',
             "exhaustive = true",
-            "# diag.fixtures exists only in an installed wheel (fixtures/ is mapped into the package there)",
-            'exhaustive_ignores = ["fixtures"]',
+            "# diag.fixtures and diag.reports_templates exist only in an installed wheel (mapped in from the root)",
+            'exhaustive_ignores = ["fixtures", "reports_templates"]',
             "layers = [",
             *rows,
             "]",
@@ -356,9 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--edges", action="store_true", help="also list every import between diag modules")
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     parser.add_argument("--contract", action="store_true", help="print the import-linter contract of the table")
+    parser.add_argument("--files", nargs="+", choices=LAYERS, metavar="LAYER", help="print the files of these layers")
     args = parser.parse_args(argv)
     facts = import_map(args.root)
-    if args.contract:
+    if args.files:
+        print(" ".join(f"diag/{m}.py" for m in facts.modules if facts.layers.get(m) in args.files))
+    elif args.contract:
         print(contract(facts.layers))
     elif args.json:
         json.dump(facts.to_json(), sys.stdout, indent=1)
