@@ -55,7 +55,7 @@ from diag.bench import BenchOptions, bench_models
 from diag.compare import CompareOptions, CompareResult, compare_models
 from diag.effects import float_region_model
 from diag.errors import DiagError
-from diag.feeds import Batch, FeedSource, FeedSpec, _Restartable, load_labels
+from diag.feeds import Batch, FeedSource, FeedSpec, Restartable, load_labels
 from diag.jsonnum import json_number, json_numbers
 from diag.load import LoadedModel, float_model_from_path, model_from_path
 from diag.match import match_models
@@ -469,10 +469,10 @@ def split_feeds(feeds: FeedSource, holdout: float) -> Split:
 
         return gen
 
-    ranking = FeedSource(f"{feeds.description}, samples 0..{seen - 1}", _Restartable(part(0, cut)), seen, feeds.specs)
+    ranking = FeedSource(f"{feeds.description}, samples 0..{seen - 1}", Restartable(part(0, cut)), seen, feeds.specs)
     held = FeedSource(
         f"{feeds.description}, samples {seen}..{total - 1}",
-        _Restartable(part(cut, len(sizes))),
+        Restartable(part(cut, len(sizes))),
         total - seen,
         feeds.specs,
     )

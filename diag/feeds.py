@@ -222,7 +222,7 @@ def feeds_from_arrays(
 
     next(iter(gen()))  # validates the first batch now, before any model runs
     label = where.removeprefix("inputs ").strip("'")
-    return FeedSource(f"{Path(label).name} ({n} samples, batch {step})", _Restartable(gen), n, specs)
+    return FeedSource(f"{Path(label).name} ({n} samples, batch {step})", Restartable(gen), n, specs)
 
 
 def feeds_from_folder(path: Path, specs: list[InputSpec], samples: int | None) -> FeedSource:
@@ -253,7 +253,7 @@ def feeds_from_folder(path: Path, specs: list[InputSpec], samples: int | None) -
             validate_feed(feed, specs, f"inputs '{p.name}'")
             yield Batch(i, feed, _batch_size(feed, specs))
 
-    return FeedSource(f"folder {path.name} ({len(files)} feed files)", _Restartable(gen), len(files), specs)
+    return FeedSource(f"folder {path.name} ({len(files)} feed files)", Restartable(gen), len(files), specs)
 
 
 def _batch_size(feed: dict[str, np.ndarray], specs: list[InputSpec]) -> int:
@@ -303,7 +303,7 @@ def random_feeds(
             rng = np.random.default_rng([seed, start])
             yield Batch(b, _random_feed(rng, specs, concrete, size, int_range), size)
 
-    return FeedSource(f"random (seed {seed}, {samples} samples)", _Restartable(gen), samples, specs)
+    return FeedSource(f"random (seed {seed}, {samples} samples)", Restartable(gen), samples, specs)
 
 
 def _concrete_dims(specs: list[InputSpec], shapes: dict[str, tuple[int, ...]]) -> dict[str, list[int]]:
@@ -470,10 +470,10 @@ def feeds_from_reader(spec: str, specs: list[InputSpec], samples: int | None) ->
         if count == 0:
             raise DiagError("bad-reader", obj, "yielded zero samples", "check the reader's data")
 
-    return FeedSource(f"reader {spec}", _Restartable(gen), samples, specs)
+    return FeedSource(f"reader {spec}", Restartable(gen), samples, specs)
 
 
-class _Restartable:
+class Restartable:
     """Wrap a generator function so every ``iter()`` starts a fresh pass."""
 
     def __init__(self, gen: object) -> None:
