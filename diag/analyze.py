@@ -18,13 +18,17 @@ Roles (for nodes whose accumulated SQNR is below the "bad" threshold):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import networkx as nx
 
 from diag.graph import input_tensors
 from diag.match import NodeGroup
 from diag.metrics import ErrorStats, OutputStats
+
+T = TypeVar("T")
 
 #: SQNR under which a tensor counts as badly quantized. ~ 4.6 bits of effective precision.
 BAD_SQNR_DB = 20.0
@@ -159,27 +163,36 @@ def classify(f: NodeFinding) -> str:
     return "victim"
 
 
-def nonfinite_origins(findings: list[NodeFinding]) -> dict[str, NodeFinding]:
-    """Where NaN/Inf first appear: the first node in graph order whose output holds them, per model.
+def first_nonfinite(counts: Iterable[tuple[T, int, int]]) -> dict[str, T]:
+    """The one NaN/Inf origin rule, over ``(node, FP32 count, INT8 count)`` in graph order.
 
-    ``"FP32"`` names the first node whose FP32 output is non-finite (the float model itself is
-    broken on these inputs); ``"INT8"`` the first whose INT8 output holds more non-finite values
-    than FP32 (quantization created them, e.g. a Log or Div of a value rounded to zero).
+    ``"FP32"`` is the first node whose FP32 output is non-finite (the float model itself is broken
+    on these inputs); ``"INT8"`` the first whose INT8 output holds more non-finite values than
+    FP32 (quantization created them, e.g. a Log or Div of a value rounded to zero). Used on
+    findings (:func:`nonfinite_origins`) and on a diag.json's nodes (the report).
+
+    Example:
+        >>> first_nonfinite([("a", 0, 0), ("b", 0, 3), ("c", 2, 5)])
+        {'INT8': 'b', 'FP32': 'c'}
+    """
+    origins: dict[str, T] = {}
+    for node, fp, q in counts:
+        if fp and "FP32" not in origins:
+            origins["FP32"] = node
+        if q > fp and "INT8" not in origins:
+            origins["INT8"] = node
+    return origins
+
+
+def nonfinite_origins(findings: list[NodeFinding]) -> dict[str, NodeFinding]:
+    """Where NaN/Inf first appear, per model (:func:`first_nonfinite` over the findings in graph order).
 
     Example:
         >>> nonfinite_origins(result.findings)["INT8"].group.label  # doctest: +SKIP
         'the_log'
     """
-    origins: dict[str, NodeFinding] = {}
-    for f in sorted(findings, key=lambda f: f.index):
-        s = f.accumulated
-        if s is None:
-            continue
-        if s.nonfinite_fp and "FP32" not in origins:
-            origins["FP32"] = f
-        if s.nonfinite_int8 > s.nonfinite_fp and "INT8" not in origins:
-            origins["INT8"] = f
-    return origins
+    ordered = sorted(findings, key=lambda f: f.index)
+    return first_nonfinite((f, a.nonfinite_fp, a.nonfinite_int8) for f in ordered if (a := f.accumulated) is not None)
 
 
 def single_cause(findings: list[NodeFinding]) -> tuple[bool, str]:
@@ -306,6 +319,19 @@ def overall_grade(verdicts: list[OutputVerdict]) -> str:
 
 #: Longest error path followed back from an output (a guard for very deep graphs).
 MAX_PATH = 500
+
+
+def shortened_path(steps: list[str], ends: int, longest: int, more: str) -> list[str]:
+    """The one rule for printing an error path: all of it up to ``longest`` steps, else the first
+    and last ``ends`` steps around one ``more.format(n)`` step that counts the ``n`` left out.
+
+    Example:
+        >>> shortened_path(list("abcdefg"), 2, 5, "... {} more ...")
+        ['a', 'b', '... 3 more ...', 'f', 'g']
+    """
+    if len(steps) <= longest:
+        return steps
+    return [*steps[:ends], more.format(len(steps) - 2 * ends), *steps[-ends:]]
 
 
 def error_paths(findings: list[NodeFinding], outputs: list[str]) -> dict[str, list[NodeFinding]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import jinja2
 
-from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict
+from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict, first_nonfinite, shortened_path
 from diag.compare import CompareResult
 from diag.distributions import TensorHealth, worst_tensors
 from diag.documents import SCHEMA, SCHEMA_VERSION, read_document
@@ -1001,26 +1001,33 @@ def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> 
         for n in path:
             role = f"{n['role']}, " if n["role"] not in ("ok", "victim") else ""
             steps.append(f"{n['name']} [{role}{fmt_db(n['accumulated']['sqnr_db'])} dB]")
-        if len(steps) > PATH_STEPS:
-            steps = [*steps[:3], f"\u2026 {len(steps) - 6} more \u2026", *steps[-3:]]
+        steps = shortened_path(steps, 3, PATH_STEPS, "\u2026 {} more \u2026")
         lines.append(f"{o['name']}: " + " \u2192 ".join(steps))
     return lines
 
 
 def _nonfinite(nodes: list[dict[str, Any]]) -> list[str]:
-    """Where NaN/Inf first appear in each model (same rule as diag.analyze.nonfinite_origins)."""
-    found: dict[str, str] = {}
-    for n in sorted(nodes, key=lambda n: n["index"]):
+    """Where NaN/Inf first appear in each model (:func:`diag.analyze.first_nonfinite` on the document)."""
+    ordered = sorted(nodes, key=lambda n: n["index"])
+    counts = (
+        (n, (n["accumulated"] or {}).get("nonfinite_fp") or 0, (n["accumulated"] or {}).get("nonfinite_int8") or 0)
+        for n in ordered
+    )
+    lines = []
+    for model, n in first_nonfinite(counts).items():
         a = n["accumulated"] or {}
-        fp, q = a.get("nonfinite_fp") or 0, a.get("nonfinite_int8") or 0
-        if fp and "FP32" not in found:
-            found["FP32"] = (
-                f"NaN/Inf first produced in the FP32 model by {n['name']} ({n['op_type']}): {fp} value(s); "
+        if model == "FP32":
+            lines.append(
+                f"NaN/Inf first produced in the FP32 model by {n['name']} ({n['op_type']}): "
+                f"{a.get('nonfinite_fp') or 0} value(s); "
                 "the float model itself is broken on these inputs, so its errors are not quantization's"
             )
-        if q > fp and "INT8" not in found:
-            found["INT8"] = f"NaN/Inf first produced in the INT8 model by {n['name']} ({n['op_type']}): {q} value(s)"
-    return list(found.values())
+        else:
+            lines.append(
+                f"NaN/Inf first produced in the INT8 model by {n['name']} ({n['op_type']}): "
+                f"{a.get('nonfinite_int8') or 0} value(s)"
+            )
+    return lines
 
 
 def _effects_note(effects: dict[str, Any] | None) -> str:

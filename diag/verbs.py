@@ -22,7 +22,7 @@ from typing import Any
 from diag import compare as pipeline
 from diag import diff as document_diff
 from diag import gate
-from diag.analyze import nonfinite_origins
+from diag.analyze import nonfinite_origins, shortened_path
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
 from diag.compare import CompareOptions, CompareResult
@@ -413,9 +413,7 @@ def _cause_lines(result: CompareResult) -> list[str]:
     if result.state is not None and result.state.fp16_ranges:
         lines += [f"  {line}" for line in fp16_range_lines(result.findings, result.state.fp16_ranges)]
     for out, path in result.paths.items():
-        labels = [f.group.label for f in path]
-        if len(labels) > 5:
-            labels = [*labels[:2], f"... {len(labels) - 4} more ...", *labels[-2:]]
+        labels = shortened_path([f.group.label for f in path], 2, 5, "... {} more ...")
         lines.append(f"  error path to {out}: {' -> '.join(labels)}")
     return lines
 
