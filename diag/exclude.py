@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import onnx
 
 from diag.analyze import NodeFinding
 from diag.bench import BenchOptions, bench_models
@@ -59,7 +60,7 @@ from diag.feeds import Batch, FeedSource, FeedSpec, Restartable, load_labels
 from diag.jsonnum import json_number, json_numbers
 from diag.load import LoadedModel, float_model_from_path, model_from_path
 from diag.match import match_models
-from diag.metrics import OutputAccumulator, OutputStats
+from diag.metrics import ErrorStats, OutputAccumulator, OutputStats
 from diag.numfmt import fixed_number
 from diag.outputs import output_specs
 from diag.progress import Progress
@@ -537,7 +538,7 @@ class HeldOutEvaluator:
         q = model_from_path(model_path, "quantized model")
         return self.evaluate_model(q.proto, model_path.name)
 
-    def evaluate_model(self, proto: Any, name: str) -> HeldOutMetrics:
+    def evaluate_model(self, proto: onnx.ModelProto, name: str) -> HeldOutMetrics:
         """:meth:`evaluate` for a model in memory (an estimate's float-region model)."""
 
         model_path = Path(name)
@@ -666,7 +667,7 @@ def ranked_candidates(findings: list[NodeFinding], already_excluded: set[str]) -
         ['layer1/ffn/fc1/MatMul']
     """
 
-    def sqnr(stats: Any) -> float | None:
+    def sqnr(stats: ErrorStats | None) -> float | None:
         return None if stats is None else float(stats.sqnr_db)
 
     def key(f: NodeFinding) -> tuple[float, int]:

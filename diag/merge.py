@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import onnx
+
 from diag.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
 from diag.errors import DiagError
 from diag.match import match_models
@@ -59,7 +61,7 @@ def state_from_json(d: dict[str, Any]) -> CompareState:
     return CompareState.from_state(d)
 
 
-def graph_fingerprint(model: Any) -> str:
+def graph_fingerprint(model: onnx.ModelProto) -> str:
     """A hash of a model's structure (node names, op types, wiring, weight names and shapes), not its weights.
 
     Shards record it so that ``diag merge`` can refuse to add up statistics of one model and

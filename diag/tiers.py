@@ -45,6 +45,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import onnx
+
 from diag.bench import BenchOptions, bench_models
 from diag.compare import CompareOptions, CompareResult, compare_models
 from diag.errors import DiagError
@@ -151,7 +153,7 @@ def parse_tiers(text: str, recipe: Recipe) -> list[str]:
     return names
 
 
-def recipe_for_plan(recipe: Recipe, fp32: Any, plan: dict[str, str]) -> Recipe:
+def recipe_for_plan(recipe: Recipe, fp32: onnx.ModelProto, plan: dict[str, str]) -> Recipe:
     """The recipe that quantizes FP32 node ``n`` at tier ``plan[n]`` (others at the recipe's own tier).
 
     ``fp32`` is the FP32 ``onnx.ModelProto`` (its graph tells a node's activation tensors).
@@ -184,7 +186,7 @@ def recipe_for_plan(recipe: Recipe, fp32: Any, plan: dict[str, str]) -> Recipe:
     return out
 
 
-def weight_tensors(fp32: Any, nodes: list[str]) -> list[str]:
+def weight_tensors(fp32: onnx.ModelProto, nodes: list[str]) -> list[str]:
     """The weight initializers (2-D or more: not biases, which onnxruntime quantizes to int32) of ``nodes``.
 
     Example:
@@ -196,7 +198,7 @@ def weight_tensors(fp32: Any, nodes: list[str]) -> list[str]:
     return list(dict.fromkeys(i for n in fp32.graph.node if n.name in wanted for i in n.input if i in weights))
 
 
-def activation_tensors(fp32: Any, nodes: list[str]) -> list[str]:
+def activation_tensors(fp32: onnx.ModelProto, nodes: list[str]) -> list[str]:
     """The float activation tensors (inputs that are not initializers, and outputs) of ``nodes``.
 
     Example:
