@@ -192,7 +192,7 @@ def test_a_graph_over_the_protobuf_limit_is_loaded_from_a_path_with_the_same_sta
         return original(model, *args, **kwargs)
 
     monkeypatch.setattr(diag.diagraph, "PROTOBUF_LIMIT", 1024)
-    monkeypatch.setattr(diag.run, "session_from_model", spy)
+    monkeypatch.setattr(diag.diagraph, "session_from_model", spy)  # diagraph's own name for it
     ref, got = _states(built("convnet"), "qoperator")
     assert saved and saved[0].endswith("diagnostic.onnx")
     assert_same_statistics(ref, got)

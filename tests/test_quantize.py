@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-import diag.quantize
+import diag.modelprep
 from diag.cli import main
 from diag.errors import DiagError
 from diag.feeds import FeedSpec
@@ -393,7 +393,7 @@ def test_the_opset_trap_is_real_without_the_guard(tmp_path: Path, monkeypatch: p
     )
     assert any(a.startswith("upgraded opset 11 -> 13") for a in report.actions)
     # The > 2 GB path: the same conversion without weights in the converter, weights put back by name.
-    monkeypatch.setattr(diag.quantize, "STRIP_WEIGHTS_BYTES", 0)
+    monkeypatch.setattr(diag.modelprep, "STRIP_WEIGHTS_BYTES", 0)
     upgraded = upgrade_opset(lifted)
     assert {
         t.name: t.raw_data for t in upgraded.graph.initializer if t.name in {i.name for i in lifted.graph.initializer}
