@@ -190,6 +190,18 @@ class Cluster:
         if keys:
             self.retries += sum(self.client.run_on_scheduler(_suspicious, keys).values())
 
+    def fetch(self, future: Any) -> Any:
+        """A finished task's result (a failure of the cluster itself is a ``cluster-failure`` error),
+        its re-runs counted; a DiagError the task returned as data is still to be raised by the caller."""
+        try:
+            result = future.result()
+        except DiagError:
+            raise
+        except Exception as e:
+            raise _cluster_failure(e) from e
+        self.count_retries([future])
+        return result
+
     def cancel(self, futures: list[Any]) -> None:
         """Cancel tasks, counting the re-runs they already cost (a speculative trial can be retried too)."""
         if futures:
@@ -356,13 +368,7 @@ def gather_as_done(
         for future in finished:
             i = pending.pop(future)
             if future.status == "error" or wanted is None or i in wanted:
-                try:
-                    result = future.result()
-                except DiagError:
-                    raise
-                except Exception as e:
-                    raise _cluster_failure(e) from e
-                cluster.count_retries([future])
+                result = cluster.fetch(future)
                 bar.finished(1, sum(1 for f in pending if f.status == "pending"))
                 yield i, _raise_task_error(result)
             else:
@@ -734,13 +740,7 @@ class ClusterTrials:
         for g, f in list(self.futures.items()):
             if f not in done:
                 continue
-            try:
-                result = f.result()
-            except DiagError:
-                raise
-            except Exception as e:
-                raise _cluster_failure(e) from e
-            self.cluster.count_retries([f])
+            result = self.cluster.fetch(f)
             del self.futures[g]
             f.release()
             self.results[g] = _raise_task_error(result)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import tempfile
 import time
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -347,25 +348,23 @@ def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel
             f"already contains quantized operators ({fk})",
             "pass the original float model first",
         )
+    pair = f"models '{fp.path.name}' / '{q.path.name}'"
     f_in = {s.name: s for s in input_specs(fp.proto)}
     q_in = {s.name: s for s in input_specs(q.proto)}
-    if set(f_in) != set(q_in):
-        raise DiagError(
-            "model-mismatch",
-            f"models '{fp.path.name}' / '{q.path.name}'",
-            f"have different inputs ({sorted(f_in)} vs {sorted(q_in)})",
-            "compare an INT8 model with the FP32 model it was quantized from",
-        )
-    f_out = [o.name for o in fp.graph.output]
-    q_out = [o.name for o in q.graph.output]
-    if set(f_out) != set(q_out):
-        raise DiagError(
-            "model-mismatch",
-            f"models '{fp.path.name}' / '{q.path.name}'",
-            f"have different outputs ({sorted(f_out)} vs {sorted(q_out)})",
-            "compare an INT8 model with the FP32 model it was quantized from",
-        )
+    _same_names(pair, "inputs", f_in, q_in)
+    _same_names(pair, "outputs", [o.name for o in fp.graph.output], [o.name for o in q.graph.output])
     return fp, q
+
+
+def _same_names(pair: str, what: str, fp_names: Collection[str], q_names: Collection[str]) -> None:
+    """Both models have the same input (output) names, else ``model-mismatch`` listing both."""
+    if set(fp_names) != set(q_names):
+        raise DiagError(
+            "model-mismatch",
+            pair,
+            f"have different {what} ({sorted(fp_names)} vs {sorted(q_names)})",
+            "compare an INT8 model with the FP32 model it was quantized from",
+        )
 
 
 @dataclass

@@ -90,6 +90,14 @@ def _stat(p: Path, obj: str, *, missing_slug: str = "missing-file") -> os.stat_r
         raise DiagError(missing_slug, obj, f"cannot be examined ({e.strerror or e})", "check the path") from e
 
 
+def _existing(p: Path, obj: str) -> os.stat_result:
+    """``os.stat`` of an input that must exist (``missing-file`` when it does not)."""
+    st = _stat(p, obj)
+    if st is None:
+        raise DiagError("missing-file", obj, "does not exist", "check the path")
+    return st
+
+
 def _remember(p: Path, st: os.stat_result) -> None:
     if any(part.startswith(".diag-") for part in p.parts):
         return  # diag's own work files (a quantized candidate) are not the user's inputs
@@ -112,9 +120,7 @@ def input_file(
     """
     p = Path(path)
     obj = f"{role} '{p}'"
-    st = _stat(p, obj)
-    if st is None:
-        raise DiagError("missing-file", obj, "does not exist", "check the path")
+    st = _existing(p, obj)
     if stat.S_ISDIR(st.st_mode):
         raise DiagError("not-a-file", obj, "is a directory", hint)
     if not stat.S_ISREG(st.st_mode):
@@ -131,9 +137,7 @@ def input_path(path: str | os.PathLike[str], role: str, hint: str = "pass a regu
     """As :func:`input_file`, but a folder is accepted too (``--inputs DIR``); its files are checked when listed."""
     p = Path(path)
     obj = f"{role} '{p}'"
-    st = _stat(p, obj)
-    if st is None:
-        raise DiagError("missing-file", obj, "does not exist", "check the path")
+    st = _existing(p, obj)
     if stat.S_ISDIR(st.st_mode):
         if not os.access(p, os.R_OK | os.X_OK):
             raise DiagError("unreadable", obj, "cannot be listed (permission denied)", "check permissions")

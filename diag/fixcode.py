@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from diag.fp16convert import fix_snippet_fp16, reproduce_fp16
+from diag.fp16convert import KeptInFloat, fix_snippet_fp16, reproduce_fp16
 from diag.infer import SNIPPET_KEYS
 from diag.weightonly import weight_only_fix_snippet, weight_only_snippet
 
@@ -54,26 +54,12 @@ LIFT_CONSTANTS_SNIPPET = [
 ]
 
 
-class Reproducible(Protocol):
-    """What reproduce.py needs of a search's result (:class:`diag.exclude.ExclusionResult`, a tier plan)."""
-
-    @property
-    def fp32(self) -> str: ...
-
-    @property
-    def recipe(self) -> dict[str, Any]: ...
+class Reproducible(KeptInFloat, Protocol):
+    """What reproduce.py needs of a search's result (:class:`diag.exclude.ExclusionResult`, a tier plan):
+    what an fp16 reproduce.py needs, and the steps diag took before onnxruntime's quantizer."""
 
     @property
     def steps(self) -> list[str]: ...
-
-    @property
-    def target(self) -> object: ...
-
-    @property
-    def verdict(self) -> str: ...
-
-    @property
-    def nodes_to_exclude(self) -> list[str]: ...
 
 
 # ---------------------------------------------------------------- shared pieces

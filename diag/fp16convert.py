@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -152,12 +153,8 @@ def fix_snippet_fp16(settings: dict[str, Any], nodes: list[str], fp32_path: str,
         )
         onnx.save(model, "m.fp16.fixed.onnx")
     """
-    blocked = list(dict.fromkeys([*(settings.get("node_block_list") or []), *nodes]))
     out = str(Path(fp16_path).with_name(Path(fp16_path).name.removesuffix(".onnx") + ".fixed.onnx"))
-    args = [f"    keep_io_types={bool(settings.get('keep_io_types'))},"]
-    if settings.get("op_block_list") is not None:
-        args.append(f"    op_block_list={json.dumps(settings['op_block_list'])},")
-    args.append(f"    node_block_list={json.dumps(blocked)},")
+    args = _converter_keywords(settings, nodes, json.dumps)
     return "\n".join(
         [
             "import onnx",
@@ -172,6 +169,18 @@ def fix_snippet_fp16(settings: dict[str, Any], nodes: list[str], fp32_path: str,
     )
 
 
+def _converter_keywords(settings: dict[str, Any], nodes: list[str], literal: Callable[[Any], str]) -> list[str]:
+    """The keyword lines of a generated ``convert_float_to_float16`` call: the recipe's arguments,
+    with ``nodes`` added to its ``node_block_list``; lists written by ``literal`` (``json.dumps`` in the
+    report's fix, ``repr`` in reproduce.py: their bytes are pinned by the golden reports and tests)."""
+    blocked = list(dict.fromkeys([*(settings.get("node_block_list") or []), *nodes]))
+    args = [f"    keep_io_types={bool(settings.get('keep_io_types'))},"]
+    if settings.get("op_block_list") is not None:
+        args.append(f"    op_block_list={literal(settings['op_block_list'])},")
+    args.append(f"    node_block_list={literal(blocked)},")
+    return args
+
+
 def reproduce_fp16(result: KeptInFloat, model_out: str) -> str:
     """`diag exclude`'s reproduce.py for an ``fp16`` recipe: one converter call, no diag.
 
@@ -183,12 +192,7 @@ def reproduce_fp16(result: KeptInFloat, model_out: str) -> str:
         # Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.
         ...
     """
-    r = result.recipe
-    blocked = list(dict.fromkeys([*(r.get("node_block_list") or []), *result.nodes_to_exclude]))
-    args = [f"    keep_io_types={bool(r.get('keep_io_types'))!r},"]
-    if r.get("op_block_list") is not None:
-        args.append(f"    op_block_list={r['op_block_list']!r},")
-    args.append(f"    node_block_list={blocked!r},")
+    args = _converter_keywords(result.recipe, result.nodes_to_exclude, repr)
     return "\n".join(
         [
             "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.",

@@ -120,13 +120,18 @@ def cut_model(int8: onnx.ModelProto, pairs: Iterable[TensorPair]) -> CutModel:
         out_name = rename.get(p.int8_name, local)
         outputs.append(LocalOutput(out_name, p.fp_name, p.dequant))
     graph.node.extend(new_nodes)
+    _set_outputs(graph, outputs)
+    return CutModel(model, inputs, outputs)
+
+
+def _set_outputs(graph: onnx.GraphProto, outputs: list[LocalOutput]) -> None:
+    """Make the cut model's outputs the local values asked for, each name once, in order."""
     del graph.output[:]
     seen: set[str] = set()
     for o in outputs:
         if o.name not in seen:
             graph.output.append(onnx.ValueInfoProto(name=o.name))
             seen.add(o.name)
-    return CutModel(model, inputs, outputs)
 
 
 def pruned_cut(cut: CutModel, fp_names: Iterable[str]) -> CutModel:
@@ -170,12 +175,7 @@ def pruned_cut(cut: CutModel, fp_names: Iterable[str]) -> CutModel:
     initializers = {t.name for t in g.initializer}
     del g.input[:]
     g.input.extend(vi for vi in graph.input if vi.name in needed or vi.name in initializers)
-    del g.output[:]
-    seen: set[str] = set()
-    for o in outputs:
-        if o.name not in seen:
-            g.output.append(onnx.ValueInfoProto(name=o.name))
-            seen.add(o.name)
+    _set_outputs(g, outputs)
     inputs = [ci for ci in cut.inputs if ci.name in needed]
     return CutModel(model, inputs, outputs)
 

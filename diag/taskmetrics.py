@@ -226,25 +226,26 @@ def call_update(
     metric: TaskMetric, spec: str, fp32: dict[str, np.ndarray], int8: dict[str, np.ndarray], labels: Any
 ) -> None:
     """``metric.update(...)``; an exception in the plugin is a ``bad-metric`` error naming it."""
+    _plugin_call(spec, "update", lambda: metric.update(fp32, int8, labels))
+
+
+def _plugin_call(spec: str, method: str, call: Callable[[], _T]) -> _T:
+    """``call()``, a call into the plugin's ``method``; an exception there is a ``bad-metric`` error
+    naming the plugin and the method (a DiagError it raises passes as it is)."""
     try:
-        metric.update(fp32, int8, labels)
+        return call()
     except DiagError:
         raise
     except Exception as e:
         raise DiagError(
-            "bad-metric", f"--metric {spec!r}", f"raised {type(e).__name__} in update(): {e}", "fix the metric"
+            "bad-metric", f"--metric {spec!r}", f"raised {type(e).__name__} in {method}(): {e}", "fix the metric"
         ) from e
 
 
 def finalized(metric: TaskMetric, spec: str) -> dict[str, float]:
     """``metric.finalize()`` checked: a dict of numbers whose names ``better`` declares."""
     obj = f"--metric {spec!r}"
-    try:
-        values = metric.finalize()
-    except DiagError:
-        raise
-    except Exception as e:
-        raise DiagError("bad-metric", obj, f"raised {type(e).__name__} in finalize(): {e}", "fix the metric") from e
+    values = _plugin_call(spec, "finalize", metric.finalize)
     if not isinstance(values, Mapping):
         raise DiagError(
             "bad-metric", obj, f"finalize() returned a {type(values).__name__}, not a dict", "return {name: number}"
@@ -296,14 +297,7 @@ def metric_from_state(factory: Callable[[], TaskMetric], spec: str, state: Any) 
     restore = getattr(fresh, "from_state", None)
     if not callable(restore):
         raise DiagError("bad-metric", f"--metric {spec!r}", "has no from_state()", "add from_state(state) -> metric")
-    try:
-        return checked_metric(restore(state), spec)
-    except DiagError:
-        raise
-    except Exception as e:
-        raise DiagError(
-            "bad-metric", f"--metric {spec!r}", f"raised {type(e).__name__} in from_state(): {e}", "fix the metric"
-        ) from e
+    return _plugin_call(spec, "from_state", lambda: checked_metric(restore(state), spec))
 
 
 class PluginMetric:
@@ -334,14 +328,7 @@ class PluginMetric:
         call_update(self.metric, self.spec, fp32_outputs, int8_outputs, labels)
 
     def merge(self, other: PluginMetric) -> PluginMetric:
-        try:
-            merged = self.metric.merge(other.metric)
-        except DiagError:
-            raise
-        except Exception as e:
-            raise DiagError(
-                "bad-metric", f"--metric {self.spec!r}", f"raised {type(e).__name__} in merge(): {e}", "fix the metric"
-            ) from e
+        merged = _plugin_call(self.spec, "merge", lambda: self.metric.merge(other.metric))
         self.metric = merged if merged is not None else self.metric
         return self
 

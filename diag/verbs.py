@@ -479,6 +479,9 @@ def _measured_lines(result: CompareResult) -> list[str]:
 
 # --- fixing verbs ---
 
+#: A search's answer files: (contents to write, their names as the verb reports them, stale files to remove).
+AnswerFiles = tuple[dict[Path, str | bytes | Path], dict[str, Path], list[Path]]
+
 
 def exclude_to_dir(
     fp32_path: str | Path, recipe: Recipe, feeds: FeedSpec, options: ExcludeOptions, out_dir: str | Path
@@ -502,23 +505,15 @@ def exclude_to_dir(
     with work_dir(out, "exclude") as work:
         with internal_writes():  # candidate models are not this verb's outputs
             result = derive_exclusions(fp32_path, recipe, feeds, options, str(work), trials)
-        contents, names, remove = _exclusion_files(result, recipe, feeds, out, stem)
-        exclusion = result.to_dict()
-        contents = {out / "exclusion.json": json.dumps(exclusion, indent=1, ensure_ascii=False) + "\n", **contents}
+        answer = _exclusion_files(result, recipe, feeds, out, stem)
         # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
         # model is the recipe's baseline, quantized in a temp folder now gone.
-        report, stale = diagnosis_outputs(
-            out, result.diagnosis, "baseline INT8 (the recipe as given, quantized by diag exclude)", exclusion
-        )
-        written = write_set({**contents, **report}, remove=remove + stale)
-    files = {"exclusion.json": out / "exclusion.json", **names}
-    files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
+        note = "baseline INT8 (the recipe as given, quantized by diag exclude)"
+        files = _write_search_set(out, ("exclusion.json", result.to_dict()), answer, result.diagnosis, note, True)
     return result, files
 
 
-def _exclusion_files(
-    result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str
-) -> tuple[dict[Path, str | bytes | Path], dict[str, Path], list[Path]]:
+def _exclusion_files(result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str) -> AnswerFiles:
     """The mixed model (and its external data) and reproduce.py, or the stale ones to remove.
 
     NOTE: one set, written all or nothing: exclusion.json, the mixed model (and its external
@@ -542,6 +537,30 @@ def _exclusion_files(
     contents[reproduce] = result.snippet
     names["reproduce.py"] = reproduce
     return contents, names, []
+
+
+def _write_search_set(
+    out: Path,
+    record: tuple[str, dict[str, Any]],
+    answer: AnswerFiles,
+    diagnosis: CompareResult | None,
+    model_note: str,
+    embed: bool,
+) -> dict[str, Path]:
+    """Write a search's output set all or nothing; the files written, by the names the verb reports.
+
+    The set: the search's record (``record``: file name, JSON; ``exclusion.json`` / ``tiers.json``),
+    its answer's files (or the stale ones removed), and the report of ``diagnosis``, whose model
+    ``model_note`` names (``embed`` puts the record into that report's diag.json too).
+    """
+    name, data = record
+    contents, names, remove = answer
+    contents = {out / name: json.dumps(data, indent=1, ensure_ascii=False) + "\n", **contents}
+    report, stale = diagnosis_outputs(out, diagnosis, model_note, data if embed else None)
+    written = write_set({**contents, **report}, remove=remove + stale)
+    files = {name: out / name, **names}
+    files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
+    return files
 
 
 def _calibration_of(recipe: Recipe, feeds: FeedSpec, split: dict[str, Any]) -> tuple[Any, int | None, int]:
@@ -590,20 +609,14 @@ def tier_plan_to_dir(
     with work_dir(out, "tiers") as work:
         with internal_writes():  # trial models are not this verb's outputs
             plan = derive_tier_plan(fp32_path, recipe, feeds, options, work_dir=work)
-        contents, names, remove = _plan_files(plan, recipe, feeds, out, stem)
-        contents = {out / "tiers.json": json.dumps(plan.to_dict(), indent=1, ensure_ascii=False) + "\n", **contents}
+        answer = _plan_files(plan, recipe, feeds, out, stem)
         # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
         note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
-        report, stale = diagnosis_outputs(out, plan.diagnosis, note)
-        written = write_set({**contents, **report}, remove=remove + stale)
-    files = {"tiers.json": out / "tiers.json", **names}
-    files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
+        files = _write_search_set(out, ("tiers.json", plan.to_dict()), answer, plan.diagnosis, note, False)
     return plan, files
 
 
-def _plan_files(
-    plan: TierPlan, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str
-) -> tuple[dict[Path, str | bytes | Path], dict[str, Path], list[Path]]:
+def _plan_files(plan: TierPlan, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str) -> AnswerFiles:
     """The plan model, recipe.json and reproduce.py, or the stale ones to remove."""
     model, reproduce, recipe_out = out / f"{stem}.plan.onnx", out / "reproduce.py", out / "recipe.json"
     contents: dict[Path, str | bytes | Path] = {}
