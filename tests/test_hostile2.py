@@ -809,9 +809,8 @@ def _interrupt_after_each_file_operation(
                 state["writing"] = False
 
         diag.files.write_set = write_set  # type: ignore[assignment]
-        for module in ("diag.report", "diag.exclude", "diag.sweep", "diag.cli"):
-            mod = sys.modules.get(module)
-            if mod is not None and hasattr(mod, "write_set"):
+        for name, mod in list(sys.modules.items()):  # every diag module that imported it by name
+            if name.startswith("diag.") and getattr(mod, "write_set", None) is real_write_set:
                 mod.write_set = write_set  # type: ignore[attr-defined]
 
         def inside(a: object) -> bool:
