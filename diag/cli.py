@@ -22,22 +22,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag import files
+from diag.diff import DiffOptions, run_diff
 from diag.environment import __version__, printable
 from diag.errors import GATE_FAILED, INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
-from diag.gate import Gates
+from diag.gate import CheckOptions, Gates, run_check
+from diag.summary import Summary
 
 if TYPE_CHECKING:
     from diag.compare import CompareOptions
     from diag.feeds import FeedSpec
     from diag.verbs import (
-        CheckOptions,
         DemoOptions,
-        DiffOptions,
         InspectOptions,
         LintOptions,
         MergeOptions,
         ReportOptions,
-        Summary,
     )
 
 if TYPE_CHECKING:  # the options of the fixing verbs (their modules import numpy and onnx)
@@ -255,8 +254,6 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
 
 
 def check_options(args: argparse.Namespace) -> CheckOptions:
-    from diag.verbs import CheckOptions
-
     gates = Gates(
         min_sqnr=args.min_sqnr,
         min_cosine=args.min_cosine,
@@ -271,8 +268,6 @@ def check_options(args: argparse.Namespace) -> CheckOptions:
 
 
 def diff_options(args: argparse.Namespace) -> DiffOptions:
-    from diag.verbs import DiffOptions
-
     return DiffOptions(args.a, args.b, top=args.top, as_json=args.json)
 
 
@@ -336,18 +331,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     A gate on a metric an output does not have (top-1 agreement of a non-class-like output, accuracy
     drop without --labels) is skipped for that output with a printed note, and FAILS when it applies
     to no output at all: a gate that cannot measure anything never passes."""
-    from diag import verbs
-
-    return _emit(verbs.check(check_options(args)))
+    return _emit(run_check(check_options(args)))
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """Show what got better or worse between two diag.json runs (b relative to a): grade, per-output
     metric deltas, nodes whose quantized status or role changed, largest SQNR changes, nodes in one
     run only, changed settings and versions."""
-    from diag import verbs
-
-    return _emit(verbs.diff(diff_options(args)))
+    return _emit(run_diff(diff_options(args)))
 
 
 def cmd_lint(args: argparse.Namespace) -> int:

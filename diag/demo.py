@@ -13,7 +13,8 @@ from diag.feeds import FeedSpec
 from diag.files import out_dir as checked_out_dir
 from diag.fixtures import models, quantize
 from diag.recipe import Recipe
-from diag.verbs import DemoOptions, Summary, compare_to_dir, exclude_to_dir, result_lines
+from diag.summary import Summary
+from diag.verbs import DemoOptions, compare_to_dir, exclude_to_dir, result_lines
 
 
 def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32) -> dict[str, Path]:

@@ -12,6 +12,7 @@ or fused group label), so renamed or re-fused nodes show as present in only one 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from diag.documents import read_document
 from diag.errors import DiagError
 from diag.gate import GRADES
 from diag.jsonnum import json_number, number_from_json
+from diag.summary import Summary
 from diag.untrusted import fields_of
 
 #: verdict.outputs[*] metric -> True when higher is better.
@@ -358,3 +360,25 @@ def diff_files(a_path: str | os.PathLike[str], b_path: str | os.PathLike[str], t
     a, b = read_document(a_path), read_document(b_path)
     with fields_of(f"{a_path}' or '{b_path}"):
         return diff_documents(a, b, top, (str(a_path), str(b_path)))
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    """``diag diff A B [--top N] [--json]``."""
+
+    a: str
+    b: str
+    top: int = 10
+    #: Machine-readable JSON instead of text lines.
+    as_json: bool = False
+
+
+def run_diff(options: DiffOptions) -> Summary:
+    """`diag diff`: what changed from ``a`` to ``b``, as text lines or (``as_json``) indented JSON.
+
+    Lives here, not in ``diag.verbs``: it reads two JSON files and must not pay for importing onnx.
+    """
+    result = diff_files(options.a, options.b, top=options.top)
+    if options.as_json:
+        return Summary(json.dumps(result.to_dict(), indent=2).splitlines())
+    return Summary(list(result.lines()))

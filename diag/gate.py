@@ -22,6 +22,7 @@ from typing import Any
 from diag.documents import read_document
 from diag.errors import DiagError
 from diag.jsonnum import number_from_json
+from diag.summary import Summary
 from diag.untrusted import fields_of
 
 #: Verdict grades, best first; ``--max-grade`` fails on any grade after the bound.
@@ -262,3 +263,21 @@ def summary_line(results: list[GateResult]) -> str:
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "skip")}
     verdict = "FAILED" if counts["fail"] else "passed"
     return f"check {verdict}: {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """``diag check DIAG.JSON`` with its gates."""
+
+    json: str
+    gates: Gates
+
+
+def run_check(options: CheckOptions) -> Summary:
+    """`diag check`: one line per gate and output, the summary line; failed when any gate failed.
+
+    Lives here, not in ``diag.verbs``: a CI gate reads one JSON file and must not pay for importing
+    onnx and numpy (seconds) the way the verbs that run models do.
+    """
+    results = check_file(options.json, options.gates)
+    return Summary([*(r.line() for r in results), summary_line(results)], any(r.failed for r in results))

@@ -15,13 +15,11 @@ import os
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diag import compare as pipeline
-from diag import diff as document_diff
-from diag import gate
 from diag.analyze import nonfinite_origins, shortened_path
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
@@ -35,7 +33,6 @@ from diag.files import check_outputs, internal_writes, output_file, work_dir, wr
 from diag.files import out_dir as checked_out_dir
 from diag.fixcode import reproduce_snippet
 from diag.fp16health import fp16_range_lines
-from diag.gate import Gates
 from diag.infer import fix_recipe, recipe_to_file, recipe_to_toml
 from diag.jsonnum import number_from_json
 from diag.lint import lint_recipe_file
@@ -48,6 +45,7 @@ from diag.quantize import QuantizeOptions, QuantizeReport, quantize_model
 from diag.recipe import Recipe, recipe_file_text, recipe_from_option
 from diag.report import OUTPUT_NAMES, document_from_result, output_texts, report_to_dir, write_outputs
 from diag.sensitivity import SensitivityOptions, SensitivityResult, skip_one_sensitivity
+from diag.summary import Summary
 from diag.sweep import (
     JSONL,
     SweepEntry,
@@ -63,15 +61,6 @@ from diag.taskmetrics import task_lines
 from diag.tiers import TierOptions, TierPlan, derive_tier_plan, plan_snippet
 
 # --- diagnosing verbs ---
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What a verb prints (one line each, untrusted names still in them: the CLI makes them
-    printable) and whether it failed its gate (the CLI's exit code 3)."""
-
-    lines: list[str] = field(default_factory=list)
-    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,25 +103,6 @@ class DemoOptions:
     samples: int = 32
     progress: bool = True
     fix: bool = True
-
-
-@dataclass(frozen=True)
-class CheckOptions:
-    """``diag check DIAG.JSON`` with its gates."""
-
-    json: str
-    gates: Gates
-
-
-@dataclass(frozen=True)
-class DiffOptions:
-    """``diag diff A B [--top N] [--json]``."""
-
-    a: str
-    b: str
-    top: int = 10
-    #: Machine-readable JSON instead of text lines.
-    as_json: bool = False
 
 
 @dataclass(frozen=True)
@@ -303,20 +273,6 @@ def model_summary_lines(model: str | os.PathLike[str]) -> list[str]:
 def report(options: ReportOptions) -> Summary:
     """`diag report`: re-render a diag.json into a folder (report.html + summary.md) or one .html file."""
     return Summary([f"wrote {path}" for path in report_to_dir(options.json, options.out).values()])
-
-
-def check(options: CheckOptions) -> Summary:
-    """`diag check`: one line per gate and output, the summary line; failed when any gate failed."""
-    results = gate.check_file(options.json, options.gates)
-    return Summary([*(r.line() for r in results), gate.summary_line(results)], any(r.failed for r in results))
-
-
-def diff(options: DiffOptions) -> Summary:
-    """`diag diff`: what changed from ``a`` to ``b``, as text lines or (``as_json``) indented JSON."""
-    result = document_diff.diff_files(options.a, options.b, top=options.top)
-    if options.as_json:
-        return Summary(json.dumps(result.to_dict(), indent=2).splitlines())
-    return Summary(list(result.lines()))
 
 
 def lint(options: LintOptions) -> Summary:

@@ -113,8 +113,18 @@ def test_other_packages_are_imported_inside_functions_only_when_heavy_or_optiona
     assert unexpected == []
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["compare", "--help"], ["exclude", "--help"]])
-def test_diag_help_imports_neither_onnx_nor_onnxruntime_nor_numpy(argv):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["compare", "--help"],
+        ["exclude", "--help"],
+        # the document verbs a CI job runs read JSON only: no model library (seconds to import)
+        ["check", "missing.json", "--min-cosine", "0.9"],
+        ["diff", "a.json", "b.json"],
+    ],
+)
+def test_diag_help_and_the_document_verbs_import_neither_onnx_nor_onnxruntime_nor_numpy(argv):
     code = (
         f"import sys\nfrom diag import cli\ntry:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('onnx', 'onnxruntime', 'numpy', 'matplotlib') if m in sys.modules))"

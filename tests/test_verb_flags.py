@@ -17,12 +17,11 @@ import pytest
 
 from diag import cli
 from diag.compare import CompareOptions
+from diag.diff import DiffOptions
 from diag.feeds import FeedSpec
-from diag.gate import Gates
+from diag.gate import CheckOptions, Gates
 from diag.verbs import (
-    CheckOptions,
     DemoOptions,
-    DiffOptions,
     InspectOptions,
     LintOptions,
     MergeOptions,
