@@ -44,10 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diag.compare import load_pair, run_comparison
+from diag.compare import CompareOptions, CompareState, load_pair, run_comparison
 from diag.errors import DiagError
-from diag.exclude import ExcludeOptions, HeldOutEvaluator, HeldOutMetrics, SearchAlgorithm, split_feeds
-from diag.feeds import load_labels
+from diag.exclude import Candidate, ExcludeOptions, HeldOutEvaluator, HeldOutMetrics, SearchAlgorithm, split_feeds
+from diag.feeds import FeedSource, FeedSpec, load_labels
 from diag.load import float_model_from_path
 from diag.match import match_models
 from diag.merge import state_from_json, state_to_json
@@ -431,8 +431,8 @@ def _merge_shards(a: dict[str, Any], b: dict[str, Any], metric: str | None) -> d
 
 
 def compare_on_cluster(
-    fp32_path: str | Path, int8_path: str | Path, spec: Any, feeds: Any, options: Any
-) -> tuple[Any, dict[str, str], dict[str, Any]]:
+    fp32_path: str | Path, int8_path: str | Path, spec: FeedSpec | None, feeds: FeedSource, options: CompareOptions
+) -> tuple[CompareState, dict[str, str], dict[str, Any]]:
     """Run a comparison as shards on the cluster; return the merged state as ``run_comparison`` does.
 
     ``min(batches, worker threads)`` shards: shard k runs batches k, k + n, ... exactly as
@@ -461,6 +461,7 @@ def compare_on_cluster(
             "both split the batches",
             "use --scheduler alone (it shards and merges), or --shard + diag merge without Dask",
         )
+    assert options.scheduler is not None, "diag.verbs.diagnose calls this only with --scheduler"
     batches = sum(1 for _ in feeds)
     if batches == 0:
         raise DiagError("bad-inputs", "inputs", "yielded zero samples", "provide at least one sample")
@@ -618,7 +619,7 @@ class _Replay(SearchAlgorithm):
 
 
 def plan_ahead(
-    candidates: list[Any],
+    candidates: list[Candidate],
     known: dict[frozenset[int], bool],
     consumed: set[frozenset[int]],
     quantizations: int,
@@ -848,8 +849,8 @@ class ClusterSkipOne:
 def run_trials(
     scheduler: str,
     fp32: Path,
-    recipe: Any,
-    feeds: Any,
+    recipe: Recipe,
+    feeds: FeedSpec,
     node_lists: list[list[str]],
     calibration_cache: Path,
     threads: int | None,
