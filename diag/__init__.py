@@ -2,7 +2,12 @@
 
 The public API (everything else is internal and may change)::
 
-    from diag import compare_models, feed_source, load_pair, DiagError
+    from diag import diagnose, compare_models, FeedSpec, CompareOptions, DiagError
+
+``diagnose`` is what ``diag compare`` computes (the diagnosis, plus the fix recipe,
+``--sensitivity`` and ``--scheduler``); ``compare_models`` is the diagnosis alone. Each verb's
+options are a frozen dataclass (``CompareOptions``, ``ExcludeOptions``, ``SweepOptions``, ...)
+and its ``*_to_dir`` function writes what the verb writes.
 
 NOTE: attributes are imported lazily so that ``diag --help`` does not pay for numpy, onnx and
 onnxruntime imports.
@@ -29,7 +34,8 @@ _LAZY = {
     "Recipe": "diag.recipe",
     "load_recipe": "diag.recipe",
     "save_recipe": "diag.recipe",
-    "QuantizeReport": "diag.quantize",
+    "QuantizeReport": "diag.modelprep",
+    "QuantizeOptions": "diag.quantize",
     "quantize_model": "diag.quantize",
     "compare_to_dir": "diag.verbs",
     "diagnose": "diag.verbs",
@@ -40,6 +46,14 @@ _LAZY = {
     "derive_exclusions": "diag.exclude",
     "exclude_to_dir": "diag.verbs",
     "bench_models": "diag.bench",
+    "BenchOptions": "diag.bench",
+    "SweepOptions": "diag.sweep",
+    "sweep_model": "diag.sweep",
+    "sweep_to_dir": "diag.verbs",
+    "TierOptions": "diag.tiers",
+    "derive_tier_plan": "diag.tiers",
+    "tier_plan_to_dir": "diag.verbs",
+    "SensitivityOptions": "diag.sensitivity",
     "weight_report": "diag.weights",
     "find_patterns": "diag.patterns",
     "skip_one_sensitivity": "diag.sensitivity",

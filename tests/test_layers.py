@@ -131,3 +131,18 @@ def test_diag_help_and_the_document_verbs_import_neither_onnx_nor_onnxruntime_no
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_every_public_name_resolves_to_where_the_lazy_table_says_it_is_defined():
+    """``from diag import X`` works for every name of ``diag.__all__``, from the module that defines it."""
+    import importlib
+
+    import diag
+
+    table = diag._LAZY  # the lazy name table itself: what ``diag.__getattr__`` reads
+    assert set(diag.__all__) == {*table, "__version__"}
+    for name, module in table.items():
+        value = getattr(diag, name)
+        defined_in = getattr(value, "__module__", module)
+        assert defined_in == module, f"diag.{name} is defined in {defined_in}, the table says {module}"
+        assert getattr(importlib.import_module(module), name) is value
