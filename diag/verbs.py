@@ -6,6 +6,15 @@ nothing the user sees is decided in the CLI. This is the one layer that may call
 the pipeline: ``diag compare`` is the diagnosis (:func:`diag.compare.compare_models`) plus the
 fix-side steps it reports (the recipe a fix re-quantizes with, ``--sensitivity``,
 ``--scheduler``), then the report (:mod:`diag.report`).
+
+Two sections: the diagnosing verbs (compare, merge, inspect, report, lint) and the fixing verbs
+(exclude and ``--tiers``, sweep, bench, quantize). The searches and measurements below this layer
+(:mod:`diag.exclude`, :mod:`diag.tiers`, :mod:`diag.sweep`, :mod:`diag.bench`, :mod:`diag.quantize`)
+return results and write nothing: each function here checks the outputs before any work, runs one
+of them (on a Dask cluster when the options name a scheduler: :mod:`diag.cluster`), renders the
+documents and writes the set with :func:`diag.files.write_set`. ``diag check`` and ``diag diff``
+are not here: :func:`diag.gate.run_check` and :func:`diag.diff.run_diff` read JSON only and must
+not import the pipeline.
 """
 
 from __future__ import annotations
