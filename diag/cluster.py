@@ -46,7 +46,8 @@ from typing import Any
 
 from diag.compare import CompareOptions, CompareState, load_pair, run_comparison
 from diag.errors import DiagError
-from diag.exclude import Candidate, ExcludeOptions, HeldOutEvaluator, HeldOutMetrics, SearchAlgorithm, split_feeds
+from diag.evaluate import HeldOutEvaluator, HeldOutMetrics, split_feeds
+from diag.exclude import Candidate, ExcludeOptions, SearchAlgorithm
 from diag.feeds import FeedSource, FeedSpec, load_labels
 from diag.load import float_model_from_path
 from diag.match import match_models

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from diag.analyze import NodeFinding
-from diag.exclude import Candidate, HeldOutEvaluator, HeldOutMetrics, ranked_candidates
+from diag.evaluate import HeldOutEvaluator, HeldOutMetrics
+from diag.exclude import Candidate, ranked_candidates
 from diag.feeds import FeedSource
 from diag.jsonnum import json_number as _j
 from diag.load import model_from_path

@@ -7,7 +7,7 @@ with every recipe of a grid and *measures*: output metrics on held-out samples, 
 quantization time and latency against FP32 with the noise shown.
 
 Pipeline: :func:`expand_grid` (grid -> recipes) -> for each recipe :func:`diag.quantize.quantize_model`
--> :class:`diag.exclude.HeldOutEvaluator` (metrics) -> :func:`diag.bench.bench_models` repeated
+-> :class:`diag.evaluate.HeldOutEvaluator` (metrics) -> :func:`diag.bench.bench_models` repeated
 (latency) -> one JSON line appended to ``sweep.jsonl`` -> :func:`rank_entries`, :func:`pareto_front`,
 :func:`folklore` -> ``sweep.json``, ``sweep.md``, ``sweep.html``, ``pareto.svg``, ``best.recipe.json``.
 
@@ -44,7 +44,7 @@ from typing import Any, Protocol
 from diag.bench import BenchOptions, bench_models, physical_cores
 from diag.environment import environment
 from diag.errors import DiagError
-from diag.exclude import HeldOutEvaluator, Target, parse_target, split_feeds
+from diag.evaluate import HeldOutEvaluator, Target, parse_target, split_feeds
 from diag.feeds import FeedSource, FeedSpec, load_labels
 from diag.files import out_dir as checked_out_dir
 from diag.files import remove_tree, signals_held
@@ -242,7 +242,7 @@ class SweepEntry:
         recipe: the recipe as a recipe file would hold it.
         status: ``ok`` or ``skipped``.
         reason: why it was skipped (onnxruntime's own message).
-        metrics: :meth:`diag.exclude.HeldOutMetrics.to_dict` on the held-out samples.
+        metrics: :meth:`diag.evaluate.HeldOutMetrics.to_dict` on the held-out samples.
         size_bytes: INT8 model file size (with external data).
         quantize_s: wall time of the guarded quantization.
         latency: see :func:`latency_summary`; None when ``runs`` is 0.

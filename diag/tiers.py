@@ -50,18 +50,17 @@ import onnx
 from diag.bench import BenchOptions, bench_models
 from diag.compare import CompareOptions, CompareResult, compare_models
 from diag.errors import DiagError
+from diag.evaluate import HeldOutMetrics, Target
+from diag.evaluate import format_metric as _fmt
 from diag.exclude import (
     BudgetExhausted,
     Candidate,
-    HeldOutMetrics,
     SearchOptions,
     SearchSetup,
-    Target,
     prepare_search,
     ranked_candidates,
     search_target,
 )
-from diag.exclude import format_metric as _fmt
 from diag.feeds import FeedSource, FeedSpec
 from diag.fixcode import reproduce_snippet
 from diag.jsonnum import json_number

@@ -15,7 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from diag.cli import EXCLUDE_TARGET_HELP, main
 from diag.errors import DiagError
-from diag.exclude import TARGET_METRICS, ExcludeOptions, derive_exclusions, parse_target, split_feeds
+from diag.evaluate import TARGET_METRICS, parse_target, split_feeds
+from diag.exclude import ExcludeOptions, derive_exclusions
 from diag.exclude import summary_lines as summary
 from diag.exclude_view import report_section
 from diag.feeds import FeedSpec
@@ -341,7 +342,7 @@ def test_nan_samples_fail_any_target_and_count_as_the_worst_value(tmp_path):
     onnx.save(fx.model, fp)
     arrays = fx.make_inputs(32, 12)
     np.savez(tmp_path / "nan.npz", **arrays)
-    from diag.exclude import HeldOutEvaluator
+    from diag.evaluate import HeldOutEvaluator
     from diag.load import model_from_path
 
     q = tmp_path / "only_a.onnx"
