@@ -33,6 +33,7 @@ from diag.analyze import nonfinite_origins, shortened_path
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
 from diag.compare import CompareOptions, CompareResult
+from diag.document import document_from_result
 from diag.documents import read_document
 from diag.environment import environment, printable
 from diag.errors import DiagError
@@ -52,7 +53,7 @@ from diag.plots_sweep import pareto_plot
 from diag.precision import describe
 from diag.quantize import QuantizeOptions, QuantizeReport, quantize_model
 from diag.recipe import Recipe, recipe_file_text, recipe_from_option
-from diag.report import OUTPUT_NAMES, document_from_result, output_texts, report_to_dir, write_outputs
+from diag.report import OUTPUT_NAMES, output_texts, report_to_dir, write_outputs
 from diag.sensitivity import SensitivityOptions, SensitivityResult, skip_one_sensitivity
 from diag.summary import Summary
 from diag.sweep import (

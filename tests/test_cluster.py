@@ -22,13 +22,13 @@ import pytest
 from diag import cli
 from diag.cluster import ClusterTrialRunner, parse_scheduler, plan_ahead
 from diag.compare import CompareOptions
+from diag.document import document_from_result
 from diag.errors import DiagError
 from diag.exclude import ExcludeOptions, SearchAlgorithm, derive_exclusions
 from diag.feeds import FeedSpec
 from diag.fixtures import models
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
-from diag.report import document_from_result
 from diag.sweep import SweepOptions
 from diag.verbs import diagnose, sweep_to_dir
 

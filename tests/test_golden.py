@@ -39,8 +39,8 @@ def _scrub_svg(text: str) -> tuple[str, int]:
 def _document(built) -> dict:
     if UPDATE:
         from diag.compare import CompareOptions
+        from diag.document import document_from_result
         from diag.feeds import FeedSpec
-        from diag.report import document_from_result
         from diag.verbs import diagnose
 
         b = built("convnet")
