@@ -146,3 +146,56 @@ def test_every_public_name_resolves_to_where_the_lazy_table_says_it_is_defined()
         defined_in = getattr(value, "__module__", module)
         assert defined_in == module, f"diag.{name} is defined in {defined_in}, the table says {module}"
         assert getattr(importlib.import_module(module), name) is value
+
+
+#: The issue's limits: no function longer than this many lines or with more parameters (self and
+#: cls not counted), unless a ``NOTE:`` comment in the function's first lines says why.
+MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS = 8
+
+
+def _oversized(source: str) -> list[str]:
+    import ast
+
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = node.args
+        params = [
+            *a.posonlyargs,
+            *a.args,
+            *a.kwonlyargs,
+            *([a.vararg] if a.vararg else []),
+            *([a.kwarg] if a.kwarg else []),
+        ]
+        count = len([p for p in params if p.arg not in ("self", "cls")])
+        length = (node.end_lineno or node.lineno) - node.lineno + 1
+        noted = any("NOTE:" in line for line in lines[node.lineno - 1 : node.lineno + 5])
+        if (length > MAX_FUNCTION_LINES or count > MAX_PARAMETERS) and not noted:
+            found.append(f"{node.name} ({length} lines, {count} parameters)")
+    return found
+
+
+def test_no_function_over_80_lines_or_8_parameters_without_a_note():
+    found = [f"{p.name}: {f}" for p in sorted((ROOT / "diag").glob("*.py")) for f in _oversized(p.read_text("utf-8"))]
+    assert found == []
+
+
+def test_the_size_check_finds_a_long_function_and_a_wide_one():
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    wide = ", ".join(f"p{i}" for i in range(MAX_PARAMETERS + 1))
+    source = f"def long():\n{long_body}\n\n\ndef wide(self, {wide}):\n    pass\n\n\ndef fine(self, a, b):\n    pass\n"
+    assert _oversized(source) == [
+        f"long ({MAX_FUNCTION_LINES + 1} lines, 0 parameters)",
+        f"wide (2 lines, {MAX_PARAMETERS + 1} parameters)",
+    ]
+
+
+def test_ci_runs_the_layer_contract_and_the_type_checks_before_the_tests():
+    steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text("utf-8").splitlines()]
+    for step in ("ruff check diag tests fixtures tools", "lint-imports", "mypy diag", "pytest"):
+        assert step in steps, f".ci/run does not run {step!r}"
+    assert any(s.startswith("mypy --strict") and "--files foundations core" in s for s in steps)
+    assert steps.index("lint-imports") < steps.index("pytest")
