@@ -191,9 +191,6 @@ def feed_spec(args: argparse.Namespace) -> FeedSpec:
     )
 
 
-_feed_spec = feed_spec
-
-
 def compare_options(args: argparse.Namespace) -> CompareOptions:
     """`diag compare`'s flags as :class:`diag.compare.CompareOptions` (the inputs: :func:`feed_spec`)."""
     from diag.compare import CompareOptions
@@ -366,7 +363,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     timed run; batches are cycled."""
     from diag.verbs import bench_to_json
 
-    _, table, written = bench_to_json(args.models, _feed_spec(args), _bench_options(args))
+    _, table, written = bench_to_json(args.models, feed_spec(args), _bench_options(args))
     print(_safe_lines(table))
     if written is not None:
         print(f"wrote {_safe(written)}")
@@ -403,7 +400,7 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     recipe = recipe_from_option(args.recipe) if args.recipe else Recipe(mode="dynamic")
     if args.tiers:
         return _exclude_tiers(args, recipe)
-    result, files = exclude_to_dir(args.fp32, recipe, _feed_spec(args), _exclude_options(args), args.out)
+    result, files = exclude_to_dir(args.fp32, recipe, feed_spec(args), _exclude_options(args), args.out)
     for line in summary_lines(result):
         print(_safe(line))
     _print_cluster(result.cluster)
@@ -453,7 +450,7 @@ def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
     from diag.verbs import tier_plan_to_dir
 
     options = _tier_options(args)
-    plan, files = tier_plan_to_dir(args.fp32, recipe, _feed_spec(args), options, args.out)
+    plan, files = tier_plan_to_dir(args.fp32, recipe, feed_spec(args), options, args.out)
     for line in summary_lines(plan):
         print(_safe(line))
     for name, path in files.items():
@@ -546,7 +543,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from diag.verbs import sweep_to_dir
 
     try:
-        result, files = sweep_to_dir(args.fp32, _feed_spec(args), args.out, _sweep_options(args))
+        result, files = sweep_to_dir(args.fp32, feed_spec(args), args.out, _sweep_options(args))
     except KeyboardInterrupt:
         jsonl = Path(args.out) / "sweep.jsonl"
         finished = jsonl.is_file() and jsonl.stat().st_size > 0

@@ -418,17 +418,17 @@ def _compare_shard(fp32: str, int8: str, spec: Any, options: Any) -> dict[str, A
     fp, q = load_pair(fp32, int8)
     matching = match_models(fp.proto, q.proto)
     state, unmatched = run_comparison(fp, q, matching, spec.source(fp.proto), options)
-    return {"state": state_to_json(state, options.metric), "unmatched": unmatched}
+    return {"state": state_to_json(state), "unmatched": unmatched}
 
 
 @_worker_task
-def _merge_shards(a: dict[str, Any], b: dict[str, Any], metric: str | None) -> dict[str, Any]:
+def _merge_shards(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     if "error" in a:
         return a
     if "error" in b:
         return b
     state = state_from_json(a["state"]).merge(state_from_json(b["state"]))
-    return {"state": state_to_json(state, metric), "unmatched": {**a["unmatched"], **b["unmatched"]}}
+    return {"state": state_to_json(state), "unmatched": {**a["unmatched"], **b["unmatched"]}}
 
 
 def compare_on_cluster(
@@ -489,7 +489,7 @@ def compare_on_cluster(
         futures.extend(level)
         while len(level) > 1:  # a tree: log2(n) rounds of pairwise merges, on the workers
             pairs = [level[i : i + 2] for i in range(0, len(level), 2)]
-            level = [cluster.submit(_merge_shards, *p, options.metric) if len(p) == 2 else p[0] for p in pairs]
+            level = [cluster.submit(_merge_shards, *p) if len(p) == 2 else p[0] for p in pairs]
             futures.extend(f for f in level if f not in futures)
         final = futures.index(level[0])
         merged = dict(gather_as_done(cluster, futures, bar, wanted={final}))[final]

@@ -18,6 +18,7 @@ error instead of an internal one.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 from diag.environment import templates_dir
 from diag.errors import DiagError
 from diag.files import input_file
-from diag.untrusted import parse_json
+from diag.untrusted import bad_report, parse_json
 
 #: No run is split into more shards than this; a larger count is a corrupt or hostile file.
 MAX_SHARDS = 100_000
@@ -36,18 +37,11 @@ MAX_BYTES = 1 << 30
 SCHEMA = "diag/compare"
 SCHEMA_VERSION = 1
 
-_SCHEMA: dict[str, Any] | None = None
 
-
+@functools.cache
 def _schema() -> dict[str, Any]:
-    global _SCHEMA
-    if _SCHEMA is None:
-        _SCHEMA = json.loads((templates_dir() / "diag.schema.json").read_text(encoding="utf-8"))
-    return _SCHEMA
-
-
-def _bad(path: object, problem: str, hint: str = "pass the diag.json written by diag compare") -> DiagError:
-    return DiagError("bad-report", f"report '{path}'", problem, hint)
+    """The shipped schema, read once per process."""
+    return json.loads((templates_dir() / "diag.schema.json").read_text(encoding="utf-8"))  # type: ignore[no-any-return]
 
 
 def read_document(path: str | os.PathLike[str], role: str = "report") -> dict[str, Any]:
@@ -61,11 +55,11 @@ def read_document(path: str | os.PathLike[str], role: str = "report") -> dict[st
 
     p = input_file(path, role, "pass the diag.json written by diag compare")
     if p.stat().st_size > MAX_BYTES:
-        raise _bad(p, f"is {p.stat().st_size:,} bytes; no diag.json is that large")
+        raise bad_report(p, f"is {p.stat().st_size:,} bytes; no diag.json is that large")
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _bad(p, "is not UTF-8 text") from e
+        raise bad_report(p, "is not UTF-8 text") from e
     except OSError as e:
         raise DiagError("unreadable", f"{role} '{p}'", f"cannot be read ({e.strerror})", "check permissions") from e
     doc = parse_json(text, p)
@@ -76,9 +70,9 @@ def read_document(path: str | os.PathLike[str], role: str = "report") -> dict[st
 def validate_document(doc: Any, path: object) -> None:
     """Schema and semantic checks of a parsed ``diag.json``; ``bad-report`` naming the field on failure."""
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise _bad(path, "is not a diag compare document")
+        raise bad_report(path, "is not a diag compare document")
     if doc.get("schema_version") != SCHEMA_VERSION:
-        raise _bad(
+        raise bad_report(
             path,
             f"has schema version {str(doc.get('schema_version'))[:20]}, this diag reads {SCHEMA_VERSION}",
             "re-run diag compare with this version",
@@ -86,7 +80,7 @@ def validate_document(doc: Any, path: object) -> None:
     schema = _schema()
     problem = _validate(doc, schema, schema, "")
     if problem is not None:
-        raise _bad(path, problem, "re-run diag compare to write it again")
+        raise bad_report(path, problem, "re-run diag compare to write it again")
     _semantics(doc, path)
 
 
@@ -165,9 +159,9 @@ def _short(value: Any) -> str:
 
 def _count(value: Any, at: str, path: object, top: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise _bad(path, f"field '{at}' is {_short(value)}, not a count (an integer >= 0)")
+        raise bad_report(path, f"field '{at}' is {_short(value)}, not a count (an integer >= 0)")
     if top is not None and value > top:
-        raise _bad(path, f"field '{at}' is {value:,}, more than {top:,}", "re-run diag compare to write it again")
+        raise bad_report(path, f"field '{at}' is {value:,}, more than {top:,}", "re-run diag compare to write it again")
     return value
 
 
@@ -180,26 +174,26 @@ def _semantics(doc: dict[str, Any], path: object) -> None:
     if shard is None:
         return
     if not isinstance(shard, dict):
-        raise _bad(path, "field 'shard' is not an object")
+        raise bad_report(path, "field 'shard' is not an object")
     n = _count(shard.get("count"), "shard.count", path, MAX_SHARDS)
     k = _count(shard.get("index"), "shard.index", path)
     if n < 1 or k >= n:
-        raise _bad(path, f"field 'shard.index' is {k} but 'shard.count' is {n}: shards are numbered 0..count-1")
+        raise bad_report(path, f"field 'shard.index' is {k} but 'shard.count' is {n}: shards are numbered 0..count-1")
     state = shard.get("state")
     if not isinstance(state, dict):
-        raise _bad(path, "field 'shard.state' is not an object")
+        raise bad_report(path, "field 'shard.state' is not an object")
     for key in ("samples", "batches", "passes"):
         _count(state.get(key), f"shard.state.{key}", path)
     for key in ("accumulated", "local", "outputs", "distributions", "deployed", "labelled"):
         part = state.get(key)
         if not isinstance(part, dict):
-            raise _bad(path, f"field 'shard.state.{key}' is {_kind(part)}, not an object")
+            raise bad_report(path, f"field 'shard.state.{key}' is {_kind(part)}, not an object")
         for name, item in part.items():
             if key == "labelled":
                 _count(item, f"shard.state.labelled.{name}", path)
             elif not isinstance(item, dict):
-                raise _bad(path, f"field 'shard.state.{key}.{name}' is {_kind(item)}, not an object")
+                raise bad_report(path, f"field 'shard.state.{key}.{name}' is {_kind(item)}, not an object")
     if not isinstance(state.get("fused"), list):
-        raise _bad(path, "field 'shard.state.fused' is not an array")
+        raise bad_report(path, "field 'shard.state.fused' is not an array")
     if not isinstance(shard.get("runtime_unmatched"), dict):
-        raise _bad(path, "field 'shard.runtime_unmatched' is not an object")
+        raise bad_report(path, "field 'shard.runtime_unmatched' is not an object")

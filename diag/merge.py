@@ -32,16 +32,12 @@ from diag.match import match_models
 from diag.taskgrade import attach_task_metrics
 from diag.untrusted import fields_of
 
-#: Version of the ``shard.state`` layout written (see :attr:`CompareState.STATE_VERSION`).
-STATE_VERSION = CompareState.STATE_VERSION
 
-
-def state_to_json(state: CompareState, metric: str | None = None) -> dict[str, Any]:
+def state_to_json(state: CompareState) -> dict[str, Any]:
     """The accumulators of ``state`` as a JSON-ready dict (no tensors: sums, maxima, bins).
 
-    The state is written through the accumulators' own ``to_state`` (:mod:`diag.state`).
-    ``metric``: unused, kept for callers that still pass ``--metric``'s spec (a plugin's spec now
-    travels with it, :class:`diag.taskmetrics.PluginMetric`).
+    The state is written through the accumulators' own ``to_state`` (:mod:`diag.state`); a
+    ``--metric`` plugin's spec travels with its state (:class:`diag.taskmetrics.PluginMetric`).
 
     Example:
         >>> s = state_to_json(CompareState())
@@ -97,7 +93,7 @@ def add_shard_state(doc: dict[str, Any], result: CompareResult) -> dict[str, Any
         "outlier_factor": result.options.outlier_factor,
         "runtime_unmatched": dict(result.runtime_unmatched),
         "graphs": {"fp32": graph_fingerprint(result.fp32.proto), "int8": graph_fingerprint(result.int8.proto)},
-        "state": state_to_json(result.state, result.options.metric),
+        "state": state_to_json(result.state),
     }
     doc["run"]["shard"] = f"{k}/{n}"
     doc["run"]["inputs"] = f"{result.input_description}, shard {k}/{n} (batches {k}, {k + n}, ...)"

@@ -9,7 +9,6 @@ in every case: they are the verbs' own output, not decoration.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ class Progress:
         self._total = total
         # NOTE: the tqdm bar is made at the first advance, so a step that never advances (or is
         # disabled) draws nothing, and the two bars of one exclude search do not stack unused.
-        self._bar: Any = None  # a tqdm subclass (see _bar_class)
+        self._bar: Any = None  # a tqdm subclass (_Bar)
         self._closed = False
 
     @property
@@ -94,7 +93,7 @@ class Progress:
 
     def _start(self) -> Any:
         columns, rows = _terminal_size()
-        self._bar = _bar_class()(
+        self._bar = _Bar(
             self,
             total=self._total,
             desc=self.label,
@@ -131,22 +130,16 @@ def _terminal_size() -> tuple[int, int]:
     return columns or 120, rows or 24
 
 
-@functools.cache
-def _bar_class() -> Any:
+class _Bar(tqdm):  # type: ignore[misc]  # tqdm ships no type hints
     """tqdm, with the fields of :meth:`Progress.fields` available to ``bar_format``."""
-    # NOTE: imported on the first bar drawn, not with diag: tqdm takes ~60 ms to import, and
-    # `diag --help` (or a run on a pipe, which draws no bar) should not pay for it.
 
-    class Bar(tqdm):  # type: ignore[misc]  # tqdm ships no type hints
-        def __init__(self, owner: Progress, **kwargs: Any) -> None:
-            self._owner = owner  # before tqdm's __init__, which draws
-            super().__init__(**kwargs)
+    def __init__(self, owner: Progress, **kwargs: Any) -> None:
+        self._owner = owner  # before tqdm's __init__, which draws
+        super().__init__(**kwargs)
 
-        @property
-        def format_dict(self) -> dict[str, Any]:
-            return {**super().format_dict, **self._owner.fields()}
-
-    return Bar
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        return {**super().format_dict, **self._owner.fields()}
 
 
 def _rate(per_second: float) -> str:

@@ -977,24 +977,3 @@ def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[
 
     out = checked_out_dir(out_dir)
     return write_set({out / name: text for name, text in output_texts(doc).items()})
-
-
-def atomic_write_all(files: dict[Path, str], what: str = "output") -> dict[str, Path]:
-    """Write several files in one folder so that either all are replaced or none is."""
-
-    return write_set(files, what)
-
-
-def ensure_out_dir(out_dir: str | os.PathLike[str]) -> Path:
-    """Create the ``--out`` folder if missing; a ``bad-out`` error when that is impossible."""
-
-    return checked_out_dir(out_dir)
-
-
-def atomic_write(path: Path, text: str, what: str = "output") -> Path:
-    """Write ``text`` to ``path`` via a temp file + rename; never leaves a partial file.
-
-    ``what`` names the file in the error (``output``, ``recipe``, ...).
-    """
-    atomic_write_all({Path(path): text}, what)
-    return Path(path)

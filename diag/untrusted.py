@@ -20,7 +20,8 @@ from diag.errors import DiagError
 MAX_DEPTH = 64
 
 
-def _bad(path: object, problem: str, hint: str = "pass the diag.json written by diag compare") -> DiagError:
+def bad_report(path: object, problem: str, hint: str = "pass the diag.json written by diag compare") -> DiagError:
+    """The ``bad-report`` error naming a JSON document and what is wrong with it."""
     return DiagError("bad-report", f"report '{path}'", problem, hint)
 
 
@@ -33,7 +34,7 @@ def parse_json(text: str, path: object, *, bad: Callable[[object, str], DiagErro
         ...
         diag.errors.DiagError: report 'x.json' | is nested deeper than 64 levels. Hint: ...
     """
-    make = bad or _bad
+    make = bad or bad_report
     depth = max_depth(text)
     if depth > MAX_DEPTH:
         raise make(path, f"is nested deeper than {MAX_DEPTH} levels")
@@ -78,6 +79,6 @@ def fields_of(path: object) -> Iterator[None]:
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError) as e:
         if isinstance(e, DiagError):
             raise
-        raise _bad(
+        raise bad_report(
             path, f"has a missing or malformed field ({type(e).__name__}: {str(e)[:80]})", "re-run diag compare"
         ) from e
