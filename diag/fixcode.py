@@ -24,6 +24,14 @@ from typing import Any, Protocol
 
 from diag.fp16convert import KeptInFloat, fix_snippet_fp16, reproduce_fp16
 from diag.infer import SNIPPET_KEYS
+from diag.modelprep import (
+    STEP_EXTERNAL_DATA,
+    STEP_LIFT_CONSTANTS,
+    STEP_PREPROCESS,
+    STEP_PREPROCESS_SKIP_SYMBOLIC,
+    STEP_UPGRADE_AFTER_LOAD_ERROR,
+    STEP_UPGRADE_OPSET,
+)
 from diag.weightonly import weight_only_fix_snippet, weight_only_snippet
 
 #: onnxruntime's enum class of each recipe key whose value is a member name (``"QInt8"``).
@@ -249,15 +257,15 @@ def reproduce_snippet(
     r = result.recipe
     if r.get("mode") == "weight_only":
         header = f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float."
-        lift = LIFT_CONSTANTS_SNIPPET if "lift_constants" in result.steps else []
+        lift = LIFT_CONSTANTS_SNIPPET if STEP_LIFT_CONSTANTS in result.steps else []
         return weight_only_snippet(r, result.fp32, model_out, header, lift)
     if r.get("mode") == "fp16":
         return reproduce_fp16(result, model_out)
     static = r.get("mode") == "static"
     steps = list(result.steps)
-    if r.get("preprocess") and not any(x.startswith("quant_pre_process") for x in steps):
-        steps.append("quant_pre_process")
-    external = "external_data" in steps
+    if r.get("preprocess") and not any(x.startswith(STEP_PREPROCESS) for x in steps):
+        steps.append(STEP_PREPROCESS)
+    external = STEP_EXTERNAL_DATA in steps
     lines = _reproduce_preamble(result, steps, static, model_out)
     if static:
         lines += [f"CALIBRATION = os.path.abspath({calibration or 'CALIBRATION.npz'!r})", *_READER_CLASS]
@@ -296,7 +304,7 @@ def _reproduce_preamble(result: Reproducible, steps: list[str], static: bool, mo
         "import onnx",
         f"from onnxruntime.quantization import {', '.join(names)}",
     ]
-    if any(x.startswith("quant_pre_process") for x in steps):
+    if any(x.startswith(STEP_PREPROCESS) for x in steps):
         lines.append("from onnxruntime.quantization.shape_inference import quant_pre_process")
     return [*lines, "", f"FP32 = os.path.abspath({result.fp32!r})", f"OUT = os.path.abspath({model_out!r})"]
 
@@ -324,9 +332,9 @@ def _model_steps(steps: list[str]) -> list[str]:
     """The steps diag applied to the loaded FP32 model in memory (before it is saved for the quantizer)."""
     lines: list[str] = []
     for step in steps:
-        if step == "lift_constants":
+        if step == STEP_LIFT_CONSTANTS:
             lines += LIFT_CONSTANTS_SNIPPET
-        elif step == "upgrade_opset":
+        elif step == STEP_UPGRADE_OPSET:
             lines += [
                 "# per-channel QDQ writes DequantizeLinear(axis=...), which opset < 13 forbids.",
                 "model = onnx.version_converter.convert_version(model, 13)",
@@ -345,14 +353,14 @@ def _file_steps(steps: list[str], external: bool) -> list[str]:
         "os.chdir(work)  # quant_pre_process may leave temp files in the current folder",
     ]
     for step in steps:
-        if step.startswith("quant_pre_process"):
-            skip = ", skip_symbolic_shape=True" if step.endswith("skip_symbolic_shape") else ""
+        if step in (STEP_PREPROCESS, STEP_PREPROCESS_SKIP_SYMBOLIC):
+            skip = ", skip_symbolic_shape=True" if step == STEP_PREPROCESS_SKIP_SYMBOLIC else ""
             ext = ", save_as_external_data=True, all_tensors_to_one_file=True" if external else ""
             lines += [
                 f"quant_pre_process(src, os.path.join(work, 'pre.onnx'){skip}{ext})",
                 "src = os.path.join(work, 'pre.onnx')",
             ]
-        elif step == "upgrade_opset_after_load_error":
+        elif step == STEP_UPGRADE_AFTER_LOAD_ERROR:
             lines += [
                 "# diag's first INT8 model did not load (DequantizeLinear axis on opset < 13): upgraded, as here.",
                 "upgraded = onnx.version_converter.convert_version(onnx.load(src), 13)",

@@ -26,6 +26,26 @@ STRIP_WEIGHTS_BYTES = EXTERNAL_DATA_BYTES
 PER_AXIS_OPSET = 13
 
 
+#: The replayable steps a :class:`QuantizeReport` records (``steps``), by name: what diag did to the
+#: FP32 model before onnxruntime's quantizer saw it. ``reproduce.py`` (:mod:`diag.fixcode`) replays
+#: each, so the quantizer and the generator use these names, never a spelled-out string.
+STEP_LIFT_CONSTANTS = "lift_constants"
+STEP_UPGRADE_OPSET = "upgrade_opset"
+STEP_PREPROCESS = "quant_pre_process"
+STEP_PREPROCESS_SKIP_SYMBOLIC = "quant_pre_process_skip_symbolic_shape"
+STEP_EXTERNAL_DATA = "external_data"
+#: The first INT8 model did not load (DequantizeLinear axis on opset < 13): upgraded and quantized again.
+STEP_UPGRADE_AFTER_LOAD_ERROR = "upgrade_opset_after_load_error"
+STEPS = (
+    STEP_LIFT_CONSTANTS,
+    STEP_UPGRADE_OPSET,
+    STEP_PREPROCESS,
+    STEP_PREPROCESS_SKIP_SYMBOLIC,
+    STEP_EXTERNAL_DATA,
+    STEP_UPGRADE_AFTER_LOAD_ERROR,
+)
+
+
 @dataclass
 class QuantizeReport:
     """What ``quantize_model`` wrote and what its guards did.
@@ -44,8 +64,7 @@ class QuantizeReport:
     format: str = ""
     log: list[str] = field(default_factory=list)
     #: What was done to the FP32 model before onnxruntime's quantizer saw it, in order, as
-    #: replayable step names: ``lift_constants``, ``upgrade_opset``, ``quant_pre_process``,
-    #: ``quant_pre_process_skip_symbolic_shape``, ``external_data`` (see ``diag exclude``'s reproduce.py).
+    #: replayable step names (:data:`STEPS`; see ``diag exclude``'s reproduce.py).
     steps: list[str] = field(default_factory=list)
     #: Calibration passes run (0 for dynamic recipes and when a calibration cache was reused).
     calibrations: int = 0

@@ -50,6 +50,12 @@ from diag.load import ModelFormat, detect_format, float_model_from_path, iter_no
 from diag.modelprep import (
     EXTERNAL_DATA_BYTES,
     PER_AXIS_OPSET,
+    STEP_EXTERNAL_DATA,
+    STEP_LIFT_CONSTANTS,
+    STEP_PREPROCESS,
+    STEP_PREPROCESS_SKIP_SYMBOLIC,
+    STEP_UPGRADE_AFTER_LOAD_ERROR,
+    STEP_UPGRADE_OPSET,
     QuantizeReport,
     checked_out,
     default_opset,
@@ -152,7 +158,7 @@ def quantize_model(
             if recipe.preprocess:
                 src = _preprocess(src, tmp / "pre" / "model.onnx", job.external, job.actions, job.log)
                 skipped = any("skip_symbolic_shape=True" in a for a in job.actions)
-                job.steps.append("quant_pre_process_skip_symbolic_shape" if skipped else "quant_pre_process")
+                job.steps.append(STEP_PREPROCESS_SKIP_SYMBOLIC if skipped else STEP_PREPROCESS)
             _check_names_survived(recipe, src, job.actions)
             job.cache = Path(calibration_cache) if calibration_cache is not None and _caches(recipe) else None
             _run_quantizer(job, src, staged, progress)
@@ -219,14 +225,14 @@ def _preflight(job: _Job, model: onnx.ModelProto, out_name: str) -> tuple[onnx.M
     per-channel QDQ: each one recorded as an action and a replayable step.
     """
     if job.external:
-        job.steps.append("external_data")
+        job.steps.append(STEP_EXTERNAL_DATA)
         job.actions.append(
             "quantized with use_external_data_format=True: the model's weights are stored as external data "
             f"(written next to the output as {out_name}.data)"
         )
     model, lifted = lift_constants(model)
     if lifted:
-        job.steps.append("lift_constants")
+        job.steps.append(STEP_LIFT_CONSTANTS)
         why = (
             "quantize_dynamic fails with 'Expected ... to be an initializer' on any other weight"
             if job.recipe.mode == "dynamic"
@@ -238,7 +244,7 @@ def _preflight(job: _Job, model: onnx.ModelProto, out_name: str) -> tuple[onnx.M
     if not (_needs_per_axis(job.recipe) and 0 < opset < PER_AXIS_OPSET):
         return model, False
     model = upgrade_opset(model)
-    job.steps.append("upgrade_opset")
+    job.steps.append(STEP_UPGRADE_OPSET)
     job.actions.append(
         f"upgraded opset {opset} -> {PER_AXIS_OPSET} with onnx.version_converter: per-channel QDQ writes "
         "DequantizeLinear with an axis attribute, which opset < 13 forbids (the INT8 model would not load)"
@@ -257,7 +263,7 @@ def _quantize_upgraded(job: _Job, src: Path, tmp: Path, staged: Path, error: str
         f"upgraded opset {old} -> {PER_AXIS_OPSET} with onnx.version_converter and quantized again: "
         f"the first INT8 model did not load in onnxruntime ({error})"
     )
-    job.steps.append("upgrade_opset_afterload_error")
+    job.steps.append(STEP_UPGRADE_AFTER_LOAD_ERROR)
     for p in staged.parent.iterdir():
         p.unlink()
     if job.cache is not None:

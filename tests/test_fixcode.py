@@ -67,3 +67,16 @@ def test_both_texts_are_valid_python_for_every_mode(recipe: dict[str, Any]):
     if recipe["mode"] in ("dynamic", "static"):
         fn = "quantize_static(" if recipe["mode"] == "static" else "quantize_dynamic("
         assert fn in fix and fn in script
+
+
+def test_every_step_the_quantizer_records_is_replayed_by_reproduce_py():
+    """A step name quantize records but fixcode does not know would be skipped by reproduce.py, silently."""
+    from diag.fixcode import _file_steps, _model_steps
+    from diag.modelprep import STEP_EXTERNAL_DATA, STEPS
+
+    baseline = _model_steps([]) + _file_steps([], external=False)
+    for step in STEPS:
+        if step == STEP_EXTERNAL_DATA:  # changes how the model is saved, not a step of its own
+            assert _file_steps([], external=True) != _file_steps([], external=False)
+            continue
+        assert _model_steps([step]) + _file_steps([step], external=False) != baseline, step
