@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, BatchSummary, DistributionAccumulator, channel_axis
+from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, BatchSummary, DistributionAccumulator
 from diag.instrument import CutModel
 from diag.match import QuantParams, TensorPair
 from diag.metrics import ErrorAccumulator
@@ -338,9 +338,7 @@ def _pair_statistics(
         rank = len(shape) if shape is not None else None
         axis = None
         if dist is not None and rank is not None:
-            # The graph's proof of the channel axis (a detector output's parts) wins over the guess.
-            guess = channel_axis(rank, dist.channel_hint)
-            axis = dist.axis_override if dist.axis_override is not None else guess
+            axis = dist.axis_for(rank)
         needs_axis = pair.dequant is not None and pair.dequant.scale.size > 1 and b.opset < 13
         if needs_axis or (dist is not None and rank is None):
             why = "its rank is unknown before the run" if not needs_axis else "its grid needs opset 13"

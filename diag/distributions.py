@@ -336,6 +336,12 @@ class DistributionAccumulator:
         """The mean of the batches' dynamic scales (None without any)."""
         return self.dyn_sum / self.dyn_batches if self.dyn_batches else None
 
+    def axis_for(self, rank: int) -> int | None:
+        """The channel axis of a tensor of this rank: the graph's proof (``axis_override``, a
+        detector output's parts) when there is one, else :func:`channel_axis`'s guess. The one rule
+        for :meth:`update`, :meth:`update_from_sums` and the diagnostic graph."""
+        return self.axis_override if self.axis_override is not None else channel_axis(rank, self.channel_hint)
+
     def update(self, fp: np.ndarray, q: np.ndarray, dynamic_scale: float | None = None) -> None:
         """Add one batch of the FP32 tensor and the INT8 model's (dequantized) value of it."""
         x = np.asarray(fp)
@@ -343,9 +349,7 @@ class DistributionAccumulator:
         if x.size == 0 or not np.issubdtype(x.dtype, np.floating):
             return
         if self.rank is None:
-            self.rank = x.ndim
-            guess = channel_axis(x.ndim, self.channel_hint)
-            self.axis = self.axis_override if self.axis_override is not None else guess
+            self.rank, self.axis = x.ndim, self.axis_for(x.ndim)
         # Per-channel min / max double as the tensor's (one pass each instead of two more).
         stats = self._channel_stats(x)
         if stats is not None:
@@ -381,8 +385,7 @@ class DistributionAccumulator:
         if batch.size == 0:
             return
         if self.rank is None:
-            self.rank = batch.rank
-            self.axis = channel_axis(batch.rank, self.channel_hint)
+            self.rank, self.axis = batch.rank, self.axis_for(batch.rank)
         stats = None
         channels = batch.channels
         if channels is not None and self.axis is not None and self.channel_consistent and batch.rank == self.rank:

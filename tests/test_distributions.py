@@ -298,3 +298,21 @@ def test_sections_for_analyses_that_did_not_run_are_absent_not_empty(built, tmp_
     _, files = compare_to_dir(b.fp32, b.int8["qdq"], feeds, tmp_path / "on", CompareOptions(progress=False))
     html = files["report.html"].read_text()
     assert "Outlier channels" in html and "Quantization health" in html and 'id="distribution-plots"' in html
+
+
+def test_an_axis_proven_by_the_graph_wins_in_both_reduction_engines():
+    """A detector output's parts prove its channel axis (1); the rank-3 guess would be 2. numpy's
+    update and the diagnostic graph's update_from_sums must both keep the proof, or the shard
+    state of a --reductions graph run differs from a numpy run's."""
+    from diag.distributions import BatchSummary, DistributionAccumulator, channel_axis
+
+    x = np.arange(2 * 4 * 6, dtype=np.float32).reshape(2, 4, 6)
+    assert channel_axis(3, None) != 1
+    numpy_run = DistributionAccumulator(axis=1)
+    numpy_run.update(x, x)
+    graph_run = DistributionAccumulator(axis=1)
+    other = tuple(a for a in range(3) if a != 1)
+    channels = (x.min(axis=other), x.max(axis=other), x.sum(axis=other, dtype=np.float64))
+    graph_run.update_from_sums(BatchSummary(x.size, 3, float(x.min()), float(x.max()), channels, x.ravel(), x.ravel()))
+    assert numpy_run.axis == graph_run.axis == 1
+    assert numpy_run.to_state()["axis"] == graph_run.to_state()["axis"]
