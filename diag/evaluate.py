@@ -306,13 +306,18 @@ class HeldOutEvaluator:
             0.9994
         """
         q = model_from_path(model_path, "quantized model")
-        return self.evaluate_model(q.proto, model_path.name)
+        ext = q.path.resolve().parent if q.has_external_data else None  # its weights stay on disk
+        return self.evaluate_model(q.proto, model_path.name, ext)
 
-    def evaluate_model(self, proto: onnx.ModelProto, name: str) -> HeldOutMetrics:
-        """:meth:`evaluate` for a model in memory (an estimate's float-region model)."""
+    def evaluate_model(
+        self, proto: onnx.ModelProto, name: str, external_data_dir: Path | None = None
+    ) -> HeldOutMetrics:
+        """:meth:`evaluate` for a model in memory (an estimate's float-region model); a model
+        that keeps its weights in external files reads them from ``external_data_dir``."""
 
         model_path = Path(name)
-        sess = session_from_model(proto, f"quantized model '{name}'", self.opt_level, self.threads)
+        role = f"quantized model '{name}'"
+        sess = session_from_model(proto, role, self.opt_level, self.threads, external_data_dir)
         accs = {name: OutputAccumulator(self.specs.get(name)) for name in self.output_names}
         task = self._make_metric() if self._make_metric is not None else None
         truth: list[np.ndarray] = []

@@ -448,3 +448,25 @@ def test_a_mixed_model_slower_than_fp32_is_warned_about():
     assert w.startswith("warning: the mixed model is slower than FP32 (p50 24.60 ms vs 20.00 ms)")
     assert _slower_warning([{**lat[0]}, {"model": "mixed", "p50_ms": 12.0}]) == []
     assert _slower_warning(lat[:2]) == [], "nothing to say without a mixed model"
+
+
+def test_a_candidate_model_with_external_weights_is_evaluated_like_the_same_model_in_one_file(tmp_path):
+    """Quantizers write external data for > 2 GB models; the evaluator must read those weights."""
+    from diag.evaluate import HeldOutEvaluator
+    from diag.load import model_from_path
+
+    fx = models.build("nan_on_exclusion")
+    fp = tmp_path / "m.fp32.onnx"
+    onnx.save(fx.model, fp)
+    np.savez(tmp_path / "m.npz", **fx.make_inputs(16, 3))
+    q = tmp_path / "one.onnx"
+    quantize_model(fp, DYNAMIC, q)
+    split = tmp_path / "split" / "split.onnx"
+    split.parent.mkdir()
+    onnx.save(onnx.load(q), split, save_as_external_data=True, location="split.onnx.data", size_threshold=0)
+    assert (split.parent / "split.onnx.data").stat().st_size > 0
+    source = FeedSpec(inputs=str(tmp_path / "m.npz"), batch=8).source(fx.model)
+    ev = HeldOutEvaluator(model_from_path(fp, "FP32"), source, 0, None, None)
+    one, external = ev.evaluate(q), ev.evaluate(split)
+    assert external.samples == one.samples == 16
+    assert external.to_dict() == one.to_dict()
