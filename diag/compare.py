@@ -1167,8 +1167,8 @@ def finish(
     seconds: float,
 ) -> CompareResult:
     """Finalize accumulators and run the analysis (also used after merging shards)."""
-    accumulated = {k: a.finalize() for k, a in state.accumulated.items()}
-    local = {k: a.finalize() for k, a in state.local.items()}
+    figures = state.finalize(options.outlier_factor)
+    accumulated, local, health = figures.accumulated, figures.local, figures.health
     graph = fp_graph(fp.proto)
     findings = node_findings(matching.groups, accumulated, local, graph)
     labelled = state.labelled if state.labelled["n"] else None
@@ -1176,15 +1176,15 @@ def finish(
         grade_output(
             name,
             accumulated.get(name) or ErrorAccumulator().finalize(),
-            state.outputs[name].finalize(),
+            figures.outputs[name],
             labelled if i == 0 else None,
         )
         for i, name in enumerate(state.outputs)
     ]
+    grade = overall_grade(verdicts)
     specs = {k: a.spec for k, a in state.outputs.items()}
-    one, sentence, _ = confirmed_cause(findings, None, overall_grade(verdicts), verdicts, specs, matching)
+    one, sentence, _ = confirmed_cause(findings, None, grade, verdicts, specs, matching)
     one, sentence = _fp16_headline(findings, state, one, sentence)
-    health = {k: d.finalize(options.outlier_factor) for k, d in state.distributions.items()}
     weights = weight_report(
         fp.proto,
         q.proto,
@@ -1203,7 +1203,7 @@ def finish(
         local,
         findings,
         verdicts,
-        overall_grade(verdicts),
+        grade,
         one,
         sentence,
         description,
@@ -1222,7 +1222,7 @@ def finish(
         per_kind,
         paths=error_paths(findings, [o.name for o in fp.graph.output]),
         passes=state.passes,
-        deployed={k: a.finalize() for k, a in state.deployed.items()},
+        deployed=figures.deployed,
         fused=list(state.fused),
         state=state,
     )
