@@ -13,13 +13,13 @@ from diag.exclude import calibrations_phrase, count_phrase, estimates_phrase
 from diag.plots_exclude import trajectory_plot
 
 
-def report_section(doc: dict[str, Any]) -> dict[str, Any]:
+def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, Any]:
     """View-model for the report's exclusion section, from ``exclusion.json`` alone (numbers formatted here).
 
     Keys: ``verdict``, ``target``, ``nodes`` (the final list), ``metrics`` (rows of name / before /
     after), ``latency`` (rows of model / p50 / p90 / speedup), ``counts`` (one sentence),
-    ``trajectory_svg`` (see :func:`diag.plots_exclude.trajectory_plot`), ``snippet`` and
-    ``alternatives``. Templates only loop and print.
+    ``trajectory_svg`` (see :func:`diag.plots_exclude.trajectory_plot`; drawn only ``with_plots``),
+    ``snippet`` and ``alternatives``. Templates only loop and print.
 
     Example:
         >>> view = report_section(json.load(open("exclusion.json")))  # doctest: +SKIP
@@ -83,10 +83,9 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         f"{count_phrase(s['evaluations'], 'evaluation')}{estimates_phrase(s.get('estimates', 0))}, "
         f"{count_phrase(s['ranking_passes'], 'ranking pass', 'ranking passes')} over {s['candidates']} candidate "
         f"groups in {s['seconds']:.1f} s" + _cluster_note(s.get("cluster") or {}),
-        "trajectory_svg": trajectory_plot(doc) if s["trajectory"] else "",
+        "trajectory_svg": trajectory_plot(doc) if with_plots and s["trajectory"] else "",
         "snippet": doc["snippet"],
         "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
-        "op_type_suggestions": doc["op_type_suggestions"],
     }
 
 

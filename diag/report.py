@@ -296,7 +296,7 @@ class LatencyRow:
 
 @dataclass
 class ExclusionView:
-    """The verified-fix section, from an ``exclusion.json`` (:func:`diag.exclude.report_section`)."""
+    """The verified-fix section, from an ``exclusion.json`` (:func:`diag.exclude_view.report_section`)."""
 
     verdict: str
     target: str
@@ -687,10 +687,10 @@ def _sensitivity_note(sens: dict[str, Any] | None) -> str:
 
 
 def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> ExclusionView | None:
-    """The verified-fix section, from an ``exclusion.json`` document (see diag.exclude.report_section)."""
+    """The verified-fix section, from an ``exclusion.json`` document (see diag.exclude_view.report_section)."""
     if not exclusion:
         return None
-    section = report_section(exclusion)
+    section = report_section(exclusion, with_plots)
     metrics = [MetricRow(r["name"], r["before"], r["after"]) for r in section["metrics"]]
     return ExclusionView(
         verdict=section["verdict"],
@@ -702,7 +702,7 @@ def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> Exclu
         summary_metrics=metrics[:SUMMARY_ITEMS],
         latency=[LatencyRow(r["model"], r["p50"], r["p90"], r["speedup"]) for r in section["latency"]],
         counts=section["counts"],
-        trajectory_svg=section["trajectory_svg"] if with_plots else "",
+        trajectory_svg=section["trajectory_svg"],
         snippet=section["snippet"],
         alternatives=section["alternatives"],
     )
