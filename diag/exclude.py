@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import onnx
 
 from diag.analyze import NodeFinding
 from diag.bench import BenchOptions, bench_models
@@ -65,8 +66,8 @@ from diag.evaluate import (
 from diag.evaluate import format_metric as _fmt
 from diag.feeds import FeedSource, FeedSpec, load_labels
 from diag.jsonnum import json_number
-from diag.load import LoadedModel, float_model_from_path, model_from_path
-from diag.match import match_models
+from diag.load import LoadedModel, float_model_from_path
+from diag.match import Matching
 from diag.metrics import ErrorStats
 from diag.progress import Progress
 from diag.quantize import quantize_model
@@ -514,7 +515,7 @@ class _Search(SearchAlgorithm):
         self.bar: Any = Progress(options.max_trials, "exclude", enabled=options.progress, unit="trials")
         #: (FP32 proto, baseline INT8 proto, their matching): what estimates are built from; None
         #: when the baseline cannot be edited in memory (external data) or estimates are off.
-        self.region: tuple[Any, Any, Any] | None = None
+        self.region: tuple[onnx.ModelProto, onnx.ModelProto, Matching] | None = None
         self.estimates: dict[frozenset[int], HeldOutMetrics | None] = {}
         #: While True, :meth:`check` answers with estimates (no re-quantization) where it can.
         self.estimating = False
@@ -862,7 +863,7 @@ def _rank(setup: SearchSetup, search: _Search, outcome: _Outcome, options: Exclu
     outcome.candidates = ranked_candidates(outcome.compared.findings, set(search.base))
     search.candidates = outcome.candidates
     if options.estimates:
-        search.region = _estimate_source(setup.fp, outcome.baseline)
+        search.region = _estimate_source(outcome.compared)
 
 
 def _find(search: _Search, outcome: _Outcome) -> None:
@@ -969,19 +970,16 @@ def _budget(options: SearchOptions, exhausted: str | None) -> dict[str, Any]:
     return budget | ({"reason": exhausted} if exhausted else {})
 
 
-def _estimate_source(fp: LoadedModel, baseline_path: Path) -> tuple[Any, Any, Any] | None:
-    """What :meth:`_Search.estimate` edits: the FP32 and baseline INT8 protos and their matching.
+def _estimate_source(compared: CompareResult) -> tuple[onnx.ModelProto, onnx.ModelProto, Matching] | None:
+    """What :meth:`_Search.estimate` edits: the FP32 and baseline INT8 protos and their matching,
+    as the ranking comparison of the baseline already loaded and matched them.
 
-    None for models with external data (an in-memory copy per estimate is what they avoid) and
-    when the two cannot be matched: the search then re-quantizes every trial.
+    None for models with external data (an in-memory copy per estimate is what they avoid): the
+    search then re-quantizes every trial.
     """
-    q = model_from_path(baseline_path, "quantized model")
-    if fp.has_external_data or q.has_external_data:
+    if compared.fp32.has_external_data or compared.int8.has_external_data:
         return None
-    try:
-        return fp.proto, q.proto, match_models(fp.proto, q.proto)
-    except DiagError:
-        return None
+    return compared.fp32.proto, compared.int8.proto, compared.matching
 
 
 def _slower_warning(latency: list[dict[str, Any]]) -> list[str]:
