@@ -235,7 +235,9 @@ def split_feeds(feeds: FeedSource, holdout: float) -> Split:
     def part(first: int, last: int) -> Callable[[], Iterator[Batch]]:
         def gen() -> Iterator[Batch]:
             for i, b in enumerate(feeds):
-                if first <= i < last:
+                if i >= last:
+                    break  # the ranking part ends before the held-out one: read no further
+                if i >= first:
                     yield Batch(i - first, b.feeds, b.size)
 
         return gen

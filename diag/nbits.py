@@ -409,9 +409,12 @@ def check_accuracy_level(
         feeds_used.append(batch.feeds)
         done += batch.size
 
+    # One copy of the model (weights included) for every run: each run only rewrites the
+    # MatMulNBits nodes' accuracy_level attribute before its session is built.
+    m = onnx.ModelProto()
+    m.CopyFrom(q)
+
     def run(at_level: set[str]) -> list[dict[str, np.ndarray]]:
-        m = onnx.ModelProto()
-        m.CopyFrom(q)
         for n in m.graph.node:
             if n.op_type == "MatMulNBits":
                 kept = [a for a in n.attribute if a.name != "accuracy_level"]
