@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Protocol
 import onnx
 
 from diag.errors import DiagError
+from diag.files import work_dir
 from diag.load import detect_format, float_model_from_path, iter_nodes
 from diag.modelprep import QuantizeReport, checked_out, load_error, publish
 from diag.precision import fp16_breakdown
@@ -76,8 +76,8 @@ def convert_model(
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     actions: list[str] = []
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent) as stage:
-        staged = Path(stage).resolve() / out.name
+    with work_dir(out.parent, "quantize") as stage:  # swept like every diag work folder
+        staged = stage.resolve() / out.name
         try:
             model = convert_float_to_float16(
                 onnx.load(str(loaded.path)),

@@ -44,6 +44,7 @@ import onnx
 
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec
+from diag.files import work_dir
 from diag.fp16convert import convert_model
 from diag.lint import onnxruntime_extra_options
 from diag.load import ModelFormat, detect_format, float_model_from_path, iter_nodes
@@ -145,10 +146,10 @@ def quantize_model(
     job = _Job(recipe, source, actions=_unread_extra_options(recipe))
     with (
         tempfile.TemporaryDirectory(prefix="diag-quantize-") as tmp_name,
-        tempfile.TemporaryDirectory(prefix=f".diag-quantize-{os.getpid()}-", dir=out.parent) as stage_name,
+        work_dir(out.parent, "quantize") as stage_dir,
     ):
         tmp = Path(tmp_name).resolve()
-        staged = Path(stage_name).resolve() / out.name  # same folder as the output: publishing is a rename
+        staged = stage_dir.resolve() / out.name  # same folder as the output: publishing is a rename
         model = onnx.load(str(loaded.path))  # with weights: the quantizer needs them
         job.external = loaded.has_external_data or weight_bytes(model) > EXTERNAL_DATA_BYTES
         model, upgraded = _preflight(job, model, out.name)
