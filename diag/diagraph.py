@@ -41,6 +41,7 @@ from diag.distributions import DISPLAY_SAMPLE_MAX, SAMPLE_MAX, BatchSummary, Dis
 from diag.instrument import CutModel
 from diag.match import QuantParams, TensorPair
 from diag.metrics import ErrorAccumulator
+from diag.protos import default_opset
 from diag.run import inferred_for_batch, session_from_model
 
 #: Name prefixes of the three models inside the diagnostic graph, and of diag's own nodes.
@@ -103,10 +104,6 @@ class DiagGraph:
     #: Model output name -> graph output with its local value (the cut model's), for the per-part
     #: local error of Concat-built outputs (:meth:`diag.metrics.OutputAccumulator.update_local`).
     local_outputs: dict[str, str] = field(default_factory=dict)
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 class _Builder:
@@ -188,9 +185,9 @@ def _copy_model_into(
 
 
 def _check_supported(fp: onnx.ModelProto, q: onnx.ModelProto) -> int:
-    opset = default_opset(fp)
-    if default_opset(q) != opset:
-        raise Unsupported(f"the FP32 and INT8 models use different opsets ({opset} and {default_opset(q)})")
+    opset = default_opset(fp, missing=1)
+    if default_opset(q, missing=1) != opset:
+        raise Unsupported(f"the FP32 and INT8 models use different opsets ({opset} and {default_opset(q, missing=1)})")
     if opset < 10:
         raise Unsupported(f"opset {opset} < 10 (no Slice with steps)")
     for m in (fp, q):

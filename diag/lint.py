@@ -30,6 +30,7 @@ import onnx
 
 from diag.errors import DiagError
 from diag.load import float_model_from_path, iter_nodes
+from diag.protos import default_opset
 from diag.recipe import FP16_KEYS, Recipe, read_recipe_file
 
 #: extra_options keys onnxruntime 1.32's quantizer reads (tests check this against the scan).
@@ -470,7 +471,7 @@ def _check_lists(valid: dict[str, Any], findings: list[Finding]) -> None:
 
 def _check_opset(model: Any, findings: list[Finding]) -> None:
     """Per-channel QDQ on a model below opset 13: onnxruntime writes a model that does not load."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = default_opset(model)
     if opset < 13:
         findings.append(
             Finding(

@@ -17,6 +17,7 @@ import onnx
 
 from diag.errors import DiagError
 from diag.files import is_input, out_dir, output_file, write_set
+from diag.protos import default_opset
 
 #: Above this many bytes of weights a model cannot be one protobuf: quantize with external data.
 EXTERNAL_DATA_BYTES = 2**31 - 2**26  # 2 GiB minus headroom for the graph itself
@@ -68,17 +69,6 @@ class QuantizeReport:
     steps: list[str] = field(default_factory=list)
     #: Calibration passes run (0 for dynamic recipes and when a calibration cache was reused).
     calibrations: int = 0
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    """The model's ``ai.onnx`` opset version (0 when it imports none).
-
-    Example:
-        >>> default_opset(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []),
-        ...     opset_imports=[onnx.helper.make_opsetid("", 12)]))
-        12
-    """
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:

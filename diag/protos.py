@@ -63,3 +63,14 @@ def value_dtypes(model: onnx.ModelProto) -> dict[str, int]:
     for t in g.initializer:
         types[t.name] = t.data_type
     return types
+
+
+def default_opset(model: onnx.ModelProto, missing: int = 0) -> int:
+    """The model's ``ai.onnx`` opset version (``missing`` when it imports none).
+
+    Example:
+        >>> default_opset(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []),
+        ...     opset_imports=[onnx.helper.make_opsetid("", 12)]))
+        12
+    """
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), missing)

@@ -59,7 +59,6 @@ from diag.modelprep import (
     STEP_UPGRADE_OPSET,
     QuantizeReport,
     checked_out,
-    default_opset,
     lift_constants,
     load_error,
     publish,
@@ -67,6 +66,7 @@ from diag.modelprep import (
     weight_bytes,
 )
 from diag.progress import Progress
+from diag.protos import default_opset
 from diag.recipe import Recipe, recipe_from_option
 from diag.weightonly import quantize_weight_only
 

@@ -16,6 +16,7 @@ from typing import Any
 import onnx
 
 from diag.modelprep import upgrade_opset
+from diag.protos import default_opset
 from diag.recipe import Recipe
 
 
@@ -139,7 +140,7 @@ def quantize_weight_only(recipe: Recipe, src: Path, dst: Path, external: bool, a
 
     model = onnx.load(str(src))
     if recipe.quant_format == "QDQ":
-        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+        opset = default_opset(model)
         if 0 < opset < 21:
             model = upgrade_opset(model, 21)
             actions.append(
