@@ -870,11 +870,13 @@ from pathlib import Path
 import numpy as np
 
 def make():
-    marker = Path(__file__).with_name("reader_started")
+    # Three batches, then wait for the test's Ctrl-C: the run cannot finish before the signal arrives
+    # (however loaded the machine), and the signal lands mid-run, at a known point.
     for i in range(200):
-        marker.touch()
+        if i == 3:
+            Path(__file__).with_name("reader_waiting").touch()
+            time.sleep(120)
         yield {"x": np.full((1, 8), 0.1 * (i % 7), np.float32)}
-        time.sleep(0.1)
 """
 
 
@@ -890,12 +892,11 @@ def test_ctrl_c_mid_run_exits_130_and_leaves_the_old_report(zoo, tmp_path, capsy
     proc = subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (tmp_path / "reader_started").exists():
+        while not (tmp_path / "reader_waiting").exists():
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run never started"
+            assert time.monotonic() < deadline, "the run never reached its third batch"
             time.sleep(0.05)
-        time.sleep(0.3)  # a few batches into the run
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)  # three batches into the run, the reader waiting for it
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -25,8 +25,27 @@ def _examples() -> list[tuple[str, list[str]]]:
     return examples
 
 
+#: What onnxruntime's integer kernels decide at optimization level "all" (the effects check runs
+#: there: what a deployed session computes). Those kernels differ between CPUs (u8s8 pairs saturate
+#: in int16 on AVX2 without VNNI, are exact with VNNI), so these parts of a README line are compared
+#: as "something was measured here", while names, verdict words and structure stay exact.
+#: ``test_kernel_dependent_lines_are_exactly_the_scrubbed_ones`` proves the list complete for the
+#: QDQ demo by running it with the effects check at two kernel paths.
+KERNEL_DEPENDENT = (
+    # "effect on logits of keeping one node in float: a 16%, b 9% (8 samples)": which nodes, how much
+    (re.compile(r"^(\s*effect on \S+ of keeping one node in float: ).*( \(\d+ samples\))$"), r"\1<measured>\2"),
+    # "keeping it alone in float recovers only 11% of the error of logits"
+    (re.compile(r"recovers (only |at most )?\d+%"), r"recovers \1<measured>%"),
+    # the spread sentence's "(biggest contributors: a (12%), b (5%))"
+    (re.compile(r"\(biggest contributors: .*?%\)\)"), "(biggest contributors: <measured>)"),
+)
+
+
 def _scrub(line: str) -> str:
-    return re.sub(r"in \d+(\.\d+)? s$", "in <t> s", line.rstrip())
+    line = re.sub(r"in \d+(\.\d+)? s$", "in <t> s", line.rstrip())
+    for pattern, replacement in KERNEL_DEPENDENT:
+        line = pattern.sub(replacement, line)
+    return line
 
 
 def _scrub_numbers(line: str) -> str:
@@ -57,3 +76,36 @@ def test_readme_starts_with_install_and_test_commands_that_ci_runs():
     assert 'pip install ".[test]" && pytest' in head
     ci = (README.parent / ".ci" / "run").read_text()
     assert 'pip install ".[test]"' in ci and ci.strip().endswith("pytest")
+
+
+def test_kernel_dependent_lines_are_exactly_the_scrubbed_ones(tmp_path, monkeypatch, capsys):
+    """Run the README's QDQ demo with the effects check on onnxruntime's fused integer kernels (as
+    shipped) and on float DequantizeLinear (exact mode): every line that changes with the kernel path
+    must be one the scrubber blurs, so no README line compares a CPU-dependent number exactly; and
+    some line must change, or this test proves nothing."""
+    from diag import cli, effects
+
+    printed = {}
+    for level in ("all", "disabled"):
+        monkeypatch.setattr(effects, "EFFECT_OPT_LEVEL", level)
+        (tmp_path / level).mkdir()
+        monkeypatch.chdir(tmp_path / level)
+        assert cli.main(["demo", "--format", "qdq", "--out", "demo-qdq", "--quiet"]) == 0
+        printed[level] = capsys.readouterr().out.splitlines()
+    assert len(printed["all"]) == len(printed["disabled"])
+    changed = [(a, b) for a, b in zip(printed["all"], printed["disabled"], strict=True) if a != b]
+    raw = [(a, b) for a, b in changed if not re.search(r"in \d+(\.\d+)? s$", a)]
+    assert raw, "the kernel path changed no line: the effects check no longer runs on integer kernels"
+    for a, b in raw:
+        assert _scrub(a) == _scrub(b), f"CPU-dependent part compared exactly:\n  {a}\n  {b}"
+
+
+def test_the_scrubber_blurs_measurements_not_names():
+    line = "  effect on logits of keeping one node in float: classifier/MatMul 16%, x/Add 9% (8 samples)"
+    assert _scrub(line) == "  effect on logits of keeping one node in float: <measured> (8 samples)"
+    head = "verdict: ACCEPTABLE - likely root cause (by local error): a/MatMul (100% of the local error"
+    assert _scrub(head + "; recovers only 0% of") == head + "; recovers only <measured>% of"
+    assert _scrub(head.replace("a/MatMul", "b/MatMul")) != _scrub(head)
+    assert _scrub("  output logits: acceptable (max abs error 0.256)") != _scrub(
+        "  output logits: acceptable (max abs error 0.257)"
+    )

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnxruntime.quantization import quantize_dynamic
 
 from diag import cli
 from diag.errors import GATE_FAILED, OK, USER_ERROR
@@ -224,26 +225,36 @@ def test_plugin_value_is_an_exclusion_target_met_by_real_requantization(tmp_path
     arrays = fx.make_inputs(32, 12)
     np.savez(tmp_path / "t.npz", **arrays)
     feeds = FeedSpec(inputs=str(tmp_path / "t.npz"), batch=8)
+    # Independently: plain onnxruntime on the held-out rows, batched as diag batched them.
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
+    def held_out_logits(model: Path) -> np.ndarray:
+        sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        x = arrays["input_ids"]
+        return np.concatenate([sess.run(None, {"input_ids": x[i : i + 8]})[0] for i in range(16, 32, 8)])
+
+    # NOTE: the INT8 baseline depends on the CPU's u8s8 kernels (AVX2 saturates, VNNI does not), so
+    # the target is set from this machine's own plain-onnxruntime baseline, not written as a number.
+    plain = tmp_path / "t.plain.onnx"
+    quantize_dynamic(fp, plain)
+    baseline = _rel_err(held_out_logits(fp), held_out_logits(plain))
+    target = f"rel_err<={0.6 * baseline:.4f}"
     r = derive_exclusions(
         fp,
         Recipe(mode="dynamic"),
         feeds,
-        ExcludeOptions("rel_err<=0.15", bench_runs=0, progress=False, metric=PLUGIN),
+        ExcludeOptions(target, bench_runs=0, progress=False, metric=PLUGIN),
         work_dir=tmp_path,
     )
-    assert str(r.target) == "rel_err<=0.15"
+    assert str(r.target) == target
+    assert r.before.task["rel_err"] == pytest.approx(baseline, rel=1e-6)
     assert r.reachable and not r.already_met
     assert fx.expected.culprit_node in r.nodes_to_exclude
-    assert r.before.task["rel_err"] > 0.15 >= r.after.task["rel_err"]
-    # Independently: plain onnxruntime on the held-out rows, batched as diag batched them.
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    runs = []
-    for model in (fp, Path(r.model)):
-        sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
-        x = arrays["input_ids"]
-        runs.append(np.concatenate([sess.run(None, {"input_ids": x[i : i + 8]})[0] for i in range(16, 32, 8)]))
-    assert _rel_err(*runs) == pytest.approx(r.after.task["rel_err"], rel=1e-6)
+    assert r.before.task["rel_err"] > r.target.value >= r.after.task["rel_err"]
+    assert _rel_err(held_out_logits(fp), held_out_logits(Path(r.model))) == pytest.approx(
+        r.after.task["rel_err"], rel=1e-6
+    )
     doc = r.to_dict()
     assert doc["metrics"]["after"]["task"] == {"rel_err": r.after.task["rel_err"]}
     from diag.exclude_view import report_section
