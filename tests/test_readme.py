@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
+
+import pytest
+from kernel_path import diag_command
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -53,6 +55,7 @@ def _scrub_numbers(line: str) -> str:
     return " ".join(re.sub(r"\d+(\.\d+)?", "#", line).split())
 
 
+@pytest.mark.kernel_path
 def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path):
     examples = _examples()
     from diag.cli import VERBS
@@ -62,7 +65,7 @@ def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path):
     assert set(verbs) == set(VERBS), "every CLI verb has a README example with its real output"
     for cmd, expected in examples:
         argv = shlex.split(cmd)
-        out = subprocess.run([sys.executable, "-m", "diag", *argv[1:]], cwd=tmp_path, capture_output=True, text=True)
+        out = subprocess.run([*diag_command(), *argv[1:]], cwd=tmp_path, capture_output=True, text=True)
         assert out.returncode == 0, (cmd, out.stderr)
         scrub = _scrub_numbers if argv[1] in ("bench", "sweep") else _scrub
         got = [scrub(x) for x in out.stdout.splitlines()]

@@ -218,6 +218,7 @@ def test_bad_plugin_is_a_one_line_bad_metric_error(labelled, tmp_path, capsys, s
     assert len(err.strip().splitlines()) == 1 and not out.exists()
 
 
+@pytest.mark.kernel_path
 def test_plugin_value_is_an_exclusion_target_met_by_real_requantization(tmp_path):
     fx = models.build("transformer")
     fp = tmp_path / "t.fp32.onnx"
