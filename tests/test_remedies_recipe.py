@@ -53,3 +53,19 @@ def test_weight_only_model_gets_only_weight_only_remedies() -> None:
 
 def test_spread_sentence_carries_the_generic_list_diagnose_replaces() -> None:
     assert GENERIC_SPREAD in spread_sentence([], None)
+
+
+def test_per_channel_dynamic_model_never_gets_a_per_channel_remedy(built, tmp_path) -> None:
+    """Real quantization with per_channel=True, the recipe inferred back: no remedy repeats it."""
+    from diag.compare import CompareOptions
+    from diag.feeds import FeedSpec
+    from diag.verbs import diagnose
+    from diag.fixtures.quantize import quantize
+
+    b = built("convnet")
+    int8 = quantize(b.fp32, tmp_path / "pc.onnx", "dynamic", per_channel=True)
+    r = diagnose(b.fp32, int8, FeedSpec(inputs=str(b.inputs_path), batch=8), CompareOptions(progress=False))
+    assert r.fix_recipe is not None and r.fix_recipe["settings"]["per_channel"] is True
+    assert not [s for s in r.suggestions if s.recipe.get("per_channel")]
+    assert "What fits spread error: per_channel=True" not in r.cause_sentence
+    assert GENERIC_SPREAD not in r.cause_sentence
