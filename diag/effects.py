@@ -38,6 +38,7 @@ from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputSpec
 from diag.progress import Progress
+from diag.remedies import GENERIC_SPREAD
 from diag.run import default_threads, run_batch, session_from_model
 
 #: Candidates checked by default: enough for the worst local nodes, the path roots and the heads.
@@ -780,8 +781,9 @@ def spread_sentence(quantized: list[NodeFinding], check: EffectCheck | None) -> 
         tail = "; worst local SQNR: " + ", ".join(
             f"{f.group.label} ({f.local.sqnr_db:.1f} dB)" for f in worst if f.local
         )
+    # NOTE: the recipe is not known here (it is inferred on the fix side); diag.verbs.diagnose
+    # replaces GENERIC_SPREAD with the remedies that change something for the model's recipe.
     return (
         f"no single root cause: error accumulates over {len(quantized)} quantized nodes{tail}. What fits spread "
-        "error: per_channel=True, static calibration instead of dynamic, 16-bit activations (QDQ), or an "
-        "exclusion search (diag exclude)"
+        f"error: {GENERIC_SPREAD}"
     )

@@ -314,3 +314,102 @@ def all_suggestions(
             nodes = nodes[: len(ops)] if ops else nodes  # dynamic quantizes activations at the consumer only
         out.extend(suggestions_for(name, h, fmt, nodes, ops))
     return out + per_channel_suggestions(weights or [], fmt)
+
+
+#: Formats whose weights alone are quantized (``MatMulNBits``, block-wise int4 ``DequantizeLinear``):
+#: their activations stay float, so INT8-activation remedies change nothing on them.
+WEIGHT_ONLY_FORMATS = frozenset({"matmulnbits", "qdq-int4-blocked"})
+
+#: The tail of the spread-error headline before a recipe is known (``effects.spread_sentence``).
+GENERIC_SPREAD = (
+    "per_channel=True, static calibration instead of dynamic, 16-bit activations (QDQ), or an "
+    "exclusion search (diag exclude)"
+)
+
+
+def spread_remedies(fmt: str, settings: dict[str, Any] | None) -> list[str]:
+    """The model-wide remedies for spread error that change something for this format and recipe.
+
+    ``settings`` is the recipe diag was given or inferred (``diag.infer.fix_recipe``'s
+    ``settings``); a remedy already in effect (``per_channel=True`` on a per-channel model, static
+    calibration on a static model) is left out, so every remedy listed re-quantizes to a different
+    model. Weight-only formats get the weight-only family (block size, symmetry, accuracy level,
+    keeping the last MatMul at 8 bits) instead of INT8-activation advice.
+
+    Example:
+        >>> spread_remedies("dynamic", {"mode": "dynamic", "per_channel": True})
+        ['static calibration instead of dynamic', 'an exclusion search (diag exclude)']
+    """
+    s = settings or {}
+    if fmt in WEIGHT_ONLY_FORMATS or s.get("mode") == "weight_only":
+        out: list[str] = []
+        block = s.get("block_size")
+        if not isinstance(block, int) or block > 16:
+            out.append(f"a smaller block_size ({max(16, (block or 32) // 2)})")
+        sym = s.get("is_symmetric")
+        if sym is not None:
+            out.append(f"is_symmetric={not sym}")
+        if s.get("accuracy_level") not in (None, 0):
+            out.append("accuracy_level=0 (no int8 quantization of the input inside the kernel)")
+        if not s.get("node_bits"):
+            out.append("the last MatMul (lm_head) at 8 bits (node_bits)")
+        return [*out, "an exclusion search (diag exclude)"]
+    out = []
+    if not s.get("per_channel"):
+        out.append("per_channel=True")
+    if fmt == "dynamic" or s.get("mode") == "dynamic":
+        out.append("static calibration instead of dynamic")
+    acts = str(s.get("activation_type", ""))
+    if fmt != "dynamic" and s.get("mode") != "dynamic" and "16" not in acts:
+        out.append("16-bit activations (QDQ)")
+    return [*out, "an exclusion search (diag exclude)"]
+
+
+def spread_text(fmt: str, settings: dict[str, Any] | None) -> str:
+    """:func:`spread_remedies` as the headline's list ("a, b, or c")."""
+    items = spread_remedies(fmt, settings)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", or " + items[-1]
+
+
+def in_effect(suggestion: Suggestion, settings: dict[str, Any] | None) -> bool:
+    """Whether re-quantizing with ``suggestion``'s delta gives the same recipe ``settings`` already has.
+
+    Only top-level keys are compared (``per_channel``, ``calibrate_method``, ``quant_format``);
+    ``extra_options`` and node lists count as a change unless ``settings`` holds them equal.
+
+    Example:
+        >>> s = Suggestion("w", "p", "per-channel-weights", {"per_channel": True}, "", "quantize_dynamic")
+        >>> in_effect(s, {"per_channel": True})
+        True
+    """
+    if not settings:
+        return False
+    return all(settings.get(k) == v for k, v in suggestion.recipe.items())
+
+
+def applicable_suggestions(suggestions: list[Suggestion], settings: dict[str, Any] | None) -> list[Suggestion]:
+    """``suggestions`` without those already in effect under the recipe ``settings``.
+
+    A per-channel remedy dropped because ``per_channel`` is already on is replaced by its reason:
+    the weights it names kept one scale because onnxruntime has no per-channel path for their op
+    (or they are a scalar), so the suggestion becomes a node exclusion with that note.
+    """
+    out: list[Suggestion] = []
+    for s in suggestions:
+        if not in_effect(s, settings):
+            out.append(s)
+        elif s.remedy == "per-channel-weights" and s.consumers:
+            out.append(
+                Suggestion(
+                    s.tensor,
+                    s.problem,
+                    "exclude-consumers",
+                    {"nodes_to_exclude": list(s.consumers)},
+                    f"nodes_to_exclude={_py(list(s.consumers))}",
+                    s.applies_to,
+                    "per_channel=True is already in effect: this weight kept one scale because onnxruntime has "
+                    "no per-channel path for its op (or it is a scalar); keep the node in float instead",
+                    list(s.consumers),
+                )
+            )
+    return out

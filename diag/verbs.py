@@ -53,6 +53,7 @@ from diag.plots_sweep import pareto_plot
 from diag.precision import describe
 from diag.quantize import QuantizeOptions, QuantizeReport, quantize_model
 from diag.recipe import Recipe, recipe_file_text, recipe_from_option
+from diag.remedies import GENERIC_SPREAD, applicable_suggestions, spread_text
 from diag.report import OUTPUT_NAMES, output_texts, report_to_dir, write_outputs
 from diag.sensitivity import SensitivityOptions, SensitivityResult, skip_one_sensitivity
 from diag.summary import Summary
@@ -149,10 +150,20 @@ def diagnose(
     result = pipeline.analyze_comparison(run, state, runtime_unmatched, options)
     result.cluster = cluster
     result.fix_recipe = fix_recipe(run.q.path, options.recipe)
+    _drop_remedies_in_effect(result)
     if options.sensitivity > 0:
         result.sensitivity = _sensitivity(fp32_path, int8_path, run.feeds, result, options, run.spec)
         result.seconds = time.perf_counter() - run.start
     return result
+
+
+def _drop_remedies_in_effect(result: CompareResult) -> None:
+    """Remedies the model's recipe already has (``per_channel=True`` on a per-channel model) are dropped,
+    and the spread-error headline lists only remedies that change something for its recipe and format."""
+    settings = (result.fix_recipe or {}).get("settings")
+    result.suggestions = applicable_suggestions(result.suggestions, settings)
+    fmt = result.int8.format.family
+    result.cause_sentence = result.cause_sentence.replace(GENERIC_SPREAD, spread_text(fmt, settings))
 
 
 def _sensitivity(
