@@ -1170,7 +1170,7 @@ def finish(
     figures = state.finalize(options.outlier_factor)
     accumulated, local, health = figures.accumulated, figures.local, figures.health
     graph = fp_graph(fp.proto)
-    findings = node_findings(matching.groups, accumulated, local, graph)
+    findings = node_findings(matching.groups, accumulated, local, graph, [o.name for o in fp.proto.graph.output])
     labelled = state.labelled if state.labelled["n"] else None
     verdicts = [
         grade_output(
