@@ -69,6 +69,10 @@ class NodeFinding:
     rank_local: int = 0
     #: Compared tensors the node reads (from other nodes; weights and model inputs excluded).
     inputs: tuple[str, ...] = ()
+    #: Whether what the node writes reaches a model output or a quantized node's input directly.
+    #: NOTE: a NaN/Inf counts only where it reaches one of those (see :func:`nonfinite_origins`):
+    #: a causal mask writes -inf by design and Softmax turns it back into finite values.
+    exposed: bool = True
 
     @property
     def amplification_db(self) -> float | None:
@@ -104,10 +108,20 @@ def _worst(stats: list[ErrorStats]) -> ErrorStats | None:
 
 
 def node_findings(
-    groups: list[NodeGroup], accumulated: dict[str, ErrorStats], local: dict[str, ErrorStats], graph: nx.DiGraph
+    groups: list[NodeGroup],
+    accumulated: dict[str, ErrorStats],
+    local: dict[str, ErrorStats],
+    graph: nx.DiGraph,
+    outputs: Iterable[str] | None = None,
 ) -> list[NodeFinding]:
-    """One finding per node group, ranked by accumulated and by local error, roles assigned."""
+    """One finding per node group, ranked by accumulated and by local error, roles assigned.
+
+    ``outputs`` (the model's output names) decides which findings are ``exposed``; ``None`` treats
+    every finding as exposed (no NaN/Inf is then ever hidden).
+    """
     findings: list[NodeFinding] = []
+    quantized_nodes = {n for g in groups if g.quantized for n in g.fp_nodes}
+    model_outputs = set(outputs) if outputs is not None else None
     for g in groups:
         outs = [o for o in g.outputs if o in accumulated]
         if not outs:
@@ -119,7 +133,17 @@ def node_findings(
         ins = [t for t in input_tensors(graph, head) if t in accumulated] if head in graph else []
         in_sqnr = min((accumulated[t].sqnr_db for t in ins), default=None)
         index = graph.nodes[g.key]["index"] if g.key in graph else 0
-        findings.append(NodeFinding(g, index, worst_out, acc, loc, in_sqnr, inputs=tuple(ins)))
+        exposed = model_outputs is None or any(
+            o in model_outputs
+            or any(
+                d["tensor"] == o and v in quantized_nodes
+                for n in g.fp_nodes
+                if n in graph
+                for _, v, d in graph.out_edges(n, data=True)
+            )
+            for o in g.outputs
+        )
+        findings.append(NodeFinding(g, index, worst_out, acc, loc, in_sqnr, inputs=tuple(ins), exposed=exposed))
     _rank(findings)
     for f in findings:
         f.role = classify(f)
@@ -191,8 +215,37 @@ def nonfinite_origins(findings: list[NodeFinding]) -> dict[str, NodeFinding]:
         >>> nonfinite_origins(result.findings)["INT8"].group.label  # doctest: +SKIP
         'the_log'
     """
-    ordered = sorted(findings, key=lambda f: f.index)
-    return first_nonfinite((f, a.nonfinite_fp, a.nonfinite_int8) for f in ordered if (a := f.accumulated) is not None)
+    return first_nonfinite(
+        (f, a.nonfinite_fp, a.nonfinite_int8) for f in reaching_nonfinite(findings) if (a := f.accumulated) is not None
+    )
+
+
+def reaching_nonfinite(findings: list[NodeFinding]) -> list[NodeFinding]:
+    """The findings, in graph order, whose NaN/Inf reach a model output or a quantized node's input.
+
+    A walk back from every exposed finding that holds NaN/Inf, through the inputs that hold them
+    too. A causal mask (``Where`` writing -inf or ``finfo.min`` into ``Add`` -> ``Softmax``) reaches
+    neither: Softmax writes finite values, so nothing is said about it.
+
+    Example:
+        >>> [f.group.label for f in reaching_nonfinite(result.findings)]  # doctest: +SKIP
+        ['the_log', 'head']
+    """
+    producer = {o: f for f in findings for o in f.group.outputs}
+
+    def nonfinite(f: NodeFinding) -> bool:
+        a = f.accumulated
+        return a is not None and (a.nonfinite_fp > 0 or a.nonfinite_int8 > 0)
+
+    seen: set[int] = set()
+    stack = [f for f in findings if f.exposed and nonfinite(f)]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        stack += [p for t in f.inputs if (p := producer.get(t)) is not None and nonfinite(p)]
+    return sorted((f for f in findings if id(f) in seen), key=lambda f: f.index)
 
 
 def single_cause(findings: list[NodeFinding]) -> tuple[bool, str]:

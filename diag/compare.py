@@ -14,6 +14,7 @@ accumulators and dropped before the next batch is read.
 from __future__ import annotations
 
 import re
+import shlex
 import tempfile
 import time
 from collections.abc import Collection
@@ -462,8 +463,36 @@ def analyze_comparison(
             q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
         )
         result.seconds = time.perf_counter() - run.start
+    result.cause_sentence = with_exclude_command(result.cause_sentence, fp.path, q.path, run.spec)
     attach_task_metrics(result, state.task, options.metric)
     return result
+
+
+#: The words of a headline that suggest an exclusion search, replaced by the command to run.
+EXCLUDE_WORDS = "an exclusion search (diag exclude)"
+
+
+def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str = "cosine>=0.99") -> str:
+    """The exact ``diag exclude`` command for this pair, the recipe inferred from the INT8 model.
+
+    Paths are printed as the user gave them; the target is the "acceptable" cosine band.
+
+    Example:
+        >>> exclude_command(Path("m.onnx"), Path("m_int8.onnx"), FeedSpec(inputs="x.npz"))
+        'diag exclude m.onnx --int8 m_int8.onnx --inputs x.npz --target cosine>=0.99'
+    """
+    if spec is not None and spec.inputs:
+        feeds = f"--inputs {shlex.quote(spec.inputs)}"
+    elif spec is not None and spec.random:
+        feeds = "--random"
+    else:
+        feeds = "--inputs INPUTS"
+    return f"diag exclude {shlex.quote(str(fp32))} --int8 {shlex.quote(str(int8))} {feeds} --target {target}"
+
+
+def with_exclude_command(sentence: str, fp32: Path, int8: Path, spec: FeedSpec | None) -> str:
+    """The headline with its suggested exclusion search written as the command to run (issue 25, 6b)."""
+    return sentence.replace(EXCLUDE_WORDS, f"an exclusion search: {exclude_command(fp32, int8, spec)}")
 
 
 def run_comparison(
@@ -1170,7 +1199,7 @@ def finish(
     figures = state.finalize(options.outlier_factor)
     accumulated, local, health = figures.accumulated, figures.local, figures.health
     graph = fp_graph(fp.proto)
-    findings = node_findings(matching.groups, accumulated, local, graph)
+    findings = node_findings(matching.groups, accumulated, local, graph, [o.name for o in fp.proto.graph.output])
     labelled = state.labelled if state.labelled["n"] else None
     verdicts = [
         grade_output(

@@ -369,8 +369,10 @@ def _cause_lines(result: CompareResult) -> list[str]:
     for f in roots[:3]:
         local, acc = f.local, f.accumulated
         assert local is not None and acc is not None  # a root cause is ranked by both errors
+        # A "no single root cause" headline lists no root cause under it (issue 25, item 5).
+        role = "locally worst" if result.cause_sentence.startswith("no single root cause") else "root cause"
         lines.append(
-            f"  root cause: {f.group.label} ({f.group.op_type}) local SQNR "
+            f"  {role}: {f.group.label} ({f.group.op_type}) local SQNR "
             f"{local.sqnr_db:.1f} dB, accumulated {acc.sqnr_db:.1f} dB"
             # SQNR is over finite values: say when the node writes NaN/Inf even fed FP32 inputs.
             + (
