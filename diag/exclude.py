@@ -239,6 +239,7 @@ class ExclusionResult:
             "excluded": [c.to_dict() for c in self.excluded],
             "recipe": self.recipe,
             "op_type_suggestions": self.op_type_suggestions,
+            "fixes": ranked_fixes(self),
             "metrics": {
                 "held_out": self.split["held_out"],
                 "before": self.before.to_dict(),
@@ -1105,6 +1106,43 @@ def alternatives(recipe: Recipe, candidates: list[Candidate]) -> list[dict[str, 
 # ---------------------------------------------------------------- outputs
 
 
+def ranked_fixes(result: ExclusionResult) -> list[dict[str, Any]]:
+    """Every verified fix of this run, best first (issue 25 item 3: the best fix must not hide).
+
+    Ranked by (meets the target, size of the change): an ``op_types_to_quantize`` change counts
+    as one edit plus the node exclusions it still needs, a node list as its length. Only fixes
+    that met the target are listed; ties keep the node list (the searched answer) first.
+    """
+    fixes: list[dict[str, Any]] = []
+    if result.reachable and not result.already_met and result.after is not None:
+        fixes.append(
+            {
+                "kind": "nodes_to_exclude",
+                "nodes_to_exclude": list(result.nodes_to_exclude),
+                "op_types_to_quantize": result.op_types_to_quantize,
+                "metric": json_number(result.after.value(result.target.metric), digits=None, nan=None),
+                "met": True,
+                "size": len(result.nodes_to_exclude),
+            }
+        )
+    for s in result.op_type_suggestions:
+        if s["met"]:
+            fixes.append(
+                {
+                    "kind": "op_types_to_quantize",
+                    "nodes_to_exclude": list(s["nodes_to_exclude"]),
+                    "op_types_to_quantize": list(s["op_types_to_quantize"]),
+                    "metric": s["metric"],
+                    "met": True,
+                    "size": 1 + len(s["nodes_to_exclude"]),
+                }
+            )
+    fixes.sort(key=lambda f: (not f["met"], f["size"]))
+    for rank, f in enumerate(fixes, 1):
+        f["rank"] = rank
+    return fixes
+
+
 def summary_lines(result: ExclusionResult) -> list[str]:
     """What `diag exclude` prints: the verdict first, counts and time last (ends "in N s").
 
@@ -1131,6 +1169,14 @@ def summary_lines(result: ExclusionResult) -> list[str]:
             lines.append(
                 f"  budget exhausted ({result.budget['reason']}): this is the smallest list that met the target "
                 "before the search stopped, verified on the held-out samples but not proven minimal"
+            )
+        fixes = ranked_fixes(result)
+        if fixes and fixes[0]["kind"] == "op_types_to_quantize":
+            f = fixes[0]
+            lines.append(
+                f"  best fix: op_types_to_quantize={f['op_types_to_quantize']}"
+                + (f" with nodes_to_exclude={f['nodes_to_exclude']}" if f["nodes_to_exclude"] else "")
+                + f" gives {t.metric} {_fmt(f['metric'], t)} (met; a smaller change than the {n}-node list)"
             )
         for s in result.op_type_suggestions:
             lines.append(

@@ -1,0 +1,28 @@
+"""Issue 25 item 3: when several verified fixes exist, the best (smallest change that meets) comes first."""
+
+import json
+
+from test_exclude import write_fixture
+
+from diag.exclude import ExcludeOptions, derive_exclusions, ranked_fixes, summary_lines
+from diag.feeds import FeedSpec
+from diag.recipe import Recipe
+
+QDQ = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8", weight_type="QInt8")
+
+
+def test_op_type_fix_that_meets_ranks_before_the_longer_node_list(tmp_path):
+    fp, npz, _ = write_fixture(tmp_path, "convnet")
+    r = derive_exclusions(
+        fp, QDQ, FeedSpec(inputs=str(npz), batch=8), ExcludeOptions("cosine>=0.9999", bench_runs=0, progress=False)
+    )
+    fixes = ranked_fixes(r)
+    assert [f["rank"] for f in fixes] == list(range(1, len(fixes) + 1))
+    assert fixes[0]["kind"] == "nodes_to_exclude" or fixes[0]["size"] <= len(r.nodes_to_exclude)
+    [sug] = r.op_type_suggestions
+    doc = json.loads(json.dumps(r.to_dict(), allow_nan=False))
+    assert doc["fixes"] == fixes and doc["nodes_to_exclude"] == r.nodes_to_exclude  # existing fields kept
+    assert sug["met"] and 1 + len(sug["nodes_to_exclude"]) < len(r.nodes_to_exclude)  # exact mode: CPU-independent
+    assert fixes[0]["kind"] == "op_types_to_quantize"
+    assert fixes[0]["op_types_to_quantize"] == sug["op_types_to_quantize"]
+    assert any(line.startswith("  best fix: op_types_to_quantize=") for line in summary_lines(r))
