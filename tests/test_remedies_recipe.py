@@ -59,8 +59,8 @@ def test_per_channel_dynamic_model_never_gets_a_per_channel_remedy(built, tmp_pa
     """Real quantization with per_channel=True, the recipe inferred back: no remedy repeats it."""
     from diag.compare import CompareOptions
     from diag.feeds import FeedSpec
-    from diag.verbs import diagnose
     from diag.fixtures.quantize import quantize
+    from diag.verbs import diagnose
 
     b = built("convnet")
     int8 = quantize(b.fp32, tmp_path / "pc.onnx", "dynamic", per_channel=True)
