@@ -7,6 +7,7 @@ draws its trajectory (:func:`diag.plots_exclude.trajectory_plot`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from diag.exclude import calibrations_phrase, count_phrase, estimates_phrase
@@ -85,8 +86,29 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
         f"groups in {s['seconds']:.1f} s" + _cluster_note(s.get("cluster") or {}),
         "trajectory_svg": trajectory_plot(doc) if with_plots and s["trajectory"] else "",
         "snippet": doc["snippet"],
+        "fix_call": best_fix_call(doc),
         "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
     }
+
+
+def best_fix_call(doc: dict[str, Any]) -> str:
+    """The best fix as the quantizer arguments to paste: what the report's first screen shows.
+
+    The best-ranked entry of ``fixes`` when the search ranked several (an op-type list can beat a
+    node list), else the verified node list. JSON string lists are valid Python literals.
+
+    Example:
+        >>> best_fix_call({"nodes_to_exclude": ["conv2"], "fixes": []})
+        'nodes_to_exclude=["conv2"]'
+    """
+    fixes = doc.get("fixes") or []
+    best = fixes[0] if fixes else {"nodes_to_exclude": doc["nodes_to_exclude"]}
+    parts = []
+    if best.get("op_types_to_quantize"):
+        parts.append(f"op_types_to_quantize={json.dumps(list(best['op_types_to_quantize']), ensure_ascii=False)}")
+    if best.get("nodes_to_exclude"):
+        parts.append(f"nodes_to_exclude={json.dumps(list(best['nodes_to_exclude']), ensure_ascii=False)}")
+    return ", ".join(parts) or "nodes_to_exclude=[]"
 
 
 def _cluster_note(info: dict[str, Any]) -> str:

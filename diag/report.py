@@ -310,6 +310,8 @@ class ExclusionView:
     counts: str
     trajectory_svg: str
     snippet: str
+    #: The best fix as the quantizer arguments to paste (first screen, copy button).
+    fix_call: str
     alternatives: list[str]
 
 
@@ -704,6 +706,7 @@ def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> Exclu
         counts=section["counts"],
         trajectory_svg=section["trajectory_svg"],
         snippet=section["snippet"],
+        fix_call=section["fix_call"],
         alternatives=section["alternatives"],
     )
 

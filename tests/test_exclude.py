@@ -203,9 +203,14 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
     assert [r["name"] for r in view["metrics"]][:3] == ["cosine", "cosine_mean", "max_abs"]
     assert view["metrics"][0]["after"] == f"{doc['metrics']['after']['cosine']:.6f}"
     assert view["latency"][0]["speedup"] == "ref" and "quantize_dynamic(" in view["snippet"]
-    # One report: the baseline's diagnosis, then the verified fix with its trajectory and snippet.
+    # One report: the verified fix first (with its trajectory and snippet), then the baseline's diagnosis.
     html = (out / "report.html").read_text()
-    assert html.index('id="root-causes"') < html.index('id="exclusion"') < html.index('id="nodes"')
+    assert (
+        html.index('id="verdict"')
+        < html.index('id="exclusion"')
+        < html.index('id="root-causes"')
+        < html.index('id="nodes"')
+    )
     assert 'id="plot-exclusion"><svg' in html and "quantize_dynamic(" in html
     assert json.loads((out / "diag.json").read_text())["exclusion"]["nodes_to_exclude"] == doc["nodes_to_exclude"]
     assert "keep in float: `layer1/ffn/fc1/MatMul`" in (out / "summary.md").read_text()
