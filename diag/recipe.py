@@ -44,9 +44,21 @@ STATIC_ONLY = ("quant_format", "activation_type", "calibrate_method", "calibrati
 #: keys ``mode = "fp16"`` takes: ``convert_float_to_float16``'s arguments (see :mod:`diag.fp16`).
 FP16_KEYS = ("keep_io_types", "op_block_list", "node_block_list")
 #: keys that only ``MatMulNBitsQuantizer`` (``mode = "weight_only"``) takes; ``node_bits`` is diag's own.
-WEIGHT_ONLY_KEYS = ("bits", "block_size", "is_symmetric", "accuracy_level", "node_bits")
-#: the keys a weight-only recipe may hold (and writes): MatMulNBitsQuantizer's arguments.
-WEIGHT_ONLY_RECIPE = ("mode", "quant_format", "op_types_to_quantize", "nodes_to_exclude", *WEIGHT_ONLY_KEYS)
+WEIGHT_ONLY_KEYS = ("bits", "block_size", "is_symmetric", "accuracy_level", "node_bits", "algorithm")
+#: the keys a weight-only recipe may hold (and writes): MatMulNBitsQuantizer's arguments; ``calibration``
+#: and ``calibration_samples`` feed GPTQ only.
+WEIGHT_ONLY_RECIPE = (
+    "mode",
+    "quant_format",
+    "op_types_to_quantize",
+    "nodes_to_exclude",
+    *WEIGHT_ONLY_KEYS,
+    "calibration",
+    "calibration_samples",
+)
+#: ``MatMulNBitsQuantizer`` algorithms a weight-only recipe may name (``algo_config`` classes); RTN is
+#: onnxruntime's default config (no ``algo_config``); HQQ and GPTQ need torch installed.
+WEIGHT_ONLY_ALGORITHMS = ("RTN", "k_quant", "HQQ", "GPTQ")
 
 
 class _DefaultFormat(str):
@@ -78,6 +90,8 @@ class Recipe:
         block_size: weight_only: rows per quantization block (default 128, as onnxruntime).
         is_symmetric: weight_only: no zero points (default false).
         accuracy_level: weight_only: ``MatMulNBits`` compute accuracy (0-4; None: onnxruntime's default).
+        algorithm: weight_only: "RTN" (default), "k_quant", "HQQ" or "GPTQ" (GPTQ calibrates on
+            ``calibration``; HQQ and GPTQ need torch).
         node_bits: weight_only: FP32 node name -> bits for nodes quantized at another width
             (diag runs a second ``MatMulNBitsQuantizer(bits=...)`` over them; see :mod:`diag.nbits`).
         keep_io_types: fp16: keep float32 model inputs and outputs (Casts at the boundary).
@@ -106,6 +120,7 @@ class Recipe:
     is_symmetric: bool | None = None
     accuracy_level: int | None = None
     node_bits: dict[str, int] | None = None
+    algorithm: str | None = None
     keep_io_types: bool | None = None
     op_block_list: list[str] | None = None
     node_block_list: list[str] | None = None
@@ -291,6 +306,7 @@ def _check_weight_only(recipe: Recipe, data: dict[str, Any], source: str) -> Non
                 "is not a MatMulNBitsQuantizer argument (mode is 'weight_only')",
                 f"weight_only recipes take: {', '.join(WEIGHT_ONLY_RECIPE)}",
             )
+    _check_algorithm(recipe, source)
     widths = {recipe.bits or 4, *(recipe.node_bits or {}).values()}
     if recipe.quant_format == "QDQ" and widths != {4}:
         raise DiagError(
@@ -298,6 +314,36 @@ def _check_weight_only(recipe: Recipe, data: dict[str, Any], source: str) -> Non
             f"{source} key 'quant_format'",
             "QDQ weight-only quantization is 4-bit only in onnxruntime (it leaves 2/8-bit MatMuls in float)",
             'use "quant_format": "QOperator" for bits 2/8',
+        )
+
+
+def _check_algorithm(recipe: Recipe, source: str) -> None:
+    """HQQ/GPTQ: QOperator only (onnxruntime asserts it); GPTQ needs calibration, the others take none."""
+    algo = recipe.algorithm or "RTN"
+    if algo != "RTN" and recipe.quant_format == "QDQ":
+        raise DiagError(
+            "bad-recipe",
+            f"{source} key 'algorithm'",
+            f"{algo} writes MatMulNBits only",
+            'use "quant_format": "QOperator"',
+        )
+    if algo == "GPTQ" and recipe.calibration is None:
+        raise DiagError(
+            "bad-recipe",
+            f"{source} key 'algorithm'",
+            "GPTQ needs calibration inputs and none were given",
+            'set "calibration": "calib.npz" in the recipe (or use "algorithm": "RTN" or "HQQ")',
+        )
+    if algo != "GPTQ" and (recipe.calibration is not None or recipe.calibration_samples is not None):
+        raise DiagError(
+            "bad-recipe",
+            f"{source} key 'calibration'",
+            f"is read by GPTQ only (algorithm is {algo}: no calibration)",
+            'remove it or set "algorithm": "GPTQ"',
+        )
+    if algo == "GPTQ" and ((recipe.bits or 4) != 4 or recipe.node_bits):
+        raise DiagError(
+            "bad-recipe", f"{source} key 'algorithm'", "GPTQ is 4-bit only in onnxruntime", "remove bits/node_bits"
         )
 
 
@@ -309,6 +355,7 @@ _ENUMS: dict[str, tuple[str, ...]] = {
     "activation_type": QUANT_TYPES,
     "weight_type": QUANT_TYPES,
     "calibrate_method": CALIBRATE_METHODS,
+    "algorithm": WEIGHT_ONLY_ALGORITHMS,
 }
 _ENUM_CLASS = {
     "quant_format": "QuantFormat",

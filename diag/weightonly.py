@@ -9,12 +9,17 @@ core and lives in :mod:`diag.nbits`; this module runs onnxruntime's quantizer as
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import onnx
 
+from diag.errors import DiagError
 from diag.modelprep import upgrade_opset
 from diag.protos import default_opset
 from diag.recipe import Recipe
@@ -22,6 +27,9 @@ from diag.recipe import Recipe
 
 def infer_weight_only(model: onnx.ModelProto) -> tuple[dict[str, Any], list[str]]:
     """The ``weight_only`` recipe (``MatMulNBitsQuantizer`` arguments) that made ``model``, with evidence.
+
+    ``algorithm`` is never inferred: a k_quant, HQQ or GPTQ graph is indistinguishable from RTN (same
+    MatMulNBits nodes, other weight values), so the recipe says RTN or another algorithm by omission.
 
     FP32 node names come from onnxruntime's naming (``<node>_Q<bits>``, ``<node>_DQ_Q4``); a
     float MatMul left in the graph is listed in ``nodes_to_exclude``; MatMulNBits nodes of
@@ -139,6 +147,14 @@ def quantize_weight_only(recipe: Recipe, src: Path, dst: Path, external: bool, a
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = onnx.load(str(src))
+    algo = recipe.algorithm or "RTN"
+    if algo in ("HQQ", "GPTQ") and importlib.util.find_spec("torch") is None:
+        raise DiagError(
+            "missing-extra",
+            f"algorithm {algo}",
+            "needs torch (onnxruntime's HQQ/GPTQ code imports it) and torch is not installed",
+            'pip install torch, or use "algorithm": "RTN" or "k_quant"',
+        )
     if recipe.quant_format == "QDQ":
         opset = default_opset(model)
         if 0 < opset < 21:
@@ -150,9 +166,14 @@ def quantize_weight_only(recipe: Recipe, src: Path, dst: Path, external: bool, a
     for call in calls:
         kwargs = dict(call)
         kwargs["quant_format"] = QuantFormat[kwargs["quant_format"]]
+        if algo != "RTN":
+            kwargs["algo_config"] = _algo_config(recipe, call)
         quantizer = MatMulNBitsQuantizer(model, **kwargs)
-        quantizer.process()
+        with contextlib.redirect_stdout(io.StringIO()):  # k_quant/GPTQ print a progress bar on stdout
+            quantizer.process()
         model = quantizer.model.model
+    if algo != "RTN":
+        actions.append(f"quantized with algorithm {algo} (MatMulNBitsQuantizer algo_config)")
     if len(calls) > 1:
         actions.append(
             "ran MatMulNBitsQuantizer "
@@ -162,6 +183,86 @@ def quantize_weight_only(recipe: Recipe, src: Path, dst: Path, external: bool, a
         onnx.save(model, str(dst), save_as_external_data=True, location=f"{dst.name}.data")
     else:
         onnx.save(model, str(dst))
+
+
+class NpzReader:
+    """GPTQ's calibration reader: one sample (leading-axis row) of an ``.npz`` per ``get_next``.
+
+    GPTQ deep-copies and iterates the reader (onnxruntime's ``inc_dataloader``), so it holds
+    plain arrays, not a live feed source; the generated Python defines the same class.
+    """
+
+    def __init__(self, path: str, samples: int | None = None) -> None:
+        import numpy as np
+
+        with np.load(path) as data:
+            self.arrays = {k: data[k] for k in data.files}
+        n = min(len(a) for a in self.arrays.values())
+        self.rows = [{k: a[i : i + 1] for k, a in self.arrays.items()} for i in range(min(n, samples or n))]
+        self.pos = 0
+
+    def get_next(self) -> dict[str, Any] | None:
+        if self.pos >= len(self.rows):
+            return None
+        self.pos += 1
+        return self.rows[self.pos - 1]
+
+    def __iter__(self) -> Any:
+        return iter(self.rows)
+
+
+_NPZ_READER_SRC = [
+    "class NpzReader:  # GPTQ calibration: one row of the .npz per sample",
+    "    def __init__(self, path, samples=None):",
+    "        import numpy as np",
+    "        with np.load(path) as data:",
+    "            arrays = {k: data[k] for k in data.files}",
+    "        n = min(len(a) for a in arrays.values())",
+    "        self.rows = [{k: a[i : i + 1] for k, a in arrays.items()} for i in range(min(n, samples or n))]",
+    "        self.pos = 0",
+    "",
+    "    def get_next(self):",
+    "        self.pos += 1",
+    "        return self.rows[self.pos - 1] if self.pos <= len(self.rows) else None",
+    "",
+    "    def __iter__(self):",
+    "        return iter(self.rows)",
+    "",
+]
+
+
+def _algo_config(recipe: Recipe, call: dict[str, Any]) -> Any:
+    """The ``algo_config`` object for HQQ/GPTQ (RTN is onnxruntime's default: no object)."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    ops = call.get("op_types_to_quantize")
+    if recipe.algorithm == "k_quant":
+        return mnq.KQuantWeightOnlyQuantConfig(op_types_to_quantize=ops)
+    if recipe.algorithm == "HQQ":
+        return mnq.HQQWeightOnlyQuantConfig(block_size=call["block_size"], bits=call["bits"], op_types_to_quantize=ops)
+    path = recipe.calibration_path()
+    assert path is not None  # validated by the recipe
+    reader = NpzReader(str(path), recipe.calibration_samples)
+    return mnq.GPTQWeightOnlyQuantConfig(
+        calibration_data_reader=reader, block_size=call["block_size"], op_types_to_quantize=ops
+    )
+
+
+def _algo_config_src(recipe: Recipe, call: dict[str, Any]) -> str:
+    ops = call.get("op_types_to_quantize")
+    if recipe.algorithm == "k_quant":
+        return f"algo_config=KQuantWeightOnlyQuantConfig(op_types_to_quantize={ops!r})"
+    if recipe.algorithm == "HQQ":
+        return (
+            f"algo_config=HQQWeightOnlyQuantConfig(block_size={call['block_size']!r}, bits={call['bits']!r}, "
+            f"op_types_to_quantize={ops!r})"
+        )
+    path = recipe.calibration_path()
+    calib = os.path.abspath(str(path)) if path is not None else None
+    return (
+        f"algo_config=GPTQWeightOnlyQuantConfig(calibration_data_reader=NpzReader({calib!r}, "
+        f"{recipe.calibration_samples!r}), block_size={call['block_size']!r}, op_types_to_quantize={ops!r})"
+    )
 
 
 def weight_only_snippet(
@@ -192,6 +293,7 @@ def weight_only_snippet(
         "model = onnx.load(FP32)",
     ]
     lines += prelude or []
+    lines[0] = lines[0].replace("default RTN", f"algorithm {r.algorithm or 'RTN'}")
     if r.quant_format == "QDQ":
         lines += [
             "if next(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx')) < 21:",
@@ -210,10 +312,18 @@ def quantizer_calls(recipe: Recipe) -> list[str]:
         'quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=False, quant_format=QuantFormat.QOperator, nodes_to_exclude=[])'
     """  # noqa: E501
     lines: list[str] = []
+    algo = recipe.algorithm or "RTN"
+    if algo != "RTN":
+        config = {"k_quant": "KQuant", "HQQ": "HQQ", "GPTQ": "GPTQ"}[algo] + "WeightOnlyQuantConfig"
+        lines.append(f"from onnxruntime.quantization.matmul_nbits_quantizer import {config}")
+        if algo == "GPTQ":
+            lines += _NPZ_READER_SRC
     for call in weight_only_calls(recipe):
         args = ", ".join(
             f"{k}=QuantFormat.{v}" if k == "quant_format" else f"{k}={v!r}" for k, v in call.items() if v is not None
         )
+        if algo != "RTN":
+            args += ", " + _algo_config_src(recipe, call)
         lines += [
             f"quantizer = MatMulNBitsQuantizer(model, {args})",
             "quantizer.process()",
