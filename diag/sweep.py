@@ -33,7 +33,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -46,8 +45,8 @@ from diag.environment import environment
 from diag.errors import DiagError
 from diag.evaluate import HeldOutEvaluator, Target, parse_target, split_feeds
 from diag.feeds import FeedSource, FeedSpec, load_labels
+from diag.files import make_work_dir, remove_tree
 from diag.files import out_dir as checked_out_dir
-from diag.files import remove_tree, signals_held
 from diag.jsonnum import json_numbers
 from diag.load import float_model_from_path
 from diag.numfmt import table_cell
@@ -1023,8 +1022,7 @@ def _run_recipes(
     progress = run.options.progress
     work: Path | None = None
     try:
-        with signals_held():  # a Ctrl-C right after mkdtemp must not leave the folder (diag.files.work_dir)
-            work = Path(tempfile.mkdtemp(prefix=f".diag-sweep-{os.getpid()}-", dir=out))
+        work = make_work_dir(out, "sweep")
         run.work = work
         runner.start(run, [(i, r, k) for i, (r, k) in enumerate(zip(recipes, keys, strict=True), 1) if k not in done])
         for i, (recipe, key) in enumerate(zip(recipes, keys, strict=True), 1):
