@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from diag.bench import BenchOptions, bench_models, physical_cores
+from diag.cpu import kernel_path
 from diag.environment import environment
 from diag.errors import DiagError
 from diag.evaluate import HeldOutEvaluator, Target, parse_target, split_feeds
@@ -637,6 +638,8 @@ class SweepResult:
             "schema": "diag/sweep",
             "schema_version": 1,
             "environment": environment(),
+            # latency and the INT8 metrics come from onnxruntime's integer kernels on this CPU
+            "kernel_path": kernel_path().to_dict(),
             "fp32": self.fp32,
             "fp32_size": self.fp32_size,
             "objective": self.objective,
