@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+from pathlib import Path
 
 from diag.compare import CompareOptions
 from diag.cpu import KernelPath, kernel_path
@@ -14,7 +15,7 @@ from diag.feeds import FeedSpec
 def _cpuinfo_flags() -> set[str]:
     """Read independently of diag.cpu: every flag of every ``flags``/``Features`` line."""
     try:
-        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return set()
     found: set[str] = set()
