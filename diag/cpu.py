@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import platform
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -33,6 +35,96 @@ _SEVEN_BIT_SPAN = 128
 _VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "avx_vnni_int8")
 
 
+#: /proc/cpuinfo flags that choose onnxruntime's (MLAS) int8 GEMM kernel, in the order they are shown.
+_ISA_FLAGS = {
+    "avx2": "AVX2",
+    "avx512f": "AVX512",
+    "avx512bw": "AVX512BW",
+    "avx512_vnni": "AVX512-VNNI",
+    "avx_vnni": "AVX-VNNI",
+    "avx_vnni_int8": "AVX-VNNI-INT8",
+    "amx_int8": "AMX-INT8",
+    "asimddp": "ARM-DOTPROD",
+    "i8mm": "ARM-I8MM",
+}
+_X86 = ("x86_64", "amd64", "i686", "x86")
+
+
+def _cpu_flags() -> list[str] | None:
+    """The first ``flags`` (x86) or ``Features`` (ARM) line of /proc/cpuinfo; None where unreadable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].split()
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """Which integer kernels onnxruntime picks on this machine: what makes INT8 numbers CPU-dependent.
+
+    Recorded next to every figure measured with integer kernels (dynamic / QOperator models, or any
+    model at an optimization level that fuses QDQ into them), so two reports that disagree can be
+    told apart by their machine instead of by guesswork.
+    """
+
+    machine: str
+    isa: tuple[str, ...]
+    vnni: bool | None
+    onnxruntime: str
+    providers: tuple[str, ...]  # the execution providers diag's sessions run on
+
+    def to_dict(self) -> dict[str, Any]:
+        """The diag.json / exclusion.json / sweep.json record."""
+        return {
+            "machine": self.machine,
+            "isa": list(self.isa),
+            "vnni": self.vnni,
+            "onnxruntime": self.onnxruntime,
+            "providers": list(self.providers),
+            "u8s8": self.u8s8(),
+        }
+
+    def u8s8(self) -> str:
+        """How u8 x s8 products are summed: exact in int32 (VNNI, ARM dot product) or pairwise in int16."""
+        if self.vnni:
+            return "exact (VNNI)"
+        if "ARM-DOTPROD" in self.isa or "ARM-I8MM" in self.isa:
+            return "exact (ARM dot product)"
+        if self.vnni is False and "AVX2" in self.isa:
+            return "pairs summed in int16, can saturate (AVX2 without VNNI)"
+        return "unknown"
+
+    def describe(self) -> str:
+        """One line for report and summary, e.g. ``x86_64 AVX2 AVX512 AVX512-VNNI · onnxruntime 1.20.1 CPU``."""
+        isa = " ".join(self.isa) or "no SIMD int8 flags seen"
+        providers = ", ".join(p.removesuffix("ExecutionProvider") for p in self.providers)
+        return f"{self.machine} {isa} · onnxruntime {self.onnxruntime} {providers} · u8s8 {self.u8s8()}"
+
+
+@functools.cache
+def kernel_path() -> KernelPath:
+    """This machine's :class:`KernelPath` (read once per process).
+
+    Example:
+        >>> kernel_path().machine == platform.machine()
+        True
+    """
+    import onnxruntime as ort
+
+    flags = set(_cpu_flags() or ())
+    return KernelPath(
+        machine=platform.machine(),
+        isa=tuple(label for flag, label in _ISA_FLAGS.items() if flag in flags),
+        vnni=has_vnni(),
+        onnxruntime=str(ort.__version__),
+        providers=("CPUExecutionProvider",),  # the only one diag's sessions use (diag.run)
+    )
+
+
 @functools.cache
 def has_vnni() -> bool | None:
     """True / False on x86 Linux (from /proc/cpuinfo flags); None where it cannot be told (or is not x86).
@@ -41,13 +133,9 @@ def has_vnni() -> bool | None:
         >>> has_vnni() in (True, False, None)
         True
     """
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+    if platform.machine().lower() not in _X86:
         return None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), None)
-    except OSError:
-        return None
+    flags = _cpu_flags()
     if flags is None:
         return None
     return any(f in flags for f in _VNNI_FLAGS)

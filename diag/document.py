@@ -12,6 +12,7 @@ from typing import Any
 
 from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict
 from diag.compare import CompareResult
+from diag.cpu import kernel_path
 from diag.distributions import TensorHealth, worst_tensors
 from diag.documents import SCHEMA, SCHEMA_VERSION
 from diag.fp16health import fp16_fix
@@ -53,6 +54,7 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
             "opt_level": result.options.opt_level,
             "local_error": result.options.local,
             "passes": result.passes,
+            "kernel_path": kernel_path().to_dict(),
         },
         "deployed": _deployed(result),
         "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB, "bands": BANDS},

@@ -77,8 +77,8 @@ class DiagError(Exception):
     def message(self) -> str:
         """The one-line message, without the ``diag: error[slug]:`` prefix."""
         text = f"{self.obj} | {self.problem}"
-        if self.hint:
-            text += f". Hint: {self.hint}"
+        if self.hint:  # a problem that ends in its own mark ("did you swap them?") gets no second one
+            text += f"{'' if self.problem.endswith(('.', '?', '!')) else '.'} Hint: {self.hint}"
         return _one_line(text)
 
 

@@ -53,6 +53,7 @@ import onnx
 from diag.analyze import NodeFinding
 from diag.bench import BenchOptions, bench_models
 from diag.compare import CompareOptions, CompareResult, compare_models
+from diag.cpu import kernel_path
 from diag.effects import float_region_model
 from diag.errors import DiagError
 from diag.evaluate import (
@@ -240,6 +241,8 @@ class ExclusionResult:
             "recipe": self.recipe,
             "op_type_suggestions": self.op_type_suggestions,
             "fixes": ranked_fixes(self),
+            # the before/after metrics come from onnxruntime's integer kernels on this CPU
+            "kernel_path": kernel_path().to_dict(),
             "metrics": {
                 "held_out": self.split["held_out"],
                 "before": self.before.to_dict(),

@@ -217,7 +217,8 @@ def feeds_from_arrays(
         for b, start in enumerate(range(skip, skip + n, step)):
             stop = min(start + step, skip + n)
             feed = {k: np.asarray(v[start] if per_row[k] else v[start:stop]) for k, v in arrays.items()}
-            validate_feed(feed, specs, f"{where} rows {start}..{stop - 1}")
+            rows = f"row {start}" if stop - start == 1 else f"rows {start}..{stop - 1}"
+            validate_feed(feed, specs, f"{where} {rows} (of {total})")
             yield Batch(b, feed, stop - start)
 
     next(iter(gen()))  # validates the first batch now, before any model runs

@@ -208,9 +208,17 @@ def check_outputs(
         return
     if not stat.S_ISDIR(st.st_mode):
         raise DiagError("bad-out", f"--out '{base}'", "cannot be created (it is a file)", "choose a folder path")
+    _check_writable(base, obj)
     for name in names:
         t = base / name
         _check_target(t, _stat(t, f"{role} '{t}'", missing_slug="bad-out"), f"{role} '{t}'")
+
+
+def _check_writable(folder: Path, obj: str) -> None:
+    """An existing output folder this process cannot write into is ``bad-out`` now, before any work
+    (sweep and exclude create their work folder in it first; a PermissionError there was an internal error)."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise DiagError("bad-out", obj, "cannot be written (permission denied)", "choose a writable folder")
 
 
 def output_file(path: str | os.PathLike[str], role: str) -> Path:
@@ -271,6 +279,8 @@ def out_dir(path: str | os.PathLike[str], role: str = "--out") -> Path:
         except OSError as e:
             raise DiagError("bad-out", obj, f"cannot be created ({e.strerror or e})", "choose a writable folder") from e
         _WRITTEN.created.extend(reversed(missing))
+    else:
+        _check_writable(out, obj)
     sweep_stale_work(out)
     return out
 
@@ -307,12 +317,25 @@ def work_dir(folder: str | os.PathLike[str], kind: str) -> Iterator[Path]:
     """
     path: Path | None = None
     try:
-        with signals_held():  # a Ctrl-C between mkdtemp and the try would leave the folder behind
-            path = Path(tempfile.mkdtemp(prefix=f".diag-{kind}-{os.getpid()}-", dir=folder))
+        path = make_work_dir(folder, kind)
         yield path
     finally:
         if path is not None:
             remove_tree(path)
+
+
+def make_work_dir(folder: str | os.PathLike[str], kind: str) -> Path:
+    """Create ``.diag-<kind>-<pid>-*`` in ``folder`` with signals held; an OS refusal is ``bad-out``.
+
+    The caller removes it (:func:`remove_tree`); :func:`work_dir` does so itself.
+    """
+    try:
+        with signals_held():  # a Ctrl-C between mkdtemp and the caller's try would leave the folder behind
+            return Path(tempfile.mkdtemp(prefix=f".diag-{kind}-{os.getpid()}-", dir=folder))
+    except OSError as e:
+        raise DiagError(
+            "bad-out", f"--out '{folder}'", f"cannot be written ({e.strerror or e})", "choose a writable folder"
+        ) from e
 
 
 @contextlib.contextmanager

@@ -389,6 +389,8 @@ class ReportView:
     effects_note: str = ""
     #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
     run_note: str = ""
+    #: The CPU's integer-kernel path the figures were measured on (diag.cpu.KernelPath), or "".
+    kernel_path: str = ""
     #: Findings about the model files that did not stop diag (e.g. onnx.checker vs onnxruntime).
     model_warnings: list[str] = field(default_factory=list)
     #: One line per --metric plugin value.
@@ -425,6 +427,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         samples=doc["run"]["samples"],
         seconds=f"{doc['run']['seconds']:.1f}",
         run_note=_run_note(doc["run"]),
+        kernel_path=_kernel_path_line(doc["run"].get("kernel_path")),
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
         outputs=_output_rows(verdict["outputs"]),
         root_causes=_root_cause_lines(doc),
@@ -486,6 +489,15 @@ def _fix_command(models: dict[str, Any], rec: dict[str, Any]) -> str:
 def _versions(environment: dict[str, Any]) -> str:
     """``onnxruntime 1.20.1 · onnx 1.17.0 · diag 0.9.0 · date ...`` for the report's header."""
     return " · ".join(f"{k} {environment[k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in environment)
+
+
+def _kernel_path_line(kp: dict[str, Any] | None) -> str:
+    """``int8 kernels: x86_64 AVX2 AVX512-VNNI · onnxruntime 1.20.1 CPU · u8s8 exact (VNNI)``; "" for old documents."""
+    if not kp:
+        return ""
+    providers = ", ".join(str(p).removesuffix("ExecutionProvider") for p in kp.get("providers", []))
+    isa = " ".join(kp.get("isa", [])) or "no SIMD int8 flags seen"
+    return f"{kp['machine']} {isa} · onnxruntime {kp['onnxruntime']} {providers} · u8s8 {kp['u8s8']}"
 
 
 def _run_note(run: dict[str, Any]) -> str:

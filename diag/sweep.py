@@ -33,7 +33,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -42,12 +41,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from diag.bench import BenchOptions, bench_models, physical_cores
+from diag.cpu import kernel_path
 from diag.environment import environment
 from diag.errors import DiagError
 from diag.evaluate import HeldOutEvaluator, Target, parse_target, split_feeds
 from diag.feeds import FeedSource, FeedSpec, load_labels
+from diag.files import make_work_dir, remove_tree
 from diag.files import out_dir as checked_out_dir
-from diag.files import remove_tree, signals_held
 from diag.jsonnum import json_numbers
 from diag.load import float_model_from_path
 from diag.numfmt import table_cell
@@ -638,6 +638,8 @@ class SweepResult:
             "schema": "diag/sweep",
             "schema_version": 1,
             "environment": environment(),
+            # latency and the INT8 metrics come from onnxruntime's integer kernels on this CPU
+            "kernel_path": kernel_path().to_dict(),
             "fp32": self.fp32,
             "fp32_size": self.fp32_size,
             "objective": self.objective,
@@ -1023,8 +1025,7 @@ def _run_recipes(
     progress = run.options.progress
     work: Path | None = None
     try:
-        with signals_held():  # a Ctrl-C right after mkdtemp must not leave the folder (diag.files.work_dir)
-            work = Path(tempfile.mkdtemp(prefix=f".diag-sweep-{os.getpid()}-", dir=out))
+        work = make_work_dir(out, "sweep")
         run.work = work
         runner.start(run, [(i, r, k) for i, (r, k) in enumerate(zip(recipes, keys, strict=True), 1) if k not in done])
         for i, (recipe, key) in enumerate(zip(recipes, keys, strict=True), 1):

@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from diag.errors import DiagError
@@ -193,8 +194,6 @@ class NpzReader:
     """
 
     def __init__(self, path: str, samples: int | None = None) -> None:
-        import numpy as np
-
         with np.load(path) as data:
             self.arrays = {k: data[k] for k in data.files}
         n = min(len(a) for a in self.arrays.values())
