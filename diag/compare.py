@@ -473,13 +473,17 @@ EXCLUDE_WORDS = "an exclusion search (diag exclude)"
 
 
 def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str = "cosine>=0.99") -> str:
-    """The exact ``diag exclude`` command for this pair, the recipe inferred from the INT8 model.
+    """The exact commands that run an exclusion search from this INT8 model's own recipe.
 
-    Paths are printed as the user gave them; the target is the "acceptable" cosine band.
+    ``diag inspect --recipe-out`` writes the recipe inferred from the INT8 model, so the search
+    starts from the user's quantization, not from onnxruntime's defaults. Paths are printed as the
+    user gave them, shell-quoted (the target's ``>=`` would otherwise be a redirection); the target
+    is the "acceptable" cosine band.
 
     Example:
-        >>> exclude_command(Path("m.onnx"), Path("m_int8.onnx"), FeedSpec(inputs="x.npz"))
-        'diag exclude m.onnx --int8 m_int8.onnx --inputs x.npz --target cosine>=0.99'
+        >>> print(exclude_command(Path("m.onnx"), Path("q.onnx"), FeedSpec(inputs="x.npz")).replace(" && ", "\n"))
+        diag inspect q.onnx --recipe-out recipe.toml
+        diag exclude m.onnx --recipe recipe.toml --inputs x.npz --target 'cosine>=0.99'
     """
     if spec is not None and spec.inputs:
         feeds = f"--inputs {shlex.quote(spec.inputs)}"
@@ -487,7 +491,10 @@ def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str =
         feeds = "--random"
     else:
         feeds = "--inputs INPUTS"
-    return f"diag exclude {shlex.quote(str(fp32))} --int8 {shlex.quote(str(int8))} {feeds} --target {target}"
+    return (
+        f"diag inspect {shlex.quote(str(int8))} --recipe-out recipe.toml && "
+        f"diag exclude {shlex.quote(str(fp32))} --recipe recipe.toml {feeds} --target {shlex.quote(target)}"
+    )
 
 
 def with_exclude_command(sentence: str, fp32: Path, int8: Path, spec: FeedSpec | None) -> str:
