@@ -26,3 +26,28 @@ def test_op_type_fix_that_meets_ranks_before_the_longer_node_list(tmp_path):
     assert fixes[0]["kind"] == "op_types_to_quantize"
     assert fixes[0]["op_types_to_quantize"] == sug["op_types_to_quantize"]
     assert any(line.startswith("  best fix: op_types_to_quantize=") for line in summary_lines(r))
+
+
+def test_report_first_screen_shows_the_op_type_fix_when_it_ranks_first(tmp_path):
+    """The fix report opens on the best-ranked fix (op types here), whole, within 900 px in Chromium."""
+    from browser import chromium
+    from playwright.sync_api import sync_playwright
+
+    from diag import cli
+
+    fp, npz, _ = write_fixture(tmp_path, "convnet")
+    recipe = json.dumps({"mode": "static", "quant_format": "QDQ", "activation_type": "QUInt8", "weight_type": "QInt8"})
+    out = tmp_path / "fix"
+    argv = [str(fp), "--recipe", recipe, "--inputs", str(npz), "--batch", "8", "--target", "cosine>=0.9999"]
+    assert cli.main(["exclude", *argv, "--bench-runs", "0", "--out", str(out), "--quiet"]) == 0
+    best = json.loads((out / "exclusion.json").read_text())["fixes"][0]
+    assert best["kind"] == "op_types_to_quantize"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto((out / "report.html").resolve().as_uri())
+        text = page.locator("#best-fix-code").text_content()
+        box = page.locator("#best-fix-code").bounding_box()
+        browser.close()
+    assert text is not None and text.startswith("op_types_to_quantize=" + json.dumps(best["op_types_to_quantize"]))
+    assert box is not None and box["y"] + box["height"] <= 900
