@@ -317,7 +317,8 @@ def work_dir(folder: str | os.PathLike[str], kind: str) -> Iterator[Path]:
     """
     path: Path | None = None
     try:
-        path = make_work_dir(folder, kind)
+        with signals_held():  # a Ctrl-C between mkdtemp and the assignment would leave the folder behind
+            path = make_work_dir(folder, kind)
         yield path
     finally:
         if path is not None:
@@ -325,13 +326,14 @@ def work_dir(folder: str | os.PathLike[str], kind: str) -> Iterator[Path]:
 
 
 def make_work_dir(folder: str | os.PathLike[str], kind: str) -> Path:
-    """Create ``.diag-<kind>-<pid>-*`` in ``folder`` with signals held; an OS refusal is ``bad-out``.
+    """Create ``.diag-<kind>-<pid>-*`` in ``folder``; an OS refusal is ``bad-out``.
 
-    The caller removes it (:func:`remove_tree`); :func:`work_dir` does so itself.
+    The caller removes it (:func:`remove_tree`); :func:`work_dir` does so itself. NOTE: call it inside
+    :func:`signals_held` *and assign the result there*: a Ctrl-C held here would otherwise be raised
+    when the block ends, after the folder exists and before the caller knows its name.
     """
     try:
-        with signals_held():  # a Ctrl-C between mkdtemp and the caller's try would leave the folder behind
-            return Path(tempfile.mkdtemp(prefix=f".diag-{kind}-{os.getpid()}-", dir=folder))
+        return Path(tempfile.mkdtemp(prefix=f".diag-{kind}-{os.getpid()}-", dir=folder))
     except OSError as e:
         raise DiagError(
             "bad-out", f"--out '{folder}'", f"cannot be written ({e.strerror or e})", "choose a writable folder"

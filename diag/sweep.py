@@ -46,7 +46,7 @@ from diag.environment import environment
 from diag.errors import DiagError
 from diag.evaluate import HeldOutEvaluator, Target, parse_target, split_feeds
 from diag.feeds import FeedSource, FeedSpec, load_labels
-from diag.files import make_work_dir, remove_tree
+from diag.files import make_work_dir, remove_tree, signals_held
 from diag.files import out_dir as checked_out_dir
 from diag.jsonnum import json_numbers
 from diag.load import float_model_from_path
@@ -1025,7 +1025,8 @@ def _run_recipes(
     progress = run.options.progress
     work: Path | None = None
     try:
-        work = make_work_dir(out, "sweep")
+        with signals_held():  # assigned inside: a held Ctrl-C must not orphan the folder (see make_work_dir)
+            work = make_work_dir(out, "sweep")
         run.work = work
         runner.start(run, [(i, r, k) for i, (r, k) in enumerate(zip(recipes, keys, strict=True), 1) if k not in done])
         for i, (recipe, key) in enumerate(zip(recipes, keys, strict=True), 1):
