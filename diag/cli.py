@@ -398,14 +398,6 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     from diag.verbs import exclude_to_dir
 
     recipe = recipe_from_option(args.recipe) if args.recipe else Recipe(mode="dynamic")
-    if not args.recipe:
-        # NOTE: the search re-quantizes from this recipe: say so before the numbers, which start from it
-        # (issue 25: a user's own INT8 model may have been made quite differently).
-        print(
-            'recipe: {"mode": "dynamic"} (onnxruntime\'s quantize_dynamic defaults: no --recipe given; '
-            "to start from your INT8 model's own recipe: diag inspect INT8 --recipe-out recipe.toml, then "
-            "--recipe recipe.toml)"
-        )
     if args.tiers:
         return _exclude_tiers(args, recipe)
     result, files = exclude_to_dir(args.fp32, recipe, feed_spec(args), _exclude_options(args), args.out)
