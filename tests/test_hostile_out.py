@@ -61,7 +61,10 @@ def _run_as_user(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]
     if ROOT:
         if shutil.which("setpriv") is None:
             pytest.skip("running as root without setpriv: a read-only folder cannot be made read-only to root")
-        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+        # CAP_DAC_READ_SEARCH (read and search only, never write): nobody must still read the
+        # interpreter and its packages, which on a pyenv machine live under root's private /root.
+        caps = ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *caps, *cmd]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
