@@ -394,13 +394,12 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     out before any list met it."""
     from diag.errors import GATE_FAILED
     from diag.exclude import summary_lines
-    from diag.recipe import Recipe, recipe_from_option
     from diag.verbs import exclude_to_dir
 
-    recipe = recipe_from_option(args.recipe) if args.recipe else Recipe(mode="dynamic")
     if args.tiers:
-        return _exclude_tiers(args, recipe)
-    result, files = exclude_to_dir(args.fp32, recipe, feed_spec(args), _exclude_options(args), args.out)
+        return _exclude_tiers(args)
+    result, files = exclude_to_dir(args.fp32, args.recipe, feed_spec(args), _exclude_options(args), args.out)
+    print(_safe(result.recipe_origin["line"]))
     for line in summary_lines(result):
         print(_safe(line))
     _print_cluster(result.cluster)
@@ -421,6 +420,8 @@ def _search_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_trials": args.max_trials,
         "time_budget": args.time_budget,
         "metric": args.metric,
+        "int8": args.int8,
+        "deploy_level": args.deploy_level,
     }
 
 
@@ -443,14 +444,15 @@ def _tier_options(args: argparse.Namespace) -> TierOptions:
     return TierOptions(**_search_options(args), tiers=args.tiers)
 
 
-def _exclude_tiers(args: argparse.Namespace, recipe: Any) -> int:
+def _exclude_tiers(args: argparse.Namespace) -> int:
     """`diag exclude --tiers`: a mixed-precision plan across tiers (see diag.tiers)."""
     from diag.errors import GATE_FAILED
     from diag.tiers import summary_lines
     from diag.verbs import tier_plan_to_dir
 
     options = _tier_options(args)
-    plan, files = tier_plan_to_dir(args.fp32, recipe, feed_spec(args), options, args.out)
+    plan, files = tier_plan_to_dir(args.fp32, args.recipe, feed_spec(args), options, args.out)
+    print(_safe(plan.recipe_origin["line"]))
     for line in summary_lines(plan):
         print(_safe(line))
     for name, path in files.items():
@@ -733,8 +735,27 @@ def _report_flags(p: argparse.ArgumentParser) -> None:
 
 def _exclude_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("fp32", help="the FP32 model")
-    _add_recipe(p, 'recipe .json/.toml (onnxruntime\'s argument names); default {"mode": "dynamic"}', metavar="PATH")
+    _add_recipe(
+        p,
+        "recipe .json/.toml (onnxruntime's argument names); default: --int8's recipe, else "
+        '{"mode": "dynamic"} (onnxruntime\'s defaults)',
+        metavar="PATH",
+    )
+    p.add_argument(
+        "--int8",
+        metavar="MODEL",
+        help="your INT8 model: the search starts from the recipe read back from it (as diag inspect --recipe "
+        "prints), so its baseline is the model you ship; not with --recipe",
+    )
     _add_target(p, "goal on held-out inputs, e.g. cosine>=0.999", required=True)
+    p.add_argument(
+        "--deploy-level",
+        choices=("disabled", "basic", "extended", "all"),
+        default="all",
+        help="the onnxruntime graph optimization level you deploy with: a list meets the target only when it "
+        "holds in exact mode (what the search compares) and at this level, where fused integer kernels can undo "
+        "an exclusion (default: all, onnxruntime's default; disabled: exact mode only)",
+    )
     _add_feed_flags(p)
     _add_holdout(p, "share of the samples held out for verification, cut on batch boundaries (default 0.5)")
     _add_labels(p, ".npy of class indices (accuracy_drop / f1_drop targets)")

@@ -706,7 +706,7 @@ class ClusterTrials:
 
     def _submit_ahead(self, needed: frozenset[int]) -> None:
         search = self.search
-        known = {g: m.meets(search.target) for g, (m, _) in search.cache.items()}
+        known = {g: search.met(g) for g in search.cache}
         known.update((g, r["met"]) for g, r in self.results.items())
         if search.estimating:
             # A trial the estimates could not answer: the real search has not started, nothing to plan.

@@ -473,17 +473,16 @@ EXCLUDE_WORDS = "an exclusion search (diag exclude)"
 
 
 def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str = "cosine>=0.99") -> str:
-    """The exact commands that run an exclusion search from this INT8 model's own recipe.
+    """The exact command that runs an exclusion search from this INT8 model's own recipe.
 
-    ``diag inspect --recipe-out`` writes the recipe inferred from the INT8 model, so the search
-    starts from the user's quantization, not from onnxruntime's defaults. Paths are printed as the
+    ``--int8`` makes the search start from the recipe read back from the INT8 model, so its
+    baseline is the user's quantization, not onnxruntime's defaults. Paths are printed as the
     user gave them, shell-quoted (the target's ``>=`` would otherwise be a redirection); the target
     is the "acceptable" cosine band.
 
     Example:
-        >>> print(exclude_command(Path("m.onnx"), Path("q.onnx"), FeedSpec(inputs="x.npz")).replace(" && ", "\n"))
-        diag inspect q.onnx --recipe-out recipe.toml
-        diag exclude m.onnx --recipe recipe.toml --inputs x.npz --target 'cosine>=0.99'
+        >>> print(exclude_command(Path("m.onnx"), Path("q.onnx"), FeedSpec(inputs="x.npz")))
+        diag exclude m.onnx --int8 q.onnx --inputs x.npz --target 'cosine>=0.99'
     """
     if spec is not None and spec.inputs:
         feeds = f"--inputs {shlex.quote(spec.inputs)}"
@@ -492,8 +491,7 @@ def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str =
     else:
         feeds = "--inputs INPUTS"
     return (
-        f"diag inspect {shlex.quote(str(int8))} --recipe-out recipe.toml && "
-        f"diag exclude {shlex.quote(str(fp32))} --recipe recipe.toml {feeds} --target {shlex.quote(target)}"
+        f"diag exclude {shlex.quote(str(fp32))} --int8 {shlex.quote(str(int8))} {feeds} --target {shlex.quote(target)}"
     )
 
 

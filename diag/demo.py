@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from diag.compare import CompareOptions, CompareResult
-from diag.exclude import ExcludeOptions, ExclusionResult
+from diag.exclude import ExcludeOptions, ExclusionResult, ranked_fixes
 from diag.feeds import FeedSpec
 from diag.files import out_dir as checked_out_dir
 from diag.fixtures import models, quantize
@@ -92,13 +93,15 @@ def demo(options: DemoOptions) -> Summary:
     )
     lines = result_lines(result, files)
     if fix is not None:
-        before, after = fix.before.cosine, fix.after.cosine if fix.after else None
-        if fix.reachable and fix.nodes_to_exclude:
-            lines.append(
-                f"verified fix: keep {len(fix.nodes_to_exclude)} node(s) in float "
-                f"({', '.join(fix.nodes_to_exclude)}): held-out cosine {before:.4f} -> {after:.4f} "
-                f"({fix.target})"
-            )
+        before = fix.before.cosine
+        best = ranked_fixes(fix)
+        if best:
+            # The best-ranked fix, as the report's first screen shows it: an op-type change can beat the node list.
+            f = best[0]
+            change = f"keep {len(f['nodes_to_exclude'])} node(s) in float ({', '.join(f['nodes_to_exclude'])})"
+            if f["op_types_to_quantize"] and f["kind"] == "op_types_to_quantize":
+                change = f"op_types_to_quantize={json.dumps(f['op_types_to_quantize'])} and " + change
+            lines.append(f"verified fix: {change}: held-out cosine {before:.4f} -> {f['metric']:.4f} ({fix.target})")
         else:
             lines.append(f"verified fix: {fix.verdict} ({fix.target}, held-out cosine {before:.4f})")
         lines.append(f"wrote the fix's report: {options.out}/fix/report.html")

@@ -96,6 +96,12 @@ class SearchOptions:
             (verified on the held-out samples, not proven minimal), or none: ``budget`` says so.
         metric: ``module:function`` of a task-metric plugin (:mod:`diag.taskmetrics`); the names
             it declares become target metrics (``--target map50>=0.6``).
+        int8: the user's INT8 model (``--int8``): without a recipe, the search starts from the
+            recipe read back from it (:func:`diag.infer.search_recipe`), so its baseline is theirs.
+        deploy_level: the onnxruntime optimization level the user deploys with (``--deploy-level``;
+            default ``"all"``, onnxruntime's own default). A list is *met* only when the target holds
+            in exact mode (optimizations off, what the search compares) and at this level, where fused
+            integer kernels can undo an exclusion (issue 25 item 9). ``"disabled"``: exact mode only.
     """
 
     target: str | Target
@@ -107,6 +113,8 @@ class SearchOptions:
     max_trials: int | None = None
     time_budget: float | None = None
     metric: str | None = None
+    int8: str | None = None
+    deploy_level: str = "all"
 
 
 @dataclass(frozen=True)
@@ -142,10 +150,13 @@ class Step:
     seconds: float
     #: Held-out samples with NaN/Inf in an output (the metric is then the worst value).
     nonfinite_samples: int = 0
+    #: The metric at the deploy level, for trials that met it in exact mode (None: not checked).
+    deployed_metric: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["metric"] = json_number(self.metric, digits=None, nan=None)
+        d["deployed_metric"] = json_number(self.deployed_metric, digits=None, nan=None)
         return d
 
 
@@ -210,6 +221,14 @@ class ExclusionResult:
     warnings: list[str] = field(default_factory=list)
     #: ``--scheduler``: the cluster's workers, tasks, retries, and where latency was measured.
     cluster: dict[str, Any] = field(default_factory=dict)
+    #: Where the starting recipe came from (:meth:`diag.infer.RecipeOrigin.to_dict`; set by the verb).
+    recipe_origin: dict[str, Any] = field(default_factory=dict)
+    #: The onnxruntime optimization level "met" was also checked at ("disabled": exact mode only).
+    deploy_level: str = "all"
+    #: ``after`` at the deploy level (None when not checked: no answer, or exact mode only).
+    after_deployed: HeldOutMetrics | None = None
+    #: Sessions run at the deploy level (met-in-exact-mode lists only).
+    deployed_checks: int = 0
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
     diagnosis: CompareResult | None = None
@@ -239,6 +258,7 @@ class ExclusionResult:
             "op_types_to_quantize": self.op_types_to_quantize,
             "excluded": [c.to_dict() for c in self.excluded],
             "recipe": self.recipe,
+            "recipe_origin": self.recipe_origin,
             "op_type_suggestions": self.op_type_suggestions,
             "fixes": ranked_fixes(self),
             # the before/after metrics come from onnxruntime's integer kernels on this CPU
@@ -247,6 +267,8 @@ class ExclusionResult:
                 "held_out": self.split["held_out"],
                 "before": self.before.to_dict(),
                 "after": self.after.to_dict() if self.after else None,
+                "deploy_level": self.deploy_level,
+                "after_deployed": self.after_deployed.to_dict() if self.after_deployed else None,
             },
             "split": self.split,
             "calibration": self.calibration,
@@ -255,6 +277,7 @@ class ExclusionResult:
                 "calibrations": self.calibrations,
                 "estimates": self.estimates,
                 "evaluations": self.evaluations,
+                "deployed_checks": self.deployed_checks,
                 "ranking_passes": self.ranking_passes,
                 "seconds": round(self.seconds, 3),
                 "candidates": len(self.candidates),
@@ -497,6 +520,11 @@ class _Search(SearchAlgorithm):
         self.base = list(recipe.nodes_to_exclude or [])
         self.candidates: list[Candidate] = []
         self.evaluator = setup.evaluator
+        self.deploy_evaluator = setup.deployed
+        #: Deploy-level metrics of the trials that met the target in exact mode.
+        self.deployed: dict[frozenset[int], HeldOutMetrics] = {}
+        #: Sessions run at the deploy level (not in ``evaluations``: those are the exact-mode ones).
+        self.deployed_checks = 0
         self.target = setup.target
         self.calibration = setup.calibration
         self.work = work
@@ -521,6 +549,8 @@ class _Search(SearchAlgorithm):
         #: when the baseline cannot be edited in memory (external data) or estimates are off.
         self.region: tuple[onnx.ModelProto, onnx.ModelProto, Matching] | None = None
         self.estimates: dict[frozenset[int], HeldOutMetrics | None] = {}
+        #: Estimated lists that met in exact mode and at the deploy level.
+        self.estimates_met: dict[frozenset[int], bool] = {}
         #: While True, :meth:`check` answers with estimates (no re-quantization) where it can.
         self.estimating = False
         self.estimate_bar = Progress(None, "exclude: estimates", enabled=False, unit="estimates")
@@ -559,11 +589,29 @@ class _Search(SearchAlgorithm):
         self.evaluations += 1
         return m
 
+    def judge(self, m: HeldOutMetrics, path: Path) -> tuple[bool, HeldOutMetrics | None]:
+        """Met = met in exact mode *and* at the deploy level (issue 25 item 9); the deploy-level metrics.
+
+        Only lists that meet in exact mode are run a second time, so the check costs one session
+        per met trial (a handful per search), not one per trial.
+        """
+        if not m.meets(self.target):
+            return False, None
+        if self.deploy_evaluator is None or not path.exists():
+            return True, None
+        d = self.deploy_evaluator.evaluate(path)
+        self.deployed_checks += 1
+        return d.meets(self.target), d
+
+    def met(self, groups: frozenset[int]) -> bool:
+        """Did the real trial of ``groups`` meet the target (both levels)."""
+        m = self.cache[groups][0]
+        return m.meets(self.target) and (groups not in self.deployed or self.deployed[groups].meets(self.target))
+
     def try_groups(self, groups: frozenset[int], phase: str) -> tuple[HeldOutMetrics, bool]:
         """Quantize with ``groups`` kept in float (cached), evaluate, record one trajectory step."""
         if groups in self.cache:
-            m = self.cache[groups][0]
-            return m, m.meets(self.target)
+            return self.cache[groups][0], self.met(groups)
         reason = self.out_of_budget() if groups else None  # the baseline always runs
         if reason:
             raise BudgetExhausted(reason)
@@ -576,7 +624,9 @@ class _Search(SearchAlgorithm):
             m = self.evaluate(path)
         self.cache[groups] = (m, path)
         value = m.value(self.target.metric)
-        met = m.meets(self.target)
+        met, deployed = self.judge(m, path)
+        if deployed is not None:
+            self.deployed[groups] = deployed
         if met and groups and (self.best is None or len(groups) < len(self.best)):
             self.best = groups
         self.bar.advance(1)
@@ -593,15 +643,22 @@ class _Search(SearchAlgorithm):
                 met,
                 time.perf_counter() - t0,
                 m.nonfinite_samples,
+                None if deployed is None else deployed.value(self.target.metric),
             )
         )
         if self.progress:
             shown = "n/a" if value is None else f"{value:.6g}"
+            at = (
+                "" if deployed is None else f", {deployed.value(self.target.metric):.6g} at level {self.deploy_level()}"
+            )
             self.bar.note(
-                f"exclude: {phase:<8} {len(groups):>4} group(s) in float -> {self.target.metric} {shown}"
+                f"exclude: {phase:<8} {len(groups):>4} group(s) in float -> {self.target.metric} {shown}{at}"
                 f"{_nonfinite_note(m)} ({'met' if met else 'missed'})"
             )
         return m, met
+
+    def deploy_level(self) -> str:
+        return self.deploy_evaluator.opt_level if self.deploy_evaluator is not None else "disabled"
 
     def estimate(self, groups: frozenset[int], phase: str) -> HeldOutMetrics | None:
         """Held-out metrics of ``groups`` in float *estimated* without re-quantizing (cached).
@@ -622,12 +679,18 @@ class _Search(SearchAlgorithm):
         try:
             model = float_region_model(fp, q, picked, matching, set(default_op_types(self.recipe)))
             m = self.evaluator.evaluate_model(model, f"estimate of {len(groups)} group(s) in float")
+            deployed = None
+            if m.meets(self.target) and self.deploy_evaluator is not None:
+                # The float-region model at the deploy level: onnxruntime fuses its Q/DQ pairs as it
+                # would the re-quantized model's, so estimates also see a fusion that undoes a fix.
+                deployed = self.deploy_evaluator.evaluate_model(model, f"estimate of {len(groups)} group(s) in float")
         except (ValueError, DiagError):
             # NOTE: a region diag cannot rebuild, or one onnxruntime refuses to run, is not the
             # user's problem: that trial is re-quantized instead.
             self.estimates[groups] = None
             return None
         self.estimates[groups] = m
+        self.estimates_met[groups] = m.meets(self.target) and (deployed is None or deployed.meets(self.target))
         self.estimate_bar.advance(1)
         self.trajectory.append(
             Step(
@@ -635,9 +698,10 @@ class _Search(SearchAlgorithm):
                 len(groups),
                 self.nodes(groups)[len(self.base) :],
                 m.value(self.target.metric),
-                m.meets(self.target),
+                self.estimates_met[groups],
                 time.perf_counter() - t0,
                 m.nonfinite_samples,
+                None if deployed is None else deployed.value(self.target.metric),
             )
         )
         return m
@@ -647,7 +711,7 @@ class _Search(SearchAlgorithm):
         if self.estimating and groups not in self.cache:  # a real answer is better than an estimate
             m = self.estimate(groups, phase)
             if m is not None:
-                return m.meets(self.target)
+                return self.estimates_met[groups]
         return self.try_groups(groups, phase)[1]
 
     def find(self) -> frozenset[int] | None:
@@ -712,6 +776,9 @@ class SearchSetup:
     calibration: FeedSource | None
     calibration_note: str | None
     evaluator: HeldOutEvaluator
+    #: The same held-out samples run at the deploy level (None: ``deploy_level="disabled"``).
+    deployed: HeldOutEvaluator | None
+    deploy_level: str
     #: ``time.perf_counter()`` when the search started, and the ``--time-budget`` deadline.
     start: float
     deadline: float | None
@@ -752,6 +819,18 @@ def prepare_search(
         evaluator=HeldOutEvaluator(
             fp, split.held_out, split.held_out_first, label_array, options.threads, options.metric
         ),
+        deployed=None
+        if options.deploy_level == "disabled"
+        else HeldOutEvaluator(
+            fp,
+            split.held_out,
+            split.held_out_first,
+            label_array,
+            options.threads,
+            options.metric,
+            opt_level=options.deploy_level,
+        ),
+        deploy_level=options.deploy_level,
         start=start,
         deadline=start + options.time_budget if options.time_budget is not None else None,
     )
@@ -885,8 +964,8 @@ def _finish(
     chosen = outcome.chosen
     if chosen and not outcome.exhausted:
         outcome.suggestions = _op_type_suggestions(search, setup.fp, outcome.candidates, chosen)
-    if chosen and not outcome.met0:
-        outcome.warnings = _deployed_warning(setup, search, chosen, options)
+    if chosen is None:
+        outcome.warnings = _deployed_misses(setup, search)
     if chosen is not None and work_dir is not None:
         outcome.model = Path(work_dir) / "mixed.onnx"
         shutil.copyfile(search.cache[chosen][1], outcome.model)
@@ -900,28 +979,27 @@ def _finish(
         outcome.latency = [{**s.to_dict(), "model": names[i]} for i, s in enumerate(stats)]
 
 
-def _deployed_warning(
-    setup: SearchSetup, search: _Search, chosen: frozenset[int], options: ExcludeOptions
-) -> list[str]:
-    """The answer checked as it will really run (onnxruntime's optimizations on).
+def _deployed_misses(setup: SearchSetup, search: _Search) -> list[str]:
+    """When no list met: the lists that met in exact mode but missed at the deploy level, said plainly.
 
     NOTE: the search compares in exact mode (optimizations off); onnxruntime's optimizer then
     fuses the remaining Q/DQ pairs into integer kernels, which can undo a fix (the convnet
     fixture, QDQ: excluding conv2 takes the logits error from 0.12 to 0.002 in exact mode, to
-    0.147 with optimizations).
+    0.147 with optimizations). Such a list is a miss (issue 25 item 9), and the user must know
+    the exact-mode figure was there, or they would take the search for broken.
     """
-    tgt, split = setup.target, setup.split
-    after = search.cache[chosen][0]
-    deployed = HeldOutEvaluator(
-        setup.fp, split.held_out, split.held_out_first, setup.labels, options.threads, options.metric, opt_level="all"
-    ).evaluate(search.cache[chosen][1])
-    if deployed.meets(tgt):
+    tgt = setup.target
+    misses = [(g, d) for g, d in search.deployed.items() if not d.meets(tgt)]
+    if not misses:
         return []
+    groups, d = min(misses, key=lambda x: len(x[0]))
+    exact = search.cache[groups][0]
     return [
-        f"warning: as onnxruntime runs it by default (all optimizations) the mixed model misses the "
-        f"target: {tgt.metric} {_fmt(deployed.value(tgt.metric), tgt)} (exact mode: "
-        f"{_fmt(after.value(tgt.metric), tgt)}); its fused integer kernels re-quantize what "
-        "the exclusion kept in float: verify with --ort-opt-level all before deploying"
+        f"{count_phrase(len(misses), 'list')} met the target in exact mode but missed it as onnxruntime runs "
+        f"{'it' if len(misses) == 1 else 'them'} at level {setup.deploy_level} (the smallest, {len(groups)} "
+        f"group(s) in float: {tgt.metric} {_fmt(exact.value(tgt.metric), tgt)} exact, "
+        f"{_fmt(d.value(tgt.metric), tgt)} deployed): the fused integer kernels re-quantize what the "
+        "exclusion kept in float; --deploy-level disabled if you deploy without optimizations"
     ]
 
 
@@ -944,6 +1022,9 @@ def _exclusion_result(
         op_type_suggestions=outcome.suggestions,
         before=outcome.before,
         after=search.cache[chosen][0] if chosen is not None else None,
+        deploy_level=setup.deploy_level,
+        after_deployed=search.deployed.get(chosen) if chosen is not None else None,
+        deployed_checks=search.deployed_checks,
         trajectory=search.trajectory,
         quantizations=search.quantizations,
         calibrations=search.calibrations,
@@ -1034,9 +1115,9 @@ def _op_type_suggestions(
         path = search.work / f"optype-{op}.onnx"
         search.quantize(search.nodes(rest), path, recipe)
         m = search.evaluate(path)
+        met, deployed = search.judge(m, path)
         path.unlink(missing_ok=True)
         value = m.value(search.target.metric)
-        met = m.meets(search.target)
         search.trajectory.append(
             Step(
                 f"op-type {op}",
@@ -1046,6 +1127,7 @@ def _op_type_suggestions(
                 met,
                 _since(t0),
                 m.nonfinite_samples,
+                None if deployed is None else deployed.value(search.target.metric),
             )
         )
         out.append(
@@ -1057,6 +1139,9 @@ def _op_type_suggestions(
                 "nodes_to_exclude": search.nodes(rest),
                 "metric": json_number(value, digits=None, nan=None),
                 "met": met,
+                "deployed_metric": None
+                if deployed is None
+                else json_number(deployed.value(search.target.metric), digits=None, nan=None),
             }
         )
     return out
@@ -1124,6 +1209,9 @@ def ranked_fixes(result: ExclusionResult) -> list[dict[str, Any]]:
                 "nodes_to_exclude": list(result.nodes_to_exclude),
                 "op_types_to_quantize": result.op_types_to_quantize,
                 "metric": json_number(result.after.value(result.target.metric), digits=None, nan=None),
+                "deployed_metric": None
+                if result.after_deployed is None
+                else json_number(result.after_deployed.value(result.target.metric), digits=None, nan=None),
                 "met": True,
                 "size": len(result.nodes_to_exclude),
             }
@@ -1136,6 +1224,7 @@ def ranked_fixes(result: ExclusionResult) -> list[dict[str, Any]]:
                     "nodes_to_exclude": list(s["nodes_to_exclude"]),
                     "op_types_to_quantize": list(s["op_types_to_quantize"]),
                     "metric": s["metric"],
+                    "deployed_metric": s.get("deployed_metric"),
                     "met": True,
                     "size": 1 + len(s["nodes_to_exclude"]),
                 }
@@ -1161,32 +1250,7 @@ def summary_lines(result: ExclusionResult) -> list[str]:
     if result.already_met:
         lines.append(f"target {t} already met on {held} held-out samples: {t.metric} {_fmt(b, t)}; nothing to exclude")
     elif result.reachable and result.after is not None:
-        a = result.after.value(t.metric)
-        n = len(result.nodes_to_exclude)
-        names = ", ".join(result.nodes_to_exclude)
-        lines.append(
-            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> {_fmt(a, t)} "
-            f"by keeping {n} node{'s' if n != 1 else ''} in float ({names})"
-        )
-        if result.budget.get("exhausted"):
-            lines.append(
-                f"  budget exhausted ({result.budget['reason']}): this is the smallest list that met the target "
-                "before the search stopped, verified on the held-out samples but not proven minimal"
-            )
-        fixes = ranked_fixes(result)
-        if fixes and fixes[0]["kind"] == "op_types_to_quantize":
-            f = fixes[0]
-            lines.append(
-                f"  best fix: op_types_to_quantize={f['op_types_to_quantize']}"
-                + (f" with nodes_to_exclude={f['nodes_to_exclude']}" if f["nodes_to_exclude"] else "")
-                + f" gives {t.metric} {_fmt(f['metric'], t)} (met; a smaller change than the {n}-node list)"
-            )
-        for s in result.op_type_suggestions:
-            lines.append(
-                f"  op types: {s['excluded']}/{s['of']} {s['op_type']} nodes excluded; op_types_to_quantize="
-                f"{s['op_types_to_quantize']} gives {t.metric} {_fmt(s['metric'], t)}"
-                f" ({'met' if s['met'] else 'missed'})"
-            )
+        lines += _met_lines(result, b, b_note)
     else:
         best = max(
             (s for s in result.trajectory if s.metric is not None and not s.phase.startswith("estimate")),
@@ -1222,6 +1286,55 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         f"{count_phrase(result.ranking_passes, 'ranking pass', 'ranking passes')} in {result.seconds:.1f} s"
     )
     return lines
+
+
+def _met_lines(result: ExclusionResult, b: float | None, b_note: str) -> list[str]:
+    """The verdict of a met search: the best fix first (issue 25 item 3), then the searched list."""
+    t, held = result.target, result.split["held_out_samples"]
+    assert result.after is not None
+    lines: list[str] = []
+    a = result.after.value(t.metric)
+    n = len(result.nodes_to_exclude)
+    keeping = f"keeping {n} node{'s' if n != 1 else ''} in float ({', '.join(result.nodes_to_exclude)})"
+    fixes = ranked_fixes(result)
+    if fixes and fixes[0]["kind"] == "op_types_to_quantize":
+        # The best fix leads (issue 25 item 3): a one-argument change beats a long node list.
+        f = fixes[0]
+        also = f" with nodes_to_exclude={f['nodes_to_exclude']}" if f["nodes_to_exclude"] else ""
+        lines.append(
+            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> "
+            f"{_fmt(f['metric'], t)}{_level_note(result.deploy_level, f.get('deployed_metric'), t)} "
+            f"by op_types_to_quantize={f['op_types_to_quantize']}{also} "
+            f"(best fix: a smaller change than the {n}-node list)"
+        )
+        lines.append(f"  also met: {t.metric} {_fmt(a, t)}{_deployed_note(result)} by {keeping}")
+    else:
+        lines.append(
+            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> {_fmt(a, t)}"
+            f"{_deployed_note(result)} by {keeping}"
+        )
+    if result.budget.get("exhausted"):
+        lines.append(
+            f"  budget exhausted ({result.budget['reason']}): this is the smallest list that met the target "
+            "before the search stopped, verified on the held-out samples but not proven minimal"
+        )
+    for s in result.op_type_suggestions:
+        lines.append(
+            f"  op types: {s['excluded']}/{s['of']} {s['op_type']} nodes excluded; op_types_to_quantize="
+            f"{s['op_types_to_quantize']} gives {t.metric} {_fmt(s['metric'], t)}"
+            f" ({'met' if s['met'] else 'missed'})"
+        )
+    return lines
+
+
+def _deployed_note(result: ExclusionResult) -> str:
+    """`` (level all: 0.9991)``: the answer's figure as onnxruntime runs it at the deploy level."""
+    d = result.after_deployed
+    return _level_note(result.deploy_level, None if d is None else d.value(result.target.metric), result.target)
+
+
+def _level_note(level: str, value: float | None, t: Target) -> str:
+    return "" if value is None else f" (level {level}: {_fmt(value, t)})"
 
 
 def estimates_phrase(n: int) -> str:

@@ -87,8 +87,33 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
         "trajectory_svg": trajectory_plot(doc) if with_plots and s["trajectory"] else "",
         "snippet": doc["snippet"],
         "fix_call": best_fix_call(doc),
+        "fix_lines": fix_lines(doc),
+        "recipe_line": (doc.get("recipe_origin") or {}).get("line", ""),
         "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
     }
+
+
+def fix_lines(doc: dict[str, Any]) -> list[str]:
+    """Every verified fix of the run, best first, one line each: the report and summary.md list them all.
+
+    Example:
+        >>> fix_lines({"target": "cosine>=0.99", "fixes": [{"kind": "nodes_to_exclude", "nodes_to_exclude": ["a"],
+        ...            "op_types_to_quantize": None, "metric": 0.995, "met": True, "size": 1}]})
+        ['nodes_to_exclude=["a"]: cosine 0.995 (met; 1 node in float)']
+    """
+    metric = str(doc["target"]).replace("<", ">").split(">", 1)[0]
+    lines = []
+    for f in doc.get("fixes") or []:
+        call = best_fix_call({"fixes": [f], "nodes_to_exclude": f["nodes_to_exclude"]})
+        n = len(f["nodes_to_exclude"])
+        size = f"{n} node{'s' if n != 1 else ''} in float"
+        if f["kind"] == "op_types_to_quantize":
+            size = "one op-type change" + (f" and {size}" if n else "")
+        value = "-" if f["metric"] is None else f"{f['metric']:.6g}"
+        if f.get("deployed_metric") is not None:
+            value += f" (level {(doc.get('metrics') or {}).get('deploy_level', 'all')}: {f['deployed_metric']:.6g})"
+        lines.append(f"{call}: {metric} {value} ({'met' if f['met'] else 'missed'}; {size})")
+    return lines
 
 
 def best_fix_call(doc: dict[str, Any]) -> str:

@@ -430,3 +430,99 @@ def fix_recipe(
         why = e.problem if isinstance(e, DiagError) else f"{type(e).__name__}: {e}"
         return {"source": "unknown", "settings": None, "unknown": {}, "why": why}
     return {"source": "inferred", "settings": dict(inferred.recipe), "unknown": dict(inferred.unknown)}
+
+
+# ---------------------------------------------------------------- the recipe a search starts from
+
+
+@dataclass(frozen=True)
+class RecipeOrigin:
+    """Where the recipe a search (`diag exclude`, `--tiers`) starts from came from, said to the user.
+
+    Issue 25 item 6: a search that silently starts from onnxruntime's defaults measures a baseline
+    the user never shipped (cosine 0.44 where their INT8 model gives 0.85). The origin is printed
+    first and recorded in ``exclusion.json`` / ``tiers.json`` and summary.md.
+
+    Attributes:
+        source: ``"given"`` (--recipe), ``"inferred"`` (--int8: read back from the user's INT8 model)
+            or ``"default"`` (neither: onnxruntime's quantize_dynamic defaults).
+        path: the recipe file or INT8 model it came from (None for defaults and inline JSON).
+        settings: the recipe as a recipe-file dict.
+        unknown: recipe field -> why the INT8 model cannot tell it (inferred recipes only).
+    """
+
+    source: str
+    path: str | None
+    settings: dict[str, Any]
+    unknown: dict[str, str] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """One line for the terminal and summary.md, starting ``recipe:``.
+
+        Example:
+            >>> RecipeOrigin("given", "r.json", {"mode": "dynamic", "per_channel": True}).line()
+            'recipe: as given in r.json {"mode": "dynamic", "per_channel": true}'
+        """
+        settings = json.dumps(_beyond_defaults(self.settings), ensure_ascii=False)
+        if self.source == "inferred":
+            unknown = (
+                f"; not in the model: {', '.join(self.unknown)}"
+                + (" (static: calibrated on the ranking split)" if "calibration" in self.unknown else "")
+                if self.unknown
+                else ""
+            )
+            return f"recipe: inferred from the INT8 model {self.path} {settings}{unknown}"
+        if self.source == "given":
+            return f"recipe: as given in {self.path} {settings}" if self.path else f"recipe: as given {settings}"
+        return (
+            f"recipe: onnxruntime's quantize_dynamic defaults {settings} (no --recipe or --int8 given; "
+            "--int8 YOUR_INT8.onnx starts from the recipe of the model you ship)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``recipe_origin`` record of exclusion.json / tiers.json."""
+        return {"source": self.source, "path": self.path, "unknown": dict(self.unknown), "line": self.line()}
+
+
+def _beyond_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` without the fields a bare ``Recipe(mode=...)`` already has: what the line must show."""
+    mode = settings.get("mode", "dynamic")
+    try:
+        defaults = Recipe(mode=mode).to_dict()
+    except Exception:  # an unusual mode: show everything rather than guess
+        return dict(settings)
+    return {k: v for k, v in settings.items() if k == "mode" or defaults.get(k) != v}
+
+
+def search_recipe(
+    recipe: Recipe | str | os.PathLike[str] | None, int8: str | os.PathLike[str] | None = None
+) -> tuple[Recipe, RecipeOrigin]:
+    """The recipe a search starts from: ``--recipe`` as given, else the one that made ``--int8``, else defaults.
+
+    With ``int8`` the search's baseline is the user's own quantization (same types, granularity,
+    symmetry and exclusions), so its "before" figure is the one `diag compare` reported; fields the
+    model cannot tell (calibration data for static recipes) are listed in ``unknown``.
+
+    Example:
+        >>> search_recipe(None)[1].source
+        'default'
+    """
+    if recipe is not None and int8 is not None:
+        raise DiagError(
+            "bad-option",
+            "--recipe with --int8",
+            "name two starting recipes (a file, and the one read back from the INT8 model)",
+            "pass --int8 to start from your INT8 model's recipe, or --recipe to start from a file",
+        )
+    if isinstance(recipe, Recipe):
+        return recipe, RecipeOrigin("given", None, recipe.to_dict())
+    if recipe is not None:
+        loaded = recipe_from_option(recipe)
+        inline = str(recipe).lstrip().startswith("{")
+        return loaded, RecipeOrigin("given", None if inline else str(recipe), loaded.to_dict())
+    if int8 is not None:
+        inferred = infer_recipe(int8)
+        loaded = Recipe.from_dict(dict(inferred.recipe), f"recipe inferred from INT8 model '{int8}'")
+        return loaded, RecipeOrigin("inferred", str(int8), loaded.to_dict(), dict(inferred.unknown))
+    default = Recipe(mode="dynamic")
+    return default, RecipeOrigin("default", None, {"mode": "dynamic"})

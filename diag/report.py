@@ -312,6 +312,10 @@ class ExclusionView:
     snippet: str
     #: The best fix as the quantizer arguments to paste (first screen, copy button).
     fix_call: str
+    #: Every verified fix, best first (:func:`diag.exclude_view.fix_lines`).
+    fix_lines: list[str]
+    #: Which recipe the search started from (``recipe: ...``; empty in older documents).
+    recipe_line: str
     alternatives: list[str]
 
 
@@ -719,6 +723,8 @@ def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> Exclu
         trajectory_svg=section["trajectory_svg"],
         snippet=section["snippet"],
         fix_call=section["fix_call"],
+        fix_lines=section["fix_lines"],
+        recipe_line=section["recipe_line"],
         alternatives=section["alternatives"],
     )
 
@@ -917,6 +923,7 @@ def render_markdown(view: ReportView) -> str:
     env.autoescape = False
     env.filters["md"] = md_escape
     env.filters["mdcode"] = md_code
+    env.filters["mdfence"] = md_fence
     text = str(env.get_template("summary.md.j2").render(v=view))
     lines = text.splitlines()
     if len(lines) > SUMMARY_MAX_LINES:
@@ -935,6 +942,21 @@ def md_code(text: str) -> str:
     longest = max((len(run) for run in re.findall(r"`+", clean)), default=0)
     fence = "`" * (longest + 1)
     return f"{fence} {clean} {fence}" if longest else f"`{clean}`"
+
+
+def md_fence(text: str, lang: str = "python") -> str:
+    """A fenced code block that no content can close early (the fence outgrows every backtick run).
+
+    Example:
+        >>> print(md_fence('nodes_to_exclude=["a```b"]'))
+        ````python
+        nodes_to_exclude=["a```b"]
+        ````
+    """
+    clean = "\n".join("".join(ch for ch in line if ch.isprintable()) for line in str(text).splitlines())
+    longest = max((len(run) for run in re.findall(r"`+", clean)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{lang}\n{clean}\n{fence}"
 
 
 def md_escape(text: str) -> str:

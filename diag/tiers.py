@@ -273,6 +273,8 @@ class TierPlan:
     budget: str | None = None
     model: str | None = None
     snippet: str | None = None
+    #: Where the starting recipe came from (:meth:`diag.infer.RecipeOrigin.to_dict`; set by the verb).
+    recipe_origin: dict[str, Any] = field(default_factory=dict)
     #: The ``diag compare`` result of the all-lowest model that ranked the nodes (not serialized).
     diagnosis: CompareResult | None = field(default=None, repr=False)
 
@@ -292,6 +294,7 @@ class TierPlan:
             "plan": dict(self.plan),
             "by_tier": self.by_tier,
             "recipe": self.recipe,
+            "recipe_origin": self.recipe_origin,
             "before": self.before.to_dict(),
             "after": self.after.to_dict() if self.after else None,
             "sizes": dict(self.sizes),
@@ -322,6 +325,9 @@ class _TierSearch:
         )
         self.candidates: list[Candidate] = []
         self.cache: dict[tuple[int, ...], tuple[HeldOutMetrics, Path]] = {}
+        #: Met = met in exact mode and at the deploy level (as diag exclude: issue 25 item 9).
+        self.deploy_evaluator = setup.deployed
+        self.met_levels: dict[tuple[int, ...], bool] = {}
         self.trials: list[TierTrial] = []
         self.quantizations = 0
         self.calibration_cache = work / "calibration.json"
@@ -337,8 +343,7 @@ class _TierSearch:
 
     def trial(self, levels: tuple[int, ...], phase: str) -> tuple[HeldOutMetrics, bool]:
         if levels in self.cache:
-            m = self.cache[levels][0]
-            return m, m.meets(self.target)
+            return self.cache[levels][0], self.met_levels[levels]
         if self.max_trials is not None and self.quantizations >= self.max_trials and any(levels):
             raise BudgetExhausted(f"--max-trials {self.max_trials} reached")
         if self.deadline is not None and time.perf_counter() >= self.deadline and any(levels):
@@ -350,7 +355,10 @@ class _TierSearch:
         self.quantizations += 1
         m = self.evaluator.evaluate(path)
         met = m.meets(self.target)
+        if met and self.deploy_evaluator is not None:
+            met = self.deploy_evaluator.evaluate(path).meets(self.target)
         self.cache[levels] = (m, path)
+        self.met_levels[levels] = met
         value = m.value(self.target.metric)
         self.trials.append(TierTrial(phase, levels, value, met, time.perf_counter() - t0))
         if self.progress:

@@ -43,7 +43,7 @@ from diag.files import check_outputs, internal_writes, output_file, work_dir, wr
 from diag.files import out_dir as checked_out_dir
 from diag.fixcode import reproduce_snippet
 from diag.fp16health import fp16_range_lines
-from diag.infer import fix_recipe, recipe_to_file, recipe_to_toml
+from diag.infer import fix_recipe, recipe_to_file, recipe_to_toml, search_recipe
 from diag.jsonnum import number_from_json
 from diag.lint import lint_recipe_file
 from diag.lint import summary_line as lint_summary_line
@@ -463,12 +463,18 @@ AnswerFiles = tuple[dict[Path, str | bytes | Path], dict[str, Path], list[Path]]
 
 
 def exclude_to_dir(
-    fp32_path: str | Path, recipe: Recipe, feeds: FeedSpec, options: ExcludeOptions, out_dir: str | Path
+    fp32_path: str | Path,
+    recipe: Recipe | str | Path | None,
+    feeds: FeedSpec,
+    options: ExcludeOptions,
+    out_dir: str | Path,
 ) -> tuple[ExclusionResult, dict[str, Path]]:
     """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
 
-    The mixed model and the snippet are written only when the target is reachable. With
-    ``options.scheduler`` the trials run on Dask (:class:`diag.cluster.ClusterTrialRunner`).
+    ``recipe`` is a Recipe, a ``--recipe`` value, or None: then the recipe of ``options.int8`` (the
+    user's INT8 model) or onnxruntime's defaults (:func:`diag.infer.search_recipe`; the result's
+    ``recipe_origin`` says which). The mixed model and the snippet are written only when the target
+    is reachable. With ``options.scheduler`` the trials run on Dask (:class:`diag.cluster.ClusterTrialRunner`).
 
     Example:
         >>> res, files = exclude_to_dir("fp32.onnx", recipe, FeedSpec(inputs="d.npz"),
@@ -476,14 +482,17 @@ def exclude_to_dir(
         >>> sorted(files)  # doctest: +SKIP
         ['exclusion.json', 'mixed.onnx', 'reproduce.py']
     """
+    recipe, origin = search_recipe(recipe, options.int8)
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     names_out = ["exclusion.json", f"{stem}.mixed.onnx", "reproduce.py", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
-    check_outputs(out_dir, names_out, [fp32_path, feeds.inputs, options.labels, recipe.calibration_path()])
+    inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]
+    check_outputs(out_dir, names_out, inputs)
     out = checked_out_dir(out_dir)
     trials = ClusterTrialRunner(options.scheduler, fp32_path, recipe, feeds, options) if options.scheduler else None
     with work_dir(out, "exclude") as work:
         with internal_writes():  # candidate models are not this verb's outputs
             result = derive_exclusions(fp32_path, recipe, feeds, options, str(work), trials)
+        result.recipe_origin = origin.to_dict()
         answer = _exclusion_files(result, recipe, feeds, out, stem)
         # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
         # model is the recipe's baseline, quantized in a temp folder now gone.
@@ -567,9 +576,15 @@ def diagnosis_outputs(
 
 
 def tier_plan_to_dir(
-    fp32_path: str | Path, recipe: Recipe, feeds: FeedSpec, options: TierOptions, out_dir: str | Path
+    fp32_path: str | Path,
+    recipe: Recipe | str | Path | None,
+    feeds: FeedSpec,
+    options: TierOptions,
+    out_dir: str | Path,
 ) -> tuple[TierPlan, dict[str, Path]]:
     """`diag exclude --tiers` end to end: derive the plan, write tiers.json, recipe.json, the model and reproduce.py.
+
+    ``recipe`` as for :func:`exclude_to_dir` (None: ``options.int8``'s recipe, else the defaults).
 
     Example:
         >>> plan, files = tier_plan_to_dir("fp32.onnx", recipe, FeedSpec(inputs="x.npz"),
@@ -580,7 +595,9 @@ def tier_plan_to_dir(
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     plan_name = f"{stem}.plan.onnx"
     names_out = ["tiers.json", plan_name, "reproduce.py", "recipe.json", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
-    check_outputs(out_dir, names_out, [fp32_path, feeds.inputs, options.labels, recipe.calibration_path()])
+    recipe, origin = search_recipe(recipe, options.int8)
+    inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]
+    check_outputs(out_dir, names_out, inputs)
     out = checked_out_dir(out_dir)
     # NOTE: one set, written all or nothing (diag.files.write_set), as diag exclude writes its own:
     # tiers.json, the plan model, recipe.json, reproduce.py and the diagnosis report. Without a plan,
@@ -588,6 +605,7 @@ def tier_plan_to_dir(
     with work_dir(out, "tiers") as work:
         with internal_writes():  # trial models are not this verb's outputs
             plan = derive_tier_plan(fp32_path, recipe, feeds, options, work_dir=work)
+        plan.recipe_origin = origin.to_dict()
         answer = _plan_files(plan, recipe, feeds, out, stem)
         # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
         note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"

@@ -25,7 +25,10 @@ def test_op_type_fix_that_meets_ranks_before_the_longer_node_list(tmp_path):
     assert sug["met"] and 1 + len(sug["nodes_to_exclude"]) < len(r.nodes_to_exclude)  # exact mode: CPU-independent
     assert fixes[0]["kind"] == "op_types_to_quantize"
     assert fixes[0]["op_types_to_quantize"] == sug["op_types_to_quantize"]
-    assert any(line.startswith("  best fix: op_types_to_quantize=") for line in summary_lines(r))
+    first, second = summary_lines(r)[:2]
+    assert first.startswith("target cosine>=0.9999 met on ") and " by op_types_to_quantize=" in first, first
+    assert first.endswith(f"(best fix: a smaller change than the {len(r.nodes_to_exclude)}-node list)"), first
+    assert second.startswith("  also met: cosine ") and f"by keeping {len(r.nodes_to_exclude)} nodes" in second
 
 
 def test_report_first_screen_shows_the_op_type_fix_when_it_ranks_first(tmp_path):
@@ -51,3 +54,9 @@ def test_report_first_screen_shows_the_op_type_fix_when_it_ranks_first(tmp_path)
         browser.close()
     assert text is not None and text.startswith("op_types_to_quantize=" + json.dumps(best["op_types_to_quantize"]))
     assert box is not None and box["y"] + box["height"] <= 900
+    # summary.md: the verified fix comes right after the headline, the op-type fix as its code block.
+    summary = (out / "summary.md").read_text()
+    block = "```python\nop_types_to_quantize=" + json.dumps(best["op_types_to_quantize"])
+    assert block in summary, summary
+    assert summary.index("**Verified fix**") < summary.index("| output | grade |")
+    assert summary.index(block) < summary.index("2. ")  # the others listed after it, numbered

@@ -12,8 +12,8 @@ def test_exclusion_search_is_printed_as_the_command_with_the_users_paths():
     sentence = f"no single root cause: ... or {EXCLUDE_WORDS}"
     out = with_exclude_command(sentence, Path("models/m.onnx"), Path("m int8.onnx"), FeedSpec(inputs="data/x.npz"))
     assert out.endswith(
-        "an exclusion search: diag inspect 'm int8.onnx' --recipe-out recipe.toml && "
-        "diag exclude models/m.onnx --recipe recipe.toml --inputs data/x.npz --target 'cosine>=0.99'"
+        "an exclusion search: diag exclude models/m.onnx --int8 'm int8.onnx' --inputs data/x.npz "
+        "--target 'cosine>=0.99'"
     )
     assert EXCLUDE_WORDS not in out
 
@@ -23,7 +23,7 @@ def test_random_inputs_are_carried_into_the_exclude_command():
 
 
 def test_the_printed_commands_run_as_printed_in_a_shell(built, tmp_path):
-    """Copied into a shell, the advice runs: the recipe comes from the INT8 model and the target's
+    """Copied into a shell, the advice runs: the recipe comes from the INT8 model (--int8) and the target's
     ``>=`` is quoted (unquoted, the shell would redirect and diag would refuse the target)."""
     import shutil
     import subprocess
@@ -37,5 +37,6 @@ def test_the_printed_commands_run_as_printed_in_a_shell(built, tmp_path):
     out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode in (0, 3), out.stderr  # 3: the target was not reached; never a usage error
     assert "error[" not in out.stderr
-    assert (tmp_path / "recipe.toml").exists() and not (tmp_path / "=0.99").exists()
+    assert not (tmp_path / "=0.99").exists()
+    assert out.stdout.startswith(f"recipe: inferred from the INT8 model {b.int8['dynamic']} "), out.stdout
     assert "exclusion.json" in out.stdout

@@ -51,7 +51,11 @@ def test_verified_fix_is_on_the_first_screen_whole_and_copies_exactly(demo):
         widths = page.eval_on_selector("#best-fix-code", "e => [e.scrollWidth, e.clientWidth]")
         assert widths[0] <= widths[1], f"the fix is cut at the right edge: {widths}"
         text = page.locator("#best-fix-code").text_content()
-        assert text == "nodes_to_exclude=" + json.dumps(exclusion["nodes_to_exclude"])
+        best = exclusion["fixes"][0]  # the best-ranked fix: an op-type change when it is the smaller one
+        expected = f"nodes_to_exclude={json.dumps(best['nodes_to_exclude'])}"
+        if best["kind"] == "op_types_to_quantize":
+            expected = f"op_types_to_quantize={json.dumps(best['op_types_to_quantize'])}, " + expected
+        assert text == expected
         page.click("#best-fix button.copy")
         page.wait_for_selector("#best-fix button.copy:has-text('copied')")  # no eval: the report's CSP forbids it
         assert page.evaluate("navigator.clipboard.readText()") == text

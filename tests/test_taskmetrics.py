@@ -281,4 +281,6 @@ def test_exclude_cli_takes_the_metric_and_refuses_an_undeclared_name(tmp_path, c
     assert code == USER_ERROR and "rel_err: lower is better" in err
     code, stdout, err = run_cli([*base, "--target", "rel_err<=10", "--metric", PLUGIN, "--bench-runs", "0"], capsys)
     assert code == OK, err
-    assert stdout.startswith("target rel_err<=10 already met on 8 held-out samples: rel_err ")
+    first, verdict = stdout.splitlines()[:2]
+    assert first.startswith('recipe: onnxruntime\'s quantize_dynamic defaults {"mode": "dynamic"}'), first
+    assert verdict.startswith("target rel_err<=10 already met on 8 held-out samples: rel_err "), verdict
