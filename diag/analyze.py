@@ -248,23 +248,73 @@ def reaching_nonfinite(findings: list[NodeFinding]) -> list[NodeFinding]:
     return sorted((f for f in findings if id(f) in seen), key=lambda f: f.index)
 
 
-def single_cause(findings: list[NodeFinding]) -> tuple[bool, str]:
-    """Whether one node explains most of the local error, with a sentence saying so."""
+#: Grades that fail: an output graded so is what the headline is about.
+FAILING_GRADES = ("marginal", "reject")
+
+
+def failing_outputs(verdicts: list[OutputVerdict]) -> list[OutputVerdict]:
+    """The outputs a headline must be about, worst first: those with a failing grade when some
+    outputs pass (silero VAD: ``output`` excellent, ``stateN`` reject), else none (every output
+    fails, or none does: the whole model is the subject)."""
+    failing = [v for v in verdicts if v.grade in FAILING_GRADES]
+    if not failing or len(failing) == len(verdicts):
+        return []
+    return sorted(failing, key=lambda v: (-GRADES.index(v.grade), v.stats.sqnr_db, v.name))
+
+
+def failing_clause(failing: list[OutputVerdict]) -> str:
+    """ "output stateN fails: min per-sample cosine 0.83000 (reject); " — the headline's subject."""
+    if not failing:
+        return ""
+    parts = []
+    for v in failing:
+        reason = next((r for r in v.reasons if r.endswith(f"({v.grade})")), v.reasons[0] if v.reasons else v.grade)
+        parts.append(f"{v.name} ({reason})")
+    noun = "output" if len(parts) == 1 else "outputs"
+    verb = "fails" if len(parts) == 1 else "fail"
+    return f"{noun} {', '.join(parts)} {verb} while the others pass; "
+
+
+def upstream_of(findings: list[NodeFinding], outputs: Iterable[str]) -> list[NodeFinding]:
+    """The findings whose error can reach ``outputs`` (the nodes that write them and their ancestors).
+
+    A node that feeds only a passing output cannot be the cause of a failing one: the headline's
+    candidates are restricted to these.
+    """
+    writer = {t: f for f in findings for t in f.group.outputs}
+    seen: set[int] = set()
+    stack = [w for t in outputs if (w := writer.get(t)) is not None]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        stack += [p for t in f.inputs if (p := writer.get(t)) is not None]
+    return [f for f in findings if id(f) in seen]
+
+
+def single_cause(findings: list[NodeFinding]) -> tuple[bool, str, NodeFinding | None]:
+    """Whether one node explains most of the local error, with a sentence saying so (and the node
+    the sentence names: the single cause, or the locally worst node when there is none)."""
     bad = [f for f in findings if f.local is not None and f.local.sqnr_db < BAD_SQNR_DB and f.group.quantized]
     if not bad:
-        return False, "no node has a bad local error: the INT8 model adds only rounding-level noise"
+        return False, "no node has a bad local error: the INT8 model adds only rounding-level noise", None
     # Error energy relative to signal: 10^(-SQNR/10).
     energy = sorted(((10 ** (-f.local.sqnr_db / 10), f) for f in bad if f.local), key=lambda t: -t[0])
     total = sum(e for e, _ in energy)
     top_e, top = energy[0]
     share = top_e / total if total > 0 else 1.0
     if len(bad) == 1 or share >= SINGLE_CAUSE_SHARE:
-        return True, (
-            f"single root cause: {top.group.label} ({share:.0%} of the local error of {len(bad)} bad node(s))"
+        return (
+            True,
+            f"single root cause: {top.group.label} ({share:.0%} of the local error of {len(bad)} bad node(s))",
+            top,
         )
-    return False, (
+    return (
+        False,
         f"no single root cause: {len(bad)} nodes have bad local error and the worst, "
-        f"{top.group.label}, explains only {share:.0%} of it"
+        f"{top.group.label}, explains only {share:.0%} of it",
+        top,
     )
 
 

@@ -31,9 +31,11 @@ from diag.analyze import (
     NodeFinding,
     OutputVerdict,
     error_paths,
+    failing_outputs,
     grade_output,
     node_findings,
     overall_grade,
+    upstream_of,
 )
 from diag.cpu import saturation_warning
 from diag.distributions import (
@@ -453,7 +455,13 @@ def analyze_comparison(
     if options.effects > 0 and options.local and options.shard is None and q.format.family != "fp16":
         specs = {k: a.spec for k, a in state.outputs.items()}
         budget = EffectBudget(options.effects, options.effect_samples, options.threads, options.progress)
-        result.effects = check_effects(fp, q, matching, feeds, result.findings, result.paths, specs, budget)
+        findings, paths = result.findings, result.paths
+        failing = [v.name for v in failing_outputs(result.verdicts)]
+        if failing:  # aim at the outputs that fail (issue 25, item 5)
+            findings = upstream_of(findings, failing)
+            paths = {k: v for k, v in paths.items() if k in failing}
+        aimed = {k: v for k, v in specs.items() if k in failing} if failing else specs
+        result.effects = check_effects(fp, q, matching, feeds, findings, paths, aimed, budget)
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching
         )

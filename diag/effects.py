@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from diag.analyze import BAD_SQNR_DB, NodeFinding, OutputVerdict, single_cause
+from diag.analyze import (
+    BAD_SQNR_DB,
+    NodeFinding,
+    OutputVerdict,
+    failing_clause,
+    failing_outputs,
+    single_cause,
+    upstream_of,
+)
 from diag.feeds import FeedSource
 from diag.jsonnum import json_number
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
@@ -520,8 +528,11 @@ def check_effects(
     """Measure, for each candidate, how much output error keeping it in float removes.
 
     The target is the output — or Concat part — with the lowest SQNR in the INT8 model over the
-    checked samples; every candidate is scored on it (and its SQNR on every output is kept).
-    Returns None when there is nothing to check (no quantized candidate, external-data models).
+    checked samples, among the outputs in ``specs`` (see :func:`effect_target`); every candidate is
+    scored on it (and its SQNR on every output is kept). To aim the check at the outputs that fail
+    (:func:`diag.analyze.failing_outputs`), pass only those in ``specs``, ``paths`` and the
+    ``findings`` upstream of them. Returns None when there is nothing to check (no quantized
+    candidate, external-data models).
 
     Example:
         >>> check = check_effects(fp, q, m, feeds, r.findings, r.paths, specs)  # doctest: +SKIP
@@ -544,7 +555,7 @@ def check_effects(
     q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
     base = measure.stats(q_sess, "INT8 model")
     del q_sess
-    target = min(base, key=lambda k: (base[k].sqnr_db, k))
+    target = effect_target(base, list(specs))
     skipped: dict[str, str] = {}
     effects: list[Effect] = []
     bar = Progress(len(cands), "effect check", enabled=budget.progress)
@@ -614,6 +625,29 @@ class _OutputErrors:
         return {k: a.finalize() for k, a in accs.items()}
 
 
+def effect_target(base: dict[str, ErrorStats], failing: Sequence[str] = ()) -> str:
+    """The output (or ``"output part"``) the effect check scores candidates on: the lowest SQNR
+    among the ``failing`` outputs and their parts, else among all.
+
+    SQNR and grade disagree across output kinds: silero VAD's ``output`` (probabilities, graded
+    excellent) has a lower SQNR than ``stateN`` (min per-sample cosine 0.83, reject). Measured on
+    the lowest SQNR alone, the headline's "cause" fixed an output that did not need fixing.
+
+    Example:
+        >>> from diag.metrics import ErrorAccumulator
+        >>> import numpy as np
+        >>> def stats(noise):
+        ...     acc = ErrorAccumulator()
+        ...     acc.update(np.ones(4, np.float32), np.ones(4, np.float32) + noise)
+        ...     return acc.finalize()
+        >>> base = {"output": stats(0.5), "stateN": stats(0.1)}
+        >>> effect_target(base), effect_target(base, ["stateN"])
+        ('output', 'stateN')
+    """
+    keys = [k for k in base if any(k == f or k.startswith(f + " ") for f in failing)] or list(base)
+    return min(keys, key=lambda k: (base[k].sqnr_db, k))
+
+
 def _effect(f: NodeFinding, why: str, base: ErrorStats, got: dict[str, ErrorStats], target: str) -> Effect:
     """The share of ``target``'s error energy keeping ``f`` in float removes (-inf if it creates NaN/Inf)."""
     before, after = base.mse, got[target].mse
@@ -671,9 +705,29 @@ def confirmed_cause(
     """The headline from measured effects (falls back to local error when nothing was measured).
 
     Returns (single cause?, sentence, the cause). Roles are updated to agree with the sentence:
-    under a single confirmed cause every other locally bad node becomes ``contributor`` (its
-    measured effect is in the check); otherwise roles stay as local error assigned them.
+    under a single cause every other locally bad node becomes ``contributor`` (under a confirmed
+    one its measured effect is in the check); otherwise roles stay as local error assigned them.
+
+    When some outputs pass and others fail, the headline is about the failing ones (issue 25,
+    item 5): it opens by naming them and only nodes upstream of them can be its cause.
     """
+    failing = failing_outputs(verdicts or [])
+    scope = upstream_of(findings, [v.name for v in failing]) if failing else findings
+    one, sentence, cause = _headline(scope, check, grade, verdicts, specs, matching)
+    if one and cause is not None:
+        _make_root_cause(findings, cause)  # a root cause feeding only passing outputs is no longer one
+    return one, failing_clause(failing) + sentence, cause
+
+
+def _headline(
+    findings: list[NodeFinding],
+    check: EffectCheck | None,
+    grade: str,
+    verdicts: list[OutputVerdict] | None,
+    specs: dict[str, OutputSpec] | None,
+    matching: Matching | None,
+) -> tuple[bool, str, NodeFinding | None]:
+    """:func:`confirmed_cause` over the nodes the headline may name."""
     bad_local = [f for f in findings if f.group.quantized and f.local is not None and f.local.sqnr_db < BAD_SQNR_DB]
     poor = grade in ("marginal", "reject")
     # A share of a negligible error is no cause: confirm only when there is something to explain.
@@ -686,10 +740,12 @@ def confirmed_cause(
     if part_cause is not None:
         return _concat_headline(findings, check, *part_cause)
     if check is None or check.best is None:
-        one, sentence = single_cause(findings)
+        one, sentence, top = single_cause(findings)
+        if one and top is not None:
+            _make_root_cause(findings, top)
         if not one and poor and not bad_local:
             sentence = spread_sentence(_quantized(findings), None)
-        return one, sentence, None
+        return one, sentence, top if one else None
     if confirmed:
         return _confirmed_headline(findings, check, check.best, bad_local)
     return _unconfirmed_headline(findings, check, poor, bad_local)
@@ -736,6 +792,14 @@ def _confirmed_headline(
             else ""
         )
     f = best.finding
+    if not disagree and f.local is not None and f.local.sqnr_db >= BAD_SQNR_DB:
+        # The headline names a node whose local SQNR passes the documented rule: say why, or the
+        # "root cause" line under it reads as a contradiction (silero VAD: 27.9 dB).
+        disagree = (
+            f"; found by its effect, not its local error: its local SQNR {f.local.sqnr_db:.1f} dB is above "
+            f"the {BAD_SQNR_DB:.0f} dB rule (a per-tensor SQNR is set by the largest channels and can hide "
+            "error in the small ones)"
+        )
     _make_root_cause(findings, f)
     return (
         True,
@@ -753,7 +817,7 @@ def _unconfirmed_headline(
         if not poor:
             return False, "no node has a bad local error: the INT8 model adds only rounding-level noise", None
         return False, spread_sentence(_quantized(findings), check), None
-    one, sentence = single_cause(findings)
+    one, sentence, _ = single_cause(findings)
     if one:
         top_local = min(bad_local, key=lambda f: (f.rank_local, f.index))
         e = check.of(top_local.group.label)

@@ -348,6 +348,9 @@ class ReportView:
     environment: list[tuple[str, str]]
     outputs: list[OutputRow]
     root_causes: list[str]
+    #: The heading over ``root_causes``: under a "no single root cause" headline they are only the
+    #: locally worst nodes, and a list titled "Root causes" would contradict the sentence above it.
+    root_causes_heading: str
     victims: list[str]
     nodes_to_exclude: list[str]
     #: len(nodes_to_exclude), printed by the summary.
@@ -435,6 +438,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
         outputs=_output_rows(verdict["outputs"]),
         root_causes=_root_cause_lines(doc),
+        root_causes_heading="Locally worst nodes" if "no single root cause" in verdict["cause"] else "Root causes",
         victims=victims,
         nodes_to_exclude=rec["nodes_to_exclude"],
         fix_node_count=len(rec["nodes_to_exclude"]),

@@ -370,7 +370,7 @@ def _cause_lines(result: CompareResult) -> list[str]:
         local, acc = f.local, f.accumulated
         assert local is not None and acc is not None  # a root cause is ranked by both errors
         # A "no single root cause" headline lists no root cause under it (issue 25, item 5).
-        role = "locally worst" if result.cause_sentence.startswith("no single root cause") else "root cause"
+        role = "locally worst" if "no single root cause" in result.cause_sentence else "root cause"
         lines.append(
             f"  {role}: {f.group.label} ({f.group.op_type}) local SQNR "
             f"{local.sqnr_db:.1f} dB, accumulated {acc.sqnr_db:.1f} dB"

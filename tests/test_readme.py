@@ -38,12 +38,11 @@ KERNEL_DEPENDENT = (
     (re.compile(r"^(\s*effect on \S+ of keeping one node in float: ).*( \(\d+ samples\))$"), r"\1<measured>\2"),
     # "keeping it alone in float recovers only 11% of the error of logits"
     (re.compile(r"recovers (only |at most )?\d+%"), r"recovers \1<measured>%"),
-    # the demo's best verified fix (a node list or an op-type change): met as deployed (level "all", onnxruntime's fused integer kernels), so
-    # which nodes it takes depends on the CPU; the baseline and the target stay exact
+    # the demo's best verified fix (a node list or an op-type change) is met as deployed (level
+    # "all", onnxruntime's fused integer kernels), so which nodes it takes depends on the CPU;
+    # the baseline and the target stay exact
     (
-        re.compile(
-            r"^(verified fix: ).*(: held-out cosine [\d.]+ -> )[\d.]+( \(.*\))$"
-        ),
+        re.compile(r"^(verified fix: ).*(: held-out cosine [\d.]+ -> )[\d.]+( \(.*\))$"),
         r"\1<measured>\2<measured>\3",
     ),
     # diag exclude's answer as onnxruntime runs it at the deploy level: "-> 0.9993 (level all: 0.9993)"
