@@ -18,7 +18,7 @@ Roles (for nodes whose accumulated SQNR is below the "bad" threshold):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -335,6 +335,30 @@ def band_grade(value: float, metric: str) -> str:
     return "reject" if value > band["reject_above"] else "marginal"
 
 
+def agreement_grades(
+    per_sample: OutputStats, add: Callable[[float | None, str, str], None], grades: list[tuple[int, str]]
+) -> None:
+    """Top-1 agreement of a class-like output; for a sequence output (``[N, T, classes]``: a CTC or
+    OCR head, token logits) per position, with the share of samples right at every position beside it.
+
+    NOTE: a CTC line agrees as text when its decoded string does, which whole-sequence agreement
+    understates (a shifted repeat or blank changes nothing once decoded) and per-position agreement
+    overstates (one wrong character in 25 positions is 96% and a wrong word). Neither is graded as
+    the text: a decoder is the user's (``--metric``, README "Sequence outputs"). The per-position
+    figure is graded with the top-1 bands; the whole-sequence share is shown, not banded.
+    """
+    a = per_sample.top1_agreement
+    if a is None:
+        return
+    if per_sample.positions is None or per_sample.sequence_agreement is None:
+        add(a, "top1_agreement", f"top-1 agreement {a:.2%}")
+        return
+    n, positions = per_sample.samples, per_sample.positions
+    add(a, "top1_agreement", f"per-position top-1 agreement {a:.2%} over {positions} positions of {n} samples")
+    whole = round(per_sample.sequence_agreement * n)
+    grades.append((0, f"{whole} of {n} samples agree at every position"))
+
+
 def grade_output(
     name: str, stats: ErrorStats, per_sample: OutputStats, labelled: dict[str, int] | None = None
 ) -> OutputVerdict:
@@ -368,13 +392,11 @@ def grade_output(
             sub = grade_output(f"{name} {label}", acc, part)
             grades.append((GRADES.index(sub.grade), f"{label}: {'; '.join(sub.reasons)}"))
     elif kind in ("logits", None) and per_sample.top1_agreement is not None:
-        a, m = per_sample.top1_agreement, per_sample.max_abs
-        add(a, "top1_agreement", f"top-1 agreement {a:.2%}")
+        agreement_grades(per_sample, add, grades)
+        m = per_sample.max_abs
         add(m, "max_abs", f"max abs error {m:.3g}")
     elif kind == "probabilities":
-        if per_sample.top1_agreement is not None:
-            a = per_sample.top1_agreement
-            add(a, "top1_agreement", f"top-1 agreement {a:.2%}")
+        agreement_grades(per_sample, add, grades)
         c = per_sample.cosine_min
         add(c, "cosine_min", f"min per-sample cosine {c:.5f}")
     elif kind == "probability-map":
@@ -414,6 +436,18 @@ def grade_output(
         grades.append((0, "identical"))
     worst = max(grades)[0]
     return OutputVerdict(name, stats, per_sample, GRADES[worst], [r for _, r in grades], acc_fp, acc_q)
+
+
+def recommended_nodes(findings: list[NodeFinding]) -> tuple[list[str], list[str]]:
+    """(FP32 node names to keep in float, unnamed root causes): the root causes, best local rank first.
+
+    The one list a compare run suggests (its summary, report, ``diag.json`` and the estimate in
+    :func:`diag.effects.estimate_list` all use it). Unnamed nodes only have diag's stand-in ids
+    (``MatMul#2``), which ``nodes_to_exclude`` cannot take: they are listed apart.
+    """
+    roots = sorted((f for f in findings if f.role == "root-cause"), key=lambda f: f.rank_local)
+    exclude = [name for f in roots if f.group.quantized and not f.group.unnamed for name in f.group.fp_nodes]
+    return exclude, [f.group.label for f in roots if f.group.unnamed]
 
 
 def overall_grade(verdicts: list[OutputVerdict]) -> str:

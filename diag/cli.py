@@ -213,6 +213,7 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
         effects=args.effects,
         effect_samples=args.effect_samples,
         accuracy_level_check=args.accuracy_level_check,
+        deploy_isa=args.deploy_isa,
         metric=args.metric,
         reductions=args.reductions,
         scheduler=args.scheduler,
@@ -697,6 +698,14 @@ def _compare_analysis_flags(p: argparse.ArgumentParser) -> None:
         help="weight-only models: also run every MatMulNBits node at accuracy_level LEVEL (4: int8 inputs) and "
         "measure it against accuracy_level 0 (float inputs) on the first --effect-samples samples",
     )
+    p.add_argument(
+        "--deploy-isa",
+        choices=["avx2"],
+        default=None,
+        help="predict what the INT8 model's u8s8 nodes (QInt8 weights) do on an AVX2 CPU without VNNI, where "
+        "onnxruntime sums pairs of products in saturating int16: simulated in numpy on this run's captured inputs, "
+        "so a VNNI machine learns what an AVX2 server computes",
+    )
     _add_labels(
         p,
         ".npy of class indices, one per sample in input order: grades the accuracy drop and the macro-F1 drop "
@@ -809,8 +818,9 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fixture",
         default="transformer",
-        choices=["transformer", "convnet"],
-        help="which bundled model (default transformer: an outlier hidden dimension)",
+        choices=["transformer", "convnet", "ctc"],
+        help="which bundled model (default transformer: an outlier hidden dimension; convnet: an outlier "
+        "conv channel; ctc: a CTC text-recognizer head, [batch, steps, classes])",
     )
     p.add_argument(
         "--format",

@@ -13,6 +13,7 @@ accumulators and dropped before the next batch is read.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import tempfile
@@ -35,6 +36,7 @@ from diag.analyze import (
     grade_output,
     node_findings,
     overall_grade,
+    recommended_nodes,
     upstream_of,
 )
 from diag.cpu import saturation_warning
@@ -51,8 +53,10 @@ from diag.effects import (
     DEFAULT_SAMPLES,
     EffectBudget,
     EffectCheck,
+    ListEstimate,
     check_effects,
     confirmed_cause,
+    estimate_list,
 )
 from diag.environment import environment
 from diag.errors import DiagError
@@ -80,6 +84,7 @@ from diag.run import (
     run_batch,
     session_from_model,
 )
+from diag.saturation import predict_avx2
 from diag.state import State, from_states, states_of
 from diag.taskgrade import attach_task_metrics
 from diag.taskmetrics import (
@@ -148,6 +153,9 @@ class CompareOptions:
     #: Also run the MatMulNBits nodes at this ``accuracy_level`` and measure it against level 0
     #: (:func:`diag.nbits.check_accuracy_level`); 0: off.
     accuracy_level_check: int = 0
+    #: ``"avx2"``: predict what the INT8 model's u8s8 nodes do on an AVX2 CPU without VNNI
+    #: (:func:`diag.saturation.predict_avx2` on the captured inputs); None: off.
+    deploy_isa: str | None = None
 
 
 @dataclass
@@ -315,6 +323,14 @@ class CompareResult:
     paths: dict[str, list[NodeFinding]] = field(default_factory=dict)
     #: Measured effect on the outputs of keeping each candidate in float (diag.effects).
     effects: EffectCheck | None = None
+    #: Measured effect of keeping the whole suggested list (the root causes) in float.
+    list_estimate: ListEstimate | None = None
+    #: The diag exclude command that verifies and prunes the suggested list (from this run's inputs).
+    verify_command: str = ""
+    #: Weight-only spread remedies re-quantized and measured (diag.remedycheck, with --recipe).
+    remedy_checks: dict[str, Any] | None = None
+    #: ``--deploy-isa avx2``: per u8s8 node, its predicted saturation on AVX2 without VNNI.
+    deploy_isa: dict[str, Any] | None = None
     #: The recipe a suggested fix re-quantizes with (see :func:`diag.infer.fix_recipe`).
     fix_recipe: dict[str, Any] | None = None
     #: Finalized task metrics (see :func:`diag.taskgrade.attach_task_metrics`).
@@ -465,15 +481,51 @@ def analyze_comparison(
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching
         )
+        suggested, _unnamed = recommended_nodes(result.findings)
+        result.list_estimate = estimate_list(fp, q, matching, feeds, suggested, result.effects, specs, options.threads)
         result.seconds = time.perf_counter() - run.start
     if options.accuracy_level_check and options.shard is None:
         result.accuracy_level = check_accuracy_level(
             q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
         )
         result.seconds = time.perf_counter() - run.start
+    if options.deploy_isa == "avx2" and options.shard is None:
+        result.deploy_isa = deploy_isa_prediction(result, feeds)
+        result.seconds = time.perf_counter() - run.start
     result.cause_sentence = with_exclude_command(result.cause_sentence, fp.path, q.path, run.spec)
+    result.verify_command = exclude_command(fp.path, q.path, run.spec)
     attach_task_metrics(result, state.task, options.metric)
     return result
+
+
+def deploy_isa_prediction(result: CompareResult, feeds: FeedSource) -> dict[str, Any]:
+    """Every u8s8 node's predicted AVX2-without-VNNI saturation, next to its measured local SQNR.
+
+    The saturation error and the node's own quantization error are independent, so the node's
+    SQNR on AVX2 is their noise powers added (:meth:`diag.saturation.NodePrediction.predicted_sqnr_db`);
+    measured here means exact integer arithmetic, which is what this run's per-node figures are.
+    Nodes are ranked by the predicted drop, largest first.
+    """
+    preds = predict_avx2(str(result.int8.path), (b.feeds for b in feeds))
+    finding_of = {n: f for f in result.findings for n in f.group.int8_nodes}
+    nodes = []
+    for p in preds:
+        f = finding_of.get(p.node)
+        stats = (f.local or f.accumulated) if f is not None else None
+        p.measured_sqnr_db = stats.sqnr_db if stats is not None and math.isfinite(stats.sqnr_db) else None
+        entry = p.to_dict()
+        entry["fp32_node"] = f.group.label if f is not None else None
+        entry["sentence"] = p.sentence(f.group.label if f is not None else None)
+        predicted, measured = p.predicted_sqnr_db(), p.measured_sqnr_db
+        entry["drop_db"] = round(measured - predicted, 2) if predicted is not None and measured is not None else None
+        nodes.append(entry)
+    nodes.sort(key=lambda e: (-(e["drop_db"] or 0.0), -e["saturated_pairs"]))
+    return {
+        "isa": "avx2",
+        "u8s8_nodes": len(nodes),
+        "saturating_nodes": sum(1 for e in nodes if e["saturated_pairs"]),
+        "nodes": nodes,
+    }
 
 
 #: The words of a headline that suggest an exclusion search, replaced by the command to run.
@@ -498,6 +550,9 @@ def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str =
         feeds = "--random"
     else:
         feeds = "--inputs INPUTS"
+    if spec is not None and spec.batch != 1:
+        # Dynamic quantization scales each batch as a whole: the search must batch as this run did.
+        feeds += f" --batch {spec.batch}"
     return (
         f"diag exclude {shlex.quote(str(fp32))} --int8 {shlex.quote(str(int8))} {feeds} --target {shlex.quote(target)}"
     )

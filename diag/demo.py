@@ -98,9 +98,11 @@ def demo(options: DemoOptions) -> Summary:
         if best:
             # The best-ranked fix, as the report's first screen shows it: an op-type change can beat the node list.
             f = best[0]
-            change = f"keep {len(f['nodes_to_exclude'])} node(s) in float ({', '.join(f['nodes_to_exclude'])})"
+            nodes = f["nodes_to_exclude"]
+            change = f"keep {len(nodes)} node(s) in float ({', '.join(nodes)})"
             if f["op_types_to_quantize"] and f["kind"] == "op_types_to_quantize":
-                change = f"op_types_to_quantize={json.dumps(f['op_types_to_quantize'])} and " + change
+                op_types = f"op_types_to_quantize={json.dumps(f['op_types_to_quantize'])}"
+                change = f"{op_types} and {change}" if nodes else op_types
             lines.append(f"verified fix: {change}: held-out cosine {before:.4f} -> {f['metric']:.4f} ({fix.target})")
         else:
             lines.append(f"verified fix: {fix.verdict} ({fix.target}, held-out cosine {before:.4f})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict
+from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict, recommended_nodes
 from diag.compare import CompareResult
 from diag.cpu import kernel_path
 from diag.distributions import TensorHealth, worst_tensors
@@ -46,6 +46,8 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
         **_fp16(result),
         # --accuracy-level-check: MatMulNBits at that accuracy_level vs 0 (diag.nbits); absent otherwise.
         **({"accuracy_level": result.accuracy_level.to_dict()} if result.accuracy_level is not None else {}),
+        # --deploy-isa avx2: the u8s8 nodes' predicted saturation on AVX2 without VNNI (diag.saturation).
+        **({"deploy_isa": result.deploy_isa} if result.deploy_isa is not None else {}),
         "run": {
             "inputs": result.input_description,
             "samples": result.samples,
@@ -66,7 +68,9 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
         },
         # F1 against --labels and --metric plugin values (see diag.taskmetrics).
         "task_metrics": json_values(result.task_metrics or {}),
-        "recommendation": _recommendation(result, nodes),
+        "recommendation": _recommendation(result),
+        # Weight-only spread remedies re-quantized and measured (compare --recipe; diag.remedycheck).
+        **({"remedy_checks": result.remedy_checks} if result.remedy_checks else {}),
         "matching": _matching(result),
         "nodes": nodes,
         "distributions": _distributions(result),
@@ -140,6 +144,8 @@ def _output_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
         "max_abs": _num(v.per_sample.max_abs),
         "top1_agreement": _num(v.per_sample.top1_agreement),
         "samples": v.per_sample.samples,
+        "positions": v.per_sample.positions,
+        "sequence_agreement": _num(v.per_sample.sequence_agreement),
         "accuracy_fp32": _num(v.accuracy_fp32),
         "accuracy_int8": _num(v.accuracy_int8),
         "accuracy_drop": _num(v.accuracy_drop),
@@ -163,15 +169,17 @@ def _output_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
     }
 
 
-def _recommendation(result: CompareResult, nodes: list[dict[str, Any]]) -> dict[str, Any]:
-    """The root causes' nodes to keep in float, and the recipe the fix snippet re-quantizes with."""
-    roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
-    # Unnamed nodes only have diag's stand-in ids (``MatMul#2``), which nodes_to_exclude cannot take.
-    exclude = [name for n in roots for name in n["fp_nodes"] if n["quantized"] and not n["unnamed"]]
+def _recommendation(result: CompareResult) -> dict[str, Any]:
+    """The root causes' nodes to keep in float (a starting point: its measured estimate beside it,
+    when the effect check ran), and the recipe the fix snippet re-quantizes with."""
+    exclude, unnamed = recommended_nodes(result.findings)
+    estimate = result.list_estimate
     return {
         "nodes_to_exclude": exclude,
-        "unnamed_nodes": [n["name"] for n in roots if n["unnamed"]],
+        "unnamed_nodes": unnamed,
         "verified": False,
+        "estimate": estimate.to_dict() if estimate is not None and estimate.nodes == exclude else None,
+        "verify_command": result.verify_command,
         # The settings the fix snippet re-quantizes with (given or inferred), so that
         # `diag report` renders the same snippet without the models.
         "recipe": result.fix_recipe,

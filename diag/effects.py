@@ -579,6 +579,87 @@ def check_effects(
     return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, sqnr_before)
 
 
+@dataclass
+class ListEstimate:
+    """What keeping a whole suggested list in float does to the effect check's target output.
+
+    Measured like an :class:`Effect` (the list computed in float inside the INT8 model, on the
+    effect check's samples, as onnxruntime runs it by default), never re-quantized and never on
+    held-out samples: a starting point's estimate, not a verified fix (``diag exclude`` verifies).
+    """
+
+    nodes: list[str]
+    target: str
+    samples: int
+    sqnr_before: float
+    sqnr_after: float
+    #: Share of the target's error energy removed (1 - Σe²(list) / Σe²(INT8); -inf: creates NaN/Inf).
+    recovered: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": self.nodes,
+            "target": self.target,
+            "samples": self.samples,
+            "sqnr_before_db": json_number(self.sqnr_before),
+            "sqnr_after_db": json_number(self.sqnr_after),
+            "recovered": json_number(self.recovered),
+            "opt_level": EFFECT_OPT_LEVEL,
+        }
+
+
+def estimate_list(
+    fp: LoadedModel,
+    q: LoadedModel,
+    matching: Matching,
+    feeds: FeedSource,
+    nodes: list[str],
+    check: EffectCheck | None,
+    specs: dict[str, OutputSpec],
+    threads: int | None = None,
+) -> ListEstimate | None:
+    """The measured effect of keeping every node of ``nodes`` in float, on ``check``'s target.
+
+    A list that is one candidate the check already measured takes its figure; otherwise the list
+    is spliced in float as a whole (one more session on the check's samples). None without a
+    check, or when the region cannot be rebuilt (the list then stays a starting point, unmeasured).
+
+    Example:
+        >>> est = estimate_list(fp, q, m, feeds, ["conv3"], result.effects, specs)  # doctest: +SKIP
+        >>> round(est.recovered, 2)  # doctest: +SKIP
+        0.93
+    """
+    if check is None or not nodes or check.target not in check.sqnr_before:
+        return None
+    before = check.sqnr_before[check.target]
+    same = next((e for e in check.effects if set(e.finding.group.fp_nodes) == set(nodes)), None)
+    if same is not None:
+        after = same.sqnr_after.get(check.target, math.nan)
+        return ListEstimate(list(nodes), check.target, check.samples, before, after, same.recovered)
+    threads = threads or default_threads()
+    batches, taken = _first_samples(feeds, check.samples)
+    try:
+        model = float_region_model(fp.proto, q.proto, list(nodes), matching)
+        measure = _OutputErrors(fp, batches, specs, threads)
+        sess = session_from_model(model, "INT8 model with the suggested list in float", EFFECT_OPT_LEVEL, threads)
+        got = measure.stats(sess, "INT8 model with the suggested list in float")
+    except Exception:  # a region diag cannot rebuild leaves the list unmeasured, never fatal
+        return None
+    stats = got.get(check.target)
+    if stats is None:
+        return None
+    after = stats.sqnr_db
+    if stats.nonfinite_int8 > 0:
+        recovered = -math.inf
+    elif math.isinf(before):
+        recovered = 0.0
+    elif math.isinf(after):
+        recovered = 1.0
+    else:
+        recovered = 1.0 - 10.0 ** ((before - after) / 10.0)
+    return ListEstimate(list(nodes), check.target, taken, before, after, recovered)
+
+
 def _first_samples(feeds: FeedSource, samples: int) -> tuple[list[dict[str, np.ndarray]], int]:
     """The first batches holding at least ``samples`` samples (all, when there are fewer), and their count."""
     batches = []

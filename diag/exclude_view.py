@@ -8,6 +8,7 @@ draws its trajectory (:func:`diag.plots_exclude.trajectory_plot`).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from diag.exclude import calibrations_phrase, count_phrase, estimates_phrase
@@ -27,37 +28,7 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
         >>> view["nodes"]  # doctest: +SKIP
         ['layer1/ffn/fc1/MatMul']
     """
-    before = doc["metrics"]["before"]
-    after = doc["metrics"]["after"] or {}
-
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, str):
-            return v
-        return f"{v:.6f}" if isinstance(v, float) else str(v)
-
-    names = ("cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop")
-    rows = [
-        {"name": n, "before": cell(before.get(n)), "after": cell(after.get(n))}
-        for n in names
-        if before.get(n) is not None
-    ]
-    if before.get("nonfinite_samples") or after.get("nonfinite_samples"):
-        # First, so that the summary's three lines show it: NaN samples decide the verdict.
-        rows.insert(
-            0,
-            {
-                "name": "NaN/Inf samples",
-                "before": f"{before['nonfinite_samples']} of {before['samples']}",
-                "after": f"{after['nonfinite_samples']} of {after['samples']}" if after else "-",
-            },
-        )
-    # --metric plugin values, by the names the plugin declares.
-    rows += [
-        {"name": n, "before": cell(v), "after": cell((after.get("task") or {}).get(n))}
-        for n, v in (before.get("task") or {}).items()
-    ]
+    rows = _metric_rows(doc)
     latency = [
         {
             "model": x["model"],
@@ -91,6 +62,47 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
         "recipe_line": (doc.get("recipe_origin") or {}).get("line", ""),
         "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
     }
+
+
+def _metric_rows(doc: dict[str, Any]) -> list[dict[str, str]]:
+    """Before/after rows of the exclusion's metrics: a NaN row first, then the target's own metric."""
+    before = doc["metrics"]["before"]
+    after = doc["metrics"]["after"] or {}
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, str):
+            return v
+        return f"{v:.6f}" if isinstance(v, float) else str(v)
+
+    names = ("cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop")
+    rows = [
+        {"name": n, "before": cell(before.get(n)), "after": cell(after.get(n))}
+        for n in names
+        if before.get(n) is not None
+    ]
+    if before.get("nonfinite_samples") or after.get("nonfinite_samples"):
+        # First, so that the summary's three lines show it: NaN samples decide the verdict.
+        rows.insert(
+            0,
+            {
+                "name": "NaN/Inf samples",
+                "before": f"{before['nonfinite_samples']} of {before['samples']}",
+                "after": f"{after['nonfinite_samples']} of {after['samples']}" if after else "-",
+            },
+        )
+    # --metric plugin values, by the names the plugin declares.
+    rows += [
+        {"name": n, "before": cell(v), "after": cell((after.get("task") or {}).get(n))}
+        for n, v in (before.get("task") or {}).items()
+    ]
+    # The target's own metric first after any NaN row: the summary shows three rows, and a plugin
+    # value (text_agreement of a CTC decoder) came after cosine, mean cosine and max abs.
+    metric = re.split(r"[<>=]", str(doc["target"]), maxsplit=1)[0].strip()
+    first = 1 if rows and rows[0]["name"] == "NaN/Inf samples" else 0
+    rows[first:] = sorted(rows[first:], key=lambda r: r["name"] != metric)
+    return rows
 
 
 def fix_lines(doc: dict[str, Any]) -> list[str]:

@@ -168,6 +168,7 @@ def _merge_documents(
     result = finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
     # The shards recorded the recipe the fix re-quantizes with; the models may have moved since.
     result.fix_recipe = first.get("recommendation", {}).get("recipe")
+    result.verify_command = first.get("recommendation", {}).get("verify_command") or ""
     attach_task_metrics(result, state.task, options.metric)
     return result
 

@@ -298,10 +298,26 @@ class OutputStats:
     rel_max_abs: float | None = None
     #: Concat parts: label -> (per-sample figures, accumulated error, local error).
     parts: dict[str, tuple[OutputStats, ErrorStats, ErrorStats | None]] = field(default_factory=dict)
+    #: Sequence outputs (``[N, T, classes]``, CTC/OCR heads, token logits): the positions compared
+    #: in all (N x T); ``top1_agreement`` is then per position. None for one prediction per sample.
+    positions: int | None = None
+    #: Sequence outputs: the share of samples whose argmax agrees at every position.
+    sequence_agreement: float | None = None
 
 
 #: The counts and floats of :class:`OutputAccumulator` in its state, in shard-file order.
-_OUTPUT_INTS = ("samples", "nonfinite", "nonfinite_fp", "total", "rows", "agree", "mask_inter", "mask_union")
+_OUTPUT_INTS = (
+    "samples",
+    "nonfinite",
+    "nonfinite_fp",
+    "total",
+    "rows",
+    "agree",
+    "mask_inter",
+    "mask_union",
+    "seq_samples",
+    "seq_agree",
+)
 _OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax")
 
 
@@ -326,6 +342,9 @@ class OutputAccumulator:
         self.fp_absmax = 0.0
         self.rows = 0
         self.agree = 0
+        #: Sequence outputs: samples measured, and those agreeing at every position.
+        self.seq_samples = 0
+        self.seq_agree = 0
         self.classlike = True
         self.mask_inter = 0
         self.mask_union = 0
@@ -390,15 +409,23 @@ class OutputAccumulator:
             axis: int | None = x.ndim - 1 if self.classlike and x.ndim >= 2 else None
         else:
             axis = self.spec.class_axis
-        if axis is None or axis >= x.ndim or not 2 <= x.shape[axis] <= 100_000:
+        if axis is not None and axis < 0:
+            axis += x.ndim
+        if axis is None or not 0 <= axis < x.ndim or not 2 <= x.shape[axis] <= 100_000:
             self.classlike = False
             return
         x, y = x[finite_x], y[finite_x]  # samples the FP32 model breaks on say nothing
         x2 = np.moveaxis(x, axis, -1).reshape(-1, x.shape[axis])
         y2 = np.moveaxis(y, axis, -1).reshape(-1, y.shape[axis])
         broken = ~np.isfinite(y2).all(axis=1)  # an INT8 row with NaN/Inf disagrees, whatever its argmax
+        agree = (x2.argmax(axis=1) == y2.argmax(axis=1)) & ~broken
         self.rows += int(x2.shape[0])
-        self.agree += int(((x2.argmax(axis=1) == y2.argmax(axis=1)) & ~broken).sum())
+        self.agree += int(agree.sum())
+        if x.ndim >= 3 and axis > 0 and x.shape[0]:
+            # NOTE: [N, T, classes] (CTC/OCR, token logits): one prediction per position. The rows
+            # above are positions; a sample agrees only when every one of its positions does.
+            self.seq_samples += int(x.shape[0])
+            self.seq_agree += int(agree.reshape(x.shape[0], -1).all(axis=1).sum())
 
     def update_local(self, fp: np.ndarray, local: np.ndarray) -> None:
         """Add one batch of the output as the cut model recomputes it (its writer fed FP32 inputs):
@@ -421,6 +448,8 @@ class OutputAccumulator:
         self.fp_absmax = max(self.fp_absmax, other.fp_absmax)
         self.rows += other.rows
         self.agree += other.agree
+        self.seq_samples += other.seq_samples
+        self.seq_agree += other.seq_agree
         self.classlike = self.classlike and other.classlike
         self.mask_inter += other.mask_inter
         self.mask_union += other.mask_union
@@ -484,4 +513,6 @@ class OutputAccumulator:
             mask_iou=self.mask_inter / self.mask_union if self.mask_union else None,
             rel_max_abs=self.max_abs / self.fp_absmax if self.fp_absmax > 0 else None,
             parts=parts,
+            positions=self.rows if (self.classlike and self.seq_samples) else None,
+            sequence_agreement=self.seq_agree / self.seq_samples if (self.classlike and self.seq_samples) else None,
         )

@@ -282,7 +282,11 @@ def _verified_format(job: _Job, staged: Path, fp32_path: Path, error: str | None
             "quantize-failed",
             f"INT8 model for '{fp32_path}'",
             f"does not load in onnxruntime ({error})",
-            "nothing was written; try per_channel=false or preprocess=true, or report the model",
+            (
+                "nothing was written; try another algorithm, bits or block_size, or report the model"
+                if job.recipe.mode == "weight_only"
+                else "nothing was written; try per_channel=false or preprocess=true, or report the model"
+            ),
         )
     job.actions.extend(_notable(job.log))
     fmt = detect_format(_structure(staged))

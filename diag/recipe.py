@@ -341,9 +341,14 @@ def _check_algorithm(recipe: Recipe, source: str) -> None:
             f"is read by GPTQ only (algorithm is {algo}: no calibration)",
             'remove it or set "algorithm": "GPTQ"',
         )
-    if algo == "GPTQ" and ((recipe.bits or 4) != 4 or recipe.node_bits):
+    if algo in ("GPTQ", "HQQ") and (recipe.bits or 4) != 4:
+        # HQQ at 8 bits writes float zero points that onnxruntime's CPU MatMulNBits refuses to load.
+        why = "GPTQ is 4-bit only in onnxruntime" if algo == "GPTQ" else "HQQ's 8-bit MatMulNBits does not load on CPU"
         raise DiagError(
-            "bad-recipe", f"{source} key 'algorithm'", "GPTQ is 4-bit only in onnxruntime", "remove bits/node_bits"
+            "bad-recipe",
+            f"{source} key 'algorithm'",
+            why,
+            'use "bits": 4; nodes in "node_bits" at 8 bits are quantized by RTN',
         )
 
 

@@ -55,12 +55,34 @@ class Suggestion:
         }
 
 
-def _py(value: Any) -> str:
-    """Python literal text for a recipe value, with QuantType names as enum members."""
-    text = json.dumps(value, ensure_ascii=False)
-    for qt in ("QInt16", "QUInt16", "QInt8", "QUInt8"):
-        text = text.replace(f'"{qt}"', f"QuantType.{qt}")
-    return text.replace("true", "True").replace("false", "False").replace("null", "None")
+#: QuantType members a recipe names as strings.
+_QUANT_TYPES = ("QInt16", "QUInt16", "QInt8", "QUInt8", "QInt4", "QUInt4")
+
+
+def _py(value: Any, key: str | None = None) -> str:
+    """Python literal text for a recipe value, as onnxruntime takes it when pasted.
+
+    QuantType names become enum members (a string is silently ignored), and ``rmin`` / ``rmax`` /
+    ``scale`` numbers ``np.float32`` (onnxruntime's TensorQuantOverrides calls ``.dtype`` on them:
+    a plain float raises AttributeError inside quantize_static). Built value by value, so a tensor
+    called ``true_branch`` keeps its name.
+
+    Example:
+        >>> print(_py({"true_out": [{"rmin": -0.5, "quant_type": "QInt16"}]}))
+        {"true_out": [{"rmin": np.float32(-0.5), "quant_type": QuantType.QInt16}]}
+    """
+    if isinstance(value, dict):
+        items = (f"{json.dumps(str(k), ensure_ascii=False)}: {_py(v, str(k))}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_py(v, key) for v in value) + "]"
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, str):
+        return f"QuantType.{value}" if value in _QUANT_TYPES else json.dumps(value, ensure_ascii=False)
+    if key in ("rmin", "rmax", "scale") and isinstance(value, int | float):
+        return f"np.float32({value!r})"
+    return repr(value)
 
 
 def quantized_consumers(
@@ -342,18 +364,7 @@ def spread_remedies(fmt: str, settings: dict[str, Any] | None) -> list[str]:
     """
     s = settings or {}
     if fmt in WEIGHT_ONLY_FORMATS or s.get("mode") == "weight_only":
-        out: list[str] = []
-        block = s.get("block_size")
-        if not isinstance(block, int) or block > 16:
-            out.append(f"a smaller block_size ({max(16, (block or 32) // 2)})")
-        sym = s.get("is_symmetric")
-        if sym is not None:
-            out.append(f"is_symmetric={not sym}")
-        if s.get("accuracy_level") not in (None, 0):
-            out.append("accuracy_level=0 (no int8 quantization of the input inside the kernel)")
-        if not s.get("node_bits"):
-            out.append("the last MatMul (lm_head) at 8 bits (node_bits)")
-        return [*out, "an exclusion search (diag exclude)"]
+        return [text for text, _ in weight_only_changes(s, None)] + ["an exclusion search (diag exclude)"]
     out = []
     if not s.get("per_channel"):
         out.append("per_channel=True")
@@ -363,6 +374,32 @@ def spread_remedies(fmt: str, settings: dict[str, Any] | None) -> list[str]:
     if fmt != "dynamic" and s.get("mode") != "dynamic" and "16" not in acts:
         out.append("16-bit activations (QDQ)")
     return [*out, "an exclusion search (diag exclude)"]
+
+
+def weight_only_changes(settings: dict[str, Any], last_matmul: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """(remedy text, recipe keys it sets) of each weight-only remedy that changes ``settings``.
+
+    ``last_matmul``: the node the lm_head remedy puts at 8 bits (None: named in the text only; its
+    change is then empty and :mod:`diag.remedycheck` leaves it out).
+
+    Example:
+        >>> [t for t, _ in weight_only_changes({"block_size": 32, "accuracy_level": 4}, "head")][:2]
+        ['a smaller block_size (16)', 'accuracy_level=0 (no int8 quantization of the input inside the kernel)']
+    """
+    out: list[tuple[str, dict[str, Any]]] = []
+    block = settings.get("block_size")
+    if not isinstance(block, int) or block > 16:
+        smaller = max(16, (block or 32) // 2)
+        out.append((f"a smaller block_size ({smaller})", {"block_size": smaller}))
+    sym = settings.get("is_symmetric")
+    if sym is not None:
+        out.append((f"is_symmetric={not sym}", {"is_symmetric": not sym}))
+    if settings.get("accuracy_level") not in (None, 0):
+        out.append(("accuracy_level=0 (no int8 quantization of the input inside the kernel)", {"accuracy_level": 0}))
+    if not settings.get("node_bits"):
+        change = {"node_bits": {last_matmul: 8}} if last_matmul else {}
+        out.append(("the last MatMul (lm_head) at 8 bits (node_bits)", change))
+    return out
 
 
 def spread_text(fmt: str, settings: dict[str, Any] | None) -> str:

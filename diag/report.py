@@ -9,6 +9,7 @@ never see a CompareResult. Numbers are formatted here; templates only loop and p
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from diag.analyze import first_nonfinite, shortened_path
 from diag.documents import read_document
 from diag.environment import templates_dir
 from diag.errors import DiagError
-from diag.exclude_view import report_section
+from diag.exclude_view import best_fix_call, report_section
 from diag.files import check_outputs, input_file, out_dir, output_file, write_set
 from diag.files import out_dir as checked_out_dir
 from diag.fixcode import fix_snippet
@@ -359,6 +360,10 @@ class ReportView:
     #: unnamed_nodes joined for a sentence.
     unnamed_list: str
     fix_command: str
+    #: The starting point's measured estimate (or why there is none), one sentence.
+    fix_estimate: str
+    #: The command that verifies and prunes the starting point (diag exclude), or "".
+    verify_command: str
     nodes: list[NodeRow]
     unmatched: list[tuple[str, str]]
     skipped_count: int
@@ -398,6 +403,9 @@ class ReportView:
     run_note: str = ""
     #: The CPU's integer-kernel path the figures were measured on (diag.cpu.KernelPath), or "".
     kernel_path: str = ""
+    #: --deploy-isa avx2: one sentence for the prediction, then one per u8s8 node (worst first).
+    deploy_isa_head: str = ""
+    deploy_isa: list[str] = field(default_factory=list)
     #: Findings about the model files that did not stop diag (e.g. onnx.checker vs onnxruntime).
     model_warnings: list[str] = field(default_factory=list)
     #: One line per --metric plugin value.
@@ -417,6 +425,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     bad_db = doc["thresholds"]["bad_sqnr_db"]
     dist, patterns = doc.get("distributions") or {}, doc.get("patterns") or {}
     remedy_groups = _remedy_groups(doc.get("suggestions", []))
+    _mark_remedies_off_the_list(remedy_groups, doc)
     weights = _weight_rows(doc.get("weights"))
     weights_total = len((doc.get("weights") or {}).get("findings", []))
     effects, sensitivity = _effect_rows(doc.get("effects")), _sensitivity_rows(doc.get("sensitivity"))
@@ -435,16 +444,13 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         seconds=f"{doc['run']['seconds']:.1f}",
         run_note=_run_note(doc["run"]),
         kernel_path=_kernel_path_line(doc["run"].get("kernel_path")),
+        **_deploy_isa_fields(doc.get("deploy_isa")),
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
         outputs=_output_rows(verdict["outputs"]),
         root_causes=_root_cause_lines(doc),
         root_causes_heading="Locally worst nodes" if "no single root cause" in verdict["cause"] else "Root causes",
         victims=victims,
-        nodes_to_exclude=rec["nodes_to_exclude"],
-        fix_node_count=len(rec["nodes_to_exclude"]),
-        unnamed_nodes=rec["unnamed_nodes"],
-        unnamed_list=", ".join(rec["unnamed_nodes"]),
-        fix_command=_fix_command(models, rec),
+        **_starting_point_fields(models, rec),
         nodes=[_node_row(n) for n in nodes],
         unmatched=sorted(m["unmatched_tensors"].items()),
         skipped_count=len(m["skipped_tensors"]),
@@ -488,6 +494,44 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     )
 
 
+def _starting_point_fields(models: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`ReportView` fields of the starting point (the unverified list) and its estimate."""
+    return {
+        "nodes_to_exclude": rec["nodes_to_exclude"],
+        "fix_node_count": len(rec["nodes_to_exclude"]),
+        "unnamed_nodes": rec["unnamed_nodes"],
+        "unnamed_list": ", ".join(rec["unnamed_nodes"]),
+        "fix_command": _fix_command(models, rec),
+        "fix_estimate": starting_point_estimate(rec),
+        "verify_command": rec.get("verify_command") or "",
+    }
+
+
+def starting_point_estimate(rec: dict[str, Any]) -> str:
+    """What keeping the suggested list in float was measured to do, labelled as an estimate.
+
+    Example:
+        >>> rec = {"estimate": {"target": "probs", "samples": 8, "sqnr_before_db": 19.3,
+        ...        "sqnr_after_db": 41.0, "recovered": 0.993, "opt_level": "all"}}
+        >>> starting_point_estimate(rec).split(": ")[1]
+        'probs SQNR 19.3 \u2192 41.0 dB, 99% of its error removed'
+    """
+    est = rec.get("estimate")
+    if not est:
+        return "not measured (the effect check did not run or could not rebuild the list in float)"
+    recovered = number_from_json(est["recovered"])
+    if math.isinf(recovered) and recovered < 0:
+        share = "creates NaN/Inf"
+    elif recovered < 0:
+        share = f"its error grows by {-recovered:.0%}: this list alone does not fix it"
+    else:
+        share = f"{recovered:.0%} of its error removed"
+    return (
+        f"estimated on {est['samples']} samples with the list in float inside the INT8 model: "
+        f"{est['target']} SQNR {fmt_db(est['sqnr_before_db'])} \u2192 {fmt_db(est['sqnr_after_db'])} dB, {share}"
+    )
+
+
 def _fix_command(models: dict[str, Any], rec: dict[str, Any]) -> str:
     """The unverified fix as Python to paste: re-quantize with the root causes kept in float."""
     int8 = models["int8"]
@@ -497,6 +541,21 @@ def _fix_command(models: dict[str, Any], rec: dict[str, Any]) -> str:
 def _versions(environment: dict[str, Any]) -> str:
     """``onnxruntime 1.20.1 · onnx 1.17.0 · diag 0.9.0 · date ...`` for the report's header."""
     return " · ".join(f"{k} {environment[k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in environment)
+
+
+def _deploy_isa_fields(isa: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``--deploy-isa avx2`` prediction: its summary sentence and the nodes, worst first."""
+    if not isa:
+        return {}
+    if not isa["u8s8_nodes"]:
+        head = "no u8s8 node (no QInt8 weight meets u8 activations): nothing saturates on any x86 CPU"
+        return {"deploy_isa_head": head, "deploy_isa": []}
+    head = (
+        f"{isa['saturating_nodes']} of {isa['u8s8_nodes']} u8s8 node(s) saturate on an AVX2 CPU without VNNI, "
+        "where onnxruntime adds each pair of u8 x s8 products into a saturating int16; predicted by replaying "
+        "that arithmetic on this run's inputs (this CPU's own figures are above)"
+    )
+    return {"deploy_isa_head": head, "deploy_isa": [str(e["sentence"]) for e in isa["nodes"]]}
 
 
 def _kernel_path_line(kp: dict[str, Any] | None) -> str:
@@ -563,6 +622,16 @@ def _victim_lines(nodes: list[dict[str, Any]]) -> list[str]:
     ][:CAUSE_LINES]
 
 
+def _agreement_cell(o: dict[str, Any]) -> str:
+    """Top-1 agreement; for a sequence output, per position and how many samples agree at every one."""
+    cell = fmt_pct(o["top1_agreement"])
+    share = o.get("sequence_agreement")
+    if o.get("positions") and share is not None and o["top1_agreement"] is not None:
+        whole = round(share * o["samples"])
+        cell += f" per position ({o['positions']}); {whole}/{o['samples']} samples at every position"
+    return cell
+
+
 def _output_rows(outputs: list[dict[str, Any]]) -> list[OutputRow]:
     """One row per model output, then one per Concat part of each."""
     rows = [
@@ -573,7 +642,7 @@ def _output_rows(outputs: list[dict[str, Any]]) -> list[OutputRow]:
             fmt_db(o["sqnr_db"]),
             fmt_num(o["cosine_min"], 6),
             fmt_num(o["max_abs"]),
-            fmt_pct(o["top1_agreement"]),
+            _agreement_cell(o),
             o.get("kind") or "",
             o.get("kind_evidence") or "",
         )
@@ -742,6 +811,51 @@ def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
             SuggestionItem(x["tensor"], x["problem"], x["remedy"], x["python"], x["applies_to"], x["note"])
         )
     return list(groups.values())
+
+
+def _mark_remedies_off_the_list(groups: list[RemedyGroup], doc: dict[str, Any]) -> None:
+    """A ``nodes_to_exclude`` remedy naming nodes outside the run's one list says so (issue 25, item 4).
+
+    The list is the verified fix when the run has one (``diag exclude``, ``diag demo``), else the
+    starting point (the root causes). A per-tensor remedy is what fits that tensor alone; next to
+    a list that does without its nodes, it must not read as a second, competing fix.
+    """
+    exclusion = doc.get("exclusion") or {}
+    verified = str(exclusion.get("verdict", "")).startswith("met")
+    if verified:
+        best = (exclusion.get("fixes") or [exclusion])[0]
+        fix = list(best.get("nodes_to_exclude") or [])
+        # An op-type fix leaves every node of the other op types in float as well.
+        op_types = best.get("op_types_to_quantize")
+        floated = set(fix)
+        if op_types:
+            for node in doc["nodes"]:
+                if not set(str(node["op_type"]).split("+")) & set(op_types):
+                    floated.update(node["fp_nodes"])
+        kept = best_fix_call(exclusion)
+    else:
+        fix = list(doc["recommendation"]["nodes_to_exclude"])
+        floated = set(fix)
+        if not fix:
+            return
+        kept = f"nodes_to_exclude={json.dumps(fix, ensure_ascii=False)}"
+    for g in groups:
+        for r in g.remedies:
+            m = re.fullmatch(r"nodes_to_exclude=(\[.*\])", r.python)
+            if m is None:
+                continue
+            try:
+                names = [str(n) for n in json.loads(m.group(1))]
+            except ValueError:
+                continue
+            extra = ", ".join(n for n in names if n not in floated)
+            if not extra:
+                continue
+            if verified:
+                off = f"{extra}: not needed by the verified fix ({kept})"
+            else:
+                off = f"{extra}: not in the starting point ({kept})"
+            r.note = f"{r.note}; {off}" if r.note else off
 
 
 def _pattern_row(t: dict[str, Any]) -> PatternRow:

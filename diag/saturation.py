@@ -150,15 +150,23 @@ class NodePrediction:
         noise = 10 ** (-self.measured_sqnr_db / 10) + 10 ** (-self.saturation_sqnr_db / 10)
         return -10 * math.log10(noise)
 
-    def sentence(self) -> str:
-        """``on AVX2 without VNNI this node's output SQNR drops from X to Y dB (...)``."""
+    def sentence(self, label: str | None = None) -> str:
+        """``on AVX2 without VNNI this node's output SQNR drops from X to Y dB (...)``.
+
+        ``label``: the FP32 node the INT8 node was made from, named first when known.
+        """
         share = f"{self.saturated_pairs / self.pairs:.2%}" if self.pairs else "0%"
         y = self.predicted_sqnr_db()
+        if self.note:
+            return f"{label or self.node}: {self.note}"
         if y is None or self.measured_sqnr_db is None:
             drop = f"AVX2 output vs exact integer output {_db(self.saturation_sqnr_db)} dB"
+        elif self.error == 0:
+            drop = f"output SQNR stays {_db(self.measured_sqnr_db)} dB"
         else:
             drop = f"output SQNR drops from {_db(self.measured_sqnr_db)} to {_db(y)} dB"
-        return f"{self.node}: on AVX2 without VNNI this node's {drop} ({share} of int16 pairs saturate)"
+        who = f"{label} ({self.node})" if label and label != self.node else self.node
+        return f"{who}: on AVX2 without VNNI this node's {drop} ({share} of int16 pairs saturate)"
 
     def to_dict(self) -> dict[str, Any]:
         """diag.json ``deploy_isa.nodes`` entry (non-finite numbers as strings)."""
@@ -195,6 +203,13 @@ class _Target:
     pred: NodePrediction
     attrs: dict[str, Any] = field(default_factory=dict)
     a_zp_name: str = ""  # the A zero point's tensor when it is computed at run time
+    #: a float Conv / MatMul of a QDQ model reading DequantizeLinear(u8) and DequantizeLinear(s8
+    #: weight): onnxruntime fuses it into QLinearConv / QLinearMatMul at its default level
+    qdq: bool = False
+
+    @property
+    def conv(self) -> bool:
+        return self.node.op_type in ("ConvInteger", "QLinearConv", "Conv")
 
 
 def u8s8_nodes(model: onnx.ModelProto) -> list[str]:
@@ -207,9 +222,36 @@ def u8s8_nodes(model: onnx.ModelProto) -> list[str]:
     ]
 
 
+def _qdq_targets(model: onnx.ModelProto, inits: dict[str, np.ndarray]) -> list[_Target]:
+    """Float Conv / MatMul nodes of a QDQ model whose input is DequantizeLinear of a u8 tensor and
+    whose weight is DequantizeLinear of an s8 initializer: the u8s8 kernels onnxruntime fuses them into."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    found: list[_Target] = []
+    for node in model.graph.node:
+        if node.op_type not in ("Conv", "MatMul") or len(node.input) < 2:
+            continue
+        a_dq, b_dq = producer.get(node.input[0]), producer.get(node.input[1])
+        if a_dq is None or b_dq is None or a_dq.op_type != "DequantizeLinear" or b_dq.op_type != "DequantizeLinear":
+            continue
+        b = inits.get(b_dq.input[0])
+        a_zp = inits.get(a_dq.input[2]) if len(a_dq.input) > 2 and a_dq.input[2] else None
+        if b is None or b.dtype != np.int8 or a_zp is None or a_zp.dtype != np.uint8 or a_zp.size != 1:
+            continue
+        b_zp = inits.get(b_dq.input[2]) if len(b_dq.input) > 2 and b_dq.input[2] else None
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        pred = NodePrediction(node.name or node.output[0], f"{node.op_type} (QDQ)")
+        if node.op_type == "Conv" and (b.ndim != 4 or int(attrs.get("group", 1)) != 1):
+            pred.note = "not simulated: only 2-D convolutions with group=1"
+        elif node.op_type == "MatMul" and b.ndim != 2:
+            pred.note = "not simulated: the weight is not a 2-D matrix"
+        zp = np.zeros(1, np.int64) if b_zp is None else b_zp.astype(np.int64).reshape(-1)
+        found.append(_Target(node, a_dq.input[0], int(a_zp.reshape(-1)[0]), b, zp, pred, attrs, qdq=True))
+    return found
+
+
 def _targets(model: onnx.ModelProto) -> list[_Target]:
     inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    found: list[_Target] = []
+    found: list[_Target] = _qdq_targets(model, inits)
     for node in model.graph.node:
         spec = _OPS.get(node.op_type)
         if spec is None:
@@ -253,8 +295,9 @@ def _gemm_operands(t: _Target, a: np.ndarray) -> tuple[np.ndarray, np.ndarray, i
     a_zp = t.a_zp
     if t.node.op_type == "DynamicQuantizeMatMul":
         a, _, a_zp = dynamic_quantize_u8(a)
-    if t.node.op_type in ("ConvInteger", "QLinearConv"):
-        nhwc = t.node.op_type == "QLinearConv"
+    if t.conv:
+        # a QDQ Conv runs as the QLinearConv onnxruntime fuses it into (NHWC kernels, like a written one)
+        nhwc = t.node.op_type == "QLinearConv" or t.qdq
         pads = list(t.attrs.get("pads", [0, 0, 0, 0]))
         if t.attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
             raise ValueError("auto_pad")

@@ -133,7 +133,8 @@ def expand_grid(grid: dict[str, Any], base_dir: str | None = None, source: str =
     ``op_types_to_quantize`` / ``nodes_to_quantize`` / ``nodes_to_exclude`` a list of names is one
     fixed value and a list of lists an axis. Static-only keys (``quant_format``,
     ``activation_type``, ``calibrate_method``, ...) are dropped from dynamic combinations, so the
-    default grid gives 16 dynamic + 32 static = 48 recipes. Order: grid order, last key fastest.
+    default grid gives 16 dynamic + 32 static = 48 recipes; a weight-only combination keeps `calibration`
+    only under GPTQ (the one algorithm that reads it). Order: grid order, last key fastest.
 
     Example:
         >>> [r.mode for r in expand_grid({"mode": ["dynamic", "static"], "quant_format": ["QDQ", "QOperator"]})]
@@ -153,6 +154,9 @@ def expand_grid(grid: dict[str, Any], base_dir: str | None = None, source: str =
                 data[path[0]] = value
         if data.get("mode", Recipe.mode) == "dynamic":
             data = {k: v for k, v in data.items() if k not in STATIC_ONLY}
+        if data.get("mode") == "weight_only" and data.get("algorithm", "RTN") != "GPTQ":
+            # A grid comparing RTN, k_quant, HQQ and GPTQ names GPTQ's calibration once, for GPTQ.
+            data = {k: v for k, v in data.items() if k not in ("calibration", "calibration_samples")}
         recipe = Recipe.from_dict(data, source)
         recipe.base_dir = base_dir
         key = _canonical(recipe)

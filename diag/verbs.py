@@ -32,7 +32,7 @@ from diag import compare as pipeline
 from diag.analyze import nonfinite_origins, shortened_path
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
-from diag.compare import CompareOptions, CompareResult
+from diag.compare import CompareOptions, CompareResult, with_exclude_command
 from diag.document import document_from_result
 from diag.documents import read_document
 from diag.environment import environment, printable
@@ -54,6 +54,7 @@ from diag.precision import describe
 from diag.quantize import QuantizeOptions, QuantizeReport, quantize_model
 from diag.recipe import Recipe, recipe_file_text, recipe_from_option
 from diag.remedies import GENERIC_SPREAD, applicable_suggestions, spread_text
+from diag.remedycheck import check_weight_only_remedies
 from diag.report import OUTPUT_NAMES, output_texts, report_to_dir, write_outputs
 from diag.sensitivity import SensitivityOptions, SensitivityResult, skip_one_sensitivity
 from diag.summary import Summary
@@ -150,20 +151,51 @@ def diagnose(
     result = pipeline.analyze_comparison(run, state, runtime_unmatched, options)
     result.cluster = cluster
     result.fix_recipe = fix_recipe(run.q.path, options.recipe)
-    _drop_remedies_in_effect(result)
+
+    def spell(sentence: str) -> str:  # the headline's words for an exclusion search, as a command
+        return with_exclude_command(sentence, run.fp.path, run.q.path, run.spec)
+
+    _drop_remedies_in_effect(result, spell)
+    if options.recipe is not None and spell(GENERIC_SPREAD) not in result.cause_sentence:
+        _measure_weight_only_remedies(result, run, options, spell)
     if options.sensitivity > 0:
         result.sensitivity = _sensitivity(fp32_path, int8_path, run.feeds, result, options, run.spec)
         result.seconds = time.perf_counter() - run.start
     return result
 
 
-def _drop_remedies_in_effect(result: CompareResult) -> None:
+def _drop_remedies_in_effect(result: CompareResult, spell: Callable[[str], str]) -> None:
     """Remedies the model's recipe already has (``per_channel=True`` on a per-channel model) are dropped,
-    and the spread-error headline lists only remedies that change something for its recipe and format."""
+    and the spread-error headline lists only remedies that change something for its recipe and format.
+
+    NOTE: the headline already spells its exclusion search as a command (``spell``, done where the
+    paths are known): the generic list is matched as spelled, or it stayed in the headline
+    unreplaced (per_channel=True told to a per-channel model, issue 25 item 1).
+    """
     settings = (result.fix_recipe or {}).get("settings")
     result.suggestions = applicable_suggestions(result.suggestions, settings)
     fmt = result.int8.format.family
-    result.cause_sentence = result.cause_sentence.replace(GENERIC_SPREAD, spread_text(fmt, settings))
+    result.cause_sentence = result.cause_sentence.replace(spell(GENERIC_SPREAD), spell(spread_text(fmt, settings)))
+
+
+def _measure_weight_only_remedies(
+    result: CompareResult, run: pipeline.Prepared, options: CompareOptions, spell: Callable[[str], str]
+) -> None:
+    """A weight-only model's spread remedies, re-quantized from the given recipe and measured: the
+    headline lists them best first with their figures (issue 25, item 2)."""
+    given = options.recipe
+    assert given is not None  # checked by the caller
+    recipe = given if isinstance(given, Recipe) else recipe_from_option(given)
+    settings = (result.fix_recipe or {}).get("settings")
+    listed = spell(spread_text(result.int8.format.family, settings))
+    if recipe.mode != "weight_only" or listed not in result.cause_sentence:
+        return
+    checks = check_weight_only_remedies(run.fp, run.q.path, recipe, run.feeds, options.threads)
+    result.remedy_checks = checks.to_dict()
+    measured = f"{checks.text()}, measured by re-quantizing on {checks.samples} samples; or " + spell(
+        "an exclusion search (diag exclude)"
+    )
+    result.cause_sentence = result.cause_sentence.replace(listed, measured)
 
 
 def _sensitivity(
@@ -430,6 +462,15 @@ def _measured_lines(result: CompareResult) -> list[str]:
             f"  accuracy_level {level.level} vs 0 (MatMulNBits inputs quantized inside the kernel): SQNR {outs}; "
             f"worst node {node} {db:.1f} dB ({level.samples} samples)"
         )
+    isa = result.deploy_isa
+    if isa is not None and not isa["u8s8_nodes"]:
+        lines.append("  on AVX2 without VNNI: no u8s8 node (no QInt8 weight meets u8 activations): nothing to saturate")
+    elif isa is not None:
+        lines.append(
+            f"  on AVX2 without VNNI (predicted, u8s8 int16 pairs simulated): {isa['saturating_nodes']} of "
+            f"{isa['u8s8_nodes']} u8s8 node(s) saturate"
+        )
+        lines += [f"    {e['sentence']}" for e in isa["nodes"][:3] if e["saturated_pairs"]]
     effects = result.effects
     if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
         shown = [e for e in effects.effects[:3] if e.recovered > 0.01]

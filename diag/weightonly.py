@@ -100,6 +100,14 @@ def _fp_name(name: str, bits: int) -> str:
     return name.removesuffix(f"_Q{bits}")
 
 
+#: MatMulNBitsQuantizer algorithms whose per-node widths come from ``customized_weight_config`` only.
+PER_NODE_CONFIG_ALGORITHMS = ("k_quant",)
+#: Algorithms whose nodes at another width than the recipe's are quantized by RTN: HQQ at 8 bits
+#: writes float zero points, which onnxruntime's CPU MatMulNBits refuses ("does not support 8-bit
+#: weights with floating-point zero points"); GPTQ is 4-bit only.
+RTN_FOR_OTHER_WIDTHS = ("HQQ", "GPTQ")
+
+
 def weight_only_calls(recipe: Recipe) -> list[dict[str, Any]]:
     """The ``MatMulNBitsQuantizer`` keyword arguments a weight-only recipe runs, in order.
 
@@ -110,12 +118,20 @@ def weight_only_calls(recipe: Recipe) -> list[dict[str, Any]]:
     NOTE: ``MatMulNBitsQuantizer`` has no per-node bits with its default (RTN) config (its
     ``customized_weight_config`` is read by the neural-compressor algorithms only), and
     ``nodes_to_include`` adds to ``op_types_to_quantize`` rather than restricting it: excluding
-    everything else is the only way to quantize named nodes at another width.
+    everything else is the only way to quantize named nodes at another width. k_quant and GPTQ
+    are those neural-compressor algorithms: they ignore ``bits`` (every node is 4 bits unless its
+    ``customized_weight_config`` entry says otherwise), so a second call at 8 bits quantized the
+    node at 4 bits again. For them, one call carries the widths as ``customized_weight_config``.
+    Under HQQ and GPTQ the calls at other widths run RTN (``"algorithm": "RTN"`` in the call; see
+    :data:`RTN_FOR_OTHER_WIDTHS`).
 
     Example:
         >>> r = Recipe(mode="weight_only", bits=4, block_size=32, node_bits={"head": 8})
         >>> [(c["bits"], c["nodes_to_exclude"]) for c in weight_only_calls(r)]
         [(4, ['head']), (8, [])]
+        >>> k = Recipe(mode="weight_only", bits=4, block_size=32, node_bits={"head": 8}, algorithm="k_quant")
+        >>> [(c["bits"], c["nodes_to_exclude"], c["customized_weight_config"]) for c in weight_only_calls(k)]
+        [(4, [], {'head': {'bits': 8}})]
     """
     excluded = list(recipe.nodes_to_exclude or [])
     node_bits = dict(recipe.node_bits or {})
@@ -129,9 +145,15 @@ def weight_only_calls(recipe: Recipe) -> list[dict[str, Any]]:
     if recipe.op_types_to_quantize:
         common["op_types_to_quantize"] = tuple(recipe.op_types_to_quantize)
     others = {n: b for n, b in node_bits.items() if b != main}
+    if recipe.algorithm in PER_NODE_CONFIG_ALGORITHMS and others:
+        widths = {n: {"bits": b} for n, b in others.items()}
+        return [{"bits": main, **common, "nodes_to_exclude": excluded, "customized_weight_config": widths}]
     calls = [{"bits": main, **common, "nodes_to_exclude": list(dict.fromkeys([*excluded, *others]))}]
     for bits in sorted(set(others.values())):
-        calls.append({"bits": bits, **common, "nodes_to_exclude": list(excluded)})
+        call = {"bits": bits, **common, "nodes_to_exclude": list(excluded)}
+        if recipe.algorithm in RTN_FOR_OTHER_WIDTHS:
+            call["algorithm"] = "RTN"
+        calls.append(call)
     return calls
 
 
@@ -166,12 +188,22 @@ def quantize_weight_only(recipe: Recipe, src: Path, dst: Path, external: bool, a
     calls = weight_only_calls(recipe)
     for call in calls:
         kwargs = dict(call)
-        kwargs["quant_format"] = QuantFormat[kwargs["quant_format"]]
-        if algo != "RTN":
+        kwargs.pop("customized_weight_config", None)  # the algo_config's, not the quantizer's
+        if kwargs.pop("algorithm", algo) != "RTN":
             kwargs["algo_config"] = _algo_config(recipe, call)
+        kwargs["quant_format"] = QuantFormat[kwargs["quant_format"]]
         quantizer = MatMulNBitsQuantizer(model, **kwargs)
-        with contextlib.redirect_stdout(io.StringIO()):  # k_quant/GPTQ print a progress bar on stdout
-            quantizer.process()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # k_quant/GPTQ print a progress bar on stdout
+                quantizer.process()
+        except Exception as e:  # onnxruntime's quantizer on a setting it cannot do (GPTQ block > K)
+            message = (str(e).splitlines() or ["no message"])[0][:200]
+            raise DiagError(
+                "quantize-failed",
+                f"MatMulNBitsQuantizer (algorithm {call.get('algorithm', algo)}, bits {call['bits']})",
+                f"raised {type(e).__name__}: {message}",
+                "nothing was written; try another algorithm, or a block_size no larger than the MatMuls' input width",
+            ) from e
         model = quantizer.model.model
     if algo != "RTN":
         actions.append(f"quantized with algorithm {algo} (MatMulNBitsQuantizer algo_config)")
@@ -235,16 +267,22 @@ def _algo_config(recipe: Recipe, call: dict[str, Any]) -> Any:
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
     ops = call.get("op_types_to_quantize")
+    config: Any
     if recipe.algorithm == "k_quant":
-        return mnq.KQuantWeightOnlyQuantConfig(op_types_to_quantize=ops)
-    if recipe.algorithm == "HQQ":
+        config = mnq.KQuantWeightOnlyQuantConfig(op_types_to_quantize=ops)
+    elif recipe.algorithm == "HQQ":
         return mnq.HQQWeightOnlyQuantConfig(block_size=call["block_size"], bits=call["bits"], op_types_to_quantize=ops)
-    path = recipe.calibration_path()
-    assert path is not None  # validated by the recipe
-    reader = NpzReader(str(path), recipe.calibration_samples)
-    return mnq.GPTQWeightOnlyQuantConfig(
-        calibration_data_reader=reader, block_size=call["block_size"], op_types_to_quantize=ops
-    )
+    else:
+        path = recipe.calibration_path()
+        assert path is not None  # validated by the recipe
+        reader = NpzReader(str(path), recipe.calibration_samples)
+        config = mnq.GPTQWeightOnlyQuantConfig(
+            calibration_data_reader=reader, block_size=call["block_size"], op_types_to_quantize=ops
+        )
+    if call.get("customized_weight_config"):
+        # GPTQ's constructor has no such parameter; both read the attribute (WeightOnlyQuantConfig's).
+        config.customized_weight_config = call["customized_weight_config"]
+    return config
 
 
 def _algo_config_src(recipe: Recipe, call: dict[str, Any]) -> str:
@@ -319,10 +357,17 @@ def quantizer_calls(recipe: Recipe) -> list[str]:
             lines += _NPZ_READER_SRC
     for call in weight_only_calls(recipe):
         args = ", ".join(
-            f"{k}=QuantFormat.{v}" if k == "quant_format" else f"{k}={v!r}" for k, v in call.items() if v is not None
+            f"{k}=QuantFormat.{v}" if k == "quant_format" else f"{k}={v!r}"
+            for k, v in call.items()
+            if v is not None and k not in ("customized_weight_config", "algorithm")
         )
-        if algo != "RTN":
-            args += ", " + _algo_config_src(recipe, call)
+        if call.get("algorithm", algo) != "RTN":
+            lines.append("algo_config = " + _algo_config_src(recipe, call).removeprefix("algo_config="))
+            if call.get("customized_weight_config"):
+                widths = call["customized_weight_config"]
+                note = f"# per-node bits ({algo} reads only these)"
+                lines.append(f"algo_config.customized_weight_config = {widths!r}  {note}")
+            args += ", algo_config=algo_config"
         lines += [
             f"quantizer = MatMulNBitsQuantizer(model, {args})",
             "quantizer.process()",

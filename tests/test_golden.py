@@ -47,7 +47,9 @@ def _document(built) -> dict:
         r = diagnose(
             b.fp32, b.int8["qdq"], FeedSpec(inputs=str(b.inputs_path), batch=8), CompareOptions(progress=False)
         )
-        DOC.write_text(json.dumps(_scrub_document(document_from_result(r)), indent=1, ensure_ascii=False) + "\n")
+        text = json.dumps(_scrub_document(document_from_result(r)), indent=1, ensure_ascii=False) + "\n"
+        # Commands printed for the user name the models and inputs by their (machine's) paths.
+        DOC.write_text(text.replace(f"{b.fp32.parent}/", ""))
     return json.loads(DOC.read_text())
 
 

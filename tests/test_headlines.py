@@ -22,6 +22,15 @@ def test_random_inputs_are_carried_into_the_exclude_command():
     assert "--random" in exclude_command(Path("a.onnx"), Path("b.onnx"), FeedSpec(random=True))
 
 
+def test_the_batch_is_carried_into_the_exclude_command():
+    """Dynamic quantization scales each batch as a whole: a search run at another batch size starts
+    from another baseline than the compare that printed it."""
+    assert exclude_command(Path("a.onnx"), Path("b.onnx"), FeedSpec(inputs="x.npz", batch=8)).endswith(
+        "--inputs x.npz --batch 8 --target 'cosine>=0.99'"
+    )
+    assert "--batch" not in exclude_command(Path("a.onnx"), Path("b.onnx"), FeedSpec(inputs="x.npz"))
+
+
 def test_the_printed_commands_run_as_printed_in_a_shell(built, tmp_path):
     """Copied into a shell, the advice runs: the recipe comes from the INT8 model (--int8) and the target's
     ``>=`` is quoted (unquoted, the shell would redirect and diag would refuse the target)."""

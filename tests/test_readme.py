@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -13,18 +14,39 @@ from kernel_path import diag_command
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+#: A README command: ``$ diag VERB ...`` or ``$ NAME=VALUE ... diag VERB ...`` (``PYTHONPATH=.`` for plugins).
+COMMAND = re.compile(r"^\$ ((?:[A-Z_]+=\S* )*diag .*)$")
+
+
 def _examples() -> list[tuple[str, list[str]]]:
     examples: list[tuple[str, list[str]]] = []
     current: tuple[str, list[str]] | None = None
     for line in README.read_text().splitlines():
-        if line.startswith("$ diag "):
-            current = (line[2:], [])
+        command = COMMAND.match(line)
+        if command:
+            current = (command.group(1), [])
             examples.append(current)
         elif current is not None and line and not line.startswith("```"):
             current[1].append(line)
         else:
             current = None
     return examples
+
+
+def _python_files() -> dict[str, str]:
+    """The README's python blocks that open with ``# NAME.py``: files its examples import."""
+    blocks = re.findall(r"^```python\n# (\w+\.py)\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
+    return {name: f"# {name}\n{body}" for name, body in blocks}
+
+
+def _split(cmd: str) -> tuple[dict[str, str], list[str]]:
+    """``PYTHONPATH=. diag compare ...`` -> ({"PYTHONPATH": "."}, ["diag", "compare", ...])."""
+    argv = shlex.split(cmd)
+    env = {}
+    while "=" in argv[0]:
+        key, _, value = argv.pop(0).partition("=")
+        env[key] = value
+    return env, argv
 
 
 #: What onnxruntime's integer kernels decide at optimization level "all" (the effects check runs
@@ -69,16 +91,30 @@ def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path):
     examples = _examples()
     from diag.cli import VERBS
 
-    verbs = [cmd.split()[1] for cmd, _ in examples]
+    verbs = [_split(cmd)[1][1] for cmd, _ in examples]
     assert verbs[0] == "demo", "the first example builds the files the others use"
     assert set(verbs) == set(VERBS), "every CLI verb has a README example with its real output"
+    for name, text in _python_files().items():
+        (tmp_path / name).write_text(text)
     for cmd, expected in examples:
-        argv = shlex.split(cmd)
-        out = subprocess.run([*diag_command(), *argv[1:]], cwd=tmp_path, capture_output=True, text=True)
+        env, argv = _split(cmd)
+        if "PYTHONPATH" in env:
+            env["PYTHONPATH"] = str(tmp_path / env["PYTHONPATH"])
+        out = subprocess.run(
+            [*diag_command(), *argv[1:]], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, **env}
+        )
         assert out.returncode == 0, (cmd, out.stderr)
         scrub = _scrub_numbers if argv[1] in ("bench", "sweep") else _scrub
         got = [scrub(x) for x in out.stdout.splitlines()]
         assert got == [scrub(x) for x in expected], cmd
+
+
+def test_readme_runs_its_plugin_examples_with_the_files_it_shows():
+    """The CTC decoder plugin is run, not only shown: its command is collected and its file written."""
+    commands = [cmd for cmd, _ in _examples()]
+    assert any(cmd.startswith("PYTHONPATH=. diag compare") and "ctc_metrics:text_agreement" in cmd for cmd in commands)
+    assert "def greedy_texts" in _python_files()["ctc_metrics.py"]
+    assert _split("PYTHONPATH=. diag demo --out d") == ({"PYTHONPATH": "."}, ["diag", "demo", "--out", "d"])
 
 
 def test_readme_starts_with_install_and_test_commands_that_ci_runs():

@@ -125,8 +125,7 @@ def _ort_matmulinteger(tmp_path: Path) -> np.ndarray:
     return np.asarray(sess.run(None, {"a": _inputs()})[0], np.int64)
 
 
-@pytest.mark.kernel_path
-def test_prediction_matches_onnxruntime_on_a_cpu_without_vnni(tmp_path: Path) -> None:
+def _needs_avx2_without_vnni() -> None:
     # qemu-user shows the host's /proc/cpuinfo: CI's emulated leg says which CPU onnxruntime really sees
     avx2_only = emulated_cpu() == "Haswell" or (cpu.has_vnni() is False and "AVX2" in cpu.kernel_path().isa)
     if not avx2_only:
@@ -134,13 +133,85 @@ def test_prediction_matches_onnxruntime_on_a_cpu_without_vnni(tmp_path: Path) ->
             "needs an x86 CPU with AVX2 and without VNNI: only there does onnxruntime run the saturating "
             f"u8s8 kernel being predicted (this CPU: {cpu.kernel_path().describe()})"
         )
+
+
+def _needs_vnni() -> None:
+    if cpu.has_vnni() is not True or emulated_cpu() is not None:
+        pytest.skip(f"needs a VNNI CPU, where u8s8 kernels are exact (this CPU: {cpu.kernel_path().describe()})")
+
+
+@pytest.mark.kernel_path
+def test_prediction_matches_onnxruntime_on_a_cpu_without_vnni(tmp_path: Path) -> None:
+    _needs_avx2_without_vnni()
     a = _inputs()
     want = u8s8_avx2(a, _weight()) - 3 * _weight().astype(np.int64).sum(axis=0)[None, :]
     assert np.array_equal(_ort_matmulinteger(tmp_path), want)
 
 
 def test_onnxruntime_is_exact_on_a_vnni_cpu(tmp_path: Path) -> None:
-    if cpu.has_vnni() is not True or emulated_cpu() is not None:
-        pytest.skip(f"needs a VNNI CPU, where u8s8 kernels are exact (this CPU: {cpu.kernel_path().describe()})")
+    _needs_vnni()
     a = _inputs()
     assert np.array_equal(_ort_matmulinteger(tmp_path), (a.astype(np.int64) - 3) @ _weight().astype(np.int64))
+
+
+def _qdq_model(path: Path) -> None:
+    """x (float) -> Q/DQ (u8, scale 1) -> MatMul with DQ(s8 weight, scale 1): what a QDQ model holds.
+    At onnxruntime's default level the pair fuses into a u8s8 kernel (MatMulIntegerToFloat)."""
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "one", "zp_u8"], ["x_q"], name="q"),
+        helper.make_node("DequantizeLinear", ["x_q", "one", "zp_u8"], ["x_dq"], name="dq"),
+        helper.make_node("DequantizeLinear", ["w_q", "one", "zp_s8"], ["w_dq"], name="w_dq"),
+        helper.make_node("MatMul", ["x_dq", "w_dq"], ["y"], name="fc"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", 3])],
+        [
+            one,
+            numpy_helper.from_array(np.array(0, np.uint8), "zp_u8"),
+            numpy_helper.from_array(np.array(0, np.int8), "zp_s8"),
+            numpy_helper.from_array(_weight(), "w_q"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+
+
+def test_a_qdq_matmul_is_predicted_as_the_u8s8_kernel_it_fuses_into(tmp_path: Path) -> None:
+    """QDQ models hold no integer op: the u8s8 kernel exists only after onnxruntime's fusion. A QDQ
+    MatMul over DQ(u8) and DQ(s8 weight) is predicted like the MatMulInteger it becomes."""
+    path = tmp_path / "qdq.onnx"
+    _qdq_model(path)
+    a = _inputs()
+    (p,) = predict_avx2(str(path), [{"x": a.astype(np.float32)}])
+    assert p.node == "fc" and p.op_type == "MatMul (QDQ)" and not p.note
+    want = sum(
+        1
+        for i in range(16)
+        for j in range(3)
+        for q in range(0, K, 2)
+        if not -32768 <= int(a[i, q]) * int(_weight()[q, j]) + int(a[i, q + 1]) * int(_weight()[q + 1, j]) <= 32767
+    )
+    assert p.saturated_pairs == want > 0
+
+
+def _ort_qdq(tmp_path: Path) -> np.ndarray:
+    path = tmp_path / "qdq.onnx"
+    _qdq_model(path)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL  # as deployed: fused
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return np.asarray(sess.run(None, {"x": _inputs().astype(np.float32)})[0], np.int64)
+
+
+@pytest.mark.kernel_path
+def test_the_fused_qdq_matmul_saturates_as_predicted_on_a_cpu_without_vnni(tmp_path: Path) -> None:
+    _needs_avx2_without_vnni()
+    assert np.array_equal(_ort_qdq(tmp_path), u8s8_avx2(_inputs(), _weight()))
+
+
+def test_the_fused_qdq_matmul_is_exact_on_a_vnni_cpu(tmp_path: Path) -> None:
+    _needs_vnni()
+    assert np.array_equal(_ort_qdq(tmp_path), u8s8_exact(_inputs(), _weight()))

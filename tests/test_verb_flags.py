@@ -36,7 +36,7 @@ COMPARE_FLAGS += ["--shard", "1/4", "--reductions", "graph", "--no-local", "--no
 COMPARE_FLAGS += ["--outlier-factor", "9.5", "--sensitivity", "4", "--recipe", "r.json"]
 COMPARE_FLAGS += ["--output-kind", "logits=probabilities", "--effects", "6", "--effect-samples", "11"]
 COMPARE_FLAGS += ["--accuracy-level-check", "4", "--labels", "y.npy", "--metric", "plug:metric"]
-COMPARE_FLAGS += ["--scheduler", "local:2", "--quiet"]
+COMPARE_FLAGS += ["--scheduler", "local:2", "--deploy-isa", "avx2", "--quiet"]
 
 CHECK_FLAGS = ["--min-sqnr", "20", "--min-cosine", "0.9", "--max-abs", "0.1", "--min-agreement", "0.99"]
 CHECK_FLAGS += ["--max-accuracy-drop", "0.02", "--max-f1-drop", "0.03", "--max-grade", "marginal"]
@@ -63,6 +63,7 @@ CASES: list[tuple[str, list[str], Any, list[str], Any]] = [
             effects=6,
             effect_samples=11,
             accuracy_level_check=4,
+            deploy_isa="avx2",
             metric="plug:metric",
             reductions="graph",
             scheduler="local:2",

@@ -59,6 +59,46 @@ def test_k_quant_differs_from_rtn_and_snippet_reproduces_bytes(fp32: Path, tmp_p
     assert "algorithm" not in Recipe.from_dict({"mode": "weight_only"}).to_dict()
 
 
+def _bits(path: Path) -> dict[str, int]:
+    """FP32 node name (MatMulNBits names end ``_Q4`` / ``_Q8``) -> its bits attribute."""
+    return {
+        n.name.rsplit("_Q", 1)[0]: next(a.i for a in n.attribute if a.name == "bits")
+        for n in onnx.load(path).graph.node
+        if n.op_type == "MatMulNBits"
+    }
+
+
+def test_k_quant_quantizes_node_bits_nodes_at_their_width(fp32: Path, tmp_path: Path) -> None:
+    """k_quant reads per-node widths only from customized_weight_config: a second quantizer call at
+    bits=8 (what RTN needs) left fc2 at 4 bits, so --tiers' int8 tier did nothing under k_quant."""
+    data = {"mode": "weight_only", "block_size": BLOCK, "algorithm": "k_quant", "node_bits": {"fc2": 8}}
+    recipe = Recipe.from_dict(data)
+    dst = tmp_path / "mixed.onnx"
+    quantize_model(fp32, recipe, dst)
+    assert _bits(dst) == {"fc0": 4, "fc1": 4, "fc2": 8}
+    script = tmp_path / "mixed.py"
+    script.write_text(weight_only_snippet(recipe.to_dict(), str(fp32), str(tmp_path / "mixed.re.onnx"), "# t"))
+    subprocess.run([sys.executable, str(script)], check=True, capture_output=True, timeout=120)
+    assert (tmp_path / "mixed.re.onnx").read_bytes() == dst.read_bytes()
+
+
+def test_tiers_under_k_quant_reach_the_target_with_int8_nodes(fp32: Path, tmp_path: Path) -> None:
+    """The stray 4-bit block of fc2 is fixed at 8 bits whatever the algorithm (README's fixture table)."""
+    import json
+
+    from diag.cli import main
+
+    x = stray_block_mlp().make_inputs(32, 1)
+    np.savez(tmp_path / "x.npz", **x)
+    recipe = '{"mode": "weight_only", "algorithm": "k_quant", "block_size": 32}'
+    args = ["exclude", str(fp32), "--inputs", str(tmp_path / "x.npz"), "--recipe", recipe, "--tiers", "int4,int8,fp32"]
+    assert main([*args, "--target", "cosine>=0.99", "--bench-runs", "0", "--out", str(tmp_path / "t"), "--quiet"]) == 0
+    plan = json.loads((tmp_path / "t" / "tiers.json").read_text())
+    assert plan["reachable"] is True and plan["plan"]["fc2"] == "int8", plan["plan"]
+    bits = _bits(next((tmp_path / "t").glob("*.plan.onnx")))
+    assert bits == {n: 8 if plan["plan"].get(n) == "int8" else 4 for n in ("fc0", "fc1", "fc2")}
+
+
 @pytest.mark.parametrize(
     ("data", "words"),
     [
@@ -67,6 +107,7 @@ def test_k_quant_differs_from_rtn_and_snippet_reproduces_bytes(fp32: Path, tmp_p
         ({"algorithm": "k_quant", "quant_format": "QDQ"}, "QOperator"),
         ({"calibration": "c.npz"}, "read by GPTQ only"),
         ({"algorithm": "GPTQ", "calibration": "c.npz", "bits": 8}, "4-bit only"),
+        ({"algorithm": "HQQ", "bits": 8}, "HQQ's 8-bit MatMulNBits does not load on CPU"),
     ],
 )
 def test_bad_algorithm_recipes_are_one_line_errors(data: dict[str, object], words: str) -> None:
@@ -115,3 +156,87 @@ def test_hqq_gptq_differ_from_rtn(algo: str, fp32: Path, tmp_path: Path) -> None
     quantize_model(fp32, Recipe.from_dict({"mode": "weight_only", "block_size": BLOCK, "algorithm": algo, **extra}),
                    tmp_path / "a.onnx")  # fmt: skip
     assert (tmp_path / "a.onnx").read_bytes() != (tmp_path / "r.onnx").read_bytes()
+
+
+def test_under_hqq_and_gptq_nodes_at_8_bits_are_quantized_by_rtn(tmp_path: Path) -> None:
+    """HQQ's 8-bit MatMulNBits has float zero points (onnxruntime's CPU kernel refuses to load it);
+    GPTQ is 4-bit only. A plan's 8-bit nodes get a second, RTN call, printed as diag runs it."""
+    calib = tmp_path / "c.npz"
+    np.savez(calib, x=np.zeros((2, 64), np.float32))
+    for algo, extra in (("HQQ", {}), ("GPTQ", {"calibration": str(calib)})):
+        recipe = Recipe.from_dict({"mode": "weight_only", "algorithm": algo, "node_bits": {"fc2": 8}, **extra})
+        src = quantizer_calls(recipe)
+        calls = [line for line in src if line.startswith("quantizer = MatMulNBitsQuantizer(")]
+        assert len(calls) == 2 and "algo_config=algo_config" in calls[0] and "algo_config" not in calls[1]
+        assert "bits=8" in calls[1] and "nodes_to_exclude=['fc2']" in calls[0]
+
+
+def test_a_sweep_grid_over_algorithms_gives_calibration_to_gptq_only(tmp_path: Path) -> None:
+    from diag.sweep import expand_grid
+
+    grid = {"mode": "weight_only", "algorithm": ["RTN", "k_quant", "HQQ", "GPTQ"], "calibration": "c.npz"}
+    recipes = expand_grid(grid, str(tmp_path))
+    assert [(r.algorithm or "RTN", r.calibration) for r in recipes] == [
+        ("RTN", None),
+        ("k_quant", None),
+        ("HQQ", None),
+        ("GPTQ", "c.npz"),
+    ]
+
+
+@pytest.mark.skipif(
+    not HAS_TORCH, reason="HQQ/GPTQ need torch (.ci/run installs the CPU wheel when the machine has it)"
+)
+def test_hqq_tiers_and_an_algorithm_sweep_run_with_real_quantization(fp32: Path, tmp_path: Path) -> None:
+    """The issue's "done means": HQQ through diag exclude --tiers (its int8 nodes by RTN, the plan
+    rebuilt byte for byte by reproduce.py) and RTN / k_quant / HQQ / GPTQ side by side in diag sweep."""
+    import json
+
+    from diag.cli import main
+
+    x = stray_block_mlp().make_inputs(32, 1)
+    np.savez(tmp_path / "x.npz", **x)
+    np.savez(tmp_path / "calib.npz", **{k: v[:8] for k, v in x.items()})
+    inputs = ["--inputs", str(tmp_path / "x.npz")]
+    recipe = '{"mode": "weight_only", "algorithm": "HQQ", "block_size": 32}'
+    args = ["exclude", str(fp32), *inputs, "--recipe", recipe, "--tiers", "int4,int8,fp32", "--target", "cosine>=0.99"]
+    assert main([*args, "--bench-runs", "0", "--out", str(tmp_path / "t"), "--quiet"]) == 0
+    plan = json.loads((tmp_path / "t" / "tiers.json").read_text())
+    assert plan["reachable"] is True and plan["plan"].get("fc2") == "int8", plan["plan"]
+    model = next((tmp_path / "t").glob("*.plan.onnx"))
+    _run(model, x["x"][:2])  # loads and runs: no 8-bit HQQ node
+    script = tmp_path / "t" / "reproduce.py"
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rebuilt = list((tmp_path / "t").glob("*.reproduced.onnx"))
+    assert len(rebuilt) == 1 and rebuilt[0].read_bytes() == model.read_bytes()
+
+    # GPTQ at its default block (128) on 64-wide weights: onnxruntime's packing raises; one clean line.
+    calib = str(tmp_path / "calib.npz")
+    with pytest.raises(DiagError) as e:
+        quantize_model(fp32, Recipe.from_dict({"mode": "weight_only", "algorithm": "GPTQ", "calibration": calib}),
+                       tmp_path / "g.onnx")  # fmt: skip
+    assert e.value.slug == "quantize-failed" and "GPTQ" in str(e.value) and not (tmp_path / "g.onnx").exists()
+
+    algorithms = ["RTN", "k_quant", "HQQ", "GPTQ"]
+    grid = json.dumps({"mode": "weight_only", "algorithm": algorithms, "calibration": "calib.npz", "block_size": 32})
+    (tmp_path / "grid.json").write_text(grid)
+    assert (
+        main(
+            [
+                "sweep",
+                str(fp32),
+                *inputs,
+                "--grid",
+                str(tmp_path / "grid.json"),
+                "--out",
+                str(tmp_path / "s"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    rows = json.loads((tmp_path / "s" / "sweep.json").read_text())["entries"]
+    measured = {(r["recipe"].get("algorithm") or "RTN"): r["metrics"]["cosine"] for r in rows if r.get("metrics")}
+    assert set(measured) == {"RTN", "k_quant", "HQQ", "GPTQ"}, rows
+    assert len(set(measured.values())) == 4  # four algorithms, four different models
