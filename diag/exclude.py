@@ -795,6 +795,14 @@ def prepare_search(
         'samples 16..31'
     """
     start = time.perf_counter()
+    if recipe.algorithm == "GPTQ":
+        raise DiagError(
+            "bad-recipe",
+            "--recipe with algorithm GPTQ",
+            "onnxruntime's GPTQ quantizes every MatMul at 4 bits whatever nodes_to_exclude says, so no exclusion "
+            "or tier plan can be built on it",
+            'search with "algorithm": "RTN", "k_quant" or "HQQ", then compare GPTQ in diag sweep',
+        )
     fp32 = Path(fp32_path)
     fp = float_model_from_path(fp32)
     label_array = load_labels(options.labels) if options.labels else None
@@ -1252,12 +1260,22 @@ def summary_lines(result: ExclusionResult) -> list[str]:
     elif result.reachable and result.after is not None:
         lines += _met_lines(result, b, b_note)
     else:
-        best = max(
-            (s for s in result.trajectory if s.metric is not None and not s.phase.startswith("estimate")),
-            key=lambda s: (s.metric or 0.0) if t.op == ">=" else -(s.metric or 0.0),  # not None: filtered above
-            default=None,
-        )
-        tail = f"; best tried: {_fmt(best.metric, t)} with {best.excluded_groups} group(s) in float" if best else ""
+
+        def as_deployed(s: Step) -> float:
+            # "met" means met as deployed: a list checked there is worth its deployed figure
+            v = s.deployed_metric if s.deployed_metric is not None else s.metric
+            return (v or 0.0) if t.op == ">=" else -(v or 0.0)
+
+        tried = [s for s in result.trajectory if s.metric is not None and not s.phase.startswith("estimate")]
+        best = max(tried, key=as_deployed, default=None)
+        tail = ""
+        if best is not None and best.deployed_metric is not None:
+            tail = (
+                f"; best tried: {_fmt(best.deployed_metric, t)} as deployed ({_fmt(best.metric, t)} exact) "
+                f"with {best.excluded_groups} group(s) in float"
+            )
+        elif best is not None:
+            tail = f"; best tried: {_fmt(best.metric, t)} with {best.excluded_groups} group(s) in float"
         nan = sum(1 for s in result.trajectory if s.nonfinite_samples and not s.phase.startswith("estimate"))
         if nan:
             tail += f"; {count_phrase(nan, 'list')} tried gave NaN/Inf outputs (failed)"

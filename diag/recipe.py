@@ -341,6 +341,14 @@ def _check_algorithm(recipe: Recipe, source: str) -> None:
             f"is read by GPTQ only (algorithm is {algo}: no calibration)",
             'remove it or set "algorithm": "GPTQ"',
         )
+    if algo == "GPTQ" and (recipe.nodes_to_exclude or recipe.node_bits):
+        # onnxruntime 1.32's GPTQ branch never reads nodes_to_exclude: the named nodes came out 4-bit.
+        raise DiagError(
+            "bad-recipe",
+            f"{source} key 'algorithm'",
+            "onnxruntime's GPTQ quantizes every MatMul at 4 bits whatever nodes_to_exclude / node_bits say",
+            'remove nodes_to_exclude and node_bits, or use "algorithm": "RTN", "k_quant" or "HQQ"',
+        )
     if algo in ("GPTQ", "HQQ") and (recipe.bits or 4) != 4:
         # HQQ at 8 bits writes float zero points that onnxruntime's CPU MatMulNBits refuses to load.
         why = "GPTQ is 4-bit only in onnxruntime" if algo == "GPTQ" else "HQQ's 8-bit MatMulNBits does not load on CPU"
@@ -348,7 +356,7 @@ def _check_algorithm(recipe: Recipe, source: str) -> None:
             "bad-recipe",
             f"{source} key 'algorithm'",
             why,
-            'use "bits": 4; nodes in "node_bits" at 8 bits are quantized by RTN',
+            'use "bits": 4 (under HQQ, nodes in "node_bits" at 8 bits are quantized by RTN)',
         )
 
 

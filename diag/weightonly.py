@@ -104,8 +104,9 @@ def _fp_name(name: str, bits: int) -> str:
 PER_NODE_CONFIG_ALGORITHMS = ("k_quant",)
 #: Algorithms whose nodes at another width than the recipe's are quantized by RTN: HQQ at 8 bits
 #: writes float zero points, which onnxruntime's CPU MatMulNBits refuses ("does not support 8-bit
-#: weights with floating-point zero points"); GPTQ is 4-bit only.
-RTN_FOR_OTHER_WIDTHS = ("HQQ", "GPTQ")
+#: weights with floating-point zero points"). (GPTQ takes no node_bits at all: its branch in
+#: onnxruntime ignores nodes_to_exclude, so recipe validation refuses both.)
+RTN_FOR_OTHER_WIDTHS = ("HQQ",)
 
 
 def weight_only_calls(recipe: Recipe) -> list[dict[str, Any]]:
@@ -122,7 +123,7 @@ def weight_only_calls(recipe: Recipe) -> list[dict[str, Any]]:
     are those neural-compressor algorithms: they ignore ``bits`` (every node is 4 bits unless its
     ``customized_weight_config`` entry says otherwise), so a second call at 8 bits quantized the
     node at 4 bits again. For them, one call carries the widths as ``customized_weight_config``.
-    Under HQQ and GPTQ the calls at other widths run RTN (``"algorithm": "RTN"`` in the call; see
+    Under HQQ the calls at other widths run RTN (``"algorithm": "RTN"`` in the call; see
     :data:`RTN_FOR_OTHER_WIDTHS`).
 
     Example:

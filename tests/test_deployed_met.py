@@ -73,3 +73,76 @@ def test_a_list_met_only_in_exact_mode_is_a_miss(tmp_path: Path, capsys: pytest.
         assert code == GATE_FAILED
     missed = [s for s in doc["search"]["trajectory"] if s["deployed_metric"] is not None and not s["met"]]
     assert any(s["excluded_nodes"] == exact["nodes_to_exclude"] for s in missed), doc["search"]["trajectory"]
+
+
+def _chain(path: Path, c: int = 8, size: int = 16, factor: float = 400.0) -> None:
+    """a -> b -> c convs (each + Relu), pooled. One weight of b is ``factor``x the typical weight (its
+    input channel, a's channel 0, is ``factor``x smaller, so the FP32 function is ordinary): b's
+    per-tensor weight scale leaves its other weights at 0 or one step, and b alone in float fixes
+    the model in exact mode. As deployed, onnxruntime turns that float Conv, still between a
+    DequantizeLinear (a is quantized) and a QuantizeLinear (c is), back into a QLinearConv."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    rng = np.random.default_rng(0)
+    inits, nodes = [], []
+
+    def conv(name: str, x: str, w: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(w.astype(np.float32), f"{name}.weight"))
+        inits.append(numpy_helper.from_array(np.zeros(w.shape[0], np.float32), f"{name}.bias"))
+        nodes.append(helper.make_node("Conv", [x, f"{name}.weight", f"{name}.bias"], [f"{name}_out"], name=name,
+                                      pads=[1, 1, 1, 1]))  # fmt: skip
+        nodes.append(helper.make_node("Relu", [f"{name}_out"], [f"{name}_relu"], name=f"{name}_relu"))
+        return f"{name}_relu"
+
+    wa = rng.standard_normal((c, 3, 3, 3)) / np.sqrt(27)
+    wa[0] /= factor
+    wb = rng.standard_normal((c, c, 3, 3)) / np.sqrt(c * 9)
+    wb[0, 0, 1, 1] = factor / np.sqrt(c * 9)
+    h = conv("c", conv("b", conv("a", "x", wa), wb), rng.standard_normal((c, c, 3, 3)) / np.sqrt(c * 9))
+    nodes.append(helper.make_node("GlobalAveragePool", [h], ["pooled"], name="pool"))
+    nodes.append(helper.make_node("Flatten", ["pooled"], ["logits"], name="flatten"))
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", c])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    save(model, path)
+
+
+def test_a_search_that_found_only_an_exact_mode_fix_exits_3_and_says_so(tmp_path, capsys):
+    """Issue 25 item 9's "done means": the list that meets the target in exact mode misses it as
+    deployed, the search stops there (--max-trials 2), exit 3, and both figures are printed."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from plain_ort import Rows
+
+    fp = tmp_path / "chain.fp32.onnx"
+    _chain(fp)
+    arrays = {"x": np.random.default_rng(1).standard_normal((32, 3, 16, 16)).astype(np.float32)}
+    npz = tmp_path / "chain.npz"
+    np.savez(npz, **arrays)
+    code, out = _exclude(fp, npz, tmp_path / "ex", capsys, "--no-estimates", "--max-trials", "2")
+    assert code == GATE_FAILED, out
+    lines = out.splitlines()
+    assert lines[1].startswith("target cosine>=0.999 NOT MET: budget exhausted (--max-trials 2 reached)"), lines[1]
+    assert " as deployed (" in lines[1] and " exact) with 1 group(s) in float" in lines[1], lines[1]
+    warning = next(x for x in lines if "met the target in exact mode but missed it" in x)
+    assert "at level all" in warning and "--deploy-level disabled" in warning
+    doc = json.loads((tmp_path / "ex" / "exclusion.json").read_text())
+    tried = doc["search"]["trajectory"][-1]
+    assert tried["excluded_nodes"] == ["b", "b_relu"] and tried["met"] is False
+    # Plain onnxruntime: that list, quantized as diag did (calibrated on the ranking samples 0..15),
+    # meets the target with optimizations off and misses it as onnxruntime runs it by default.
+    mixed = tmp_path / "b_in_float.onnx"
+    quantize_static(
+        fp, mixed, Rows(arrays, 16), quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8, nodes_to_exclude=["b", "b_relu"],
+    )  # fmt: skip
+    first = doc["split"]["held_out_first"]
+    assert _min_cosine(fp, mixed, arrays, first, "disabled") >= TARGET
+    assert _min_cosine(fp, mixed, arrays, first, "all") < TARGET
+    assert tried["metric"] == pytest.approx(_min_cosine(fp, mixed, arrays, first, "disabled"), abs=1e-6)
+    assert tried["deployed_metric"] == pytest.approx(_min_cosine(fp, mixed, arrays, first, "all"), abs=1e-6)

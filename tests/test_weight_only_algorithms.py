@@ -108,6 +108,8 @@ def test_tiers_under_k_quant_reach_the_target_with_int8_nodes(fp32: Path, tmp_pa
         ({"calibration": "c.npz"}, "read by GPTQ only"),
         ({"algorithm": "GPTQ", "calibration": "c.npz", "bits": 8}, "4-bit only"),
         ({"algorithm": "HQQ", "bits": 8}, "HQQ's 8-bit MatMulNBits does not load on CPU"),
+        ({"algorithm": "GPTQ", "calibration": "c.npz", "nodes_to_exclude": ["fc2"]}, "whatever nodes_to_exclude"),
+        ({"algorithm": "GPTQ", "calibration": "c.npz", "node_bits": {"fc2": 8}}, "whatever nodes_to_exclude"),
     ],
 )
 def test_bad_algorithm_recipes_are_one_line_errors(data: dict[str, object], words: str) -> None:
@@ -158,12 +160,10 @@ def test_hqq_gptq_differ_from_rtn(algo: str, fp32: Path, tmp_path: Path) -> None
     assert (tmp_path / "a.onnx").read_bytes() != (tmp_path / "r.onnx").read_bytes()
 
 
-def test_under_hqq_and_gptq_nodes_at_8_bits_are_quantized_by_rtn(tmp_path: Path) -> None:
-    """HQQ's 8-bit MatMulNBits has float zero points (onnxruntime's CPU kernel refuses to load it);
-    GPTQ is 4-bit only. A plan's 8-bit nodes get a second, RTN call, printed as diag runs it."""
-    calib = tmp_path / "c.npz"
-    np.savez(calib, x=np.zeros((2, 64), np.float32))
-    for algo, extra in (("HQQ", {}), ("GPTQ", {"calibration": str(calib)})):
+def test_under_hqq_nodes_at_8_bits_are_quantized_by_rtn(tmp_path: Path) -> None:
+    """HQQ's 8-bit MatMulNBits has float zero points (onnxruntime's CPU kernel refuses to load it).
+    A plan's 8-bit nodes get a second, RTN call, printed as diag runs it."""
+    for algo, extra in (("HQQ", {}),):
         recipe = Recipe.from_dict({"mode": "weight_only", "algorithm": algo, "node_bits": {"fc2": 8}, **extra})
         src = quantizer_calls(recipe)
         calls = [line for line in src if line.startswith("quantizer = MatMulNBitsQuantizer(")]
@@ -210,6 +210,14 @@ def test_hqq_tiers_and_an_algorithm_sweep_run_with_real_quantization(fp32: Path,
     assert out.returncode == 0, out.stderr[-2000:]
     rebuilt = list((tmp_path / "t").glob("*.reproduced.onnx"))
     assert len(rebuilt) == 1 and rebuilt[0].read_bytes() == model.read_bytes()
+
+    # GPTQ through --tiers: refused up front, with why (its onnxruntime branch ignores nodes_to_exclude).
+    gptq = json.dumps(
+        {"mode": "weight_only", "algorithm": "GPTQ", "block_size": 32, "calibration": str(tmp_path / "calib.npz")}
+    )
+    args[args.index(recipe)] = gptq
+    assert main([*args, "--bench-runs", "0", "--out", str(tmp_path / "g"), "--quiet"]) == 2
+    assert not (tmp_path / "g").exists()
 
     # GPTQ at its default block (128) on 64-wide weights: onnxruntime's packing raises; one clean line.
     calib = str(tmp_path / "calib.npz")
