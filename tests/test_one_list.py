@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from diag.cli import main
+from diag.fixtures.quantize import quantize
 from diag.report import view_from_document
 
 
@@ -64,10 +65,12 @@ def test_without_the_effect_check_the_starting_point_says_it_is_unmeasured(built
 def test_a_remedy_naming_nodes_outside_the_verified_fix_says_so(built, tmp_path):
     """convnet, dynamic: the remedy for relu2_out keeps its reader conv3 in float, the verified fix
     keeps conv2 (the node that writes the outlier channel). The fix's report must not offer conv3 as
-    a second fix without saying the verified one does without it."""
+    a second fix without saying the verified one does without it. QUInt8 weights (u8u8): exact on
+    every CPU, so the verified list does not depend on VNNI."""
     b = built("convnet")
+    int8 = quantize(b.fp32, tmp_path / "u8.onnx", "dynamic", weight_type="QUInt8")
     out = tmp_path / "fix"
-    args = ["exclude", str(b.fp32), "--int8", str(b.int8["dynamic"]), "--inputs", str(b.inputs_path), "--batch", "8"]
+    args = ["exclude", str(b.fp32), "--int8", str(int8), "--inputs", str(b.inputs_path), "--batch", "8"]
     assert main([*args, "--target", "cosine>=0.999", "--bench-runs", "0", "--out", str(out), "--quiet"]) == 0
     doc = json.loads((out / "diag.json").read_text())
     verified = doc["exclusion"]["nodes_to_exclude"]
