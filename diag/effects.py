@@ -67,8 +67,8 @@ class Effect:
     finding: NodeFinding
     #: Share of the target's error energy removed: 1 - Σe²(candidate) / Σe²(INT8). 1 = fully fixed.
     recovered: float
-    #: Per output (and part, ``"out part"``): SQNR of the candidate model (the INT8 model's is
-    #: :attr:`EffectCheck.sqnr_before`).
+    #: Per output (and part, ``"out part"``): SQNR of the candidate model (the INT8 model's is in
+    #: :attr:`EffectCheck.base`).
     sqnr_after: dict[str, float]
     why: list[str] = field(default_factory=list)
 
@@ -92,8 +92,13 @@ class EffectCheck:
     samples: int
     seconds: float
     skipped: dict[str, str] = field(default_factory=dict)
-    #: Per output (and part): SQNR of the INT8 model as given, on the same samples.
-    sqnr_before: dict[str, float] = field(default_factory=dict)
+    #: Per output (and part): the INT8 model's error as given, on the same samples.
+    base: dict[str, ErrorStats] = field(default_factory=dict)
+
+    @property
+    def sqnr_before(self) -> dict[str, float]:
+        """Per output (and part): SQNR of the INT8 model as given."""
+        return {k: s.sqnr_db for k, s in self.base.items()}
 
     @property
     def best(self) -> Effect | None:
@@ -575,8 +580,7 @@ def check_effects(
     finally:
         bar.close()
     effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
-    sqnr_before = {k: s.sqnr_db for k, s in base.items()}
-    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, sqnr_before)
+    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, base)
 
 
 @dataclass
@@ -629,9 +633,9 @@ def estimate_list(
         >>> round(est.recovered, 2)  # doctest: +SKIP
         0.93
     """
-    if check is None or not nodes or check.target not in check.sqnr_before:
+    if check is None or not nodes or check.target not in check.base:
         return None
-    before = check.sqnr_before[check.target]
+    before = check.base[check.target].sqnr_db
     same = next((e for e in check.effects if set(e.finding.group.fp_nodes) == set(nodes)), None)
     if same is not None:
         after = same.sqnr_after.get(check.target, math.nan)
@@ -645,19 +649,10 @@ def estimate_list(
         got = measure.stats(sess, "INT8 model with the suggested list in float")
     except Exception:  # a region diag cannot rebuild leaves the list unmeasured, never fatal
         return None
-    stats = got.get(check.target)
-    if stats is None:
+    if check.target not in got:
         return None
-    after = stats.sqnr_db
-    if stats.nonfinite_int8 > 0:
-        recovered = -math.inf
-    elif math.isinf(before):
-        recovered = 0.0
-    elif math.isinf(after):
-        recovered = 1.0
-    else:
-        recovered = 1.0 - 10.0 ** ((before - after) / 10.0)
-    return ListEstimate(list(nodes), check.target, taken, before, after, recovered)
+    recovered = _share_removed(check.base[check.target], got[check.target])
+    return ListEstimate(list(nodes), check.target, taken, before, got[check.target].sqnr_db, recovered)
 
 
 def _first_samples(feeds: FeedSource, samples: int) -> tuple[list[dict[str, np.ndarray]], int]:
@@ -731,12 +726,17 @@ def effect_target(base: dict[str, ErrorStats], failing: Sequence[str] = ()) -> s
 
 def _effect(f: NodeFinding, why: str, base: ErrorStats, got: dict[str, ErrorStats], target: str) -> Effect:
     """The share of ``target``'s error energy keeping ``f`` in float removes (-inf if it creates NaN/Inf)."""
-    before, after = base.mse, got[target].mse
-    recovered = 1.0 - after / before if before > 0 else 0.0
-    if got[target].nonfinite_int8 > base.nonfinite_int8:
-        recovered = -math.inf  # keeping it in float creates NaN/Inf: the worst outcome
+    recovered = _share_removed(base, got[target])
+    if math.isinf(recovered) and recovered < 0:
         why = f"{why}; creates NaN/Inf in {target}"
     return Effect(f, recovered, {k: s.sqnr_db for k, s in got.items()}, [why])
+
+
+def _share_removed(base: ErrorStats, got: ErrorStats) -> float:
+    """1 - Σe²(got) / Σe²(base) on the same samples; -inf when ``got`` creates NaN/Inf (the worst outcome)."""
+    if got.nonfinite_int8 > base.nonfinite_int8:
+        return -math.inf
+    return 1.0 - got.mse / base.mse if base.mse > 0 else 0.0
 
 
 #: A Concat part is "destroyed" when its SQNR is bad and this many dB below the whole output's.
@@ -822,8 +822,6 @@ def _headline(
         return _concat_headline(findings, check, *part_cause)
     if check is None or check.best is None:
         one, sentence, top = single_cause(findings)
-        if one and top is not None:
-            _make_root_cause(findings, top)
         if not one and poor and not bad_local:
             sentence = spread_sentence(_quantized(findings), None)
         return one, sentence, top if one else None

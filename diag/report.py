@@ -203,6 +203,8 @@ class SuggestionItem:
     python: str
     applies_to: str
     note: str
+    #: the nodes the remedy keeps in float (its recipe's ``nodes_to_exclude``)
+    excludes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -808,7 +810,15 @@ def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
         key = (x["tensor"], x["problem"])
         g = groups.setdefault(key, RemedyGroup(x["tensor"], x["problem"], []))
         g.remedies.append(
-            SuggestionItem(x["tensor"], x["problem"], x["remedy"], x["python"], x["applies_to"], x["note"])
+            SuggestionItem(
+                x["tensor"],
+                x["problem"],
+                x["remedy"],
+                x["python"],
+                x["applies_to"],
+                x["note"],
+                [str(n) for n in (x.get("recipe") or {}).get("nodes_to_exclude") or []],
+            )
         )
     return list(groups.values())
 
@@ -841,14 +851,7 @@ def _mark_remedies_off_the_list(groups: list[RemedyGroup], doc: dict[str, Any]) 
         kept = f"nodes_to_exclude={json.dumps(fix, ensure_ascii=False)}"
     for g in groups:
         for r in g.remedies:
-            m = re.fullmatch(r"nodes_to_exclude=(\[.*\])", r.python)
-            if m is None:
-                continue
-            try:
-                names = [str(n) for n in json.loads(m.group(1))]
-            except ValueError:
-                continue
-            extra = ", ".join(n for n in names if n not in floated)
+            extra = ", ".join(n for n in r.excludes if n not in floated)
             if not extra:
                 continue
             if verified:

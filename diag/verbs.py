@@ -32,7 +32,7 @@ from diag import compare as pipeline
 from diag.analyze import nonfinite_origins, shortened_path
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
-from diag.compare import CompareOptions, CompareResult, with_exclude_command
+from diag.compare import EXCLUDE_WORDS, CompareOptions, CompareResult, with_exclude_command
 from diag.document import document_from_result
 from diag.documents import read_document
 from diag.environment import environment, printable
@@ -156,7 +156,7 @@ def diagnose(
         return with_exclude_command(sentence, run.fp.path, run.q.path, run.spec)
 
     _drop_remedies_in_effect(result, spell)
-    if options.recipe is not None and spell(GENERIC_SPREAD) not in result.cause_sentence:
+    if options.recipe is not None:
         _measure_weight_only_remedies(result, run, options, spell)
     if options.sensitivity > 0:
         result.sensitivity = _sensitivity(fp32_path, int8_path, run.feeds, result, options, run.spec)
@@ -192,9 +192,7 @@ def _measure_weight_only_remedies(
         return
     checks = check_weight_only_remedies(run.fp, run.q.path, recipe, run.feeds, options.threads)
     result.remedy_checks = checks.to_dict()
-    measured = f"{checks.text()}, measured by re-quantizing on {checks.samples} samples; or " + spell(
-        "an exclusion search (diag exclude)"
-    )
+    measured = f"{checks.text()}, measured by re-quantizing on {checks.samples} samples; or " + spell(EXCLUDE_WORDS)
     result.cause_sentence = result.cause_sentence.replace(listed, measured)
 
 
