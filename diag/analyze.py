@@ -357,6 +357,17 @@ def agreement_grades(
     add(a, "top1_agreement", f"per-position top-1 agreement {a:.2%} over {positions} positions of {n} samples")
     whole = round(per_sample.sequence_agreement * n)
     grades.append((0, f"{whole} of {n} samples agree at every position"))
+    if per_sample.earliest_divergence is not None:
+        grades.append(
+            (
+                0,
+                f"first differing prediction at position {per_sample.earliest_divergence} at the earliest"
+                f" (median {per_sample.median_divergence} over the {per_sample.diverged_samples} samples that differ)",
+            )
+        )
+    if per_sample.kl_mean is not None and per_sample.kl_max is not None:
+        kl = f"KL(FP32 || INT8) {per_sample.kl_mean:.4f} nats per position on average, {per_sample.kl_max:.3f} at worst"
+        grades.append((0, kl))
 
 
 def grade_output(

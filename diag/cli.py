@@ -818,15 +818,16 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fixture",
         default="transformer",
-        choices=["transformer", "convnet", "ctc"],
+        choices=["transformer", "convnet", "ctc", "llama"],
         help="which bundled model (default transformer: an outlier hidden dimension; convnet: an outlier "
-        "conv channel; ctc: a CTC text-recognizer head, [batch, steps, classes])",
+        "conv channel; ctc: a CTC text-recognizer head, [batch, steps, classes]; llama: a Llama-shaped "
+        "decoder with external data, 4-bit MatMulNBits, one planted down_proj channel, fixed by a tier plan)",
     )
     p.add_argument(
         "--format",
-        default="dynamic",
-        choices=["dynamic", "qdq", "qoperator"],
-        help="quantization format to demonstrate (default dynamic)",
+        default=None,
+        choices=["dynamic", "qdq", "qoperator", "int4"],
+        help="quantization format to demonstrate (default: int4 for llama, dynamic for the others)",
     )
     p.add_argument("--samples", type=int, default=32, help="samples to compare (default 32)")
     p.add_argument("--no-fix", action="store_true", help="diagnose only; skip the verified exclusion in DIR/fix")

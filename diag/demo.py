@@ -1,4 +1,9 @@
-"""`diag demo`: build a bundled fixture, quantize it with real onnxruntime, compare. Offline."""
+"""`diag demo`: build a bundled fixture, quantize it with real onnxruntime, compare. Offline.
+
+``--fixture llama`` is the LLM case: a Llama-shaped decoder saved with external data, quantized
+to 4 bits (``MatMulNBits``), diagnosed per layer and projection, and fixed with a verified
+mixed-precision plan (``diag exclude --tiers int4,int8,fp32``) instead of a float exclusion.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,23 @@ import numpy as np
 import onnx
 
 from diag.compare import CompareOptions, CompareResult
+from diag.errors import DiagError
 from diag.exclude import ExcludeOptions, ExclusionResult, ranked_fixes
 from diag.feeds import FeedSpec
 from diag.files import out_dir as checked_out_dir
-from diag.fixtures import models, quantize
+from diag.fixtures import llm_models, models, quantize
 from diag.recipe import Recipe
 from diag.summary import Summary
-from diag.verbs import DemoOptions, compare_to_dir, exclude_to_dir, result_lines
+from diag.tiers import TierOptions, TierPlan
+from diag.tiers import summary_lines as tier_lines
+from diag.verbs import DemoOptions, compare_to_dir, exclude_to_dir, result_lines, tier_plan_to_dir
+
+#: The LLM fixture's name on the command line, and the one format it is quantized to.
+LLM_FIXTURE = "llama"
+INT4 = "int4"
+#: What the LLM demo's plan must meet on held-out samples (4-bit noise in every projection stays).
+LLM_TARGET = "cosine>=0.95"
+LLM_RECIPE = Recipe(mode="weight_only", bits=4, block_size=32, is_symmetric=True)
 
 
 def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32) -> dict[str, Path]:
@@ -23,16 +38,22 @@ def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32)
 
     Calibration and comparison inputs are drawn from different seeds, as in real use.
     """
-    fx = models.build(fixture)
+    fx = llm_models.llama_decoder() if fixture == LLM_FIXTURE else models.build(fixture)
     folder.mkdir(parents=True, exist_ok=True)
     fp = folder / f"{fixture}.fp32.onnx"
-    onnx.save(fx.model, fp)
+    if fixture == LLM_FIXTURE:
+        llm_models.save_with_external_data(fx.model, fp)  # as LLM exports ship
+    else:
+        onnx.save(fx.model, fp)
     calib = fx.make_inputs(32, 11)
     np.savez(folder / "calib.npz", **calib)  # type: ignore[arg-type]
     inputs = fx.make_inputs(samples, 12)
     np.savez(folder / "inputs.npz", **inputs)  # type: ignore[arg-type]
     q = folder / f"{fixture}.{fmt}.onnx"
-    quantize.quantize(fp, q, fmt, calib, weight_type=DEMO_DYNAMIC_WEIGHTS if fmt == "dynamic" else "QInt8")
+    if fmt == INT4:
+        llm_models.quantize_int4(fp, q)
+    else:
+        quantize.quantize(fp, q, fmt, calib, weight_type=DEMO_DYNAMIC_WEIGHTS if fmt == "dynamic" else "QInt8")
     return {"fp32": fp, "int8": q, "calib": folder / "calib.npz", "inputs": folder / "inputs.npz"}
 
 
@@ -49,23 +70,36 @@ DEMO_TARGET = "cosine>=0.999"
 def run_demo(
     out: str | Path,
     fixture: str = "transformer",
-    fmt: str = "dynamic",
+    fmt: str | None = None,
     samples: int = 32,
     progress: bool = True,
     fix: bool = True,
-) -> tuple[CompareResult, dict[str, Path], ExclusionResult | None]:
+) -> tuple[CompareResult, dict[str, Path], ExclusionResult | TierPlan | None]:
     """Build, quantize and compare one fixture (report in ``out``), then derive and verify the
     fix with ``diag exclude`` (report in ``out/fix``) unless ``fix`` is False.
 
-    Returns the comparison, its files, and the ExclusionResult (None without ``fix``).
+    ``fmt`` None: ``int4`` for the LLM fixture, ``dynamic`` for the others. An int4 model's fix is
+    a tier plan (``--tiers int4,int8,fp32``). Returns the comparison, its files, and the
+    ExclusionResult or TierPlan (None without ``fix``).
     """
-
+    fmt = fmt or (INT4 if fixture == LLM_FIXTURE else "dynamic")
+    if fixture == LLM_FIXTURE and fmt != INT4:
+        raise DiagError(
+            "bad-option",
+            f"--format {fmt}",
+            f"the {LLM_FIXTURE} fixture is a 4-bit weight-only model",
+            f"leave --format out or pass --format {INT4}",
+        )
     out = checked_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
     feeds = FeedSpec(inputs=str(files["inputs"]), batch=8)
     result, written = compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))
     if not fix:
         return result, written, None
+    if fmt == INT4:
+        tiers = TierOptions(LLM_TARGET, tiers="int4,int8,fp32", progress=progress)
+        plan, _ = tier_plan_to_dir(files["fp32"], LLM_RECIPE, feeds, tiers, out / "fix")
+        return result, written, plan
     recipe = (
         Recipe(mode="dynamic", weight_type=DEMO_DYNAMIC_WEIGHTS)
         if fmt == "dynamic"
@@ -92,7 +126,10 @@ def demo(options: DemoOptions) -> Summary:
         fix=options.fix,
     )
     lines = result_lines(result, files)
-    if fix is not None:
+    if isinstance(fix, TierPlan):
+        lines += [f"verified plan: {line.strip()}" if i == 0 else line for i, line in enumerate(tier_lines(fix)[:2])]
+        lines.append(f"wrote the plan's report: {options.out}/fix/report.html")
+    elif fix is not None:
         before = fix.before.cosine
         best = ranked_fixes(fix)
         if best:

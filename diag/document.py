@@ -10,14 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from diag.analyze import AMPLIFY_DB, BAD_SQNR_DB, BANDS, INHERIT_DB, OutputVerdict, recommended_nodes
+from diag.analyze import (
+    AMPLIFY_DB,
+    BAD_SQNR_DB,
+    BANDS,
+    INHERIT_DB,
+    OutputVerdict,
+    reaching_nonfinite,
+    recommended_nodes,
+)
 from diag.compare import CompareResult
 from diag.cpu import kernel_path
+from diag.decoder import decoder_layout, module_paths
 from diag.distributions import TensorHealth, worst_tensors
 from diag.documents import SCHEMA, SCHEMA_VERSION
 from diag.fp16health import fp16_fix
 from diag.jsonnum import json_number as _num
-from diag.metrics import ErrorStats
+from diag.metrics import ErrorStats, OutputStats
 from diag.patterns import PatternInstance, PatternTotal
 from diag.taskmetrics import json_values
 from diag.weights import WeightReport
@@ -80,12 +89,21 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
         "sensitivity": result.sensitivity.to_dict() if result.sensitivity is not None else None,
         "effects": result.effects.to_dict() if result.effects is not None else None,
         "tensors": _tensors(result),
+        # Transformer stacks only (an optional key: documents without it stay valid).
+        **_decoder(result),
     }
+
+
+def _decoder(result: CompareResult) -> dict[str, Any]:
+    """``{"decoder": ...}`` for a transformer stack (:mod:`diag.decoder`), else nothing."""
+    layout = decoder_layout(result.findings, module_paths(result.fp32.proto))
+    return {"decoder": layout.to_dict()} if layout is not None else {}
 
 
 def _node_dicts(result: CompareResult) -> list[dict[str, Any]]:
     """Every node finding, in accumulated-rank order."""
     pattern_of = _innermost_patterns(result.patterns)
+    reaching = {id(f) for f in reaching_nonfinite(result.findings)}
     nodes = []
     for f in sorted(result.findings, key=lambda f: f.rank_accumulated):
         g = f.group
@@ -107,6 +125,7 @@ def _node_dicts(result: CompareResult) -> list[dict[str, Any]]:
                 "accumulated": _stats(f.accumulated),
                 "local": _stats(f.local),
                 "int8_nodes": g.int8_nodes,
+                "nonfinite_reaches": id(f) in reaching,
             }
         )
     return nodes
@@ -119,15 +138,29 @@ def _models(result: CompareResult) -> dict[str, Any]:
             "path": str(result.fp32.path),
             "format": result.fp32.format.kind,
             "warnings": list(result.fp32.warnings),
+            "external_data": result.fp32.has_external_data,
         },
         "int8": {
             "path": str(result.int8.path),
             "format": int8_format.kind,
             "evidence": int8_format.evidence,
             "warnings": list(result.int8.warnings),
+            "external_data": result.int8.has_external_data,
             # Which nodes run at which precision (FP16, 16-bit activations); absent otherwise.
             **({"precisions": int8_format.precisions} if int8_format.precisions else {}),
         },
+    }
+
+
+def _first_divergence(per_sample: OutputStats) -> dict[str, Any] | None:
+    """Sequence outputs: where each sample's argmax first differs, counted by position."""
+    if per_sample.positions is None:
+        return None
+    return {
+        "diverged_samples": per_sample.diverged_samples,
+        "earliest": per_sample.earliest_divergence,
+        "median": per_sample.median_divergence,
+        "by_position": list(per_sample.first_divergence),
     }
 
 
@@ -146,6 +179,9 @@ def _output_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
         "samples": v.per_sample.samples,
         "positions": v.per_sample.positions,
         "sequence_agreement": _num(v.per_sample.sequence_agreement),
+        "kl_mean": _num(v.per_sample.kl_mean),
+        "kl_max": _num(v.per_sample.kl_max),
+        "first_divergence": _first_divergence(v.per_sample),
         "accuracy_fp32": _num(v.accuracy_fp32),
         "accuracy_int8": _num(v.accuracy_int8),
         "accuracy_drop": _num(v.accuracy_drop),

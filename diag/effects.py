@@ -25,11 +25,13 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_tensor
 
 from diag.analyze import (
     BAD_SQNR_DB,
@@ -165,6 +167,7 @@ def float_region_model(
     group_fp_nodes: list[str],
     matching: Matching,
     op_types: set[str] | None = None,
+    fp_dir: Path | None = None,
 ) -> onnx.ModelProto:
     """The INT8 model with the FP32 node(s) ``group_fp_nodes`` computed in float (see module doc).
 
@@ -178,6 +181,12 @@ def float_region_model(
     defaults), as with onnxruntime. Raises ValueError when the region cannot be rebuilt (a
     subgraph, a tensor with no INT8 pair).
 
+    External data: the copy keeps the INT8 model's references (run it with the INT8 model's
+    folder as ``external_data_dir``). The region's own FP32 weights keep theirs too when both
+    models sit in one folder (``fp_dir`` None); ``fp_dir``, the FP32 model's folder when it is
+    another one, has them read into the copy (only the region's: one projection, not the model;
+    over :data:`REGION_READ_BYTES` the region is refused with ValueError).
+
     Example:
         >>> m = float_region_model(fp.proto, q.proto, ["conv3"], matching)  # doctest: +SKIP
     """
@@ -187,7 +196,7 @@ def float_region_model(
         produced={o for n in nodes for o in n.output if o},
         stays_quantized=_still_quantized(fp, set(group_fp_nodes), matching, op_types),
     )
-    _read_region_inputs(region, nodes, fp, {i.name for i in q.graph.input})
+    _read_region_inputs(region, nodes, fp, {i.name for i in q.graph.input}, fp_dir)
     for o in region.produced:
         region.rename[o] = _PREFIX + o
     _copy_region_nodes(region, nodes)
@@ -233,7 +242,11 @@ def _region_nodes(fp: onnx.ModelProto, group_fp_nodes: list[str]) -> list[onnx.N
 
 
 def _read_region_inputs(
-    region: _Region, nodes: list[onnx.NodeProto], fp: onnx.ModelProto, graph_inputs: set[str]
+    region: _Region,
+    nodes: list[onnx.NodeProto],
+    fp: onnx.ModelProto,
+    graph_inputs: set[str],
+    fp_dir: Path | None = None,
 ) -> None:
     """Decide what each input of the region reads: the value the INT8 node read before it was excluded.
 
@@ -265,6 +278,8 @@ def _read_region_inputs(
             if t in fp_inits:
                 init = onnx.TensorProto()
                 init.CopyFrom(fp_inits[t])
+                if init.data_location == onnx.TensorProto.EXTERNAL and fp_dir is not None:
+                    _read_external(init, fp_dir)
                 init.name = _PREFIX + t
                 region.new_inits.append(init)
                 rename[t] = init.name
@@ -281,6 +296,22 @@ def _read_region_inputs(
                 rename[t] = _region_input(region, t, pairs[t], is_concat and _shares_grid(pairs[t], out_grids))
             else:
                 raise ValueError(f"input '{t}' has no INT8 counterpart")
+
+
+#: The most FP32 weight bytes a float region may read into memory (models in two folders).
+REGION_READ_BYTES = 512 * 2**20
+
+
+def _read_external(init: onnx.TensorProto, folder: Path) -> None:
+    """Read one external initializer's bytes into it (paths were confined to the model's folder by
+    :func:`diag.load.load_model`); ValueError over :data:`REGION_READ_BYTES`."""
+    length = next((int(e.value) for e in init.external_data if e.key == "length"), None)
+    size = length if length is not None else int(np.prod(init.dims, dtype=np.int64)) * 4
+    if size > REGION_READ_BYTES:
+        raise ValueError(f"weight '{init.name}' is {size >> 20} MB in another folder's external data")
+    load_external_data_for_tensor(init, str(folder))
+    del init.external_data[:]
+    init.data_location = onnx.TensorProto.DEFAULT
 
 
 def _region_input(region: _Region, t: str, pair: TensorPair, concat_grid: bool) -> str:
@@ -537,14 +568,15 @@ def check_effects(
     scored on it (and its SQNR on every output is kept). To aim the check at the outputs that fail
     (:func:`diag.analyze.failing_outputs`), pass only those in ``specs``, ``paths`` and the
     ``findings`` upstream of them. Returns None when there is nothing to check (no quantized
-    candidate, external-data models).
+    candidate). Models with external data are read from their folders: only the candidates'
+    FP32 weights are loaded, never a whole model.
 
     Example:
         >>> check = check_effects(fp, q, m, feeds, r.findings, r.paths, specs)  # doctest: +SKIP
         >>> check.best.finding.group.label, round(check.best.recovered, 2)  # doctest: +SKIP
         ('conv3', 0.93)
     """
-    if fp.has_external_data or q.has_external_data or budget.candidates <= 0:
+    if budget.candidates <= 0:
         return None
     start = time.perf_counter()
     cands = candidates_for(findings, paths, specs, budget.candidates)
@@ -557,7 +589,8 @@ def check_effects(
     # convnet fixture (QDQ), excluding conv2 takes the logits error from 0.12 to 0.002 with
     # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
     measure = _OutputErrors(fp, batches, specs, threads)
-    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
+    fp_dir, region_dir = region_dirs(fp, q)
+    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, _folder(q), takes_turns=True)
     base = measure.stats(q_sess, "INT8 model")
     del q_sess
     target = effect_target(base, list(specs))
@@ -567,9 +600,9 @@ def check_effects(
     try:
         for f, why in cands:
             try:
-                model = float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching)
+                model = float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching, fp_dir=fp_dir)
                 role = f"INT8 model with '{f.group.label}' in float"
-                sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, takes_turns=True)
+                sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, region_dir, takes_turns=True)
                 got = measure.stats(sess, f"INT8 model with '{f.group.label}' in float")
             except Exception as e:  # a region diag cannot rebuild is reported, never fatal
                 skipped[f.group.label] = str(e).splitlines()[0][:200]
@@ -643,9 +676,11 @@ def estimate_list(
     threads = threads or default_threads()
     batches, taken = _first_samples(feeds, check.samples)
     try:
-        model = float_region_model(fp.proto, q.proto, list(nodes), matching)
+        fp_dir, region_dir = region_dirs(fp, q)
+        model = float_region_model(fp.proto, q.proto, list(nodes), matching, fp_dir=fp_dir)
         measure = _OutputErrors(fp, batches, specs, threads)
-        sess = session_from_model(model, "INT8 model with the suggested list in float", EFFECT_OPT_LEVEL, threads)
+        role = "INT8 model with the suggested list in float"
+        sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, region_dir)
         got = measure.stats(sess, "INT8 model with the suggested list in float")
     except Exception:  # a region diag cannot rebuild leaves the list unmeasured, never fatal
         return None
@@ -653,6 +688,28 @@ def estimate_list(
         return None
     recovered = _share_removed(check.base[check.target], got[check.target])
     return ListEstimate(list(nodes), check.target, taken, before, got[check.target].sqnr_db, recovered)
+
+
+def _folder(model: LoadedModel) -> Path | None:
+    """The folder onnxruntime reads ``model``'s external data from (None: its weights are inline)."""
+    return model.path.resolve().parent if model.has_external_data else None
+
+
+def _fp_dir(fp: LoadedModel, q: LoadedModel) -> Path | None:
+    """The FP32 model's folder when a float region must read its weights from there: external
+    data in another folder than the INT8 model's (None: references stay valid as they are)."""
+    folder = _folder(fp)
+    return folder if folder is not None and folder != q.path.resolve().parent else None
+
+
+def region_dirs(fp: LoadedModel, q: LoadedModel) -> tuple[Path | None, Path | None]:
+    """(``fp_dir`` for :func:`float_region_model`, the ``external_data_dir`` its sessions read from).
+
+    A region model holds the INT8 model's external references and, when both models share a
+    folder, the FP32 region's: either way they resolve in the INT8 model's folder.
+    """
+    external = fp.has_external_data or q.has_external_data
+    return _fp_dir(fp, q), (q.path.resolve().parent if external else None)
 
 
 def _first_samples(feeds: FeedSource, samples: int) -> tuple[list[dict[str, np.ndarray]], int]:
@@ -680,7 +737,7 @@ class _OutputErrors:
         self.names = [o.name for o in fp.graph.output]
         self.batches = batches
         self.specs = specs
-        fp_sess = session_from_model(fp.proto, "FP32 model", EFFECT_OPT_LEVEL, threads, takes_turns=True)
+        fp_sess = session_from_model(fp.proto, "FP32 model", EFFECT_OPT_LEVEL, threads, _folder(fp), takes_turns=True)
         self.refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in self.names} for b in batches]
 
     def stats(self, sess: Any, role: str) -> dict[str, ErrorStats]:

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import onnx
@@ -54,7 +54,7 @@ from diag.analyze import NodeFinding
 from diag.bench import BenchOptions, bench_models
 from diag.compare import CompareOptions, CompareResult, compare_models
 from diag.cpu import kernel_path
-from diag.effects import float_region_model
+from diag.effects import float_region_model, region_dirs
 from diag.errors import DiagError
 from diag.evaluate import (
     HeldOutEvaluator,
@@ -70,6 +70,7 @@ from diag.jsonnum import json_number
 from diag.load import LoadedModel, float_model_from_path
 from diag.match import Matching
 from diag.metrics import ErrorStats
+from diag.modelprep import copy_model
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
@@ -340,7 +341,8 @@ def default_op_types(recipe: Recipe) -> list[str]:
     """The op types onnxruntime quantizes for this recipe when ``op_types_to_quantize`` is unset.
 
     Dynamic: ``IntegerOpsRegistry``; static: ``QLinearOpsRegistry`` plus ``QDQRegistry`` (what
-    ``quantize_static`` does with ``op_types_to_quantize=None``).
+    ``quantize_static`` does with ``op_types_to_quantize=None``); weight-only: ``MatMul``
+    (``MatMulNBitsQuantizer``'s default; Gather only when asked for).
 
     Example:
         >>> "MatMul" in default_op_types(Recipe(mode="dynamic"))  # doctest: +SKIP
@@ -352,6 +354,8 @@ def default_op_types(recipe: Recipe) -> list[str]:
 
     if _name(recipe.mode) == "dynamic":
         return sorted(IntegerOpsRegistry)
+    if _name(recipe.mode) == "weight_only":
+        return ["MatMul"]
     return sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
 
 
@@ -545,9 +549,8 @@ class _Search(SearchAlgorithm):
         #: The met list with the fewest groups seen so far: the answer when the budget runs out.
         self.best: frozenset[int] | None = None
         self.bar: Any = Progress(options.max_trials, "exclude", enabled=options.progress, unit="trials")
-        #: (FP32 proto, baseline INT8 proto, their matching): what estimates are built from; None
-        #: when the baseline cannot be edited in memory (external data) or estimates are off.
-        self.region: tuple[onnx.ModelProto, onnx.ModelProto, Matching] | None = None
+        #: What estimates are built from; None when estimates are off.
+        self.region: EstimateSource | None = None
         self.estimates: dict[frozenset[int], HeldOutMetrics | None] = {}
         #: Estimated lists that met in exact mode and at the deploy level.
         self.estimates_met: dict[frozenset[int], bool] = {}
@@ -673,17 +676,19 @@ class _Search(SearchAlgorithm):
         if self.deadline is not None and time.perf_counter() >= self.deadline:
             raise BudgetExhausted("--time-budget reached")
         assert self.region is not None
-        fp, q, matching = self.region
+        src = self.region
         t0 = time.perf_counter()
         picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
         try:
-            model = float_region_model(fp, q, picked, matching, set(default_op_types(self.recipe)))
-            m = self.evaluator.evaluate_model(model, f"estimate of {len(groups)} group(s) in float")
+            op_types = set(default_op_types(self.recipe))
+            model = float_region_model(src.fp, src.q, picked, src.matching, op_types, src.fp_dir)
+            name = f"estimate of {len(groups)} group(s) in float"
+            m = self.evaluator.evaluate_model(model, name, src.q_dir)
             deployed = None
             if m.meets(self.target) and self.deploy_evaluator is not None:
                 # The float-region model at the deploy level: onnxruntime fuses its Q/DQ pairs as it
                 # would the re-quantized model's, so estimates also see a fusion that undoes a fix.
-                deployed = self.deploy_evaluator.evaluate_model(model, f"estimate of {len(groups)} group(s) in float")
+                deployed = self.deploy_evaluator.evaluate_model(model, name, src.q_dir)
         except (ValueError, DiagError):
             # NOTE: a region diag cannot rebuild, or one onnxruntime refuses to run, is not the
             # user's problem: that trial is re-quantized instead.
@@ -970,13 +975,15 @@ def _finish(
 ) -> None:
     """After the search: op-type suggestions, the deployed-mode check, the kept model, latency."""
     chosen = outcome.chosen
+    unmeasured: list[str] = []
     if chosen and not outcome.exhausted:
-        outcome.suggestions = _op_type_suggestions(search, setup.fp, outcome.candidates, chosen)
+        outcome.suggestions = _op_type_suggestions(search, setup.fp, outcome.candidates, chosen, unmeasured)
     if chosen is None:
         outcome.warnings = _deployed_misses(setup, search)
+    outcome.warnings += unmeasured
     if chosen is not None and work_dir is not None:
         outcome.model = Path(work_dir) / "mixed.onnx"
-        shutil.copyfile(search.cache[chosen][1], outcome.model)
+        copy_model(Path(search.cache[chosen][1]), outcome.model)
     if options.bench_runs > 0:
         paths: list[str | Path] = [setup.fp32, outcome.baseline]
         if chosen:
@@ -1063,16 +1070,23 @@ def _budget(options: SearchOptions, exhausted: str | None) -> dict[str, Any]:
     return budget | ({"reason": exhausted} if exhausted else {})
 
 
-def _estimate_source(compared: CompareResult) -> tuple[onnx.ModelProto, onnx.ModelProto, Matching] | None:
+class EstimateSource(NamedTuple):
     """What :meth:`_Search.estimate` edits: the FP32 and baseline INT8 protos and their matching,
-    as the ranking comparison of the baseline already loaded and matched them.
+    as the ranking comparison of the baseline loaded and matched them, and where external data is
+    read from (:func:`diag.effects.region_dirs`). The protos hold no external weights: an estimate
+    copies the graph and reads at most its float region's FP32 weights."""
 
-    None for models with external data (an in-memory copy per estimate is what they avoid): the
-    search then re-quantizes every trial.
-    """
-    if compared.fp32.has_external_data or compared.int8.has_external_data:
-        return None
-    return compared.fp32.proto, compared.int8.proto, compared.matching
+    fp: onnx.ModelProto
+    q: onnx.ModelProto
+    matching: Matching
+    fp_dir: Path | None
+    q_dir: Path | None
+
+
+def _estimate_source(compared: CompareResult) -> EstimateSource:
+    """The :class:`EstimateSource` of the ranking comparison."""
+    fp_dir, region_dir = region_dirs(compared.fp32, compared.int8)
+    return EstimateSource(compared.fp32.proto, compared.int8.proto, compared.matching, fp_dir, region_dir)
 
 
 def _slower_warning(latency: list[dict[str, Any]]) -> list[str]:
@@ -1098,12 +1112,13 @@ def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
 
 
 def _op_type_suggestions(
-    search: _Search, fp: Any, candidates: list[Candidate], chosen: frozenset[int]
+    search: _Search, fp: Any, candidates: list[Candidate], chosen: frozenset[int], unmeasured: list[str]
 ) -> list[dict[str, Any]]:
     """Op types most of whose candidate nodes ended up excluded, as an ``op_types_to_quantize`` complement.
 
     Each suggestion is verified: re-quantized with that ``op_types_to_quantize`` (plus the
-    remaining node exclusions of other types) and evaluated on the held-out split.
+    remaining node exclusions of other types) and evaluated on the held-out split. One that
+    onnxruntime fails to quantize is left out, with why appended to ``unmeasured``.
     """
     present = {n.op_type for n in fp.graph.node}
     out = []
@@ -1121,7 +1136,13 @@ def _op_type_suggestions(
         recipe = dataclasses.replace(search.recipe, op_types_to_quantize=keep)
         t0 = time.perf_counter()
         path = search.work / f"optype-{op}.onnx"
-        search.quantize(search.nodes(rest), path, recipe)
+        try:
+            search.quantize(search.nodes(rest), path, recipe)
+        except DiagError as e:
+            # NOTE: an op-type suggestion is an extra; onnxruntime failing on it (its quantizer
+            # raising the opset under a graph that does not convert) drops the suggestion only.
+            unmeasured.append(f"note: op_types_to_quantize without {op} was not measured: {e.problem}")
+            continue
         m = search.evaluate(path)
         met, deployed = search.judge(m, path)
         path.unlink(missing_ok=True)

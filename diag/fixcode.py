@@ -101,8 +101,12 @@ def fix_snippet(
     recipe: dict[str, Any] | None = None,
     fp32_path: str = "fp32.onnx",
     int8_path: str = "int8.onnx",
+    external: bool = False,
 ) -> str:
     """Python that re-quantizes with plain onnxruntime, keeping ``nodes`` in float.
+
+    ``external``: the FP32 model keeps its weights in external data (LLM exports, anything over
+    2 GB), so the fixed model is written the same way (protobuf cannot hold it in one file).
 
     With ``recipe`` (``diag.json["recommendation"]["recipe"]``: the ``--recipe`` given, or the
     settings :func:`diag.infer.fix_recipe` inferred from the INT8 model) every setting the INT8
@@ -144,8 +148,10 @@ def fix_snippet(
     lines = _fix_comments(recipe, settings, fp32_path, static)
     out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
     if settings.get("mode") == "weight_only":
-        return weight_only_fix_snippet(settings, lines[0], fp32_path, out)
+        return weight_only_fix_snippet(settings, lines[0], fp32_path, out, external)
     fn = _quantize_fn(static)
+    if external:
+        args.append(_keyword("use_external_data_format", "True"))
     lines.append(f"from onnxruntime.quantization import {', '.join(sorted(used | {fn}))}")
     positional = [json.dumps(fp32_path), json.dumps(out), *(["calibration_reader"] if static else [])]
     lines += ["", *_call(fn, positional, args)]

@@ -95,8 +95,9 @@ class ErrorAccumulator:
             raise ValueError(f"shape mismatch {np.shape(fp)} vs {np.shape(q)}")
         if x.size == 0:
             return
-        e = y - x
-        s_ee = float(np.dot(e, e))
+        with np.errstate(invalid="ignore", over="ignore"):  # -inf - -inf: a causal mask, counted below
+            e = y - x
+            s_ee = float(np.dot(e, e))
         if not math.isfinite(s_ee):
             fin_x = np.isfinite(x)
             fin_y = np.isfinite(y)
@@ -303,6 +304,33 @@ class OutputStats:
     positions: int | None = None
     #: Sequence outputs: the share of samples whose argmax agrees at every position.
     sequence_agreement: float | None = None
+    #: Logits / probabilities: mean and largest KL(FP32 || INT8) of the softmax per prediction, in
+    #: nats (the token-level divergence LLM users check). None for other kinds.
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    #: Sequence outputs: samples counted by the first position whose argmax differs (index =
+    #: position; samples agreeing everywhere are not counted): where greedy tokens first diverge.
+    first_divergence: tuple[int, ...] = ()
+
+    @property
+    def diverged_samples(self) -> int:
+        """Sequence outputs: samples whose argmax differs at some position."""
+        return sum(self.first_divergence)
+
+    @property
+    def earliest_divergence(self) -> int | None:
+        """The earliest position any sample's argmax differs at (None: every sample agrees everywhere)."""
+        return next((i for i, c in enumerate(self.first_divergence) if c), None)
+
+    @property
+    def median_divergence(self) -> int | None:
+        """The median first-divergence position over the samples that diverge."""
+        half, seen = (self.diverged_samples + 1) // 2, 0
+        for i, c in enumerate(self.first_divergence):
+            seen += c
+            if c and seen >= half:
+                return i
+        return None
 
 
 #: The counts and floats of :class:`OutputAccumulator` in its state, in shard-file order.
@@ -317,8 +345,11 @@ _OUTPUT_INTS = (
     "mask_union",
     "seq_samples",
     "seq_agree",
+    "kl_rows",
 )
-_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax")
+_OUTPUT_FLOATS = ("cos_min", "cos_sum", "max_abs", "fp_absmax", "kl_sum", "kl_max")
+#: Output kinds whose class axis holds scores a softmax makes a distribution of (KL divergence).
+_DISTRIBUTION_KINDS = ("logits", "probabilities")
 
 
 class OutputAccumulator:
@@ -345,6 +376,12 @@ class OutputAccumulator:
         #: Sequence outputs: samples measured, and those agreeing at every position.
         self.seq_samples = 0
         self.seq_agree = 0
+        #: Logits / probabilities: predictions whose KL was summed, the sum and the largest.
+        self.kl_rows = 0
+        self.kl_sum = 0.0
+        self.kl_max = 0.0
+        #: Sequence outputs: samples by the first position whose argmax differs.
+        self.first_divergence: list[int] = []
         self.classlike = True
         self.mask_inter = 0
         self.mask_union = 0
@@ -421,11 +458,42 @@ class OutputAccumulator:
         agree = (x2.argmax(axis=1) == y2.argmax(axis=1)) & ~broken
         self.rows += int(x2.shape[0])
         self.agree += int(agree.sum())
+        if self.spec.kind in _DISTRIBUTION_KINDS:
+            self._divergence(x2[~broken], y2[~broken])
         if x.ndim >= 3 and axis > 0 and x.shape[0]:
             # NOTE: [N, T, classes] (CTC/OCR, token logits): one prediction per position. The rows
             # above are positions; a sample agrees only when every one of its positions does.
+            per_sample = agree.reshape(x.shape[0], -1)
             self.seq_samples += int(x.shape[0])
-            self.seq_agree += int(agree.reshape(x.shape[0], -1).all(axis=1).sum())
+            self.seq_agree += int(per_sample.all(axis=1).sum())
+            first = np.argmin(per_sample, axis=1)[~per_sample.all(axis=1)]
+            if first.size:
+                counts = np.bincount(first, minlength=len(self.first_divergence))
+                self.first_divergence += [0] * (len(counts) - len(self.first_divergence))
+                self.first_divergence = [a + int(b) for a, b in zip(self.first_divergence, counts, strict=True)]
+
+    def _divergence(self, x2: np.ndarray, y2: np.ndarray) -> None:
+        """KL(softmax FP32 || softmax INT8) per row (rows = predictions), summed and maxed.
+
+        Probabilities are renormalised logs (a probability output is a softmax already); logits
+        go through a stable log-softmax in float64.
+        """
+        if not x2.shape[0]:
+            return
+        if self.spec.kind == "probabilities":
+            tiny = np.finfo(np.float64).tiny
+            lp = np.log(np.maximum(x2.astype(np.float64), tiny))
+            lq = np.log(np.maximum(y2.astype(np.float64), tiny))
+        else:
+            lp, lq = x2.astype(np.float64), y2.astype(np.float64)
+        lp = lp - lp.max(axis=1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
+        lq = lq - lq.max(axis=1, keepdims=True)
+        lq -= np.log(np.exp(lq).sum(axis=1, keepdims=True))
+        kl = np.maximum((np.exp(lp) * (lp - lq)).sum(axis=1), 0.0)
+        self.kl_rows += int(kl.size)
+        self.kl_sum += float(kl.sum())
+        self.kl_max = max(self.kl_max, float(kl.max()))
 
     def update_local(self, fp: np.ndarray, local: np.ndarray) -> None:
         """Add one batch of the output as the cut model recomputes it (its writer fed FP32 inputs):
@@ -450,6 +518,15 @@ class OutputAccumulator:
         self.agree += other.agree
         self.seq_samples += other.seq_samples
         self.seq_agree += other.seq_agree
+        self.kl_rows += other.kl_rows
+        self.kl_sum += other.kl_sum
+        self.kl_max = max(self.kl_max, other.kl_max)
+        width = max(len(self.first_divergence), len(other.first_divergence))
+        self.first_divergence = [
+            (self.first_divergence[i] if i < len(self.first_divergence) else 0)
+            + (other.first_divergence[i] if i < len(other.first_divergence) else 0)
+            for i in range(width)
+        ]
         self.classlike = self.classlike and other.classlike
         self.mask_inter += other.mask_inter
         self.mask_union += other.mask_union
@@ -468,6 +545,7 @@ class OutputAccumulator:
         d: State = {k: getattr(self, k) for k in _OUTPUT_INTS}
         d.update({k: float_to_state(getattr(self, k)) for k in _OUTPUT_FLOATS})
         d["classlike"] = self.classlike
+        d["first_divergence"] = list(self.first_divergence)
         d["spec"] = self.spec.to_dict()
         d["parts"] = {k: a.to_state() for k, a in self.parts.items()}
         d["part_errors"] = {k: a.to_state() for k, a in self.part_errors.items()}
@@ -484,6 +562,7 @@ class OutputAccumulator:
             if k in state:
                 setattr(acc, k, float_from_state(state[k]))
         acc.classlike = bool(state["classlike"])
+        acc.first_divergence = [int_from_state(c) for c in state.get("first_divergence") or []]
         acc.parts = {str(k): cls.from_state(v) for k, v in (state.get("parts") or {}).items()}
         acc.part_errors = {str(k): ErrorAccumulator.from_state(v) for k, v in (state.get("part_errors") or {}).items()}
         acc.part_local = {str(k): ErrorAccumulator.from_state(v) for k, v in (state.get("part_local") or {}).items()}
@@ -515,4 +594,7 @@ class OutputAccumulator:
             parts=parts,
             positions=self.rows if (self.classlike and self.seq_samples) else None,
             sequence_agreement=self.seq_agree / self.seq_samples if (self.classlike and self.seq_samples) else None,
+            kl_mean=self.kl_sum / self.kl_rows if (self.classlike and self.kl_rows) else None,
+            kl_max=self.kl_max if (self.classlike and self.kl_rows) else None,
+            first_divergence=tuple(self.first_divergence) if (self.classlike and self.seq_samples) else (),
         )

@@ -10,6 +10,7 @@ work, the result verified to load in onnxruntime and moved into place all or not
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,3 +194,50 @@ def publish(staged: Path, out: Path) -> None:
     """
     parts = [p for p in staged.parent.iterdir() if p != staged] + [staged]
     write_set({out.parent / p.name: p for p in parts}, "-o")
+
+
+def copy_model(src: Path, dst: Path) -> list[Path]:
+    """Copy a model file and its external data so the copy is whole on its own; the files written.
+
+    A model saved with external data names its weight file by location (``step057.onnx.data``):
+    copying the ``.onnx`` alone leaves a model whose weights are elsewhere or gone. The copy's
+    weights go to ``<dst name>.data`` beside it (one file per original file), its locations
+    rewritten; the bytes are streamed, never loaded.
+
+    Example:
+        >>> copy_model(Path("work/step057.onnx"), Path("work/mixed.onnx"))  # doctest: +SKIP
+        [PosixPath('work/mixed.onnx'), PosixPath('work/mixed.onnx.data')]
+    """
+    proto = onnx.load(str(src), load_external_data=False)
+    renamed: dict[str, str] = {}
+    for tensor in _external_tensors(proto):
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                if entry.value not in renamed:
+                    suffix = ".data" if not renamed else f".{len(renamed)}.data"
+                    renamed[entry.value] = dst.name + suffix
+                entry.value = renamed[entry.value]
+    if not renamed:
+        shutil.copyfile(src, dst)
+        return [dst]
+    written = []
+    for old, new in renamed.items():
+        shutil.copyfile(src.parent / old, dst.parent / new)
+        written.append(dst.parent / new)
+    onnx.save(proto, str(dst))
+    return [dst, *written]
+
+
+def _external_tensors(proto: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """Every tensor of the model kept in external data: initializers and attribute tensors, subgraphs included."""
+    out: list[onnx.TensorProto] = []
+    graphs = [proto.graph]
+    while graphs:
+        g = graphs.pop()
+        out += list(g.initializer)
+        for node in g.node:
+            for a in node.attribute:
+                out += [a.t] if a.HasField("t") else []
+                out += list(a.tensors)
+                graphs += ([a.g] if a.HasField("g") else []) + list(a.graphs)
+    return [t for t in out if t.data_location == onnx.TensorProto.EXTERNAL]

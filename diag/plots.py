@@ -89,6 +89,41 @@ def error_along_graph(nodes: list[dict[str, Any]], bad_db: float) -> str:
     return figure_svg(fig)
 
 
+def per_layer(decoder: dict[str, Any], bad_db: float) -> str:
+    """Per decoder layer: the worst local SQNR of its quantized nodes (dots) and the accumulated
+    SQNR after it (line) — the picture LLM users draw by hand to find the layer that breaks.
+
+    Reading it: a dot far under the others is the layer that adds the error; a line that steps
+    down there and stays down is that error carried to the output by the residual stream.
+    """
+    plt = pyplot()
+    layers = decoder["layers"]
+    xs = [r["index"] for r in layers]
+    acc = [_clip_db(r["accumulated_sqnr_db"]) for r in layers]
+    loc = [_clip_db(r["worst_local_sqnr_db"]) if r["worst_local_sqnr_db"] is not None else math.nan for r in layers]
+    fig, ax = plt.subplots(figsize=(9, 3.0), dpi=80)
+    ax.plot(xs, acc, color="#c0392b", lw=1.4, marker="o", ms=3, label="accumulated SQNR after the layer")
+    ax.scatter(xs, loc, s=18, color="#2471a3", label="worst local SQNR in the layer", zorder=3)
+    ax.axhline(bad_db, color="#7f8c8d", ls="--", lw=0.8, label=f"bad below {bad_db:g} dB")
+    finite = [(v, x) for v, x in zip(loc, xs, strict=True) if not math.isnan(v)]
+    if finite:
+        v, x = min(finite)
+        worst = next(r for r in layers if r["index"] == x)
+        ax.annotate(
+            str(worst["worst_local_node"] or "")[-40:],
+            (x, v),
+            textcoords="offset points",
+            xytext=(4, -12),
+            fontsize=7,
+            color="#2471a3",
+        )
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("SQNR dB (capped at 80)")
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)
+    return figure_svg(fig)
+
+
 def _display_bins(state: dict[str, Any], lo: int, hi: int, target: int = 300) -> tuple[list[float], list[float]]:
     """Rebin a stored histogram's bins [lo, hi) to at most ``target`` bins, as shares of its values.
 

@@ -27,7 +27,14 @@ from diag.files import check_outputs, input_file, out_dir, output_file, write_se
 from diag.files import out_dir as checked_out_dir
 from diag.fixcode import fix_snippet
 from diag.jsonnum import number_from_json
-from diag.plots import NEIGHBOURHOOD_HOPS, channel_ranges, distribution, error_along_graph, neighbourhood
+from diag.plots import (
+    NEIGHBOURHOOD_HOPS,
+    channel_ranges,
+    distribution,
+    error_along_graph,
+    neighbourhood,
+    per_layer,
+)
 from diag.precision import describe
 from diag.taskmetrics import task_lines
 
@@ -232,6 +239,31 @@ class Neighbourhood:
 
 
 @dataclass
+class LayerRowView:
+    """One decoder layer in the report: its error and its projections' local SQNR, formatted."""
+
+    index: int
+    worst_local: str
+    worst_node: str
+    accumulated: str
+    roles: str
+    #: local SQNR dB per projection, in :attr:`DecoderView.projections` order ("–" where absent).
+    cells: list[str]
+    #: per cell: whether it is under the bad threshold (the template marks it).
+    bad: list[bool]
+
+
+@dataclass
+class DecoderView:
+    """The per-layer section (``diag.json["decoder"]``)."""
+
+    projections: list[str]
+    layers: list[LayerRowView]
+    outside: list[tuple[str, str, str]]
+    plot: str
+
+
+@dataclass
 class PatternRow:
     label: str
     instances: int
@@ -396,6 +428,8 @@ class ReportView:
     versions: str
     nonfinite: list[str]
     error_paths: list[str]
+    #: Transformer stacks: the per-layer section (None for other models).
+    decoder: DecoderView | None
     sensitivity_note: str
     summary: SummaryView
     #: Root-cause candidates with their measured effect on the outputs, and what it was measured on.
@@ -482,6 +516,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         versions=_versions(doc["environment"]),
         nonfinite=_nonfinite(nodes),
         error_paths=_error_paths(verdict["outputs"], nodes),
+        decoder=_decoder_view(doc.get("decoder"), bad_db, with_plots),
         neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
         neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
         model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
@@ -494,6 +529,34 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
             shown_groups[:SUMMARY_ITEMS],
         ),
     )
+
+
+def _decoder_view(decoder: dict[str, Any] | None, bad_db: float, with_plots: bool) -> DecoderView | None:
+    """The per-layer table (a row per layer, a column per projection) and its plot."""
+    if not decoder:
+        return None
+    names = [p["name"] for p in decoder["projections"]]
+    rows = []
+    for layer in decoder["layers"]:
+        key = str(layer["index"])
+        cells, bad = [], []
+        for p in decoder["projections"]:
+            local = (p["by_layer"].get(key) or {}).get("local_sqnr_db")
+            cells.append(fmt_db(local))
+            bad.append(isinstance(local, (int, float)) and local < bad_db)
+        rows.append(
+            LayerRowView(
+                layer["index"],
+                fmt_db(layer["worst_local_sqnr_db"]),
+                layer["worst_local_node"] or NO_VALUE,
+                fmt_db(layer["accumulated_sqnr_db"]),
+                ", ".join(layer["roles"]),
+                cells,
+                bad,
+            )
+        )
+    outside = [(o["node"], fmt_db(o["local_sqnr_db"]), fmt_db(o["accumulated_sqnr_db"])) for o in decoder["outside"]]
+    return DecoderView(names, rows, outside, per_layer(decoder, bad_db) if with_plots else "")
 
 
 def _starting_point_fields(models: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
@@ -537,7 +600,10 @@ def starting_point_estimate(rec: dict[str, Any]) -> str:
 def _fix_command(models: dict[str, Any], rec: dict[str, Any]) -> str:
     """The unverified fix as Python to paste: re-quantize with the root causes kept in float."""
     int8 = models["int8"]
-    return fix_snippet(int8["format"], rec["nodes_to_exclude"], rec.get("recipe"), models["fp32"]["path"], int8["path"])
+    external = bool(models["fp32"].get("external_data"))
+    return fix_snippet(
+        int8["format"], rec["nodes_to_exclude"], rec.get("recipe"), models["fp32"]["path"], int8["path"], external
+    )
 
 
 def _versions(environment: dict[str, Any]) -> str:
@@ -631,6 +697,11 @@ def _agreement_cell(o: dict[str, Any]) -> str:
     if o.get("positions") and share is not None and o["top1_agreement"] is not None:
         whole = round(share * o["samples"])
         cell += f" per position ({o['positions']}); {whole}/{o['samples']} samples at every position"
+        first = o.get("first_divergence") or {}
+        if first.get("earliest") is not None:
+            cell += f"; first differ at position {first['earliest']} (median {first['median']})"
+        if isinstance(o.get("kl_mean"), (int, float)):
+            cell += f"; KL {o['kl_mean']:.4f}"
     return cell
 
 
@@ -732,8 +803,13 @@ def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> 
 
 
 def _nonfinite(nodes: list[dict[str, Any]]) -> list[str]:
-    """Where NaN/Inf first appear in each model (:func:`diag.analyze.first_nonfinite` on the document)."""
-    ordered = sorted(nodes, key=lambda n: n["index"])
+    """Where NaN/Inf first appear in each model (:func:`diag.analyze.first_nonfinite` on the document).
+
+    Only over the nodes whose NaN/Inf reach an output or a quantized input
+    (:func:`diag.analyze.reaching_nonfinite`): a causal mask's -inf, which Softmax absorbs, is no
+    finding. Documents older than that flag count every node.
+    """
+    ordered = sorted((n for n in nodes if n.get("nonfinite_reaches", True)), key=lambda n: n["index"])
     counts = (
         (n, (n["accumulated"] or {}).get("nonfinite_fp") or 0, (n["accumulated"] or {}).get("nonfinite_int8") or 0)
         for n in ordered

@@ -49,6 +49,7 @@ import onnx
 
 from diag.bench import BenchOptions, bench_models
 from diag.compare import CompareOptions, CompareResult, compare_models
+from diag.decoder import module_paths, projection_phrase
 from diag.errors import DiagError
 from diag.evaluate import HeldOutMetrics, Target
 from diag.evaluate import format_metric as _fmt
@@ -64,6 +65,7 @@ from diag.exclude import (
 from diag.feeds import FeedSource, FeedSpec
 from diag.fixcode import reproduce_snippet
 from diag.jsonnum import json_number
+from diag.modelprep import copy_model
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
@@ -283,6 +285,10 @@ class TierPlan:
         """Promoted FP32 nodes grouped by tier, in tier order."""
         return {t: [n for n, x in self.plan.items() if x == t] for t in self.tiers[1:] if t in self.plan.values()}
 
+    #: tier -> the tier's nodes named by projection (``mlp/down_proj in every layer (24)``), for
+    #: decoder stacks where that is shorter than the node list (:func:`diag.decoder.projection_phrase`).
+    by_projection: dict[str, str] = field(default_factory=dict)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``tiers.json``)."""
         return {
@@ -293,6 +299,7 @@ class TierPlan:
             "already_met": self.already_met,
             "plan": dict(self.plan),
             "by_tier": self.by_tier,
+            "by_projection": dict(self.by_projection),
             "recipe": self.recipe,
             "recipe_origin": self.recipe_origin,
             "before": self.before.to_dict(),
@@ -481,6 +488,12 @@ def derive_tier_plan(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plan.before, plan.already_met, plan.budget, plan.diagnosis = before, met0, budget, compared
+    promotable = {n for c in plan.candidates for n in c.fp_nodes}
+    universe = [n.name for n in setup.fp.proto.graph.node if n.name in promotable]  # in graph order
+    paths = module_paths(setup.fp.proto)
+    for tier, nodes in plan.by_tier.items():
+        if (named := projection_phrase(nodes, universe, paths)) is not None:
+            plan.by_projection[tier] = named
     plan.seconds = time.perf_counter() - setup.start
     return plan
 
@@ -515,7 +528,7 @@ def _plan(
     model_out: str | None = None
     if plan_path is not None and work_dir is not None:
         model_out = str(Path(work_dir) / "plan.onnx")
-        shutil.copyfile(plan_path, model_out)
+        copy_model(Path(plan_path), Path(model_out))
     return TierPlan(
         fp32=str(fp32),
         target=setup.target,
@@ -593,7 +606,11 @@ def summary_lines(plan: TierPlan) -> list[str]:
             f"{_fmt(plan.after.value(t.metric), t)} (plan)"
         )
         for tier, nodes in plan.by_tier.items():
-            lines.append(f"  {tier}: {', '.join(nodes)}")
+            named = plan.by_projection.get(tier)
+            if named:  # the node list is in tiers.json and recipe.json
+                lines.append(f"  {tier} ({len(nodes)} nodes): {named}")
+            else:
+                lines.append(f"  {tier}: {', '.join(nodes)}")
     else:
         why = f" ({plan.budget})" if plan.budget else ""
         lines.append(

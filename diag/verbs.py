@@ -33,6 +33,7 @@ from diag.analyze import nonfinite_origins, shortened_path
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
 from diag.compare import EXCLUDE_WORDS, CompareOptions, CompareResult, with_exclude_command
+from diag.decoder import decoder_layout, layer_sentence, module_paths
 from diag.document import document_from_result
 from diag.documents import read_document
 from diag.environment import environment, printable
@@ -49,6 +50,7 @@ from diag.lint import lint_recipe_file
 from diag.lint import summary_line as lint_summary_line
 from diag.load import checked_path, model_summary
 from diag.merge import add_shard_state, merge_shards
+from diag.modelprep import copy_model
 from diag.plots_sweep import pareto_plot
 from diag.precision import describe
 from diag.quantize import QuantizeOptions, QuantizeReport, quantize_model
@@ -111,7 +113,8 @@ class DemoOptions:
 
     out: str = "diag-demo"
     fixture: str = "transformer"
-    format: str = "dynamic"
+    #: None: the fixture's own (int4 for the LLM fixture, dynamic for the others).
+    format: str | None = None
     samples: int = 32
     progress: bool = True
     fix: bool = True
@@ -424,6 +427,9 @@ def _cause_lines(result: CompareResult) -> list[str]:
     for out, path in result.paths.items():
         labels = shortened_path([f.group.label for f in path], 2, 5, "... {} more ...")
         lines.append(f"  error path to {out}: {' -> '.join(labels)}")
+    layout = decoder_layout(result.findings, module_paths(result.fp32.proto))
+    if layout is not None:
+        lines.append(f"  {layer_sentence(layout)}")
     return lines
 
 
@@ -553,9 +559,8 @@ def _exclusion_files(result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, o
     if not (result.reachable and result.model):
         return contents, names, [mixed, reproduce, again]
     staged = Path(result.model)
-    for extra in sorted(staged.parent.glob(staged.name + ".*")):  # external data next to the model
-        contents[out / extra.name.replace(staged.name, mixed.name, 1)] = extra
-    contents[mixed] = staged
+    for written in copy_model(staged, staged.with_name(mixed.name)):  # its external data renamed with it
+        contents[out / written.name] = written
     result.model = str(mixed)
     names["mixed model"] = mixed
     calib, count, batch = _calibration_of(recipe, feeds, result.split)
@@ -659,7 +664,9 @@ def _plan_files(plan: TierPlan, recipe: Recipe, feeds: FeedSpec, out: Path, stem
     names: dict[str, Path] = {}
     if not (plan.reachable and plan.model):
         return contents, names, [model, reproduce, recipe_out]
-    contents[model] = Path(plan.model)
+    staged = Path(plan.model)
+    for written in copy_model(staged, staged.with_name(model.name)):  # its external data renamed with it
+        contents[out / written.name] = written
     plan.model = str(model)
     names["plan model"] = model
     final = Recipe.from_dict(plan.recipe, "plan recipe")

@@ -377,8 +377,13 @@ def quantizer_calls(recipe: Recipe) -> list[str]:
     return lines
 
 
-def weight_only_fix_snippet(settings: dict[str, Any], head: str, fp32_path: str, out_path: str) -> str:
+def weight_only_fix_snippet(
+    settings: dict[str, Any], head: str, fp32_path: str, out_path: str, external: bool = False
+) -> str:
     """The `diag compare` fix for a weight-only model: MatMulNBitsQuantizer calls with the new ``nodes_to_exclude``.
+
+    ``external``: the result is saved with its weights in ``<out>.data`` beside it, as the FP32
+    model was (over 2 GB, ``onnx.save`` cannot write it otherwise).
 
     Example:
         >>> print(weight_only_fix_snippet({"mode": "weight_only", "nodes_to_exclude": ["head"]}, "# x", "m.onnx",
@@ -397,6 +402,8 @@ def weight_only_fix_snippet(settings: dict[str, Any], head: str, fp32_path: str,
             "",
             f"model = onnx.load({fp32_path!r})",
             *quantizer_calls(r),
-            f"onnx.save(model, {out_path!r})",
+            f"onnx.save(model, {out_path!r}, save_as_external_data=True, location={Path(out_path).name + '.data'!r})"
+            if external
+            else f"onnx.save(model, {out_path!r})",
         ]
     )

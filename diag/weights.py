@@ -49,7 +49,7 @@ from onnx import numpy_helper
 
 from diag.errors import DiagError
 from diag.jsonnum import json_number as _num
-from diag.nbits import WORST_BLOCKS, BlockError, block_errors, blocked_weights, fp32_weight_of
+from diag.nbits import WORST_BLOCKS, BlockedWeight, BlockError, block_errors, blocked_weights, fp32_weight_of
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
@@ -319,22 +319,19 @@ def _blocked_findings(
         if w.transposed and ref_arr.ndim == 2:
             ref_arr = ref_arr.T  # blocks along the table's axis 1 (GatherBlockQuantized): rows here
         ref: np.ndarray | None = (
-            ref_arr.astype(np.float64).reshape(w.levels.shape) if ref_arr.size == w.levels.size else None
+            # float64 a chunk of columns at a time (_BlockedStats, block_errors), not here
+            ref_arr.reshape(w.levels.shape) if ref_arr.size == w.levels.size else None
         )
         if ref is None:
             unmatched[name] = f"FP32 weight '{pair[1]}' has shape {ref_arr.shape}, the quantized one {w.levels.shape}"
             continue
-        deq = w.dequantized()
-        e = deq - ref
-        signal = np.einsum("ij,ij->j", ref, ref)
-        noise = np.einsum("ij,ij->j", e, e)
-        scaled = e / np.where(w.scale > 0, w.scale, 1.0)
+        stats = _BlockedStats.of(ref, w)
         channels = [
             ChannelError(
                 c,
-                _sqnr_from(float(signal[c]), float(noise[c])),
-                float(np.abs(e[:, c]).max()),
-                math.sqrt(float(np.mean(scaled[:, c] ** 2))),
+                _sqnr_from(float(stats.signal[c]), float(stats.noise[c])),
+                float(stats.peak[c]),
+                math.sqrt(float(stats.scaled[c]) / ref.shape[0]),
             )
             for c in range(ref.shape[1])
         ]
@@ -349,15 +346,63 @@ def _blocked_findings(
                 axis=1 if w.transposed else 0,
                 symmetric=w.symmetric,
                 folded=None,
-                sqnr_db=_sqnr(ref, e),
-                max_abs=float(np.abs(e).max()) if e.size else 0.0,
-                rmse_over_scale=math.sqrt(float(np.mean(scaled**2))),
-                cosine=_cosine(ref, deq),
+                sqnr_db=_sqnr_from(float(stats.signal.sum()), float(stats.noise.sum())),
+                max_abs=float(stats.peak.max()) if stats.peak.size else 0.0,
+                rmse_over_scale=math.sqrt(float(stats.scaled.sum()) / max(ref.size, 1)),
+                cosine=stats.cosine(),
                 channels=channels,
                 block_size=w.block_size,
-                blocks=block_errors(pair[1], ref, w)[:WORST_BLOCKS],
+                blocks=block_errors(pair[1], ref, w, WORST_BLOCKS),
             )
         )
+
+
+#: Columns of a block-wise weight compared at a time: the float64 temporaries of one comparison
+#: (dequantized weight, error, scaled error) stay a chunk, not an LLM's whole lm_head (32000 x 4096).
+CHUNK_COLUMNS = 1024
+
+
+@dataclass(frozen=True)
+class _BlockedStats:
+    """Per-column sums of one block-wise weight against its FP32 weight, computed a chunk of
+    columns at a time (:data:`CHUNK_COLUMNS`)."""
+
+    signal: np.ndarray
+    noise: np.ndarray
+    peak: np.ndarray
+    #: sum over rows of (error / scale)^2
+    scaled: np.ndarray
+    dot: float
+    deq_energy: float
+
+    @classmethod
+    def of(cls, ref: np.ndarray, w: BlockedWeight) -> _BlockedStats:
+        n = ref.shape[1]
+        signal, noise, peak, scaled = (np.zeros(n) for _ in range(4))
+        dot = deq_energy = 0.0
+        for a in range(0, n, CHUNK_COLUMNS):
+            b = min(a + CHUNK_COLUMNS, n)
+            r = ref[:, a:b].astype(np.float64)
+            scale, zero = w.grid(slice(a, b))
+            deq = (w.levels[:, a:b].astype(np.float64) - zero) * scale
+            e = deq - r
+            signal[a:b] = np.einsum("ij,ij->j", r, r)
+            noise[a:b] = np.einsum("ij,ij->j", e, e)
+            peak[a:b] = np.abs(e).max(axis=0) if e.shape[0] else 0.0
+            se = e / np.where(scale > 0, scale, 1.0)
+            scaled[a:b] = np.einsum("ij,ij->j", se, se)
+            dot += float(np.einsum("ij,ij->", r, deq))
+            deq_energy += float(np.einsum("ij,ij->", deq, deq))
+        return cls(signal, noise, peak, scaled, dot, deq_energy)
+
+    def cosine(self) -> float:
+        """Cosine of the whole weight and its dequantized copy (as :func:`_cosine`)."""
+        nx, ny = float(self.signal.sum()), self.deq_energy
+        if nx == 0.0 and ny == 0.0:
+            return 1.0
+        if nx == 0.0 or ny == 0.0:
+            return 0.0
+        return self.dot / math.sqrt(nx * ny)
 
 
 # --- reading the graphs -------------------------------------------------------------------------

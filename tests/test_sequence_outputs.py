@@ -72,7 +72,14 @@ def test_diag_json_records_positions_and_the_whole_sequence_share(built, tmp_pat
     assert probs["sequence_agreement"] == pytest.approx((fp == q).all(axis=1).mean(), abs=1e-12)
     summary = (out / "summary.md").read_text()
     whole = int((fp == q).all(axis=1).sum())
-    assert f"{(fp == q).mean():.2%} per position (768); {whole}/32 samples at every position |" in summary
+    differ = ~(fp == q).all(axis=1)
+    first = int(np.argmin(fp == q, axis=1)[differ].min())
+    cell = f"{(fp == q).mean():.2%} per position (768); {whole}/32 samples at every position"
+    cell += f"; first differ at position {first}"
+    assert cell in summary
+    assert (
+        probs["first_divergence"]["earliest"] == first and probs["first_divergence"]["diverged_samples"] == 32 - whole
+    )
 
 
 def _greedy(argmax: np.ndarray) -> list[tuple[int, ...]]:
