@@ -479,7 +479,7 @@ def analyze_comparison(
         aimed = {k: v for k, v in specs.items() if k in failing} if failing else specs
         result.effects = check_effects(fp, q, matching, feeds, findings, paths, aimed, budget)
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
-            result.findings, result.effects, result.grade, result.verdicts, specs, matching
+            result.findings, result.effects, result.grade, result.verdicts, specs, matching, q.format.family
         )
         suggested, _unnamed = recommended_nodes(result.findings)
         result.list_estimate = estimate_list(fp, q, matching, feeds, suggested, result.effects, specs, options.threads)
@@ -1280,7 +1280,7 @@ def finish(
     ]
     grade = overall_grade(verdicts)
     specs = {k: a.spec for k, a in state.outputs.items()}
-    one, sentence, _ = confirmed_cause(findings, None, grade, verdicts, specs, matching)
+    one, sentence, _ = confirmed_cause(findings, None, grade, verdicts, specs, matching, q.format.family)
     one, sentence = _fp16_headline(findings, state, one, sentence)
     weights = weight_report(
         fp.proto,

@@ -296,7 +296,8 @@ def projection_phrase(nodes: list[str], universe: list[str], paths: dict[str, st
     for name in nodes:
         w = where(name)
         if w is None or w[1] not in every:
-            outside.append(name)
+            module = paths.get(name, name).split("/")[0]
+            outside.append(f"{module} ({name})" if name in paths and module and module not in name else name)
         else:
             chosen.setdefault(w[1], set()).add(w[0])
     if not chosen:

@@ -48,7 +48,7 @@ from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputSpec
 from diag.progress import Progress
-from diag.remedies import GENERIC_SPREAD
+from diag.remedies import generic_spread
 from diag.run import default_threads, run_batch, session_from_model
 
 #: Candidates checked by default: enough for the worst local nodes, the path roots and the heads.
@@ -839,8 +839,11 @@ def confirmed_cause(
     verdicts: list[OutputVerdict] | None = None,
     specs: dict[str, OutputSpec] | None = None,
     matching: Matching | None = None,
+    fmt: str = "",
 ) -> tuple[bool, str, NodeFinding | None]:
     """The headline from measured effects (falls back to local error when nothing was measured).
+
+    ``fmt``: the INT8 model's format family, which decides the spread-error remedies named.
 
     Returns (single cause?, sentence, the cause). Roles are updated to agree with the sentence:
     under a single cause every other locally bad node becomes ``contributor`` (under a confirmed
@@ -851,7 +854,7 @@ def confirmed_cause(
     """
     failing = failing_outputs(verdicts or [])
     scope = upstream_of(findings, [v.name for v in failing]) if failing else findings
-    one, sentence, cause = _headline(scope, check, grade, verdicts, specs, matching)
+    one, sentence, cause = _headline(scope, check, grade, verdicts, specs, matching, fmt)
     if one and cause is not None:
         _make_root_cause(findings, cause)  # a root cause feeding only passing outputs is no longer one
     return one, failing_clause(failing) + sentence, cause
@@ -864,6 +867,7 @@ def _headline(
     verdicts: list[OutputVerdict] | None,
     specs: dict[str, OutputSpec] | None,
     matching: Matching | None,
+    fmt: str = "",
 ) -> tuple[bool, str, NodeFinding | None]:
     """:func:`confirmed_cause` over the nodes the headline may name."""
     bad_local = [f for f in findings if f.group.quantized and f.local is not None and f.local.sqnr_db < BAD_SQNR_DB]
@@ -880,11 +884,11 @@ def _headline(
     if check is None or check.best is None:
         one, sentence, top = single_cause(findings)
         if not one and poor and not bad_local:
-            sentence = spread_sentence(_quantized(findings), None)
+            sentence = spread_sentence(_quantized(findings), None, fmt)
         return one, sentence, top if one else None
     if confirmed:
         return _confirmed_headline(findings, check, check.best, bad_local)
-    return _unconfirmed_headline(findings, check, poor, bad_local)
+    return _unconfirmed_headline(findings, check, poor, bad_local, fmt)
 
 
 def _quantized(findings: list[NodeFinding]) -> list[NodeFinding]:
@@ -946,13 +950,13 @@ def _confirmed_headline(
 
 
 def _unconfirmed_headline(
-    findings: list[NodeFinding], check: EffectCheck, poor: bool, bad_local: list[NodeFinding]
+    findings: list[NodeFinding], check: EffectCheck, poor: bool, bad_local: list[NodeFinding], fmt: str = ""
 ) -> tuple[bool, str, NodeFinding | None]:
     """No measured node fixes the outputs: rounding noise, spread error, or a likely cause left unconfirmed."""
     if not bad_local:
         if not poor:
             return False, "no node has a bad local error: the INT8 model adds only rounding-level noise", None
-        return False, spread_sentence(_quantized(findings), check), None
+        return False, spread_sentence(_quantized(findings), check, fmt), None
     one, sentence, _ = single_cause(findings)
     if one:
         top_local = min(bad_local, key=lambda f: (f.rank_local, f.index))
@@ -964,11 +968,12 @@ def _unconfirmed_headline(
         )
         head = sentence.replace("single root cause:", "likely root cause (by local error):", 1)
         return False, f"{head}; not confirmed: {measured} (see the remedies for its inputs)", top_local
-    return False, spread_sentence(_quantized(findings), check), None
+    return False, spread_sentence(_quantized(findings), check, fmt), None
 
 
-def spread_sentence(quantized: list[NodeFinding], check: EffectCheck | None) -> str:
-    """ "No single root cause: error accumulates over N quantized nodes", with the biggest contributors."""
+def spread_sentence(quantized: list[NodeFinding], check: EffectCheck | None, fmt: str = "") -> str:
+    """ "No single root cause: error accumulates over N quantized nodes", with the biggest contributors
+    and the remedies for the INT8 format ``fmt`` (:func:`diag.remedies.generic_spread`)."""
     if check is not None and check.effects:
         top = [e for e in check.effects[:3] if e.recovered > 0]
         contributors = ", ".join(f"{e.finding.group.label} ({e.recovered:.0%})" for e in top)
@@ -982,8 +987,8 @@ def spread_sentence(quantized: list[NodeFinding], check: EffectCheck | None) -> 
             f"{f.group.label} ({f.local.sqnr_db:.1f} dB)" for f in worst if f.local
         )
     # NOTE: the recipe is not known here (it is inferred on the fix side); diag.verbs.diagnose
-    # replaces GENERIC_SPREAD with the remedies that change something for the model's recipe.
+    # replaces generic_spread(fmt) with the remedies that change something for the model's recipe.
     return (
         f"no single root cause: error accumulates over {len(quantized)} quantized nodes{tail}. What fits spread "
-        f"error: {GENERIC_SPREAD}"
+        f"error: {generic_spread(fmt)}"
     )

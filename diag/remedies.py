@@ -349,6 +349,17 @@ GENERIC_SPREAD = (
 )
 
 
+def generic_spread(fmt: str) -> str:
+    """The spread-error headline's remedies before the recipe is known: the weight-only family
+    for weight-only formats (INT8-activation advice changes nothing there), else :data:`GENERIC_SPREAD`.
+
+    Example:
+        >>> generic_spread("matmulnbits").startswith("a smaller block_size")
+        True
+    """
+    return spread_text(fmt, None) if fmt in WEIGHT_ONLY_FORMATS else GENERIC_SPREAD
+
+
 def spread_remedies(fmt: str, settings: dict[str, Any] | None) -> list[str]:
     """The model-wide remedies for spread error that change something for this format and recipe.
 

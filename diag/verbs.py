@@ -55,7 +55,7 @@ from diag.plots_sweep import pareto_plot
 from diag.precision import describe
 from diag.quantize import QuantizeOptions, QuantizeReport, quantize_model
 from diag.recipe import Recipe, recipe_file_text, recipe_from_option
-from diag.remedies import GENERIC_SPREAD, applicable_suggestions, spread_text
+from diag.remedies import applicable_suggestions, generic_spread, spread_text
 from diag.remedycheck import check_weight_only_remedies
 from diag.report import OUTPUT_NAMES, output_texts, report_to_dir, write_outputs
 from diag.sensitivity import SensitivityOptions, SensitivityResult, skip_one_sensitivity
@@ -178,7 +178,7 @@ def _drop_remedies_in_effect(result: CompareResult, spell: Callable[[str], str])
     settings = (result.fix_recipe or {}).get("settings")
     result.suggestions = applicable_suggestions(result.suggestions, settings)
     fmt = result.int8.format.family
-    result.cause_sentence = result.cause_sentence.replace(spell(GENERIC_SPREAD), spell(spread_text(fmt, settings)))
+    result.cause_sentence = result.cause_sentence.replace(spell(generic_spread(fmt)), spell(spread_text(fmt, settings)))
 
 
 def _measure_weight_only_remedies(
@@ -614,6 +614,13 @@ def diagnosis_outputs(
         return {}, [out / name for name in OUTPUT_NAMES]
     doc = document_from_result(diagnosis)
     doc["models"]["int8"]["path"] = model_note
+    # The diagnosed model sat in the search's work folder, now gone: a command naming it would
+    # not run, and this search is the exclusion search the headline suggests.
+    if diagnosis.verify_command:
+        doc["verdict"]["cause"] = doc["verdict"]["cause"].replace(
+            f"an exclusion search: {diagnosis.verify_command}", "the exclusion search this report holds"
+        )
+        doc["recommendation"]["verify_command"] = ""
     if exclusion is not None:
         doc["exclusion"] = exclusion
     return {out / name: text for name, text in output_texts(doc).items()}, []

@@ -276,6 +276,14 @@ def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path):
     assert sorted(plan["by_tier"]["int8"]) == [f"/model/layers.{i}/mlp/down_proj/MatMul" for i in range(4)]
     assert plan["by_projection"] == {"int8": "mlp/down_proj in every layer (4)"}
     assert "  int8 (4 nodes): mlp/down_proj in every layer (4)" in run.stdout
+    # The plan's report diagnoses the all-int4 model: weight-only remedies, and no command naming
+    # the search's deleted work folder (it once told "--int8 /tmp/diag-tiers-.../plan000.onnx").
+    summary = (out / "summary.md").read_text()
+    assert "What fits spread error: a smaller block\\_size (16)" in summary
+    assert "per\\_channel=True" not in summary and "16-bit activations" not in summary
+    assert "diag-tiers" not in summary and "plan000" not in summary
+    assert "or the exclusion search this report holds" in summary
+    assert json.loads((out / "diag.json").read_text())["recommendation"]["verify_command"] == ""
     model = out / "fp32.plan.onnx"
     m = onnx.load(str(model), load_external_data=False)
     assert {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"} == {
@@ -302,3 +310,8 @@ def test_projection_phrase_names_whole_projections():
     assert projection_phrase(every_down[:3], universe) is None  # no projection whole: the node names
     assert projection_phrase(["/lm_head/MatMul"], universe) is None  # nothing in a layer: the list is the name
     assert projection_phrase(every_down[:1], universe) is None  # "mlp/down_proj in layer 0" is not shorter
+    # torch's dynamo exporter: node_linear_N, the module path in the node metadata (module_paths)
+    paths = {f"node_linear_{i}": f"model.layers.{i}.mlp.down_proj/linear_{i}" for i in range(4)}
+    paths["node_linear_9"] = "lm_head/linear_9"
+    named = [*paths]
+    assert projection_phrase(named, named, paths) == "mlp/down_proj in every layer (4), lm_head (node_linear_9)"
