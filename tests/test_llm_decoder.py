@@ -277,7 +277,7 @@ def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path):
     assert plan["by_projection"] == {"int8": "mlp/down_proj in every layer (4)"}
     assert "  int8 (4 nodes): mlp/down_proj in every layer (4)" in run.stdout
     # The plan's report diagnoses the all-int4 model: weight-only remedies, and no command naming
-    # the search's deleted work folder (it once told "--int8 /tmp/diag-tiers-.../plan000.onnx").
+    # the search's deleted work folder (it once named the temp diag-tiers-*/plan000.onnx).
     summary = (out / "summary.md").read_text()
     assert "What fits spread error: a smaller block\\_size (16)" in summary
     assert "per\\_channel=True" not in summary and "16-bit activations" not in summary
