@@ -166,8 +166,7 @@ def bench_models(
     _check_same_inputs(models)
     sessions = []
     for m in models:
-        ext = m.path.resolve().parent if m.has_external_data else None
-        sessions.append(session_from_model(m.proto, f"model '{m.path}'", o.opt_level, threads, ext))
+        sessions.append(session_from_model(m.proto, f"model '{m.path}'", o.opt_level, threads, m.external_dir))
     specs = [input_specs(m.proto) for m in models]
     del models  # the protos (weights included) are no longer needed; sessions hold their own copy
     times, samples = _time_interleaved(paths, sessions, specs, source, o)

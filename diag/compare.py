@@ -744,11 +744,6 @@ def _run_pass(p: _Pass) -> None:
         reductions.close()
 
 
-def _external_folder(model: LoadedModel) -> Path | None:
-    """The folder a model keeps its external data in (sessions read the weights from there), or None."""
-    return model.path.resolve().parent if model.has_external_data else None
-
-
 def _exposed_sessions(
     fp: LoadedModel,
     q: LoadedModel,
@@ -765,7 +760,7 @@ def _exposed_sessions(
         )
     )
     int8_names += [n for n in output_names if n not in int8_names]
-    ext_fp, ext_q = _external_folder(fp), _external_folder(q)
+    ext_fp, ext_q = fp.external_dir, q.external_dir
 
     def session(model: onnx.ModelProto, role: str, ext: Path | None) -> ort.InferenceSession:
         # Exposed tensors are compared in exact mode whatever --ort-opt-level says: exposing a
@@ -903,7 +898,7 @@ def _diagnostic_session(
     p: _Pass, mine: dict[str, TensorPair], output_names: list[str], sample: dict[str, np.ndarray], threads: int
 ) -> tuple[diagraph.DiagGraph, ort.InferenceSession]:
     """The pass's diagnostic graph and its session; ``diagraph.Unsupported`` when it cannot be built."""
-    ext_fp, ext_q = _external_folder(p.fp), _external_folder(p.q)
+    ext_fp, ext_q = p.fp.external_dir, p.q.external_dir
     if ext_fp is not None and ext_q is not None and ext_fp != ext_q:
         raise diagraph.Unsupported("the two models keep external data in different folders")
     if p.state.fp16_ranges:
@@ -988,7 +983,7 @@ def _deployed_sessions(
     """
 
     threads = options.threads or default_threads()
-    ext_fp, ext_q = _external_folder(fp), _external_folder(q)
+    ext_fp, ext_q = fp.external_dir, q.external_dir
     role = f"FP32 model '{fp.path}' ({options.opt_level})"
     fp_sess = session_from_model(fp.proto, role, options.opt_level, threads, ext_fp, takes_turns=True)
     role = f"INT8 model '{q.path}' ({options.opt_level})"
@@ -1285,8 +1280,8 @@ def finish(
     weights = weight_report(
         fp.proto,
         q.proto,
-        _external_folder(fp),
-        _external_folder(q),
+        fp.external_dir,
+        q.external_dir,
     )
     suggestions = all_suggestions(fp.proto, matching, health, q.format.family, weights.findings)
     patterns = find_patterns(fp.proto)

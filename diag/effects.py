@@ -590,7 +590,7 @@ def check_effects(
     # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
     measure = _OutputErrors(fp, batches, specs, threads)
     fp_dir, region_dir = region_dirs(fp, q)
-    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, _folder(q), takes_turns=True)
+    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, q.external_dir, takes_turns=True)
     base = measure.stats(q_sess, "INT8 model")
     del q_sess
     target = effect_target(base, list(specs))
@@ -690,15 +690,10 @@ def estimate_list(
     return ListEstimate(list(nodes), check.target, taken, before, got[check.target].sqnr_db, recovered)
 
 
-def _folder(model: LoadedModel) -> Path | None:
-    """The folder onnxruntime reads ``model``'s external data from (None: its weights are inline)."""
-    return model.path.resolve().parent if model.has_external_data else None
-
-
 def _fp_dir(fp: LoadedModel, q: LoadedModel) -> Path | None:
     """The FP32 model's folder when a float region must read its weights from there: external
     data in another folder than the INT8 model's (None: references stay valid as they are)."""
-    folder = _folder(fp)
+    folder = fp.external_dir
     return folder if folder is not None and folder != q.path.resolve().parent else None
 
 
@@ -737,7 +732,9 @@ class _OutputErrors:
         self.names = [o.name for o in fp.graph.output]
         self.batches = batches
         self.specs = specs
-        fp_sess = session_from_model(fp.proto, "FP32 model", EFFECT_OPT_LEVEL, threads, _folder(fp), takes_turns=True)
+        fp_sess = session_from_model(
+            fp.proto, "FP32 model", EFFECT_OPT_LEVEL, threads, fp.external_dir, takes_turns=True
+        )
         self.refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in self.names} for b in batches]
 
     def stats(self, sess: Any, role: str) -> dict[str, ErrorStats]:

@@ -281,8 +281,7 @@ class HeldOutEvaluator:
         self.first = first_sample
         self.labels = labels
         self.threads = threads
-        ext = fp.path.resolve().parent if fp.has_external_data else None
-        self._fp_sess = session_from_model(fp.proto, f"FP32 model '{fp.path}'", opt_level, threads, ext)
+        self._fp_sess = session_from_model(fp.proto, f"FP32 model '{fp.path}'", opt_level, threads, fp.external_dir)
         self.output_names = [o.name for o in fp.graph.output]
         # Outputs are measured by kind (no top-1 agreement over a probability map) and Concat parts
         # on their own: a detector's destroyed score part fails a cosine target the whole passes.
@@ -308,8 +307,7 @@ class HeldOutEvaluator:
             0.9994
         """
         q = model_from_path(model_path, "quantized model")
-        ext = q.path.resolve().parent if q.has_external_data else None  # its weights stay on disk
-        return self.evaluate_model(q.proto, model_path.name, ext)
+        return self.evaluate_model(q.proto, model_path.name, q.external_dir)  # its weights stay on disk
 
     def evaluate_model(
         self, proto: onnx.ModelProto, name: str, external_data_dir: Path | None = None

@@ -93,6 +93,11 @@ class LoadedModel:
     def graph(self) -> onnx.GraphProto:
         return self.proto.graph
 
+    @property
+    def external_dir(self) -> Path | None:
+        """The folder onnxruntime reads this model's external data from (None: its weights are inline)."""
+        return self.path.resolve().parent if self.has_external_data else None
+
 
 def checked_path(path: str | os.PathLike[str], role: str) -> Path:
     """Return ``path`` as a Path after checking it names a readable, non-empty file.

@@ -42,8 +42,9 @@ ArrayReader = Callable[[str], np.ndarray | None]
 
 #: Blocks kept per weight (worst first) in a finding; the JSON and report list these.
 WORST_BLOCKS = 10
-#: Columns :func:`block_errors` works on at a time (its float64 temporaries stay that size).
-BLOCK_COLUMNS = 1024
+#: Columns of a block-wise weight compared at a time (:func:`block_errors`, the weight report): the
+#: float64 temporaries (dequantized weight, error) stay a chunk, not a whole lm_head (32000 x 4096).
+CHUNK_COLUMNS = 1024
 
 
 @dataclass(frozen=True)
@@ -278,8 +279,8 @@ def block_errors(name: str, ref: np.ndarray, w: BlockedWeight, worst: int | None
     k, n = ref.shape
     block = w.block_size
     energy = 0.0
-    for a in range(0, n, BLOCK_COLUMNS):
-        c = ref[:, a : a + BLOCK_COLUMNS].astype(np.float64)
+    for a in range(0, n, CHUNK_COLUMNS):
+        c = ref[:, a : a + CHUNK_COLUMNS].astype(np.float64)
         energy += float(np.einsum("ij,ij->", c, c))
     tensor_rms = math.sqrt(energy / max(ref.size, 1)) or 1.0
     starts = list(range(0, k, block))
@@ -287,8 +288,8 @@ def block_errors(name: str, ref: np.ndarray, w: BlockedWeight, worst: int | None
     rmse = np.empty((nb, n))
     peak = np.empty((nb, n))
     rows = np.diff([*starts, k]).astype(np.float64)[:, None]  # the last block may be short
-    for a in range(0, n, BLOCK_COLUMNS):  # float64 temporaries one chunk of columns at a time
-        cols = slice(a, min(a + BLOCK_COLUMNS, n))
+    for a in range(0, n, CHUNK_COLUMNS):  # float64 temporaries one chunk of columns at a time
+        cols = slice(a, min(a + CHUNK_COLUMNS, n))
         e = w.dequantized(cols) - ref[:, cols].astype(np.float64)
         if k < nb * block:  # pad to whole blocks: zeros add nothing to a sum of squares or a max |e|
             e = np.concatenate([e, np.zeros((nb * block - k, e.shape[1]))])

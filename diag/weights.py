@@ -49,7 +49,15 @@ from onnx import numpy_helper
 
 from diag.errors import DiagError
 from diag.jsonnum import json_number as _num
-from diag.nbits import WORST_BLOCKS, BlockedWeight, BlockError, block_errors, blocked_weights, fp32_weight_of
+from diag.nbits import (
+    CHUNK_COLUMNS,
+    WORST_BLOCKS,
+    BlockedWeight,
+    BlockError,
+    block_errors,
+    blocked_weights,
+    fp32_weight_of,
+)
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
@@ -355,11 +363,6 @@ def _blocked_findings(
                 blocks=block_errors(pair[1], ref, w, WORST_BLOCKS),
             )
         )
-
-
-#: Columns of a block-wise weight compared at a time: the float64 temporaries of one comparison
-#: (dequantized weight, error, scaled error) stay a chunk, not an LLM's whole lm_head (32000 x 4096).
-CHUNK_COLUMNS = 1024
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,21 @@ CULPRIT = "/model/layers.2/mlp/down_proj/MatMul"
 SAMPLES = 8
 
 
+def _diag(*args: object) -> subprocess.CompletedProcess:
+    """``python -m diag ARGS --quiet``, checked to exit 0."""
+    run = subprocess.run(
+        [sys.executable, "-m", "diag", *map(str, args), "--quiet"], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+def _locations(model: Path) -> set[str]:
+    """The external-data files a saved model refers to."""
+    m = onnx.load(str(model), load_external_data=False)
+    return {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("llm")
@@ -34,25 +49,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     np.savez(d / "ids.npz", **f.make_inputs(SAMPLES))
     np.savez(d / "ids32.npz", **f.make_inputs(32, seed=2))
     out = d / "out"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diag",
-            "compare",
-            str(fp32),
-            str(int4),
-            "--inputs",
-            str(d / "ids.npz"),
-            "--out",
-            str(out),
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
+    run = _diag("compare", fp32, int4, "--inputs", d / "ids.npz", "--out", out)
     (d / "stdout.txt").write_text(run.stdout)
     return {"dir": d, "fp32": fp32, "int4": int4, "out": out, "ids": d / "ids.npz", "ids32": d / "ids32.npz"}
 
@@ -203,35 +200,11 @@ def test_fix_snippet_and_kept_models_are_whole_with_external_data(llm, tmp_path)
     # the starting point is measured with external data (the effect check reads the region's weights)
     assert "estimated on 8 samples with the list in float inside the INT8 model" in summary
     out = tmp_path / "ex"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diag",
-            "exclude",
-            str(llm["fp32"]),
-            "--int8",
-            str(llm["int4"]),
-            "--inputs",
-            str(llm["ids32"]),
-            "--target",
-            "cosine>=0.97",
-            "--out",
-            str(out),
-            "--quiet",
-            "--bench-runs",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr
+    args = ["--inputs", llm["ids32"], "--target", "cosine>=0.97", "--out", out, "--bench-runs", "0"]
+    run = _diag("exclude", llm["fp32"], "--int8", llm["int4"], *args)
     assert "estimates" in run.stdout  # float-region estimates ran on external-data models
     mixed = out / "fp32.mixed.onnx"
-    m = onnx.load(str(mixed), load_external_data=False)
-    locations = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
-    assert locations == {"fp32.mixed.onnx.data"} and (out / "fp32.mixed.onnx.data").exists()
+    assert _locations(mixed) == {"fp32.mixed.onnx.data"} and (out / "fp32.mixed.onnx.data").exists()
     excluded = json.loads((out / "exclusion.json").read_text())["nodes_to_exclude"]
     assert CULPRIT in excluded
     sess = ort.InferenceSession(str(mixed), providers=["CPUExecutionProvider"])  # loads on its own
@@ -246,32 +219,8 @@ def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path):
     int4 = quantize_int4(fp32, tmp_path / "int4.onnx")
     np.savez(tmp_path / "ids.npz", **f.make_inputs(32, seed=2))
     out = tmp_path / "tiers"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diag",
-            "exclude",
-            str(fp32),
-            "--int8",
-            str(int4),
-            "--inputs",
-            str(tmp_path / "ids.npz"),
-            "--target",
-            "cosine>=0.97",
-            "--tiers",
-            "int4,int8,fp32",
-            "--out",
-            str(out),
-            "--quiet",
-            "--bench-runs",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr
+    args = ["--inputs", tmp_path / "ids.npz", "--target", "cosine>=0.97", "--tiers", "int4,int8,fp32", "--out", out]
+    run = _diag("exclude", fp32, "--int8", int4, *args, "--bench-runs", "0")
     plan = json.loads((out / "tiers.json").read_text())
     assert sorted(plan["by_tier"]["int8"]) == [f"/model/layers.{i}/mlp/down_proj/MatMul" for i in range(4)]
     assert plan["by_projection"] == {"int8": "mlp/down_proj in every layer (4)"}
@@ -285,10 +234,8 @@ def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path):
     assert "or the exclusion search this report holds" in summary
     assert json.loads((out / "diag.json").read_text())["recommendation"]["verify_command"] == ""
     model = out / "fp32.plan.onnx"
+    assert _locations(model) == {"fp32.plan.onnx.data"}
     m = onnx.load(str(model), load_external_data=False)
-    assert {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"} == {
-        "fp32.plan.onnx.data"
-    }
     bits = {
         n.name: next(a.i for a in n.attribute if a.name == "bits") for n in m.graph.node if n.op_type == "MatMulNBits"
     }
