@@ -253,3 +253,120 @@ def fused_kernels(
                     fp.append(f)
         kernels.append(FusedKernel(node.name or node.op_type, node.op_type, hidden, fp))
     return kernels
+
+
+#: Initializers above this many bytes are not compared byte for byte: a node reading one is recomputed.
+_COMPARED_INITIALIZER_BYTES = 1 << 20
+
+
+def exact_locally(fp: onnx.ModelProto, int8: onnx.ModelProto, pairs: Iterable[TensorPair]) -> set[str]:
+    """FP32 tensors whose local value is the FP32 value itself, by construction.
+
+    A pair is exact when the INT8 node writing it is the FP32 node as written (same op, domain and
+    attributes, no subgraph) and every input it reads is fed with an FP32 value as it is: a cut
+    whose FP32 value is passed unquantized in float32, the same model input, or the same small
+    initializer. The cut model would run the same kernel on the same bytes (both in exact mode),
+    so its output is the FP32 value bit for bit; diag skips recomputing it. In a weight-only
+    model (MatMulNBits) that is every node but the quantized MatMuls: the norms, rotary,
+    attention and activations of a decoder are not run a second time, and their values are
+    neither exposed nor reduced twice.
+
+    Example:
+        >>> sorted(exact_locally(fp.proto, q.proto, pairs.values()))[:2]  # doctest: +SKIP
+        ['/model/layers.0/input_layernorm/Mul_output_0', '/model/layers.0/self_attn/Softmax_output_0']
+    """
+    pairs = [p for p in pairs if p.producer is not None]
+    same = _SameValues(fp, int8, pairs)
+    fp_nodes = {(n.name or f"{n.op_type}#{i}"): n for i, n in enumerate(fp.graph.node)}
+    exact: set[str] = set()
+    for p in pairs:
+        node, ref = same.q_writer.get(p.cut_name), fp_nodes.get(p.producer or "")
+        if p.cut_name not in same.fed or p.int8_name != p.cut_name or node is None or ref is None:
+            continue
+        if _same_node(node, ref) and all(
+            same(a, b)
+            for a, b in zip(node.input, ref.input, strict=True)  # same arity: _same_node
+        ):
+            exact.add(p.fp_name)
+    return exact
+
+
+class _SameValues:
+    """Whether a value of the cut model is, bit for bit, a value of the FP32 model (memoized).
+
+    True for a cut fed with that FP32 value unquantized, the same model input, the same small
+    initializer, or the output of the same node on such values (shape arithmetic, constants).
+    A cut fed with a quantized value, a large or external initializer, or a walk deeper than
+    :data:`_WALK_DEPTH` nodes is not (conservative: the node is recomputed).
+    """
+
+    def __init__(self, fp: onnx.ModelProto, int8: onnx.ModelProto, pairs: list[TensorPair]) -> None:
+        self.fed = {
+            p.cut_name: p.fp_name
+            for p in pairs
+            if p.cut_quant is None and p.cut_dtype == onnx.TensorProto.FLOAT and not p.tail and p.dequant is None
+        }
+        self.cuts = {p.cut_name for p in pairs}
+        self.q_writer = {o: n for n in int8.graph.node for o in n.output if o}
+        self.fp_writer = {o: n for n in fp.graph.node for o in n.output if o}
+        self.shared = {i.name for i in fp.graph.input} & {i.name for i in int8.graph.input}
+        self.fp_inits = {t.name: t for t in fp.graph.initializer}
+        self.q_inits = {t.name: t for t in int8.graph.initializer}
+        self.known: dict[tuple[str, str], bool] = {}
+
+    def __call__(self, q_name: str, fp_name: str, depth: int = 0) -> bool:
+        if not q_name or not fp_name:
+            return q_name == fp_name
+        key = (q_name, fp_name)
+        if key not in self.known:
+            self.known[key] = self._same(q_name, fp_name, depth)
+        return self.known[key]
+
+    def _same(self, q_name: str, fp_name: str, depth: int) -> bool:
+        if q_name in self.fed:
+            return self.fed[q_name] == fp_name
+        if q_name in self.cuts:
+            return False  # fed with a quantized value
+        if q_name in self.q_inits or fp_name in self.fp_inits:
+            return _same_initializer(self.q_inits.get(q_name), self.fp_inits.get(fp_name))
+        if q_name in self.shared:
+            return q_name == fp_name
+        node, ref = self.q_writer.get(q_name), self.fp_writer.get(fp_name)
+        if node is None or ref is None or depth >= _WALK_DEPTH or not _same_node(node, ref):
+            return False
+        if list(node.output).index(q_name) != list(ref.output).index(fp_name):
+            return False
+        return all(self(a, b, depth + 1) for a, b in zip(node.input, ref.input, strict=True))
+
+
+#: How many nodes back :class:`_SameValues` walks through values no cut feeds.
+_WALK_DEPTH = 16
+
+
+def _same_node(node: onnx.NodeProto, ref: onnx.NodeProto) -> bool:
+    """Same kernel: op type, domain, attributes and arity equal, and no subgraph."""
+    if (node.op_type, node.domain or "", len(node.input), len(node.output)) != (
+        ref.op_type,
+        ref.domain or "",
+        len(ref.input),
+        len(ref.output),
+    ):
+        return False
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return False
+    ours = sorted(a.SerializeToString(deterministic=True) for a in node.attribute)
+    theirs = sorted(a.SerializeToString(deterministic=True) for a in ref.attribute)
+    return ours == theirs
+
+
+def _same_initializer(a: onnx.TensorProto | None, b: onnx.TensorProto | None) -> bool:
+    """Both present, in memory, small, and equal but for their names."""
+    if a is None or b is None or onnx.TensorProto.EXTERNAL in (a.data_location, b.data_location):
+        return False
+    if a.ByteSize() > _COMPARED_INITIALIZER_BYTES:
+        return False
+    a_copy, b_copy = onnx.TensorProto(), onnx.TensorProto()
+    a_copy.CopyFrom(a)
+    b_copy.CopyFrom(b)
+    a_copy.name = b_copy.name = ""
+    return bool(a_copy.SerializeToString(deterministic=True) == b_copy.SerializeToString(deterministic=True))

@@ -50,6 +50,43 @@ class ErrorStats:
         return asdict(self)
 
 
+#: Values per block when a whole output is reduced in float64 (8 MB per temporary).
+_CHUNK_VALUES = 1 << 20
+
+
+@dataclass
+class _RowProducts:
+    """Per row of two float32 arrays: sums xy, x^2, y^2 (float64), x == y, and the largest |y - x|, |x|."""
+
+    num: np.ndarray
+    sxx: np.ndarray
+    syy: np.ndarray
+    same: np.ndarray
+    max_abs_e: float
+    max_abs_x: float
+
+
+def _row_products(x: np.ndarray, y: np.ndarray) -> _RowProducts:
+    """:class:`_RowProducts` of ``x`` and ``y`` ([rows, values], float32, finite, not empty).
+
+    In column blocks of :data:`_CHUNK_VALUES` values, so no float64 copy of a whole batch exists.
+    """
+    rows, cols = x.shape
+    p = _RowProducts(np.zeros(rows), np.zeros(rows), np.zeros(rows), np.ones(rows, dtype=bool), 0.0, 0.0)
+    step = max(1, _CHUNK_VALUES // max(1, rows))
+    for start in range(0, cols, step):
+        a = x[:, start : start + step].astype(np.float64)
+        b = y[:, start : start + step].astype(np.float64)
+        p.num += np.einsum("ij,ij->i", a, b)
+        p.sxx += np.einsum("ij,ij->i", a, a)
+        p.syy += np.einsum("ij,ij->i", b, b)
+        p.same &= np.all(a == b, axis=1)
+        p.max_abs_x = max(p.max_abs_x, float(np.abs(a).max()))
+        b -= a
+        p.max_abs_e = max(p.max_abs_e, float(np.abs(b).max()))
+    return p
+
+
 def _as_float(a: np.ndarray) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype != np.float32:
@@ -151,6 +188,31 @@ class ErrorAccumulator:
         if scale is not None and scale > 0 and math.isfinite(scale):
             self.n_scaled += n
             self.s_ee_scaled += s_ee / (scale * scale)
+
+    @classmethod
+    def of_unchanged(cls, accumulated: ErrorAccumulator) -> ErrorAccumulator:
+        """The sums of a value compared with itself, from the sums ``accumulated`` holds for it.
+
+        The local error of a node diag does not recompute (its local value is the FP32 value bit
+        for bit, :func:`diag.instrument.exact_locally`): zero error over the same FP32 values.
+
+        Example:
+            >>> acc = ErrorAccumulator()
+            >>> acc.update(np.array([3.0, 4.0]), np.array([3.5, 4.0]))
+            >>> same = ErrorAccumulator.of_unchanged(acc).finalize()
+            >>> same.max_abs, same.sqnr_db
+            (0.0, inf)
+        """
+        a = accumulated
+        return cls(
+            n=a.n,
+            s_xx=a.s_xx,
+            s_yy=a.s_xx,
+            s_xy=a.s_xx,
+            n_scaled=a.n_scaled,
+            nonfinite_x=a.nonfinite_x,
+            nonfinite_y=a.nonfinite_x,
+        )
 
     def merge(self, other: ErrorAccumulator) -> ErrorAccumulator:
         """Combine with another shard in place; returns self. Every sum adds; ``max_abs`` maxes."""
@@ -411,8 +473,7 @@ class OutputAccumulator:
         if x.ndim == 0 or x.size == 0:
             self.classlike = False
             x, y = x.reshape(1, -1), y.reshape(1, -1)
-        xs = x.reshape(x.shape[0], -1).astype(np.float64)
-        ys = y.reshape(y.shape[0], -1).astype(np.float64)
+        xs, ys = x.reshape(x.shape[0], -1), y.reshape(y.shape[0], -1)
         finite_x = np.asarray(np.isfinite(xs).all(axis=1))
         finite = finite_x & np.isfinite(ys).all(axis=1)
         # A sample the FP32 model itself breaks on says nothing about quantization.
@@ -421,19 +482,18 @@ class OutputAccumulator:
         self.total += int(finite.size)
         xs, ys = xs[finite], ys[finite]
         if xs.shape[0]:
-            num = (xs * ys).sum(axis=1)
-            den = np.sqrt((xs * xs).sum(axis=1) * (ys * ys).sum(axis=1))
-            same = np.all(xs == ys, axis=1)
-            cos = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(same, 1.0, 0.0))
+            prod = _row_products(xs, ys)
+            den = np.sqrt(prod.sxx * prod.syy)
+            cos = np.where(den > 0, prod.num / np.where(den > 0, den, 1.0), np.where(prod.same, 1.0, 0.0))
             self.cos_min = min(self.cos_min, float(cos.min()))
             self.cos_sum += float(cos.sum())
             self.samples += int(xs.shape[0])
-            if xs.size:
-                self.max_abs = max(self.max_abs, float(np.abs(ys - xs).max()))
-                self.fp_absmax = max(self.fp_absmax, float(np.abs(xs).max()))
+            self.max_abs = max(self.max_abs, prod.max_abs_e)
+            self.fp_absmax = max(self.fp_absmax, prod.max_abs_x)
         self._agreement(x, y, finite_x)
         if self.spec.mask_threshold is not None and xs.shape[0]:
-            mx, my = xs > self.spec.mask_threshold, ys > self.spec.mask_threshold
+            threshold = np.float64(self.spec.mask_threshold)  # compared in float64, as the values were
+            mx, my = xs > threshold, ys > threshold
             self.mask_inter += int((mx & my).sum())
             self.mask_union += int((mx | my).sum())
         for p in self.spec.parts:
@@ -478,6 +538,13 @@ class OutputAccumulator:
         Probabilities are renormalised logs (a probability output is a softmax already); logits
         go through a stable log-softmax in float64.
         """
+        # NOTE: in blocks of rows: float64 copies of a whole [positions, 32000] batch of logits
+        # held several at once were the largest temporaries of a decoder's compare (~300 MB).
+        step = max(1, _CHUNK_VALUES // max(1, x2.shape[1]))
+        for start in range(0, x2.shape[0], step):
+            self._divergence_rows(x2[start : start + step], y2[start : start + step])
+
+    def _divergence_rows(self, x2: np.ndarray, y2: np.ndarray) -> None:
         if not x2.shape[0]:
             return
         if self.spec.kind == "probabilities":
