@@ -417,17 +417,16 @@ def compare_models(
 ) -> CompareResult:
     """Compare an FP32 model and its INT8 version tensor by tensor on ``feeds``.
 
-        The diagnosis only: the fix-side additions of ``diag compare`` (the recipe a fix re-quantizes
-        with, ``--sensitivity``, ``--scheduler``) are :func:`diag.verbs.diagnose`'s, which calls the
-        three steps below; ``options.scheduler``, ``options.sensitivity`` and ``options.recipe`` are
-        not read here.
+    The diagnosis only: the fix-side additions of ``diag compare`` (the recipe a fix re-quantizes
+    with, ``--sensitivity``, ``--scheduler``) are :func:`diag.verbs.diagnose`'s, which calls the
+    three steps below; ``options.scheduler``, ``options.sensitivity`` and ``options.recipe`` are
+    not read here.
 
-        Example:
-            >>> from diag.fp16 import Fp16Range, nonfinite_cause
-    from diag.feeds import FeedSpec
-            >>> r = compare_models("fp32.onnx", "int8.onnx", FeedSpec(random=True))  # doctest: +SKIP
-            >>> r.findings[0].group.label  # doctest: +SKIP
-            'conv3'
+    Example:
+        >>> from diag.feeds import FeedSpec
+        >>> r = compare_models("fp32.onnx", "int8.onnx", FeedSpec(random=True))  # doctest: +SKIP
+        >>> r.findings[0].group.label  # doctest: +SKIP
+        'conv3'
     """
     options = options or CompareOptions()
     run = prepare_comparison(fp32_path, int8_path, feeds, options)

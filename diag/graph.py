@@ -18,7 +18,8 @@ def fp_graph(model: onnx.ModelProto) -> nx.DiGraph:
     """Directed graph of the FP32 model's top-level nodes, in file (= topological) order.
 
     Example:
-        >>> g = fp_graph(model)  # doctest: +SKIP
+        >>> from diag.fixtures.models import convnet
+        >>> g = fp_graph(convnet().model)
         >>> list(g.successors("conv2"))
         ['relu2']
     """

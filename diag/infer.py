@@ -164,7 +164,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
 
 
 def toml_comment(text: str) -> str:
-    """One TOML comment line: line breaks and control characters (invalid in a TOML comment) become '?'.
+    r"""One TOML comment line: line breaks and control characters (invalid in a TOML comment) become '?'.
 
     Example:
         >>> toml_comment('from evil\nmode = "static".onnx')

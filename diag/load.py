@@ -122,7 +122,7 @@ def model_from_path(path: str | os.PathLike[str], role: str = "model") -> Loaded
 
     Example:
         >>> m = model_from_path("int8.onnx", "INT8 model")  # doctest: +SKIP
-        >>> m.format.kind
+        >>> m.format.kind  # doctest: +SKIP
         'dynamic'
     """
     p = checked_path(path, role)
@@ -398,7 +398,7 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
 
     Example:
         >>> s = model_summary("int8.onnx")  # doctest: +SKIP
-        >>> s.format.kind, s.quantized_nodes
+        >>> s.format.kind, s.quantized_nodes  # doctest: +SKIP
         ('dynamic', 12)
     """
     m = model_from_path(path)

@@ -387,7 +387,7 @@ def match_models(fp: onnx.ModelProto, int8: onnx.ModelProto) -> Matching:
 
     Example:
         >>> m = match_models(fp_proto, int8_proto)  # doctest: +SKIP
-        >>> m.pairs["relu2_out"].int8_name
+        >>> m.pairs["relu2_out"].int8_name  # doctest: +SKIP
         'relu2_out_DequantizeLinear_Output'
     """
     f = _GraphIndex(fp)

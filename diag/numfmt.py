@@ -28,7 +28,7 @@ def table_cell(v: object, digits: int = 6) -> str:
 
     Example:
         >>> table_cell(None), table_cell("n/a"), table_cell(0.9999512, 4), table_cell(3)
-        ('-', 'n/a', '0.9999', '3')
+        ('-', 'n/a', '1.0000', '3')
     """
     if v is None:
         return "-"

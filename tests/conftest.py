@@ -9,9 +9,34 @@ import numpy as np
 import onnx
 import pytest
 
+import diag
 from diag.fixtures import models, quantize
 
 FORMATS = ("dynamic", "qdq", "qoperator")
+# The checkout these tests belong to: the diag they test must be its diag/, not an installed copy.
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def installed_outside(diag_file: str | None, root: Path) -> bool:
+    """True when ``diag_file`` (``diag.__file__``) is not inside the checkout ``root``.
+
+    A path compare, not a prefix compare: ``/src/diag-old/diag`` is outside ``/src/diag``.
+    """
+    return diag_file is None or not Path(diag_file).resolve().is_relative_to(root.resolve())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stop before collecting when ``diag`` is an installed copy: the tests would pass or fail on it.
+
+    ``pip install ".[test]"`` copies diag into site-packages; the ``pytest`` script then imports that
+    copy, and an edit in the working tree changes nothing the tests see.
+    """
+    if installed_outside(diag.__file__, ROOT):
+        where = Path(diag.__file__).resolve().parent if diag.__file__ else "a namespace package"
+        raise pytest.UsageError(
+            f"the tests import diag from {where}, not from this checkout ({ROOT}). "
+            'Hint: pip install -e ".[test]" in the checkout'
+        )
 
 
 class Built:

@@ -3,7 +3,7 @@
 onnxruntime picks its int8 kernels from the CPU (u8s8 pairs saturate in int16 on AVX2 without VNNI,
 are exact with VNNI) and offers no switch. ``qemu-x86_64 -cpu Haswell`` (Debian's qemu-user, QEMU
 >= 7.2 emulates AVX2) gives onnxruntime a real AVX2-only CPU, so the tests marked ``kernel_path``
-run in CI a second time as ``QEMU_CPU=Haswell qemu-x86_64 python $(which pytest) -m kernel_path``.
+run in CI a second time as ``QEMU_CPU=Haswell qemu-x86_64 python -m pytest -m kernel_path``.
 qemu-user does not follow ``exec``: a test that starts ``diag`` in a subprocess takes its command
 from :func:`diag_command`, which keeps the subprocess on the emulated CPU.
 

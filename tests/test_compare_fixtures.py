@@ -9,6 +9,10 @@ from diag.feeds import FeedSpec
 
 DEFECT_FIXTURES = ("transformer", "convnet")
 FORMATS = ("dynamic", "qdq", "qoperator")
+# The one (fixture, format) whose headline names another node than the local culprit, because
+# keeping that node in float fixes the outputs: conv2, which scales channel 5 up, recovers 98% of
+# the dynamic convnet's logits error. Measured on a VNNI CPU and on qemu's AVX2-only Haswell alike.
+NAMED_BY_EFFECT = {("convnet", "dynamic"): "conv2"}
 
 
 def _compare(built, name: str, fmt: str, samples: int = 32):
@@ -36,9 +40,12 @@ def test_injected_defect_node_is_ranked_first_by_accumulated_and_local_error(bui
     # the outputs (then it names that node and says local error and effect disagree).
     roots = [f for f in r.findings if f.role == "root-cause"]
     assert len(roots) == 1, [f.group.label for f in roots]
-    if roots[0] is by_loc[0]:
+    named = NAMED_BY_EFFECT.get((name, fmt))
+    if named is None:
+        assert roots[0] is by_loc[0], roots[0].group.label
         assert culprit in r.cause_sentence, r.cause_sentence
     else:
+        assert roots[0].group.fp_nodes == [named], roots[0].group.label
         assert r.single_cause and "disagree" in r.cause_sentence, r.cause_sentence
         assert r.effects.best.finding is roots[0] and r.effects.best.recovered >= 0.5
 
@@ -103,17 +110,20 @@ def test_if_subgraph_nodes_are_listed_as_not_exposable_and_if_outputs_compared(b
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_error_spread_over_every_matmul_is_no_single_root_cause(built, fmt):
-    # Every MatMul of spread_mlp quantizes badly, but the effect check shows (and real
-    # nodes_to_exclude confirms) that one layer's error dominates the output: that layer is named.
+def test_error_spread_over_every_matmul_still_names_the_layer_whose_float_copy_fixes_the_output(built, fmt):
+    # Every MatMul of spread_mlp quantizes badly (several nodes with bad local error), but the
+    # effect check shows that one layer's error dominates the output: keeping fc1 in float recovers
+    # 68% of y's error in dynamic and 61% in QDQ/QOperator (fc1 with its fused relu1), above the
+    # half a single cause needs. Measured on a VNNI CPU and on qemu's AVX2-only Haswell: the same
+    # node and figures, so the outcome does not depend on the int8 kernel path.
     r = _compare(built, "spread_mlp", fmt)
     locally_bad = [f for f in r.findings if f.role in ("root-cause", "contributor")]
     assert len(locally_bad) >= 3, [(f.group.label, f.local.sqnr_db) for f in r.findings]
     roots = [f for f in r.findings if f.role == "root-cause"]
-    if r.single_cause:
-        assert len(roots) == 1 and r.effects.best.finding is roots[0] and r.effects.best.recovered >= 0.5
-    else:
-        assert r.cause_sentence.startswith("no single root cause"), r.cause_sentence
+    assert r.single_cause, r.cause_sentence
+    assert [f.group.fp_nodes[0] for f in roots] == ["fc1"], [f.group.label for f in roots]
+    assert r.effects.best.finding is roots[0] and r.effects.best.recovered >= 0.5
+    assert r.cause_sentence.startswith(f"single root cause: {roots[0].group.label} "), r.cause_sentence
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -121,9 +121,9 @@ def test_readme_starts_with_install_and_test_commands_that_ci_runs():
     text = README.read_text()
     head = text[: text.index("## What it does")]
     assert "pip install . && diag demo --out demo" in head
-    assert 'pip install ".[test]" && pytest' in head
+    assert 'pip install -e ".[test]" && pytest' in head
     ci = (README.parent / ".ci" / "run").read_text()
-    assert 'pip install ".[test]"' in ci and ci.strip().endswith("pytest")
+    assert 'pip install -e ".[test]"' in ci and ci.strip().endswith("pytest")
 
 
 def test_kernel_dependent_lines_are_exactly_the_scrubbed_ones(tmp_path, monkeypatch, capsys):

@@ -337,7 +337,7 @@ def contract(layers: dict[str, str]) -> str:
             'type = "layers"',
             'containers = ["diag"]',
             "exhaustive = true",
-            "# diag.fixtures and diag.reports_templates exist only in an installed wheel (mapped in from the root)",
+            "# diag.fixtures and diag.reports_templates are mapped in from the root by the install (wheel or editable)",
             'exhaustive_ignores = ["fixtures", "reports_templates"]',
             "layers = [",
             *rows,
