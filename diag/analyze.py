@@ -18,6 +18,7 @@ Roles (for nodes whose accumulated SQNR is below the "bad" threshold):
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -262,17 +263,90 @@ def failing_outputs(verdicts: list[OutputVerdict]) -> list[OutputVerdict]:
     return sorted(failing, key=lambda v: (-GRADES.index(v.grade), v.stats.sqnr_db, v.name))
 
 
+def aimed_outputs(verdicts: list[OutputVerdict]) -> list[str]:
+    """The outputs the effect check scores nodes on: the failing ones (:func:`failing_outputs`), else
+    all; of those, the model's answers before its KV-cache outputs.
+
+    A decoder step's ``present.*`` carry the same projections' error as its logits, one Concat
+    later; scored on the cache with the lowest SQNR, the headline's "biggest contributor" was a
+    k_proj that barely moved the tokens. The caches are the subject only when nothing else fails.
+
+    Example:
+        >>> import numpy as np
+        >>> from diag.metrics import ErrorAccumulator, OutputStats
+        >>> acc = ErrorAccumulator()
+        >>> acc.update(np.ones(4, np.float32), np.full(4, 1.1, np.float32))
+        >>> def v(name, grade, cache=None):
+        ...     return OutputVerdict(name, acc.finalize(), OutputStats(4, 1, 1, 0, None, cache_of=cache), grade, [])
+        >>> aimed_outputs([v("logits", "reject"), v("present.0.key", "marginal", "past.0.key"), v("x", "excellent")])
+        ['logits']
+        >>> aimed_outputs([v("logits", "excellent"), v("present.0.key", "marginal", "past.0.key")])
+        ['present.0.key']
+    """
+    subject = [v.name for v in failing_outputs(verdicts)] or [v.name for v in verdicts]
+    caches = {v.name for v in verdicts if v.per_sample.cache_of is not None}
+    return [n for n in subject if n not in caches] or subject
+
+
+def cache_verdicts(verdicts: list[OutputVerdict]) -> list[OutputVerdict]:
+    """The KV-cache outputs (``present.*``), worst first (grade, then SQNR): the terminal and the
+    report give them one line, named by the first, instead of one per layer and per key / value."""
+    caches = [v for v in verdicts if v.per_sample.cache_of is not None]
+    return sorted(caches, key=lambda v: (-GRADES.index(v.grade), v.stats.sqnr_db, v.name))
+
+
+def caches_line(verdicts: list[OutputVerdict]) -> str | None:
+    """ "8 KV-cache outputs (present.*): 6 marginal, 2 acceptable; worst present.2.value: ..." (None: no cache).
+
+    Example:
+        >>> from diag.metrics import ErrorAccumulator, OutputStats
+        >>> def v(name, grade):
+        ...     stats = OutputStats(4, .9, .9, 0, None, cache_of="past")
+        ...     return OutputVerdict(name, ErrorAccumulator().finalize(), stats, grade, [f"cosine 0.9 ({grade})"])
+        >>> print(caches_line([v("present.0.key", "acceptable"), v("present.1.key", "marginal")]))
+        2 KV-cache outputs: 1 marginal, 1 acceptable; worst present.1.key: marginal (cosine 0.9 (marginal))
+    """
+    caches = cache_verdicts(verdicts)
+    if not caches:
+        return None
+    worst = caches[0]
+    counts = Counter(v.grade for v in caches)
+    grades = ", ".join(f"{counts[g]} {g}" for g in reversed(GRADES) if counts[g])
+    return f"{len(caches)} KV-cache outputs: {grades}; worst {worst.name}: {worst.grade} ({'; '.join(worst.reasons)})"
+
+
 def failing_clause(failing: list[OutputVerdict]) -> str:
-    """ "output stateN fails: min per-sample cosine 0.83000 (reject); " — the headline's subject."""
+    """ "output stateN fails: min per-sample cosine 0.83000 (reject); " — the headline's subject.
+
+    KV-cache outputs (``present.*``: one per layer and per key / value) are counted as one
+    subject, named by the worst of them, so a 32-layer decoder's headline is one line.
+
+    Example:
+        >>> from diag.metrics import ErrorAccumulator, OutputStats
+        >>> def v(name, cache=None):
+        ...     stats = OutputStats(4, .9, .9, 0, None, cache_of=cache)
+        ...     return OutputVerdict(name, ErrorAccumulator().finalize(), stats, "reject", ["cosine 0.9 (reject)"])
+        >>> caches = [v("present.1.key", "past.1.key"), v("present.0.key", "past.0.key")]
+        >>> print(failing_clause([v("logits"), *caches]))  # doctest: +ELLIPSIS
+        outputs logits (cosine 0.9 (reject)) and 2 KV-cache outputs (worst present.1.key: cosine 0.9 (reject)) ...
+        >>> failing_clause([v("logits")])
+        'output logits (cosine 0.9 (reject)) fails while the others pass; '
+    """
     if not failing:
         return ""
-    parts = []
-    for v in failing:
-        reason = next((r for r in v.reasons if r.endswith(f"({v.grade})")), v.reasons[0] if v.reasons else v.grade)
-        parts.append(f"{v.name} ({reason})")
-    noun = "output" if len(parts) == 1 else "outputs"
-    verb = "fails" if len(parts) == 1 else "fail"
-    return f"{noun} {', '.join(parts)} {verb} while the others pass; "
+
+    def reason(v: OutputVerdict) -> str:
+        return next((r for r in v.reasons if r.endswith(f"({v.grade})")), v.reasons[0] if v.reasons else v.grade)
+
+    caches = [v for v in failing if v.per_sample.cache_of is not None]
+    parts = [f"{v.name} ({reason(v)})" for v in failing if v.per_sample.cache_of is None]
+    if len(caches) == 1:
+        parts.append(f"{caches[0].name} ({reason(caches[0])})")
+    elif caches:  # failing is worst first: the first cache is the worst
+        parts.append(f"{len(caches)} KV-cache outputs (worst {caches[0].name}: {reason(caches[0])})")
+    one = len(failing) == 1
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"{'output' if one else 'outputs'} {listed} {'fails' if one else 'fail'} while the others pass; "
 
 
 def upstream_of(findings: list[NodeFinding], outputs: Iterable[str]) -> list[NodeFinding]:

@@ -1054,3 +1054,7 @@ class _sigterm_as_interrupt:
 
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
+
+
+if __name__ == "__main__":  # python -m diag.cli, as python -m diag
+    raise SystemExit(main())

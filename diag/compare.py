@@ -31,8 +31,8 @@ from diag import diagraph
 from diag.analyze import (
     NodeFinding,
     OutputVerdict,
+    aimed_outputs,
     error_paths,
-    failing_outputs,
     grade_output,
     node_findings,
     overall_grade,
@@ -479,11 +479,12 @@ def analyze_comparison(
         specs = {k: a.spec for k, a in state.outputs.items()}
         budget = EffectBudget(options.effects, options.effect_samples, options.threads, options.progress)
         findings, paths = result.findings, result.paths
-        failing = [v.name for v in failing_outputs(result.verdicts)]
-        if failing:  # aim at the outputs that fail (issue 25, item 5)
-            findings = upstream_of(findings, failing)
-            paths = {k: v for k, v in paths.items() if k in failing}
-        aimed = {k: v for k, v in specs.items() if k in failing} if failing else specs
+        # Aim at the outputs that fail (issue 25, item 5), the answers before the KV caches.
+        aim = aimed_outputs(result.verdicts)
+        if len(aim) < len(specs):
+            findings = upstream_of(findings, aim)
+            paths = {k: v for k, v in paths.items() if k in aim}
+        aimed = {k: v for k, v in specs.items() if k in aim}
         result.effects = check_effects(fp, q, matching, feeds, findings, paths, aimed, budget)
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching, q.format.family
@@ -827,7 +828,7 @@ def _update_outputs(
     """The first pass's share of a batch: model outputs, deployed outputs, labels, task metrics."""
     state = p.state
     for name in output_names:
-        state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name)
+        state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name, feeds)
     if p.deployed is not None:
         _update_deployed(state, p.deployed, feeds, p.fp, p.q, p.options.opt_level, output_names)
     if p.labels is not None and p.first:
@@ -985,7 +986,7 @@ def _update_graph_outputs(
     state = p.state
     for name in output_names:
         f_out, q_out = (out[n] for n in dg.outputs[name])
-        state.outputs.setdefault(name, OutputAccumulator()).update(f_out, q_out, name)
+        state.outputs.setdefault(name, OutputAccumulator()).update(f_out, q_out, name, feeds)
         if name in dg.local_outputs:
             state.outputs[name].update_local(f_out, out[dg.local_outputs[name]])
     if state.task and p.first:
@@ -1223,7 +1224,7 @@ def _update_deployed(
     dep_fp = run_batch(deployed[0], feeds, f"FP32 model '{fp.path.name}' ({opt_level})")
     dep_q = run_batch(deployed[1], feeds, f"INT8 model '{q.path.name}' ({opt_level})")
     for name in output_names:
-        state.deployed.setdefault(name, OutputAccumulator()).update(dep_fp[name], dep_q[name])
+        state.deployed.setdefault(name, OutputAccumulator()).update(dep_fp[name], dep_q[name], name, feeds)
 
 
 def _count_correct(
@@ -1294,7 +1295,7 @@ def finish(
     verdicts = [
         grade_output(
             name,
-            accumulated.get(name) or ErrorAccumulator().finalize(),
+            state.outputs[name].new_position_errors() or accumulated.get(name) or ErrorAccumulator().finalize(),
             figures.outputs[name],
             labelled if i == 0 else None,
         )

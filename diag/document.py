@@ -189,6 +189,7 @@ def _output_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
         "error_path": [f.group.label for f in result.paths.get(v.name, [])],
         "kind": v.per_sample.kind,
         "kind_evidence": state.outputs[v.name].spec.evidence if state is not None and v.name in state.outputs else "",
+        "cache_of": v.per_sample.cache_of,
         "nonfinite_samples": v.per_sample.nonfinite_samples,
         "mask_iou": _num(v.per_sample.mask_iou),
         "rel_max_abs": _num(v.per_sample.rel_max_abs),

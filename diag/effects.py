@@ -743,10 +743,12 @@ class _OutputErrors:
         for b, ref in zip(self.batches, self.refs, strict=True):
             got = run_batch(sess, b, role)
             for name in self.names:
-                accs.setdefault(name, ErrorAccumulator()).update(ref[name], got[name])
                 spec = self.specs.get(name)
                 if spec is None:
+                    accs.setdefault(name, ErrorAccumulator()).update(ref[name], got[name])
                     continue
+                new_ref, new_got = spec.new_values(ref[name], b), spec.new_values(got[name], b)
+                accs.setdefault(name, ErrorAccumulator()).update(new_ref, new_got)
                 for p in spec.parts:
                     sl = [slice(None)] * ref[name].ndim
                     sl[spec.part_axis or 0] = slice(p.start, p.stop)

@@ -50,6 +50,9 @@ class ErrorStats:
         return asdict(self)
 
 
+#: ``OutputAccumulator.part_errors`` key of a KV cache present's error over its new positions.
+NEW_POSITIONS = "new positions"
+
 #: Values per block when a whole output is reduced in float64 (8 MB per temporary).
 _CHUNK_VALUES = 1 << 20
 
@@ -322,6 +325,32 @@ class OutputSpec:
     parts: tuple[OutputPart, ...] = ()
     concat_node: str | None = None
     evidence: str = ""
+    #: A KV cache's present: the graph input (the past) this output starts with, copied, and the
+    #: axis the new positions follow it on (in the output's axes, and in the past input's).
+    appended_to: str | None = None
+    appended_axis: int | None = None
+    appended_input_axis: int | None = None
+
+    def new_values(self, value: np.ndarray, feeds: dict[str, np.ndarray] | None) -> np.ndarray:
+        """``value`` without the positions copied from the past input (a KV cache's present).
+
+        Those positions are the fed past, bit for bit the same in both models: graded with
+        them, a present whose 16 new positions of 80 are off by 16 dB reads 7 dB better
+        (10 log10(80 / 16)) and passes. Any other output is returned as it is.
+
+        Example:
+            >>> spec = OutputSpec(appended_to="past", appended_axis=1, appended_input_axis=1)
+            >>> spec.new_values(np.arange(5.0).reshape(1, 5), {"past": np.zeros((1, 3))}).tolist()
+            [[3.0, 4.0]]
+        """
+        if self.appended_to is None or feeds is None or self.appended_to not in feeds:
+            return value
+        if self.appended_axis is None or self.appended_input_axis is None or self.appended_axis >= value.ndim:
+            return value
+        past = np.shape(feeds[self.appended_to])[self.appended_input_axis]
+        index: list[slice] = [slice(None)] * value.ndim
+        index[self.appended_axis] = slice(past, None)
+        return value[tuple(index)]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -373,6 +402,9 @@ class OutputStats:
     #: Sequence outputs: samples counted by the first position whose argmax differs (index =
     #: position; samples agreeing everywhere are not counted): where greedy tokens first diverge.
     first_divergence: tuple[int, ...] = ()
+    #: A KV cache's present (:attr:`OutputSpec.appended_to`): the past input it appends to. Graded
+    #: on the new positions only, and reported as one of the cache outputs, not as the model's answer.
+    cache_of: str | None = None
 
     @property
     def diverged_samples(self) -> int:
@@ -459,10 +491,18 @@ class OutputAccumulator:
         index[self.spec.part_axis or 0] = slice(part.start, part.stop)
         return a[tuple(index)]
 
-    def update(self, fp: np.ndarray, q: np.ndarray, name: str | None = None) -> None:
-        """Add one batch of an output (``name`` only labels the error when the shapes differ)."""
-        x = np.asarray(fp, dtype=np.float32)
-        y = np.asarray(q, dtype=np.float32)
+    def update(
+        self, fp: np.ndarray, q: np.ndarray, name: str | None = None, feeds: dict[str, np.ndarray] | None = None
+    ) -> None:
+        """Add one batch of an output (``name`` only labels the error when the shapes differ).
+
+        ``feeds``: the batch's model inputs, for an output graded on the positions it adds to
+        one of them (:meth:`OutputSpec.new_values`).
+        """
+        x = np.asarray(self.spec.new_values(fp, feeds), dtype=np.float32)
+        y = np.asarray(self.spec.new_values(q, feeds), dtype=np.float32)
+        if self.spec.appended_to is not None and x.shape == y.shape:
+            self.part_errors.setdefault(NEW_POSITIONS, ErrorAccumulator()).update(x, y)
         if x.shape != y.shape:
             raise DiagError(
                 "model-mismatch",
@@ -635,6 +675,14 @@ class OutputAccumulator:
         acc.part_local = {str(k): ErrorAccumulator.from_state(v) for k, v in (state.get("part_local") or {}).items()}
         return acc
 
+    def new_position_errors(self) -> ErrorStats | None:
+        """A KV cache present's error over the positions it adds (None for any other output).
+
+        The output's own tensor error counts the copied past too; this is what grades it.
+        """
+        acc = self.part_errors.get(NEW_POSITIONS) if self.spec.appended_to is not None else None
+        return acc.finalize() if acc is not None else None
+
     def finalize(self) -> OutputStats:
         agreement = self.agree / self.rows if (self.classlike and self.rows) else None
         parts = {
@@ -664,4 +712,5 @@ class OutputAccumulator:
             kl_mean=self.kl_sum / self.kl_rows if (self.classlike and self.kl_rows) else None,
             kl_max=self.kl_max if (self.classlike and self.kl_rows) else None,
             first_divergence=tuple(self.first_divergence) if (self.classlike and self.seq_samples) else (),
+            cache_of=self.spec.appended_to,
         )

@@ -265,12 +265,38 @@ def unpack_blocked_dequantize(node: onnx.NodeProto, array: ArrayReader, output: 
     return BlockedWeight(data, node.name, output, bits, block, symmetric, levels, scale, zero, dtype, axis == 1)
 
 
-def block_errors(name: str, ref: np.ndarray, w: BlockedWeight, worst: int | None = None) -> list[BlockError]:
+def block_figures(e: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per block of rows of an error ``e`` ``[K, n]`` (float64): its RMS and its largest |e|, ``[blocks, n]``.
+
+    Example:
+        >>> rmse, peak = block_figures(np.array([[3.0], [4.0], [0.0]]), 2)
+        >>> rmse.ravel().tolist(), peak.ravel().tolist()
+        ([3.5355339059327378, 0.0], [4.0, 0.0])
+    """
+    k = e.shape[0]
+    nb = (k + block - 1) // block
+    rows = np.diff([*range(0, k, block), k]).astype(np.float64)[:, None]  # the last block may be short
+    if k < nb * block:  # pad to whole blocks: zeros add nothing to a sum of squares or a max |e|
+        e = np.concatenate([e, np.zeros((nb * block - k, e.shape[1]))])
+    eb = e.reshape(nb, block, -1)
+    return np.sqrt(np.einsum("bij,bij->bj", eb, eb) / rows), np.abs(eb).max(axis=1)
+
+
+def block_errors(
+    name: str,
+    ref: np.ndarray,
+    w: BlockedWeight,
+    worst: int | None = None,
+    figures: tuple[np.ndarray, np.ndarray, float] | None = None,
+) -> list[BlockError]:
     """The blocks of ``w`` against the FP32 weight ``ref`` ``[K, N]``, worst (largest ``rel_rmse``) first.
 
-    ``worst``: keep only that many (what a report shows). NOTE: the per-block figures are computed
-    as arrays over all blocks at once and objects are made for the kept ones only: an LLM's
-    weights hold millions of blocks (500 M parameters / 32), far too many for one object each.
+    ``worst``: keep only that many (what a report shows). ``figures``: the blocks' (rmse, peak)
+    from :func:`block_figures` and the weight's rms, when the caller computed them on its own pass
+    over the weight (the weight report does: one dequantization instead of two). NOTE: the
+    per-block figures are computed as arrays over all blocks at once and objects are made for
+    the kept ones only: an LLM's weights hold millions of blocks (500 M parameters / 32), far
+    too many for one object each.
 
     Example:
         >>> block_errors("fc2.weight", ref, w)[0].channel  # doctest: +SKIP
@@ -278,24 +304,19 @@ def block_errors(name: str, ref: np.ndarray, w: BlockedWeight, worst: int | None
     """
     k, n = ref.shape
     block = w.block_size
-    energy = 0.0
-    for a in range(0, n, CHUNK_COLUMNS):
-        c = ref[:, a : a + CHUNK_COLUMNS].astype(np.float64)
-        energy += float(np.einsum("ij,ij->", c, c))
-    tensor_rms = math.sqrt(energy / max(ref.size, 1)) or 1.0
     starts = list(range(0, k, block))
-    nb = len(starts)
-    rmse = np.empty((nb, n))
-    peak = np.empty((nb, n))
-    rows = np.diff([*starts, k]).astype(np.float64)[:, None]  # the last block may be short
-    for a in range(0, n, CHUNK_COLUMNS):  # float64 temporaries one chunk of columns at a time
-        cols = slice(a, min(a + CHUNK_COLUMNS, n))
-        e = w.dequantized(cols) - ref[:, cols].astype(np.float64)
-        if k < nb * block:  # pad to whole blocks: zeros add nothing to a sum of squares or a max |e|
-            e = np.concatenate([e, np.zeros((nb * block - k, e.shape[1]))])
-        eb = e.reshape(nb, block, -1)
-        rmse[:, cols] = np.sqrt(np.einsum("bij,bij->bj", eb, eb) / rows)
-        peak[:, cols] = np.abs(eb).max(axis=1)
+    if figures is None:
+        energy = 0.0
+        rmse = np.empty((len(starts), n))
+        peak = np.empty((len(starts), n))
+        for a in range(0, n, CHUNK_COLUMNS):  # float64 temporaries one chunk of columns at a time
+            cols = slice(a, min(a + CHUNK_COLUMNS, n))
+            c = ref[:, cols].astype(np.float64)
+            energy += float(np.einsum("ij,ij->", c, c))
+            rmse[:, cols], peak[:, cols] = block_figures(w.dequantized(cols) - c, block)
+        tensor_rms = math.sqrt(energy / max(ref.size, 1)) or 1.0
+    else:
+        rmse, peak, tensor_rms = figures
     flat = rmse.ravel()
     count = flat.size if worst is None else min(worst, flat.size)
     # order: largest rmse first, then channel, then block (the order a full sort gives)

@@ -69,6 +69,7 @@ class _Graph:
     index: dict[str, int]
     shapes: dict[str, list[int | None]]
     initializers: set[str]
+    inputs: frozenset[str] = frozenset()
 
 
 def _graph_view(model: onnx.ModelProto) -> _Graph:
@@ -89,7 +90,9 @@ def _graph_view(model: onnx.ModelProto) -> _Graph:
             shapes[vi.name] = [
                 d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in t.shape.dim
             ]
-    return _Graph(producer, index, shapes, {i.name for i in model.graph.initializer})
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = frozenset(i.name for i in model.graph.input if i.name not in initializers)
+    return _Graph(producer, index, shapes, initializers, inputs)
 
 
 def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
@@ -243,6 +246,36 @@ def _parts(
     return out_axis, axis, tuple(parts), node.name or f"Concat#{g.index[src]}"
 
 
+def _appended(g: _Graph, tensor: str) -> tuple[str, int, int, str] | None:
+    """A KV cache's present: (past input, axis in the output, axis in the past, Concat) when
+    ``tensor`` is a Concat whose first input is a model input (through Identity / Cast only).
+
+    ``Concat(past_key_values.N.key, new_key, axis=2)`` is how every exporter (optimum,
+    onnxruntime-genai, torch dynamo) grows a decoder's cache: the first positions are the fed
+    past, copied; only the rest is computed.
+    """
+    _, node, mapping, lost = _semantic(g, tensor)
+    if node is None or node.op_type != "Concat" or len(node.input) != 2 or lost:
+        return None
+    past = node.input[0]
+    hops = 0
+    while past not in g.inputs and hops < 4:
+        writer = g.producer.get(past)
+        if writer is None or writer.op_type not in ("Identity", "Cast"):
+            return None
+        past, hops = writer.input[0], hops + 1
+    if past not in g.inputs:
+        return None
+    rank = len(g.shapes[past]) if past in g.shapes else None
+    axis = _norm_axis(_attr(node, "axis", 0), rank)
+    if axis is None or axis == 0:
+        return None
+    out_axis = _to_out(axis, mapping, lost)
+    if out_axis is None:
+        return None
+    return past, out_axis, axis, node.name or f"Concat#{g.index[node.output[0]]}"
+
+
 def output_specs(model: onnx.ModelProto, overrides: dict[str, str] | None = None) -> dict[str, OutputSpec]:
     """One :class:`OutputSpec` per model output, inferred from the graph (``overrides`` win).
 
@@ -266,7 +299,13 @@ def output_specs(model: onnx.ModelProto, overrides: dict[str, str] | None = None
     for name in names:
         shape = g.shapes.get(name)
         kind, class_axis, evidence = _kind_of(g, name, shape)
-        parts = _parts(g, name, shape)
+        appended = _appended(g, name)
+        parts = _parts(g, name, shape) if appended is None else None
+        if appended is not None:
+            evidence += (
+                f"; Concat '{appended[3]}' appends to model input '{appended[0]}' (a KV cache): "
+                "graded on the new positions only"
+            )
         part_axis: int | None = None
         concat_axis: int | None = None
         part_list: tuple[OutputPart, ...] = ()
@@ -302,6 +341,9 @@ def output_specs(model: onnx.ModelProto, overrides: dict[str, str] | None = None
             parts=part_list,
             concat_node=concat,
             evidence=evidence,
+            appended_to=appended[0] if appended else None,
+            appended_axis=appended[1] if appended else None,
+            appended_input_axis=appended[2] if appended else None,
         )
     return specs
 

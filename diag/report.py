@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from diag.analyze import first_nonfinite, shortened_path
+from diag.analyze import GRADES, first_nonfinite, shortened_path
 from diag.documents import read_document
 from diag.environment import templates_dir
 from diag.errors import DiagError
@@ -371,6 +371,8 @@ class ReportView:
     """Everything the templates print, already formatted and already cut."""
 
     title: str
+    #: "INT8 model", or "INT4 model" for a 4-bit weight-only one (the headline's subject).
+    model_noun: str
     grade: str
     cause: str
     single_cause: bool
@@ -469,6 +471,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     shown_groups = remedy_groups[:REMEDY_GROUPS]
     return ReportView(
         title=f"diag: {Path(models['int8']['path']).name} vs {Path(models['fp32']['path']).name}",
+        model_noun=model_noun(doc),
         grade=verdict["grade"],
         cause=verdict["cause"],
         single_cause=verdict["single_cause"],
@@ -786,10 +789,19 @@ def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[Neighbou
 
 
 def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> list[str]:
-    """ "logits: conv3 (+relu3) [root cause, 9.5 dB] → pool [17.6 dB] → … → fc [18.4 dB]"."""
+    """ "logits: conv3 (+relu3) [root cause, 9.5 dB] → pool [17.6 dB] → … → fc [18.4 dB]".
+
+    Of the KV-cache outputs (``present.*``, one per layer and per key / value) only the one with
+    the lowest SQNR gets a line, saying how many it stands for.
+    """
     by_name = {n["name"]: n for n in nodes}
+    caches = sorted(
+        (o for o in outputs if o.get("cache_of")),
+        key=lambda o: (-GRADES.index(o["grade"]) if o.get("grade") in GRADES else 0, _db(o.get("sqnr_db")), o["name"]),
+    )
+    shown = [o for o in outputs if not o.get("cache_of")] + caches[:1]
     lines = []
-    for o in outputs:
+    for o in shown:
         path = [by_name[p] for p in o.get("error_path", []) if p in by_name]
         if not path:
             continue
@@ -798,8 +810,17 @@ def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> 
             role = f"{n['role']}, " if n["role"] not in ("ok", "victim") else ""
             steps.append(f"{n['name']} [{role}{fmt_db(n['accumulated']['sqnr_db'])} dB]")
         steps = shortened_path(steps, 3, PATH_STEPS, "\u2026 {} more \u2026")
-        lines.append(f"{o['name']}: " + " \u2192 ".join(steps))
+        more = f" (the worst of {len(caches)} KV-cache outputs)" if o.get("cache_of") and len(caches) > 1 else ""
+        lines.append(f"{o['name']}{more}: " + " \u2192 ".join(steps))
     return lines
+
+
+def _db(value: Any) -> float:
+    """An SQNR from the document (None, or a string such as ``"inf"``) as a float to sort on."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.inf
 
 
 def _nonfinite(nodes: list[dict[str, Any]]) -> list[str]:
@@ -1058,6 +1079,21 @@ def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
             chans = channel_ranges(name, p["channel_max"], [o["index"] for o in h["outliers"]], factor)
         plots.append(DistributionPlot(name, distribution(name, p, h), chans))
     return plots
+
+
+def model_noun(doc: dict[str, Any]) -> str:
+    """ "INT4 model" for a weight-only model of 4 bits (as its recipe says), else "INT8 model".
+
+    Example:
+        >>> model_noun({"recommendation": {"recipe": {"settings": {"mode": "weight_only", "bits": 4}}}})
+        'INT4 model'
+        >>> model_noun({"recommendation": {"recipe": None}})
+        'INT8 model'
+    """
+    settings = ((doc.get("recommendation") or {}).get("recipe") or {}).get("settings") or {}
+    if settings.get("mode") == "weight_only":
+        return f"INT{int(settings.get('bits', 4))} model"
+    return "INT8 model"
 
 
 def _precision_note(precisions: dict[str, list[str]] | None) -> str:

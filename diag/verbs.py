@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from diag import compare as pipeline
-from diag.analyze import nonfinite_origins, shortened_path
+from diag.analyze import cache_verdicts, caches_line, nonfinite_origins, shortened_path
 from diag.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
 from diag.compare import EXCLUDE_WORDS, CompareOptions, CompareResult, with_exclude_command
@@ -355,7 +355,11 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
     ...; the report has the rest), then coverage and the files written."""
     lines = [f"warning: {w}" for model in (result.fp32, result.int8) for w in model.warnings]
     lines.append(f"verdict: {result.grade.upper()} - {result.cause_sentence}")
-    lines += [f"  output {v.name}: {v.grade} ({'; '.join(v.reasons)})" for v in result.verdicts]
+    answers = [v for v in result.verdicts if v.per_sample.cache_of is None]
+    lines += [f"  output {v.name}: {v.grade} ({'; '.join(v.reasons)})" for v in answers]
+    caches = caches_line(result.verdicts)
+    if caches is not None:
+        lines.append(f"  {caches}")
     lines += [f"  {line}" for line in task_lines(result.task_metrics or {})]
     lines += _deployed_lines(result)
     lines += _cause_lines(result)
@@ -424,9 +428,14 @@ def _cause_lines(result: CompareResult) -> list[str]:
         )
     if result.state is not None and result.state.fp16_ranges:
         lines += [f"  {line}" for line in fp16_range_lines(result.findings, result.state.fp16_ranges)]
+    caches = cache_verdicts(result.verdicts)
+    hidden = {v.name for v in caches[1:]}
     for out, path in result.paths.items():
+        if out in hidden:
+            continue
         labels = shortened_path([f.group.label for f in path], 2, 5, "... {} more ...")
-        lines.append(f"  error path to {out}: {' -> '.join(labels)}")
+        more = f" (the worst of {len(caches)} KV-cache outputs)" if len(caches) > 1 and out == caches[0].name else ""
+        lines.append(f"  error path to {out}{more}: {' -> '.join(labels)}")
     layout = decoder_layout(result.findings, module_paths(result.fp32.proto))
     if layout is not None:
         lines.append(f"  {layer_sentence(layout)}")

@@ -79,17 +79,26 @@ def infer_weight_only(model: onnx.ModelProto) -> tuple[dict[str, Any], list[str]
             recipe["block_size"] = sizes.most_common(1)[0][0]
         recipe["is_symmetric"] = all(len(n.input) < 3 or not n.input[2] for n in dq)
         evidence.append(f"{sum(sizes.values())} block-wise DequantizeLinear node(s): block_size {dict(sizes)}")
-    float_matmuls = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name and not _quantized_matmul(n)]
-    dq_outputs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
-    kept = [name for name in float_matmuls if not any(i in dq_outputs for i in _inputs_of(model, name))]
+    # Only a MatMul whose B is a 2-D float initializer is one MatMulNBitsQuantizer would have
+    # quantized ("MatMul doesn't have const weight. Skip"): attention's activation x activation
+    # MatMuls are never quantized, so excluding them is advice that changes nothing.
+    inits = {t.name: t for t in model.graph.initializer}
+    kept = [
+        n.name
+        for n in model.graph.node
+        if n.op_type == "MatMul" and n.name and not _quantized_matmul(n) and _float_weight(n, inits)
+    ]
     if kept:
         recipe["nodes_to_exclude"] = kept
         evidence.append(f"{len(kept)} MatMul node(s) left in float: {', '.join(kept[:5])}")
     return recipe, evidence
 
 
-def _inputs_of(model: onnx.ModelProto, name: str) -> list[str]:
-    return next((list(n.input) for n in model.graph.node if n.name == name), [])
+def _float_weight(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
+    """``node``'s B is a 2-D float initializer (what MatMulNBitsQuantizer quantizes; a B behind a
+    block-wise DequantizeLinear is already quantized)."""
+    b = inits.get(node.input[1]) if len(node.input) > 1 else None
+    return b is not None and len(b.dims) == 2 and b.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 
 
 def _quantized_matmul(node: onnx.NodeProto) -> bool:

@@ -55,6 +55,7 @@ from diag.nbits import (
     BlockedWeight,
     BlockError,
     block_errors,
+    block_figures,
     blocked_weights,
     fp32_weight_of,
 )
@@ -360,7 +361,7 @@ def _blocked_findings(
                 cosine=stats.cosine(),
                 channels=channels,
                 block_size=w.block_size,
-                blocks=block_errors(pair[1], ref, w, WORST_BLOCKS),
+                blocks=block_errors(pair[1], ref, w, WORST_BLOCKS, stats.block_figures(ref.size)),
             )
         )
 
@@ -377,11 +378,16 @@ class _BlockedStats:
     scaled: np.ndarray
     dot: float
     deq_energy: float
+    #: per block of rows (``[blocks, N]``): RMS and largest |error| (:func:`diag.nbits.block_figures`)
+    block_rmse: np.ndarray
+    block_peak: np.ndarray
 
     @classmethod
     def of(cls, ref: np.ndarray, w: BlockedWeight) -> _BlockedStats:
         n = ref.shape[1]
         signal, noise, peak, scaled = (np.zeros(n) for _ in range(4))
+        blocks = (ref.shape[0] + w.block_size - 1) // w.block_size
+        block_rmse, block_peak = np.empty((blocks, n)), np.empty((blocks, n))
         dot = deq_energy = 0.0
         for a in range(0, n, CHUNK_COLUMNS):
             b = min(a + CHUNK_COLUMNS, n)
@@ -389,6 +395,7 @@ class _BlockedStats:
             scale, zero = w.grid(slice(a, b))
             deq = (w.levels[:, a:b].astype(np.float64) - zero) * scale
             e = deq - r
+            block_rmse[:, a:b], block_peak[:, a:b] = block_figures(e, w.block_size)
             signal[a:b] = np.einsum("ij,ij->j", r, r)
             noise[a:b] = np.einsum("ij,ij->j", e, e)
             peak[a:b] = np.abs(e).max(axis=0) if e.shape[0] else 0.0
@@ -396,7 +403,12 @@ class _BlockedStats:
             scaled[a:b] = np.einsum("ij,ij->j", se, se)
             dot += float(np.einsum("ij,ij->", r, deq))
             deq_energy += float(np.einsum("ij,ij->", deq, deq))
-        return cls(signal, noise, peak, scaled, dot, deq_energy)
+        return cls(signal, noise, peak, scaled, dot, deq_energy, block_rmse, block_peak)
+
+    def block_figures(self, size: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """What :func:`diag.nbits.block_errors` takes as ``figures`` for a weight of ``size`` values:
+        block rmse, block peak and the weight's rms (as block_errors computes it)."""
+        return self.block_rmse, self.block_peak, math.sqrt(float(self.signal.sum()) / max(size, 1)) or 1.0
 
     def cosine(self) -> float:
         """Cosine of the whole weight and its dequantized copy (as :func:`_cosine`)."""

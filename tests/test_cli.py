@@ -85,10 +85,11 @@ def test_help_is_instant_because_heavy_modules_are_not_imported():
     assert out.stdout.strip() == "[]"
 
 
-def test_console_script_reports_errors_and_exit_code(tmp_path):
+@pytest.mark.parametrize("module", ["diag", "diag.cli"])
+def test_console_script_reports_errors_and_exit_code(tmp_path, module):
     env = dict(os.environ)
     out = subprocess.run(
-        [sys.executable, "-m", "diag", "inspect", str(tmp_path / "missing.onnx")],
+        [sys.executable, "-m", module, "inspect", str(tmp_path / "missing.onnx")],
         capture_output=True,
         text=True,
         env=env,

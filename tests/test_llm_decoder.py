@@ -194,6 +194,25 @@ def test_names_outside_any_layer(name):
     assert layer_of(name) is None
 
 
+def test_inferred_recipe_excludes_only_matmuls_the_quantizer_would_have_quantized(llm, tmp_path):
+    """Attention's activation x activation MatMuls are never quantized: listing them in
+    nodes_to_exclude is advice that changes nothing (helper finding on the KV-cache benchmark)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from diag.weightonly import infer_weight_only
+
+    settings = _doc(llm)["recommendation"]["recipe"]["settings"]
+    assert settings["mode"] == "weight_only" and "nodes_to_exclude" not in settings
+    fp32 = onnx.load(str(llm["fp32"]))
+    kept = next(n.name for n in fp32.graph.node if n.op_type == "MatMul" and n.input[1] in
+                {t.name for t in fp32.graph.initializer})  # fmt: skip
+    quantizer = MatMulNBitsQuantizer(fp32, block_size=32, is_symmetric=True, bits=4, nodes_to_exclude=[kept])
+    quantizer.process()
+    recipe, evidence = infer_weight_only(quantizer.model.model)
+    assert recipe["nodes_to_exclude"] == [kept]
+    assert evidence[-1] == f"1 MatMul node(s) left in float: {kept}"
+
+
 def test_fix_snippet_and_kept_models_are_whole_with_external_data(llm, tmp_path):
     summary = (llm["out"] / "summary.md").read_text()
     assert "save_as_external_data=True, location='int4.fixed.onnx.data'" in summary

@@ -127,5 +127,6 @@ def test_peak_memory_does_not_grow_with_samples(tmp_path):
 
     peak(1)  # build and quantize once, outside the measured runs
     small, large = peak(4), peak(32)
-    # Keeping every sample would add ~28 x 10 MB = 280 MB; allow 10 % noise.
-    assert large <= small * 1.10, (small, large)
+    # Keeping every sample would add ~28 x 10 MB = 280 MB. Allow 60 MB: the peak of one run moves by
+    # up to ~15 MB (150-164 MB seen for the same 4 samples on a loaded 2-core machine).
+    assert large <= small + 60_000, (small, large)
