@@ -20,14 +20,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from diag.ortfacts import weight_operands
+
 #: Ops whose input at this index is a quantized weight onnxruntime multiplies in u8s8 kernels.
-_WEIGHT_INPUT = {
-    "MatMulInteger": 1,
-    "ConvInteger": 1,
-    "DynamicQuantizeMatMul": 1,
-    "QLinearConv": 3,
-    "QLinearMatMul": 3,
-}
+_WEIGHT_INPUT = {op: w.index for op, w in weight_operands(lambda op: op.u8s8).items()}
 # NOTE: QDQ models are left out: diag's exact mode computes their DequantizeLinear in float, so its
 # per-tensor figures do not depend on the CPU (deployed, onnxruntime fuses them into u8s8 kernels).
 #: Beyond this span a signed weight tensor uses the full 8 bits (reduce_range keeps it within 7).

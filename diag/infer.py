@@ -45,6 +45,7 @@ from diag.files import output_file, write_set
 from diag.fp16convert import infer_fp16_recipe
 from diag.lint import DIAG_ONLY_KEYS, RECIPE_KEYS, quantizable_op_types
 from diag.load import model_from_path
+from diag.ortfacts import weight_operands
 from diag.precision import activation_overrides
 from diag.protos import value_dtypes  # element types via shape inference on a weight-free copy
 from diag.recipe import Recipe, recipe_from_option
@@ -77,12 +78,8 @@ REDUCED_SPAN: dict[int, int] = {
 }
 #: input index of the quantized weight, its scale and zero point, for quantized weighted ops.
 _WEIGHT_INPUTS = {
-    "MatMulInteger": (1, None, 3),
-    "ConvInteger": (1, None, 3),
-    "DynamicQuantizeMatMul": (1, 2, 3),
-    "QLinearConv": (3, 4, 5),
-    "QLinearMatMul": (3, 4, 5),
-    "QGemm": (3, 4, 5),
+    op: (w.index, w.scale, w.zero_point)
+    for op, w in weight_operands(lambda op: op.family in ("dynamic", "qoperator")).items()
 }
 
 UNKNOWN_FIELDS = {
@@ -138,7 +135,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
         ('static', 'QDQ')
     """
     loaded = model_from_path(path, "INT8 model")
-    kind = loaded.format.kind
+    kind: str = loaded.format.kind
     obj = f"INT8 model '{loaded.path}'"
     if kind == "fp32":
         raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")

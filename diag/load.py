@@ -10,43 +10,41 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import onnx
 
 from diag.errors import DiagError
 from diag.files import input_file, remember_input
+from diag.ortfacts import ops_where
 from diag.precision import fp16_breakdown, has_float16, precision_breakdown, qdq_breakdown
 
-#: op types that only exist in quantized graphs, by the format that produces them.
-DYNAMIC_OPS = frozenset(
-    {"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"}
-)
-QOPERATOR_OPS = frozenset(
-    {
-        "QLinearConv",
-        "QLinearMatMul",
-        "QLinearAdd",
-        "QLinearMul",
-        "QLinearSoftmax",
-        "QGemm",
-        "QLinearGlobalAveragePool",
-        "QLinearAveragePool",
-        "QLinearConcat",
-        "QLinearLeakyRelu",
-        "QLinearSigmoid",
-        "QLinearReduceMean",
-        "QLinearWhere",
-        "QAttention",
-        "QEmbedLayerNormalization",
-        "QLinearConvTranspose",
-    }
-)
-QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+#: op types that only exist in quantized graphs, by the format that produces them (:mod:`diag.ortfacts`).
+DYNAMIC_OPS = ops_where(lambda op: op.family == "dynamic")
+QOPERATOR_OPS = ops_where(lambda op: op.family == "qoperator")
+QDQ_OPS = ops_where(lambda op: op.family == "qdq")
 #: weight-only block-quantized ops (``MatMulNBitsQuantizer``, QOperator format; com.microsoft).
-NBITS_OPS = frozenset({"MatMulNBits", "GatherBlockQuantized"})
+NBITS_OPS = ops_where(lambda op: op.family == "nbits")
 
 #: Refuse to parse files larger than this without external data (protobuf's own hard limit).
 MAX_PROTO_BYTES = 2**31 - 1
+
+
+#: Every value of :attr:`ModelFormat.kind`; an INT8 model's is one of diag.schema.json's
+#: ``models.int8.format`` enum (``tests/test_ortfacts.py`` checks both lists are the same), ``fp32`` the FP32 model's.
+FormatKind = Literal[
+    "fp32",
+    "dynamic",
+    "qdq",
+    "qoperator",
+    "mixed",
+    "fp16",
+    "qdq-a16w8",
+    "qdq16",
+    "qdq-fp8",
+    "matmulnbits",
+    "qdq-int4-blocked",
+]
 
 
 @dataclass
@@ -63,7 +61,7 @@ class ModelFormat:
         family_name: the tool behind a ``mixed`` or 16-bit kind (``fp16``, ``qdq``); empty = ``kind``.
     """
 
-    kind: str
+    kind: FormatKind
     evidence: dict[str, int] = field(default_factory=dict)
     precisions: dict[str, list[str]] = field(default_factory=dict)
     family_name: str = ""
@@ -267,7 +265,7 @@ def detect_format(proto: onnx.ModelProto) -> ModelFormat:
     qop = {op: ops[op] for op in QOPERATOR_OPS if ops[op]}
     qdq = {op: ops[op] for op in QDQ_OPS if ops[op]}
     qdq_pairs = _qdq_activation_pairs(proto.graph)
-    kinds = []
+    kinds: list[FormatKind] = []
     if dynamic:
         kinds.append("dynamic")
     if qop:

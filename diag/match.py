@@ -26,9 +26,10 @@ import onnx
 from onnx import numpy_helper
 
 from diag.load import DYNAMIC_OPS, NBITS_OPS, QDQ_OPS, QOPERATOR_OPS, outer_scope_inputs, subgraphs
+from diag.ortfacts import QUANTIZED_OPS, QuantizedOp
 from diag.protos import node_id, value_dtypes
 
-QUANT_OPS = DYNAMIC_OPS | QDQ_OPS | QOPERATOR_OPS | NBITS_OPS | {"QGemm"}
+QUANT_OPS = DYNAMIC_OPS | QDQ_OPS | QOPERATOR_OPS | NBITS_OPS
 
 FLOAT_TYPES = {
     onnx.TensorProto.FLOAT,
@@ -38,37 +39,20 @@ FLOAT_TYPES = {
 }
 
 #: Where QOperator ops keep the scale / zero point of their *output* (input indices).
-_OUTPUT_QPARAMS = {
-    "QuantizeLinear": (1, 2),
-    "QLinearConv": (6, 7),
-    "QLinearMatMul": (6, 7),
-    "QLinearAdd": (6, 7),
-    "QLinearMul": (6, 7),
-    "QGemm": (7, 8),
-    "QLinearGlobalAveragePool": (3, 4),
-    "QLinearAveragePool": (3, 4),
-    "QLinearSoftmax": (3, 4),
-    "QLinearSigmoid": (3, 4),
-    "QLinearLeakyRelu": (3, 4),
-    "QLinearReduceMean": (3, 4),
-    "QLinearConcat": (0, 1),
-    "QLinearConvTranspose": (6, 7),
-}
-#: Ops that read a quantized input at index i with its scale at i+1 and zero point at i+2.
+_OUTPUT_QPARAMS = {name: grid for name, op in QUANTIZED_OPS.items() if (grid := op.output_grid) is not None}
+
+
+def _input_grids(op: QuantizedOp) -> tuple[tuple[int, int, int], ...]:
+    """(input, scale, zero point) indices of each operand of ``op`` whose grid is an input."""
+    operands = [op.operand(i) for i in range(len(op.operands))]
+    return tuple((g.index, g.scale, g.zero_point) for g in operands if g.scale is not None and g.zero_point is not None)
+
+
+#: Ops that read a quantized input with its grid: (input, scale, zero point) indices (QLinearConcat apart).
 _INPUT_QPARAM_INDICES = {
-    "DequantizeLinear": (0,),
-    "QLinearConv": (0, 3),
-    "QLinearMatMul": (0, 3),
-    "QLinearAdd": (0, 3),
-    "QLinearMul": (0, 3),
-    "QGemm": (0, 3),
-    "QLinearGlobalAveragePool": (0,),
-    "QLinearAveragePool": (0,),
-    "QLinearSoftmax": (0,),
-    "QLinearSigmoid": (0,),
-    "QLinearLeakyRelu": (0,),
-    "QLinearReduceMean": (0,),
-    "QLinearConvTranspose": (0, 3),
+    name: _input_grids(op)
+    for name, op in QUANTIZED_OPS.items()
+    if op.family in ("qoperator", "qdq") and _input_grids(op)
 }
 
 
@@ -269,13 +253,15 @@ def _quantized_tensor_params(idx: _GraphIndex, name: str) -> QuantParams | None:
     for c in idx.consumers.get(name, []):
         node = idx.nodes[c]
         if node.op_type == "QLinearConcat":
-            positions = [i for i in range(2, len(node.input), 3) if node.input[i] == name]
+            positions = [(i + 1, i + 2) for i in range(2, len(node.input), 3) if node.input[i] == name]
         else:
             positions = [
-                i for i in _INPUT_QPARAM_INDICES.get(node.op_type, ()) if i < len(node.input) and node.input[i] == name
+                (s, z)
+                for i, s, z in _INPUT_QPARAM_INDICES.get(node.op_type, ())
+                if i < len(node.input) and node.input[i] == name
             ]
-        for i in positions:
-            p = _node_params(idx, node, i + 1, i + 2)
+        for s, z in positions:
+            p = _node_params(idx, node, s, z)
             if p is not None:
                 return p
     return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Literal
 
 import onnx
 
@@ -45,6 +46,10 @@ _DATA_MOVEMENT = frozenset(
 )
 
 
+#: The format kinds a precision breakdown decides (a subset of :data:`diag.load.FormatKind`).
+PrecisionKind = Literal["fp16", "qdq-a16w8", "qdq16", "qdq-fp8", "mixed"]
+
+
 @dataclass
 class PrecisionBreakdown:
     """Which nodes run at which precision, and the format name that follows.
@@ -55,7 +60,7 @@ class PrecisionBreakdown:
         nodes: precision label (``fp16``, ``fp32``, ``a16w8``, ``a8w8``, ``a16``...) -> node names.
     """
 
-    kind: str
+    kind: PrecisionKind
     family: str
     nodes: dict[str, list[str]] = field(default_factory=dict)
 
@@ -159,7 +164,7 @@ def qdq_breakdown(proto: onnx.ModelProto) -> PrecisionBreakdown | None:
     wts = {int(label.split("w")[1]) for label in nodes if "w" in label}
     # NOTE: with 16-bit activations onnxruntime also quantizes constant Add/Mul operands with the
     # activation type, so an A16W8 model holds 16-bit "weights" too: 8-bit weights anywhere = a16w8.
-    kind = ("qdq-a16w8" if 8 in wts else "qdq16") if act == {16} else "mixed"
+    kind: PrecisionKind = ("qdq-a16w8" if 8 in wts else "qdq16") if act == {16} else "mixed"
     return PrecisionBreakdown(kind, "qdq", dict(sorted(nodes.items())))
 
 

@@ -27,18 +27,20 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from diag.ortfacts import QUANTIZED_OPS
+
 #: Per node, at most this many rows of A (GEMM rows: tokens, output pixels) are simulated in total.
 MAX_ROWS = 4096
 #: Rows simulated at once (the pairwise products are rows x K/2 x N int32 values).
 _CHUNK_ELEMENTS = 1 << 22
 
+#: The u8s8 ops simulated here (DynamicQuantizeMatMul's A is float: quantized here like DynamicQuantizeLinear).
+_SIMULATED = ("MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv", "DynamicQuantizeMatMul")
 #: op -> (index of the u8 activation, its zero point, the s8 weight, its zero point); -1: none.
 _OPS: dict[str, tuple[int, int, int, int]] = {
-    "MatMulInteger": (0, 2, 1, 3),
-    "ConvInteger": (0, 2, 1, 3),
-    "QLinearMatMul": (0, 2, 3, 5),
-    "QLinearConv": (0, 2, 3, 5),
-    "DynamicQuantizeMatMul": (0, -1, 1, 3),  # A is float; quantized here like DynamicQuantizeLinear
+    op: (a.index, -1 if a.zero_point is None else a.zero_point, w.index, -1 if w.zero_point is None else w.zero_point)
+    for op in _SIMULATED
+    for a, w in [(QUANTIZED_OPS[op].operand(0), QUANTIZED_OPS[op].operand(1))]
 }
 
 

@@ -60,6 +60,7 @@ from diag.nbits import (
     blocked_weights,
     fp32_weight_of,
 )
+from diag.ortfacts import QUANTIZED_OPS, Operand
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
@@ -81,40 +82,39 @@ _FUSED_ACTIVATIONS = {"Relu", "Clip"}
 #: Initializers up to this size (scales, zero points, BN parameters) are converted once and cached.
 _CACHED_ELEMENTS = 4096
 
+#: Float ops whose quantized forms (:data:`diag.ortfacts.QUANTIZED_OPS`) have their weights measured.
+_MEASURED_FLOAT_OPS = {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul"}
+#: Quantized op -> its operands as (FP32 input index, where the operand and its grid are).
+_OPERANDS: dict[str, list[tuple[int, Operand]]] = {
+    name: [(fp_idx, op.operand(fp_idx)) for fp_idx in range(len(op.operands))]
+    for name, op in QUANTIZED_OPS.items()
+    if op.family in ("dynamic", "qoperator") and op.float_op in _MEASURED_FLOAT_OPS
+}
 #: QOperator / dynamic ops: quantized input index -> (scale index, zero point index, FP32 input index).
 _QOP_INPUTS: dict[str, dict[int, tuple[int, int, int]]] = {
-    "QLinearConv": {0: (1, 2, 0), 3: (4, 5, 1)},
-    "QLinearConvTranspose": {0: (1, 2, 0), 3: (4, 5, 1)},
-    "QLinearMatMul": {0: (1, 2, 0), 3: (4, 5, 1)},
-    "QGemm": {0: (1, 2, 0), 3: (4, 5, 1)},
-    "QLinearAdd": {0: (1, 2, 0), 3: (4, 5, 1)},
-    "QLinearMul": {0: (1, 2, 0), 3: (4, 5, 1)},
-    "DynamicQuantizeMatMul": {1: (2, 3, 1)},
-    "MatMulIntegerToFloat": {0: (2, 4, 0), 1: (3, 5, 1)},
-}
-#: QOperator int32 bias inputs: bias index -> (input scale index, weight scale index, FP32 input index).
-_QOP_BIAS: dict[str, tuple[int, int, int, int]] = {
-    "QLinearConv": (8, 1, 4, 2),
-    "QLinearConvTranspose": (8, 1, 4, 2),
-    "QGemm": (6, 1, 4, 2),
+    name: {
+        g.index: (g.scale, g.zero_point, fp_idx)
+        for fp_idx, g in operands
+        if g.scale is not None and g.zero_point is not None
+    }
+    for name, operands in _OPERANDS.items()
+    if any(g.scale is not None for _, g in operands)
 }
 #: Dynamic integer ops: weight index -> (zero point index, FP32 input index); the scale is found downstream.
 _INTEGER_INPUTS: dict[str, dict[int, tuple[int, int]]] = {
-    "ConvInteger": {1: (3, 1)},
-    "MatMulInteger": {0: (2, 0), 1: (3, 1)},
+    name: {g.index: (g.zero_point, fp_idx) for fp_idx, g in operands if g.zero_point is not None}
+    for name, operands in _OPERANDS.items()
+    if name not in _QOP_INPUTS
 }
-_FLOAT_OP_OF = {
-    "QLinearConv": "Conv",
-    "QLinearConvTranspose": "ConvTranspose",
-    "QLinearMatMul": "MatMul",
-    "QGemm": "Gemm",
-    "QLinearAdd": "Add",
-    "QLinearMul": "Mul",
-    "ConvInteger": "Conv",
-    "MatMulInteger": "MatMul",
-    "DynamicQuantizeMatMul": "MatMul",
-    "MatMulIntegerToFloat": "MatMul",
+#: QOperator int32 bias inputs: bias index -> (input scale index, weight scale index, FP32 input index).
+_QOP_BIAS: dict[str, tuple[int, int, int, int]] = {
+    name: (bias, x.scale, w.scale, 2)
+    for name in _QOP_INPUTS
+    if (bias := QUANTIZED_OPS[name].bias_index) is not None
+    and (x := _OPERANDS[name][0][1]).scale is not None
+    and (w := _OPERANDS[name][1][1]).scale is not None
 }
+_FLOAT_OP_OF = {name: str(QUANTIZED_OPS[name].float_op) for name in _OPERANDS}
 
 
 @dataclass(frozen=True)
