@@ -29,11 +29,12 @@ import numpy as np
 from diag.errors import DiagError
 from diag.feeds import FeedSource, FeedSpec, input_specs, validate_feed
 from diag.load import LoadedModel, model_from_path
+from diag.ortfacts import DEPLOY_LEVEL
 from diag.progress import Progress
 from diag.run import session_from_model
 
 #: onnxruntime's own default graph optimization level: what a deployed session runs.
-DEPLOY_OPT_LEVEL = "all"
+DEPLOY_OPT_LEVEL = DEPLOY_LEVEL
 
 
 @dataclass(frozen=True)

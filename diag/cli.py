@@ -26,6 +26,7 @@ from diag.diff import DiffOptions, run_diff
 from diag.environment import __version__, printable
 from diag.errors import GATE_FAILED, INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
 from diag.gate import CheckOptions, Gates, run_check
+from diag.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL, OPT_LEVELS
 from diag.summary import Summary
 
 if TYPE_CHECKING:
@@ -615,8 +616,8 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
     _add_out(p, "diag-out")
     p.add_argument(
         "--ort-opt-level",
-        choices=["disabled", "basic", "extended", "all"],
-        default="disabled",
+        choices=OPT_LEVELS,
+        default=EXACT_LEVEL,
         help="onnxruntime graph optimizations; 'disabled' (default) keeps every tensor comparable",
     )
     _add_threads(p, help="intra-op threads of every session; they run one after the other (default: every core)")
@@ -759,8 +760,8 @@ def _exclude_flags(p: argparse.ArgumentParser) -> None:
     _add_target(p, "goal on held-out inputs, e.g. cosine>=0.999", required=True)
     p.add_argument(
         "--deploy-level",
-        choices=("disabled", "basic", "extended", "all"),
-        default="all",
+        choices=OPT_LEVELS,
+        default=DEPLOY_LEVEL,
         help="the onnxruntime graph optimization level you deploy with: a list meets the target only when it "
         "holds in exact mode (what the search compares) and at this level, where fused integer kernels can undo "
         "an exclusion (default: all, onnxruntime's default; disabled: exact mode only)",

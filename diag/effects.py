@@ -47,6 +47,7 @@ from diag.jsonnum import json_number
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
 from diag.metrics import ErrorAccumulator, ErrorStats, OutputSpec
+from diag.ortfacts import DEPLOY_LEVEL
 from diag.progress import Progress
 from diag.remedies import generic_spread
 from diag.run import default_threads, run_batch, session_from_model
@@ -59,7 +60,7 @@ DEFAULT_SAMPLES = 8
 CONFIRMED_SHARE = 0.5
 _PREFIX = "diag_float/"
 #: Effects are measured with the optimization level onnxruntime uses by default.
-EFFECT_OPT_LEVEL = "all"
+EFFECT_OPT_LEVEL = DEPLOY_LEVEL
 
 
 @dataclass

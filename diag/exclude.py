@@ -71,6 +71,7 @@ from diag.load import LoadedModel, float_model_from_path
 from diag.match import Matching
 from diag.metrics import ErrorStats
 from diag.modelprep import copy_model
+from diag.ortfacts import DEPLOY_LEVEL
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
@@ -115,7 +116,7 @@ class SearchOptions:
     time_budget: float | None = None
     metric: str | None = None
     int8: str | None = None
-    deploy_level: str = "all"
+    deploy_level: str = DEPLOY_LEVEL
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ class ExclusionResult:
     #: Where the starting recipe came from (:meth:`diag.infer.RecipeOrigin.to_dict`; set by the verb).
     recipe_origin: dict[str, Any] = field(default_factory=dict)
     #: The onnxruntime optimization level "met" was also checked at ("disabled": exact mode only).
-    deploy_level: str = "all"
+    deploy_level: str = DEPLOY_LEVEL
     #: ``after`` at the deploy level (None when not checked: no answer, or exact mode only).
     after_deployed: HeldOutMetrics | None = None
     #: Sessions run at the deploy level (met-in-exact-mode lists only).

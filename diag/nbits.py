@@ -35,6 +35,7 @@ import onnx
 from diag.errors import DiagError
 from diag.feeds import Batch
 from diag.jsonnum import json_number
+from diag.ortfacts import DEPLOY_LEVEL
 from diag.run import run_batch, session_from_model
 
 #: Reads one initializer as numpy by name (None when the name is no initializer).
@@ -490,7 +491,7 @@ def check_accuracy_level(
                 lv = level if n.output[0] in at_level else 0
                 n.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", lv)])
         role = f"quantized model with {len(at_level)} MatMulNBits node(s) at accuracy_level {level}"
-        sess = session_from_model(m, role, "all", threads)
+        sess = session_from_model(m, role, DEPLOY_LEVEL, threads)
         return [{k: v for k, v in run_batch(sess, f, role).items() if k in outputs} for f in feeds_used]
 
     reference = run(set())

@@ -24,6 +24,7 @@ from diag.errors import DiagError
 from diag.evaluate import HeldOutEvaluator
 from diag.feeds import FeedSource
 from diag.load import LoadedModel
+from diag.ortfacts import DEPLOY_LEVEL
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
 from diag.remedies import weight_only_changes
@@ -88,7 +89,7 @@ def check_weight_only_remedies(
         >>> checks.ranked()[0].remedy  # doctest: +SKIP
         'a smaller block_size (16)'
     """
-    evaluator = HeldOutEvaluator(fp, feeds, 0, None, threads, opt_level="all")
+    evaluator = HeldOutEvaluator(fp, feeds, 0, None, threads, opt_level=DEPLOY_LEVEL)
     baseline = evaluator.evaluate(int8_path)
     last = _last_matmul(fp)
     checks = []

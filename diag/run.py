@@ -51,7 +51,7 @@ def session_from_model(
     """
     import onnxruntime as ort
 
-    levels = {
+    levels = {  # by diag.ortfacts.OPT_LEVELS (tests/test_ortfacts.py)
         "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
         "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,

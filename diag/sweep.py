@@ -51,6 +51,7 @@ from diag.files import out_dir as checked_out_dir
 from diag.jsonnum import json_numbers
 from diag.load import float_model_from_path
 from diag.numfmt import table_cell
+from diag.ortfacts import DEPLOY_LEVEL
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import STATIC_ONLY, Recipe, inline_json, read_recipe_file
@@ -1003,7 +1004,7 @@ def _settings(o: SweepOptions, feeds: FeedSpec, source: FeedSource, threads: int
         "inputs": feeds.inputs or source.description,
         "labels": o.labels,
         "opt_level_metrics": "disabled",
-        "opt_level_latency": "all",
+        "opt_level_latency": DEPLOY_LEVEL,
     }
 
 

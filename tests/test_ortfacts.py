@@ -106,3 +106,30 @@ def test_model_format_kinds_are_the_schemas_format_enum() -> None:
     assert len(kinds) == len(set(kinds))
     assert set(kinds) == set(enum) | {"fp32"}  # fp32: the FP32 model's format, which has no enum
     assert set(get_args(precision.PrecisionKind)) <= set(kinds)
+
+
+def test_the_optimization_levels_are_onnxruntimes_and_written_once() -> None:
+    """run maps every level name to onnxruntime's enum; the deploy level is onnxruntime's default, ORT_ENABLE_ALL."""
+    import onnxruntime as ort
+
+    from diag import bench, effects, exclude
+    from diag.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL, OPT_LEVELS
+    from diag.run import session_from_model
+
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["y"])],
+            "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        )
+    )
+    got = [session_from_model(model, "m", level).get_session_options().graph_optimization_level for level in OPT_LEVELS]
+    assert [int(g) for g in got] == sorted(int(g) for g in got) and len({int(g) for g in got}) == len(OPT_LEVELS)
+    assert (
+        got[OPT_LEVELS.index(DEPLOY_LEVEL)]
+        == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        == ort.SessionOptions().graph_optimization_level
+    )
+    assert got[OPT_LEVELS.index(EXACT_LEVEL)] == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert bench.DEPLOY_OPT_LEVEL == effects.EFFECT_OPT_LEVEL == exclude.SearchOptions.deploy_level == DEPLOY_LEVEL
