@@ -7,8 +7,8 @@ into plain numbers. Memory is O(1) per tensor whatever the number of samples.
 Definitions (FP32 value ``x``, INT8 value ``y``, error ``e = y - x``, sums over all elements of
 all samples):
 
-* ``sqnr_db = 10 log10(sum x^2 / sum e^2)``  (inf when e == 0)
-* ``cosine  = sum x*y / sqrt(sum x^2 * sum y^2)``
+* ``sqnr_db = 10 log10(sum x^2 / sum e^2)``  (inf when e == 0; :func:`sqnr_db`)
+* ``cosine  = sum x*y / sqrt(sum x^2 * sum y^2)``  (1 when both are zero; :func:`cosine`)
 * ``mse = mean e^2``, ``rmse = sqrt(mse)``, ``max_abs = max |e|``, ``mean_abs = mean |e|``
 * ``rel_error = ||e|| / ||x||``
 * ``rmse_over_scale = sqrt(mean(e^2 / scale^2))`` where a quantization scale exists (static scale,
@@ -22,11 +22,67 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from diag.errors import DiagError
 from diag.state import State, float_from_state, float_to_state, int_from_state
 
 ROUNDING_NOISE = 1.0 / math.sqrt(12.0)
+
+
+# NOTE: every SQNR and cosine diag prints goes through sqnr_db / cosines (weights, nbits'
+# accuracy_level check, saturation's AVX2 prediction, the accumulators below): one edge rule for a
+# zero, infinite or NaN sum, not one per copy (tests/test_metric_rules.py holds the copies to it).
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)`` in dB from the energies ``sum x^2`` and ``sum e^2``.
+
+    The edges, decided once: no noise is ``inf`` (identical, whatever the signal); a zero signal
+    with noise is ``-inf``; so is any ratio that is not a positive number (the noise sum
+    overflowed to inf, or a sum is NaN): never NaN, never an exception.
+
+    Example:
+        >>> sqnr_db(100.0, 1.0), sqnr_db(0.0, 0.0), sqnr_db(0.0, 1.0), sqnr_db(1.0, math.inf)
+        (20.0, inf, -inf, -inf)
+    """
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    ratio = signal / noise
+    return 10.0 * math.log10(ratio) if ratio > 0 else -math.inf
+
+
+def cosines(dot: npt.ArrayLike, xx: npt.ArrayLike, yy: npt.ArrayLike) -> np.ndarray:
+    """``dot / sqrt(xx * yy)`` element by element, from the sums ``x*y``, ``x^2`` and ``y^2``.
+
+    The edges, decided once: two zero vectors are identical (1); one zero vector against a
+    non-zero one, or a NaN energy, is 0; a quotient above 1 (rounding) is 1, and so is a NaN
+    quotient (both energies overflowed to inf, as masks at float32's lowest value do on both
+    sides). ``yy`` below 0 (a sum derived by subtraction, rounded) counts as 0.
+
+    Example:
+        >>> cosines(np.array([2.0, 0.0, 0.0]), np.array([4.0, 0.0, 0.0]), np.array([1.0, 0.0, 3.0])).tolist()
+        [1.0, 1.0, 0.0]
+    """
+    d, x, y = (np.asarray(a, dtype=np.float64) for a in (dot, xx, yy))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        den = np.sqrt(x * np.maximum(y, 0.0))
+        has = den > 0
+        cos = np.where(has, d / np.where(has, den, 1.0), np.where((x == 0) & (y == 0), 1.0, 0.0))
+    out: np.ndarray = np.where(cos < 1.0, cos, 1.0)
+    return out
+
+
+def cosine(dot: float, xx: float, yy: float) -> float:
+    """:func:`cosines` of one vector pair's sums.
+
+    Example:
+        >>> cosine(3.0, 9.0, 1.0), cosine(0.0, 0.0, 0.0), cosine(0.0, 0.0, 1.0), cosine(1.0, math.nan, 1.0)
+        (1.0, 1.0, 0.0, 0.0)
+    """
+    return float(cosines(dot, xx, yy))
 
 
 @dataclass(frozen=True)
@@ -59,12 +115,11 @@ _CHUNK_VALUES = 1 << 20
 
 @dataclass
 class _RowProducts:
-    """Per row of two float32 arrays: sums xy, x^2, y^2 (float64), x == y, and the largest |y - x|, |x|."""
+    """Per row of two float32 arrays: sums xy, x^2, y^2 (float64) and the largest |y - x|, |x|."""
 
     num: np.ndarray
     sxx: np.ndarray
     syy: np.ndarray
-    same: np.ndarray
     max_abs_e: float
     max_abs_x: float
 
@@ -75,7 +130,7 @@ def _row_products(x: np.ndarray, y: np.ndarray) -> _RowProducts:
     In column blocks of :data:`_CHUNK_VALUES` values, so no float64 copy of a whole batch exists.
     """
     rows, cols = x.shape
-    p = _RowProducts(np.zeros(rows), np.zeros(rows), np.zeros(rows), np.ones(rows, dtype=bool), 0.0, 0.0)
+    p = _RowProducts(np.zeros(rows), np.zeros(rows), np.zeros(rows), 0.0, 0.0)
     step = max(1, _CHUNK_VALUES // max(1, rows))
     for start in range(0, cols, step):
         a = x[:, start : start + step].astype(np.float64)
@@ -83,7 +138,6 @@ def _row_products(x: np.ndarray, y: np.ndarray) -> _RowProducts:
         p.num += np.einsum("ij,ij->i", a, b)
         p.sxx += np.einsum("ij,ij->i", a, a)
         p.syy += np.einsum("ij,ij->i", b, b)
-        p.same &= np.all(a == b, axis=1)
         p.max_abs_x = max(p.max_abs_x, float(np.abs(a).max()))
         b -= a
         p.max_abs_e = max(p.max_abs_e, float(np.abs(b).max()))
@@ -267,21 +321,12 @@ class ErrorAccumulator:
     def finalize(self) -> ErrorStats:
         n = max(self.n, 1)
         mse = self.s_ee / n
-        if self.s_ee == 0.0:
-            sqnr = math.inf
-        elif self.s_xx == 0.0:
-            sqnr = -math.inf
-        else:
-            ratio = self.s_xx / self.s_ee
-            sqnr = 10.0 * math.log10(ratio) if ratio > 0 else -math.inf  # s_ee overflowed to inf
-        denom = math.sqrt(self.s_xx * max(self.s_yy, 0.0))  # s_yy is derived: may round below 0
-        cosine = self.s_xy / denom if denom > 0 else (1.0 if self.s_ee == 0 else 0.0)
         rel = math.sqrt(self.s_ee / self.s_xx) if self.s_xx > 0 else (0.0 if self.s_ee == 0 else math.inf)
         ros = math.sqrt(self.s_ee_scaled / self.n_scaled) if self.n_scaled else None
         return ErrorStats(
             count=self.n,
-            sqnr_db=sqnr,
-            cosine=min(1.0, cosine),
+            sqnr_db=sqnr_db(self.s_xx, self.s_ee),
+            cosine=cosine(self.s_xy, self.s_xx, self.s_yy),  # s_yy is derived: may round below 0
             mse=mse,
             rmse=math.sqrt(mse),
             max_abs=self.max_abs,
@@ -523,8 +568,7 @@ class OutputAccumulator:
         xs, ys = xs[finite], ys[finite]
         if xs.shape[0]:
             prod = _row_products(xs, ys)
-            den = np.sqrt(prod.sxx * prod.syy)
-            cos = np.where(den > 0, prod.num / np.where(den > 0, den, 1.0), np.where(prod.same, 1.0, 0.0))
+            cos = cosines(prod.num, prod.sxx, prod.syy)
             self.cos_min = min(self.cos_min, float(cos.min()))
             self.cos_sum += float(cos.sum())
             self.samples += int(xs.shape[0])

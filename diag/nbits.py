@@ -35,6 +35,7 @@ import onnx
 from diag.errors import DiagError
 from diag.feeds import Batch
 from diag.jsonnum import json_number
+from diag.metrics import sqnr_db
 from diag.ortfacts import DEPLOY_LEVEL
 from diag.run import run_batch, session_from_model
 
@@ -502,9 +503,7 @@ def check_accuracy_level(
             x, y = np.asarray(ref[name], np.float64), np.asarray(out[name], np.float64)
             signal += float((x * x).sum())
             noise += float(((y - x) ** 2).sum())
-        if noise == 0:
-            return math.inf
-        return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+        return sqnr_db(signal, noise)
 
     everything = run(set(names))
     producers = {n.output[0]: (n.name or n.output[0]) for n in q.graph.node if n.op_type == "MatMulNBits"}

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from diag.metrics import sqnr_db
 from diag.ortfacts import QUANTIZED_OPS
 
 #: Per node, at most this many rows of A (GEMM rows: tokens, output pixels) are simulated in total.
@@ -139,9 +140,7 @@ class NodePrediction:
     @property
     def saturation_sqnr_db(self) -> float:
         """SQNR of the AVX2 output against the exact integer output (inf: no saturation)."""
-        if self.error == 0:
-            return math.inf
-        return 10 * math.log10(self.signal / self.error) if self.signal > 0 else -math.inf
+        return sqnr_db(self.signal, self.error)
 
     def predicted_sqnr_db(self) -> float | None:
         """The node's output SQNR on AVX2: the measured error and the saturation error add (independent)."""

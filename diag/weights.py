@@ -50,6 +50,7 @@ from onnx import numpy_helper
 
 from diag.errors import DiagError
 from diag.jsonnum import json_number as _num
+from diag.metrics import cosine, sqnr_db
 from diag.nbits import (
     CHUNK_COLUMNS,
     WORST_BLOCKS,
@@ -369,7 +370,7 @@ def _blocked_finding(
     channels = [
         ChannelError(
             c,
-            _sqnr_from(float(stats.signal[c]), float(stats.noise[c])),
+            sqnr_db(float(stats.signal[c]), float(stats.noise[c])),
             float(stats.peak[c]),
             math.sqrt(float(stats.scaled[c]) / ref.shape[0]),
         )
@@ -385,7 +386,7 @@ def _blocked_finding(
         axis=1 if w.transposed else 0,
         symmetric=w.symmetric,
         folded=None,
-        sqnr_db=_sqnr_from(float(stats.signal.sum()), float(stats.noise.sum())),
+        sqnr_db=sqnr_db(float(stats.signal.sum()), float(stats.noise.sum())),
         max_abs=float(stats.peak.max()) if stats.peak.size else 0.0,
         rmse_over_scale=math.sqrt(float(stats.scaled.sum()) / max(ref.size, 1)),
         cosine=stats.cosine(),
@@ -441,12 +442,7 @@ class _BlockedStats:
 
     def cosine(self) -> float:
         """Cosine of the whole weight and its dequantized copy (as :func:`_cosine`)."""
-        nx, ny = float(self.signal.sum()), self.deq_energy
-        if nx == 0.0 and ny == 0.0:
-            return 1.0
-        if nx == 0.0 or ny == 0.0:
-            return 0.0
-        return self.dot / math.sqrt(nx * ny)
+        return cosine(self.dot, float(self.signal.sum()), self.deq_energy)
 
 
 # --- reading the graphs -------------------------------------------------------------------------
@@ -901,25 +897,11 @@ def _grid(
 
 
 def _sqnr(x: np.ndarray, e: np.ndarray) -> float:
-    return _sqnr_from(float(np.sum(x * x)), float(np.sum(e * e)))
-
-
-def _sqnr_from(signal: float, noise: float) -> float:
-    if noise == 0.0:
-        return math.inf
-    ratio = signal / noise
-    if signal == 0.0 or ratio <= 0.0 or not math.isfinite(noise):
-        return -math.inf
-    return 10.0 * math.log10(ratio) if math.isfinite(ratio) else math.inf
+    return sqnr_db(float(np.sum(x * x)), float(np.sum(e * e)))
 
 
 def _cosine(x: np.ndarray, y: np.ndarray) -> float:
-    nx, ny = float(np.sum(x * x)), float(np.sum(y * y))
-    if nx == 0.0 and ny == 0.0:
-        return 1.0
-    if nx == 0.0 or ny == 0.0:
-        return 0.0
-    return float(np.sum(x * y)) / math.sqrt(nx * ny)
+    return cosine(float(np.sum(x * y)), float(np.sum(x * x)), float(np.sum(y * y)))
 
 
 def _rmse_over_scale(e: np.ndarray, scale: np.ndarray | np.float64) -> float | None:
@@ -960,7 +942,7 @@ def _measure(ref: _Reference, qw: _QuantizedWeight, qarr: np.ndarray, deq: np.nd
         r2 = np.einsum("ij,ij->i", scaled, scaled, dtype=np.float64)
         for c in range(xs.shape[0]):
             ros_c = math.sqrt(float(r2[c]) / int(n_ok[c])) if n_ok[c] else None
-            channels.append(ChannelError(c, _sqnr_from(float(signal[c]), float(noise[c])), float(peak[c]), ros_c))
+            channels.append(ChannelError(c, sqnr_db(float(signal[c]), float(noise[c])), float(peak[c]), ros_c))
     ros = _rmse_over_scale(e, s)
     return WeightFinding(
         fp_name=ref.fp_name,
