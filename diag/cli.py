@@ -26,6 +26,7 @@ from diag.diff import DiffOptions, run_diff
 from diag.environment import __version__, printable
 from diag.errors import GATE_FAILED, INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
 from diag.gate import CheckOptions, Gates, run_check
+from diag.metricnames import objective_names
 from diag.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL, OPT_LEVELS
 from diag.summary import Summary
 
@@ -926,7 +927,7 @@ def _sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--objective",
         default="cosine",
-        choices=["cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop", "latency", "size"],
+        choices=list(objective_names()),
         help="what the table is sorted by and the best recipe is chosen on (default cosine)",
     )
     _add_target(p, "the best recipe must meet this, e.g. cosine>=0.999")

@@ -22,21 +22,12 @@ from diag.documents import read_document
 from diag.errors import DiagError
 from diag.gate import GRADES
 from diag.jsonnum import json_number, number_from_json
+from diag.metricnames import output_keys
 from diag.summary import Summary
 from diag.untrusted import fields_of
 
-#: verdict.outputs[*] metric -> True when higher is better.
-OUTPUT_METRICS: dict[str, bool] = {
-    "sqnr_db": True,
-    "cosine_min": True,
-    "cosine_mean": True,
-    "max_abs": False,
-    "top1_agreement": True,
-    "accuracy_int8": True,
-    "accuracy_drop": False,
-    "f1_macro_int8": True,
-    "f1_macro_drop": False,
-}
+#: verdict.outputs[*] metric -> True when higher is better (the table in :mod:`diag.metricnames`).
+OUTPUT_METRICS: dict[str, bool] = output_keys()
 
 #: environment keys that change on every run and say nothing about the result.
 VOLATILE_ENVIRONMENT = ("date",)

@@ -22,20 +22,26 @@ from typing import Any
 from diag.documents import read_document
 from diag.errors import DiagError
 from diag.jsonnum import number_from_json
+from diag.metricnames import gate_flags, output_keys
 from diag.summary import Summary
 from diag.untrusted import fields_of
 
 #: Verdict grades, best first; ``--max-grade`` fails on any grade after the bound.
 GRADES = ("excellent", "acceptable", "marginal", "reject")
 
-#: gate -> (diag.json key in verdict.outputs[*], "min" or "max", number format)
+#: diag.json key -> how a gate line prints its value.
+_FORMATS = {
+    "sqnr_db": ".2f",
+    "cosine_min": ".5f",
+    "max_abs": ".4g",
+    "top1_agreement": ".5f",
+    "accuracy_drop": ".5f",
+    "f1_macro_drop": ".5f",
+}
+#: gate -> (diag.json key in verdict.outputs[*], "min" or "max", number format); the names and
+#: directions are :mod:`diag.metricnames`'.
 METRIC_GATES: dict[str, tuple[str, str, str]] = {
-    "min-sqnr": ("sqnr_db", "min", ".2f"),
-    "min-cosine": ("cosine_min", "min", ".5f"),
-    "max-abs": ("max_abs", "max", ".4g"),
-    "min-agreement": ("top1_agreement", "min", ".5f"),
-    "max-accuracy-drop": ("accuracy_drop", "max", ".5f"),
-    "max-f1-drop": ("f1_macro_drop", "max", ".5f"),
+    gate: (key, "min" if output_keys()[key] else "max", _FORMATS[key]) for gate, key in gate_flags().items()
 }
 
 _WHY_NULL = {
@@ -76,14 +82,7 @@ class Gates:
             >>> Gates(max_abs=0.1, min_cosine=0.999).metric_bounds()
             [('min-cosine', 0.999), ('max-abs', 0.1)]
         """
-        values = {
-            "min-sqnr": self.min_sqnr,
-            "min-cosine": self.min_cosine,
-            "max-abs": self.max_abs,
-            "min-agreement": self.min_agreement,
-            "max-accuracy-drop": self.max_accuracy_drop,
-            "max-f1-drop": self.max_f1_drop,
-        }
+        values = {gate: getattr(self, gate.replace("-", "_")) for gate in METRIC_GATES}
         return [(gate, float(v)) for gate, v in values.items() if v is not None]
 
     def validate(self) -> None:
@@ -103,8 +102,7 @@ class Gates:
                 "bad-option",
                 "diag check",
                 "no gate given",
-                "add at least one of --min-sqnr, --min-cosine, --max-abs, --min-agreement, "
-                "--max-accuracy-drop, --max-f1-drop, --max-grade",
+                "add at least one of " + ", ".join(f"--{gate}" for gate in [*METRIC_GATES, "max-grade"]),
             )
         ranges = {
             "min-cosine": (-1.0, 1.0, "cosine is at most 1, e.g. 0.999"),

@@ -50,6 +50,7 @@ from diag.files import make_work_dir, remove_tree, signals_held
 from diag.files import out_dir as checked_out_dir
 from diag.jsonnum import json_numbers
 from diag.load import float_model_from_path
+from diag.metricnames import objective_names
 from diag.numfmt import table_cell
 from diag.ortfacts import DEPLOY_LEVEL
 from diag.progress import Progress
@@ -69,16 +70,20 @@ DEFAULT_GRID: dict[str, Any] = {
 }
 #: Relative speed differences below this are "no measurable difference" even when the ranges do not overlap.
 NOISE_BAND = 0.05
-#: objective -> (better direction, what it is). Accuracy objectives are measured on held-out samples.
+#: objective -> what it is. Accuracy objectives are measured on held-out samples.
+_WHAT = {
+    "cosine": "min per-sample cosine over held-out samples and outputs",
+    "cosine_mean": "mean per-sample cosine (worst output)",
+    "max_abs": "max |INT8 - FP32| over every held-out output element",
+    "agreement": "top-1 agreement with FP32 (worst class-like output)",
+    "accuracy_drop": "FP32 minus INT8 top-1 accuracy on the first output (--labels)",
+    "f1_drop": "FP32 minus INT8 macro-F1 on the first output (--labels)",
+    "latency": "speedup over FP32 (p50 of FP32 / p50 of INT8, median over repeats)",
+    "size": "INT8 model file size",
+}
+#: objective -> (better direction, what it is); the names and directions are :mod:`diag.metricnames`'.
 OBJECTIVES: dict[str, tuple[str, str]] = {
-    "cosine": ("max", "min per-sample cosine over held-out samples and outputs"),
-    "cosine_mean": ("max", "mean per-sample cosine (worst output)"),
-    "max_abs": ("min", "max |INT8 - FP32| over every held-out output element"),
-    "agreement": ("max", "top-1 agreement with FP32 (worst class-like output)"),
-    "accuracy_drop": ("min", "FP32 minus INT8 top-1 accuracy on the first output (--labels)"),
-    "f1_drop": ("min", "FP32 minus INT8 macro-F1 on the first output (--labels)"),
-    "latency": ("max", "speedup over FP32 (p50 of FP32 / p50 of INT8, median over repeats)"),
-    "size": ("min", "INT8 model file size"),
+    name: ("max" if higher else "min", _WHAT[name]) for name, higher in objective_names().items()
 }
 #: keys whose recipe value is itself a list: a list of names is a fixed value, a list of lists an axis.
 LIST_KEYS = ("op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude")
