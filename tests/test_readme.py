@@ -149,6 +149,7 @@ def test_readme_starts_with_install_and_test_commands_that_ci_runs():
     assert 'pip install -e ".[test]" && pytest' in head
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -e ".[test]"' in ci and ci.strip().endswith("pytest")
+    assert 'pip install -e ".[docs]"' in ci and "mkdocs build --strict" in ci, "CI builds the manual, strictly"
 
 
 def test_readme_is_a_front_door_that_links_every_verb_page_and_resolves_its_links():
