@@ -41,13 +41,13 @@ INHERIT_DB = 1.0
 #: total local error energy among bad nodes.
 SINGLE_CAUSE_SHARE = 0.5
 
-#: Acceptance bands from the quantization guides our users follow (README, "Verdict bands").
+#: Acceptance bands from the quantization guides our users follow (docs/verdict-bands.md).
 BANDS = {
     "top1_agreement": {"excellent": 0.99, "acceptable": 0.95, "reject_below": 0.90},
     "max_abs": {"excellent": 0.1, "acceptable": 0.3, "reject_above": 0.5},
     "cosine_min": {"excellent": 0.999, "acceptable": 0.99, "reject_below": 0.98},
     "accuracy_drop": {"excellent": 0.005, "acceptable": 0.015, "reject_above": 0.02},
-    # diag's own bands (README "Verdict bands"): a mask IoU reads like an agreement; a regression
+    # diag's own bands (docs/verdict-bands.md): a mask IoU reads like an agreement; a regression
     # error of 1 % of the output's range is invisible, 5 % moves a box by a visible margin.
     "mask_iou": {"excellent": 0.99, "acceptable": 0.95, "reject_below": 0.90},
     "rel_max_abs": {"excellent": 0.01, "acceptable": 0.03, "reject_above": 0.05},
@@ -418,7 +418,7 @@ def agreement_grades(
     NOTE: a CTC line agrees as text when its decoded string does, which whole-sequence agreement
     understates (a shifted repeat or blank changes nothing once decoded) and per-position agreement
     overstates (one wrong character in 25 positions is 96% and a wrong word). Neither is graded as
-    the text: a decoder is the user's (``--metric``, README "Sequence outputs"). The per-position
+    the text: a decoder is the user's (``--metric``, docs/sequence-outputs.md). The per-position
     figure is graded with the top-1 bands; the whole-sequence share is shown, not banded.
     """
     a = per_sample.top1_agreement

@@ -562,7 +562,7 @@ class OutlierChannel:
 
 @dataclass
 class TensorHealth:
-    """How well one tensor fits its quantization grid (see README, "Distributions")."""
+    """How well one tensor fits its quantization grid (see docs/what-the-report-shows.md, "Quantization health")."""
 
     count: int
     fp_min: float

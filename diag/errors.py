@@ -4,7 +4,7 @@ Every message renders as one line::
 
     diag: error[<slug>]: <object> | <problem>. Hint: <what to do>
 
-Slugs are stable (scripts grep for them) and documented in README ("Errors and exit codes").
+Slugs are stable (scripts grep for them) and documented in docs/errors.md, one heading each.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ USER_ERROR = 2
 GATE_FAILED = 3
 INTERRUPTED = 130
 
-#: slug -> one-line meaning; README's table is generated from (and tested against) this.
+#: slug -> one-line meaning; docs/errors.md says the same under each slug's heading (tests/test_readme.py).
 SLUGS: dict[str, str] = {
     "missing-file": "a path given on the command line does not exist",
     "not-a-file": "a path names a directory or special file where a file is expected",

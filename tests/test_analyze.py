@@ -1,4 +1,4 @@
-"""Verdict bands and roles: the numbers in README's tables are the numbers the code uses."""
+"""Verdict bands and roles: the numbers in docs/verdict-bands.md's table are the numbers the code uses."""
 
 from __future__ import annotations
 

@@ -365,10 +365,10 @@ def test_diff_user_errors_exit_2(runs, capsys, tmp_path):
 
 
 def test_readme_failing_check_example_is_real_output(tmp_path, monkeypatch, capsys):
-    """test_readme runs only examples that exit 0; this one runs the README's exit-3 example."""
+    """test_readme runs only examples that exit 0; this one runs the docs' exit-3 example (diag check's page)."""
     from diag.demo import run_demo
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "verbs" / "check.md").read_text().splitlines()
     start = readme.index("A failing run (exit code 3):") + 4
     end = readme.index("```", start)
     command, expected = readme[start - 1], readme[start:end]

@@ -21,7 +21,7 @@ from diag.lint import (
     onnxruntime_extra_options,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+LINT_PAGE = Path(__file__).resolve().parents[1] / "docs" / "verbs" / "lint.md"
 
 
 def _bert_like(path: Path) -> Path:
@@ -195,9 +195,8 @@ def test_cli_exit_code_is_3_on_errors_and_0_on_warnings(bert, tmp_path, capsys):
 
 
 def test_readme_lint_example_prints_what_the_readme_shows(tmp_path):
-    """The README's failing-recipe example (exit 3, so test_readme cannot run it) runs here."""
-    text = README.read_text()
-    section = text[text.index("### `diag lint") :]
+    """diag lint's page's failing-recipe example (exit 3, so test_readme cannot run it) runs here."""
+    section = LINT_PAGE.read_text()
     recipe = section[section.index("```json\n") + 8 : section.index("```", section.index("```json\n") + 8)]
     block = section[section.index("```\ndiag lint recipe.json") + 4 :]
     block = block[: block.index("```")].splitlines()

@@ -1,4 +1,5 @@
-"""The README's examples run, and print what the README says they print (timings scrubbed)."""
+"""The README's and the manual's (docs/) examples run, and print what the pages say they print
+(timings scrubbed); the README stays a front door and every page is in the site's nav."""
 
 from __future__ import annotations
 
@@ -11,32 +12,51 @@ from pathlib import Path
 import pytest
 from kernel_path import diag_command
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 
 
-#: A README command: ``$ diag VERB ...`` or ``$ NAME=VALUE ... diag VERB ...`` (``PYTHONPATH=.`` for plugins).
+def _nav() -> list[Path]:
+    """The pages of mkdocs.yml's nav, in its order (the order a reader meets them)."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = text[text.index("\nnav:\n") :]
+    return [DOCS / name for name in re.findall(r"^\s*- (?:[^\n]*: )?(\S+\.md)$", nav, flags=re.M)]
+
+
+def _pages() -> list[Path]:
+    """README.md, then every docs page in nav order: an example may use what an earlier one wrote."""
+    return [README, *_nav()]
+
+
+#: An example command: ``$ diag VERB ...`` or ``$ NAME=VALUE ... diag VERB ...`` (``PYTHONPATH=.`` for plugins).
 COMMAND = re.compile(r"^\$ ((?:[A-Z_]+=\S* )*diag .*)$")
 
 
 def _examples() -> list[tuple[str, list[str]]]:
     examples: list[tuple[str, list[str]]] = []
-    current: tuple[str, list[str]] | None = None
-    for line in README.read_text().splitlines():
-        command = COMMAND.match(line)
-        if command:
-            current = (command.group(1), [])
-            examples.append(current)
-        elif current is not None and line and not line.startswith("```"):
-            current[1].append(line)
-        else:
-            current = None
+    for page in _pages():
+        current: tuple[str, list[str]] | None = None
+        for line in page.read_text().splitlines():
+            command = COMMAND.match(line)
+            if command:
+                current = (command.group(1), [])
+                examples.append(current)
+            elif current is not None and line and not line.startswith("```"):
+                current[1].append(line)
+            else:
+                current = None
     return examples
 
 
 def _python_files() -> dict[str, str]:
-    """The README's python blocks that open with ``# NAME.py``: files its examples import."""
-    blocks = re.findall(r"^```python\n# (\w+\.py)\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
-    return {name: f"# {name}\n{body}" for name, body in blocks}
+    """The pages' python blocks that open with ``# NAME.py``: files their examples import."""
+    files: dict[str, str] = {}
+    for page in _pages():
+        for name, body in re.findall(r"^```python\n# (\w+\.py)\n(.*?)^```$", page.read_text(), flags=re.S | re.M):
+            assert files.get(name, f"# {name}\n{body}") == f"# {name}\n{body}", f"two different {name} in the pages"
+            files[name] = f"# {name}\n{body}"
+    return files
 
 
 def _split(cmd: str) -> tuple[dict[str, str], list[str]]:
@@ -88,24 +108,29 @@ def _scrub_numbers(line: str) -> str:
 
 @pytest.mark.kernel_path
 def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path):
+    """Every example of README.md and docs/, in reading order; a command shown on two pages (the demo:
+    README and its verb page) runs once and both pages must show its output."""
     examples = _examples()
     from diag.cli import VERBS
 
     verbs = [_split(cmd)[1][1] for cmd, _ in examples]
     assert verbs[0] == "demo", "the first example builds the files the others use"
-    assert set(verbs) == set(VERBS), "every CLI verb has a README example with its real output"
+    assert set(verbs) == set(VERBS), "every CLI verb has an example with its real output"
     for name, text in _python_files().items():
         (tmp_path / name).write_text(text)
+    printed: dict[str, list[str]] = {}
     for cmd, expected in examples:
         env, argv = _split(cmd)
-        if "PYTHONPATH" in env:
-            env["PYTHONPATH"] = str(tmp_path / env["PYTHONPATH"])
-        out = subprocess.run(
-            [*diag_command(), *argv[1:]], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, **env}
-        )
-        assert out.returncode == 0, (cmd, out.stderr)
+        if cmd not in printed:
+            if "PYTHONPATH" in env:
+                env["PYTHONPATH"] = str(tmp_path / env["PYTHONPATH"])
+            out = subprocess.run(
+                [*diag_command(), *argv[1:]], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, **env}
+            )
+            assert out.returncode == 0, (cmd, out.stderr)
+            printed[cmd] = out.stdout.splitlines()
         scrub = _scrub_numbers if argv[1] in ("bench", "sweep") else _scrub
-        got = [scrub(x) for x in out.stdout.splitlines()]
+        got = [scrub(x) for x in printed[cmd]]
         assert got == [scrub(x) for x in expected], cmd
 
 
@@ -119,11 +144,61 @@ def test_readme_runs_its_plugin_examples_with_the_files_it_shows():
 
 def test_readme_starts_with_install_and_test_commands_that_ci_runs():
     text = README.read_text()
-    head = text[: text.index("## What it does")]
+    head = text[: text.index("## What the demo prints")]
     assert "pip install . && diag demo --out demo" in head
     assert 'pip install -e ".[test]" && pytest' in head
-    ci = (README.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -e ".[test]"' in ci and ci.strip().endswith("pytest")
+    assert 'pip install -e ".[docs]"' in ci and "mkdocs build --strict" in ci, "CI builds the manual, strictly"
+
+
+def test_readme_is_a_front_door_that_links_every_verb_page_and_resolves_its_links():
+    from diag.cli import VERBS
+
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200, "README.md is a front door; the manual is docs/"
+    assert "\n$ diag demo --out demo\n" in text, "the README shows the demo's real output"
+    for verb in VERBS:
+        assert (DOCS / "verbs" / f"{verb}.md").is_file(), f"diag {verb} has no page"
+        assert f"](docs/verbs/{verb}.md)" in text, f"the README's verb table does not link diag {verb}"
+    for page in (README, ROOT / "CONTRIBUTING.md", ROOT / "ARCHITECTURE.md"):
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_every_docs_page_is_in_the_nav_once():
+    """mkdocs build --strict (CI) checks the links and anchors; the example order needs the nav complete."""
+    nav = _nav()
+    assert len(nav) == len(set(nav)), "a page is in mkdocs.yml's nav twice"
+    assert sorted(nav) == sorted(DOCS.rglob("*.md")), "docs/ pages and mkdocs.yml's nav differ"
+
+
+def _anchors(page: Path) -> dict[str, str]:
+    """Heading anchor (as mkdocs' toc makes it) -> the paragraph under the heading."""
+    anchors = {}
+    for heading, body in re.findall(r"^#+ ([^\n]*)\n\n(.*?)(?=\n#|\Z)", page.read_text(), flags=re.S | re.M):
+        anchor = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+        anchors[re.sub(r"[\s]+", "-", anchor)] = " ".join(body.split())
+    return anchors
+
+
+def test_every_error_slug_has_its_own_anchor_in_docs_errors_with_its_meaning():
+    """`diag: error[bad-inputs]` links to docs/errors.md#bad-inputs: every slug the code raises and
+    every slug of errors.SLUGS has a heading there, saying what errors.SLUGS says it means."""
+    from diag.errors import SLUGS
+
+    anchors = _anchors(DOCS / "errors.md")
+    raised = set()
+    for source in (ROOT / "diag").glob("*.py"):
+        text = source.read_text()
+        raised |= set(re.findall(r"DiagError\(\s*\"([a-z0-9-]+)\"", text))  # the slug on the next line too
+        raised |= set(re.findall(r"slug=\"([a-z0-9-]+)\"", text))  # files._stat(..., missing_slug="bad-out")
+    assert {"bad-option", "bad-recipe", "bad-out", "missing-file"} <= raised, "the scan finds no raise any more"
+    assert sorted(raised - set(anchors)) == [], "slugs raised in diag/ without a heading in docs/errors.md"
+    for slug, meaning in SLUGS.items():
+        assert slug in anchors, f"{slug} has no heading in docs/errors.md"
+        assert anchors[slug].replace("`", "") == meaning, slug
+    assert sorted(a for a in anchors if a not in SLUGS) == ["errors-and-exit-codes", "exit-codes", "slugs"]
 
 
 def test_kernel_dependent_lines_are_exactly_the_scrubbed_ones(tmp_path, monkeypatch, capsys):

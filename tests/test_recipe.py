@@ -22,7 +22,7 @@ from diag.recipe import (
     save_recipe,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+RECIPE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "recipe.md"
 
 
 def _full_recipe() -> Recipe:
@@ -197,9 +197,7 @@ def test_inline_recipe_is_json_relative_to_the_current_folder() -> None:
 
 
 def test_readme_recipe_table_lists_every_key_and_its_examples_load(tmp_path: Path) -> None:
-    text = README.read_text()
-    section = text[text.index("## Recipe file") :]
-    section = section[: section.index("\n## ", 5)]
+    section = RECIPE_PAGE.read_text()
     keys = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.M))
     assert keys == {f.name for f in dataclasses.fields(Recipe) if f.name != "base_dir"}
     blocks = re.findall(r"```(json|toml)\n(.*?)```", section, flags=re.S)
