@@ -71,6 +71,8 @@ from diag.instrument import (
     exact_locally,
     exposed_model,
     fused_kernels,
+    initializer_bytes,
+    merged_with_cut,
     pruned_cut,
 )
 from diag.load import LoadedModel, model_from_path
@@ -739,7 +741,7 @@ def _run_pass(p: _Pass) -> None:
     mine = p.mine()
     output_names = p.output_names()
     threads = p.options.threads or default_threads()
-    fp_sess, q_sess, cut_sess = _exposed_sessions(p.fp, p.q, mine, p.cut, output_names, threads)
+    fp_sess, q_sess, cut_sess, cut = _exposed_sessions(p.fp, p.q, mine, p.cut, output_names, threads, share=True)
     reductions = _Reductions(threads)
     try:
         offset = 0
@@ -753,7 +755,15 @@ def _run_pass(p: _Pass) -> None:
             # accumulator sees its batches in order.
             reductions.wait()
             fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{p.fp.path.name}'")
-            q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{p.q.path.name}'")
+            local_out: dict[str, np.ndarray] | None = None
+            if cut is not None and cut_sess is q_sess:
+                # One run of the INT8 model merged with its cut model (weights held once).
+                feeds = {**batch.feeds, **_cut_feeds(cut, batch.feeds, fp_out)}
+                q_out = run_batch(q_sess, feeds, f"INT8 model '{p.q.path.name}'")
+                del feeds
+                local_out = {name: q_out.pop(name) for name in dict.fromkeys(lo.name for lo in cut.outputs)}
+            else:
+                q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{p.q.path.name}'")
             for name in mine:
                 if name in p.state.fp16_ranges and name in fp_out:
                     p.state.fp16_ranges[name].update(fp_out[name])
@@ -761,9 +771,13 @@ def _run_pass(p: _Pass) -> None:
             reductions.submit(_accumulated_jobs(mine, p.pairs, fp_out, q_out, p.state, p.runtime_unmatched))
             _update_outputs(p, output_names, batch.feeds, fp_out, q_out, offset, batch.size)
             del q_out
-            if p.cut is not None and cut_sess is not None:
+            if local_out is not None and cut is not None:
+                _local_parts(cut, fp_out, local_out, p.state)
+                reductions.submit(_local_jobs(cut, mine, fp_out, local_out, p.state))
+                del local_out
+            elif cut is not None and cut_sess is not None:
                 # The cut model runs while the pool reduces this batch's accumulated error.
-                _reduce_local(p.cut, cut_sess, p.q, batch.feeds, fp_out, mine, p.state, reductions)
+                _reduce_local(cut, cut_sess, p.q, batch.feeds, fp_out, mine, p.state, reductions)
             del fp_out
             offset += batch.size
             p.done(batch.size)
@@ -779,8 +793,15 @@ def _exposed_sessions(
     cut: CutModel | None,
     output_names: list[str],
     threads: int,
-) -> tuple[ort.InferenceSession, ort.InferenceSession, ort.InferenceSession | None]:
-    """FP32 and INT8 sessions exposing ``mine`` (and ``output_names``), and the cut model's session."""
+    share: bool = False,
+) -> tuple[ort.InferenceSession, ort.InferenceSession, ort.InferenceSession | None, CutModel | None]:
+    """FP32 and INT8 sessions exposing ``mine`` (and ``output_names``), the cut model's session,
+    and the cut model as that session names it.
+
+    With ``share=True`` and INT8 weights of at least :data:`SHARED_CUT_BYTES`, the cut model is
+    merged into the exposed INT8 model (:func:`diag.instrument.merged_with_cut`): the cut
+    session *is* the INT8 session, one run gives both, and the weights are held once.
+    """
     fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (cut.inputs if cut else [])] + output_names))
     int8_names = list(
         dict.fromkeys(
@@ -797,17 +818,34 @@ def _exposed_sessions(
         return session_from_model(model, role, "disabled", threads, ext, takes_turns=True)
 
     fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", ext_fp)
-    q_sess = session(exposed_model(q.proto, int8_names), f"INT8 model '{q.path}'", ext_q)
+    q_exposed = exposed_model(q.proto, int8_names)
+    both = merged_with_cut(q_exposed, cut) if share and cut is not None and _shares_weights(q) else None
+    if both is not None:
+        q_sess = session(both[0], f"INT8 model '{q.path}'", ext_q)
+        return fp_sess, q_sess, q_sess, both[1]
+    q_sess = session(q_exposed, f"INT8 model '{q.path}'", ext_q)
+    del q_exposed
     cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
-    return fp_sess, q_sess, cut_sess
+    return fp_sess, q_sess, cut_sess, cut
 
 
-def _cut_feeds(
-    cut: CutModel, cut_sess: ort.InferenceSession, feeds: dict[str, np.ndarray], fp_out: dict[str, np.ndarray]
-) -> dict[str, np.ndarray]:
+#: INT8 weights from which the cut model runs inside the INT8 session (:func:`_exposed_sessions`).
+#: NOTE: below it, two sessions cost little memory and are faster: the cut model then runs while
+#: the pool reduces the batch's accumulated error (merged, the reductions wait for the one run).
+SHARED_CUT_BYTES = 64 << 20
+
+
+def _shares_weights(q: LoadedModel) -> bool:
+    return initializer_bytes(q.proto) >= SHARED_CUT_BYTES
+
+
+def _cut_feeds(cut: CutModel, feeds: dict[str, np.ndarray], fp_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The cut model's inputs for a batch: FP32 values, quantized as the INT8 model would see them."""
-    cut_inputs = {i.name for i in cut_sess.get_inputs()}
-    cut_feeds = {k: v for k, v in feeds.items() if k in cut_inputs}
+    if cut.passthrough:
+        cut_feeds = {name: feeds[src] for name, src in cut.passthrough.items() if src in feeds}
+    else:
+        cut_inputs = {i.name for i in cut.model.graph.input}
+        cut_feeds = {k: v for k, v in feeds.items() if k in cut_inputs}
     for ci in cut.inputs:
         v = fp_out[ci.fp_name]
         if ci.quant is not None:
@@ -848,7 +886,7 @@ def _reduce_local(
     reductions: _Reductions,
 ) -> None:
     """Run the cut model on FP32 values (quantized as the INT8 model would) and reduce its local error."""
-    cut_feeds = _cut_feeds(cut, cut_sess, feeds, fp_out)
+    cut_feeds = _cut_feeds(cut, feeds, fp_out)
     local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
     del cut_feeds
     # Local and accumulated reductions touch different accumulators: no wait between them.
@@ -1075,7 +1113,7 @@ class _ReferenceSessions:
         self.fp, self.q, self.mine = fp, q, mine
         cut = pruned_cut(cut, list(mine)) if cut is not None else None
         self.cut = cut if cut is not None and cut.outputs else None
-        self.fp_sess, self.q_sess, self.cut_sess = _exposed_sessions(fp, q, mine, self.cut, [], threads)
+        self.fp_sess, self.q_sess, self.cut_sess, _ = _exposed_sessions(fp, q, mine, self.cut, [], threads)
 
     def reduce(
         self, feeds: dict[str, np.ndarray], accumulated: list[str], local: list[str], state: CompareState
@@ -1088,7 +1126,7 @@ class _ReferenceSessions:
             _reduce(*job)
         del q_out
         if local and self.cut is not None and self.cut_sess is not None:
-            cut_feeds = _cut_feeds(self.cut, self.cut_sess, feeds, fp_out)
+            cut_feeds = _cut_feeds(self.cut, feeds, fp_out)
             local_out = run_batch(self.cut_sess, cut_feeds, f"cut INT8 model of '{self.q.path.name}'")
             wanted = {n: self.mine[n] for n in local if n in self.mine}
             for job in _local_jobs(self.cut, wanted, fp_out, local_out, state):

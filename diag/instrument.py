@@ -7,7 +7,7 @@ as external data stay where they are (the copy still refers to them by location)
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import onnx
 
@@ -16,6 +16,8 @@ from diag.match import QuantParams, TensorPair
 #: Suffixes for names diag invents inside the cut model; chosen to never collide in practice.
 _INT8_SUFFIX = "__diag_int8"
 _LOCAL_SUFFIX = "__diag_local"
+#: Prefix of the cut model's tensor and node names inside a :func:`merged_with_cut` model.
+_MERGED_PREFIX = "diag_local::"
 
 
 def exposed_model(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
@@ -71,6 +73,9 @@ class CutModel:
     model: onnx.ModelProto
     inputs: list[CutInput]
     outputs: list[LocalOutput]
+    #: Graph inputs fed with a model input of the same batch: graph input name -> the feed's name
+    #: (the names differ only inside a :func:`merged_with_cut` model).
+    passthrough: dict[str, str] = field(default_factory=dict)
 
 
 def cut_model(int8: onnx.ModelProto, pairs: Iterable[TensorPair]) -> CutModel:
@@ -179,6 +184,90 @@ def pruned_cut(cut: CutModel, fp_names: Iterable[str]) -> CutModel:
     _set_outputs(g, outputs)
     inputs = [ci for ci in cut.inputs if ci.name in needed]
     return CutModel(model, inputs, outputs)
+
+
+def merged_with_cut(exposed: onnx.ModelProto, cut: CutModel) -> tuple[onnx.ModelProto, CutModel] | None:
+    """``exposed`` (the INT8 model with its tensors exposed) and ``cut`` as one graph that holds
+    the INT8 weights once, and the cut model as it is named inside it.
+
+    The cut's nodes, inputs and outputs are renamed with a prefix; its initializers are the
+    INT8 model's own (same names, same values: a cut model is a copy of the INT8 graph) and are
+    not renamed, so onnxruntime loads and prepacks each weight once for both. One run of the
+    merged model, fed the batch and the cut inputs, gives the INT8 values and the local values.
+    Returns None when a cut node has subgraphs (their outer-scope names would need renaming too).
+
+    NOTE: why merge at all: two sessions of the same INT8 model hold two copies of its weights
+    (onnxruntime prepacks MatMulNBits per session, and maps external data per session); on the
+    500M int4 decoder that is ~420 MB of peak RSS, while two nodes of one session reading the
+    same initializer share it (measured: one 32 MB MatMulNBits weight read by one or two nodes,
+    41 MB of session memory either way).
+
+    Example:
+        >>> merged, local = merged_with_cut(exposed_model(q.proto, names), cut)  # doctest: +SKIP
+        >>> [ci.name for ci in local.inputs][:1]  # doctest: +SKIP
+        ['diag_local::relu1_out']
+    """
+    g_cut = cut.model.graph
+    if any(a.HasField("g") or len(a.graphs) for n in g_cut.node for a in n.attribute):
+        return None
+    weights = {t.name for t in exposed.graph.initializer}
+    cut_weights = {t.name for t in g_cut.initializer}
+    if cut_weights - weights:
+        return None  # not a cut of this INT8 model
+
+    def renamed(name: str) -> str:
+        return name if not name or name in weights else _MERGED_PREFIX + name
+
+    model = onnx.ModelProto()
+    model.CopyFrom(exposed)
+    g = model.graph
+    for n in g_cut.node:
+        clone = onnx.NodeProto()
+        clone.CopyFrom(n)
+        clone.name = _MERGED_PREFIX + n.name if n.name else ""
+        del clone.input[:]
+        clone.input.extend(renamed(x) for x in n.input)
+        del clone.output[:]
+        clone.output.extend(renamed(x) for x in n.output)
+        g.node.append(clone)
+    feeds = {i.name for i in exposed.graph.input}
+    passthrough: dict[str, str] = {}
+    cut_inputs = {ci.name for ci in cut.inputs}
+    for vi in g_cut.input:
+        if vi.name in cut_weights:
+            continue
+        new = onnx.ValueInfoProto()
+        new.CopyFrom(vi)
+        new.name = renamed(vi.name)
+        g.input.append(new)
+        if vi.name not in cut_inputs and vi.name in feeds:
+            passthrough[new.name] = vi.name
+    seen = {o.name for o in g.output}
+    for o in cut.outputs:
+        name = renamed(o.name)
+        if name not in seen:
+            g.output.append(onnx.ValueInfoProto(name=name))
+            seen.add(name)
+    inputs = [replace(ci, name=renamed(ci.name)) for ci in cut.inputs]
+    outputs = [replace(lo, name=renamed(lo.name)) for lo in cut.outputs]
+    return model, CutModel(model, inputs, outputs, passthrough)
+
+
+def initializer_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of ``model``'s initializers, inline or in external data (read off the references).
+
+    Example:
+        >>> from diag.fixtures.models import convnet
+        >>> initializer_bytes(convnet().model) > 0
+        True
+    """
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            total += next((int(e.value) for e in t.external_data if e.key == "length"), 0)
+        else:
+            total += len(t.raw_data) or t.ByteSize()
+    return total
 
 
 def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:

@@ -1,0 +1,99 @@
+"""The cut model run inside the INT8 session (weights held once) gives the same figures.
+
+``diag.instrument.merged_with_cut`` appends the cut model, renamed, to the exposed INT8 model so
+that onnxruntime loads (and prepacks) each INT8 weight once; ``run_comparison`` does that from
+:data:`diag.compare.SHARED_CUT_BYTES` of INT8 weights on. These tests run the same comparison
+merged (threshold 0) and as two sessions (threshold out of reach) and require identical figures,
+accumulated and local, on every fixture and format, and show what merging saves on a decoder
+with external data.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import diag.compare
+from diag.compare import CompareOptions, _local_model, load_pair, run_comparison
+from diag.feeds import feeds_from_arrays, input_specs
+from diag.fixtures import llm_models
+from diag.instrument import exposed_model, initializer_bytes, merged_with_cut
+from diag.match import match_models
+
+FIXTURES = ("transformer", "convnet", "embedding", "two_outputs", "ctc")
+
+
+def _figures(fp, q, inputs, options=None):
+    matching = match_models(fp.proto, q.proto)
+    feeds = feeds_from_arrays(inputs, input_specs(fp.proto), 8, 4, "x")
+    state, _ = run_comparison(fp, q, matching, feeds, options or CompareOptions(progress=False))
+    figures = {}
+    for kind, accs in (("accumulated", state.accumulated), ("local", state.local)):
+        for name, acc in accs.items():
+            s = acc.finalize()
+            figures[kind, name] = (s.sqnr_db, s.max_abs, s.cosine, s.nonfinite_int8)
+    for name, acc in state.outputs.items():
+        figures["output", name] = repr(acc.finalize())
+    return figures
+
+
+def _both_ways(monkeypatch, fp, q, inputs, options=None):
+    made = []
+
+    def merging(*args):
+        made.append(merged_with_cut(*args))
+        return made[-1]
+
+    monkeypatch.setattr(diag.compare, "merged_with_cut", merging)
+    monkeypatch.setattr(diag.compare, "SHARED_CUT_BYTES", 0)
+    merged = _figures(fp, q, inputs, options)
+    assert made and all(m is not None for m in made), "the cut model was not merged"
+    monkeypatch.setattr(diag.compare, "SHARED_CUT_BYTES", 1 << 62)
+    separate = _figures(fp, q, inputs, options)
+    return merged, separate
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+@pytest.mark.parametrize("fmt", ("dynamic", "qdq", "qoperator"))
+def test_merged_cut_gives_every_figure_of_two_sessions(built, monkeypatch, fixture, fmt):
+    b = built(fixture)
+    fp, q = load_pair(b.fp32, b.int8[fmt])
+    merged, separate = _both_ways(monkeypatch, fp, q, b.inputs)
+    assert merged.keys() == separate.keys()
+    assert any(kind == "local" for kind, _ in merged)
+    for key, want in separate.items():
+        assert merged[key] == want, key
+
+
+def test_merged_cut_under_a_memory_budget_gives_the_same_figures(built, monkeypatch):
+    b = built("transformer")
+    fp, q = load_pair(b.fp32, b.int8["qdq"])
+    options = CompareOptions(progress=False, max_memory=200_000)
+    merged, separate = _both_ways(monkeypatch, fp, q, b.inputs, options)
+    assert merged == separate
+
+
+def test_int4_decoder_with_external_data_holds_its_weights_once(tmp_path, monkeypatch):
+    fx = llm_models.llama_decoder(layers=2)
+    llm_models.save_with_external_data(fx.model, tmp_path / "fp32.onnx")
+    llm_models.quantize_int4(tmp_path / "fp32.onnx", tmp_path / "int4.onnx")
+    fp, q = load_pair(tmp_path / "fp32.onnx", tmp_path / "int4.onnx")
+    assert q.has_external_data
+    pairs = dict(match_models(fp.proto, q.proto).pairs)
+    cut, _ = _local_model(fp, q, pairs)
+    assert cut is not None
+    exposed = exposed_model(q.proto, [p.int8_name for p in pairs.values()])
+    merged = merged_with_cut(exposed, cut)
+    assert merged is not None
+    model, local = merged
+    # one copy of every weight: the cut's nodes read the INT8 model's own initializers
+    assert initializer_bytes(model) == initializer_bytes(q.proto)
+    names = [t.name for t in model.graph.initializer]
+    assert len(names) == len(set(names))
+    cut_nodes = [n for n in model.graph.node if n.name.startswith("diag_local::")]
+    assert sum(n.op_type == "MatMulNBits" for n in cut_nodes) == 15
+    # every cut input and output is renamed apart from the INT8 graph's tensors
+    int8_tensors = {o for n in q.proto.graph.node for o in n.output} | {i.name for i in q.proto.graph.input}
+    assert not {ci.name for ci in local.inputs} & int8_tensors
+    assert not {lo.name for lo in local.outputs} & int8_tensors
+    merged_figures, separate = _both_ways(monkeypatch, fp, q, fx.make_inputs(3, 5))
+    assert merged_figures == separate
