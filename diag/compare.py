@@ -473,7 +473,35 @@ def analyze_comparison(
     """Finish the state into a result, then confirm causes by effect and attach the task metrics."""
     fp, q, matching, feeds = run.fp, run.q, run.matching, run.feeds
     seconds = time.perf_counter() - run.start
-    result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, seconds)
+    # NOTE: the weight report reads only the two models: it runs on a thread beside the effect
+    # check, whose session building is mostly single-threaded (500M int4 decoder, 2 cores: the
+    # report took ~20 s and the check ~40 s one after the other).
+    pool = ThreadPoolExecutor(1, thread_name_prefix="diag-weight-report")
+    try:
+        pending = pool.submit(_weight_report, fp, q)
+        result = finish(fp, q, matching, state, runtime_unmatched, feeds.description, options, seconds, pending)
+        _confirm_causes(run, state, result, options)
+        attach_weights(result, pending.result())
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # on an error, do not wait for the report
+    result.seconds = time.perf_counter() - run.start
+    if options.accuracy_level_check and options.shard is None:
+        result.accuracy_level = check_accuracy_level(
+            q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
+        )
+        result.seconds = time.perf_counter() - run.start
+    if options.deploy_isa == "avx2" and options.shard is None:
+        result.deploy_isa = deploy_isa_prediction(result, feeds)
+        result.seconds = time.perf_counter() - run.start
+    result.cause_sentence = with_exclude_command(result.cause_sentence, fp.path, q.path, run.spec)
+    result.verify_command = exclude_command(fp.path, q.path, run.spec)
+    attach_task_metrics(result, state.task, options.metric)
+    return result
+
+
+def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, options: CompareOptions) -> None:
+    """The effect check: which candidate's float region removes the failing output's error."""
+    fp, q, matching, feeds = run.fp, run.q, run.matching, run.feeds
     # NOTE: no effect check on FP16 models: onnxruntime's CPU provider runs a float16 graph partly
     # in float32, and which parts depends on the graph, so a one-node change moves where FP16
     # overflows. The NaN/Inf origin and the converter's re-run (fp16health.fp16_fix) are the measure.
@@ -493,19 +521,6 @@ def analyze_comparison(
         )
         suggested, _unnamed = recommended_nodes(result.findings)
         result.list_estimate = estimate_list(fp, q, matching, feeds, suggested, result.effects, specs, options.threads)
-        result.seconds = time.perf_counter() - run.start
-    if options.accuracy_level_check and options.shard is None:
-        result.accuracy_level = check_accuracy_level(
-            q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
-        )
-        result.seconds = time.perf_counter() - run.start
-    if options.deploy_isa == "avx2" and options.shard is None:
-        result.deploy_isa = deploy_isa_prediction(result, feeds)
-        result.seconds = time.perf_counter() - run.start
-    result.cause_sentence = with_exclude_command(result.cause_sentence, fp.path, q.path, run.spec)
-    result.verify_command = exclude_command(fp.path, q.path, run.spec)
-    attach_task_metrics(result, state.task, options.metric)
-    return result
 
 
 def deploy_isa_prediction(result: CompareResult, feeds: FeedSource) -> dict[str, Any]:
@@ -1323,8 +1338,14 @@ def finish(
     description: str,
     options: CompareOptions,
     seconds: float,
+    weights: Future[WeightReport] | None = None,
 ) -> CompareResult:
-    """Finalize accumulators and run the analysis (also used after merging shards)."""
+    """Finalize accumulators and run the analysis (also used after merging shards).
+
+    ``weights``: the weight report being computed elsewhere (:func:`analyze_comparison` runs it
+    beside the effect check); the result then holds an empty report and no suggestions until
+    :func:`attach_weights` gives it the report. Without it the report is computed here.
+    """
     figures = state.finalize(options.outlier_factor)
     accumulated, local, health = figures.accumulated, figures.local, figures.health
     graph = fp_graph(fp.proto)
@@ -1343,13 +1364,8 @@ def finish(
     specs = {k: a.spec for k, a in state.outputs.items()}
     one, sentence, _ = confirmed_cause(findings, None, grade, verdicts, specs, matching, q.format.family)
     one, sentence = _fp16_headline(findings, state, one, sentence)
-    weights = weight_report(
-        fp.proto,
-        q.proto,
-        fp.external_dir,
-        q.external_dir,
-    )
-    suggestions = all_suggestions(fp.proto, matching, health, q.format.family, weights.findings)
+    report = WeightReport([], {}) if weights is not None else _weight_report(fp, q)
+    suggestions = all_suggestions(fp.proto, matching, health, q.format.family, report.findings)
     patterns = find_patterns(fp.proto)
     tensor_of_node = {n: f.tensor for f in findings for n in f.group.fp_nodes}
     per_instance, per_kind = pattern_totals(patterns, accumulated, local, tensor_of_node)
@@ -1374,7 +1390,7 @@ def finish(
         health,
         persistent_outliers(health),
         suggestions,
-        weights,
+        report,
         patterns,
         per_instance,
         per_kind,
@@ -1384,6 +1400,18 @@ def finish(
         fused=list(state.fused),
         state=state,
     )
+
+
+def _weight_report(fp: LoadedModel, q: LoadedModel) -> WeightReport:
+    return weight_report(fp.proto, q.proto, fp.external_dir, q.external_dir)
+
+
+def attach_weights(result: CompareResult, report: WeightReport) -> None:
+    """Give ``result`` (from :func:`finish` with a pending report) its weight report and the
+    suggestions that depend on it."""
+    result.weights = report
+    fp, q = result.fp32, result.int8
+    result.suggestions = all_suggestions(fp.proto, result.matching, result.health, q.format.family, report.findings)
 
 
 def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, sentence: str) -> tuple[bool, str]:
