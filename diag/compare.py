@@ -521,6 +521,8 @@ def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, o
         )
         suggested, _unnamed = recommended_nodes(result.findings)
         result.list_estimate = estimate_list(fp, q, matching, feeds, suggested, result.effects, specs, options.threads)
+        if result.effects is not None:
+            result.effects.reference = None  # the FP32 outputs it kept for the estimate
 
 
 def deploy_isa_prediction(result: CompareResult, feeds: FeedSource) -> dict[str, Any]:

@@ -97,6 +97,9 @@ class EffectCheck:
     skipped: dict[str, str] = field(default_factory=dict)
     #: Per output (and part): the INT8 model's error as given, on the same samples.
     base: dict[str, ErrorStats] = field(default_factory=dict)
+    #: The FP32 outputs of the checked samples, kept for :func:`estimate_list` (not serialized):
+    #: computing them again means loading the FP32 model once more (2 GB on a 500M decoder).
+    reference: _OutputErrors | None = field(default=None, repr=False, compare=False)
 
     @property
     def sqnr_before(self) -> dict[str, float]:
@@ -614,7 +617,7 @@ def check_effects(
     finally:
         bar.close()
     effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
-    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, base)
+    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, base, measure)
 
 
 @dataclass
@@ -675,11 +678,13 @@ def estimate_list(
         after = same.sqnr_after.get(check.target, math.nan)
         return ListEstimate(list(nodes), check.target, check.samples, before, after, same.recovered)
     threads = threads or default_threads()
-    batches, taken = _first_samples(feeds, check.samples)
     try:
         fp_dir, region_dir = region_dirs(fp, q)
         model = float_region_model(fp.proto, q.proto, list(nodes), matching, fp_dir=fp_dir)
-        measure = _OutputErrors(fp, batches, specs, threads)
+        measure, taken = check.reference, check.samples  # the check's samples, FP32 outputs computed
+        if measure is None:
+            batches, taken = _first_samples(feeds, check.samples)
+            measure = _OutputErrors(fp, batches, specs, threads)
         role = "INT8 model with the suggested list in float"
         sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, region_dir)
         got = measure.stats(sess, "INT8 model with the suggested list in float")

@@ -9,8 +9,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+import diag.effects
 from diag.cli import main
+from diag.compare import CompareOptions, compare_models
+from diag.effects import EffectBudget, check_effects, estimate_list
+from diag.feeds import FeedSpec, feed_source
 from diag.fixtures.quantize import quantize
+from diag.outputs import output_specs
 from diag.report import view_from_document
 
 
@@ -81,3 +86,32 @@ def test_a_remedy_naming_nodes_outside_the_verified_fix_says_so(built, tmp_path)
     assert any(f"not needed by the verified fix (nodes_to_exclude={json.dumps(verified)})" in n for n in notes), notes
     summary = (out / "summary.md").read_text()
     assert "not needed by the verified fix" in summary
+
+
+def test_a_list_estimate_reuses_the_effect_checks_fp32_outputs(built, monkeypatch):
+    """The list estimate measures against the FP32 outputs the effect check computed (the FP32
+    model is not loaded again) and gets the figure a fresh FP32 run gives."""
+    b = built("convnet")
+    result = compare_models(
+        b.fp32, b.int8["qdq"], FeedSpec(inputs=str(b.inputs_path), batch=8), CompareOptions(progress=False, effects=0)
+    )
+    fp, q, matching = result.fp32, result.int8, result.matching
+    feeds = feed_source(fp.proto, FeedSpec(inputs=str(b.inputs_path), batch=8))
+    specs = output_specs(fp.proto)
+    check = check_effects(fp, q, matching, feeds, result.findings, result.paths, specs, EffectBudget(progress=False))
+    assert check is not None and check.reference is not None and len(check.effects) >= 2
+    nodes = [n for e in check.effects[:2] for n in e.finding.group.fp_nodes]
+    loads: list[str] = []
+    real = diag.effects.session_from_model
+
+    def counting(model, role, *args, **kwargs):
+        loads.append(role)
+        return real(model, role, *args, **kwargs)
+
+    monkeypatch.setattr(diag.effects, "session_from_model", counting)
+    reused = estimate_list(fp, q, matching, feeds, nodes, check, specs)
+    assert loads == ["INT8 model with the suggested list in float"]
+    check.reference = None
+    fresh = estimate_list(fp, q, matching, feeds, nodes, check, specs)
+    assert loads.count("FP32 model") == 1
+    assert reused is not None and reused == fresh
