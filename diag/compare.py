@@ -487,7 +487,13 @@ def analyze_comparison(
     result.seconds = time.perf_counter() - run.start
     if options.accuracy_level_check and options.shard is None:
         result.accuracy_level = check_accuracy_level(
-            q.proto, feeds, options.accuracy_level_check, options.effect_samples, options.threads, fp.proto
+            q.proto,
+            feeds,
+            options.accuracy_level_check,
+            options.effect_samples,
+            options.threads,
+            fp.proto,
+            q.external_dir,
         )
         result.seconds = time.perf_counter() - run.start
     if options.deploy_isa == "avx2" and options.shard is None:

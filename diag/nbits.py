@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -453,6 +454,7 @@ def check_accuracy_level(
     samples: int = 8,
     threads: int | None = None,
     fp: onnx.ModelProto | None = None,
+    external_dir: Path | None = None,
 ) -> AccuracyLevelCheck:
     """Run the MatMulNBits nodes of ``q`` at ``accuracy_level`` ``level`` against level 0, on the first ``samples``.
 
@@ -462,7 +464,8 @@ def check_accuracy_level(
     where a node's own output error would mostly repeat what it inherits.
 
     Nodes are named as in ``fp`` (the FP32 node writing the same output: what ``nodes_to_exclude``
-    takes) when it is given, else by their own MatMulNBits names. Raises ``bad-option`` when the
+    takes) when it is given, else by their own MatMulNBits names. ``external_dir``: the folder
+    of ``q``'s external data (:attr:`diag.load.LoadedModel.external_dir`). Raises ``bad-option`` when the
     model has no MatMulNBits node or ``level`` is not 1-4.
 
     Example:
@@ -492,7 +495,7 @@ def check_accuracy_level(
                 lv = level if n.output[0] in at_level else 0
                 n.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", lv)])
         role = f"quantized model with {len(at_level)} MatMulNBits node(s) at accuracy_level {level}"
-        sess = session_from_model(m, role, DEPLOY_LEVEL, threads)
+        sess = session_from_model(m, role, DEPLOY_LEVEL, threads, external_dir)
         return [{k: v for k, v in run_batch(sess, f, role).items() if k in outputs} for f in feeds_used]
 
     reference = run(set())

@@ -25,10 +25,10 @@ CULPRIT = "/model/layers.2/mlp/down_proj/MatMul"
 SAMPLES = 8
 
 
-def _diag(*args: object) -> subprocess.CompletedProcess:
+def _diag(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``python -m diag ARGS --quiet``, checked to exit 0."""
     run = subprocess.run(
-        [sys.executable, "-m", "diag", *map(str, args), "--quiet"], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "diag", *map(str, args), "--quiet"], capture_output=True, text=True, timeout=600, cwd=cwd
     )
     assert run.returncode == 0, run.stderr
     return run
@@ -281,3 +281,20 @@ def test_projection_phrase_names_whole_projections():
     paths["node_linear_9"] = "lm_head/linear_9"
     named = [*paths]
     assert projection_phrase(named, named, paths) == "mlp/down_proj in every layer (4), lm_head (node_linear_9)"
+
+
+def test_accuracy_level_check_reads_external_data_from_the_models_folder(llm, tmp_path):
+    """--accuracy-level-check builds its sessions from memory: onnxruntime must be told where the
+    weights are, not find them by chance in the current folder (it used to fail with 'External
+    data path ... escapes working directory' unless run from the model's folder)."""
+    out = tmp_path / "o"
+    _diag(
+        "compare", llm["fp32"], llm["int4"], "--inputs", llm["ids"], "--samples", "2", "--effects", "0",
+        "--accuracy-level-check", "4", "--out", out, cwd=tmp_path,
+    )  # fmt: skip
+    check = json.loads((out / "diag.json").read_text())["accuracy_level"]
+    assert check["level"] == 4 and check["samples"] == 2
+    # every MatMulNBits node (7 projections a layer, and lm_head), each named as in the FP32 graph
+    q = onnx.load(str(llm["int4"]), load_external_data=False)
+    assert len(check["nodes"]) == sum(n.op_type == "MatMulNBits" for n in q.graph.node) > 8
+    assert all(name.startswith(("/model/layers.", "/lm_head")) for name in check["nodes"])
