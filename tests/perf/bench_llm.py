@@ -48,6 +48,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -267,13 +268,16 @@ def build_kv(size: str, folder: Path, samples: int, seq: int, past: int) -> None
 
 def measure(mode: str, folder: Path, samples: int, *extra: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(folder), str(samples), *extra],
-        capture_output=True,
-        text=True,
-        cwd=folder,
-        env=env,
-    )
+    # NOTE: not in the model's folder: a session built from memory that finds its external data
+    # only relative to the current folder would pass here and fail for a user (it did).
+    with tempfile.TemporaryDirectory(prefix="diag-bench-") as cwd:
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, mode, str(folder), str(samples), *extra],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env,
+        )
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["?"])[-1]
         return {"seconds": float("nan"), "peak_mb": float("nan"), "error": tail[:200]}
