@@ -1346,7 +1346,7 @@ def _scale_for(pair: TensorPair, q_out: dict[str, np.ndarray] | None) -> float |
     return None
 
 
-def finish(
+def finish(  # NOTE: a shard merge's eight parameters, and the report computed beside the effect check
     fp: LoadedModel,
     q: LoadedModel,
     matching: Matching,
