@@ -308,3 +308,20 @@ def test_accuracy_level_check_names_the_node_fed_by_the_outlier_and_matches_plai
         err.startswith("diag: error[bad-option]: --accuracy-level-check | needs MatMulNBits nodes") and "\n" not in err
     )
     assert not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("short", [0, 3])
+def test_unpack_bits_matches_a_value_by_value_reading_of_the_bytes(bits, short):
+    """The 4-bit fast path (uint8 nibble planes) and the general path read bytes as MatMulNBits
+    stores them: value j of a row is bits ``(j % per_byte) * bits`` of byte ``j // per_byte``."""
+
+    packed = np.random.default_rng(bits).integers(0, 256, (7, 5, 16), dtype=np.uint8)
+    per_byte = 8 // bits
+    count = 16 * per_byte - short
+    want = np.zeros((7, 5, count), np.int64)
+    for j in range(count):
+        want[..., j] = (packed[..., j // per_byte] >> ((j % per_byte) * bits)) & ((1 << bits) - 1)
+    got = unpack_bits(packed, bits, count)
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert np.array_equal(unpack_bits(packed, bits, count, np.int16), want)
