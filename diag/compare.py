@@ -89,6 +89,7 @@ from diag.run import (
     batch_tensor_bytes,
     check_memory,
     default_threads,
+    drop_mapped_pages,
     plan_passes,
     reuse_freed_memory,
     run_batch,
@@ -672,6 +673,24 @@ def run_comparison(
 REUSE_FREED_BELOW = 512 << 20
 
 
+def _mapped_files(fp: LoadedModel, q: LoadedModel) -> list[Path]:
+    """The external-data files whose mapped pages a large model's pass drops after each batch
+    (:func:`diag.run.drop_mapped_pages`); none below :data:`REUSE_FREED_BELOW` of FP32 weights,
+    where the growth is small and reading ``/proc/self/smaps`` per batch would cost more."""
+    if initializer_bytes(fp.proto) < REUSE_FREED_BELOW:
+        return []
+    files: set[Path] = set()
+    for m in (fp, q):
+        folder = m.external_dir
+        if folder is None:
+            continue
+        for t in m.graph.initializer:
+            location = next((e.value for e in t.external_data if e.key == "location"), "")
+            if location:
+                files.add(folder / location)
+    return sorted(files)
+
+
 def _local_model(fp: LoadedModel, q: LoadedModel, pairs: dict[str, TensorPair]) -> tuple[CutModel | None, set[str]]:
     """The cut model for local error, and the tensors it does not recompute (their local value is
     the FP32 value bit for bit: :func:`exact_locally`; their local error is zero by construction).
@@ -775,6 +794,7 @@ def _run_pass(p: _Pass) -> None:
     threads = p.options.threads or default_threads()
     fp_sess, q_sess, cut_sess, cut = _exposed_sessions(p.fp, p.q, mine, p.cut, output_names, threads, share=True)
     reductions = _Reductions(threads)
+    mapped = _mapped_files(p.fp, p.q)
     try:
         offset = 0
         for index, batch in enumerate(p.feeds):
@@ -786,6 +806,8 @@ def _run_pass(p: _Pass) -> None:
             # at most one batch of values is alive (peak RSS as a sequential loop's), and each
             # accumulator sees its batches in order.
             reductions.wait()
+            if mapped:
+                drop_mapped_pages(mapped)
             fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{p.fp.path.name}'")
             local_out: dict[str, np.ndarray] | None = None
             if cut is not None and cut_sess is q_sess:

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,47 @@ def reuse_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum; larger arrays are still mapped
     mallopt(m_trim_threshold, 1 << 30)
+
+
+def drop_mapped_pages(files: Iterable[Path]) -> int:
+    """Unmap the clean pages of ``files`` that this process has mapped; returns the mappings advised.
+
+    onnxruntime maps aligned external data (one mapping per initializer) and reads it in place.
+    A Gather over an embedding table touches new rows every batch, and the kernel maps the pages
+    around each touched one: the resident size grows with the number of samples (500M int4
+    decoder: ~6 MB a sample, +236 MB over 64 samples) though nothing new is held. After a batch,
+    ``MADV_DONTNEED`` on those mappings gives the pages back to the page cache; the next access
+    maps them again from there (a minor fault). Only mappings without private (copied-on-write)
+    pages are advised, so no byte onnxruntime might have written is ever discarded. Linux only;
+    elsewhere, or without ``/proc``, it does nothing and returns 0.
+
+    Example:
+        >>> drop_mapped_pages([Path("no-such-model.onnx.data")])
+        0
+    """
+    targets = {str(Path(f).resolve()) for f in files}
+    if not targets or not sys.platform.startswith("linux"):
+        return 0
+    ranges: list[tuple[int, int]] = []
+    try:
+        with open("/proc/self/smaps") as fh:
+            current: tuple[int, int] | None = None
+            for line in fh:
+                head = line.split(maxsplit=5)
+                if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+                    path = head[5].strip() if len(head) > 5 else ""
+                    a, b = (int(x, 16) for x in head[0].split("-"))
+                    current = (a, b) if path in targets else None
+                elif current is not None and head and head[0] == "Anonymous:":
+                    if head[1] == "0":
+                        ranges.append(current)
+                    current = None
+        libc = ctypes.CDLL("libc.so.6")
+    except (OSError, ValueError):
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madv_dontneed = 4
+    return sum(libc.madvise(a, b - a, madv_dontneed) == 0 for a, b in ranges)
 
 
 def default_threads() -> int:

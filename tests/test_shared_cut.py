@@ -11,6 +11,9 @@ with external data.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 import diag.compare
@@ -19,6 +22,7 @@ from diag.feeds import feeds_from_arrays, input_specs
 from diag.fixtures import llm_models
 from diag.instrument import exposed_model, initializer_bytes, merged_with_cut
 from diag.match import match_models
+from diag.run import drop_mapped_pages
 
 FIXTURES = ("transformer", "convnet", "embedding", "two_outputs", "ctc")
 
@@ -110,3 +114,47 @@ def test_glibc_keeps_freed_memory_only_below_the_weight_limit(built, monkeypatch
     fp, q = load_pair(b.fp32, b.int8["dynamic"])
     _figures(fp, q, b.inputs)
     assert bool(calls) is tuned
+
+
+def _rss_file_mb() -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(text.split("RssFile:")[1].split()[0]) // 1024
+
+
+def test_dropping_mapped_pages_lowers_resident_size_and_keeps_every_byte(tmp_path):
+    data = np.arange(16 << 20, dtype=np.float32)  # 64 MB
+    path = tmp_path / "w.data"
+    data.tofile(path)
+    shared = np.memmap(path, np.float32, "r")
+    private = np.memmap(path, np.float32, "c")  # copy-on-write, as onnxruntime maps external data
+    private[0] = -1.0  # a private page: never discarded
+    before = _rss_file_mb()
+    assert float(shared.sum(dtype=np.float64)) == float(data.sum(dtype=np.float64))
+    assert _rss_file_mb() >= before + 48
+    assert drop_mapped_pages([path]) >= 1
+    assert _rss_file_mb() <= before + 16
+    assert np.array_equal(shared, data)  # mapped again from the page cache
+    assert private[0] == -1.0 and np.array_equal(private[1:], data[1:])
+    assert drop_mapped_pages([tmp_path / "other.data"]) == 0
+
+
+def test_a_large_models_pass_drops_mapped_pages_without_changing_a_figure(tmp_path, monkeypatch):
+    fx = llm_models.llama_decoder(layers=2)
+    llm_models.save_with_external_data(fx.model, tmp_path / "fp32.onnx")
+    llm_models.quantize_int4(tmp_path / "fp32.onnx", tmp_path / "int4.onnx")
+    fp, q = load_pair(tmp_path / "fp32.onnx", tmp_path / "int4.onnx")
+    inputs = fx.make_inputs(3, 5)
+    dropped: list[int] = []
+
+    def counting(files):
+        dropped.append(drop_mapped_pages(files))
+        return dropped[-1]
+
+    monkeypatch.setattr(diag.compare, "drop_mapped_pages", counting)
+    monkeypatch.setattr(diag.compare, "REUSE_FREED_BELOW", 0)
+    with_drops = _figures(fp, q, inputs)
+    assert dropped and max(dropped) > 0  # onnxruntime mapped the int4 model's external data
+    monkeypatch.setattr(diag.compare, "REUSE_FREED_BELOW", 1 << 62)
+    dropped.clear()
+    assert _figures(fp, q, inputs) == with_drops
+    assert not dropped
