@@ -341,6 +341,12 @@ class _TierSearch:
         #: Per-trial lines go above any bar (no bar of its own: a plan's trial count is not known).
         self.lines = Progress(None, "tiers", enabled=False, unit="trials")
 
+    def smallest_met(self) -> tuple[int, ...] | None:
+        """The met trial that promotes the fewest groups (then the lowest tiers), None if none met."""
+        top = len(self.tiers) - 1  # every group at the top tier is the FP32 model, not a plan
+        met = [lv for lv, ok in self.met_levels.items() if ok and any(lv) and not all(x == top for x in lv)]
+        return min(met, key=lambda lv: (sum(1 for x in lv if x), sum(lv), lv), default=None)
+
     def plan_of(self, levels: tuple[int, ...]) -> dict[str, str]:
         plan: dict[str, str] = {}
         for c, lv in zip(self.candidates, levels, strict=False):
@@ -483,7 +489,10 @@ def derive_tier_plan(
             try:
                 chosen = s.search()
             except BudgetExhausted as e:
-                budget, chosen = str(e), None
+                # A trial that met the target is a plan, just not the smallest: the search ran out
+                # before narrowing it (500M decoder: every MatMul at int8 met cosine>=0.99, then
+                # the budget was spent). Saying "not reachable" there would be wrong advice.
+                budget, chosen = str(e), s.smallest_met()
         plan = _plan(setup, recipe, s, chosen, o, work_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -579,7 +588,7 @@ def plan_snippet(
         recipe=recipe.to_dict(),
         steps=[],
         target=plan.target,
-        verdict="met" if plan.reachable else "not reachable",
+        verdict="met" if plan.reachable else ("budget exhausted" if plan.budget else "not reachable"),
         nodes_to_exclude=list(recipe.nodes_to_exclude),
         fp32=plan.fp32,
     )
@@ -605,16 +614,26 @@ def summary_lines(plan: TierPlan) -> list[str]:
             f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)} (all {low}) -> "
             f"{_fmt(plan.after.value(t.metric), t)} (plan)"
         )
+        if plan.budget:
+            lines.append(
+                f"  not the smallest plan: {plan.budget} before the search narrowed it "
+                "(a larger --time-budget or a --target nearer the baseline finds a shorter one)"
+            )
         for tier, nodes in plan.by_tier.items():
             named = plan.by_projection.get(tier)
             if named:  # the node list is in tiers.json and recipe.json
                 lines.append(f"  {tier} ({len(nodes)} nodes): {named}")
             else:
                 lines.append(f"  {tier}: {', '.join(nodes)}")
-    else:
-        why = f" ({plan.budget})" if plan.budget else ""
+    elif plan.budget:
+        # NOTE: the search stopped before any plan met the target: that proves nothing either way.
         lines.append(
-            f"target {t} not reachable{why}: all {low} gives {t.metric} {_fmt(b, t)}, and no plan short of every "
+            f"target {t} not reached ({plan.budget}): all {low} gives {t.metric} {_fmt(b, t)}; the search "
+            "stopped before any plan met it (a larger budget may find one)"
+        )
+    else:
+        lines.append(
+            f"target {t} not reachable: all {low} gives {t.metric} {_fmt(b, t)}, and no plan short of every "
             f"node at {plan.tiers[-1]} meets it"
         )
     sizes = plan.sizes

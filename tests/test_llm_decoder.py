@@ -298,3 +298,33 @@ def test_accuracy_level_check_reads_external_data_from_the_models_folder(llm, tm
     q = onnx.load(str(llm["int4"]), load_external_data=False)
     assert len(check["nodes"]) == sum(n.op_type == "MatMulNBits" for n in q.graph.node) > 8
     assert all(name.startswith(("/model/layers.", "/lm_head")) for name in check["nodes"])
+
+
+def test_a_tier_search_stopped_by_its_budget_keeps_the_plan_it_met_and_claims_nothing_it_did_not_test(llm, tmp_path):
+    """At 500M the tier search met cosine>=0.99 with every MatMul at int8, then ran out of time
+    while narrowing: it said "not reachable ... no plan short of every node at fp32 meets it".
+    A met trial is a plan (not the smallest: said so); a search stopped before any met claims nothing."""
+    base = ["exclude", llm["fp32"], "--int8", llm["int4"], "--inputs", llm["ids"], "--target", "cosine>=0.995"]
+    base += ["--tiers", "int4,int8,fp32", "--bench-runs", "0"]
+
+    def tiers(out: str, *more: str) -> tuple[subprocess.CompletedProcess, dict]:
+        argv = [sys.executable, "-m", "diag", *map(str, base), *more, "--out", str(tmp_path / out)]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        return run, json.loads((tmp_path / out / "tiers.json").read_text())
+
+    run, full = tiers("full")
+    assert run.returncode == 0 and full["reachable"] and full["budget"] is None
+    # --max-trials counts quantizations, the baseline's among them: stop right after the first met trial
+    limit = next(i for i, t in enumerate(full["trials"]) if t["met"]) + 1
+    assert len(full["trials"]) > limit, "the search narrows after its first met trial"
+    run, plan = tiers("met", "--max-trials", str(limit))
+    assert plan["budget"] == f"--max-trials {limit} reached"
+    assert run.returncode == 0 and plan["reachable"]
+    assert plan["trials"][-1]["met"] and plan["after"]["cosine"] >= 0.995
+    assert len(plan["plan"]) == sum(plan["trials"][-1]["promoted"].values()) >= len(full["plan"])
+    assert "met on" in run.stdout and f"not the smallest plan: --max-trials {limit} reached" in run.stdout
+    assert (tmp_path / "met" / "fp32.plan.onnx").exists()
+    run, short = tiers("short", "--max-trials", "2")
+    assert run.returncode == 3 and not short["reachable"]
+    assert "not reached (--max-trials 2 reached)" in run.stdout and "stopped before any plan met it" in run.stdout
+    assert "no plan short of" not in run.stdout
