@@ -18,6 +18,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -586,22 +587,7 @@ def _sweep_options(args: argparse.Namespace) -> SweepOptions:
     )
 
 
-# ---------------------------------------------------------------- parser
-
-VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "inspect": cmd_inspect,
-    "compare": cmd_compare,
-    "merge": cmd_merge,
-    "report": cmd_report,
-    "demo": cmd_demo,
-    "quantize": cmd_quantize,
-    "bench": cmd_bench,
-    "lint": cmd_lint,
-    "check": cmd_check,
-    "diff": cmd_diff,
-    "exclude": cmd_exclude,
-    "sweep": cmd_sweep,
-}
+# ---------------------------------------------------------------- flags of each verb
 
 
 def _inspect_flags(p: argparse.ArgumentParser) -> None:
@@ -947,25 +933,73 @@ def _sweep_flags(p: argparse.ArgumentParser) -> None:
     _add_quiet(p, "lines")
 
 
-#: Each verb's flags and the epilog of its --help, in the order ``diag --help`` lists the verbs.
-_SUBPARSERS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], str | None]] = {
-    "inspect": (_inspect_flags, None),
-    "compare": (_compare_flags, TARGET_HELP),
-    "merge": (_merge_flags, None),
-    "report": (_report_flags, None),
-    "exclude": (_exclude_flags, EXCLUDE_TARGET_HELP),
-    "demo": (_demo_flags, None),
-    "quantize": (_quantize_flags, None),
-    "check": (_check_flags, TARGET_HELP),
-    "diff": (_diff_flags, None),
-    "bench": (_bench_flags, None),
-    "lint": (_lint_flags, None),
-    "sweep": (_sweep_flags, SWEEP_HELP),
+# ---------------------------------------------------------------- the verb registry
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One CLI verb, registered once (:data:`VERBS`): its subparser, its line in ``diag --help``,
+    the dispatch in :func:`main` and every test or docs check that lists the verbs derive from it.
+
+    Its help is its handler's docstring: the first sentence in ``diag --help``'s verb list, all of
+    it in ``diag VERB --help``.
+    """
+
+    name: str
+    #: ``cmd_<verb>``: parse the flags, build the options, make one library call, print its Summary.
+    handler: Callable[[argparse.Namespace], int]
+    #: Adds the verb's flags to its subparser (from the flag groups above).
+    add_flags: Callable[[argparse.ArgumentParser], None]
+    #: Printed after the flags by ``diag VERB --help`` (how its metrics or targets are computed).
+    epilog: str | None = None
+
+    @property
+    def description(self) -> str:
+        """The handler's whole docstring, as ``diag VERB --help`` prints it."""
+        return inspect.cleandoc(self.handler.__doc__ or "")
+
+    @property
+    def help(self) -> str:
+        """The docstring's first sentence, however many lines it spans: the verb's line in ``diag --help``."""
+        paragraph = " ".join(self.description.split("\n\n")[0].split())
+        return paragraph.split(". ")[0].rstrip(".") + "."
+
+    def add_parser(self, sub: Any) -> argparse.ArgumentParser:
+        """The verb's subparser, with its flags and its own ``--debug``."""
+        p: argparse.ArgumentParser = sub.add_parser(
+            self.name,
+            help=self.help,
+            description=self.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=self.epilog,
+        )
+        p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+        self.add_flags(p)
+        return p
+
+
+#: Every verb, in the order ``diag --help`` lists them: the one registry (a new verb is one row).
+VERBS: dict[str, Verb] = {
+    v.name: v
+    for v in (
+        Verb("inspect", cmd_inspect, _inspect_flags),
+        Verb("compare", cmd_compare, _compare_flags, TARGET_HELP),
+        Verb("merge", cmd_merge, _merge_flags),
+        Verb("report", cmd_report, _report_flags),
+        Verb("exclude", cmd_exclude, _exclude_flags, EXCLUDE_TARGET_HELP),
+        Verb("demo", cmd_demo, _demo_flags),
+        Verb("quantize", cmd_quantize, _quantize_flags),
+        Verb("check", cmd_check, _check_flags, TARGET_HELP),
+        Verb("diff", cmd_diff, _diff_flags),
+        Verb("bench", cmd_bench, _bench_flags),
+        Verb("lint", cmd_lint, _lint_flags),
+        Verb("sweep", cmd_sweep, _sweep_flags, SWEEP_HELP),
+    )
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``diag`` parser: global flags, then one subparser per verb (:data:`_SUBPARSERS`)."""
+    """The ``diag`` parser: global flags, then one subparser per verb of :data:`VERBS`."""
     parser = argparse.ArgumentParser(
         prog="diag",
         description="Find which operator broke your INT8 ONNX model, and what to do about it.",
@@ -974,22 +1008,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"diag {__version__}")
     parser.add_argument("--debug", dest="global_debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    for name, (add_flags, epilog) in _SUBPARSERS.items():
-        add_flags(_verb_parser(sub, name, epilog))
+    for verb in VERBS.values():
+        verb.add_parser(sub)
     return parser
-
-
-def _verb_parser(sub: Any, name: str, epilog: str | None) -> argparse.ArgumentParser:
-    """A verb's subparser: its help is the first sentence of its docstring, its description all of it."""
-    doc = inspect.cleandoc(VERBS[name].__doc__ or "")
-    # The verb list shows the docstring's first sentence, however many lines it spans.
-    paragraph = " ".join(doc.split("\n\n")[0].split())
-    summary = paragraph.split(". ")[0].rstrip(".") + "."
-    p: argparse.ArgumentParser = sub.add_parser(
-        name, help=summary, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog
-    )
-    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1007,7 +1028,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # NOTE: library warnings (numpy overflow, matplotlib glyphs, onnxruntime advice) would
                 # break the one-line contract of stdout/stderr; --debug shows them.
                 warnings.simplefilter("ignore")
-            return VERBS[args.verb](args)
+            return VERBS[args.verb].handler(args)
     except DiagError as e:
         files.remove_created_empty_folders()
         if args.debug:
