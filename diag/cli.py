@@ -67,24 +67,11 @@ def _safe(text: object) -> str:
     return printable(text)
 
 
-def _safe_lines(text: str) -> str:
-    return "\n".join(_safe(line) for line in text.splitlines())
-
-
 def _emit(summary: Summary) -> int:
     """Print a verb's lines (made printable) and turn its gate into the exit code."""
     for line in summary.lines:
         print(_safe(line))
     return GATE_FAILED if summary.failed else OK
-
-
-def _print_cluster(info: dict[str, Any], indent: str = "") -> None:
-    """One line on what ``--scheduler`` did (:func:`diag.verbs.cluster_line`), if it did anything."""
-    from diag.verbs import cluster_line
-
-    line = cluster_line(info, indent)
-    if line is not None:
-        print(_safe(line))
 
 
 # ---------------------------------------------------------------- flag groups
@@ -298,7 +285,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     and summary.md into --out."""
     from diag import verbs
 
-    return _emit(verbs.compare(args.fp32, args.int8, feed_spec(args), args.out, compare_options(args)))
+    return _emit(verbs.compare_to_dir(args.fp32, args.int8, feed_spec(args), args.out, compare_options(args)))
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -365,13 +352,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     level (all), as deployed, with the same intra-op thread count each (default: physical cores);
     models run interleaved, batch by batch, so background load hits them alike. One batch = one
     timed run; batches are cycled."""
-    from diag.verbs import bench_to_json
+    from diag import verbs
 
-    _, table, written = bench_to_json(args.models, feed_spec(args), _bench_options(args))
-    print(_safe_lines(table))
-    if written is not None:
-        print(f"wrote {_safe(written)}")
-    return OK
+    return _emit(verbs.bench_to_json(args.models, feed_spec(args), _bench_options(args)))
 
 
 def _bench_options(args: argparse.Namespace) -> BenchOptions:
@@ -396,20 +379,12 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     static recipe is calibrated once; --max-trials / --time-budget cap the search. Exit code 3 when no
     list short of keeping every quantized node in float meets the target, or when the budget ran
     out before any list met it."""
-    from diag.errors import GATE_FAILED
-    from diag.exclude import summary_lines
-    from diag.verbs import exclude_to_dir
+    from diag import verbs
 
-    if args.tiers:
-        return _exclude_tiers(args)
-    result, files = exclude_to_dir(args.fp32, args.recipe, feed_spec(args), _exclude_options(args), args.out)
-    print(_safe(result.recipe_origin["line"]))
-    for line in summary_lines(result):
-        print(_safe(line))
-    _print_cluster(result.cluster)
-    for name, path in files.items():
-        print(f"wrote {name}: {path}")
-    return OK if result.reachable else GATE_FAILED
+    if args.tiers:  # a mixed-precision plan across tiers (diag.tiers)
+        tiers = _tier_options(args)
+        return _emit(verbs.tier_plan_to_dir(args.fp32, args.recipe, feed_spec(args), tiers, args.out))
+    return _emit(verbs.exclude_to_dir(args.fp32, args.recipe, feed_spec(args), _exclude_options(args), args.out))
 
 
 def _search_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -446,22 +421,6 @@ def _tier_options(args: argparse.Namespace) -> TierOptions:
                 "bad-option", f"{flag} with --tiers", "is not supported by the tier search", f"drop {flag} or --tiers"
             )
     return TierOptions(**_search_options(args), tiers=args.tiers)
-
-
-def _exclude_tiers(args: argparse.Namespace) -> int:
-    """`diag exclude --tiers`: a mixed-precision plan across tiers (see diag.tiers)."""
-    from diag.errors import GATE_FAILED
-    from diag.tiers import summary_lines
-    from diag.verbs import tier_plan_to_dir
-
-    options = _tier_options(args)
-    plan, files = tier_plan_to_dir(args.fp32, args.recipe, feed_spec(args), options, args.out)
-    print(_safe(plan.recipe_origin["line"]))
-    for line in summary_lines(plan):
-        print(_safe(line))
-    for name, path in files.items():
-        print(f"wrote {name}: {path}")
-    return OK if plan.reachable else GATE_FAILED
 
 
 EXCLUDE_TARGET_HELP = """\
@@ -508,12 +467,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     onnxruntime. A recipe with "mode": "weight_only" runs MatMulNBitsQuantizer (bits, block_size,
     is_symmetric, accuracy_level; node_bits quantizes named nodes at another width).
     """
-    from diag.verbs import quantize_to_file
+    from diag import verbs
 
-    _, lines = quantize_to_file(args.fp32, _quantize_options(args))
-    for line in lines:
-        print(_safe(line))
-    return OK
+    return _emit(verbs.quantize_to_file(args.fp32, _quantize_options(args)))
 
 
 def _quantize_options(args: argparse.Namespace) -> QuantizeOptions:
@@ -544,12 +500,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     are skipped with its reason. Writes sweep.json, sweep.md, sweep.html, pareto.svg and
     best.recipe.json into --out; every finished recipe is appended to sweep.jsonl, so an interrupted
     sweep resumes where it stopped when run again."""
+    from diag import verbs
     from diag.errors import INTERRUPTED
-    from diag.sweep import summary_lines
-    from diag.verbs import sweep_to_dir
 
     try:
-        result, files = sweep_to_dir(args.fp32, feed_spec(args), args.out, _sweep_options(args))
+        summary = verbs.sweep_to_dir(args.fp32, feed_spec(args), args.out, _sweep_options(args))
     except KeyboardInterrupt:
         jsonl = Path(args.out) / "sweep.jsonl"
         finished = jsonl.is_file() and jsonl.stat().st_size > 0
@@ -558,12 +513,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             state = f"finished recipes are in {_safe(jsonl)}: run the same command again to resume"
         print(f"diag: interrupted; {state}", file=sys.stderr)
         return INTERRUPTED
-    for line in summary_lines(result):
-        print(_safe(line))
-    _print_cluster(result.cluster)
-    for name, path in files.items():
-        print(f"wrote {name}: {_safe(path)}")
-    return OK
+    return _emit(summary)
 
 
 def _sweep_options(args: argparse.Namespace) -> SweepOptions:
