@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag import files
@@ -501,19 +498,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     best.recipe.json into --out; every finished recipe is appended to sweep.jsonl, so an interrupted
     sweep resumes where it stopped when run again."""
     from diag import verbs
-    from diag.errors import INTERRUPTED
 
-    try:
-        summary = verbs.sweep_to_dir(args.fp32, feed_spec(args), args.out, _sweep_options(args))
-    except KeyboardInterrupt:
-        jsonl = Path(args.out) / "sweep.jsonl"
-        finished = jsonl.is_file() and jsonl.stat().st_size > 0
-        state = interrupt_state()
-        if finished and state == "no output was written":
-            state = f"finished recipes are in {_safe(jsonl)}: run the same command again to resume"
-        print(f"diag: interrupted; {state}", file=sys.stderr)
-        return INTERRUPTED
-    return _emit(summary)
+    return _emit(verbs.sweep_to_dir(args.fp32, feed_spec(args), args.out, _sweep_options(args)))
 
 
 def _sweep_options(args: argparse.Namespace) -> SweepOptions:
@@ -973,7 +959,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.debug = bool(args.debug or getattr(args, "global_debug", False))
     files.reset()
     try:
-        with warnings.catch_warnings(), _sigterm_as_interrupt():
+        with warnings.catch_warnings(), files.sigterm_as_interrupt():
             if not args.debug:
                 # NOTE: library warnings (numpy overflow, matplotlib glyphs, onnxruntime advice) would
                 # break the one-line contract of stdout/stderr; --debug shows them.
@@ -987,8 +973,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except BrokenPipeError:  # `diag ... | head`: the reader left, nothing more to say
         return OK
-    except KeyboardInterrupt:
-        print(f"diag: interrupted; {interrupt_state()}", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, in any verb: say what is on disk (diag.files)
+        print(f"diag: interrupted; {_safe(files.interrupt_state())}", file=sys.stderr)
         return INTERRUPTED
     except Exception as e:  # a bug: say so, one line, keep the traceback behind --debug
         files.remove_created_empty_folders()
@@ -998,35 +984,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"diag: internal error: {type(e).__name__}: {_safe(e)} (re-run with --debug and report it)", file=sys.stderr
         )
         return INTERNAL_ERROR
-
-
-def interrupt_state() -> str:
-    """What is on disk after Ctrl-C: output sets are written whole (diag.files.write_set) or not at all."""
-    written = files.written_sets()
-    files.remove_created_empty_folders()
-    if not written:
-        return "no output was written"
-    names = ", ".join(_safe(p) for s in written for p in s)
-    return f"the new outputs are complete ({names})"
-
-
-class _sigterm_as_interrupt:
-    """SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so work folders are removed on the way out."""
-
-    def __enter__(self) -> None:
-
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._raise)
-
-    @staticmethod
-    def _raise(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    def __exit__(self, *exc: object) -> None:
-
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
 
 
 if __name__ == "__main__":  # python -m diag.cli, as python -m diag

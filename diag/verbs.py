@@ -41,7 +41,7 @@ from diag.errors import DiagError
 from diag.exclude import ExcludeOptions, ExclusionResult, derive_exclusions
 from diag.exclude import summary_lines as exclude_lines
 from diag.feeds import FeedSource, FeedSpec
-from diag.files import check_outputs, internal_writes, output_file, work_dir, write_set
+from diag.files import check_outputs, internal_writes, output_file, resume_file, work_dir, write_set
 from diag.files import out_dir as checked_out_dir
 from diag.fixcode import reproduce_snippet
 from diag.fp16health import fp16_range_lines
@@ -729,6 +729,8 @@ def sweep_to_dir(
         ['best.recipe.json', 'pareto.svg', 'sweep.html', 'sweep.json', 'sweep.jsonl', 'sweep.md']
     """
     o = options if options is not None else SweepOptions()
+    # Ctrl-C: the recipes finished so far are in sweep.jsonl, and the same command resumes from them.
+    resume_file(Path(out_dir) / JSONL, "finished recipes")
     grid_dict, grid_dir = load_grid(o.grid)
     given = [fp32_path, feeds.inputs, o.calib.inputs if o.calib else None, o.labels]
     check_outputs(out_dir, [*SWEEP_OUTPUT_NAMES, JSONL], given)  # before any recipe is measured
