@@ -776,7 +776,7 @@ def bench_to_json(
     Example:
         >>> s = bench_to_json(["fp32.onnx", "int8.onnx"], FeedSpec(random=True),
         ...                   BenchOptions(json_path="bench.json"))  # doctest: +SKIP
-        >>> s.result[1].p50 < s.result[0].p50, s.files  # doctest: +SKIP
+        >>> s.result[1].p50_ms < s.result[0].p50_ms, s.files  # doctest: +SKIP
         (True, {'bench.json': PosixPath('bench.json')})
     """
     if options.json_path is not None:
