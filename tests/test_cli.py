@@ -85,7 +85,6 @@ def test_help_is_instant_because_heavy_modules_are_not_imported():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module", ["diag", "diag.cli"])
 def test_ctrl_c_is_handled_once_in_main_and_no_verb_has_code_of_its_own():
     """Every verb is interrupted alike: cli.main maps KeyboardInterrupt to exit 130 and asks diag.files what
     is on disk (a verb that resumes says so through files.resume_file); cli.py holds no signal code."""
@@ -105,6 +104,7 @@ def test_ctrl_c_is_handled_once_in_main_and_no_verb_has_code_of_its_own():
     assert not modules & {"signal", "threading"}
 
 
+@pytest.mark.parametrize("module", ["diag", "diag.cli"])
 def test_console_script_reports_errors_and_exit_code(tmp_path, module):
     env = dict(os.environ)
     out = subprocess.run(
