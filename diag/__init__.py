@@ -7,7 +7,8 @@ The public API (everything else is internal and may change)::
 ``diagnose`` is what ``diag compare`` computes (the diagnosis, plus the fix recipe,
 ``--sensitivity`` and ``--scheduler``); ``compare_models`` is the diagnosis alone. Each verb's
 options are a frozen dataclass (``CompareOptions``, ``ExcludeOptions``, ``SweepOptions``, ...)
-and its ``*_to_dir`` function writes what the verb writes.
+and its ``*_to_dir`` function writes what the verb writes and returns a ``Summary``: the lines the
+verb prints, its result (``.result``) and the files written (``.files``).
 
 NOTE: attributes are imported lazily so that ``diag --help`` does not pay for numpy, onnx and
 onnxruntime imports.
@@ -50,6 +51,7 @@ _LAZY = {
     "SweepOptions": "diag.sweep",
     "sweep_model": "diag.sweep",
     "sweep_to_dir": "diag.verbs",
+    "Summary": "diag.summary",
     "TierOptions": "diag.tiers",
     "derive_tier_plan": "diag.tiers",
     "tier_plan_to_dir": "diag.verbs",

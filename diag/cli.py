@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import signal
 import sys
-import threading
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diag import files
@@ -66,24 +64,11 @@ def _safe(text: object) -> str:
     return printable(text)
 
 
-def _safe_lines(text: str) -> str:
-    return "\n".join(_safe(line) for line in text.splitlines())
-
-
 def _emit(summary: Summary) -> int:
     """Print a verb's lines (made printable) and turn its gate into the exit code."""
     for line in summary.lines:
         print(_safe(line))
     return GATE_FAILED if summary.failed else OK
-
-
-def _print_cluster(info: dict[str, Any], indent: str = "") -> None:
-    """One line on what ``--scheduler`` did (:func:`diag.verbs.cluster_line`), if it did anything."""
-    from diag.verbs import cluster_line
-
-    line = cluster_line(info, indent)
-    if line is not None:
-        print(_safe(line))
 
 
 # ---------------------------------------------------------------- flag groups
@@ -297,7 +282,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     and summary.md into --out."""
     from diag import verbs
 
-    return _emit(verbs.compare(args.fp32, args.int8, feed_spec(args), args.out, compare_options(args)))
+    return _emit(verbs.compare_to_dir(args.fp32, args.int8, feed_spec(args), args.out, compare_options(args)))
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -364,13 +349,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     level (all), as deployed, with the same intra-op thread count each (default: physical cores);
     models run interleaved, batch by batch, so background load hits them alike. One batch = one
     timed run; batches are cycled."""
-    from diag.verbs import bench_to_json
+    from diag import verbs
 
-    _, table, written = bench_to_json(args.models, feed_spec(args), _bench_options(args))
-    print(_safe_lines(table))
-    if written is not None:
-        print(f"wrote {_safe(written)}")
-    return OK
+    return _emit(verbs.bench_to_json(args.models, feed_spec(args), _bench_options(args)))
 
 
 def _bench_options(args: argparse.Namespace) -> BenchOptions:
@@ -395,20 +376,12 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     static recipe is calibrated once; --max-trials / --time-budget cap the search. Exit code 3 when no
     list short of keeping every quantized node in float meets the target, or when the budget ran
     out before any list met it."""
-    from diag.errors import GATE_FAILED
-    from diag.exclude import summary_lines
-    from diag.verbs import exclude_to_dir
+    from diag import verbs
 
-    if args.tiers:
-        return _exclude_tiers(args)
-    result, files = exclude_to_dir(args.fp32, args.recipe, feed_spec(args), _exclude_options(args), args.out)
-    print(_safe(result.recipe_origin["line"]))
-    for line in summary_lines(result):
-        print(_safe(line))
-    _print_cluster(result.cluster)
-    for name, path in files.items():
-        print(f"wrote {name}: {path}")
-    return OK if result.reachable else GATE_FAILED
+    if args.tiers:  # a mixed-precision plan across tiers (diag.tiers)
+        tiers = _tier_options(args)
+        return _emit(verbs.tier_plan_to_dir(args.fp32, args.recipe, feed_spec(args), tiers, args.out))
+    return _emit(verbs.exclude_to_dir(args.fp32, args.recipe, feed_spec(args), _exclude_options(args), args.out))
 
 
 def _search_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -445,22 +418,6 @@ def _tier_options(args: argparse.Namespace) -> TierOptions:
                 "bad-option", f"{flag} with --tiers", "is not supported by the tier search", f"drop {flag} or --tiers"
             )
     return TierOptions(**_search_options(args), tiers=args.tiers)
-
-
-def _exclude_tiers(args: argparse.Namespace) -> int:
-    """`diag exclude --tiers`: a mixed-precision plan across tiers (see diag.tiers)."""
-    from diag.errors import GATE_FAILED
-    from diag.tiers import summary_lines
-    from diag.verbs import tier_plan_to_dir
-
-    options = _tier_options(args)
-    plan, files = tier_plan_to_dir(args.fp32, args.recipe, feed_spec(args), options, args.out)
-    print(_safe(plan.recipe_origin["line"]))
-    for line in summary_lines(plan):
-        print(_safe(line))
-    for name, path in files.items():
-        print(f"wrote {name}: {path}")
-    return OK if plan.reachable else GATE_FAILED
 
 
 EXCLUDE_TARGET_HELP = """\
@@ -507,12 +464,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     onnxruntime. A recipe with "mode": "weight_only" runs MatMulNBitsQuantizer (bits, block_size,
     is_symmetric, accuracy_level; node_bits quantizes named nodes at another width).
     """
-    from diag.verbs import quantize_to_file
+    from diag import verbs
 
-    _, lines = quantize_to_file(args.fp32, _quantize_options(args))
-    for line in lines:
-        print(_safe(line))
-    return OK
+    return _emit(verbs.quantize_to_file(args.fp32, _quantize_options(args)))
 
 
 def _quantize_options(args: argparse.Namespace) -> QuantizeOptions:
@@ -543,26 +497,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     are skipped with its reason. Writes sweep.json, sweep.md, sweep.html, pareto.svg and
     best.recipe.json into --out; every finished recipe is appended to sweep.jsonl, so an interrupted
     sweep resumes where it stopped when run again."""
-    from diag.errors import INTERRUPTED
-    from diag.sweep import summary_lines
-    from diag.verbs import sweep_to_dir
+    from diag import verbs
 
-    try:
-        result, files = sweep_to_dir(args.fp32, feed_spec(args), args.out, _sweep_options(args))
-    except KeyboardInterrupt:
-        jsonl = Path(args.out) / "sweep.jsonl"
-        finished = jsonl.is_file() and jsonl.stat().st_size > 0
-        state = interrupt_state()
-        if finished and state == "no output was written":
-            state = f"finished recipes are in {_safe(jsonl)}: run the same command again to resume"
-        print(f"diag: interrupted; {state}", file=sys.stderr)
-        return INTERRUPTED
-    for line in summary_lines(result):
-        print(_safe(line))
-    _print_cluster(result.cluster)
-    for name, path in files.items():
-        print(f"wrote {name}: {_safe(path)}")
-    return OK
+    return _emit(verbs.sweep_to_dir(args.fp32, feed_spec(args), args.out, _sweep_options(args)))
 
 
 def _sweep_options(args: argparse.Namespace) -> SweepOptions:
@@ -586,22 +523,7 @@ def _sweep_options(args: argparse.Namespace) -> SweepOptions:
     )
 
 
-# ---------------------------------------------------------------- parser
-
-VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "inspect": cmd_inspect,
-    "compare": cmd_compare,
-    "merge": cmd_merge,
-    "report": cmd_report,
-    "demo": cmd_demo,
-    "quantize": cmd_quantize,
-    "bench": cmd_bench,
-    "lint": cmd_lint,
-    "check": cmd_check,
-    "diff": cmd_diff,
-    "exclude": cmd_exclude,
-    "sweep": cmd_sweep,
-}
+# ---------------------------------------------------------------- flags of each verb
 
 
 def _inspect_flags(p: argparse.ArgumentParser) -> None:
@@ -947,25 +869,73 @@ def _sweep_flags(p: argparse.ArgumentParser) -> None:
     _add_quiet(p, "lines")
 
 
-#: Each verb's flags and the epilog of its --help, in the order ``diag --help`` lists the verbs.
-_SUBPARSERS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], str | None]] = {
-    "inspect": (_inspect_flags, None),
-    "compare": (_compare_flags, TARGET_HELP),
-    "merge": (_merge_flags, None),
-    "report": (_report_flags, None),
-    "exclude": (_exclude_flags, EXCLUDE_TARGET_HELP),
-    "demo": (_demo_flags, None),
-    "quantize": (_quantize_flags, None),
-    "check": (_check_flags, TARGET_HELP),
-    "diff": (_diff_flags, None),
-    "bench": (_bench_flags, None),
-    "lint": (_lint_flags, None),
-    "sweep": (_sweep_flags, SWEEP_HELP),
+# ---------------------------------------------------------------- the verb registry
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One CLI verb, registered once (:data:`VERBS`): its subparser, its line in ``diag --help``,
+    the dispatch in :func:`main` and every test or docs check that lists the verbs derive from it.
+
+    Its help is its handler's docstring: the first sentence in ``diag --help``'s verb list, all of
+    it in ``diag VERB --help``.
+    """
+
+    name: str
+    #: ``cmd_<verb>``: parse the flags, build the options, make one library call, print its Summary.
+    handler: Callable[[argparse.Namespace], int]
+    #: Adds the verb's flags to its subparser (from the flag groups above).
+    add_flags: Callable[[argparse.ArgumentParser], None]
+    #: Printed after the flags by ``diag VERB --help`` (how its metrics or targets are computed).
+    epilog: str | None = None
+
+    @property
+    def description(self) -> str:
+        """The handler's whole docstring, as ``diag VERB --help`` prints it."""
+        return inspect.cleandoc(self.handler.__doc__ or "")
+
+    @property
+    def help(self) -> str:
+        """The docstring's first sentence, however many lines it spans: the verb's line in ``diag --help``."""
+        paragraph = " ".join(self.description.split("\n\n")[0].split())
+        return paragraph.split(". ")[0].rstrip(".") + "."
+
+    def add_parser(self, sub: Any) -> argparse.ArgumentParser:
+        """The verb's subparser, with its flags and its own ``--debug``."""
+        p: argparse.ArgumentParser = sub.add_parser(
+            self.name,
+            help=self.help,
+            description=self.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=self.epilog,
+        )
+        p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+        self.add_flags(p)
+        return p
+
+
+#: Every verb, in the order ``diag --help`` lists them: the one registry (a new verb is one row).
+VERBS: dict[str, Verb] = {
+    v.name: v
+    for v in (
+        Verb("inspect", cmd_inspect, _inspect_flags),
+        Verb("compare", cmd_compare, _compare_flags, TARGET_HELP),
+        Verb("merge", cmd_merge, _merge_flags),
+        Verb("report", cmd_report, _report_flags),
+        Verb("exclude", cmd_exclude, _exclude_flags, EXCLUDE_TARGET_HELP),
+        Verb("demo", cmd_demo, _demo_flags),
+        Verb("quantize", cmd_quantize, _quantize_flags),
+        Verb("check", cmd_check, _check_flags, TARGET_HELP),
+        Verb("diff", cmd_diff, _diff_flags),
+        Verb("bench", cmd_bench, _bench_flags),
+        Verb("lint", cmd_lint, _lint_flags),
+        Verb("sweep", cmd_sweep, _sweep_flags, SWEEP_HELP),
+    )
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``diag`` parser: global flags, then one subparser per verb (:data:`_SUBPARSERS`)."""
+    """The ``diag`` parser: global flags, then one subparser per verb of :data:`VERBS`."""
     parser = argparse.ArgumentParser(
         prog="diag",
         description="Find which operator broke your INT8 ONNX model, and what to do about it.",
@@ -974,22 +944,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"diag {__version__}")
     parser.add_argument("--debug", dest="global_debug", action="store_true", help="show tracebacks for errors")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    for name, (add_flags, epilog) in _SUBPARSERS.items():
-        add_flags(_verb_parser(sub, name, epilog))
+    for verb in VERBS.values():
+        verb.add_parser(sub)
     return parser
-
-
-def _verb_parser(sub: Any, name: str, epilog: str | None) -> argparse.ArgumentParser:
-    """A verb's subparser: its help is the first sentence of its docstring, its description all of it."""
-    doc = inspect.cleandoc(VERBS[name].__doc__ or "")
-    # The verb list shows the docstring's first sentence, however many lines it spans.
-    paragraph = " ".join(doc.split("\n\n")[0].split())
-    summary = paragraph.split(". ")[0].rstrip(".") + "."
-    p: argparse.ArgumentParser = sub.add_parser(
-        name, help=summary, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=epilog
-    )
-    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1002,12 +959,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.debug = bool(args.debug or getattr(args, "global_debug", False))
     files.reset()
     try:
-        with warnings.catch_warnings(), _sigterm_as_interrupt():
+        with warnings.catch_warnings(), files.sigterm_as_interrupt():
             if not args.debug:
                 # NOTE: library warnings (numpy overflow, matplotlib glyphs, onnxruntime advice) would
                 # break the one-line contract of stdout/stderr; --debug shows them.
                 warnings.simplefilter("ignore")
-            return VERBS[args.verb](args)
+            return VERBS[args.verb].handler(args)
     except DiagError as e:
         files.remove_created_empty_folders()
         if args.debug:
@@ -1016,8 +973,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except BrokenPipeError:  # `diag ... | head`: the reader left, nothing more to say
         return OK
-    except KeyboardInterrupt:
-        print(f"diag: interrupted; {interrupt_state()}", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, in any verb: say what is on disk (diag.files)
+        print(f"diag: interrupted; {_safe(files.interrupt_state())}", file=sys.stderr)
         return INTERRUPTED
     except Exception as e:  # a bug: say so, one line, keep the traceback behind --debug
         files.remove_created_empty_folders()
@@ -1027,35 +984,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"diag: internal error: {type(e).__name__}: {_safe(e)} (re-run with --debug and report it)", file=sys.stderr
         )
         return INTERNAL_ERROR
-
-
-def interrupt_state() -> str:
-    """What is on disk after Ctrl-C: output sets are written whole (diag.files.write_set) or not at all."""
-    written = files.written_sets()
-    files.remove_created_empty_folders()
-    if not written:
-        return "no output was written"
-    names = ", ".join(_safe(p) for s in written for p in s)
-    return f"the new outputs are complete ({names})"
-
-
-class _sigterm_as_interrupt:
-    """SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so work folders are removed on the way out."""
-
-    def __enter__(self) -> None:
-
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._raise)
-
-    @staticmethod
-    def _raise(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    def __exit__(self, *exc: object) -> None:
-
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
 
 
 if __name__ == "__main__":  # python -m diag.cli, as python -m diag

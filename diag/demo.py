@@ -93,12 +93,14 @@ def run_demo(
     out = checked_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
     feeds = FeedSpec(inputs=str(files["inputs"]), batch=8)
-    result, written = compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))
+    compared = compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))
+    result, written = compared.result, compared.files
+    assert result is not None  # compare_to_dir always returns its result
     if not fix:
         return result, written, None
     if fmt == INT4:
         tiers = TierOptions(LLM_TARGET, tiers="int4,int8,fp32", progress=progress)
-        plan, _ = tier_plan_to_dir(files["fp32"], LLM_RECIPE, feeds, tiers, out / "fix")
+        plan = tier_plan_to_dir(files["fp32"], LLM_RECIPE, feeds, tiers, out / "fix").result
         return result, written, plan
     recipe = (
         Recipe(mode="dynamic", weight_type=DEMO_DYNAMIC_WEIGHTS)
@@ -111,7 +113,7 @@ def run_demo(
     )
 
     options = ExcludeOptions(DEMO_TARGET, bench_runs=10, progress=progress)
-    exclusion, _ = exclude_to_dir(files["fp32"], recipe, feeds, options, out / "fix")
+    exclusion = exclude_to_dir(files["fp32"], recipe, feeds, options, out / "fix").result
     return result, written, exclusion
 
 

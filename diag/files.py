@@ -45,6 +45,9 @@ class _Written:
     sets: list[list[Path]] = field(default_factory=list)
     created: list[Path] = field(default_factory=list)
     internal: int = 0
+    #: Files written outside a set, one finished piece at a time, that a rerun resumes from (and the
+    #: sentence that says so): :func:`resume_file`.
+    resumable: list[tuple[Path, str]] = field(default_factory=list)
 
 
 _WRITTEN = _Written()
@@ -57,6 +60,7 @@ def reset() -> None:
     _READ.clear()
     _WRITTEN.sets.clear()
     _WRITTEN.created.clear()
+    _WRITTEN.resumable.clear()
 
 
 def written_sets() -> list[list[Path]]:
@@ -70,6 +74,58 @@ def remove_created_empty_folders() -> None:
         with contextlib.suppress(OSError):
             folder.rmdir()
     _WRITTEN.created.clear()
+
+
+def resume_file(path: str | os.PathLike[str], what: str) -> None:
+    """Note a file this command appends to piece by piece (``sweep.jsonl``), outside any output set.
+
+    After Ctrl-C with no set written, :func:`interrupt_state` says that ``what`` is in it and that
+    the same command resumes from it, when the file holds anything.
+    """
+    _WRITTEN.resumable.append((Path(path), what))
+
+
+def interrupt_state() -> str:
+    """What is on disk after Ctrl-C, in the words ``diag: interrupted; ...`` ends with.
+
+    Output sets are written whole (:func:`write_set`) or not at all, so the answer is the sets this
+    command committed, else a resume file (:func:`resume_file`) that holds something, else nothing.
+    Removes the ``--out`` folders this command created and left empty.
+
+    Example:
+        >>> reset(); interrupt_state()
+        'no output was written'
+    """
+    written = written_sets()
+    remove_created_empty_folders()
+    if written:
+        return f"the new outputs are complete ({', '.join(str(p) for s in written for p in s)})"
+    for path, what in _WRITTEN.resumable:
+        with contextlib.suppress(OSError):
+            if path.is_file() and path.stat().st_size > 0:
+                return f"{what} are in {path}: run the same command again to resume"
+    return "no output was written"
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so work folders are removed on the way out.
+
+    The CLI runs every verb inside it; in a thread other than the main one it does nothing (Python
+    delivers signals to the main thread only).
+    """
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _stat(p: Path, obj: str, *, missing_slug: str = "missing-file") -> os.stat_result | None:

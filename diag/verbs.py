@@ -39,8 +39,9 @@ from diag.documents import read_document
 from diag.environment import environment, printable
 from diag.errors import DiagError
 from diag.exclude import ExcludeOptions, ExclusionResult, derive_exclusions
+from diag.exclude import summary_lines as exclude_lines
 from diag.feeds import FeedSource, FeedSpec
-from diag.files import check_outputs, internal_writes, output_file, work_dir, write_set
+from diag.files import check_outputs, internal_writes, output_file, resume_file, work_dir, write_set
 from diag.files import out_dir as checked_out_dir
 from diag.fixcode import reproduce_snippet
 from diag.fp16health import fp16_range_lines
@@ -70,9 +71,11 @@ from diag.sweep import (
     sweep_model,
 )
 from diag.sweep import OUTPUT_NAMES as SWEEP_OUTPUT_NAMES
+from diag.sweep import summary_lines as sweep_lines
 from diag.sweep_report import render_html, render_markdown, sweep_view
 from diag.taskmetrics import task_lines
 from diag.tiers import TierOptions, TierPlan, derive_tier_plan, plan_snippet
+from diag.tiers import summary_lines as tier_lines
 
 # --- diagnosing verbs ---
 
@@ -233,13 +236,16 @@ def compare_to_dir(
     feeds: FeedSource | FeedSpec,
     out_dir: str | Path,
     options: CompareOptions | None = None,
-) -> tuple[CompareResult, dict[str, Path]]:
+) -> Summary[CompareResult]:
     """`diag compare` end to end: compare, then write diag.json, report.html and summary.md as one set.
 
+    Returns the lines the verb prints (:func:`result_lines`), the :class:`~diag.compare.CompareResult`
+    as ``result`` and the files written as ``files``.
+
     Example:
-        >>> r, files = compare_to_dir("fp32.onnx", "int8.onnx", FeedSpec(random=True), "out")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
-        ['diag.json', 'report.html', 'summary.md']
+        >>> s = compare_to_dir("fp32.onnx", "int8.onnx", FeedSpec(random=True), "out")  # doctest: +SKIP
+        >>> sorted(s.files), s.result.grade  # doctest: +SKIP
+        (['diag.json', 'report.html', 'summary.md'], 'excellent')
     """
     given = [fp32_path, int8_path, getattr(feeds, "inputs", None)]
     if options is not None:
@@ -251,7 +257,8 @@ def compare_to_dir(
         doc["run"]["cluster"] = result.cluster
     if result.options.shard is not None:
         add_shard_state(doc, result)
-    return result, write_outputs(doc, out_dir)
+    files = write_outputs(doc, out_dir)
+    return Summary(result_lines(result, files), result=result, files=files)
 
 
 def merge_to_dir(
@@ -259,29 +266,25 @@ def merge_to_dir(
     out_dir: str | os.PathLike[str],
     fp32: str | os.PathLike[str] | None = None,
     int8: str | os.PathLike[str] | None = None,
-) -> tuple[CompareResult, dict[str, Path]]:
+) -> Summary[CompareResult]:
     """`diag merge` end to end: merge the shards, then write diag.json, report.html and summary.md.
 
+    Returns what :func:`compare_to_dir` returns for one run over every shard's batches.
+
     Example:
-        >>> r, files = merge_to_dir(["part0/diag.json", "part1/diag.json"], "all")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
+        >>> s = merge_to_dir(["part0/diag.json", "part1/diag.json"], "all")  # doctest: +SKIP
+        >>> sorted(s.files)  # doctest: +SKIP
         ['diag.json', 'report.html', 'summary.md']
     """
     check_outputs(out_dir, OUTPUT_NAMES, [*paths, fp32, int8])
     result = merge_shards([(str(p), read_document(p)) for p in paths], fp32, int8)
-    return result, write_outputs(document_from_result(result), out_dir)
+    files = write_outputs(document_from_result(result), out_dir)
+    return Summary(result_lines(result, files), result=result, files=files)
 
 
-def compare(fp32_path: str, int8_path: str, feeds: FeedSpec, out_dir: str, options: CompareOptions) -> Summary:
-    """`diag compare`: :func:`compare_to_dir`, and the lines it prints (:func:`result_lines`)."""
-    result, files = compare_to_dir(fp32_path, int8_path, feeds, out_dir, options)
-    return Summary(result_lines(result, files))
-
-
-def merge(options: MergeOptions) -> Summary:
-    """`diag merge`: :func:`merge_to_dir`, and the lines it prints (:func:`result_lines`)."""
-    result, files = merge_to_dir(list(options.parts), options.out, options.fp32, options.int8)
-    return Summary(result_lines(result, files))
+def merge(options: MergeOptions) -> Summary[CompareResult]:
+    """`diag merge`: :func:`merge_to_dir` with the verb's options."""
+    return merge_to_dir(list(options.parts), options.out, options.fp32, options.int8)
 
 
 def inspect(options: InspectOptions) -> Summary:
@@ -522,19 +525,22 @@ def exclude_to_dir(
     feeds: FeedSpec,
     options: ExcludeOptions,
     out_dir: str | Path,
-) -> tuple[ExclusionResult, dict[str, Path]]:
+) -> Summary[ExclusionResult]:
     """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
 
     ``recipe`` is a Recipe, a ``--recipe`` value, or None: then the recipe of ``options.int8`` (the
     user's INT8 model) or onnxruntime's defaults (:func:`diag.infer.search_recipe`; the result's
     ``recipe_origin`` says which). The mixed model and the snippet are written only when the target
     is reachable. With ``options.scheduler`` the trials run on Dask (:class:`diag.cluster.ClusterTrialRunner`).
+    Returns the lines the verb prints, the :class:`~diag.exclude.ExclusionResult` as ``result`` and
+    the files written; ``failed`` when no list short of keeping every quantized node in float meets
+    the target (or the budget ran out first).
 
     Example:
-        >>> res, files = exclude_to_dir("fp32.onnx", recipe, FeedSpec(inputs="d.npz"),
-        ...                             ExcludeOptions("cosine>=0.999"), "out")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
-        ['exclusion.json', 'mixed.onnx', 'reproduce.py']
+        >>> s = exclude_to_dir("fp32.onnx", recipe, FeedSpec(inputs="d.npz"),
+        ...                    ExcludeOptions("cosine>=0.999"), "out")  # doctest: +SKIP
+        >>> sorted(s.files), s.failed  # doctest: +SKIP
+        (['diag.json', 'exclusion.json', 'mixed model', 'report.html', 'reproduce.py', 'summary.md'], False)
     """
     recipe, origin = search_recipe(recipe, options.int8)
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
@@ -552,7 +558,11 @@ def exclude_to_dir(
         # model is the recipe's baseline, quantized in a temp folder now gone.
         note = "baseline INT8 (the recipe as given, quantized by diag exclude)"
         files = _write_search_set(out, ("exclusion.json", result.to_dict()), answer, result.diagnosis, note, True)
-    return result, files
+    lines = [result.recipe_origin["line"], *exclude_lines(result)]
+    cluster = cluster_line(result.cluster)
+    lines += [cluster] if cluster is not None else []
+    lines += [f"wrote {name}: {path}" for name, path in files.items()]
+    return Summary(lines, not result.reachable, result, files)
 
 
 def _exclusion_files(result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str) -> AnswerFiles:
@@ -641,16 +651,18 @@ def tier_plan_to_dir(
     feeds: FeedSpec,
     options: TierOptions,
     out_dir: str | Path,
-) -> tuple[TierPlan, dict[str, Path]]:
+) -> Summary[TierPlan]:
     """`diag exclude --tiers` end to end: derive the plan, write tiers.json, recipe.json, the model and reproduce.py.
 
     ``recipe`` as for :func:`exclude_to_dir` (None: ``options.int8``'s recipe, else the defaults).
+    Returns the lines, the :class:`~diag.tiers.TierPlan` as ``result`` and the files written;
+    ``failed`` when no plan meets the target.
 
     Example:
-        >>> plan, files = tier_plan_to_dir("fp32.onnx", recipe, FeedSpec(inputs="x.npz"),
-        ...                                TierOptions("cosine>=0.94", tiers="int4,int8,fp32"), "out")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
-        ['plan model', 'recipe.json', 'reproduce.py', 'tiers.json']
+        >>> s = tier_plan_to_dir("fp32.onnx", recipe, FeedSpec(inputs="x.npz"),
+        ...                      TierOptions("cosine>=0.94", tiers="int4,int8,fp32"), "out")  # doctest: +SKIP
+        >>> sorted(s.files)  # doctest: +SKIP
+        ['diag.json', 'plan model', 'recipe.json', 'report.html', 'reproduce.py', 'summary.md', 'tiers.json']
     """
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     plan_name = f"{stem}.plan.onnx"
@@ -670,7 +682,8 @@ def tier_plan_to_dir(
         # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
         note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
         files = _write_search_set(out, ("tiers.json", plan.to_dict()), answer, plan.diagnosis, note, False)
-    return plan, files
+    lines = [plan.recipe_origin["line"], *tier_lines(plan), *(f"wrote {name}: {path}" for name, path in files.items())]
+    return Summary(lines, not plan.reachable, plan, files)
 
 
 def _plan_files(plan: TierPlan, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str) -> AnswerFiles:
@@ -702,19 +715,22 @@ def sweep_to_dir(
     out_dir: str | Path,
     options: SweepOptions | None = None,
     on_entry: Callable[[SweepEntry], None] | None = None,
-) -> tuple[SweepResult, dict[str, Path]]:
+) -> Summary[SweepResult]:
     """`diag sweep` end to end: sweep, then write sweep.json, sweep.md, sweep.html, pareto.svg, best.recipe.json.
 
     ``options.grid`` is what ``--grid`` takes (a file, inline JSON, or None for
     :data:`diag.sweep.DEFAULT_GRID`). ``best.recipe.json`` is written only when a recipe
-    qualifies (a stale one is removed). ``on_entry``: see :func:`diag.sweep.sweep_model`.
+    qualifies (a stale one is removed). ``on_entry``: see :func:`diag.sweep.sweep_model`. Returns
+    the lines, the :class:`~diag.sweep.SweepResult` as ``result`` and the files written.
 
     Example:
-        >>> res, files = sweep_to_dir("fp32.onnx", FeedSpec(inputs="d.npz", batch=8), "sweep")  # doctest: +SKIP
-        >>> sorted(files)  # doctest: +SKIP
+        >>> s = sweep_to_dir("fp32.onnx", FeedSpec(inputs="d.npz", batch=8), "sweep")  # doctest: +SKIP
+        >>> sorted(s.files)  # doctest: +SKIP
         ['best.recipe.json', 'pareto.svg', 'sweep.html', 'sweep.json', 'sweep.jsonl', 'sweep.md']
     """
     o = options if options is not None else SweepOptions()
+    # Ctrl-C: the recipes finished so far are in sweep.jsonl, and the same command resumes from them.
+    resume_file(Path(out_dir) / JSONL, "finished recipes")
     grid_dict, grid_dir = load_grid(o.grid)
     given = [fp32_path, feeds.inputs, o.calib.inputs if o.calib else None, o.labels]
     check_outputs(out_dir, [*SWEEP_OUTPUT_NAMES, JSONL], given)  # before any recipe is measured
@@ -741,28 +757,35 @@ def sweep_to_dir(
     files["sweep.jsonl"] = out / JSONL
     if best_path.name in written:
         files["best.recipe.json"] = best_path
-    return result, files
+    lines = sweep_lines(result)
+    cluster = cluster_line(result.cluster)
+    lines += [cluster] if cluster is not None else []
+    lines += [f"wrote {name}: {path}" for name, path in files.items()]
+    return Summary(lines, result=result, files=files)
 
 
 def bench_to_json(
     paths: list[str | Path], feeds: FeedSource | FeedSpec, options: BenchOptions
-) -> tuple[list[LatencyStats], str, Path | None]:
+) -> Summary[list[LatencyStats]]:
     """`diag bench` end to end: bench, format the table, write the JSON file when asked.
 
     The JSON file is ``{"schema": "diag/bench", "schema_version": 1, "environment": ...,
-    "models": [LatencyStats.to_dict(), ...]}``, written atomically.
+    "models": [LatencyStats.to_dict(), ...]}``, written atomically. Returns the table's lines, the
+    :class:`~diag.bench.LatencyStats` of each model as ``result`` and the JSON file, if any.
 
     Example:
-        >>> stats, table, path = bench_to_json(["fp32.onnx", "int8.onnx"], FeedSpec(random=True),
-        ...                                    BenchOptions(json_path="bench.json"))  # doctest: +SKIP
+        >>> s = bench_to_json(["fp32.onnx", "int8.onnx"], FeedSpec(random=True),
+        ...                   BenchOptions(json_path="bench.json"))  # doctest: +SKIP
+        >>> s.result[1].p50_ms < s.result[0].p50_ms, s.files  # doctest: +SKIP
+        (True, {'bench.json': PosixPath('bench.json')})
     """
     if options.json_path is not None:
         for path in paths:  # remembered as inputs first: --json may not name one of them
             checked_path(path, "model")
         output_file(options.json_path, "--json")
     stats = bench_models(paths, feeds, options)
-    table = format_table(stats)
-    written = None
+    lines = format_table(stats).splitlines()
+    files: dict[str, Path] = {}
     if options.json_path is not None:
         doc = {
             "schema": "diag/bench",
@@ -773,16 +796,20 @@ def bench_to_json(
         }
         written = Path(options.json_path)
         write_set({written: json.dumps(doc, indent=2) + "\n"}, "--json")
-    return stats, table, written
+        files[written.name] = written
+        lines.append(f"wrote {written}")
+    return Summary(lines, result=stats, files=files)
 
 
-def quantize_to_file(fp32_path: str | Path, options: QuantizeOptions) -> tuple[QuantizeReport, list[str]]:
+def quantize_to_file(fp32_path: str | Path, options: QuantizeOptions) -> Summary[QuantizeReport]:
     """`diag quantize`: quantize as the recipe says (written atomically, verified) and the lines to print.
 
+    The :class:`~diag.modelprep.QuantizeReport` is the summary's ``result``.
+
     Example:
-        >>> report, lines = quantize_to_file("fp32.onnx", QuantizeOptions("recipe.json", "int8.onnx"))  # doctest: +SKIP
-        >>> lines[-1]  # doctest: +SKIP
-        'wrote int8.onnx (QDQ) in 1.2 s'
+        >>> s = quantize_to_file("fp32.onnx", QuantizeOptions("recipe.json", "int8.onnx"))  # doctest: +SKIP
+        >>> s.lines[-1], s.result.format  # doctest: +SKIP
+        ('wrote int8.onnx (QDQ) in 1.2 s', 'QDQ')
     """
     o = options
     report = quantize_model(fp32_path, o.recipe, o.out, o.calibration, progress=o.progress, samples=o.samples)
@@ -792,4 +819,4 @@ def quantize_to_file(fp32_path: str | Path, options: QuantizeOptions) -> tuple[Q
     elif report.log:
         lines.append(f"onnxruntime logged {len(report.log)} message(s) (--verbose shows them)")
     lines.append(f"wrote {report.output} ({report.format}) in {report.seconds:.1f} s")
-    return report, lines
+    return Summary(lines, result=report, files={"model": Path(report.output)})

@@ -85,6 +85,25 @@ def test_help_is_instant_because_heavy_modules_are_not_imported():
     assert out.stdout.strip() == "[]"
 
 
+def test_ctrl_c_is_handled_once_in_main_and_no_verb_has_code_of_its_own():
+    """Every verb is interrupted alike: cli.main maps KeyboardInterrupt to exit 130 and asks diag.files what
+    is on disk (a verb that resumes says so through files.resume_file); cli.py holds no signal code."""
+    import ast
+
+    tree = ast.parse(Path(cli.__file__).read_text())
+    catching = [
+        fn.name
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef)
+        for h in ast.walk(fn)
+        if isinstance(h, ast.ExceptHandler) and h.type is not None and "KeyboardInterrupt" in ast.unparse(h.type)
+    ]
+    assert catching == ["main"]
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not modules & {"signal", "threading"}
+
+
 @pytest.mark.parametrize("module", ["diag", "diag.cli"])
 def test_console_script_reports_errors_and_exit_code(tmp_path, module):
     env = dict(os.environ)

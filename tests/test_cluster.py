@@ -201,13 +201,14 @@ def test_sweep_on_a_cluster_ranks_and_measures_as_the_serial_sweep(cluster, tran
     # static: calibrated by each worker on the same split as the serial sweep
     grid = json.dumps({"mode": ["dynamic", "static"], "weight_type": "QUInt8", "activation_type": "QUInt8"})
     spec = FeedSpec(inputs=str(npz), batch=8)
-    serial, _ = sweep_to_dir(fp, spec, tmp_path / "a", SweepOptions(grid=grid, runs=0, progress=False))
-    remote, files = sweep_to_dir(
+    serial = sweep_to_dir(fp, spec, tmp_path / "a", SweepOptions(grid=grid, runs=0, progress=False)).result
+    swept = sweep_to_dir(
         fp,
         spec,
         tmp_path / "b",
         SweepOptions(grid=grid, runs=2, repeats=1, progress=False, scheduler=cluster[0].scheduler_address),
     )
+    remote, files = swept.result, swept.files
     assert [(e.recipe, e.metrics, e.model_sha256) for e in remote.entries] == [
         (e.recipe, e.metrics, e.model_sha256) for e in serial.entries
     ]
@@ -233,7 +234,7 @@ def test_a_cluster_sweep_interrupted_after_one_recipe_resumes_where_it_stopped(c
         sweep_to_dir(fp, spec, tmp_path, SweepOptions(scheduler=cluster[0].scheduler_address, **kw), on_entry=ctrl_c)
     lines = (tmp_path / "sweep.jsonl").read_text().splitlines()
     assert len(lines) == 1, "the first recipe, written before the interruption"
-    again, _ = sweep_to_dir(fp, spec, tmp_path, SweepOptions(**kw))  # serial: the same keys
+    again = sweep_to_dir(fp, spec, tmp_path, SweepOptions(**kw)).result  # serial: the same keys
     assert (again.resumed, again.measured) == (1, 1)
 
 

@@ -60,7 +60,7 @@ def test_diag_json_report_and_summary_carry_the_kernel_path(built, tmp_path) -> 
     b = built("convnet")
     feeds = FeedSpec(inputs=str(b.inputs_path), samples=4, batch=4)
     opts = CompareOptions(progress=False, distributions=False)
-    _, files = compare_to_dir(b.fp32, b.int8["dynamic"], feeds, tmp_path / "o", opts)
+    files = compare_to_dir(b.fp32, b.int8["dynamic"], feeds, tmp_path / "o", opts).files
     doc = json.loads(files["diag.json"].read_text())
     assert doc["run"]["kernel_path"] == json.loads(json.dumps(kernel_path().to_dict()))
     read_document(files["diag.json"])  # the shipped schema accepts it

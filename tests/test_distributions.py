@@ -288,14 +288,14 @@ def test_sections_for_analyses_that_did_not_run_are_absent_not_empty(built, tmp_
 
     b = built("convnet")
     feeds = FeedSpec(inputs=str(b.inputs_path), samples=8, batch=8)
-    _, files = compare_to_dir(
+    files = compare_to_dir(
         b.fp32, b.int8["qdq"], feeds, tmp_path / "off", CompareOptions(progress=False, distributions=False)
-    )
+    ).files
     html = files["report.html"].read_text()
     for section in ("Outlier channels", "Quantization health", "Distributions of the worst", "Sensitivity"):
         assert section not in html, section
     assert "Weights" in html and "Error by pattern" in html  # static analyses still ran
-    _, files = compare_to_dir(b.fp32, b.int8["qdq"], feeds, tmp_path / "on", CompareOptions(progress=False))
+    files = compare_to_dir(b.fp32, b.int8["qdq"], feeds, tmp_path / "on", CompareOptions(progress=False)).files
     html = files["report.html"].read_text()
     assert "Outlier channels" in html and "Quantization health" in html and 'id="distribution-plots"' in html
 

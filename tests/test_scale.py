@@ -92,15 +92,14 @@ def test_shards_merged_give_the_same_result_as_one_run(built, tmp_path):
     spec = FeedSpec(inputs=str(b.inputs_path), batch=4)  # 8 batches over 3 shards: 3 + 3 + 2
     # The effect check re-runs models on inputs; shards and merge have none of it (not mergeable state).
     opts = {"progress": False, "labels": str(tmp_path / "labels.npy"), "effects": 0}
-    full, _ = compare_to_dir(b.fp32, b.int8["qdq"], spec, tmp_path / "full", CompareOptions(**opts))
+    full = compare_to_dir(b.fp32, b.int8["qdq"], spec, tmp_path / "full", CompareOptions(**opts)).result
     parts = []
     for k in range(3):
-        r, files = compare_to_dir(
-            b.fp32, b.int8["qdq"], spec, tmp_path / f"part{k}", CompareOptions(shard=(k, 3), **opts)
-        )
-        assert r.batches == (3 if k < 2 else 2)
-        parts.append(files["diag.json"])
-    merged, files = merge_to_dir(list(reversed(parts)), tmp_path / "all")
+        part = compare_to_dir(b.fp32, b.int8["qdq"], spec, tmp_path / f"part{k}", CompareOptions(shard=(k, 3), **opts))
+        assert part.result.batches == (3 if k < 2 else 2)
+        parts.append(part.files["diag.json"])
+    merge = merge_to_dir(list(reversed(parts)), tmp_path / "all")
+    merged, files = merge.result, merge.files
 
     assert merged.samples == full.samples == 32 and merged.batches == 8
     # Histograms are exactly equal: a value's bin does not depend on batch order.
@@ -124,7 +123,8 @@ def test_shards_merged_give_the_same_result_as_one_run(built, tmp_path):
 def test_shard_file_holds_the_state_and_says_it_is_partial(built, tmp_path):
     b = built("transformer")
     spec = FeedSpec(inputs=str(b.inputs_path), batch=8)
-    r, files = compare_to_dir(b.fp32, b.int8["dynamic"], spec, tmp_path, CompareOptions(progress=False, shard=(1, 2)))
+    s = compare_to_dir(b.fp32, b.int8["dynamic"], spec, tmp_path, CompareOptions(progress=False, shard=(1, 2)))
+    r, files = s.result, s.files
     doc = json.loads(files["diag.json"].read_text())
     assert doc["shard"]["index"] == 1 and doc["shard"]["count"] == 2
     assert doc["run"]["shard"] == "1/2" and "shard 1/2" in doc["run"]["inputs"]

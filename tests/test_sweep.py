@@ -227,12 +227,12 @@ def test_folklore_claims_are_judged_on_pairs_that_differ_in_one_setting():
 def test_default_grid_on_the_convnet_fixture_writes_table_front_and_a_best_recipe_plain_ort_reproduces(tmp_path):
     fp32, inputs, arrays = write_fixture(tmp_path, "convnet")
     out = tmp_path / "sweep"
-    _, files = sweep_to_dir(
+    files = sweep_to_dir(
         fp32,
         FeedSpec(inputs=str(inputs), batch=8),
         out,
         SweepOptions(runs=5, warmup=1, repeats=2, threads=1, progress=False),
-    )
+    ).files
     assert sorted(files) == ["best.recipe.json", "pareto.svg", "sweep.html", "sweep.json", "sweep.jsonl", "sweep.md"]
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["schema"] == "diag/sweep" and doc["counts"]["recipes"] == 48
@@ -283,9 +283,9 @@ def test_a_recipe_onnxruntime_rejects_is_reported_as_skipped_with_its_reason(tmp
     fp32, inputs, _ = write_fixture(tmp_path, "convnet", samples=16)
     grid = json.dumps({"mode": "static", "activation_type": ["QInt8", "QUInt8"], "weight_type": ["QInt8", "QUInt8"]})
     out = tmp_path / "sweep"
-    result, _ = sweep_to_dir(
+    result = sweep_to_dir(
         fp32, FeedSpec(inputs=str(inputs), batch=4), out, SweepOptions(grid=grid, runs=0, progress=False)
-    )
+    ).result
     by_label = {result.labels[e.key]: e for e in result.entries}
     assert sorted(by_label) == [
         "QDQ a:QInt8 w:QInt8",
@@ -302,9 +302,9 @@ def test_a_recipe_onnxruntime_rejects_is_reported_as_skipped_with_its_reason(tmp
     assert doc["counts"]["skipped"] == 1 and doc["counts"]["measured"] == 3
     assert "QDQ a:QInt8 w:QUInt8" in (out / "sweep.md").read_text().split("### Skipped")[1]
     # skipped entries are finished entries: they are in sweep.jsonl and a re-run does not retry them
-    again, _ = sweep_to_dir(
+    again = sweep_to_dir(
         fp32, FeedSpec(inputs=str(inputs), batch=4), out, SweepOptions(grid=grid, runs=0, progress=False)
-    )
+    ).result
     assert again.resumed == 4 and again.measured == 0
 
 
@@ -336,7 +336,7 @@ def test_resuming_after_an_interruption_does_not_redo_finished_recipes(tmp_path)
     assert len(lines) == 2 and not (out / "sweep.json").exists()
     first_run = {e.key: e.run_id for e in finished}
 
-    result, _ = sweep_to_dir(fp32, feeds, out, SweepOptions(grid=grid, runs=2, warmup=0, repeats=1, progress=False))
+    result = sweep_to_dir(fp32, feeds, out, SweepOptions(grid=grid, runs=2, warmup=0, repeats=1, progress=False)).result
     assert result.resumed == 2 and result.measured == 2 and len(result.entries) == 4
     for e in result.entries:
         if e.key in first_run:
@@ -355,7 +355,8 @@ def test_resuming_after_an_interruption_does_not_redo_finished_recipes(tmp_path)
             "reduce_range": [False, True],
         }
     )
-    result2, _ = sweep_to_dir(fp32, feeds, out, SweepOptions(grid=bigger, runs=2, warmup=0, repeats=1, progress=False))
+    bigger_options = SweepOptions(grid=bigger, runs=2, warmup=0, repeats=1, progress=False)
+    result2 = sweep_to_dir(fp32, feeds, out, bigger_options).result
     assert result2.resumed == 4 and result2.measured == 4 and len(result2.entries) == 8
     assert {e.key for e in result2.entries if e.run_id != result2.run_id} == {e.key for e in result.entries}
 
@@ -364,7 +365,8 @@ def test_resuming_after_an_interruption_does_not_redo_finished_recipes(tmp_path)
         fh.write('{"context": "x", "entry": {"key"')
     assert len(read_jsonl(out / JSONL, json.loads(after[0])["context"])) == 8
     # other bench settings are another measurement: nothing is reused
-    result3, _ = sweep_to_dir(fp32, feeds, out, SweepOptions(grid=grid, runs=3, warmup=0, repeats=1, progress=False))
+    other_bench = SweepOptions(grid=grid, runs=3, warmup=0, repeats=1, progress=False)
+    result3 = sweep_to_dir(fp32, feeds, out, other_bench).result
     assert result3.resumed == 0 and result3.measured == 4
 
 
@@ -435,12 +437,12 @@ def test_real_ppocr_classifier_sweep_best_recipe_reproduces_with_plain_onnxrunti
         | {"activation_type": "QUInt8", "weight_type": "QInt8"}
     )
     out = tmp_path / "sweep"
-    _, files = sweep_to_dir(
+    files = sweep_to_dir(
         fp32,
         FeedSpec(inputs=str(tmp_path / "inputs.npz"), batch=4),
         out,
         SweepOptions(grid=grid, runs=4, warmup=1, repeats=2, threads=1, progress=False),
-    )
+    ).files
     doc = json.loads((out / "sweep.json").read_text())
     n = doc["counts"]["recipes"]
     assert n == 6 and doc["counts"]["measured"] + doc["counts"]["skipped"] == n

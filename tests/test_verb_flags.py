@@ -162,8 +162,25 @@ def test_a_bare_command_line_gives_the_librarys_defaults(
     assert _options(verb, bare) == defaults
 
 
-def test_every_verb_but_the_fixing_ones_is_covered():
-    assert set(cli.VERBS) - {c[0] for c in CASES} == {"exclude", "sweep", "bench", "quantize"}
+def test_every_verb_of_the_registry_is_covered_here_or_with_the_fixing_verbs():
+    from test_verb_flags_fix import CASES as FIX_CASES
+
+    fixing = {argv[0] for _, argv, _, _ in FIX_CASES}
+    assert fixing == {"exclude", "sweep", "bench", "quantize"}
+    assert {c[0] for c in CASES} | fixing == set(cli.VERBS)
+
+
+def test_the_parser_has_one_subparser_per_registered_verb_with_its_docstring_as_help():
+    """The registry is the one list of verbs: the subparsers, their order and their help derive from it."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(cli.VERBS)
+    listed = {a.dest: a.help for a in sub._choices_actions}
+    for name, verb in cli.VERBS.items():
+        assert sub.choices[name].description == verb.description and verb.description
+        assert listed[name] == verb.help and "\n" not in verb.help and verb.help.endswith(".")
+    handlers = {name for name in vars(cli) if name.startswith("cmd_")}
+    assert handlers == {v.handler.__name__ for v in cli.VERBS.values()}, "a cmd_<verb> no verb is registered with"
 
 
 def test_compare_inputs_flags_map_onto_the_feed_spec():
