@@ -253,23 +253,6 @@ def merged_with_cut(exposed: onnx.ModelProto, cut: CutModel) -> tuple[onnx.Model
     return model, CutModel(model, inputs, outputs, passthrough)
 
 
-def initializer_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of ``model``'s initializers, inline or in external data (read off the references).
-
-    Example:
-        >>> from diag.fixtures.models import convnet
-        >>> initializer_bytes(convnet().model) > 0
-        True
-    """
-    total = 0
-    for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            total += next((int(e.value) for e in t.external_data if e.key == "length"), 0)
-        else:
-            total += len(t.raw_data) or t.ByteSize()
-    return total
-
-
 def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
     """Names a node's subgraphs (If / Loop / Scan bodies) read from the outer scope."""
     names: list[str] = []

@@ -96,6 +96,42 @@ class LoadedModel:
         """The folder onnxruntime reads this model's external data from (None: its weights are inline)."""
         return self.path.resolve().parent if self.has_external_data else None
 
+    @property
+    def external_files(self) -> list[Path]:
+        """The files of this model's external data (checked to exist, inside its folder, at load)."""
+        folder = self.external_dir
+        if folder is None:
+            return []
+        tensors = _all_tensors_with_data(self.graph)
+        return sorted({folder / external_location(t) for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL})
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this model's initializers, inline or external (:func:`initializer_bytes`)."""
+        return initializer_bytes(self.proto)
+
+
+def external_location(tensor: onnx.TensorProto) -> str:
+    """Where an external tensor's data is, as written in the model (relative to its folder)."""
+    return next((e.value for e in tensor.external_data if e.key == "location"), "")
+
+
+def initializer_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of ``model``'s initializers, inline or in external data (read off the references).
+
+    Example:
+        >>> from diag.fixtures.models import convnet
+        >>> initializer_bytes(convnet().model) > 0
+        True
+    """
+    total = 0
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            total += next((int(e.value) for e in t.external_data if e.key == "length"), 0)
+        else:
+            total += len(t.raw_data) or t.ByteSize()
+    return total
+
 
 def checked_path(path: str | os.PathLike[str], role: str) -> Path:
     """Return ``path`` as a Path after checking it names a readable, non-empty file.
@@ -233,7 +269,7 @@ def _check_external_data(proto: onnx.ModelProto, path: Path, obj: str) -> bool:
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         found = True
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        location = external_location(tensor)
         target = (folder / location).resolve()
         if Path(location).is_absolute() or not target.is_relative_to(folder):
             raise DiagError(

@@ -36,7 +36,6 @@ from diag.instrument import (
     exact_locally,
     exposed_model,
     fused_kernels,
-    initializer_bytes,
     merged_with_cut,
     pruned_cut,
 )
@@ -244,7 +243,7 @@ def run_comparison(
         >>> state.samples, state.passes  # doctest: +SKIP
         (32, 1)
     """
-    if initializer_bytes(fp.proto) < REUSE_FREED_BELOW:
+    if fp.weight_bytes < REUSE_FREED_BELOW:
         reuse_freed_memory()
     labels = _checked_labels(options, feeds)
     if options.shard is not None:
@@ -307,18 +306,7 @@ def _mapped_files(fp: LoadedModel, q: LoadedModel) -> list[Path]:
     """The external-data files whose mapped pages a large model's pass drops after each batch
     (:func:`diag.run.drop_mapped_pages`); none below :data:`REUSE_FREED_BELOW` of FP32 weights,
     where the growth is small and reading ``/proc/self/smaps`` per batch would cost more."""
-    if initializer_bytes(fp.proto) < REUSE_FREED_BELOW:
-        return []
-    files: set[Path] = set()
-    for m in (fp, q):
-        folder = m.external_dir
-        if folder is None:
-            continue
-        for t in m.graph.initializer:
-            location = next((e.value for e in t.external_data if e.key == "location"), "")
-            if location:
-                files.add(folder / location)
-    return sorted(files)
+    return sorted({*fp.external_files, *q.external_files}) if fp.weight_bytes >= REUSE_FREED_BELOW else []
 
 
 def _local_model(fp: LoadedModel, q: LoadedModel, pairs: dict[str, TensorPair]) -> tuple[CutModel | None, set[str]]:
@@ -520,7 +508,7 @@ SHARED_CUT_BYTES = 64 << 20
 
 
 def _shares_weights(q: LoadedModel) -> bool:
-    return initializer_bytes(q.proto) >= SHARED_CUT_BYTES
+    return q.weight_bytes >= SHARED_CUT_BYTES
 
 
 def _cut_feeds(cut: CutModel, feeds: dict[str, np.ndarray], fp_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

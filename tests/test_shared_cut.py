@@ -20,7 +20,8 @@ import diag.streaming
 from diag.compare import CompareOptions, load_pair, run_comparison
 from diag.feeds import feeds_from_arrays, input_specs
 from diag.fixtures import llm_models
-from diag.instrument import exposed_model, initializer_bytes, merged_with_cut
+from diag.instrument import exposed_model, merged_with_cut
+from diag.load import initializer_bytes
 from diag.match import match_models
 from diag.run import drop_mapped_pages
 from diag.streaming import _local_model
