@@ -617,7 +617,7 @@ def summary_lines(plan: TierPlan) -> list[str]:
         if plan.budget:
             lines.append(
                 f"  not the smallest plan: {plan.budget} before the search narrowed it "
-                "(a larger --time-budget or a --target nearer the baseline finds a shorter one)"
+                "(a larger --time-budget or --max-trials may find a shorter one)"
             )
         for tier, nodes in plan.by_tier.items():
             named = plan.by_projection.get(tier)
