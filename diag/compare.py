@@ -465,12 +465,10 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
     specs = {k: a.spec for k, a in state.outputs.items()}
     one, sentence, _ = confirmed_cause(findings, None, grade, verdicts, specs, matching, q.format.family)
     one, sentence = _fp16_headline(findings, state, one, sentence)
-    report = WeightReport([], {}) if weights is not None else _weight_report(fp, q)
-    suggestions = all_suggestions(fp.proto, matching, health, q.format.family, report.findings)
     patterns = find_patterns(fp.proto)
     tensor_of_node = {n: f.tensor for f in findings for n in f.group.fp_nodes}
     per_instance, per_kind = pattern_totals(patterns, accumulated, local, tensor_of_node)
-    return CompareResult(
+    result = CompareResult(
         fp,
         q,
         matching,
@@ -490,8 +488,8 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
         environment(),
         health,
         persistent_outliers(health),
-        suggestions,
-        report,
+        [],  # suggestions: with the weight report (attach_weights)
+        WeightReport([], {}),
         patterns,
         per_instance,
         per_kind,
@@ -501,6 +499,9 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
         fused=list(state.fused),
         state=state,
     )
+    if weights is None:
+        attach_weights(result, _weight_report(fp, q))
+    return result
 
 
 def _weight_report(fp: LoadedModel, q: LoadedModel) -> WeightReport:
