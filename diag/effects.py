@@ -20,6 +20,7 @@ NOTE: the check never touches the models on disk; every candidate model is a new
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import time
@@ -43,6 +44,7 @@ from diag.analyze import (
     upstream_of,
 )
 from diag.feeds import FeedSource
+from diag.instrument import exposed_model
 from diag.jsonnum import json_number
 from diag.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.match import Matching, TensorPair, node_id
@@ -481,6 +483,124 @@ def _grid_node(
     return out
 
 
+#: A candidate model whose changed part holds more of its nodes than this share runs whole.
+DOWNSTREAM_SHARE = 0.8
+#: The most bytes of boundary values the INT8 run keeps for the downstream-only runs (all samples).
+BOUNDARY_BYTES = 256 * 2**20
+
+
+#: Producers a downstream part takes in with it, because onnxruntime fuses them into their reader.
+_JOINS_ITS_READER = frozenset({"DequantizeLinear", "DynamicQuantizeLinear"})
+
+
+@dataclass(frozen=True)
+class _Downstream:
+    """The part of a candidate model that differs from the INT8 model, and what it reads from the rest.
+
+    A float region changes its own nodes and everything downstream of them; every other node is
+    the INT8 model's own, reading the same values, so it computes what the INT8 model computes.
+    The effect check runs the INT8 model once per sample keeping the ``boundary`` values, then
+    runs only this part per candidate: the lm_head of a 22-layer decoder is one MatMul, not the
+    model again (500M decoder, 8 candidates x 8 samples: most of the check's time).
+    """
+
+    #: indices of the part's nodes in the candidate model, in its order
+    nodes: list[int]
+    #: tensors the part reads that the rest of the model computes (graph inputs and weights aside)
+    boundary: list[str]
+    #: graph outputs the part computes (the others are the INT8 model's values)
+    outputs: frozenset[str]
+
+
+def _downstream(model: onnx.ModelProto, int8_nodes: set[bytes]) -> _Downstream | None:
+    """The part of ``model`` (a float-region model) whose nodes are not the INT8 model's
+    (``int8_nodes``: its nodes serialized), with everything downstream; None when that is most
+    of the model (:data:`DOWNSTREAM_SHARE`) or nothing.
+
+    A DequantizeLinear or DynamicQuantizeLinear feeding the part joins it: onnxruntime fuses
+    DQ -> op -> Q into one integer op (and DynamicQuantizeLinear into the MatMul it feeds), and
+    split between the two the part would compute that op another way (with the DQ in, the
+    boundary values are exact integers; checked equal to whole runs in tests/test_effects.py).
+    """
+    nodes = list(model.graph.node)
+    changed = [i for i, n in enumerate(nodes) if n.SerializeToString() not in int8_nodes]
+    if not changed:
+        return None
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for t in _needs(n):
+            readers.setdefault(t, []).append(i)
+    part, stack = set(changed), list(changed)
+    while stack:
+        for o in nodes[stack.pop()].output:
+            for r in readers.get(o, []):
+                if r not in part:
+                    part.add(r)
+                    stack.append(r)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    for i in list(part):
+        for t in _needs(nodes[i]):
+            p = producer.get(t)
+            if p is not None and nodes[p].op_type in _JOINS_ITS_READER:
+                part.add(p)
+    if len(part) > DOWNSTREAM_SHARE * len(nodes):
+        return None
+    boundary = sorted({t for i in part for t in _needs(nodes[i]) if t in producer and producer[t] not in part})
+    written = {o for i in part for o in nodes[i].output}
+    outputs = frozenset(o.name for o in model.graph.output if o.name in written)
+    return _Downstream(sorted(part), boundary, outputs)
+
+
+def _downstream_parts(
+    q: onnx.ModelProto,
+    cands: list[tuple[NodeFinding, str]],
+    region: Callable[[NodeFinding], onnx.ModelProto],
+) -> dict[str, _Downstream]:
+    """Each candidate's :class:`_Downstream` part, by label (candidates that run whole are left out).
+
+    Each region model is built here and dropped (the check builds it again to run it): holding
+    every candidate's model at once would hold the INT8 model's proto that many times.
+    """
+    int8_nodes = {n.SerializeToString() for n in q.graph.node}
+    parts: dict[str, _Downstream] = {}
+    for f, _ in cands:
+        try:
+            part = _downstream(region(f), int8_nodes)
+        except Exception:  # the check reports the region when it builds it again
+            continue
+        if part is not None:
+            parts[f.group.label] = part
+    return parts
+
+
+def _downstream_model(model: onnx.ModelProto, part: _Downstream, types: dict[str, str]) -> onnx.ModelProto:
+    """The nodes of ``part`` as a model of their own: the boundary tensors are graph inputs
+    (element types from ``types``, onnxruntime's type strings), the weights they read come along."""
+    g = model.graph
+    keep = [g.node[i] for i in part.nodes]
+    needed = {t for n in keep for t in _needs(n)}
+    sub = onnx.ModelProto()
+    sub.ir_version = model.ir_version
+    sub.opset_import.extend(model.opset_import)
+    sub.functions.extend(model.functions)
+    sg = sub.graph
+    sg.name = g.name
+    sg.node.extend(keep)
+    sg.initializer.extend(i for i in g.initializer if i.name in needed)
+    sg.sparse_initializer.extend(i for i in g.sparse_initializer if i.values.name in needed)
+    sg.input.extend(i for i in g.input if i.name in needed)
+    sg.input.extend(helper.make_tensor_value_info(t, _elem_type(types[t]), None) for t in part.boundary)
+    sg.output.extend(o for o in g.output if o.name in part.outputs)
+    return sub
+
+
+def _elem_type(ort_type: str) -> int:
+    """onnx's element type for onnxruntime's ``tensor(float16)``-style type string."""
+    name = ort_type.removeprefix("tensor(").removesuffix(")")
+    np_name = {"float": "float32", "double": "float64", "bool": "bool"}.get(name, name)
+    return int(helper.np_dtype_to_tensor_dtype(np.dtype(np_name)))
+
+
 def _needs(n: onnx.NodeProto) -> set[str]:
     """Every tensor ``n`` reads, its subgraphs' outer-scope reads included."""
     return {t for t in n.input if t} | set(outer_scope_inputs(n))
@@ -553,6 +673,9 @@ class EffectBudget:
     samples: int = DEFAULT_SAMPLES
     threads: int | None = None
     progress: bool = True
+    #: run only the part of each candidate model its float region changes, fed the INT8 model's
+    #: values at its boundary (False: the whole model each time; same figures, see _downstream)
+    downstream: bool = True
 
 
 def check_effects(
@@ -594,20 +717,38 @@ def check_effects(
     # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
     measure = _OutputErrors(fp, batches, specs, threads)
     fp_dir, region_dir = region_dirs(fp, q)
-    q_sess = session_from_model(q.proto, "INT8 model", EFFECT_OPT_LEVEL, threads, q.external_dir, takes_turns=True)
-    base = measure.stats(q_sess, "INT8 model")
-    del q_sess
+
+    def region(f: NodeFinding) -> onnx.ModelProto:
+        return float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching, fp_dir=fp_dir)
+
+    parts = _downstream_parts(q.proto, cands, region) if budget.downstream else {}
+    keep = {t for part in parts.values() for t in part.boundary}
+    # the outputs some candidate does not compute again come from the INT8 run as well
+    keep |= {o.name for o in q.graph.output if any(o.name not in part.outputs for part in parts.values())}
+    q_model = exposed_model(q.proto, sorted(keep - {o.name for o in q.graph.output})) if parts else q.proto
+    q_sess = session_from_model(q_model, "INT8 model", EFFECT_OPT_LEVEL, threads, q.external_dir, takes_turns=True)
+    base, known = measure.capture(q_sess, "INT8 model", keep, BOUNDARY_BYTES)
+    types = {o.name: o.type for o in q_sess.get_outputs()}
+    del q_sess, q_model
     target = effect_target(base, list(specs))
     skipped: dict[str, str] = {}
     effects: list[Effect] = []
     bar = Progress(len(cands), "effect check", enabled=budget.progress)
     try:
         for f, why in cands:
+            role = f"INT8 model with '{f.group.label}' in float"
             try:
-                model = float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching, fp_dir=fp_dir)
-                role = f"INT8 model with '{f.group.label}' in float"
-                sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, region_dir, takes_turns=True)
-                got = measure.stats(sess, f"INT8 model with '{f.group.label}' in float")
+                model = region(f)
+                part = parts.get(f.group.label)
+                got = None
+                if part is not None and known is not None:
+                    with contextlib.suppress(Exception):  # onnxruntime refuses the part: run it whole
+                        sub = _downstream_model(model, part, types)
+                        sess = session_from_model(sub, role, EFFECT_OPT_LEVEL, threads, region_dir, takes_turns=True)
+                        got = measure.stats(sess, role, known)
+                if got is None:
+                    sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, region_dir, takes_turns=True)
+                    got = measure.stats(sess, role)
             except Exception as e:  # a region diag cannot rebuild is reported, never fatal
                 skipped[f.group.label] = str(e).splitlines()[0][:200]
                 bar.advance(1)
@@ -744,24 +885,61 @@ class _OutputErrors:
         fp_sess = session_from_model(fp.proto, "FP32 model", EXACT_LEVEL, threads, fp.external_dir, takes_turns=True)
         self.refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in self.names} for b in batches]
 
-    def stats(self, sess: Any, role: str) -> dict[str, ErrorStats]:
-        """Run ``sess`` on the batches; its finalized error per output and per part (``"out part"``)."""
+    def stats(self, sess: Any, role: str, known: list[dict[str, np.ndarray]] | None = None) -> dict[str, ErrorStats]:
+        """Run ``sess`` on the batches; its finalized error per output and per part (``"out part"``).
+
+        ``known``: per batch, values a downstream-only session does not compute (see
+        :func:`_downstream`): fed where it reads them, taken as outputs where it does not write them.
+        """
         accs: dict[str, ErrorAccumulator] = {}
+        wanted = {i.name for i in sess.get_inputs()} if known is not None else set()
+        for i, (b, ref) in enumerate(zip(self.batches, self.refs, strict=True)):
+            if known is None:
+                got = run_batch(sess, b, role)
+            else:
+                feeds = {k: v for k, v in [*b.items(), *known[i].items()] if k in wanted}
+                got = {**known[i], **run_batch(sess, feeds, role)}
+            self._update(accs, b, ref, got)
+        return {k: a.finalize() for k, a in accs.items()}
+
+    def capture(
+        self, sess: Any, role: str, keep: set[str], limit: int
+    ) -> tuple[dict[str, ErrorStats], list[dict[str, np.ndarray]] | None]:
+        """:meth:`stats`, keeping each batch's values of ``keep`` for the downstream-only runs.
+
+        The values kept are None when they would pass ``limit`` bytes over all batches (judged
+        from the first batch): the candidates then run whole.
+        """
+        accs: dict[str, ErrorAccumulator] = {}
+        kept: list[dict[str, np.ndarray]] | None = []
         for b, ref in zip(self.batches, self.refs, strict=True):
             got = run_batch(sess, b, role)
-            for name in self.names:
-                spec = self.specs.get(name)
-                if spec is None:
-                    accs.setdefault(name, ErrorAccumulator()).update(ref[name], got[name])
-                    continue
-                new_ref, new_got = spec.new_values(ref[name], b), spec.new_values(got[name], b)
-                accs.setdefault(name, ErrorAccumulator()).update(new_ref, new_got)
-                for p in spec.parts:
-                    sl = [slice(None)] * ref[name].ndim
-                    sl[spec.part_axis or 0] = slice(p.start, p.stop)
-                    key = f"{name} {p.label}"
-                    accs.setdefault(key, ErrorAccumulator()).update(ref[name][tuple(sl)], got[name][tuple(sl)])
-        return {k: a.finalize() for k, a in accs.items()}
+            if kept is not None:
+                kept.append({k: v for k, v in got.items() if k in keep})
+                if len(kept) == 1 and sum(v.nbytes for v in kept[0].values()) * len(self.batches) > limit:
+                    kept = None
+            self._update(accs, b, ref, got)
+        return {k: a.finalize() for k, a in accs.items()}, kept
+
+    def _update(
+        self,
+        accs: dict[str, ErrorAccumulator],
+        b: dict[str, np.ndarray],
+        ref: dict[str, np.ndarray],
+        got: dict[str, np.ndarray],
+    ) -> None:
+        for name in self.names:
+            spec = self.specs.get(name)
+            if spec is None:
+                accs.setdefault(name, ErrorAccumulator()).update(ref[name], got[name])
+                continue
+            new_ref, new_got = spec.new_values(ref[name], b), spec.new_values(got[name], b)
+            accs.setdefault(name, ErrorAccumulator()).update(new_ref, new_got)
+            for p in spec.parts:
+                sl = [slice(None)] * ref[name].ndim
+                sl[spec.part_axis or 0] = slice(p.start, p.stop)
+                key = f"{name} {p.label}"
+                accs.setdefault(key, ErrorAccumulator()).update(ref[name][tuple(sl)], got[name][tuple(sl)])
 
 
 def effect_target(base: dict[str, ErrorStats], failing: Sequence[str] = ()) -> str:
