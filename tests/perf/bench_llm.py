@@ -130,8 +130,21 @@ def build(size: str, folder: Path, samples: int, seq: int) -> None:
     """Export and quantize one size into ``folder`` (skipped when the files are there)."""
     import numpy as np
 
-    if (folder / "int4.onnx").exists() and (folder / "ids.npz").exists():
-        return
+    if not (folder / "int4.onnx").exists():
+        _export(size, folder, seq)
+    ids = folder / "ids.npz"
+    if ids.exists():
+        with np.load(ids) as z:
+            if len(z["input_ids"]) >= samples:
+                return
+    # Seeded: a longer file starts with the rows of a shorter one (a cache built for 4 samples
+    # once served a 64-sample run its 4 rows).
+    rng = np.random.default_rng(1)
+    np.savez(ids, input_ids=rng.integers(0, VOCAB, (samples, seq)).astype(np.int64))
+
+
+def _export(size: str, folder: Path, seq: int) -> None:
+    """Export one size to ``folder/fp32.onnx`` (external data) and quantize it to ``int4.onnx``."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -158,8 +171,17 @@ def build(size: str, folder: Path, samples: int, seq: int) -> None:
     t = time.perf_counter()
     quantize_int4(folder / "fp32.onnx", folder / "int4.onnx")
     print(f"  quantized {size} to int4 in {time.perf_counter() - t:.0f} s", flush=True)
-    rng = np.random.default_rng(1)
-    np.savez(folder / "ids.npz", input_ids=rng.integers(0, VOCAB, (samples, seq)).astype(np.int64))
+
+
+def _check_rows(folder: Path, samples: int) -> None:
+    """Refuse a cached inputs file with fewer rows than asked for (the run would measure fewer)."""
+    import numpy as np
+
+    path = folder / "inputs.npz" if (folder / "inputs.npz").exists() else folder / "ids.npz"
+    with np.load(path) as z:
+        rows = min(len(z[k]) for k in z.files)
+    if rows < samples:
+        raise SystemExit(f"{path} holds {rows} samples, fewer than {samples}: delete {folder} to build it again")
 
 
 def _config(size: str, positions: int, use_cache: bool) -> Any:
@@ -318,6 +340,7 @@ def main() -> None:
                 label, folder = size, args.cache / f"{size}-s{seq}"
                 print(f"{label}: building in {folder}", flush=True)
                 build(size, folder, max(counts), seq)
+            _check_rows(folder, max(counts))
             weights = _bytes(folder / "fp32.onnx") + _bytes(folder / "int4.onnx")
             for n in counts:
                 for mode in args.modes.split(","):
