@@ -53,15 +53,7 @@ from diag.decoder import module_paths, projection_phrase
 from diag.errors import DiagError
 from diag.evaluate import HeldOutMetrics, Target
 from diag.evaluate import format_metric as _fmt
-from diag.exclude import (
-    BudgetExhausted,
-    Candidate,
-    SearchOptions,
-    SearchSetup,
-    prepare_search,
-    ranked_candidates,
-    search_target,
-)
+from diag.exclude import SearchOptions, SearchSetup, prepare_search, search_target
 from diag.feeds import FeedSource, FeedSpec
 from diag.fixcode import reproduce_snippet
 from diag.jsonnum import json_number
@@ -69,6 +61,7 @@ from diag.modelprep import copy_model
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.search import BudgetExhausted, Candidate, ranked_candidates
 from diag.weightonly import weight_only_snippet
 
 

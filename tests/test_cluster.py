@@ -20,15 +20,16 @@ import onnx
 import pytest
 
 from diag import cli
-from diag.cluster import ClusterTrialRunner, parse_scheduler, plan_ahead
+from diag.cluster import ClusterTrialRunner, parse_scheduler
 from diag.compare import CompareOptions
 from diag.document import document_from_result
 from diag.errors import DiagError
-from diag.exclude import ExcludeOptions, SearchAlgorithm, derive_exclusions
+from diag.exclude import ExcludeOptions, derive_exclusions
 from diag.feeds import FeedSpec
 from diag.fixtures import models
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.search import SearchAlgorithm, plan_ahead
 from diag.sweep import SweepOptions
 from diag.verbs import diagnose, sweep_to_dir
 
@@ -309,7 +310,7 @@ def test_scheduler_option_is_an_address_or_a_local_cluster_size(text, parsed):
 
 
 class _Serial(SearchAlgorithm):
-    """The serial search's real trials (diag.exclude.SearchAlgorithm) on a fixed oracle, recording them."""
+    """The serial search's real trials (diag.search.SearchAlgorithm) on a fixed oracle, recording them."""
 
     def __init__(self, n, oracle, guess):
         self.candidates = list(range(n))
