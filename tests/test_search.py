@@ -1,8 +1,9 @@
-"""The exclusion search's replay: planning a cluster's trials ahead follows the serial search.
+"""The searches' order of trials, on fixed oracles: no model, no Dask.
 
-Pure Python (no Dask, no model): :func:`diag.search.plan_ahead` replays
-:class:`diag.search.SearchAlgorithm` on the answers known so far, so it runs without the dask
-extra, unlike the cluster tests that use it.
+Planning a cluster's trials ahead (:func:`diag.search.plan_ahead`, which replays
+:class:`diag.search.SearchAlgorithm` on the answers known so far) asks for the serial search's
+trials in its order; the tier search (`diag exclude --tiers`) moves up a tier only when every
+group one tier up misses.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from diag.search import SearchAlgorithm, plan_ahead
+from diag.tiers import _TierSearch
 
 
 class _Serial(SearchAlgorithm):
@@ -60,3 +62,42 @@ def test_planning_ahead_asks_for_the_serial_searchs_trials_in_its_order(needed, 
     start = {frozenset(): oracle(frozenset())}
     assert plan_ahead(list(range(n)), start, {frozenset()}, 5, 5, 4) == []
     assert len(plan_ahead(list(range(n)), start, {frozenset()}, 5, 6, 4)) == 1
+
+
+class _TierOracle(_TierSearch):
+    """The tier search (levels per ranked group) on a fixed oracle instead of re-quantizing, recording its trials."""
+
+    def __init__(self, n, oracle):
+        self.candidates = list(range(n))
+        self.tiers = ["int4", "int8", "fp32"]
+        self.oracle = oracle
+        self.asked = []
+
+    def trial(self, levels, phase):
+        self.asked.append((phase, levels))
+        return None, self.oracle(levels)
+
+
+def test_the_tier_search_tries_every_group_one_tier_up_before_the_tier_above():
+    # met only with every group at int8 or above: the int8 prefix search must reach all 4 groups
+    # (not stop one short, as the top tier does) and never try fp32
+    search = _TierOracle(4, lambda levels: all(lv >= 1 for lv in levels))
+    assert search.search() == (1, 1, 1, 1)
+    assert [levels for phase, levels in search.asked if phase == "search"] == [
+        (1, 0, 0, 0),
+        (1, 1, 0, 0),
+        (1, 1, 1, 1),
+        (1, 1, 1, 0),
+    ]
+    # met only with group 2 in fp32: every int8 prefix misses, then the fp32 prefix search runs on top
+    # of all groups at int8 and stops one short of all of them (all at fp32 is the FP32 model)
+    search = _TierOracle(4, lambda levels: levels[2] == 2)
+    assert search.search() == (0, 0, 2, 0)
+    assert [levels for phase, levels in search.asked if phase == "search"] == [
+        (1, 0, 0, 0),
+        (1, 1, 0, 0),
+        (1, 1, 1, 1),
+        (2, 1, 1, 1),
+        (2, 2, 1, 1),
+        (2, 2, 2, 1),
+    ]
