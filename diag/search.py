@@ -5,9 +5,10 @@ step:
 
 * :func:`ranked_candidates`: the quantized node groups in the order the searches try them, worst
   local error first (`diag exclude`, `diag exclude --tiers`, `--sensitivity`).
-* :class:`SearchAlgorithm`: the smallest met prefix of that order (exponential then binary
-  search), then the pruning (delta debugging, then single groups). ``diag.exclude._Search``
-  answers its trials by estimating or re-quantizing; :class:`BudgetExhausted` stops it.
+* :class:`SearchAlgorithm`: the smallest met prefix of that order (:func:`shortest_met_prefix`,
+  exponential then binary search, which `diag exclude --tiers` runs tier by tier too), then the
+  pruning (delta debugging, then single groups). ``diag.exclude._Search`` answers its trials by
+  estimating or re-quantizing; :class:`BudgetExhausted` stops it.
 * :func:`plan_ahead`: the same algorithm replayed on the answers known so far (:class:`_Replay`),
   to find the trials it will ask for next, so ``diag.cluster`` can run them ahead on workers.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +96,41 @@ def ranked_candidates(findings: list[NodeFinding], already_excluded: set[str]) -
 # ---------------------------------------------------------------- the search
 
 
+def shortest_met_prefix(met: Callable[[int], bool], longest: int, start: int = 0) -> int | None:
+    """The shortest prefix length ``k`` (``start < k <= longest``) with ``met(k)``: exponential, then binary search.
+
+    ``start``: a length known to miss. None when every length tried up to ``longest`` misses.
+    About 2·log2(longest) calls. NOTE: one prefix search for every search over a ranking (`diag
+    exclude`'s :class:`SearchAlgorithm`, each tier of `diag exclude --tiers`), so they ask for the
+    same lengths in the same order.
+
+    Example:
+        >>> asked = []
+        >>> shortest_met_prefix(lambda k: asked.append(k) or k >= 5, 12)
+        5
+        >>> asked
+        [1, 2, 4, 8, 6, 5]
+    """
+    lo, hi, k = start, None, max(1, 2 * start)
+    while k <= longest:
+        if met(k):
+            hi = k
+            break
+        lo = k
+        if k == longest:
+            break
+        k = min(2 * k, longest)
+    if hi is None:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if met(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 class BudgetExhausted(Exception):
     """``--max-trials`` or ``--time-budget`` stopped the search (not a user error: a result)."""
 
@@ -143,29 +180,8 @@ class SearchAlgorithm:
         ``start``: a prefix length known to miss (the search begins above it).
         """
         n = len(order)
-        lo, hi, k = start, None, max(1, 2 * start)
-
-        def prefix(k: int) -> bool:
-            return self.check(frozenset(order[:k]), "search")
-
         self.expect(2 * math.ceil(math.log2(max(n, 2))))
-        while k <= n - 1:
-            if prefix(k):
-                hi = k
-                break
-            lo = k
-            if k == n - 1:
-                break
-            k = min(2 * k, n - 1)
-        if hi is None:
-            return None
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if prefix(mid):
-                hi = mid
-            else:
-                lo = mid
-        return hi
+        return shortest_met_prefix(lambda k: self.check(frozenset(order[:k]), "search"), n - 1, start)
 
     def prune(self, current: frozenset[int], blocks: bool = True) -> frozenset[int]:
         """Shrink the met prefix to a list where re-including any group misses the target.
