@@ -8,9 +8,9 @@ Three verbs fan out, each through the machinery it already has for doing work in
   the states are tree-reduced on the cluster with :meth:`diag.compare.CompareState.merge`.
 * ``exclude``: every trial (re-quantize with a list kept in float, evaluate on the held-out
   split) is a task. The search itself still runs here, unchanged; while it waits for the trial it
-  needs, the trials it *may* need next are computed ahead (see :func:`diag.search.plan_ahead`), so its
-  choices, its trajectory and its answer are those of the serial search, whatever order the
-  tasks finish in.
+  needs, the trials it *may* need next are computed ahead (see :func:`diag.search.plan_ahead`),
+  so its choices, its trajectory and its answer are those of the serial search, whatever order
+  the tasks finish in.
 * ``sweep``: every recipe's quantization and held-out metrics is a task; latency is measured
   afterwards on this machine, one recipe at a time, with the cluster idle.
 

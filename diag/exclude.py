@@ -30,6 +30,10 @@ model is good enough, and how few can I get away with?* The answer is searched, 
 Every re-quantization and held-out evaluation is counted and timed; the trajectory (excluded
 count vs metric) is kept for the report.
 
+Which trial comes next (the ranking of step 2, the search and pruning of steps 3-4) is
+:mod:`diag.search`, pure logic that ``diag.cluster`` replays to run trials ahead; this module
+answers the trials (estimates, re-quantization, held-out evaluation) and builds the result.
+
 NOTE: candidates are *groups* (:class:`diag.match.NodeGroup`): nodes the quantizer fused
 (Conv+Relu in QDQ) are excluded together, because excluding only one of them changes nothing.
 """
@@ -304,7 +308,7 @@ def _name(v: Any) -> Any:
     return getattr(v, "name", v)
 
 
-# ---------------------------------------------------------------- the search
+# ---------------------------------------------------------------- the trials
 
 
 class TrialRunner(Protocol):
