@@ -8,9 +8,9 @@ Three verbs fan out, each through the machinery it already has for doing work in
   the states are tree-reduced on the cluster with :meth:`diag.compare.CompareState.merge`.
 * ``exclude``: every trial (re-quantize with a list kept in float, evaluate on the held-out
   split) is a task. The search itself still runs here, unchanged; while it waits for the trial it
-  needs, the trials it *may* need next are computed ahead (see :func:`plan_ahead`), so its
-  choices, its trajectory and its answer are those of the serial search, whatever order the
-  tasks finish in.
+  needs, the trials it *may* need next are computed ahead (see :func:`diag.search.plan_ahead`),
+  so its choices, its trajectory and its answer are those of the serial search, whatever order
+  the tasks finish in.
 * ``sweep``: every recipe's quantization and held-out metrics is a task; latency is measured
   afterwards on this machine, one recipe at a time, with the cluster idle.
 
@@ -38,7 +38,6 @@ import socket
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ from typing import Any
 from diag.compare import CompareOptions, CompareState, load_pair, run_comparison
 from diag.errors import DiagError
 from diag.evaluate import HeldOutEvaluator, HeldOutMetrics, split_feeds
-from diag.exclude import Candidate, ExcludeOptions, SearchAlgorithm
+from diag.exclude import ExcludeOptions
 from diag.feeds import FeedSource, FeedSpec, load_labels
 from diag.load import float_model_from_path
 from diag.match import match_models
@@ -55,14 +54,13 @@ from diag.merge import state_from_json, state_to_json
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.search import plan_ahead
 from diag.sweep import MeasureContext, SweepEntry, SweepOptions, SweepRun, measure_recipe, time_against_fp32
 
 #: Seconds to wait for a scheduler given by address to answer.
 CONNECT_TIMEOUT = 10.0
 #: Seconds to wait for a reachable scheduler to have at least one worker.
 WORKER_TIMEOUT = 60.0
-#: Decision-tree branches :func:`plan_ahead` replays at most per call (each replay is pure Python).
-MAX_REPLAYS = 256
 INSTALL_HINT = 'pip install "diag[dask]"'
 
 
@@ -570,98 +568,6 @@ def _exclusion_trial(job: TrialJob, nodes: list[str], stem: str, calibration_cac
         "files": files,
         "seconds": time.perf_counter() - t0,
     }
-
-
-class _Need(Exception):
-    def __init__(self, groups: frozenset[int]) -> None:
-        self.groups = groups
-
-
-class _Stop(Exception):
-    """The replayed search would stop here (budget)."""
-
-
-class _Replay(SearchAlgorithm):
-    """Replays the exclusion search's real trials on known answers.
-
-    It *is* the serial algorithm (:class:`diag.exclude.SearchAlgorithm`, the same code line for
-    line, not a copy that could drift from it); only :meth:`check` differs: a known answer, or
-    :class:`_Need` for the first unknown one.
-    """
-
-    def __init__(
-        self,
-        candidates: list[Any],
-        guess: frozenset[int] | None,
-        answers: dict[frozenset[int], bool],
-        consumed: set[frozenset[int]],
-        quantizations: int,
-        max_trials: int | None,
-    ) -> None:
-        self.candidates = candidates
-        self.guess = guess
-        self.answers = answers
-        self.consumed = consumed
-        self.quantizations = quantizations
-        self.max_trials = max_trials
-
-    def check(self, groups: frozenset[int], phase: str) -> bool:
-        if groups not in self.consumed:
-            if self.max_trials is not None and self.quantizations >= self.max_trials:
-                raise _Stop
-            self.quantizations += 1
-            self.consumed = self.consumed | {groups}
-        if groups in self.answers:
-            return self.answers[groups]
-        raise _Need(groups)
-
-    def run(self) -> None:
-        self.search_real()
-
-
-def plan_ahead(
-    candidates: list[Candidate],
-    known: dict[frozenset[int], bool],
-    consumed: set[frozenset[int]],
-    quantizations: int,
-    max_trials: int | None,
-    limit: int,
-    guess: frozenset[int] | None = None,
-) -> list[frozenset[int]]:
-    """The trials the exclusion search may need next, the one it needs now first.
-
-    ``guess``: the search's estimated answer (``_Search.guess``), where its real trials start.
-
-    The search is replayed on the answers known so far; where it needs an unknown answer, both
-    answers are assumed in turn (breadth first, "missed" first: most trials of a pruning pass
-    miss) to find the trials after it. Whatever the real answers turn out to be, the search asks
-    for its trials in the serial order; this only decides what is computed before it asks.
-
-    Example:
-        >>> baseline = frozenset()  # ran, missed the target
-        >>> plan_ahead(list(range(8)), {baseline: False}, {baseline}, 1, None, 3)
-        [frozenset({0}), frozenset({0, 1}), frozenset({0, 1, 2, 3})]
-
-        Prefix 1 now; prefix 2 if it misses (if it meets, the search is done: pruning a one-group
-        list only re-tries the baseline); prefix 4 if 2 misses too.
-    """
-    out: list[frozenset[int]] = []
-    queue: deque[dict[frozenset[int], bool]] = deque([{}])
-    replays = 0
-    while queue and len(out) < limit and replays < MAX_REPLAYS:
-        assumed = queue.popleft()
-        replays += 1
-        replay = _Replay(candidates, guess, {**known, **assumed}, consumed, quantizations, max_trials)
-        try:
-            replay.run()
-        except _Need as need:
-            if need.groups not in out:
-                out.append(need.groups)
-            queue.append({**assumed, need.groups: False})
-            queue.append({**assumed, need.groups: True})
-        except _Stop:
-            pass
-    return out
 
 
 class ClusterTrials:

@@ -8,6 +8,7 @@ mixed-precision plan (``diag exclude --tiers int4,int8,fp32``) instead of a floa
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from diag.recipe import Recipe
 from diag.summary import Summary
 from diag.tiers import TierOptions, TierPlan
 from diag.tiers import summary_lines as tier_lines
-from diag.verbs import DemoOptions, compare_to_dir, exclude_to_dir, result_lines, tier_plan_to_dir
+from diag.verbs import DemoOptions, compare_to_dir, exclude_to_dir, tier_plan_to_dir
 
 #: The LLM fixture's name on the command line, and the one format it is quantized to.
 LLM_FIXTURE = "llama"
@@ -67,6 +68,21 @@ DEMO_DYNAMIC_WEIGHTS = "QUInt8"
 DEMO_TARGET = "cosine>=0.999"
 
 
+@dataclass(frozen=True)
+class DemoResult:
+    """What `diag demo` computed, for a library caller: the two verbs it ran, each as it returned.
+
+    NOTE: the demo is `diag compare` then `diag exclude` (or ``--tiers``), and each returns its
+    own :class:`~diag.summary.Summary`; one ``Summary.result`` cannot hold both, so the demo's
+    result keeps both whole (each verb's result and the files it wrote) instead of a tuple the
+    caller unpacks.
+    """
+
+    compare: Summary[CompareResult]
+    #: The exclusion (a TierPlan for the int4 LLM fixture) and its files in ``out/fix``; None without the fix.
+    fix: Summary[ExclusionResult] | Summary[TierPlan] | None
+
+
 def run_demo(
     out: str | Path,
     fixture: str = "transformer",
@@ -74,13 +90,18 @@ def run_demo(
     samples: int = 32,
     progress: bool = True,
     fix: bool = True,
-) -> tuple[CompareResult, dict[str, Path], ExclusionResult | TierPlan | None]:
+) -> Summary[DemoResult]:
     """Build, quantize and compare one fixture (report in ``out``), then derive and verify the
     fix with ``diag exclude`` (report in ``out/fix``) unless ``fix`` is False.
 
     ``fmt`` None: ``int4`` for the LLM fixture, ``dynamic`` for the others. An int4 model's fix is
-    a tier plan (``--tiers int4,int8,fp32``). Returns the comparison, its files, and the
-    ExclusionResult or TierPlan (None without ``fix``).
+    a tier plan (``--tiers int4,int8,fp32``). Returns the lines `diag demo` prints, the two verbs'
+    summaries as ``result`` (:class:`DemoResult`) and the comparison's files as ``files``.
+
+    Example:
+        >>> s = run_demo("demo", progress=False)  # doctest: +SKIP
+        >>> sorted(s.files), s.result.fix.files["exclusion.json"]  # doctest: +SKIP
+        (['diag.json', 'report.html', 'summary.md'], PosixPath('demo/fix/exclusion.json'))
     """
     fmt = fmt or (INT4 if fixture == LLM_FIXTURE else "dynamic")
     if fixture == LLM_FIXTURE and fmt != INT4:
@@ -90,36 +111,57 @@ def run_demo(
             f"the {LLM_FIXTURE} fixture is a 4-bit weight-only model",
             f"leave --format out or pass --format {INT4}",
         )
+    shown = out  # as given: the lines name the fix's report under it
     out = checked_out_dir(out)
     files = build_fixture_files(out / "models", fixture, fmt, samples)
     feeds = FeedSpec(inputs=str(files["inputs"]), batch=8)
     compared = compare_to_dir(files["fp32"], files["int8"], feeds, out, CompareOptions(progress=progress))
-    result, written = compared.result, compared.files
-    assert result is not None  # compare_to_dir always returns its result
-    if not fix:
-        return result, written, None
-    if fmt == INT4:
+    fixed: Summary[ExclusionResult] | Summary[TierPlan] | None = None
+    if fix and fmt == INT4:
         tiers = TierOptions(LLM_TARGET, tiers="int4,int8,fp32", progress=progress)
-        plan = tier_plan_to_dir(files["fp32"], LLM_RECIPE, feeds, tiers, out / "fix").result
-        return result, written, plan
-    recipe = (
-        Recipe(mode="dynamic", weight_type=DEMO_DYNAMIC_WEIGHTS)
-        if fmt == "dynamic"
-        else Recipe(
-            mode="static",
-            quant_format="QDQ" if fmt == "qdq" else "QOperator",
-            calibration=str(files["calib"].resolve()),
+        fixed = tier_plan_to_dir(files["fp32"], LLM_RECIPE, feeds, tiers, out / "fix")
+    elif fix:
+        recipe = (
+            Recipe(mode="dynamic", weight_type=DEMO_DYNAMIC_WEIGHTS)
+            if fmt == "dynamic"
+            else Recipe(
+                mode="static",
+                quant_format="QDQ" if fmt == "qdq" else "QOperator",
+                calibration=str(files["calib"].resolve()),
+            )
         )
-    )
+        options = ExcludeOptions(DEMO_TARGET, bench_runs=10, progress=progress)
+        fixed = exclude_to_dir(files["fp32"], recipe, feeds, options, out / "fix")
+    lines = list(compared.lines)
+    if fixed is not None and fixed.result is not None:
+        lines += _fix_lines(fixed.result, shown)
+    return Summary(lines, result=DemoResult(compared, fixed), files=compared.files)
 
-    options = ExcludeOptions(DEMO_TARGET, bench_runs=10, progress=progress)
-    exclusion = exclude_to_dir(files["fp32"], recipe, feeds, options, out / "fix").result
-    return result, written, exclusion
+
+def _fix_lines(fix: ExclusionResult | TierPlan, out: str | Path) -> list[str]:
+    """The demo's lines about its fix: the verified fix (or plan) in one line, and where its report is."""
+    if isinstance(fix, TierPlan):
+        lines = [f"verified plan: {line.strip()}" if i == 0 else line for i, line in enumerate(tier_lines(fix)[:2])]
+        return [*lines, f"wrote the plan's report: {out}/fix/report.html"]
+    before = fix.before.cosine
+    best = ranked_fixes(fix)
+    if best:
+        # The best-ranked fix, as the report's first screen shows it: an op-type change can beat the node list.
+        f = best[0]
+        nodes = f["nodes_to_exclude"]
+        change = f"keep {len(nodes)} node(s) in float ({', '.join(nodes)})"
+        if f["op_types_to_quantize"] and f["kind"] == "op_types_to_quantize":
+            op_types = f"op_types_to_quantize={json.dumps(f['op_types_to_quantize'])}"
+            change = f"{op_types} and {change}" if nodes else op_types
+        line = f"verified fix: {change}: held-out cosine {before:.4f} -> {f['metric']:.4f} ({fix.target})"
+    else:
+        line = f"verified fix: {fix.verdict} ({fix.target}, held-out cosine {before:.4f})"
+    return [line, f"wrote the fix's report: {out}/fix/report.html"]
 
 
-def demo(options: DemoOptions) -> Summary:
-    """`diag demo`: build, quantize, compare and (``fix``) derive the verified fix, offline."""
-    result, files, fix = run_demo(
+def demo(options: DemoOptions) -> Summary[DemoResult]:
+    """`diag demo`: :func:`run_demo` with the verb's options."""
+    return run_demo(
         options.out,
         options.fixture,
         options.format,
@@ -127,23 +169,3 @@ def demo(options: DemoOptions) -> Summary:
         progress=options.progress,
         fix=options.fix,
     )
-    lines = result_lines(result, files)
-    if isinstance(fix, TierPlan):
-        lines += [f"verified plan: {line.strip()}" if i == 0 else line for i, line in enumerate(tier_lines(fix)[:2])]
-        lines.append(f"wrote the plan's report: {options.out}/fix/report.html")
-    elif fix is not None:
-        before = fix.before.cosine
-        best = ranked_fixes(fix)
-        if best:
-            # The best-ranked fix, as the report's first screen shows it: an op-type change can beat the node list.
-            f = best[0]
-            nodes = f["nodes_to_exclude"]
-            change = f"keep {len(nodes)} node(s) in float ({', '.join(nodes)})"
-            if f["op_types_to_quantize"] and f["kind"] == "op_types_to_quantize":
-                op_types = f"op_types_to_quantize={json.dumps(f['op_types_to_quantize'])}"
-                change = f"{op_types} and {change}" if nodes else op_types
-            lines.append(f"verified fix: {change}: held-out cosine {before:.4f} -> {f['metric']:.4f} ({fix.target})")
-        else:
-            lines.append(f"verified fix: {fix.verdict} ({fix.target}, held-out cosine {before:.4f})")
-        lines.append(f"wrote the fix's report: {options.out}/fix/report.html")
-    return Summary(lines)

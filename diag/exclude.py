@@ -30,6 +30,10 @@ model is good enough, and how few can I get away with?* The answer is searched, 
 Every re-quantization and held-out evaluation is counted and timed; the trajectory (excluded
 count vs metric) is kept for the report.
 
+Which trial comes next (the ranking of step 2, the search and pruning of steps 3-4) is
+:mod:`diag.search`, pure logic that ``diag.cluster`` replays to run trials ahead; this module
+answers the trials (estimates, re-quantization, held-out evaluation) and builds the result.
+
 NOTE: candidates are *groups* (:class:`diag.match.NodeGroup`): nodes the quantizer fused
 (Conv+Relu in QDQ) are excluded together, because excluding only one of them changes nothing.
 """
@@ -38,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -50,7 +53,6 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import onnx
 
-from diag.analyze import NodeFinding
 from diag.bench import BenchOptions, bench_models
 from diag.compare import CompareOptions, CompareResult, compare_models
 from diag.cpu import kernel_path
@@ -69,12 +71,12 @@ from diag.feeds import FeedSource, FeedSpec, load_labels
 from diag.jsonnum import json_number
 from diag.load import LoadedModel, float_model_from_path
 from diag.match import Matching
-from diag.metrics import ErrorStats
 from diag.modelprep import copy_model
 from diag.ortfacts import DEPLOY_LEVEL
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.search import BudgetExhausted, Candidate, SearchAlgorithm, ranked_candidates
 from diag.taskmetrics import metric_factory
 
 #: An op type is suggested for exclusion when more than this share of its nodes end up excluded.
@@ -159,24 +161,6 @@ class Step:
         d = dataclasses.asdict(self)
         d["metric"] = json_number(self.metric, digits=None, nan=None)
         d["deployed_metric"] = json_number(self.deployed_metric, digits=None, nan=None)
-        return d
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One quantized node group, in ranking order: what ``nodes_to_exclude`` takes to keep it in float."""
-
-    rank: int
-    label: str
-    op_type: str
-    fp_nodes: list[str]
-    local_sqnr_db: float | None
-    accumulated_sqnr_db: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["local_sqnr_db"] = json_number(self.local_sqnr_db, digits=None, nan=None)
-        d["accumulated_sqnr_db"] = json_number(self.accumulated_sqnr_db, digits=None, nan=None)
         return d
 
 
@@ -297,47 +281,6 @@ class ExclusionResult:
         }
 
 
-# ---------------------------------------------------------------- candidates
-
-
-def ranked_candidates(findings: list[NodeFinding], already_excluded: set[str]) -> list[Candidate]:
-    """Quantized node groups, worst local error first (accumulated error where no local exists).
-
-    Groups already in the recipe's ``nodes_to_exclude`` and unnamed nodes (which
-    ``nodes_to_exclude`` cannot name) are left out.
-
-    Example:
-        >>> [c.label for c in ranked_candidates(result.findings, set())][:1]  # doctest: +SKIP
-        ['layer1/ffn/fc1/MatMul']
-    """
-
-    def sqnr(stats: ErrorStats | None) -> float | None:
-        return None if stats is None else float(stats.sqnr_db)
-
-    def key(f: NodeFinding) -> tuple[float, int]:
-        v = sqnr(f.local)
-        if v is None:
-            v = sqnr(f.accumulated)
-        return (math.inf if v is None or math.isnan(v) else v, f.index)
-
-    usable = [
-        f
-        for f in findings
-        if f.group.quantized and not f.group.unnamed and not set(f.group.fp_nodes) <= already_excluded
-    ]
-    return [
-        Candidate(
-            r,
-            f.group.label,
-            f.group.op_types[0] if f.group.op_types else "?",
-            list(f.group.fp_nodes),
-            sqnr(f.local),
-            sqnr(f.accumulated),
-        )
-        for r, f in enumerate(sorted(usable, key=key), 1)
-    ]
-
-
 def default_op_types(recipe: Recipe) -> list[str]:
     """The op types onnxruntime quantizes for this recipe when ``op_types_to_quantize`` is unset.
 
@@ -365,120 +308,7 @@ def _name(v: Any) -> Any:
     return getattr(v, "name", v)
 
 
-# ---------------------------------------------------------------- the search
-
-
-class BudgetExhausted(Exception):
-    """``--max-trials`` or ``--time-budget`` stopped the search (not a user error: a result)."""
-
-
-class SearchAlgorithm:
-    """The exclusion search itself, apart from how a trial is answered.
-
-    Subclasses answer :meth:`check` (does this set of groups in float meet the target?) and
-    :meth:`expect`: :class:`_Search` by estimating or re-quantizing, ``diag.cluster``'s replay
-    from answers already known (to run the trials the search will ask for next ahead of time).
-    One algorithm, so the two can never drift apart.
-    """
-
-    candidates: list[Candidate]
-    #: The estimated answer (``_Search.find``): the real search starts from it. None: no estimate.
-    guess: frozenset[int] | None = None
-
-    def check(self, groups: frozenset[int], phase: str) -> bool:
-        raise NotImplementedError
-
-    def expect(self, remaining: int) -> None:
-        """Progress: about ``remaining`` more trials (no-op by default)."""
-
-    def search_real(self) -> frozenset[int] | None:
-        """The real trials: verify and prune the estimated answer, or search from it.
-
-        When the re-quantized guess meets the target each of its groups is re-included once (a
-        real try each), so the answer is minimal in real terms too. When it misses (an estimate
-        is not exact: rounding of fused kernels, a Concat's shared scale), the prefix search runs
-        with the guessed groups ranked first, starting above them. Without a guess: the prefix
-        search over the ranking, then the pruning.
-        """
-        order = list(range(len(self.candidates)))
-        start = 0
-        guess = self.guess
-        if guess:
-            if self.check(guess, "verify"):
-                return self.prune(guess, blocks=False)
-            order = sorted(guess) + [i for i in order if i not in guess]
-            start = len(guess)
-        k = self.smallest_prefix(order, start)
-        return self.prune(frozenset(order[:k])) if k is not None else None
-
-    def smallest_prefix(self, order: list[int], start: int = 0) -> int | None:
-        """Exponential then binary search for the shortest met prefix of ``order`` shorter than all of it.
-
-        ``start``: a prefix length known to miss (the search begins above it).
-        """
-        n = len(order)
-        lo, hi, k = start, None, max(1, 2 * start)
-
-        def prefix(k: int) -> bool:
-            return self.check(frozenset(order[:k]), "search")
-
-        self.expect(2 * math.ceil(math.log2(max(n, 2))))
-        while k <= n - 1:
-            if prefix(k):
-                hi = k
-                break
-            lo = k
-            if k == n - 1:
-                break
-            k = min(2 * k, n - 1)
-        if hi is None:
-            return None
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if prefix(mid):
-                hi = mid
-            else:
-                lo = mid
-        return hi
-
-    def prune(self, current: frozenset[int], blocks: bool = True) -> frozenset[int]:
-        """Shrink the met prefix to a list where re-including any group misses the target.
-
-        First blocks are re-included at once, least suspicious half first, and split only when
-        the block as a whole is needed (delta debugging): m needed groups among k cost about
-        2·m·log2(k/m) tries instead of k, which matters when a noisy metric made the prefix long.
-        Then single groups are re-included in passes until a pass removes nothing, so every
-        group left was tried against the final list itself; tries already made come from the
-        cache. ``blocks=False`` skips the block phase (a list already believed minimal: about k
-        tries instead of 2k).
-        """
-        k = len(current)
-        self.expect(2 * math.ceil(math.log2(k + 1)) + k)
-
-        def drop(block: list[int]) -> None:
-            nonlocal current
-            trial = current - set(block)
-            if trial != current and self.check(trial, "prune"):
-                current = trial
-                return
-            if len(block) > 1:
-                mid = len(block) // 2
-                drop(block[mid:])
-                drop(block[:mid])
-
-        if k > 1 and blocks:
-            drop(sorted(current))
-        changed = True
-        while changed:
-            changed = False
-            order = sorted(current, reverse=True)
-            for j, i in enumerate(order):
-                self.expect(len(order) - j)
-                trial = current - {i}
-                if self.check(trial, "prune"):
-                    current = trial
-                    changed = True
-        return current
+# ---------------------------------------------------------------- the trials
 
 
 class TrialRunner(Protocol):

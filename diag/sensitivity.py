@@ -21,13 +21,13 @@ from typing import Any, Protocol
 
 from diag.analyze import NodeFinding
 from diag.evaluate import HeldOutEvaluator, HeldOutMetrics
-from diag.exclude import Candidate, ranked_candidates
 from diag.feeds import FeedSource
 from diag.jsonnum import json_number as _j
 from diag.load import model_from_path
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.search import Candidate, ranked_candidates
 
 #: Baseline and the diagnosed INT8 model agree when their min cosines differ by less than this.
 REPRODUCE_TOLERANCE = 1e-3

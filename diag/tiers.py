@@ -53,15 +53,7 @@ from diag.decoder import module_paths, projection_phrase
 from diag.errors import DiagError
 from diag.evaluate import HeldOutMetrics, Target
 from diag.evaluate import format_metric as _fmt
-from diag.exclude import (
-    BudgetExhausted,
-    Candidate,
-    SearchOptions,
-    SearchSetup,
-    prepare_search,
-    ranked_candidates,
-    search_target,
-)
+from diag.exclude import SearchOptions, SearchSetup, prepare_search, search_target
 from diag.feeds import FeedSource, FeedSpec
 from diag.fixcode import reproduce_snippet
 from diag.jsonnum import json_number
@@ -69,6 +61,7 @@ from diag.modelprep import copy_model
 from diag.progress import Progress
 from diag.quantize import quantize_model
 from diag.recipe import Recipe
+from diag.search import BudgetExhausted, Candidate, ranked_candidates, shortest_met_prefix
 from diag.weightonly import weight_only_snippet
 
 
@@ -398,24 +391,10 @@ class _TierSearch:
             def at(k: int, lv: int = level, fl: tuple[int, ...] = tuple(floor)) -> tuple[int, ...]:
                 return tuple(lv if i < k else fl[i] for i in range(n))
 
-            lo, hi, k = 0, None, 1
-            while k <= longest:
-                if self.trial(at(k), "search")[1]:
-                    hi = k
-                    break
-                lo = k
-                if k == longest:
-                    break
-                k = min(2 * k, longest)
+            hi = shortest_met_prefix(lambda k: self.trial(at(k), "search")[1], longest)
             if hi is None:
                 floor = [level] * n
                 continue
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if self.trial(at(mid), "search")[1]:
-                    hi = mid
-                else:
-                    lo = mid
             found = list(at(hi))
             break
         if found is None:

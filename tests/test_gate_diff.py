@@ -18,7 +18,7 @@ from diag.diff import diff_documents
 from diag.errors import GATE_FAILED, OK, USER_ERROR
 from diag.fixtures import models, quantize
 from diag.gate import Gates, check_document
-from diag.report import load_document
+from diag.report import OUTPUT_NAMES, load_document
 
 
 class Runs:
@@ -374,7 +374,13 @@ def test_readme_failing_check_example_is_real_output(tmp_path, monkeypatch, caps
     command, expected = readme[start - 1], readme[start:end]
     assert command.startswith("diag check demo/diag.json ")
     monkeypatch.chdir(tmp_path)
-    run_demo("demo", progress=False)
+    demo = run_demo("demo", progress=False)
     capsys.readouterr()
+    # one Summary, no tuple: the lines diag demo prints (the comparison's, then the fix's), and both verbs' own
+    assert demo.files == demo.result.compare.files == {n: Path("demo", n) for n in OUTPUT_NAMES}
+    assert demo.lines[:-2] == demo.result.compare.lines
+    assert demo.lines[-1] == "wrote the fix's report: demo/fix/report.html"
+    assert demo.result.fix.files["exclusion.json"] == Path("demo/fix/exclusion.json")
+    assert demo.result.fix.result.reachable
     assert cli.main(command.split()[1:]) == GATE_FAILED
     assert capsys.readouterr().out.splitlines() == expected
