@@ -494,6 +494,28 @@ _JOINS_ITS_READER = frozenset({"DequantizeLinear", "DynamicQuantizeLinear"})
 
 
 @dataclass(frozen=True)
+class _CandidateRuns:
+    """How the effect check runs a candidate model: its downstream part when it has one and the
+    INT8 run kept the boundary values (``known``, per batch), else the whole model."""
+
+    measure: _OutputErrors
+    threads: int
+    region_dir: Path | None
+    known: list[dict[str, np.ndarray]] | None
+    #: onnxruntime's type string of every value the INT8 run returned
+    types: dict[str, str]
+
+    def stats(self, model: onnx.ModelProto, part: _Downstream | None, role: str) -> dict[str, ErrorStats]:
+        if part is not None and self.known is not None:
+            with contextlib.suppress(Exception):  # onnxruntime refuses the part: run the model whole
+                sub = _downstream_model(model, part, self.types)
+                sess = session_from_model(sub, role, EFFECT_OPT_LEVEL, self.threads, self.region_dir, takes_turns=True)
+                return self.measure.stats(sess, role, self.known)
+        sess = session_from_model(model, role, EFFECT_OPT_LEVEL, self.threads, self.region_dir, takes_turns=True)
+        return self.measure.stats(sess, role)
+
+
+@dataclass(frozen=True)
 class _Downstream:
     """The part of a candidate model that differs from the INT8 model, and what it reads from the rest.
 
@@ -728,7 +750,7 @@ def check_effects(
     q_model = exposed_model(q.proto, sorted(keep - {o.name for o in q.graph.output})) if parts else q.proto
     q_sess = session_from_model(q_model, "INT8 model", EFFECT_OPT_LEVEL, threads, q.external_dir, takes_turns=True)
     base, known = measure.capture(q_sess, "INT8 model", keep, BOUNDARY_BYTES)
-    types = {o.name: o.type for o in q_sess.get_outputs()}
+    runs = _CandidateRuns(measure, threads, region_dir, known, {o.name: o.type for o in q_sess.get_outputs()})
     del q_sess, q_model
     target = effect_target(base, list(specs))
     skipped: dict[str, str] = {}
@@ -738,17 +760,7 @@ def check_effects(
         for f, why in cands:
             role = f"INT8 model with '{f.group.label}' in float"
             try:
-                model = region(f)
-                part = parts.get(f.group.label)
-                got = None
-                if part is not None and known is not None:
-                    with contextlib.suppress(Exception):  # onnxruntime refuses the part: run it whole
-                        sub = _downstream_model(model, part, types)
-                        sess = session_from_model(sub, role, EFFECT_OPT_LEVEL, threads, region_dir, takes_turns=True)
-                        got = measure.stats(sess, role, known)
-                if got is None:
-                    sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, region_dir, takes_turns=True)
-                    got = measure.stats(sess, role)
+                got = runs.stats(region(f), parts.get(f.group.label), role)
             except Exception as e:  # a region diag cannot rebuild is reported, never fatal
                 skipped[f.group.label] = str(e).splitlines()[0][:200]
                 bar.advance(1)
