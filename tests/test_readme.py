@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from kernel_path import diag_command
@@ -17,11 +19,25 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
 
+def _docs_verbs() -> ModuleType:
+    """tools/docs_verbs.py, mkdocs.yml's hook: the verb pages it appends to the nav come from README.md."""
+    spec = importlib.util.spec_from_file_location("docs_verbs", ROOT / "tools" / "docs_verbs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _nav() -> list[Path]:
-    """The pages of mkdocs.yml's nav, in its order (the order a reader meets them)."""
+    """The pages of the site's nav, in its order (the order a reader meets them): mkdocs.yml's, with
+    the verb pages its hook appends after the verbs' index page."""
     text = (ROOT / "mkdocs.yml").read_text()
     nav = text[text.index("\nnav:\n") :]
-    return [DOCS / name for name in re.findall(r"^\s*- (?:[^\n]*: )?(\S+\.md)$", nav, flags=re.M)]
+    names = re.findall(r"^\s*- (?:[^\n]*: )?(\S+\.md)$", nav, flags=re.M)
+    hook = _docs_verbs()
+    at = names.index(hook.INDEX) + 1
+    verbs = [page for entry in hook.verb_pages(README.read_text()) for page in entry.values()]
+    return [DOCS / name for name in [*names[:at], *verbs, *names[at:]]]
 
 
 def _pages() -> list[Path]:
@@ -164,6 +180,22 @@ def test_readme_is_a_front_door_that_links_every_verb_page_and_resolves_its_link
     for page in (README, ROOT / "CONTRIBUTING.md", ROOT / "ARCHITECTURE.md"):
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_the_readme_verb_table_is_the_registry_and_the_manual_lists_it():
+    """The verb pages in the site's nav and the list on docs/verbs/index.md are the README table's rows
+    (tools/docs_verbs.py): a row the hook cannot read, or a verb without a row, fails here."""
+    from diag.cli import VERBS
+
+    hook, readme = _docs_verbs(), README.read_text()
+    rows = hook.verb_rows(readme)
+    assert sorted(verb for verb, _ in rows) == sorted(VERBS), "README.md's verb table and diag.cli.VERBS differ"
+    assert len(rows) == len(re.findall(r"^\| \[`diag ", readme, flags=re.M)), "a verb row the hook cannot read"
+    assert [DOCS / "verbs" / f"{verb}.md" for verb, _ in rows] == [p for p in _nav() if p.parent.name == "verbs"][1:]
+    table = hook.verbs_table(readme)
+    for verb in VERBS:
+        assert f"](../{verb}.md)" not in table and f"]({verb}.md)" in table, f"the verbs index does not link {verb}"
+    assert "](docs/" not in table, "a README link left unresolved on docs/verbs/index.md"
 
 
 def test_every_docs_page_is_in_the_nav_once():
