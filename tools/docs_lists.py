@@ -1,12 +1,16 @@
-"""mkdocs hook: the manual's verb pages and its list of verbs, read from README.md's verb table.
+"""mkdocs hook: the manual's lists that have one source elsewhere, rendered from it at build time.
 
-The verbs are listed once by hand, in README.md's table (``diag.cli.VERBS`` is the code's list;
-``tests/test_readme.py`` checks the two agree). The manual's "Verbs" section in ``mkdocs.yml`` names
-only its index page; this hook appends one page per verb in the table's order (the order
-``tests/test_readme.py`` runs their examples in) and renders the table on ``docs/verbs/index.md``,
-so a new verb is a README row and its page, never a nav entry or a second list to keep in step.
+- The verbs are listed once by hand, in README.md's table (``diag.cli.VERBS`` is the code's list;
+  ``tests/test_readme.py`` checks the two agree). The manual's "Verbs" section in ``mkdocs.yml``
+  names only its index page; this hook appends one page per verb in the table's order (the order
+  ``tests/test_readme.py`` runs their examples in) and renders the table on ``docs/verbs/index.md``,
+  so a new verb is a README row and its page, never a nav entry or a second list to keep in step.
+- The metrics' names (``diag.json`` key, target, objective, gate) and the gates of ``diag check``
+  are rows of ``diag.metricnames.METRICS``; a page asks for them with a marker line
+  (:data:`MARKERS`), so a new metric is a row there and its definition in ``docs/metrics.md``.
 
-Registered in ``mkdocs.yml`` (``hooks:``); stdlib only, so the tests import it without mkdocs.
+Registered in ``mkdocs.yml`` (``hooks:``); it imports no mkdocs and only diag's foundation table, so
+the tests import it as they import diag.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+
+from diag.metricnames import METRICS, gates
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -59,6 +65,44 @@ def verbs_table(readme: str) -> str:
     return "\n".join(["| verb | what it does |", "|---|---|", *rows]) + "\n"
 
 
+def metric_names_table() -> str:
+    """Every metric's names in each vocabulary and which way is better, one row per metric.
+
+    Example:
+        >>> print(metric_names_table().splitlines()[3])
+        | `cosine_min` | `cosine>=V` | `cosine` | `--min-cosine C` | higher |
+    """
+    rows = ["| `diag.json` key | `--target` | `sweep --objective` | `diag check` | better |", "|---|---|---|---|---|"]
+    for m in METRICS:
+        op = ">=" if m.higher_is_better else "<="
+        cells = [
+            f"`{m.key}`" if m.key else "-",
+            f"`{m.target}{op}V`" if m.target else "-",
+            f"`{m.objective}`" if m.objective else "-",
+            f"`--{m.gate} {m.check.metavar}`" if m.gate and m.check else "-",
+            "higher" if m.higher_is_better else "lower",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def gate_rows() -> str:
+    """The metric gates of ``diag check``: one table row each, ``| `--FLAG METAVAR` | its help |``.
+
+    Example:
+        >>> gate_rows().splitlines()[0]
+        "| `--min-sqnr DB` | fail when an output's SQNR is below DB |"
+    """
+    return "\n".join(f"| `--{flag} {gate.metavar}` | {gate.help} |" for flag, (_, _, gate) in gates().items())
+
+
+#: A line of a docs page that the hook replaces with a list rendered from its one source.
+MARKERS = {
+    "<!-- diag: metric names -->": metric_names_table,
+    "<!-- diag: check gates -->": gate_rows,
+}
+
+
 def on_config(config: Any, **kwargs: Any) -> Any:
     """Append the verb pages to the nav's "Verbs" section (mkdocs calls this before it reads docs/)."""
     pages = verb_pages(README.read_text(encoding="utf-8"))
@@ -68,8 +112,20 @@ def on_config(config: Any, **kwargs: Any) -> Any:
     return config
 
 
+def render(markdown: str, uri: str) -> str:
+    """A page's markdown with its marker lines replaced, and the verb table after the verbs' index.
+
+    Example:
+        >>> render("<!-- diag: check gates -->", "verbs/check.md").splitlines()[1]
+        "| `--min-cosine C` | fail when an output's min per-sample cosine < C |"
+    """
+    lines = [MARKERS[line.strip()]() if line.strip() in MARKERS else line for line in markdown.split("\n")]
+    markdown = "\n".join(lines)
+    if uri == INDEX:
+        markdown = markdown.rstrip("\n") + "\n\n" + verbs_table(README.read_text(encoding="utf-8"))
+    return markdown
+
+
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
-    """Render the README's verb table at the end of ``docs/verbs/index.md``."""
-    if page.file.src_uri != INDEX:
-        return markdown
-    return markdown.rstrip("\n") + "\n\n" + verbs_table(README.read_text(encoding="utf-8"))
+    """Render the page's lists (:func:`render`)."""
+    return render(markdown, page.file.src_uri)
