@@ -69,10 +69,13 @@ def metric_names_table() -> str:
     """Every metric's names in each vocabulary and which way is better, one row per metric.
 
     Example:
-        >>> print(metric_names_table().splitlines()[3])
-        | `cosine_min` | `cosine>=V` | `cosine` | `--min-cosine C` | higher |
+        >>> metric_names_table().splitlines()[3].split(" | ")[:5]
+        ['| `cosine_min`', '`cosine>=V`', '`cosine`', '`--min-cosine C`', 'higher']
     """
-    rows = ["| `diag.json` key | `--target` | `sweep --objective` | `diag check` | better |", "|---|---|---|---|---|"]
+    rows = [
+        "| `diag.json` key | `--target` | `sweep --objective` | `diag check` | better | held out, it is |",
+        "|---|---|---|---|---|---|",
+    ]
     for m in METRICS:
         op = ">=" if m.higher_is_better else "<="
         cells = [
@@ -81,6 +84,7 @@ def metric_names_table() -> str:
             f"`{m.objective}`" if m.objective else "-",
             f"`--{m.gate} {m.check.metavar}`" if m.gate and m.check else "-",
             "higher" if m.higher_is_better else "lower",
+            (m.how or m.what or "-").replace("|", "\\|"),
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
