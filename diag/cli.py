@@ -24,7 +24,7 @@ from diag.diff import DiffOptions, run_diff
 from diag.environment import __version__, printable
 from diag.errors import GATE_FAILED, INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
 from diag.gate import CheckOptions, Gates, run_check
-from diag.metricnames import objective_names
+from diag.metricnames import gates, objective_help, objective_names, target_help
 from diag.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL, OPT_LEVELS
 from diag.summary import Summary
 
@@ -239,17 +239,9 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
 
 
 def check_options(args: argparse.Namespace) -> CheckOptions:
-    gates = Gates(
-        min_sqnr=args.min_sqnr,
-        min_cosine=args.min_cosine,
-        max_abs=args.max_abs,
-        min_agreement=args.min_agreement,
-        max_accuracy_drop=args.max_accuracy_drop,
-        max_f1_drop=args.max_f1_drop,
-        max_grade=args.max_grade,
-        outputs=tuple(args.output),
-    )
-    return CheckOptions(args.json, gates)
+    bounds = {flag.replace("-", "_"): getattr(args, flag.replace("-", "_")) for flag in gates()}
+    gates_given = Gates(**bounds, max_grade=args.max_grade, outputs=tuple(args.output))
+    return CheckOptions(args.json, gates_given)
 
 
 def diff_options(args: argparse.Namespace) -> DiffOptions:
@@ -420,32 +412,25 @@ def _tier_options(args: argparse.Namespace) -> TierOptions:
     return TierOptions(**_search_options(args), tiers=args.tiers)
 
 
-EXCLUDE_TARGET_HELP = """\
+EXCLUDE_TARGET_HELP = (
+    """\
 Targets (--target METRIC>=VALUE or METRIC<=VALUE), measured on the held-out samples only,
 FP32 output x vs quantized output y:
-  cosine>=V         min over samples and outputs of the per-sample cosine sum(x*y)/sqrt(sum x^2 * sum y^2)
-  max_abs<=V        max |y - x| over every element of every output
-  agreement>=V      top-1 agreement: share of rows (last axis = classes) whose argmax equals FP32's
-                    (worst class-like output)
-  accuracy_drop<=V  top-1 accuracy FP32 minus quantized on the first output, against --labels
-  f1_drop<=V        macro-F1 (mean over labelled classes of 2TP/(2TP+FP+FN)) FP32 minus quantized,
-                    first output, against --labels
+"""
+    + target_help()
+    + """\
   NAME>=V / NAME<=V a value a --metric plugin's finalize() returns, computed by the plugin on the
                     held-out outputs (>= for names it declares "higher" is better, <= for "lower")
 """
+)
 
 
-SWEEP_HELP = """\
+SWEEP_HELP = (
+    """\
 Objectives (--objective), accuracy on held-out samples, FP32 output x vs INT8 output y:
-  cosine         min over samples and outputs of sum(x*y)/sqrt(sum x^2 * sum y^2) (higher is better)
-  cosine_mean    mean per-sample cosine, worst output
-  max_abs        max |y - x| over every output element (lower is better)
-  agreement      top-1 agreement with FP32, worst class-like output
-  accuracy_drop  FP32 minus INT8 top-1 accuracy, first output, --labels
-  f1_drop        FP32 minus INT8 macro-F1, first output, --labels
-  latency        speedup = FP32 p50 / INT8 p50 (median over --repeats); recipes whose speedup ranges
-                 overlap or differ by < 5 % share a rank ("no measurable difference")
-  size           INT8 model file size
+"""
+    + objective_help()
+    + """\
 Grid file (TOML): a list is an axis, a scalar is fixed, e.g.
   mode = ["dynamic", "static"]
   quant_format = ["QDQ", "QOperator"]
@@ -453,6 +438,7 @@ Grid file (TOML): a list is an axis, a scalar is fixed, e.g.
   [extra_options]
   ActivationSymmetric = [false, true]
 """
+)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -783,24 +769,8 @@ def _quantize_flags(p: argparse.ArgumentParser) -> None:
 
 def _check_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("json", help="a diag.json written by diag compare")
-    p.add_argument("--min-sqnr", type=float, metavar="DB", help="fail when an output's SQNR is below DB")
-    p.add_argument("--min-cosine", type=float, metavar="C", help="fail when an output's min per-sample cosine < C")
-    p.add_argument("--max-abs", type=float, metavar="E", help="fail when an output's max abs error > E")
-    p.add_argument(
-        "--min-agreement", type=float, metavar="F", help="fail when a class-like output's top-1 agreement < F (0.99)"
-    )
-    p.add_argument(
-        "--max-accuracy-drop",
-        type=float,
-        metavar="F",
-        help="fail when the FP32 - INT8 top-1 accuracy drop (run with --labels) > F (0.005 = 0.5 %%)",
-    )
-    p.add_argument(
-        "--max-f1-drop",
-        type=float,
-        metavar="F",
-        help="fail when the FP32 - INT8 macro-F1 drop (run with --labels) > F (0.005 = 0.5 %%)",
-    )
+    for flag, (_, _, gate) in gates().items():
+        p.add_argument(f"--{flag}", type=float, metavar=gate.metavar, help=gate.help.replace("%", "%%"))
     p.add_argument(
         "--max-grade",
         choices=["excellent", "acceptable", "marginal", "reject"],

@@ -25,30 +25,20 @@ from diag.errors import DiagError
 from diag.feeds import Batch, FeedSource, Restartable
 from diag.jsonnum import json_numbers
 from diag.load import LoadedModel, model_from_path
-from diag.metricnames import target_names
+from diag.metricnames import METRICS
 from diag.metrics import OutputAccumulator, OutputStats
 from diag.numfmt import fixed_number
 from diag.outputs import output_specs
 from diag.run import run_batch, session_from_model
 from diag.taskmetrics import call_update, finalized, metric_factory
 
-#: target metric -> how it is computed.
-_HOW = {
-    "cosine": "min over held-out samples and model outputs of the per-sample cosine sum(x*y)/sqrt(sum x^2 * sum y^2), "
-    "x = FP32 output, y = INT8 output",
-    "max_abs": "max |y - x| over every element of every held-out output",
-    "agreement": "top-1 agreement: share of rows (last axis = classes) whose argmax agrees with FP32; "
-    "worst class-like output",
-    "accuracy_drop": "top-1 accuracy of FP32 minus INT8 on the first output, against --labels",
-    "f1_drop": "macro-F1 (mean over the labelled classes) of FP32 minus INT8 on the first output, --labels",
-}
 #: target metric -> (direction, how it is computed); the names and directions are
 #: :mod:`diag.metricnames`'.
 TARGET_METRICS: dict[str, tuple[str, str]] = {
-    name: (">=" if higher else "<=", _HOW[name]) for name, higher in target_names().items()
+    m.target: (">=" if m.higher_is_better else "<=", m.how or "") for m in METRICS if m.target is not None
 }
 #: The value a metric takes when an evaluated output holds NaN/Inf: the worst it can be.
-WORST: dict[str, float] = {"cosine": -1.0, "max_abs": math.inf, "agreement": 0.0, "accuracy_drop": 1.0, "f1_drop": 1.0}
+WORST: dict[str, float] = {m.target: m.worst for m in METRICS if m.target is not None and m.worst is not None}
 #: FP32 held-out outputs are cached for reuse by every evaluation up to this many bytes.
 CACHE_BYTES = 512 * 2**20
 

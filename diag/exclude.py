@@ -71,6 +71,7 @@ from diag.feeds import FeedSource, FeedSpec, load_labels
 from diag.jsonnum import json_number
 from diag.load import LoadedModel, float_model_from_path
 from diag.match import Matching
+from diag.metricnames import labelled_names
 from diag.modelprep import copy_model
 from diag.ortfacts import DEPLOY_LEVEL
 from diag.progress import Progress
@@ -591,7 +592,7 @@ def search_target(
     if metric:
         plugin = dict(metric_factory(metric)().better)
     tgt = parse_target(target, plugin) if isinstance(target, str) else target
-    if tgt.metric in ("accuracy_drop", "f1_drop") and not labels:
+    if tgt.metric in labelled_names() and not labels:
         raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
     return tgt
 

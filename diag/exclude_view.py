@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from diag.exclude import calibrations_phrase, count_phrase, estimates_phrase
+from diag.metricnames import held_out_names
 from diag.plots_exclude import trajectory_plot
 
 
@@ -76,10 +77,9 @@ def _metric_rows(doc: dict[str, Any]) -> list[dict[str, str]]:
             return v
         return f"{v:.6f}" if isinstance(v, float) else str(v)
 
-    names = ("cosine", "cosine_mean", "max_abs", "agreement", "accuracy_drop", "f1_drop")
     rows = [
         {"name": n, "before": cell(before.get(n)), "after": cell(after.get(n))}
-        for n in names
+        for n in held_out_names()
         if before.get(n) is not None
     ]
     if before.get("nonfinite_samples") or after.get("nonfinite_samples"):

@@ -22,32 +22,17 @@ from typing import Any
 from diag.documents import read_document
 from diag.errors import DiagError
 from diag.jsonnum import number_from_json
-from diag.metricnames import gate_flags, output_keys
+from diag.metricnames import gates
 from diag.summary import Summary
 from diag.untrusted import fields_of
 
 #: Verdict grades, best first; ``--max-grade`` fails on any grade after the bound.
 GRADES = ("excellent", "acceptable", "marginal", "reject")
 
-#: diag.json key -> how a gate line prints its value.
-_FORMATS = {
-    "sqnr_db": ".2f",
-    "cosine_min": ".5f",
-    "max_abs": ".4g",
-    "top1_agreement": ".5f",
-    "accuracy_drop": ".5f",
-    "f1_macro_drop": ".5f",
-}
-#: gate -> (diag.json key in verdict.outputs[*], "min" or "max", number format); the names and
-#: directions are :mod:`diag.metricnames`'.
+#: gate -> (diag.json key in verdict.outputs[*], "min" or "max", number format); the names,
+#: directions and formats are :mod:`diag.metricnames`'.
 METRIC_GATES: dict[str, tuple[str, str, str]] = {
-    gate: (key, "min" if output_keys()[key] else "max", _FORMATS[key]) for gate, key in gate_flags().items()
-}
-
-_WHY_NULL = {
-    "top1_agreement": "has no top-1 agreement (not class-like)",
-    "accuracy_drop": "has no accuracy drop (run without --labels, or not the first output)",
-    "f1_macro_drop": "has no F1 drop (run without --labels, or not the first output)",
+    flag: (key, "min" if higher else "max", gate.fmt) for flag, (key, higher, gate) in gates().items()
 }
 
 
@@ -104,16 +89,9 @@ class Gates:
                 "no gate given",
                 "add at least one of " + ", ".join(f"--{gate}" for gate in [*METRIC_GATES, "max-grade"]),
             )
-        ranges = {
-            "min-cosine": (-1.0, 1.0, "cosine is at most 1, e.g. 0.999"),
-            "max-abs": (0.0, math.inf, "an absolute error is >= 0, e.g. 0.1"),
-            "min-agreement": (0.0, 1.0, "a fraction, e.g. 0.99 for 99 %"),
-            "max-accuracy-drop": (-1.0, 1.0, "a fraction, e.g. 0.005 for 0.5 %"),
-            "max-f1-drop": (-1.0, 1.0, "a fraction, e.g. 0.005 for 0.5 %"),
-            "min-sqnr": (-math.inf, math.inf, "in dB, e.g. 20"),
-        }
         for gate, bound in self.metric_bounds():
-            lo, hi, hint = ranges[gate]
+            check = gates()[gate][2]
+            lo, hi, hint = check.low, check.high, check.hint
             if math.isnan(bound) or not lo <= bound <= hi:
                 interval = f"[{lo:g}, {hi:g}]"
                 raise DiagError("bad-option", f"--{gate} {bound}", f"is outside {interval}", hint)
@@ -172,7 +150,7 @@ def _metric_results(outputs: list[dict[str, Any]], gate: str, bound: float) -> l
         subject = f"output '{out['name']}'"
         value = _value(out.get(key))
         if value is None:
-            detail = f"{_WHY_NULL.get(key, f'has no {key}')}; gate not applied"
+            detail = f"{gates()[gate][2].why_null or f'has no {key}'}; gate not applied"
             results.append(GateResult(gate, subject, "skip", None, bound, None, detail))
             continue
         ok = value >= bound if kind == "min" else value <= bound

@@ -50,7 +50,7 @@ from diag.files import make_work_dir, remove_tree, signals_held
 from diag.files import out_dir as checked_out_dir
 from diag.jsonnum import json_numbers
 from diag.load import float_model_from_path
-from diag.metricnames import objective_names
+from diag.metricnames import METRICS, labelled_names
 from diag.numfmt import table_cell
 from diag.ortfacts import DEPLOY_LEVEL
 from diag.progress import Progress
@@ -70,20 +70,9 @@ DEFAULT_GRID: dict[str, Any] = {
 }
 #: Relative speed differences below this are "no measurable difference" even when the ranges do not overlap.
 NOISE_BAND = 0.05
-#: objective -> what it is. Accuracy objectives are measured on held-out samples.
-_WHAT = {
-    "cosine": "min per-sample cosine over held-out samples and outputs",
-    "cosine_mean": "mean per-sample cosine (worst output)",
-    "max_abs": "max |INT8 - FP32| over every held-out output element",
-    "agreement": "top-1 agreement with FP32 (worst class-like output)",
-    "accuracy_drop": "FP32 minus INT8 top-1 accuracy on the first output (--labels)",
-    "f1_drop": "FP32 minus INT8 macro-F1 on the first output (--labels)",
-    "latency": "speedup over FP32 (p50 of FP32 / p50 of INT8, median over repeats)",
-    "size": "INT8 model file size",
-}
 #: objective -> (better direction, what it is); the names and directions are :mod:`diag.metricnames`'.
 OBJECTIVES: dict[str, tuple[str, str]] = {
-    name: ("max" if higher else "min", _WHAT[name]) for name, higher in objective_names().items()
+    m.objective: ("max" if m.higher_is_better else "min", m.what or "") for m in METRICS if m.objective is not None
 }
 #: keys whose recipe value is itself a list: a list of names is a fixed value, a list of lists an axis.
 LIST_KEYS = ("op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude")
@@ -970,10 +959,10 @@ def _check_options(o: SweepOptions) -> Target | None:
         )
     if o.objective == "latency" and o.runs == 0:
         raise DiagError("bad-option", "--objective latency", "needs latency runs", "drop --runs 0")
-    if o.objective in ("accuracy_drop", "f1_drop") and not o.labels:
+    if o.objective in labelled_names() and not o.labels:
         raise DiagError("bad-option", f"--objective {o.objective}", "needs --labels", "pass --labels labels.npy")
     tgt = parse_target(o.target) if o.target else None
-    if tgt is not None and tgt.metric in ("accuracy_drop", "f1_drop") and not o.labels:
+    if tgt is not None and tgt.metric in labelled_names() and not o.labels:
         raise DiagError("bad-option", f"--target {tgt}", "needs --labels", "pass --labels labels.npy")
     return tgt
 

@@ -90,3 +90,45 @@ def test_import_map_finds_a_planted_cycle_and_upward_import(tmp_path):
     assert facts["counts"] == {"top": 3, "lazy": 1, "dynamic": 0, "typing": 1}
     assert facts["layer_cycles"] == []
     assert [i["private"] for i in facts["imports"] if i["private"]] == [["_private"]]
+
+
+#: The feature walks of issue 28 in ARCHITECTURE.md's "Where does X go", and the most files each may name.
+WALKS = {"**A new metric**": 5, "**A new CLI verb**": 5, "**A new quantization format**": 13}
+NUMBERS = {"Five": 5, "Thirteen": 13}
+
+
+def _walk(heading: str) -> str:
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    section = text[text.index("## Where does X go") : text.index("## Outside `diag/`")]
+    start = section.index(heading)
+    end = section.find("\n**A new", start + 1)
+    return section[start : end if end != -1 else None]
+
+
+def test_each_feature_walk_is_a_numbered_file_list_as_long_as_it_says():
+    for heading, most in WALKS.items():
+        walk = _walk(heading)
+        steps = re.findall(r"^(\d+)\. `([^`]+)`", walk, flags=re.M)
+        assert [int(n) for n, _ in steps] == list(range(1, len(steps) + 1)), f"{heading}: steps not numbered 1..n"
+        assert len(steps) <= most, f"{heading} names {len(steps)} files; issue 28 wants at most {most}"
+        stated = re.search(r"\b(" + "|".join(NUMBERS) + r") files", walk)
+        assert stated and NUMBERS[stated[1]] == len(steps), (
+            f"{heading}: says {stated and stated[1]}, lists {len(steps)}"
+        )
+        files = [f for _, f in steps if "<" not in f]
+        assert len(set(files)) == len(files), f"{heading}: a file in two steps"
+
+
+def test_every_file_and_name_the_feature_walks_cite_exists():
+    """A walk that names a file that moved, or a table or function that was renamed, fails here."""
+    import importlib
+
+    for heading in WALKS:
+        walk = _walk(heading)
+        for token in re.findall(r"`([^`\s]+)`", walk):
+            if re.fullmatch(r"[\w./-]+\.(py|md|json|yml)", token) and "/" in token:
+                assert (ROOT / token).exists(), f"{heading} cites {token}, which does not exist"
+            dotted = re.fullmatch(r"([a-z_]+)\.([A-Za-z_]+)", token)
+            if dotted and dotted[2] not in ("py", "md", "json") and (ROOT / "diag" / f"{dotted[1]}.py").exists():
+                module = importlib.import_module(f"diag.{dotted[1]}")
+                assert hasattr(module, dotted[2]), f"{heading} cites {token}, which diag.{dotted[1]} lacks"

@@ -11,20 +11,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 
 from diag import cli, diff, evaluate, gate, sweep
+from diag.compare import CompareOptions
+from diag.document import document_from_result
 from diag.errors import DiagError
 from diag.evaluate import HeldOutMetrics, parse_target
+from diag.exclude import search_target
+from diag.feeds import FeedSpec
 from diag.gate import Gates
-from diag.metricnames import METRICS, gate_flags, objective_names, output_keys, target_names
+from diag.metricnames import (
+    METRICS,
+    gate_flags,
+    gates,
+    held_out_names,
+    labelled_names,
+    objective_names,
+    output_keys,
+    target_names,
+)
+from diag.verbs import diagnose
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "convnet.qdq.diag.json"
 #: sweep objectives that are not held-out metrics: a recipe's speed and its file's size.
 NOT_HELD_OUT = ("latency", "size")
 
@@ -102,8 +113,12 @@ def test_a_target_and_an_objective_on_one_row_are_one_held_out_figure():
         assert name in metrics.to_dict(), f"{name} is not written where sweep reads it"
 
 
-def test_every_key_is_in_each_output_of_the_written_document():
-    outputs = json.loads(GOLDEN.read_text(encoding="utf-8"))["verdict"]["outputs"]
+def test_every_key_is_in_each_output_of_the_written_document(built):
+    """A document written now (the golden file is an older run's, kept as a renderer's input)."""
+    b = built("convnet")
+    feeds = FeedSpec(inputs=str(b.inputs_path), batch=8)
+    result = diagnose(b.fp32, b.int8["qdq"], feeds, CompareOptions(progress=False, effects=0, sensitivity=0))
+    outputs = document_from_result(result)["verdict"]["outputs"]
     assert outputs
     for out in outputs:
         assert output_keys().keys() <= out.keys(), f"not in diag.json: {sorted(output_keys().keys() - out.keys())}"
@@ -114,3 +129,52 @@ def test_the_help_texts_list_every_target_and_objective():
         assert re.search(rf"^  {name}(>=|<=)V ", cli.EXCLUDE_TARGET_HELP, re.M), name
     for name in objective_names():
         assert re.search(rf"^  {name} ", cli.SWEEP_HELP, re.M), name
+
+
+def test_every_name_carries_what_its_vocabulary_prints():
+    """A row with a gate, a target or an objective carries the texts and bounds that vocabulary needs
+    (the help lines would otherwise print a name with nothing after it, or the gate no range)."""
+    for m in METRICS:
+        assert (m.gate is None) == (m.check is None), (
+            f"{m.gate or m.key}: a gate and its help, format, range go together"
+        )
+        if m.check is not None:
+            assert m.check.low < m.check.high and m.check.help and m.check.hint, m
+            assert format(0.5, m.check.fmt), m
+        if m.target is not None:
+            assert m.how and m.worst is not None and m.target_help, f"target {m.target}: how, worst value, help lines"
+        if m.objective is not None:
+            assert m.what and m.objective_help, f"objective {m.objective}: what it is, help lines"
+        assert all(len(line) <= 100 for line in (*m.target_help, *m.objective_help)), m
+
+
+def test_the_check_flags_say_what_the_table_says():
+    actions = {a.option_strings[0]: a for a in _subparser("check")._actions if a.option_strings}
+    for flag, (_, _, check) in gates().items():
+        action = actions[f"--{flag}"]
+        assert (action.metavar, action.help.replace("%%", "%")) == (check.metavar, check.help)
+
+
+def test_a_nan_output_gives_each_target_its_worst_value():
+    measured = {f.name: 0.5 for f in dataclasses.fields(HeldOutMetrics) if f.name in target_names()}
+    metrics = HeldOutMetrics(**{"samples": 2, "cosine_mean": 0.5, **measured, "nonfinite_samples": 1})
+    for m in METRICS:
+        if m.target is not None and not m.labels:
+            assert metrics.value(m.target) == m.worst, m.target
+
+
+@pytest.mark.parametrize("name", sorted(labelled_names()))
+def test_a_labelled_target_without_labels_is_refused_before_any_work(name):
+    row = next(m for m in METRICS if name in (m.target, m.objective))
+    with pytest.raises(DiagError, match="needs --labels"):
+        search_target(f"{name}{'>=' if row.higher_is_better else '<='}0.5", None, None, None, None)
+
+
+def test_the_fix_report_lists_every_held_out_figure_an_evaluation_writes():
+    metrics = HeldOutMetrics(
+        samples=1, cosine=0.9, cosine_mean=0.95, max_abs=0.1, agreement=1.0, f1_fp32=0.9, f1_int8=0.8
+    )
+    written = metrics.to_dict()
+    assert set(held_out_names()) <= written.keys()
+    figures = set(target_names()) | (set(objective_names()) - set(NOT_HELD_OUT))
+    assert set(held_out_names()) == figures, "exclude_view's rows are the held-out targets and objectives"

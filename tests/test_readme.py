@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from kernel_path import diag_command
@@ -17,11 +19,25 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 
 
+def _docs_lists() -> ModuleType:
+    """tools/docs_lists.py, mkdocs.yml's hook: the lists it renders (verb pages, metric names) have one source."""
+    spec = importlib.util.spec_from_file_location("docs_lists", ROOT / "tools" / "docs_lists.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _nav() -> list[Path]:
-    """The pages of mkdocs.yml's nav, in its order (the order a reader meets them)."""
+    """The pages of the site's nav, in its order (the order a reader meets them): mkdocs.yml's, with
+    the verb pages its hook appends after the verbs' index page."""
     text = (ROOT / "mkdocs.yml").read_text()
     nav = text[text.index("\nnav:\n") :]
-    return [DOCS / name for name in re.findall(r"^\s*- (?:[^\n]*: )?(\S+\.md)$", nav, flags=re.M)]
+    names = re.findall(r"^\s*- (?:[^\n]*: )?(\S+\.md)$", nav, flags=re.M)
+    hook = _docs_lists()
+    at = names.index(hook.INDEX) + 1
+    verbs = [page for entry in hook.verb_pages(README.read_text()) for page in entry.values()]
+    return [DOCS / name for name in [*names[:at], *verbs, *names[at:]]]
 
 
 def _pages() -> list[Path]:
@@ -164,6 +180,40 @@ def test_readme_is_a_front_door_that_links_every_verb_page_and_resolves_its_link
     for page in (README, ROOT / "CONTRIBUTING.md", ROOT / "ARCHITECTURE.md"):
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_the_readme_verb_table_is_the_registry_and_the_manual_lists_it():
+    """The verb pages in the site's nav and the list on docs/verbs/index.md are the README table's rows
+    (tools/docs_lists.py): a row the hook cannot read, or a verb without a row, fails here."""
+    from diag.cli import VERBS
+
+    hook, readme = _docs_lists(), README.read_text()
+    rows = hook.verb_rows(readme)
+    assert sorted(verb for verb, _ in rows) == sorted(VERBS), "README.md's verb table and diag.cli.VERBS differ"
+    assert len(rows) == len(re.findall(r"^\| \[`diag ", readme, flags=re.M)), "a verb row the hook cannot read"
+    assert [DOCS / "verbs" / f"{verb}.md" for verb, _ in rows] == [p for p in _nav() if p.parent.name == "verbs"][1:]
+    table = hook.verbs_table(readme)
+    for verb in VERBS:
+        assert f"](../{verb}.md)" not in table and f"]({verb}.md)" in table, f"the verbs index does not link {verb}"
+    assert "](docs/" not in table, "a README link left unresolved on docs/verbs/index.md"
+
+
+def test_the_manuals_metric_names_and_gates_are_rendered_from_the_metric_table():
+    """docs/metrics.md's table of names and docs/verbs/check.md's gates are diag.metricnames' rows
+    (tools/docs_lists.py); a page that lost its marker, or a row the rendering leaves out, fails."""
+    from diag.metricnames import METRICS, gates
+
+    hook = _docs_lists()
+    names = hook.render((DOCS / "metrics.md").read_text(), "metrics.md")
+    for m in METRICS:
+        for name in (m.key, m.objective, m.gate):
+            assert name is None or f"`{name}" in names or f"`--{name}" in names, f"{name} is not in docs/metrics.md"
+    check = hook.render((DOCS / "verbs" / "check.md").read_text(), "verbs/check.md")
+    for flag, (_, _, gate) in gates().items():
+        assert f"| `--{flag} {gate.metavar}` | {gate.help} |" in check, f"--{flag} is not in docs/verbs/check.md"
+    for page in DOCS.rglob("*.md"):
+        for marker in re.findall(r"<!-- diag: [^>]* -->", page.read_text()):
+            assert marker in hook.MARKERS, f"{page.name}: {marker} renders nothing"
 
 
 def test_every_docs_page_is_in_the_nav_once():
