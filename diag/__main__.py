@@ -1,5 +1,5 @@
 """``python -m diag``."""
 
-from diag.cli import main
+from diag.cli.commands import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Every accumulator follows diag.state.Accumulator: merge of two halves == one run, and a state round trip.
+"""Every accumulator follows diag.core.state.Accumulator: merge of two halves == one run, and a state round trip.
 
 For each accumulator (and the composite CompareState) the same small synthetic batches are fed
 three ways: all to one accumulator, and half to each of two that are then merged (directly, and
@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from diag.compare import CompareState
-from diag.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
-from diag.fp16 import Fp16Range
-from diag.instrument import FusedKernel
-from diag.metrics import ErrorAccumulator, OutputAccumulator, OutputPart, OutputSpec
-from diag.state import Accumulator
-from diag.taskmetrics import F1Metric, PluginMetric, metric_factory
+from diag.analysis.compare import CompareState
+from diag.core.distributions import DistributionAccumulator, GridInfo, Pow2Histogram
+from diag.core.fp16 import Fp16Range
+from diag.core.instrument import FusedKernel
+from diag.core.metrics import ErrorAccumulator, OutputAccumulator, OutputPart, OutputSpec
+from diag.core.state import Accumulator
+from diag.core.taskmetrics import F1Metric, PluginMetric, metric_factory
 
 PLUGIN = "taskmetric_plugins:rel_error"
 BATCHES = 6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diag.analyze import band_grade
+from diag.analysis.analyze import band_grade
 
 
 @pytest.mark.parametrize(

@@ -46,13 +46,22 @@ def _stated(label: str) -> int:
 def test_every_diag_module_is_in_the_module_table_exactly_once_with_a_layer_and_a_job():
     rows = [m for m in map(ROW.match, DOC.read_text(encoding="utf-8").splitlines()) if m]
     listed = collections.Counter(m["module"] for m in rows)
-    modules = {p.stem for p in (ROOT / "diag").glob("*.py")}
+    package = ROOT / "diag"
+    modules = {p.stem for p in package.rglob("*.py") if p.name != "__init__.py" or p.parent == package}
     assert sorted(modules - set(listed)) == [], "modules of diag/ missing from ARCHITECTURE.md's table"
     assert sorted(set(listed) - modules) == [], "ARCHITECTURE.md lists modules diag/ does not have"
     assert sorted(m for m, n in listed.items() if n > 1) == [], "modules listed more than once"
     for m in rows:
         assert m["layer"] in LAYERS, f"{m['module']}: layer {m['layer']!r} is none of {LAYERS}"
         assert len(m["job"].strip()) > 10, f"{m['module']}: no job"
+
+
+def test_every_module_file_is_in_the_package_of_its_layer():
+    """The table's layer column and the folder agree: ``core`` modules live in ``diag/core/``."""
+    facts = json.loads(_script("--json"))
+    assert facts["misplaced"] == [], "move the module into diag/<layer>/, or correct its row in ARCHITECTURE.md"
+    assert facts["files"]["streaming"] == "core/streaming.py"
+    assert facts["files"]["__main__"] == "__main__.py"
 
 
 def test_stated_cycle_count_is_what_the_import_map_measures_today():
@@ -76,20 +85,37 @@ def test_every_line_of_the_measured_block_is_printed_by_the_import_map_today():
 def test_import_map_finds_a_planted_cycle_and_upward_import(tmp_path):
     """The script can fail: on a three-module package it reports exactly the cycle and the upward import."""
     pkg = tmp_path / "diag"
-    pkg.mkdir()
+    for layer in ("foundations", "core", "report"):
+        (pkg / layer).mkdir(parents=True)
+        (pkg / layer / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "errors.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from diag import report\n")
-    (pkg / "load.py").write_text("from diag.errors import DiagError\n\ndef f():\n    from diag import report\n")
-    (pkg / "report.py").write_text("from . import load\nfrom diag.load import _private\n")
+    (pkg / "foundations" / "errors.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from diag.report import view\n"
+    )
+    (pkg / "core" / "load.py").write_text(
+        "from diag.foundations.errors import DiagError\n\ndef f():\n    from diag.report import view\n"
+    )
+    (pkg / "report" / "view.py").write_text("from ..core import load\nfrom diag.core.load import _private\n")
     (tmp_path / "ARCHITECTURE.md").write_text(
-        "| `__init__` | cli | x |\n| `errors` | foundations | x |\n| `load` | core | x |\n| `report` | report | x |\n"
+        "| `__init__` | cli | x |\n| `errors` | foundations | x |\n| `load` | core | x |\n| `view` | report | x |\n"
     )
     facts = json.loads(_script("--json", root=tmp_path))
-    assert facts["cycles"] == [["load", "report"]]
-    assert [(i["importer"], i["imported"], i["kind"]) for i in facts["upward"]] == [("load", "report", "lazy")]
+    assert facts["cycles"] == [["load", "view"]]
+    assert [(i["importer"], i["imported"], i["kind"]) for i in facts["upward"]] == [("load", "view", "lazy")]
     assert facts["counts"] == {"top": 3, "lazy": 1, "dynamic": 0, "typing": 1}
     assert facts["layer_cycles"] == []
     assert [i["private"] for i in facts["imports"] if i["private"]] == [["_private"]]
+    assert facts["misplaced"] == []
+
+
+def test_import_map_finds_a_module_outside_its_layer_package(tmp_path):
+    """A ``core`` row whose file sits in ``diag/foundations/`` is misplaced: the script can fail."""
+    pkg = tmp_path / "diag"
+    (pkg / "foundations").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "foundations" / "load.py").write_text("")
+    (tmp_path / "ARCHITECTURE.md").write_text("| `__init__` | cli | x |\n| `load` | core | x |\n")
+    assert json.loads(_script("--json", root=tmp_path))["misplaced"] == ["load"]
 
 
 #: The feature walks of issue 28 in ARCHITECTURE.md's "Where does X go", and the most files each may name.
@@ -129,6 +155,7 @@ def test_every_file_and_name_the_feature_walks_cite_exists():
             if re.fullmatch(r"[\w./-]+\.(py|md|json|yml)", token) and "/" in token:
                 assert (ROOT / token).exists(), f"{heading} cites {token}, which does not exist"
             dotted = re.fullmatch(r"([a-z_]+)\.([A-Za-z_]+)", token)
-            if dotted and dotted[2] not in ("py", "md", "json") and (ROOT / "diag" / f"{dotted[1]}.py").exists():
-                module = importlib.import_module(f"diag.{dotted[1]}")
-                assert hasattr(module, dotted[2]), f"{heading} cites {token}, which diag.{dotted[1]} lacks"
+            found = sorted((ROOT / "diag").glob(f"*/{dotted[1]}.py")) if dotted else []
+            if dotted and dotted[2] not in ("py", "md", "json") and found:
+                module = importlib.import_module(f"diag.{found[0].parent.name}.{dotted[1]}")
+                assert hasattr(module, dotted[2]), f"{heading} cites {token}, which {module.__name__} lacks"

@@ -11,10 +11,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from diag import cli
-from diag.bench import BenchOptions, LatencyStats, bench_models, format_table, physical_cores
-from diag.errors import DiagError
-from diag.feeds import Batch, FeedSource, FeedSpec, input_specs
+from diag.cli import commands as cli
+from diag.core.feeds import Batch, FeedSource, FeedSpec, input_specs
+from diag.fix.bench import BenchOptions, LatencyStats, bench_models, format_table, physical_cores
+from diag.foundations.errors import DiagError
 
 WIDTH = 256
 

@@ -4,9 +4,9 @@ import json
 
 from test_exclude import write_fixture
 
-from diag.exclude import ExcludeOptions, derive_exclusions, ranked_fixes, summary_lines
-from diag.feeds import FeedSpec
-from diag.recipe import Recipe
+from diag.core.feeds import FeedSpec
+from diag.core.recipe import Recipe
+from diag.fix.exclude import ExcludeOptions, derive_exclusions, ranked_fixes, summary_lines
 
 QDQ = Recipe(mode="static", quant_format="QDQ", activation_type="QUInt8", weight_type="QInt8")
 
@@ -36,7 +36,7 @@ def test_report_first_screen_shows_the_op_type_fix_when_it_ranks_first(tmp_path)
     from browser import chromium
     from playwright.sync_api import sync_playwright
 
-    from diag import cli
+    from diag.cli import commands as cli
 
     fp, npz, _ = write_fixture(tmp_path, "convnet")
     recipe = json.dumps({"mode": "static", "quant_format": "QDQ", "activation_type": "QUInt8", "weight_type": "QInt8"})

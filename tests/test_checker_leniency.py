@@ -15,9 +15,9 @@ import onnx
 import pytest
 from onnx import helper
 
-from diag import cli
-from diag.errors import OK, USER_ERROR
+from diag.cli import commands as cli
 from diag.fixtures import models
+from diag.foundations.errors import OK, USER_ERROR
 
 
 def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 import pytest
 
-from diag import cli
-from diag.errors import SLUGS, USER_ERROR
+from diag.cli import commands as cli
+from diag.foundations.errors import SLUGS, USER_ERROR
 
 
 def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
@@ -40,7 +40,7 @@ def test_compare_flags_map_to_one_library_call(monkeypatch, tmp_path, capsys):
         seen.update(fp32=fp32, int8=int8, feeds=feeds, out=out, options=options)
         raise SystemExit(0)
 
-    monkeypatch.setattr("diag.verbs.compare_to_dir", fake_compare_to_dir)
+    monkeypatch.setattr("diag.cli.verbs.compare_to_dir", fake_compare_to_dir)
     with pytest.raises(SystemExit):
         cli.main(
             [
@@ -78,7 +78,7 @@ def test_compare_flags_map_to_one_library_call(monkeypatch, tmp_path, capsys):
 
 def test_help_is_instant_because_heavy_modules_are_not_imported():
     code = (
-        "import sys; from diag import cli; cli.build_parser().format_help(); "
+        "import sys; from diag.cli import commands as cli; cli.build_parser().format_help(); "
         "print(sorted(m for m in ('onnxruntime', 'matplotlib', 'onnx', 'numpy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -86,8 +86,8 @@ def test_help_is_instant_because_heavy_modules_are_not_imported():
 
 
 def test_ctrl_c_is_handled_once_in_main_and_no_verb_has_code_of_its_own():
-    """Every verb is interrupted alike: cli.main maps KeyboardInterrupt to exit 130 and asks diag.files what
-    is on disk (a verb that resumes says so through files.resume_file); cli.py holds no signal code."""
+    """Every verb is interrupted alike: cli.main maps KeyboardInterrupt to exit 130 and asks diag.foundations.files what
+    is on disk (a verb that resumes says so through files.resume_file); cli/commands.py holds no signal code."""
     import ast
 
     tree = ast.parse(Path(cli.__file__).read_text())
@@ -104,7 +104,7 @@ def test_ctrl_c_is_handled_once_in_main_and_no_verb_has_code_of_its_own():
     assert not modules & {"signal", "threading"}
 
 
-@pytest.mark.parametrize("module", ["diag", "diag.cli"])
+@pytest.mark.parametrize("module", ["diag", "diag.cli.commands"])
 def test_console_script_reports_errors_and_exit_code(tmp_path, module):
     env = dict(os.environ)
     out = subprocess.run(
@@ -189,7 +189,7 @@ def test_report_rerenders_from_json_without_models(conv, tmp_path, capsys):
 
 
 def test_diag_json_has_every_key_the_shipped_schema_requires(conv, tmp_path, capsys):
-    from diag.report import templates_dir
+    from diag.report.view import templates_dir
 
     schema = json.loads((templates_dir() / "diag.schema.json").read_text())
     out = tmp_path / "out"
@@ -221,8 +221,8 @@ def test_diag_json_has_every_key_the_shipped_schema_requires(conv, tmp_path, cap
 
 def test_labels_grade_the_accuracy_drop_of_the_first_output(built, tmp_path, capsys):
     """Labels = the FP32 model's own argmax: FP32 accuracy is 100 % and the drop equals 1 - agreement."""
-    from diag.compare import CompareOptions, compare_models
-    from diag.feeds import FeedSpec
+    from diag.analysis.compare import CompareOptions, compare_models
+    from diag.core.feeds import FeedSpec
 
     b = built("transformer")
     import onnxruntime as ort

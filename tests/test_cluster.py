@@ -19,18 +19,18 @@ import numpy as np
 import onnx
 import pytest
 
-from diag import cli
-from diag.cluster import ClusterTrialRunner, parse_scheduler
-from diag.compare import CompareOptions
-from diag.document import document_from_result
-from diag.errors import DiagError
-from diag.exclude import ExcludeOptions, derive_exclusions
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions
+from diag.cli import commands as cli
+from diag.cli.verbs import diagnose, sweep_to_dir
+from diag.core.feeds import FeedSpec
+from diag.core.recipe import Recipe
+from diag.fix.cluster import ClusterTrialRunner, parse_scheduler
+from diag.fix.exclude import ExcludeOptions, derive_exclusions
+from diag.fix.quantize import quantize_model
+from diag.fix.sweep import SweepOptions
 from diag.fixtures import models
-from diag.quantize import quantize_model
-from diag.recipe import Recipe
-from diag.sweep import SweepOptions
-from diag.verbs import diagnose, sweep_to_dir
+from diag.foundations.errors import DiagError
+from diag.report.document import document_from_result
 
 distributed = pytest.importorskip("distributed")
 
@@ -99,12 +99,12 @@ def _scrub(doc):
 
 
 def test_compare_on_a_cluster_writes_the_numbers_of_a_local_run(cluster, transformer, tmp_path, monkeypatch):
-    import diag.cluster
+    import diag.fix.cluster
 
     fp, npz = transformer
     trials = []
-    run_trials = diag.cluster.run_trials
-    monkeypatch.setattr(diag.cluster, "run_trials", lambda *a: trials.append(a[4]) or run_trials(*a))
+    run_trials = diag.fix.cluster.run_trials
+    monkeypatch.setattr(diag.fix.cluster, "run_trials", lambda *a: trials.append(a[4]) or run_trials(*a))
     q = tmp_path / "int8.onnx"
     quantize_model(fp, DYNAMIC, q, progress=False)
     spec = FeedSpec(inputs=str(npz), batch=4, samples=16)
@@ -157,7 +157,7 @@ def test_exclude_on_a_cluster_takes_the_serial_searchs_every_step(cluster, trans
     remote = sum(1 for t in s.trajectory if t.phase in ("search", "verify", "prune"))
     assert info["tasks"] == remote + info["unused_tasks"]
     assert "latency_measured_on" not in info, "--bench-runs 0: no latency was measured anywhere"
-    from diag.exclude_view import report_section
+    from diag.report.exclude_view import report_section
 
     assert "trials on a Dask cluster of 2 worker(s)" in report_section(r.to_dict())["counts"]
 
@@ -239,7 +239,7 @@ def test_a_cluster_sweep_interrupted_after_one_recipe_resumes_where_it_stopped(c
 
 
 def test_ctrl_c_cancels_the_cluster_tasks_and_exits_130_with_no_output(cluster, transformer, tmp_path, monkeypatch):
-    import diag.cluster
+    import diag.fix.cluster
 
     fp, npz = transformer
     lc, client = cluster
@@ -248,7 +248,7 @@ def test_ctrl_c_cancels_the_cluster_tasks_and_exits_130_with_no_output(cluster, 
         time.sleep(0.2)  # the trials were submitted and are running
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(diag.cluster.ClusterTrials, "_wait_any", interrupted)
+    monkeypatch.setattr(diag.fix.cluster.ClusterTrials, "_wait_any", interrupted)
     out = tmp_path / "out"
     argv = ["exclude", str(fp), "--inputs", str(npz), "--batch", "8", "--target", STRICT, "--bench-runs", "0"]
     argv += ["--recipe", json.dumps(DYNAMIC.to_dict()), "--out", str(out), "--quiet"]
@@ -262,7 +262,7 @@ def test_ctrl_c_cancels_the_cluster_tasks_and_exits_130_with_no_output(cluster, 
 
 
 def test_an_unreachable_scheduler_is_a_slugged_error_before_any_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("diag.cluster.CONNECT_TIMEOUT", 1.0)
+    monkeypatch.setattr("diag.fix.cluster.CONNECT_TIMEOUT", 1.0)
     missing = tmp_path / "not-yet-loaded.onnx"  # never read: the scheduler is checked first
     t0 = time.perf_counter()
     argv = ["exclude", str(missing), "--random", "--target", "cosine>=0.99", "--out", str(tmp_path / "out")]
@@ -287,14 +287,14 @@ def test_scheduler_without_the_dask_extra_names_the_install_command(tmp_path, ca
 
 
 def test_the_base_install_does_not_pull_dask_and_the_test_extra_does():
-    from diag.recipe import _tomllib
+    from diag.core.recipe import _tomllib
 
     project = _tomllib().loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any("dask" in d or "distributed" in d for d in project["dependencies"])
     assert any(d.startswith("dask[distributed]") for d in project["optional-dependencies"]["dask"])
     assert any(d.startswith("dask[distributed]") for d in project["optional-dependencies"]["test"])
     # and diag itself never imports Dask unless --scheduler asks for it
-    code = "import sys, diag.cli, diag.cluster; print('distributed' in sys.modules)"
+    code = "import sys, diag.cli.commands, diag.fix.cluster; print('distributed' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
@@ -311,9 +311,9 @@ def test_scheduler_option_is_an_address_or_a_local_cluster_size(text, parsed):
 @pytest.mark.parametrize(
     ("verb", "target", "argv"),
     [
-        ("compare", "diag.verbs.compare_to_dir", ["a.onnx", "b.onnx", "--random"]),
-        ("exclude", "diag.verbs.exclude_to_dir", ["a.onnx", "--random", "--target", "cosine>=0.99"]),
-        ("sweep", "diag.verbs.sweep_to_dir", ["a.onnx", "--random"]),
+        ("compare", "diag.cli.verbs.compare_to_dir", ["a.onnx", "b.onnx", "--random"]),
+        ("exclude", "diag.cli.verbs.exclude_to_dir", ["a.onnx", "--random", "--target", "cosine>=0.99"]),
+        ("sweep", "diag.cli.verbs.sweep_to_dir", ["a.onnx", "--random"]),
     ],
 )
 def test_scheduler_flag_reaches_the_one_library_call(verb, target, argv, monkeypatch):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from diag.compare import CompareOptions, compare_models
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.core.feeds import FeedSpec
 
 DEFECT_FIXTURES = ("transformer", "convnet")
 FORMATS = ("dynamic", "qdq", "qoperator")
@@ -129,7 +129,7 @@ def test_error_spread_over_every_matmul_still_names_the_layer_whose_float_copy_f
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", DEFECT_FIXTURES)
 def test_path_of_largest_error_leads_from_the_output_back_to_the_culprit(built, name, fmt):
-    from diag.analyze import error_paths
+    from diag.analysis.analyze import error_paths
 
     r = _compare(built, name, fmt)
     culprit = built(name).fixture.expected.culprit_node

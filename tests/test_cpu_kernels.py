@@ -1,4 +1,4 @@
-"""The CPU's integer-kernel path is recorded next to the figures that depend on it (diag.cpu.KernelPath)."""
+"""The CPU's integer-kernel path is recorded next to the figures that depend on it (diag.foundations.cpu.KernelPath)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import json
 import platform
 from pathlib import Path
 
-from diag.compare import CompareOptions
-from diag.cpu import KernelPath, kernel_path
-from diag.documents import read_document
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions
+from diag.core.feeds import FeedSpec
+from diag.foundations.cpu import KernelPath, kernel_path
+from diag.report.documents import read_document
 
 
 def _cpuinfo_flags() -> set[str]:
-    """Read independently of diag.cpu: every flag of every ``flags``/``Features`` line."""
+    """Read independently of diag.foundations.cpu: every flag of every ``flags``/``Features`` line."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -55,7 +55,7 @@ def test_u8s8_wording_follows_the_flags() -> None:
 
 
 def test_diag_json_report_and_summary_carry_the_kernel_path(built, tmp_path) -> None:
-    from diag.verbs import compare_to_dir
+    from diag.cli.verbs import compare_to_dir
 
     b = built("convnet")
     feeds = FeedSpec(inputs=str(b.inputs_path), samples=4, batch=4)

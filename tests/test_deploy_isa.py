@@ -12,9 +12,9 @@ import json
 
 import pytest
 
-from diag.cli import main
+from diag.cli.commands import main
+from diag.core.saturation import predict_avx2, u8s8_nodes
 from diag.fixtures.quantize import quantize
-from diag.saturation import predict_avx2, u8s8_nodes
 
 
 def _compare(fp32, int8, inputs, out, capsys) -> tuple[dict, str]:
@@ -34,7 +34,7 @@ def test_every_u8s8_node_is_predicted_next_to_its_measured_sqnr(built, tmp_path,
         import onnx
 
         assert set(nodes) == set(u8s8_nodes(onnx.load(b.int8[fmt])))
-    # The same prediction as diag.saturation on the same batches, node by node.
+    # The same prediction as diag.core.saturation on the same batches, node by node.
     batches = [{k: v[i : i + 8] for k, v in b.inputs.items()} for i in range(0, 32, 8)]
     direct = {p.node: p for p in predict_avx2(str(b.int8[fmt]), batches)}
     assert {n: e["saturated_pairs"] for n, e in nodes.items()} == {n: p.saturated_pairs for n, p in direct.items()}

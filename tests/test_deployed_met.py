@@ -16,8 +16,8 @@ import onnxruntime as ort
 import pytest
 from test_exclude import write_fixture
 
-from diag import cli
-from diag.errors import GATE_FAILED, OK
+from diag.cli import commands as cli
+from diag.foundations.errors import GATE_FAILED, OK
 
 QDQ = json.dumps({"mode": "static", "quant_format": "QDQ", "activation_type": "QUInt8", "weight_type": "QInt8"})
 TARGET = 0.999

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from diag.compare import CompareOptions, CompareState, load_pair, run_comparison
-from diag.feeds import feeds_from_arrays, input_specs
-from diag.match import match_models
+from diag.analysis.compare import CompareOptions, CompareState, load_pair, run_comparison
+from diag.core.feeds import feeds_from_arrays, input_specs
+from diag.core.match import match_models
 
 FORMATS = ("dynamic", "qdq", "qoperator")
 
@@ -147,8 +147,8 @@ def test_sqnr_of_ten_million_values_with_a_large_range_matches_float64_within_a_
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from diag.diagraph import STAT_PREFIX, _Builder, _error_sums
-    from diag.metrics import ErrorAccumulator
+    from diag.core.diagraph import STAT_PREFIX, _Builder, _error_sums
+    from diag.core.metrics import ErrorAccumulator
 
     rng = np.random.default_rng(0)
     n = 10_000_000
@@ -179,20 +179,20 @@ def test_sqnr_of_ten_million_values_with_a_large_range_matches_float64_within_a_
 
 
 def test_a_graph_over_the_protobuf_limit_is_loaded_from_a_path_with_the_same_statistics(built, monkeypatch):
-    import diag.diagraph
-    import diag.run
+    import diag.core.diagraph
+    import diag.core.run
 
     saved: list[str] = []
 
-    original = diag.run.session_from_model
+    original = diag.core.run.session_from_model
 
     def spy(model, *args, **kwargs):
         if not hasattr(model, "graph"):
             saved.append(str(model))
         return original(model, *args, **kwargs)
 
-    monkeypatch.setattr(diag.diagraph, "PROTOBUF_LIMIT", 1024)
-    monkeypatch.setattr(diag.diagraph, "session_from_model", spy)  # diagraph's own name for it
+    monkeypatch.setattr(diag.core.diagraph, "PROTOBUF_LIMIT", 1024)
+    monkeypatch.setattr(diag.core.diagraph, "session_from_model", spy)  # diagraph's own name for it
     ref, got = _states(built("convnet"), "qoperator")
     assert saved and saved[0].endswith("diagnostic.onnx")
     assert_same_statistics(ref, got)
@@ -217,17 +217,17 @@ def test_optimized_level_keeps_its_deployed_runs_next_to_the_graph(built):
 
 
 def test_cli_reductions_flag_selects_the_path(built, tmp_path, monkeypatch):
-    import diag.compare
-    from diag.cli import main
+    import diag.analysis.compare
+    from diag.cli.commands import main
 
     seen: list[str] = []
-    real = diag.compare.run_comparison
+    real = diag.analysis.compare.run_comparison
 
     def spy(fp, q, matching, feeds, options):
         seen.append(options.reductions)
         return real(fp, q, matching, feeds, options)
 
-    monkeypatch.setattr(diag.compare, "run_comparison", spy)
+    monkeypatch.setattr(diag.analysis.compare, "run_comparison", spy)
     b = built("transformer")
     args = ["compare", str(b.fp32), str(b.int8["dynamic"]), "--inputs", str(b.inputs_path), "--samples", "8", "--quiet"]
     assert main([*args, "--out", str(tmp_path / "a")]) == 0

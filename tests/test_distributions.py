@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 import pytest
 
-from diag.compare import CompareOptions, compare_models
-from diag.distributions import (
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.core.distributions import (
     BINS,
     SAMPLE_MAX,
     DistributionAccumulator,
@@ -18,9 +18,9 @@ from diag.distributions import (
     Pow2Histogram,
     persistent_outliers,
 )
-from diag.feeds import FeedSpec
+from diag.core.feeds import FeedSpec
+from diag.core.recipe import Recipe
 from diag.fixtures.quantize import _ArrayReader, lift_constants
-from diag.recipe import Recipe
 
 FORMATS = ("dynamic", "qdq", "qoperator")
 
@@ -175,9 +175,9 @@ def test_histogram_of_two_shards_merged_equals_one_run_exactly():
 
 
 def test_compare_states_of_two_shards_merge_to_one_runs_distributions(built):
-    from diag.compare import load_pair, run_comparison
-    from diag.feeds import feeds_from_npz, input_specs
-    from diag.match import match_models
+    from diag.analysis.compare import load_pair, run_comparison
+    from diag.core.feeds import feeds_from_npz, input_specs
+    from diag.core.match import match_models
 
     b = built("convnet")
     fp, q = load_pair(b.fp32, b.int8["qdq"])
@@ -284,7 +284,7 @@ def test_calibration_range_override_removes_the_clipping_it_reports(built, tmp_p
 
 
 def test_sections_for_analyses_that_did_not_run_are_absent_not_empty(built, tmp_path):
-    from diag.verbs import compare_to_dir
+    from diag.cli.verbs import compare_to_dir
 
     b = built("convnet")
     feeds = FeedSpec(inputs=str(b.inputs_path), samples=8, batch=8)
@@ -304,7 +304,7 @@ def test_an_axis_proven_by_the_graph_wins_in_both_reduction_engines():
     """A detector output's parts prove its channel axis (1); the rank-3 guess would be 2. numpy's
     update and the diagnostic graph's update_from_sums must both keep the proof, or the shard
     state of a --reductions graph run differs from a numpy run's."""
-    from diag.distributions import BatchSummary, DistributionAccumulator, channel_axis
+    from diag.core.distributions import BatchSummary, DistributionAccumulator, channel_axis
 
     x = np.arange(2 * 4 * 6, dtype=np.float32).reshape(2, 4, 6)
     assert channel_axis(3, None) != 1

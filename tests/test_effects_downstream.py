@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-import diag.effects
-from diag.compare import CompareOptions, CompareResult, compare_models
-from diag.effects import EffectBudget, EffectCheck, check_effects
-from diag.feeds import FeedSpec, feed_source
+import diag.analysis.effects
+from diag.analysis.compare import CompareOptions, CompareResult, compare_models
+from diag.analysis.effects import EffectBudget, EffectCheck, check_effects
+from diag.core.feeds import FeedSpec, feed_source
+from diag.core.outputs import output_specs
 from diag.fixtures.llm_models import llama_decoder, quantize_int4, save_with_external_data
-from diag.outputs import output_specs
 
 
 def _compared(fp32: Path, int8: Path, inputs: Path) -> CompareResult:
@@ -27,19 +27,19 @@ def _compared(fp32: Path, int8: Path, inputs: Path) -> CompareResult:
 def _check(r: CompareResult, inputs: Path, downstream: bool, monkeypatch: Any) -> tuple[EffectCheck, list[int]]:
     """The effect check, and the node count of every candidate model it built a session for."""
     sizes: list[int] = []
-    real = diag.effects.session_from_model
+    real = diag.analysis.effects.session_from_model
 
     def counting(model: Any, role: str, *args: Any, **kwargs: Any) -> Any:
         if role.startswith("INT8 model with"):
             sizes.append(len(model.graph.node))
         return real(model, role, *args, **kwargs)
 
-    monkeypatch.setattr(diag.effects, "session_from_model", counting)
+    monkeypatch.setattr(diag.analysis.effects, "session_from_model", counting)
     feeds = feed_source(r.fp32.proto, FeedSpec(inputs=str(inputs), batch=8))
     specs = output_specs(r.fp32.proto)
     budget = EffectBudget(progress=False, downstream=downstream)
     check = check_effects(r.fp32, r.int8, r.matching, feeds, r.findings, r.paths, specs, budget)
-    monkeypatch.setattr(diag.effects, "session_from_model", real)
+    monkeypatch.setattr(diag.analysis.effects, "session_from_model", real)
     assert check is not None
     return check, sizes
 
@@ -78,7 +78,7 @@ def test_boundary_values_over_the_limit_run_every_candidate_whole(built, monkeyp
     b = built("transformer")
     r = _compared(b.fp32, b.int8["qdq"], b.inputs_path)
     whole, whole_sizes = _check(r, b.inputs_path, False, monkeypatch)
-    monkeypatch.setattr(diag.effects, "BOUNDARY_BYTES", 0)
+    monkeypatch.setattr(diag.analysis.effects, "BOUNDARY_BYTES", 0)
     limited, limited_sizes = _check(r, b.inputs_path, True, monkeypatch)
     assert limited_sizes == whole_sizes
     _assert_same_figures(whole, limited, 0.0)

@@ -1,6 +1,6 @@
 """Nodes whose local value is the FP32 value by construction are not recomputed, and that changes nothing.
 
-``diag.instrument.exact_locally`` proves, from the graphs alone, that a node of the cut model
+``diag.core.instrument.exact_locally`` proves, from the graphs alone, that a node of the cut model
 would run the FP32 node's kernel on the FP32 node's inputs; ``run_comparison`` then prunes it
 from the cut model and records zero local error. These tests run the same comparison with the
 proof switched off (every node recomputed, as before) and require identical local figures, on
@@ -14,12 +14,12 @@ from collections import Counter
 
 import pytest
 
-import diag.streaming
-from diag.compare import CompareOptions, load_pair, run_comparison
-from diag.feeds import feeds_from_arrays, input_specs
+import diag.core.streaming
+from diag.analysis.compare import CompareOptions, load_pair, run_comparison
+from diag.core.feeds import feeds_from_arrays, input_specs
+from diag.core.match import match_models
+from diag.core.streaming import _local_model
 from diag.fixtures import llm_models
-from diag.match import match_models
-from diag.streaming import _local_model
 
 FIXTURES = ("transformer", "convnet", "embedding", "if_model", "two_outputs", "ctc", "nan_on_exclusion")
 
@@ -44,8 +44,8 @@ def test_skipping_exact_nodes_leaves_every_local_figure_unchanged(built, monkeyp
         proofs.append(True)
         return set()
 
-    # The engine's own name (diag.streaming): a patch elsewhere would compare the pruned run with itself.
-    monkeypatch.setattr(diag.streaming, "exact_locally", proves_nothing)
+    # The engine's own name (diag.core.streaming): a patch elsewhere would compare the pruned run with itself.
+    monkeypatch.setattr(diag.core.streaming, "exact_locally", proves_nothing)
     recomputed = _local_figures(fp, q, matching, b.inputs)
     assert proofs, "the proof was not switched off"
     assert pruned.keys() == recomputed.keys()

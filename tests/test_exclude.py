@@ -14,17 +14,17 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.cli import EXCLUDE_TARGET_HELP, main
-from diag.errors import DiagError
-from diag.evaluate import TARGET_METRICS, parse_target, split_feeds
-from diag.exclude import ExcludeOptions, derive_exclusions
-from diag.exclude import summary_lines as summary
-from diag.exclude_view import report_section
-from diag.feeds import FeedSpec
+from diag.cli.commands import EXCLUDE_TARGET_HELP, main
+from diag.core.feeds import FeedSpec
+from diag.core.recipe import Recipe
+from diag.fix.evaluate import TARGET_METRICS, parse_target, split_feeds
+from diag.fix.exclude import ExcludeOptions, derive_exclusions
+from diag.fix.exclude import summary_lines as summary
+from diag.fix.quantize import quantize_model
 from diag.fixtures import models
-from diag.plots_exclude import trajectory_plot
-from diag.quantize import quantize_model
-from diag.recipe import Recipe
+from diag.foundations.errors import DiagError
+from diag.report.exclude_view import report_section
+from diag.report.plots_exclude import trajectory_plot
 
 # NOTE: QUInt8 weights: onnxruntime's default QInt8 runs u8s8 integer kernels that saturate on x86
 # CPUs without VNNI (AVX2 only), so which nodes a search keeps would depend on the CI machine's CPU.
@@ -351,8 +351,8 @@ def test_nan_samples_fail_any_target_and_count_as_the_worst_value(tmp_path):
     onnx.save(fx.model, fp)
     arrays = fx.make_inputs(32, 12)
     np.savez(tmp_path / "nan.npz", **arrays)
-    from diag.evaluate import HeldOutEvaluator
-    from diag.load import model_from_path
+    from diag.core.load import model_from_path
+    from diag.fix.evaluate import HeldOutEvaluator
 
     q = tmp_path / "only_a.onnx"
     quantize_model(fp, DYNAMIC.with_excluded(["a/MatMul"]), q)
@@ -369,7 +369,7 @@ def test_nan_samples_fail_any_target_and_count_as_the_worst_value(tmp_path):
 
 
 def test_compare_grades_an_output_with_nan_samples_reject_without_an_excellent_max_abs(tmp_path):
-    from diag.compare import CompareOptions, compare_models
+    from diag.analysis.compare import CompareOptions, compare_models
 
     fx = models.build("nan_on_exclusion")
     fp = tmp_path / "nan.fp32.onnx"
@@ -389,7 +389,7 @@ def test_compare_grades_an_output_with_nan_samples_reject_without_an_excellent_m
 def test_progress_bar_shows_trials_total_and_eta_on_a_terminal(monkeypatch, capsys):
     import sys
 
-    from diag.progress import Progress
+    from diag.foundations.progress import Progress
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     bar = Progress(None, "exclude", unit="trials")
@@ -450,7 +450,7 @@ def test_time_budget_stops_the_search_after_the_baseline(tmp_path):
 
 
 def test_a_mixed_model_slower_than_fp32_is_warned_about():
-    from diag.exclude import _slower_warning
+    from diag.fix.exclude import _slower_warning
 
     lat = [{"model": "fp32", "p50_ms": 20.0}, {"model": "int8", "p50_ms": 30.0}, {"model": "mixed", "p50_ms": 24.6}]
     [w] = _slower_warning(lat)
@@ -461,8 +461,8 @@ def test_a_mixed_model_slower_than_fp32_is_warned_about():
 
 def test_a_candidate_model_with_external_weights_is_evaluated_like_the_same_model_in_one_file(tmp_path):
     """Quantizers write external data for > 2 GB models; the evaluator must read those weights."""
-    from diag.evaluate import HeldOutEvaluator
-    from diag.load import model_from_path
+    from diag.core.load import model_from_path
+    from diag.fix.evaluate import HeldOutEvaluator
 
     fx = models.build("nan_on_exclusion")
     fp = tmp_path / "m.fp32.onnx"

@@ -16,9 +16,9 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from diag import cli
-from diag.errors import USER_ERROR
+from diag.cli import commands as cli
 from diag.fixtures import models
+from diag.foundations.errors import USER_ERROR
 
 
 def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

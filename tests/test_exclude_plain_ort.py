@@ -23,7 +23,7 @@ from onnxruntime.quantization import (
 )
 from plain_ort import Rows, min_cosine
 
-from diag.cli import main
+from diag.cli.commands import main
 from diag.fixtures import models
 
 

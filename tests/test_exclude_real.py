@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from diag.cli import main
+from diag.cli.commands import main
 from diag.fixtures import thirdparty
 
 pytestmark = pytest.mark.slow

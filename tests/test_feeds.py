@@ -8,9 +8,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from diag.compare import CompareOptions, compare_models
-from diag.errors import DiagError
-from diag.feeds import FeedSpec, feed_source
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.core.feeds import FeedSpec, feed_source
+from diag.foundations.errors import DiagError
 
 
 def _run(b, spec: FeedSpec):

@@ -12,10 +12,10 @@ import numpy as np
 import onnx
 import pytest
 
-from diag import cli
-from diag.errors import OK
+from diag.cli import commands as cli
+from diag.fix.infer import infer_recipe
 from diag.fixtures import models
-from diag.infer import infer_recipe
+from diag.foundations.errors import OK
 
 
 def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -186,8 +186,8 @@ def test_recipe_is_inferred_from_a_model_with_external_weights(per_channel_qdq, 
 
 
 def test_snippet_says_so_when_the_settings_cannot_be_inferred(tmp_path):
-    from diag.infer import fix_recipe
-    from diag.report import fix_snippet
+    from diag.fix.infer import fix_recipe
+    from diag.report.view import fix_snippet
 
     recipe = fix_recipe(tmp_path / "gone.int8.onnx")
     assert recipe is not None and recipe["source"] == "unknown" and recipe["settings"] is None

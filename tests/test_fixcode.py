@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from diag.fixcode import fix_snippet, reproduce_snippet
+from diag.fix.fixcode import fix_snippet, reproduce_snippet
 
 STATIC = {
     "mode": "static",
@@ -71,8 +71,8 @@ def test_both_texts_are_valid_python_for_every_mode(recipe: dict[str, Any]):
 
 def test_every_step_the_quantizer_records_is_replayed_by_reproduce_py():
     """A step name quantize records but fixcode does not know would be skipped by reproduce.py, silently."""
-    from diag.fixcode import _file_steps, _model_steps
-    from diag.modelprep import STEP_EXTERNAL_DATA, STEPS
+    from diag.fix.fixcode import _file_steps, _model_steps
+    from diag.fix.modelprep import STEP_EXTERNAL_DATA, STEPS
 
     baseline = _model_steps([]) + _file_steps([], external=False)
     for step in STEPS:

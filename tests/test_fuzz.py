@@ -1,6 +1,6 @@
 """Fuzzing the CLI with mutated models and random feed dicts (issue 8), in-process and bounded.
 
-Every example runs ``diag.cli.main`` for real. The property: the exit code is 0 (ok) or 2 (a user
+Every example runs ``diag.cli.commands.main`` for real. The property: the exit code is 0 (ok) or 2 (a user
 error with its one-line message) - never 1, which means an uncaught exception escaped as an
 internal error. Hypothesis runs derandomized so CI sees the same examples on every run.
 """
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from onnx import numpy_helper
 from test_hostile import mlp
 
-from diag import cli
-from diag.errors import OK, USER_ERROR
+from diag.cli import commands as cli
 from diag.fixtures import quantize
+from diag.foundations.errors import OK, USER_ERROR
 
 SETTINGS = settings(
     deadline=None,

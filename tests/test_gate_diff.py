@@ -13,12 +13,12 @@ import numpy as np
 import onnx
 import pytest
 
-from diag import cli
-from diag.diff import OUTPUT_METRICS, diff_documents
-from diag.errors import GATE_FAILED, OK, USER_ERROR
+from diag.cli import commands as cli
 from diag.fixtures import models, quantize
-from diag.gate import Gates, check_document
-from diag.report import OUTPUT_NAMES, load_document
+from diag.foundations.errors import GATE_FAILED, OK, USER_ERROR
+from diag.report.diff import OUTPUT_METRICS, diff_documents
+from diag.report.gate import Gates, check_document
+from diag.report.view import OUTPUT_NAMES, load_document
 
 
 class Runs:
@@ -235,11 +235,11 @@ def test_check_bad_files_exit_2(runs, capsys, tmp_path):
 
 
 def test_check_and_diff_flags_map_onto_one_library_call_each(monkeypatch):
-    import diag.diff
-    import diag.gate
+    import diag.report.diff
+    import diag.report.gate
 
     calls: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(diag.gate, "check_file", lambda path, gates: calls.append((path, gates)) or [])
+    monkeypatch.setattr(diag.report.gate, "check_file", lambda path, gates: calls.append((path, gates)) or [])
     argv = ["check", "x.json", "--max-abs", "0.1", "--min-sqnr", "20", "--min-agreement", "0.99"]
     argv += ["--min-cosine", "0.9", "--max-accuracy-drop", "0.02", "--max-grade", "marginal", "--output", "logits"]
     assert cli.main(argv) == OK
@@ -258,8 +258,8 @@ def test_check_and_diff_flags_map_onto_one_library_call_each(monkeypatch):
         )
     ]
     assert calls[0][1].metric_bounds()[0] == ("min-sqnr", 20.0)  # fixed order, not flag order
-    empty = diag.diff.DocumentDiff("a", "b", ("excellent", "excellent", "same"))
-    monkeypatch.setattr(diag.diff, "diff_files", lambda a, b, top: calls.append((a, b, top)) or empty)
+    empty = diag.report.diff.DocumentDiff("a", "b", ("excellent", "excellent", "same"))
+    monkeypatch.setattr(diag.report.diff, "diff_files", lambda a, b, top: calls.append((a, b, top)) or empty)
     assert cli.main(["diff", "a.json", "b.json", "--top", "4"]) == OK
     assert calls[-1] == ("a.json", "b.json", 4)
 
@@ -339,7 +339,7 @@ def test_diff_cli_text_and_json(runs, capsys):
     local = next(n["local"]["sqnr_db"] for n in runs.doc()["nodes"] if n["name"] == runs.culprit)
     assert lines[k + 1 : k + 3] == [f"  {runs.culprit}: {local:.1f} -> inf (+inf, better)", lines[k + 2]]
     assert not lines[k + 2].startswith("  ")
-    # The summary counts the metric lines (as many as diag.metricnames has keys the run measured).
+    # The summary counts the metric lines (as many as diag.foundations.metricnames has keys the run measured).
     moved = [x.split()[-1] for x in lines if x.startswith("  ") and x.split()[0] in OUTPUT_METRICS]
     assert moved.count("better") >= 5 and "worse" not in moved
     summary = f"summary: grade better; {moved.count('better')} output metric(s) better, 0 worse; 1 node(s) no longer"
@@ -370,7 +370,7 @@ def test_diff_user_errors_exit_2(runs, capsys, tmp_path):
 
 def test_readme_failing_check_example_is_real_output(tmp_path, monkeypatch, capsys):
     """test_readme runs only examples that exit 0; this one runs the docs' exit-3 example (diag check's page)."""
-    from diag.demo import run_demo
+    from diag.cli.demo import run_demo
 
     readme = (Path(__file__).resolve().parents[1] / "docs" / "verbs" / "check.md").read_text().splitlines()
     start = readme.index("A failing run (exit code 3):") + 4

@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from diag.report import render_html, render_markdown, view_from_document
+from diag.report.view import render_html, render_markdown, view_from_document
 
 GOLDEN = Path(__file__).parent / "golden"
 DOC = GOLDEN / "convnet.qdq.diag.json"
@@ -38,10 +38,10 @@ def _scrub_svg(text: str) -> tuple[str, int]:
 
 def _document(built) -> dict:
     if UPDATE:
-        from diag.compare import CompareOptions
-        from diag.document import document_from_result
-        from diag.feeds import FeedSpec
-        from diag.verbs import diagnose
+        from diag.analysis.compare import CompareOptions
+        from diag.cli.verbs import diagnose
+        from diag.core.feeds import FeedSpec
+        from diag.report.document import document_from_result
 
         b = built("convnet")
         r = diagnose(

@@ -7,13 +7,13 @@ import re
 import numpy as np
 import pytest
 
-from diag.cli import main
-from diag.compare import CompareOptions, compare_models
-from diag.effects import effect_target
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.analysis.effects import effect_target
+from diag.cli.commands import main
+from diag.cli.verbs import result_lines
+from diag.core.feeds import FeedSpec
+from diag.core.metrics import ErrorAccumulator
 from diag.fixtures import models
-from diag.metrics import ErrorAccumulator
-from diag.verbs import result_lines
 
 FORMATS = ("dynamic", "qdq", "qoperator")
 

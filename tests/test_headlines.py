@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diag.compare import EXCLUDE_WORDS, exclude_command, with_exclude_command
-from diag.feeds import FeedSpec
+from diag.analysis.compare import EXCLUDE_WORDS, exclude_command, with_exclude_command
+from diag.core.feeds import FeedSpec
 
 
 def test_exclusion_search_is_printed_as_the_command_with_the_users_paths():

@@ -26,9 +26,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from diag import cli
-from diag.errors import INTERRUPTED, OK, USER_ERROR
+from diag.cli import commands as cli
 from diag.fixtures import models, quantize
+from diag.foundations.errors import INTERRUPTED, OK, USER_ERROR
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 
@@ -538,7 +538,7 @@ def test_debug_flag_shows_the_traceback(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode != OK
     assert "Traceback (most recent call last)" in out.stderr
-    assert "diag.errors.DiagError: model '" in out.stderr and "does not exist" in out.stderr
+    assert "diag.foundations.errors.DiagError: model '" in out.stderr and "does not exist" in out.stderr
 
 
 # ---------------------------------------------------------------- unusual but valid models

@@ -1,6 +1,6 @@
 """Hostile input, round two (issue 18): every verb, every file, every interrupt.
 
-Each row runs the real CLI (``diag.cli.main``) in a child process forked from this one after diag,
+Each row runs the real CLI (``diag.cli.commands.main``) in a child process forked from this one after diag,
 onnx and onnxruntime are imported, so a row costs milliseconds of start-up instead of seconds: the
 child has its own exit code, stdout, stderr, signals and memory limit, exactly as ``python -m diag``
 would. A row asserts the exit code, the slug, one line on stderr, no traceback, every input file
@@ -28,8 +28,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from diag import cli
-from diag.errors import INTERRUPTED, OK, USER_ERROR
+from diag.cli import commands as cli
+from diag.foundations.errors import INTERRUPTED, OK, USER_ERROR
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hostile import Pair, _pair, _x, mlp
@@ -38,23 +38,23 @@ ROOT = os.geteuid() == 0
 # Imported once here, so that every forked run starts with them loaded (a fresh interpreter spends
 # seconds importing onnx and onnxruntime; the rows test diag's behaviour, not Python's start-up).
 for _module in (
-    "diag.compare",
-    "diag.merge",
-    "diag.sweep",
-    "diag.exclude",
-    "diag.quantize",
-    "diag.bench",
-    "diag.report",
-    "diag.lint",
-    "diag.gate",
-    "diag.diff",
-    "diag.infer",
-    "diag.plots",
-    "diag.plots_sweep",
+    "diag.analysis.compare",
+    "diag.analysis.merge",
+    "diag.fix.sweep",
+    "diag.fix.exclude",
+    "diag.fix.quantize",
+    "diag.fix.bench",
+    "diag.report.view",
+    "diag.fix.lint",
+    "diag.report.gate",
+    "diag.report.diff",
+    "diag.fix.infer",
+    "diag.report.plots",
+    "diag.report.plots_sweep",
     "onnxruntime",
 ):
     __import__(_module)
-matplotlib.use("Agg")  # what diag.plots selects; imported now so that no forked run pays for it
+matplotlib.use("Agg")  # what diag.report.plots selects; imported now so that no forked run pays for it
 __import__("matplotlib.pyplot")
 TIMES: dict[str, float] = {}
 
@@ -482,7 +482,7 @@ def _blocked(z: Zoo) -> list[Blocked]:
 
 
 def _disk_full_on_second_staged_file() -> None:
-    """In the child: fsync of the second file staged by diag.files.write_set fails with ENOSPC."""
+    """In the child: fsync of the second file staged by diag.foundations.files.write_set fails with ENOSPC."""
     import errno
 
     real, seen = os.fsync, []
@@ -788,7 +788,7 @@ def _interrupt_after_each_file_operation(
 
         import onnxruntime
 
-        import diag.files
+        import diag.foundations.files
 
         sessions: weakref.WeakSet[object] = weakref.WeakSet()
         real_init = onnxruntime.InferenceSession.__init__
@@ -799,7 +799,7 @@ def _interrupt_after_each_file_operation(
 
         onnxruntime.InferenceSession.__init__ = init  # type: ignore[method-assign]
         state = {"n": 0, "busy": False, "writing": False}
-        real_write_set = diag.files.write_set
+        real_write_set = diag.foundations.files.write_set
 
         def write_set(*a: object, **k: object) -> object:
             state["writing"] = True
@@ -808,7 +808,7 @@ def _interrupt_after_each_file_operation(
             finally:
                 state["writing"] = False
 
-        diag.files.write_set = write_set  # type: ignore[assignment]
+        diag.foundations.files.write_set = write_set  # type: ignore[assignment]
         for name, mod in list(sys.modules.items()):  # every diag module that imported it by name
             if name.startswith("diag.") and getattr(mod, "write_set", None) is real_write_set:
                 mod.write_set = write_set  # type: ignore[attr-defined]

@@ -22,8 +22,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.errors import DiagError
-from diag.feeds import InputSpec, feeds_from_arrays
+from diag.core.feeds import InputSpec, feeds_from_arrays
+from diag.foundations.errors import DiagError
 
 NOBODY = 65534
 ROOT = os.geteuid() == 0

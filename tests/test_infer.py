@@ -11,12 +11,12 @@ from typing import Any
 import onnx
 import pytest
 
-from diag import cli
-from diag.errors import DiagError
+from diag.cli import commands as cli
+from diag.core.recipe import Recipe, read_recipe_file
+from diag.fix.infer import infer_recipe, recipe_to_toml
 from diag.fixtures import models
 from diag.fixtures.quantize import _ArrayReader
-from diag.infer import infer_recipe, recipe_to_toml
-from diag.recipe import Recipe, read_recipe_file
+from diag.foundations.errors import DiagError
 
 #: (fixture, recipe as a user writes it). Defaults are onnxruntime's: only the asked-for keys are set.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {

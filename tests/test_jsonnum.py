@@ -1,4 +1,4 @@
-"""The one JSON number encoder and its decoder (diag/jsonnum.py)."""
+"""The one JSON number encoder and its decoder (diag/foundations/jsonnum.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from diag.jsonnum import json_number, json_numbers, number_from_json
+from diag.foundations.jsonnum import json_number, json_numbers, number_from_json
 
 
 def test_non_finite_floats_are_the_strings_every_diag_file_uses() -> None:

@@ -17,14 +17,14 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.analyze import FAILING_GRADES
-from diag.compare import CompareOptions, compare_models
-from diag.document import document_from_result
-from diag.feeds import FeedSpec
+from diag.analysis.analyze import FAILING_GRADES
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.cli.verbs import result_lines
+from diag.core.feeds import FeedSpec
+from diag.core.outputs import output_specs
 from diag.fixtures import quantize
-from diag.outputs import output_specs
-from diag.report import write_outputs
-from diag.verbs import result_lines
+from diag.report.document import document_from_result
+from diag.report.view import write_outputs
 
 HEADS, DIM, HIDDEN, PAST, SEQ = 2, 8, 16, 48, 4
 

@@ -1,9 +1,11 @@
 """The layers are a contract: import-linter enforces ARCHITECTURE.md's table, and the contract is strict.
 
-``pyproject.toml``'s ``[tool.importlinter]`` section is generated from the module table of
-ARCHITECTURE.md (``python tools/import_map.py --contract``), so the document and the check cannot
-drift apart. The planted-import tests show the contract can fail: an upward import, or a cycle
-inside one layer, in a temporary copy of diag/ breaks it.
+Each layer is a package (``diag/<layer>/``); ``pyproject.toml``'s ``[tool.importlinter]`` section
+is generated (``python tools/import_map.py --contract``): the six packages, exhaustive, and no cycle
+within or between them. ``tests/test_architecture.py`` checks that each module's folder is its row's
+layer in ARCHITECTURE.md, so the document and the check cannot drift apart. The planted-import
+tests show the contract can fail: an upward import, a cycle inside one layer, or a module outside
+the layer packages, in a temporary copy of diag/, breaks it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ SCRIPT = ROOT / "tools" / "import_map.py"
 #: (onnxruntime, matplotlib), optional extras (Dask), the TOML reader that depends on the Python
 #: version, and ``importlib`` for ``diag/__init__``'s lazy name table.
 LAZY_ALLOWED = {"onnxruntime", "matplotlib", "distributed", "dask", "tomllib", "tomli", "importlib"}
-#: ``diag.environment`` records numpy's and onnx's versions in a report; ``diag --version`` reads the
-#: same module and must not pay for them.
+#: ``diag.foundations.environment`` records numpy's and onnx's versions in a report; ``diag --version``
+#: reads the same module and must not pay for them.
 LAZY_ALLOWED_IN = {("environment", "numpy"), ("environment", "onnx")}
 
 
@@ -66,11 +68,12 @@ def _copy(tmp_path: Path) -> Path:
 
 def test_lint_imports_fails_on_a_planted_upward_import(tmp_path):
     root = _copy(tmp_path)
-    with (root / "diag" / "errors.py").open("a", encoding="utf-8") as f:
-        f.write("\nimport diag.report  # planted: foundations importing the report layer\n")
+    with (root / "diag" / "foundations" / "errors.py").open("a", encoding="utf-8") as f:
+        f.write("\nimport diag.report.view  # planted: foundations importing the report layer\n")
     result = _lint_imports(root, root / "pyproject.toml")
     assert result.returncode != 0
-    assert "diag.errors is not allowed to import diag.report" in result.stdout
+    assert "diag.foundations is not allowed to import diag.report" in result.stdout
+    assert "diag.foundations.errors -> diag.report.view" in result.stdout
 
 
 def test_lint_imports_fails_on_a_planted_cycle_inside_one_layer(tmp_path):
@@ -82,11 +85,20 @@ def test_lint_imports_fails_on_a_planted_cycle_inside_one_layer(tmp_path):
         if i["kind"] == "top" and layers.get(i["importer"]) == layers.get(i["imported"]) == "core"
     )
     root = _copy(tmp_path)
-    with (root / "diag" / f"{edge['imported']}.py").open("a", encoding="utf-8") as f:
-        f.write(f"\nimport diag.{edge['importer']}  # planted: closes a cycle inside the core layer\n")
+    with (root / "diag" / "core" / f"{edge['imported']}.py").open("a", encoding="utf-8") as f:
+        f.write(f"\nimport diag.core.{edge['importer']}  # planted: closes a cycle inside the core layer\n")
     result = _lint_imports(root, root / "pyproject.toml")
     assert result.returncode != 0
-    assert "No cycles are allowed in diag" in result.stdout
+    assert "No cycles are allowed in diag.core" in result.stdout
+
+
+def test_lint_imports_fails_on_a_module_outside_the_layer_packages(tmp_path):
+    """The layers contract is exhaustive: a new module at the top of diag/ must go into a layer package."""
+    root = _copy(tmp_path)
+    (root / "diag" / "stray.py").write_text("from diag.foundations import errors\n", encoding="utf-8")
+    result = _lint_imports(root, root / "pyproject.toml")
+    assert result.returncode != 0
+    assert "diag.stray" in result.stdout + result.stderr
 
 
 def test_no_import_cycle_and_no_upward_import_as_the_import_map_measures():
@@ -97,9 +109,9 @@ def test_no_import_cycle_and_no_upward_import_as_the_import_map_measures():
 
 
 def test_diag_modules_are_imported_at_module_top_except_by_the_cli():
-    """cli.py imports a verb's library when the verb runs (``diag --help`` stays instant); nobody else."""
+    """cli/commands.py imports a verb's library when the verb runs (``diag --help`` stays instant); nobody else."""
     lazy = [f"{i['importer']}:{i['line']} -> {i['imported']}" for i in _facts()["imports"] if i["kind"] == "lazy"]
-    assert [x for x in lazy if not x.startswith("cli:")] == []
+    assert [x for x in lazy if not x.startswith("commands:")] == []
 
 
 def test_other_packages_are_imported_inside_functions_only_when_heavy_or_optional():
@@ -126,7 +138,8 @@ def test_other_packages_are_imported_inside_functions_only_when_heavy_or_optiona
 )
 def test_diag_help_and_the_document_verbs_import_neither_onnx_nor_onnxruntime_nor_numpy(argv):
     code = (
-        f"import sys\nfrom diag import cli\ntry:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "import sys\nfrom diag.cli import commands as cli\n"
+        f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('onnx', 'onnxruntime', 'numpy', 'matplotlib') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
@@ -179,7 +192,7 @@ def _oversized(source: str) -> list[str]:
 
 
 def test_no_function_over_80_lines_or_8_parameters_without_a_note():
-    found = [f"{p.name}: {f}" for p in sorted((ROOT / "diag").glob("*.py")) for f in _oversized(p.read_text("utf-8"))]
+    found = [f"{p.name}: {f}" for p in sorted((ROOT / "diag").rglob("*.py")) for f in _oversized(p.read_text("utf-8"))]
     assert found == []
 
 

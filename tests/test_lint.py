@@ -10,16 +10,16 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from diag import cli
-from diag.errors import GATE_FAILED, DiagError
-from diag.fixtures import models
-from diag.lint import (
+from diag.cli import commands as cli
+from diag.fix.lint import (
     FALLBACK_EXTRA_OPTIONS,
     lint_recipe,
     lint_recipe_file,
     module_to_onnx_prefix,
     onnxruntime_extra_options,
 )
+from diag.fixtures import models
+from diag.foundations.errors import GATE_FAILED, DiagError
 
 LINT_PAGE = Path(__file__).resolve().parents[1] / "docs" / "verbs" / "lint.md"
 
@@ -203,7 +203,7 @@ def test_readme_lint_example_prints_what_the_readme_shows(tmp_path):
     import subprocess
     import sys
 
-    from diag.demo import build_fixture_files
+    from diag.cli.demo import build_fixture_files
 
     build_fixture_files(tmp_path / "demo" / "models", "transformer", "dynamic")
     (tmp_path / "recipe.json").write_text(recipe)

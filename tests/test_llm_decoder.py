@@ -17,9 +17,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from diag.decoder import layer_of, projection_of
+from diag.analysis.decoder import layer_of, projection_of
+from diag.core.metrics import OutputAccumulator, OutputSpec
 from diag.fixtures.llm_models import llama_decoder, quantize_int4, save_with_external_data
-from diag.metrics import OutputAccumulator, OutputSpec
 
 CULPRIT = "/model/layers.2/mlp/down_proj/MatMul"
 SAMPLES = 8
@@ -199,7 +199,7 @@ def test_inferred_recipe_excludes_only_matmuls_the_quantizer_would_have_quantize
     nodes_to_exclude is advice that changes nothing (helper finding on the KV-cache benchmark)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from diag.weightonly import infer_weight_only
+    from diag.fix.weightonly import infer_weight_only
 
     settings = _doc(llm)["recommendation"]["recipe"]["settings"]
     assert settings["mode"] == "weight_only" and "nodes_to_exclude" not in settings
@@ -263,7 +263,7 @@ def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path):
 
 
 def test_projection_phrase_names_whole_projections():
-    from diag.decoder import projection_phrase
+    from diag.analysis.decoder import projection_phrase
 
     universe = [f"/model/layers.{i}/mlp/{p}/MatMul" for i in range(4) for p in ("up_proj", "down_proj")]
     every_down = [f"/model/layers.{i}/mlp/down_proj/MatMul" for i in range(4)]

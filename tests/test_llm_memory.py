@@ -35,7 +35,7 @@ def _peak():
 atexit.register(_peak)
 """
 DOUBLE = "import onnx, sys\n_weights = onnx.load(sys.argv[1])  # the FP32 weights, held once more\n"
-RUN = "from diag.cli import main\nsys.exit(main(sys.argv[2:]))\n"
+RUN = "from diag.cli.commands import main\nsys.exit(main(sys.argv[2:]))\n"
 
 pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")
 

@@ -1,4 +1,4 @@
-"""One table of metric names (diag.metricnames): every name a module accepts is a row of it.
+"""One table of metric names (diag.foundations.metricnames): every name a module accepts is a row of it.
 
 A metric is ``cosine_min`` in diag.json, ``cosine`` as a target and a sweep objective and
 ``--min-cosine`` as a gate. ``diff``, ``gate``, ``evaluate``, ``sweep`` and the CLI derive their
@@ -16,15 +16,15 @@ import re
 
 import pytest
 
-from diag import cli, diff, evaluate, gate, sweep
-from diag.compare import CompareOptions
-from diag.document import document_from_result
-from diag.errors import DiagError
-from diag.evaluate import HeldOutMetrics, parse_target
-from diag.exclude import search_target
-from diag.feeds import FeedSpec
-from diag.gate import Gates
-from diag.metricnames import (
+from diag.analysis.compare import CompareOptions
+from diag.cli import commands as cli
+from diag.cli.verbs import diagnose
+from diag.core.feeds import FeedSpec
+from diag.fix import evaluate, sweep
+from diag.fix.evaluate import HeldOutMetrics, parse_target
+from diag.fix.exclude import search_target
+from diag.foundations.errors import DiagError
+from diag.foundations.metricnames import (
     METRICS,
     gate_flags,
     gates,
@@ -34,7 +34,9 @@ from diag.metricnames import (
     output_keys,
     target_names,
 )
-from diag.verbs import diagnose
+from diag.report import diff, gate
+from diag.report.document import document_from_result
+from diag.report.gate import Gates
 
 #: sweep objectives that are not held-out metrics: a recipe's speed and its file's size.
 NOT_HELD_OUT = ("latency", "size")

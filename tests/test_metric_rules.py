@@ -1,4 +1,4 @@
-"""One SQNR and one cosine: every copy diag prints follows diag.metrics' edge rules.
+"""One SQNR and one cosine: every copy diag prints follows diag.core.metrics' edge rules.
 
 ``metrics.sqnr_db`` and ``metrics.cosines`` decide what a zero, infinite or NaN sum reads as. The
 tensor accumulator, the per-sample output cosine, the weight table (per-tensor and block-wise),
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diag import weights
-from diag.metrics import ErrorAccumulator, OutputAccumulator, cosine, cosines, sqnr_db
-from diag.saturation import NodePrediction
+from diag.analysis import weights
+from diag.core.metrics import ErrorAccumulator, OutputAccumulator, cosine, cosines, sqnr_db
+from diag.core.saturation import NodePrediction
 
 INF, NAN = math.inf, math.nan
 DIAG = Path(__file__).resolve().parent.parent / "diag"
@@ -178,9 +178,9 @@ class _Log10Calls(ast.NodeVisitor):
 
 def test_no_module_computes_its_own_sqnr():
     found: set[tuple[str, str]] = set()
-    for path in sorted(DIAG.glob("*.py")):
+    for path in sorted(DIAG.rglob("*.py")):
         visitor = _Log10Calls(path.name)
         visitor.visit(ast.parse(path.read_text(encoding="utf-8")))
         found |= visitor.found
     assert ("metrics.py", "sqnr_db") in found, "the scan no longer sees the one SQNR"
-    assert found <= LOG10_ALLOWED, f"log10 in {sorted(found - LOG10_ALLOWED)}: use diag.metrics.sqnr_db"
+    assert found <= LOG10_ALLOWED, f"log10 in {sorted(found - LOG10_ALLOWED)}: use diag.core.metrics.sqnr_db"

@@ -15,16 +15,16 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.cli import main
-from diag.errors import DiagError
+from diag.analysis.weights import weight_report
+from diag.cli.commands import main
+from diag.core.load import detect_format, model_summary
+from diag.core.nbits import blocked_weights, unpack_bits
+from diag.core.recipe import Recipe
+from diag.fix.infer import infer_recipe
+from diag.fix.quantize import quantize_model
+from diag.fix.weightonly import weight_only_calls
 from diag.fixtures.nbits_models import BLOCK, stray_block_mlp
-from diag.infer import infer_recipe
-from diag.load import detect_format, model_summary
-from diag.nbits import blocked_weights, unpack_bits
-from diag.quantize import quantize_model
-from diag.recipe import Recipe
-from diag.weightonly import weight_only_calls
-from diag.weights import weight_report
+from diag.foundations.errors import DiagError
 
 
 def nbits_quantize(model: onnx.ModelProto, out: Path, bits: int = 4, fmt: str = "QOperator", **kw: object) -> Path:
@@ -236,7 +236,7 @@ def test_weight_only_recipe_mistakes_are_bad_recipe(data: dict[str, object], say
 
 
 def test_lint_reports_weight_only_settings_onnxruntime_cannot_honour_together() -> None:
-    from diag.lint import lint_recipe
+    from diag.fix.lint import lint_recipe
 
     assert lint_recipe({"mode": "weight_only", "bits": 4, "block_size": 32}) == []
     [finding] = lint_recipe({"mode": "weight_only", "quant_format": "QDQ", "bits": 8})
@@ -264,8 +264,8 @@ def test_accuracy_level_check_names_the_node_fed_by_the_outlier_and_matches_plai
     onnxruntime sessions (accuracy_level 0 and 4) give."""
     import json
 
-    from diag.documents import validate_document
     from diag.fixtures.models import build
+    from diag.report.documents import validate_document
 
     fx = build("transformer")
     onnx.save(fx.model, tmp_path / "fp32.onnx")

@@ -8,11 +8,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.analyze import nonfinite_origins
-from diag.compare import CompareOptions, compare_models
-from diag.feeds import FeedSpec
+from diag.analysis.analyze import nonfinite_origins
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.cli.verbs import _cause_lines as _finding_lines
+from diag.core.feeds import FeedSpec
 from diag.fixtures.quantize import quantize
-from diag.verbs import _cause_lines as _finding_lines
 
 SEQ, DIM = 4, 8
 

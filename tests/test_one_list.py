@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-import diag.effects
-from diag.cli import main
-from diag.compare import CompareOptions, compare_models
-from diag.effects import EffectBudget, check_effects, estimate_list
-from diag.feeds import FeedSpec, feed_source
+import diag.analysis.effects
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.analysis.effects import EffectBudget, check_effects, estimate_list
+from diag.cli.commands import main
+from diag.core.feeds import FeedSpec, feed_source
+from diag.core.outputs import output_specs
 from diag.fixtures.quantize import quantize
-from diag.outputs import output_specs
-from diag.report import view_from_document
+from diag.report.view import view_from_document
 
 
 def _compare(built, tmp_path, name: str, fmt: str, *extra: str) -> dict:
@@ -102,13 +102,13 @@ def test_a_list_estimate_reuses_the_effect_checks_fp32_outputs(built, monkeypatc
     assert check is not None and check.reference is not None and len(check.effects) >= 2
     nodes = [n for e in check.effects[:2] for n in e.finding.group.fp_nodes]
     loads: list[str] = []
-    real = diag.effects.session_from_model
+    real = diag.analysis.effects.session_from_model
 
     def counting(model, role, *args, **kwargs):
         loads.append(role)
         return real(model, role, *args, **kwargs)
 
-    monkeypatch.setattr(diag.effects, "session_from_model", counting)
+    monkeypatch.setattr(diag.analysis.effects, "session_from_model", counting)
     reused = estimate_list(fp, q, matching, feeds, nodes, check, specs)
     assert loads == ["INT8 model with the suggested list in float"]
     check.reference = None

@@ -5,8 +5,11 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from diag import cpu, infer, load, match, saturation, weights
-from diag.ortfacts import QUANTIZED_OPS, ops_where
+from diag.analysis import weights
+from diag.core import load, match, saturation
+from diag.fix import infer
+from diag.foundations import cpu
+from diag.foundations.ortfacts import QUANTIZED_OPS, ops_where
 
 
 def _schemas() -> dict[tuple[str, str], tuple[str, ...]]:
@@ -97,8 +100,8 @@ def test_model_format_kinds_are_the_schemas_format_enum() -> None:
     import json
     from typing import get_args
 
-    from diag import precision
-    from diag.environment import templates_dir
+    from diag.core import precision
+    from diag.foundations.environment import templates_dir
 
     schema = json.loads((templates_dir() / "diag.schema.json").read_text(encoding="utf-8"))
     enum = schema["properties"]["models"]["properties"]["int8"]["properties"]["format"]["enum"]
@@ -112,9 +115,10 @@ def test_the_optimization_levels_are_onnxruntimes_and_written_once() -> None:
     """run maps every level name to onnxruntime's enum; the deploy level is onnxruntime's default, ORT_ENABLE_ALL."""
     import onnxruntime as ort
 
-    from diag import bench, effects, exclude
-    from diag.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL, OPT_LEVELS
-    from diag.run import session_from_model
+    from diag.analysis import effects
+    from diag.core.run import session_from_model
+    from diag.fix import bench, exclude
+    from diag.foundations.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL, OPT_LEVELS
 
     model = onnx.helper.make_model(
         onnx.helper.make_graph(

@@ -17,13 +17,13 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.compare import CompareOptions, compare_models
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.analysis.patterns import PatternInstance, find_patterns, node_patterns, pattern_totals
+from diag.core.feeds import FeedSpec
+from diag.core.graph import fp_graph
+from diag.core.match import node_id
+from diag.core.metrics import ErrorStats
 from diag.fixtures import models, thirdparty
-from diag.graph import fp_graph
-from diag.match import node_id
-from diag.metrics import ErrorStats
-from diag.patterns import PatternInstance, find_patterns, node_patterns, pattern_totals
 
 # --------------------------------------------------------------------------------------------
 # Helpers

@@ -10,13 +10,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from diag.compare import CompareOptions, compare_models
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.analysis.fp16health import fp16_fix
+from diag.core.feeds import FeedSpec
+from diag.core.load import model_from_path
 from diag.fixtures.models import transformer
 from diag.fixtures.precision_models import fp16_overflow
 from diag.fixtures.quantize import _ArrayReader
-from diag.fp16health import fp16_fix
-from diag.load import model_from_path
 
 
 def _fp16(model: onnx.ModelProto, path: Path, node_block_list: list[str] | None = None) -> Path:
@@ -71,7 +71,7 @@ def test_fp16_model_with_float16_inputs_is_fed_cast_inputs(overflow: dict[str, P
 def test_fp32_model_with_a_float16_island_stays_fp32() -> None:
     from onnx import TensorProto, helper
 
-    from diag.load import detect_format
+    from diag.core.load import detect_format
 
     nodes = [
         helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16, name="to16"),
@@ -98,7 +98,7 @@ def test_overflowing_attention_is_named_and_its_block_list_derived(overflow: dic
     )
     assert r.matching.coverage == 1.0
     assert r.matching.pairs["attn/Attention_out"].how == "fp16"
-    from diag.analyze import nonfinite_origins
+    from diag.analysis.analyze import nonfinite_origins
 
     assert nonfinite_origins(r.findings)["INT8"].group.label == "attn/Attention"
     fix = fp16_fix(r.findings, r.state.fp16_ranges)
@@ -179,7 +179,7 @@ def test_eight_bit_outlier_is_ranked_first_and_remedied_with_16_bit_override(a16
 
 
 def test_fp16_range_counts_overflow_subnormal_and_flushed_values() -> None:
-    from diag.fp16 import Fp16Range
+    from diag.core.fp16 import Fp16Range
 
     r = Fp16Range()
     r.update(np.array([65519.0, 65520.0, -7e4, 1e-5, 1e-8, 0.0, 1.0], np.float32))
@@ -191,10 +191,10 @@ def test_fp16_range_counts_overflow_subnormal_and_flushed_values() -> None:
 
 
 def test_fp16_recipe_converts_and_is_read_back_and_linted(overflow: dict[str, Path]) -> None:
-    from diag.infer import infer_recipe
-    from diag.lint import lint_recipe
-    from diag.quantize import quantize_model
-    from diag.recipe import Recipe
+    from diag.core.recipe import Recipe
+    from diag.fix.infer import infer_recipe
+    from diag.fix.lint import lint_recipe
+    from diag.fix.quantize import quantize_model
 
     recipe = Recipe(mode="fp16", keep_io_types=True, node_block_list=["attn/Attention"])
     out = overflow["dir"] / "recipe.fp16.onnx"
@@ -212,8 +212,8 @@ def test_fp16_recipe_converts_and_is_read_back_and_linted(overflow: dict[str, Pa
 
 
 def test_fp16_fix_snippet_run_as_is_removes_nonfinite_values(overflow: dict[str, Path], tmp_path: Path) -> None:
-    from diag.report import fix_snippet
-    from diag.verbs import diagnose
+    from diag.cli.verbs import diagnose
+    from diag.report.view import fix_snippet
 
     r = diagnose(
         overflow["fp32"], overflow["fp16"], FeedSpec(inputs=str(overflow["inputs"])), CompareOptions(effects=0)
@@ -225,9 +225,9 @@ def test_fp16_fix_snippet_run_as_is_removes_nonfinite_values(overflow: dict[str,
 
 
 def test_mixed_qdq_recipe_is_read_back_with_its_16_bit_override(a16: dict[str, Path], tmp_path: Path) -> None:
-    from diag.infer import infer_recipe
-    from diag.quantize import quantize_model
-    from diag.recipe import Recipe
+    from diag.core.recipe import Recipe
+    from diag.fix.infer import infer_recipe
+    from diag.fix.quantize import quantize_model
 
     inferred = infer_recipe(a16["mix"]).recipe
     tensor = transformer().expected.outlier_tensor
@@ -241,9 +241,9 @@ def test_mixed_qdq_recipe_is_read_back_with_its_16_bit_override(a16: dict[str, P
 def test_fp8_qdq_model_is_detected_compared_and_its_recipe_read_back(tmp_path: Path) -> None:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+    from diag.fix.infer import infer_recipe
+    from diag.fix.lint import lint_recipe
     from diag.fixtures.precision_models import fp8_mlp
-    from diag.infer import infer_recipe
-    from diag.lint import lint_recipe
 
     logging.getLogger().setLevel(logging.ERROR)
     fx = fp8_mlp()
@@ -279,9 +279,9 @@ def test_exclude_with_an_fp16_recipe_writes_a_reproduce_script_that_rebuilds_the
     import subprocess
     import sys
 
-    from diag.exclude import ExcludeOptions
-    from diag.recipe import Recipe
-    from diag.verbs import exclude_to_dir
+    from diag.cli.verbs import exclude_to_dir
+    from diag.core.recipe import Recipe
+    from diag.fix.exclude import ExcludeOptions
 
     recipe = Recipe(mode="fp16", keep_io_types=True, node_block_list=["attn/Attention"])
     assert recipe.with_excluded(["o/MatMul"]).node_block_list == ["attn/Attention", "o/MatMul"]
@@ -299,8 +299,8 @@ def test_exclude_with_an_fp16_recipe_writes_a_reproduce_script_that_rebuilds_the
 def test_fp16_diag_json_follows_the_shipped_schema(overflow: dict[str, Path], tmp_path: Path) -> None:
     import json
 
-    from diag.documents import validate_document
-    from diag.verbs import compare_to_dir
+    from diag.cli.verbs import compare_to_dir
+    from diag.report.documents import validate_document
 
     feeds = FeedSpec(inputs=str(overflow["inputs"]))
     compare_to_dir(overflow["fp32"], overflow["fp16"], feeds, tmp_path, CompareOptions(effects=0, progress=False))

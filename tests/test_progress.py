@@ -17,7 +17,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import sys
-    from diag.progress import Progress
+    from diag.foundations.progress import Progress
 
     bar = Progress(4, "compare", enabled=sys.argv[1] == "on")
     bar.advance(2)

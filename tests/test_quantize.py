@@ -12,14 +12,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-import diag.modelprep
-from diag.cli import main
-from diag.errors import DiagError
-from diag.feeds import FeedSpec
+import diag.fix.modelprep
+from diag.cli.commands import main
+from diag.core.feeds import FeedSpec
+from diag.core.load import detect_format
+from diag.core.recipe import Recipe
+from diag.fix.quantize import default_opset, lift_constants, quantize_model, upgrade_opset
 from diag.fixtures import models
-from diag.load import detect_format
-from diag.quantize import default_opset, lift_constants, quantize_model, upgrade_opset
-from diag.recipe import Recipe
+from diag.foundations.errors import DiagError
 
 QDQ = Recipe(quant_format="QDQ", activation_type="QUInt8")
 QOPERATOR = Recipe(quant_format="QOperator", activation_type="QUInt8")
@@ -109,7 +109,7 @@ def test_recipe_calibration_path_is_relative_to_the_recipe_file(convnet: dict[st
 def test_calibration_from_a_reader_a_folder_or_a_feed_source_honours_samples(
     convnet: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from diag.feeds import feed_source
+    from diag.core.feeds import feed_source
 
     arrays = dict(np.load(convnet["calib"]))
     (tmp_path / "calib").mkdir()
@@ -276,7 +276,7 @@ def test_external_data_model_is_quantized_with_external_data_next_to_the_output(
     )
     assert (src / "m.onnx.data").exists()
     before = {p.name: _sha(p) for p in src.iterdir()}
-    # NOTE: diag.load.model_from_path runs onnx.checker on a weight-free proto, which resolves the
+    # NOTE: diag.core.load.model_from_path runs onnx.checker on a weight-free proto, which resolves the
     # .data file against the current folder: from any other folder a valid model is refused
     # (reported). Run from the model's folder until the loader is fixed.
     monkeypatch.chdir(src)
@@ -393,7 +393,7 @@ def test_the_opset_trap_is_real_without_the_guard(tmp_path: Path, monkeypatch: p
     )
     assert any(a.startswith("upgraded opset 11 -> 13") for a in report.actions)
     # The > 2 GB path: the same conversion without weights in the converter, weights put back by name.
-    monkeypatch.setattr(diag.modelprep, "STRIP_WEIGHTS_BYTES", 0)
+    monkeypatch.setattr(diag.fix.modelprep, "STRIP_WEIGHTS_BYTES", 0)
     upgraded = upgrade_opset(lifted)
     assert {
         t.name: t.raw_data for t in upgraded.graph.initializer if t.name in {i.name for i in lifted.graph.initializer}

@@ -127,7 +127,7 @@ def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path):
     """Every example of README.md and docs/, in reading order; a command shown on two pages (the demo:
     README and its verb page) runs once and both pages must show its output."""
     examples = _examples()
-    from diag.cli import VERBS
+    from diag.cli.commands import VERBS
 
     verbs = [_split(cmd)[1][1] for cmd, _ in examples]
     assert verbs[0] == "demo", "the first example builds the files the others use"
@@ -169,7 +169,7 @@ def test_readme_starts_with_install_and_test_commands_that_ci_runs():
 
 
 def test_readme_is_a_front_door_that_links_every_verb_page_and_resolves_its_links():
-    from diag.cli import VERBS
+    from diag.cli.commands import VERBS
 
     text = README.read_text()
     assert len(text.splitlines()) <= 200, "README.md is a front door; the manual is docs/"
@@ -185,11 +185,13 @@ def test_readme_is_a_front_door_that_links_every_verb_page_and_resolves_its_link
 def test_the_readme_verb_table_is_the_registry_and_the_manual_lists_it():
     """The verb pages in the site's nav and the list on docs/verbs/index.md are the README table's rows
     (tools/docs_lists.py): a row the hook cannot read, or a verb without a row, fails here."""
-    from diag.cli import VERBS
+    from diag.cli.commands import VERBS
 
     hook, readme = _docs_lists(), README.read_text()
     rows = hook.verb_rows(readme)
-    assert sorted(verb for verb, _ in rows) == sorted(VERBS), "README.md's verb table and diag.cli.VERBS differ"
+    assert sorted(verb for verb, _ in rows) == sorted(VERBS), (
+        "README.md's verb table and diag.cli.commands.VERBS differ"
+    )
     assert len(rows) == len(re.findall(r"^\| \[`diag ", readme, flags=re.M)), "a verb row the hook cannot read"
     assert [DOCS / "verbs" / f"{verb}.md" for verb, _ in rows] == [p for p in _nav() if p.parent.name == "verbs"][1:]
     table = hook.verbs_table(readme)
@@ -199,9 +201,9 @@ def test_the_readme_verb_table_is_the_registry_and_the_manual_lists_it():
 
 
 def test_the_manuals_metric_names_and_gates_are_rendered_from_the_metric_table():
-    """docs/metrics.md's table of names and docs/verbs/check.md's gates are diag.metricnames' rows
+    """docs/metrics.md's table of names and docs/verbs/check.md's gates are diag.foundations.metricnames' rows
     (tools/docs_lists.py); a page that lost its marker, or a row the rendering leaves out, fails."""
-    from diag.metricnames import METRICS, gates
+    from diag.foundations.metricnames import METRICS, gates
 
     hook = _docs_lists()
     names = hook.render((DOCS / "metrics.md").read_text(), "metrics.md")
@@ -235,11 +237,11 @@ def _anchors(page: Path) -> dict[str, str]:
 def test_every_error_slug_has_its_own_anchor_in_docs_errors_with_its_meaning():
     """`diag: error[bad-inputs]` links to docs/errors.md#bad-inputs: every slug the code raises and
     every slug of errors.SLUGS has a heading there, saying what errors.SLUGS says it means."""
-    from diag.errors import SLUGS
+    from diag.foundations.errors import SLUGS
 
     anchors = _anchors(DOCS / "errors.md")
     raised = set()
-    for source in (ROOT / "diag").glob("*.py"):
+    for source in (ROOT / "diag").rglob("*.py"):
         text = source.read_text()
         raised |= set(re.findall(r"DiagError\(\s*\"([a-z0-9-]+)\"", text))  # the slug on the next line too
         raised |= set(re.findall(r"slug=\"([a-z0-9-]+)\"", text))  # files._stat(..., missing_slug="bad-out")
@@ -256,7 +258,8 @@ def test_kernel_dependent_lines_are_exactly_the_scrubbed_ones(tmp_path, monkeypa
     shipped) and on float DequantizeLinear (exact mode): every line that changes with the kernel path
     must be one the scrubber blurs, so no README line compares a CPU-dependent number exactly; and
     some line must change, or this test proves nothing."""
-    from diag import cli, effects
+    from diag.analysis import effects
+    from diag.cli import commands as cli
 
     printed = {}
     for level in ("all", "disabled"):

@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 import pytest
 
-from diag.compare import CompareOptions, compare_models
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.core.feeds import FeedSpec
 from diag.fixtures import quantize, thirdparty
 
 pytestmark = pytest.mark.slow

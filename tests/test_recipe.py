@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from diag.cli import main
-from diag.errors import DiagError
-from diag.recipe import (
+from diag.cli.commands import main
+from diag.core.recipe import (
     FP16_KEYS,
     WEIGHT_ONLY_KEYS,
     Recipe,
@@ -21,6 +20,7 @@ from diag.recipe import (
     recipe_from_option,
     save_recipe,
 )
+from diag.foundations.errors import DiagError
 
 RECIPE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "recipe.md"
 

@@ -20,10 +20,10 @@ import pytest
 from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 from plain_ort import Rows
 
-from diag.compare import CompareOptions
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions
+from diag.cli.verbs import diagnose
+from diag.core.feeds import FeedSpec
 from diag.fixtures.quantize import quantize
-from diag.verbs import diagnose
 
 #: Remedies that need a package the test machine does not have (stated, not skipped silently).
 NEEDS_PACKAGE = {"smoothquant": "neural-compressor"}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from diag.effects import spread_sentence
-from diag.remedies import (
+from diag.analysis.effects import spread_sentence
+from diag.analysis.remedies import (
     GENERIC_SPREAD,
     Suggestion,
     applicable_suggestions,
@@ -57,10 +57,10 @@ def test_spread_sentence_carries_the_generic_list_diagnose_replaces() -> None:
 
 def test_per_channel_dynamic_model_never_gets_a_per_channel_remedy(built, tmp_path) -> None:
     """Real quantization with per_channel=True, the recipe inferred back: no remedy repeats it."""
-    from diag.compare import CompareOptions
-    from diag.feeds import FeedSpec
+    from diag.analysis.compare import CompareOptions
+    from diag.cli.verbs import diagnose
+    from diag.core.feeds import FeedSpec
     from diag.fixtures.quantize import quantize
-    from diag.verbs import diagnose
 
     b = built("convnet")
     int8 = quantize(b.fp32, tmp_path / "pc.onnx", "dynamic", per_channel=True)

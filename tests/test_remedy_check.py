@@ -14,7 +14,7 @@ import pytest
 from onnxruntime.quantization import QuantFormat
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-from diag.cli import main
+from diag.cli.commands import main
 from diag.fixtures import models
 from diag.fixtures.quantize import quantize
 

@@ -13,7 +13,7 @@ import onnx
 import pytest
 from browser import chromium
 
-from diag import cli
+from diag.cli import commands as cli
 from diag.fixtures import models, quantize
 
 HOSTILE = "<img src=x onerror=alert(1)>"

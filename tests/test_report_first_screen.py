@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from browser import chromium
 
-from diag import cli
+from diag.cli import commands as cli
 
 VIEWPORT = {"width": 1400, "height": 900}
 #: A compare report with its long sections collapsed stays within this height (issue 25).

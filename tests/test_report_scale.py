@@ -16,11 +16,11 @@ import pytest
 from browser import chromium
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.compare import CompareOptions
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions
+from diag.cli.verbs import compare_to_dir
+from diag.core.feeds import FeedSpec
 from diag.fixtures import quantize
-from diag.report import load_document
-from diag.verbs import compare_to_dir
+from diag.report.view import load_document
 
 NODES = 1000
 HIDDEN = 8

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from diag.cli import main
-from diag.distributions import Pow2Histogram
-from diag.report import write_outputs
+from diag.cli.commands import main
+from diag.core.distributions import Pow2Histogram
+from diag.report.view import write_outputs
 
 
 def _demo_doc(tmp_path, capsys) -> dict:

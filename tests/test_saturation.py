@@ -1,4 +1,4 @@
-"""The AVX2-without-VNNI prediction (diag.saturation) against u8s8 arithmetic computed independently.
+"""The AVX2-without-VNNI prediction (diag.core.saturation) against u8s8 arithmetic computed independently.
 
 The fixture is a MatMulInteger model built in code whose weight columns have a known defect: column 0
 holds full-range pairs (127, 127) that saturate int16 when the activations are large, column 1 holds
@@ -18,8 +18,8 @@ import pytest
 from kernel_path import emulated_cpu
 from onnx import TensorProto, helper, numpy_helper
 
-from diag import cpu
-from diag.saturation import NodePrediction, predict_avx2, u8s8_avx2, u8s8_exact
+from diag.core.saturation import NodePrediction, predict_avx2, u8s8_avx2, u8s8_exact
+from diag.foundations import cpu
 
 K = 6
 

@@ -16,13 +16,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from diag.cli import main
-from diag.compare import CompareOptions, CompareState, load_pair, run_comparison
-from diag.feeds import FeedSpec, feeds_from_arrays, input_specs
-from diag.match import match_models
-from diag.merge import state_from_json, state_to_json
-from diag.run import default_threads, parse_shard, parse_size, plan_passes, session_from_model
-from diag.verbs import compare_to_dir, merge_to_dir
+from diag.analysis.compare import CompareOptions, CompareState, load_pair, run_comparison
+from diag.analysis.merge import state_from_json, state_to_json
+from diag.cli.commands import main
+from diag.cli.verbs import compare_to_dir, merge_to_dir
+from diag.core.feeds import FeedSpec, feeds_from_arrays, input_specs
+from diag.core.match import match_models
+from diag.core.run import default_threads, parse_shard, parse_size, plan_passes, session_from_model
 
 # ---------------------------------------------------------------- helpers
 
@@ -339,8 +339,8 @@ def _peak_kb():
     # (Linux keeps it across fork + exec), i.e. whatever the test runner held at that moment.
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
-from diag.compare import CompareOptions, compare_models
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.core.feeds import FeedSpec
 r = compare_models(sys.argv[1], sys.argv[2], FeedSpec(inputs=sys.argv[3], batch=4),
                    CompareOptions(progress=False, reductions=sys.argv[4], effects=int(sys.argv[5])))
 print(json.dumps({"maxrss_kb": _peak_kb(),

@@ -1,7 +1,7 @@
 """The searches' order of trials, on fixed oracles: no model, no Dask.
 
-Planning a cluster's trials ahead (:func:`diag.search.plan_ahead`, which replays
-:class:`diag.search.SearchAlgorithm` on the answers known so far) asks for the serial search's
+Planning a cluster's trials ahead (:func:`diag.fix.search.plan_ahead`, which replays
+:class:`diag.fix.search.SearchAlgorithm` on the answers known so far) asks for the serial search's
 trials in its order; the tier search (`diag exclude --tiers`) moves up a tier only when every
 group one tier up misses.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from diag.search import SearchAlgorithm, plan_ahead
-from diag.tiers import _TierSearch
+from diag.fix.search import SearchAlgorithm, plan_ahead
+from diag.fix.tiers import _TierSearch
 
 
 class _Serial(SearchAlgorithm):
-    """The serial search's real trials (diag.search.SearchAlgorithm) on a fixed oracle, recording them."""
+    """The serial search's real trials (diag.fix.search.SearchAlgorithm) on a fixed oracle, recording them."""
 
     def __init__(self, n, oracle, guess):
         self.candidates = list(range(n))

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from diag.cli import main
-from diag.compare import CompareOptions
-from diag.errors import DiagError
-from diag.feeds import FeedSpec
-from diag.verbs import diagnose
+from diag.analysis.compare import CompareOptions
+from diag.cli.commands import main
+from diag.cli.verbs import diagnose
+from diag.core.feeds import FeedSpec
+from diag.foundations.errors import DiagError
 
 
 def test_keeping_the_injected_culprit_in_float_recovers_the_most(built):

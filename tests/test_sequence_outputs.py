@@ -12,10 +12,10 @@ import onnxruntime as ort
 import pytest
 from test_readme import _python_files
 
-from diag.cli import main
-from diag.compare import CompareOptions, compare_models
-from diag.feeds import FeedSpec
-from diag.metrics import OutputAccumulator, OutputSpec
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.cli.commands import main
+from diag.core.feeds import FeedSpec
+from diag.core.metrics import OutputAccumulator, OutputSpec
 
 FORMATS = ("dynamic", "qdq", "qoperator")
 BATCH = 8

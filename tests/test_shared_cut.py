@@ -1,9 +1,9 @@
 """Memory at scale: the cut model runs inside the INT8 session (weights held once) with the same
 figures, and large models skip the allocator tuning.
 
-``diag.instrument.merged_with_cut`` appends the cut model, renamed, to the exposed INT8 model so
+``diag.core.instrument.merged_with_cut`` appends the cut model, renamed, to the exposed INT8 model so
 that onnxruntime loads (and prepacks) each INT8 weight once; ``run_comparison`` does that from
-:data:`diag.streaming.SHARED_CUT_BYTES` of INT8 weights on. These tests run the same comparison
+:data:`diag.core.streaming.SHARED_CUT_BYTES` of INT8 weights on. These tests run the same comparison
 merged (threshold 0) and as two sessions (threshold out of reach) and require identical figures,
 accumulated and local, on every fixture and format, and show what merging saves on a decoder
 with external data.
@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import diag.streaming
-from diag.compare import CompareOptions, load_pair, run_comparison
-from diag.feeds import feeds_from_arrays, input_specs
+import diag.core.streaming
+from diag.analysis.compare import CompareOptions, load_pair, run_comparison
+from diag.core.feeds import feeds_from_arrays, input_specs
+from diag.core.instrument import exposed_model, merged_with_cut
+from diag.core.load import initializer_bytes
+from diag.core.match import match_models
+from diag.core.run import drop_mapped_pages
+from diag.core.streaming import _local_model
 from diag.fixtures import llm_models
-from diag.instrument import exposed_model, merged_with_cut
-from diag.load import initializer_bytes
-from diag.match import match_models
-from diag.run import drop_mapped_pages
-from diag.streaming import _local_model
 
 FIXTURES = ("transformer", "convnet", "embedding", "two_outputs", "ctc")
 
@@ -50,13 +50,13 @@ def _both_ways(monkeypatch, fp, q, inputs, options=None):
         made.append(merged_with_cut(*args))
         return made[-1]
 
-    # The engine's own names (diag.streaming): a patch elsewhere would leave both runs alike.
-    monkeypatch.setattr(diag.streaming, "merged_with_cut", merging)
-    monkeypatch.setattr(diag.streaming, "SHARED_CUT_BYTES", 0)
+    # The engine's own names (diag.core.streaming): a patch elsewhere would leave both runs alike.
+    monkeypatch.setattr(diag.core.streaming, "merged_with_cut", merging)
+    monkeypatch.setattr(diag.core.streaming, "SHARED_CUT_BYTES", 0)
     merged = _figures(fp, q, inputs, options)
     assert made and all(m is not None for m in made), "the cut model was not merged"
     merges = len(made)
-    monkeypatch.setattr(diag.streaming, "SHARED_CUT_BYTES", 1 << 62)
+    monkeypatch.setattr(diag.core.streaming, "SHARED_CUT_BYTES", 1 << 62)
     separate = _figures(fp, q, inputs, options)
     assert len(made) == merges, "the cut model was merged above the threshold"
     return merged, separate
@@ -113,8 +113,8 @@ def test_int4_decoder_with_external_data_holds_its_weights_once(tmp_path, monkey
 def test_glibc_keeps_freed_memory_only_below_the_weight_limit(built, monkeypatch, limit, tuned):
     """Large models skip the allocator tuning (it held 250 MB more at peak on the 500M decoder)."""
     calls: list[bool] = []
-    monkeypatch.setattr(diag.streaming, "reuse_freed_memory", lambda: calls.append(True))
-    monkeypatch.setattr(diag.streaming, "REUSE_FREED_BELOW", limit)
+    monkeypatch.setattr(diag.core.streaming, "reuse_freed_memory", lambda: calls.append(True))
+    monkeypatch.setattr(diag.core.streaming, "REUSE_FREED_BELOW", limit)
     b = built("convnet")
     fp, q = load_pair(b.fp32, b.int8["dynamic"])
     _figures(fp, q, b.inputs)
@@ -155,11 +155,11 @@ def test_a_large_models_pass_drops_mapped_pages_without_changing_a_figure(tmp_pa
         dropped.append(drop_mapped_pages(files))
         return dropped[-1]
 
-    monkeypatch.setattr(diag.streaming, "drop_mapped_pages", counting)
-    monkeypatch.setattr(diag.streaming, "REUSE_FREED_BELOW", 0)
+    monkeypatch.setattr(diag.core.streaming, "drop_mapped_pages", counting)
+    monkeypatch.setattr(diag.core.streaming, "REUSE_FREED_BELOW", 0)
     with_drops = _figures(fp, q, inputs)
     assert dropped and max(dropped) > 0  # onnxruntime mapped the int4 model's external data
-    monkeypatch.setattr(diag.streaming, "REUSE_FREED_BELOW", 1 << 62)
+    monkeypatch.setattr(diag.core.streaming, "REUSE_FREED_BELOW", 1 << 62)
     dropped.clear()
     assert _figures(fp, q, inputs) == with_drops
     assert not dropped

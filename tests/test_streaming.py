@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from diag.compare import CompareOptions, finish, load_pair, run_comparison
-from diag.feeds import feeds_from_arrays, input_specs
-from diag.match import match_models
-from diag.metrics import ErrorAccumulator, OutputAccumulator
+from diag.analysis.compare import CompareOptions, finish, load_pair, run_comparison
+from diag.core.feeds import feeds_from_arrays, input_specs
+from diag.core.match import match_models
+from diag.core.metrics import ErrorAccumulator, OutputAccumulator
 
 
 def test_accumulator_merge_of_two_shards_equals_one_pass():
@@ -95,8 +95,8 @@ def _peak_kb():
         return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
 import numpy as np, onnx
 from pathlib import Path
-from diag.compare import CompareOptions, compare_models
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions, compare_models
+from diag.core.feeds import FeedSpec
 from diag.fixtures import models, quantize
 folder = Path(sys.argv[1]); samples = int(sys.argv[2])
 fp = folder / "big.fp32.onnx"

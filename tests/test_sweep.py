@@ -22,14 +22,13 @@ from onnxruntime.quantization import (
 from plain_ort import Rows
 from plain_ort import min_cosine as plain_min_cosine
 
-from diag.bench import LatencyStats
-from diag.cli import build_parser, main
-from diag.errors import DiagError
-from diag.feeds import FeedSpec
-from diag.fixtures import models
-from diag.lint import lint_recipe_file
-from diag.recipe import load_recipe
-from diag.sweep import (
+from diag.cli.commands import build_parser, main
+from diag.cli.verbs import sweep_to_dir
+from diag.core.feeds import FeedSpec
+from diag.core.recipe import load_recipe
+from diag.fix.bench import LatencyStats
+from diag.fix.lint import lint_recipe_file
+from diag.fix.sweep import (
     DEFAULT_GRID,
     JSONL,
     SweepEntry,
@@ -42,7 +41,8 @@ from diag.sweep import (
     rank_entries,
     read_jsonl,
 )
-from diag.verbs import sweep_to_dir
+from diag.fixtures import models
+from diag.foundations.errors import DiagError
 
 # ---------------------------------------------------------------- helpers
 

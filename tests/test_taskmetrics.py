@@ -12,14 +12,14 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.quantization import quantize_dynamic
 
-from diag import cli
-from diag.errors import GATE_FAILED, OK, USER_ERROR
-from diag.exclude import ExcludeOptions, derive_exclusions
-from diag.feeds import FeedSpec
+from diag.cli import commands as cli
+from diag.core.feeds import FeedSpec
+from diag.core.recipe import Recipe
+from diag.core.taskmetrics import F1Metric, TaskMetric
+from diag.fix.exclude import ExcludeOptions, derive_exclusions
 from diag.fixtures import models
-from diag.recipe import Recipe
-from diag.report import md_escape
-from diag.taskmetrics import F1Metric, TaskMetric
+from diag.foundations.errors import GATE_FAILED, OK, USER_ERROR
+from diag.report.view import md_escape
 
 PLUGIN = "taskmetric_plugins:rel_error"
 
@@ -258,7 +258,7 @@ def test_plugin_value_is_an_exclusion_target_met_by_real_requantization(tmp_path
     )
     doc = r.to_dict()
     assert doc["metrics"]["after"]["task"] == {"rel_err": r.after.task["rel_err"]}
-    from diag.exclude_view import report_section
+    from diag.report.exclude_view import report_section
 
     row = next(x for x in report_section(doc)["metrics"] if x["name"] == "rel_err")
     assert row == {

@@ -16,11 +16,11 @@ import pytest
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 from plain_ort import Rows, min_cosine
 
-from diag.cli import main
-from diag.errors import DiagError
+from diag.cli.commands import main
+from diag.core.recipe import Recipe
+from diag.fix.tiers import parse_tiers
 from diag.fixtures.nbits_models import BLOCK, outlier_activation_mlp, stray_block_mlp
-from diag.recipe import Recipe
-from diag.tiers import parse_tiers
+from diag.foundations.errors import DiagError
 
 
 def plain_weight_only(fp32: Path, out: Path, recipe: dict) -> Path:
@@ -118,7 +118,7 @@ def test_a16_plan_widens_the_outlier_tensor_and_meets_a_target_all_8_bit_misses(
 
 
 def test_static_plans_are_written_as_tensor_quant_overrides() -> None:
-    from diag.tiers import recipe_for_plan
+    from diag.fix.tiers import recipe_for_plan
 
     fp = stray_block_mlp().model
     r = Recipe(mode="static", weight_type="QInt4", activation_type="QUInt8", per_channel=True)
@@ -151,7 +151,7 @@ def test_tier_lists_a_recipe_cannot_express_are_bad_options(text: str, recipe: R
 
 @pytest.mark.parametrize("flag", [["--scheduler", "local:2"], ["--no-estimates"]])
 def test_flags_the_tier_search_does_not_take_are_refused_not_ignored(tmp_path: Path, capsys, flag: list[str]) -> None:
-    from diag.cli import main
+    from diag.cli.commands import main
 
     argv = ["exclude", str(tmp_path / "m.onnx"), "--random", "--target", "cosine>=0.9", "--tiers", "int8,fp32"]
     assert main([*argv, *flag, "--out", str(tmp_path / "out")]) == 2

@@ -1,6 +1,6 @@
 """Every verb's flags map onto the options of its one library call, field by field.
 
-Real command lines go through ``cli.build_parser`` and the verb's options builder
+Real command lines go through ``commands.build_parser`` and the verb's options builder
 (``cli.<verb>_options``); no model is read. Every flag gets a value that differs from its default
 and from every other flag's, so a flag wired to the wrong field (or not wired) fails, and a
 verb's bare command line must give the library's own defaults, so the CLI and the library
@@ -15,19 +15,19 @@ from typing import Any
 
 import pytest
 
-from diag import cli
-from diag.compare import CompareOptions
-from diag.diff import DiffOptions
-from diag.feeds import FeedSpec
-from diag.gate import CheckOptions, Gates
-from diag.metricnames import gates
-from diag.verbs import (
+from diag.analysis.compare import CompareOptions
+from diag.cli import commands as cli
+from diag.cli.verbs import (
     DemoOptions,
     InspectOptions,
     LintOptions,
     MergeOptions,
     ReportOptions,
 )
+from diag.core.feeds import FeedSpec
+from diag.foundations.metricnames import gates
+from diag.report.diff import DiffOptions
+from diag.report.gate import CheckOptions, Gates
 
 FEED_FLAGS = ["--inputs", "x.npz", "--random", "--reader", "mod:factory", "--samples", "5", "--batch", "2"]
 FEED_FLAGS += ["--seed", "7", "--shape", "x=2,3", "--shape", "y=4", "--int-range", "3,30522"]
@@ -39,7 +39,7 @@ COMPARE_FLAGS += ["--output-kind", "logits=probabilities", "--effects", "6", "--
 COMPARE_FLAGS += ["--accuracy-level-check", "4", "--labels", "y.npy", "--metric", "plug:metric"]
 COMPARE_FLAGS += ["--scheduler", "local:2", "--deploy-isa", "avx2", "--quiet"]
 
-#: One value per metric gate (diag.metricnames' table: a new gate is tested without a new line here),
+#: One value per metric gate (diag.foundations.metricnames' table: a new gate is tested without a new line here),
 #: each different from the others, so a flag wired to another gate's field fails.
 GATE_VALUES = {flag: 0.25 + i / 64 for i, flag in enumerate(gates())}
 CHECK_FLAGS = [a for flag, value in GATE_VALUES.items() for a in (f"--{flag}", str(value))]
@@ -208,7 +208,7 @@ def test_compare_makes_one_library_call_with_its_positionals_and_options(monkeyp
         seen.append(args)
         raise SystemExit(0)
 
-    monkeypatch.setattr("diag.verbs.compare_to_dir", fake_compare_to_dir)
+    monkeypatch.setattr("diag.cli.verbs.compare_to_dir", fake_compare_to_dir)
     argv = ["compare", "a.onnx", "b.onnx", *FEED_FLAGS, *COMPARE_FLAGS]
     with pytest.raises(SystemExit):
         cli.main(argv)

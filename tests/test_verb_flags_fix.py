@@ -1,9 +1,9 @@
 """The fixing verbs' flags map to exactly the options they document: every flag to its own field.
 
-Each case parses a real command line with ``diag.cli.build_parser()`` and builds the verb's
+Each case parses a real command line with ``diag.cli.commands.build_parser()`` and builds the verb's
 options with its builder; every flag is given a value different from its default, so a flag wired
 to the wrong field (or dropped) changes the object and fails the test. A second test checks that
-each verb passes that very object to its one library call (``diag.verbs``). No model is needed.
+each verb passes that very object to its one library call (``diag.cli.verbs``). No model is needed.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from diag import cli
-from diag.bench import BenchOptions
-from diag.errors import DiagError
-from diag.exclude import ExcludeOptions
-from diag.feeds import FeedSpec
-from diag.quantize import QuantizeOptions
-from diag.sweep import SweepOptions
-from diag.tiers import TierOptions
+from diag.cli import commands as cli
+from diag.core.feeds import FeedSpec
+from diag.fix.bench import BenchOptions
+from diag.fix.exclude import ExcludeOptions
+from diag.fix.quantize import QuantizeOptions
+from diag.fix.sweep import SweepOptions
+from diag.fix.tiers import TierOptions
+from diag.foundations.errors import DiagError
 
 SEARCH_FLAGS = [
     "--target",
@@ -197,11 +197,11 @@ def test_the_search_flags_the_tier_search_cannot_honour_are_refused():
 
 
 CALLS = [
-    ("diag.verbs.exclude_to_dir", CASES[0][1], 3),
-    ("diag.verbs.tier_plan_to_dir", CASES[2][1], 3),
-    ("diag.verbs.sweep_to_dir", CASES[3][1], 3),
-    ("diag.verbs.bench_to_json", CASES[5][1], 2),
-    ("diag.verbs.quantize_to_file", CASES[7][1], 1),
+    ("diag.cli.verbs.exclude_to_dir", CASES[0][1], 3),
+    ("diag.cli.verbs.tier_plan_to_dir", CASES[2][1], 3),
+    ("diag.cli.verbs.sweep_to_dir", CASES[3][1], 3),
+    ("diag.cli.verbs.bench_to_json", CASES[5][1], 2),
+    ("diag.cli.verbs.quantize_to_file", CASES[7][1], 1),
 ]
 
 

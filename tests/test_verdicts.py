@@ -9,12 +9,12 @@ import numpy as np
 import onnx
 import pytest
 
-from diag.compare import CompareOptions, CompareResult, compare_models
-from diag.errors import DiagError
-from diag.feeds import FeedSpec
+from diag.analysis.compare import CompareOptions, CompareResult, compare_models
+from diag.core.feeds import FeedSpec
+from diag.core.outputs import output_specs, parse_output_kinds
 from diag.fixtures.models import build
 from diag.fixtures.quantize import quantize
-from diag.outputs import output_specs, parse_output_kinds
+from diag.foundations.errors import DiagError
 
 
 def _compare(tmp_path: Path, name: str, fmt: str, samples: int = 16, **opts: object) -> CompareResult:
@@ -30,8 +30,8 @@ def _compare(tmp_path: Path, name: str, fmt: str, samples: int = 16, **opts: obj
 
 def _static_qdq_exclusion(tmp_path: Path, name: str, target: str) -> Any:
     """diag exclude with a static QDQ recipe (calibrated on the ranking split) on fixture ``name``."""
-    from diag.exclude import ExcludeOptions, derive_exclusions
-    from diag.recipe import Recipe
+    from diag.core.recipe import Recipe
+    from diag.fix.exclude import ExcludeOptions, derive_exclusions
 
     fx = build(name)
     onnx.save(fx.model, tmp_path / "fp.onnx")
@@ -127,9 +127,9 @@ def test_float_region_model_equals_real_exclusion(tmp_path: Path) -> None:
     import onnxruntime as ort
     from onnxruntime.quantization import quantize_dynamic
 
-    from diag.effects import float_region_model
-    from diag.load import model_from_path
-    from diag.match import match_models
+    from diag.analysis.effects import float_region_model
+    from diag.core.load import model_from_path
+    from diag.core.match import match_models
 
     fx = build("convnet")
     onnx.save(fx.model, tmp_path / "fp.onnx")
@@ -154,7 +154,7 @@ def test_exclusion_for_a_score_target_keeps_exactly_the_concat(tmp_path: Path) -
 def test_full_range_qint8_weights_are_found_and_7bit_or_unsigned_ones_are_not(tmp_path: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from diag.cpu import full_range_int8_weights, saturation_warning
+    from diag.foundations.cpu import full_range_int8_weights, saturation_warning
 
     fx = build("transformer")
     onnx.save(fx.model, tmp_path / "fp.onnx")
@@ -206,10 +206,10 @@ def test_float_region_of_a_qdq_concat_equals_real_exclusion_on_the_scores(tmp_pa
     import onnxruntime as ort
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
-    from diag.effects import float_region_model
+    from diag.analysis.effects import float_region_model
+    from diag.core.load import model_from_path
+    from diag.core.match import match_models
     from diag.fixtures.quantize import _ArrayReader
-    from diag.load import model_from_path
-    from diag.match import match_models
 
     fx = build("detector")
     onnx.save(fx.model, tmp_path / "fp.onnx")
@@ -300,10 +300,10 @@ def test_estimates_of_multi_node_exclusions_equal_real_static_qdq_exclusion(tmp_
     import onnxruntime as ort
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
-    from diag.effects import float_region_model
+    from diag.analysis.effects import float_region_model
+    from diag.core.load import model_from_path
+    from diag.core.match import match_models
     from diag.fixtures.quantize import _ArrayReader
-    from diag.load import model_from_path
-    from diag.match import match_models
 
     onnx.save(_hardswish_block(), tmp_path / "fp.onnx")
     calib = {"x": np.random.default_rng(1).standard_normal((8, 3, 8, 8)).astype(np.float32) * 2}

@@ -17,11 +17,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from diag.errors import DiagError
+from diag.core.recipe import Recipe
+from diag.fix.quantize import quantize_model
+from diag.fix.weightonly import quantizer_calls, weight_only_snippet
 from diag.fixtures.nbits_models import BLOCK, stray_block_mlp
-from diag.quantize import quantize_model
-from diag.recipe import Recipe
-from diag.weightonly import quantizer_calls, weight_only_snippet
+from diag.foundations.errors import DiagError
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -86,7 +86,7 @@ def test_tiers_under_k_quant_reach_the_target_with_int8_nodes(fp32: Path, tmp_pa
     """The stray 4-bit block of fc2 is fixed at 8 bits whatever the algorithm (README's fixture table)."""
     import json
 
-    from diag.cli import main
+    from diag.cli.commands import main
 
     x = stray_block_mlp().make_inputs(32, 1)
     np.savez(tmp_path / "x.npz", **x)
@@ -172,7 +172,7 @@ def test_under_hqq_nodes_at_8_bits_are_quantized_by_rtn(tmp_path: Path) -> None:
 
 
 def test_a_sweep_grid_over_algorithms_gives_calibration_to_gptq_only(tmp_path: Path) -> None:
-    from diag.sweep import expand_grid
+    from diag.fix.sweep import expand_grid
 
     grid = {"mode": "weight_only", "algorithm": ["RTN", "k_quant", "HQQ", "GPTQ"], "calibration": "c.npz"}
     recipes = expand_grid(grid, str(tmp_path))
@@ -192,7 +192,7 @@ def test_hqq_tiers_and_an_algorithm_sweep_run_with_real_quantization(fp32: Path,
     rebuilt byte for byte by reproduce.py) and RTN / k_quant / HQQ / GPTQ side by side in diag sweep."""
     import json
 
-    from diag.cli import main
+    from diag.cli.commands import main
 
     x = stray_block_mlp().make_inputs(32, 1)
     np.savez(tmp_path / "x.npz", **x)

@@ -11,9 +11,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from diag.analysis.weights import ChannelError, WeightFinding, weight_errors, weight_report
 from diag.fixtures.models import convnet
 from diag.fixtures.weight_models import DEFECT_CHANNEL, quantize_variant, weightnet
-from diag.weights import ChannelError, WeightFinding, weight_errors, weight_report
 
 FORMATS = ("dynamic", "qdq", "qoperator")
 
@@ -286,7 +286,7 @@ def test_dynamic_graph_fused_by_onnxruntime_keeps_every_weight(tmp_path):
 
 
 def test_weights_not_loaded_is_a_user_error(made, tmp_path):
-    from diag.errors import DiagError
+    from diag.foundations.errors import DiagError
 
     fp, q = made["qdq"]
     path = tmp_path / "ext.onnx"

@@ -1,12 +1,12 @@
 """mkdocs hook: the manual's lists that have one source elsewhere, rendered from it at build time.
 
-- The verbs are listed once by hand, in README.md's table (``diag.cli.VERBS`` is the code's list;
+- The verbs are listed once by hand, in README.md's table (``diag.cli.commands.VERBS`` is the code's list;
   ``tests/test_readme.py`` checks the two agree). The manual's "Verbs" section in ``mkdocs.yml``
   names only its index page; this hook appends one page per verb in the table's order (the order
   ``tests/test_readme.py`` runs their examples in) and renders the table on ``docs/verbs/index.md``,
   so a new verb is a README row and its page, never a nav entry or a second list to keep in step.
 - The metrics' names (``diag.json`` key, target, objective, gate) and the gates of ``diag check``
-  are rows of ``diag.metricnames.METRICS``; a page asks for them with a marker line
+  are rows of ``diag.foundations.metricnames.METRICS``; a page asks for them with a marker line
   (:data:`MARKERS`), so a new metric is a row there and its definition in ``docs/metrics.md``.
 
 Registered in ``mkdocs.yml`` (``hooks:``); it imports no mkdocs and only diag's foundation table, so
@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from diag.metricnames import METRICS, gates
+from diag.foundations.metricnames import METRICS, gates
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

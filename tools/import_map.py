@@ -8,8 +8,10 @@ Usage (from anywhere; stdlib only, diag itself is never imported)::
     python tools/import_map.py --contract   # the import-linter contract pyproject.toml must hold
     python tools/import_map.py --files foundations core   # the files of those layers (mypy --strict)
 
-The layer of each module is read from the module table of ``ARCHITECTURE.md`` (rows
-``| `name` | layer | job |``), so the document is the one place the intended layers are written.
+Each layer is a package, ``diag/<layer>/``, and a module is named by its file's stem
+(``diag/core/streaming.py`` is ``streaming``; ``__init__`` and ``__main__`` are the top of
+``diag/``). The layer of each module is also written in the module table of ``ARCHITECTURE.md`` (rows
+``| `name` | layer | job |``); a module whose package is not its table's layer is *misplaced*.
 Layers, lowest first: foundations, core, analysis, fix, report, cli. An import is *upward* when a
 module imports one from a higher layer; imports within a layer are allowed (cycles are counted on
 their own).
@@ -22,7 +24,7 @@ Each import of one diag module by another is classified by where it sits:
 * ``typing``: under ``if TYPE_CHECKING:`` (never runs; listed, but not part of the graph).
 
 ``from diag import __version__`` (or ``import diag``) is an import of ``__init__``; imports of the
-``diag.fixtures`` package (``fixtures/``) are outside diag/*.py and not counted.
+``diag.fixtures`` package (``fixtures/``) are outside diag's modules and not counted.
 
 A *cycle* is a strongly connected component of more than one module in the graph of ``top`` and
 ``lazy`` imports: an import inside a function is a dependency all the same (the function cannot run
@@ -33,8 +35,8 @@ left out of the graph and of the upward count. ``cycle modules`` is how many mod
 hold. The numbers are written in ARCHITECTURE.md; ``tests/test_architecture.py`` checks them against
 this script.
 
-NOTE: this measures, it does not enforce. Issue 19 asks for an import-linter layers contract; these
-numbers are its starting point, what that contract has to bring to zero.
+NOTE: this measures, it does not enforce: ``lint-imports`` enforces the contract ``--contract``
+prints (the six layer packages, highest first, and no cycle between the modules of one package).
 """
 
 from __future__ import annotations
@@ -45,14 +47,14 @@ import json
 import re
 import sys
 import textwrap
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("foundations", "core", "analysis", "fix", "report", "cli")
 KINDS = ("top", "lazy", "dynamic", "typing")
 _ROW = re.compile(r"^\|\s*`(?P<module>[A-Za-z_][A-Za-z0-9_]*)`\s*\|\s*(?P<layer>[a-z]+)\s*\|")
-_DYNAMIC = re.compile(r"diag\.(?P<module>[A-Za-z_][A-Za-z0-9_]*)")
+_DYNAMIC = re.compile(rf"diag\.(?:(?:{'|'.join(LAYERS)})\.)?(?P<module>[A-Za-z_][A-Za-z0-9_]*)")
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class Import:
     imported: str
     kind: str
     line: int
-    #: Names imported that are private to the other module (``from diag.match import _value_dtypes``).
+    #: Names imported that are private to the other module (``from diag.core.match import _value_dtypes``).
     private: tuple[str, ...] = ()
 
 
@@ -80,6 +82,14 @@ class ImportMap:
     layer_cycles: list[list[str]]
     #: Imports of other packages inside functions: ``{"importer", "line", "package"}``.
     lazy_external: list[dict[str, object]]
+
+    #: Module -> its file, relative to diag/ (``core/streaming.py``).
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def misplaced(self) -> list[str]:
+        """Modules whose file is not in their table layer's package (``__init__``, ``__main__``: top)."""
+        return [m for m in self.modules if m in self.layers and self.files.get(m) != _home(m, self.layers[m])]
 
     @property
     def unlisted(self) -> list[str]:
@@ -103,6 +113,8 @@ class ImportMap:
             "modules": self.modules,
             "layers": self.layers,
             "unlisted": self.unlisted,
+            "misplaced": self.misplaced,
+            "files": self.files,
             "counts": {kind: self.count(kind) for kind in KINDS},
             "cycle_count": len(self.cycles),
             "cycle_modules": self.cycle_modules,
@@ -116,9 +128,22 @@ class ImportMap:
         }
 
 
+def _home(module: str, layer: str) -> str:
+    """Where a module of a layer belongs, relative to diag/."""
+    return f"{module}.py" if module in ("__init__", "__main__") else f"{layer}/{module}.py"
+
+
+def module_files(package: Path) -> dict[str, Path]:
+    """Module name -> file: ``package/*.py`` and ``package/<layer>/*.py`` (not the layers' ``__init__``)."""
+    found = {p.stem: p for p in package.glob("*.py")}
+    for layer in LAYERS:
+        found.update({p.stem: p for p in (package / layer).glob("*.py") if p.name != "__init__.py"})
+    return dict(sorted(found.items()))
+
+
 def package_modules(package: Path) -> list[str]:
-    """The module names of ``package/*.py`` (``__init__`` and ``__main__`` included), sorted."""
-    return sorted(p.stem for p in package.glob("*.py"))
+    """The module names of diag (``__init__`` and ``__main__`` included), sorted."""
+    return list(module_files(package))
 
 
 def layer_table(doc: Path) -> dict[str, str]:
@@ -133,22 +158,45 @@ def layer_table(doc: Path) -> dict[str, str]:
     return table
 
 
-def _targets(node: ast.Import | ast.ImportFrom, modules: set[str]) -> list[str]:
-    """The diag modules one import statement loads (``from diag import files`` loads ``files``)."""
+def _module_of(parts: list[str], modules: set[str]) -> str | None:
+    """The diag module a dotted name (split, without ``diag``) is or lies in; None for a layer package."""
+    if parts and parts[0] in LAYERS:
+        parts = parts[1:]
+        if not parts:
+            return None
+    if not parts:
+        return "__init__"
+    return parts[0] if parts[0] in modules else None
+
+
+def _targets(node: ast.Import | ast.ImportFrom, modules: set[str], package: str = "diag") -> list[str]:
+    """The diag modules one import statement loads (``from diag.foundations import files`` loads ``files``).
+
+    ``package`` is the importer's package (``diag.core``), for relative imports.
+    """
     if isinstance(node, ast.Import):
         found: list[str] = []
         for alias in node.names:
             parts = alias.name.split(".")
             if parts[0] == "diag":
-                found.append(parts[1] if len(parts) > 1 else "__init__")
+                target = _module_of(parts[1:], modules)
+                found += [target] if target else []
         return [m for m in found if m in modules]
-    base = f"diag.{node.module or ''}".rstrip(".") if node.level == 1 else node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join([*anchor, *([node.module] if node.module else [])])
+    else:
+        base = node.module or ""
     parts = base.split(".")
     if parts[0] != "diag":
         return []
-    if len(parts) > 1:  # "from diag.x import y"; diag.fixtures is not a diag/*.py module
-        return [parts[1]] if parts[1] in modules else []
-    # "from diag import x": a module, or a name defined in diag/__init__.py
+    inner = parts[1:]
+    if inner and not (inner[0] in LAYERS and len(inner) == 1):  # "from diag.core.x import y"
+        target = _module_of(inner, modules)  # diag.fixtures is not one of diag's modules
+        return [target] if target else []
+    # "from diag import x" (a module, or a name defined in diag/__init__.py), "from diag.core import x"
+    if inner:
+        return [alias.name for alias in node.names if alias.name in modules]
     return [alias.name if alias.name in modules else "__init__" for alias in node.names]
 
 
@@ -161,6 +209,7 @@ def _is_type_checking(test: ast.expr) -> bool:
 def module_imports(path: Path, modules: set[str]) -> list[Import]:
     """Every import of another diag module in one file, classified top / lazy / dynamic / typing."""
     importer = path.stem
+    package = "diag" if path.parent.name not in LAYERS else f"diag.{path.parent.name}"
     found: list[Import] = []
 
     def visit(node: ast.AST, kind: str) -> None:
@@ -169,7 +218,9 @@ def module_imports(path: Path, modules: set[str]) -> list[Import]:
             if isinstance(node, ast.ImportFrom):
                 private = tuple(a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__"))
             found.extend(
-                Import(importer, t, kind, node.lineno, private) for t in _targets(node, modules) if t != importer
+                Import(importer, t, kind, node.lineno, private)
+                for t in _targets(node, modules, package)
+                if t != importer
             )
             return
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and kind != "typing":
@@ -256,11 +307,12 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def import_map(root: Path = ROOT) -> ImportMap:
-    """Measure diag/*.py under ``root`` against the layer table of ``root/ARCHITECTURE.md``."""
+    """Measure diag's modules under ``root`` against the layer table of ``root/ARCHITECTURE.md``."""
     package = root / "diag"
-    modules = package_modules(package)
+    files = module_files(package)
+    modules = list(files)
     layers = layer_table(root / "ARCHITECTURE.md")
-    imports = [imp for name in modules for imp in module_imports(package / f"{name}.py", set(modules))]
+    imports = [imp for name in modules for imp in module_imports(files[name], set(modules))]
     graph: dict[str, set[str]] = {name: set() for name in modules}
     counted = [imp for imp in imports if imp.kind in ("top", "lazy")]
     for imp in counted:
@@ -277,8 +329,9 @@ def import_map(root: Path = ROOT) -> ImportMap:
         if imp not in upward:
             within[imp.importer].add(imp.imported)
     layer_cycles = [c for c in strongly_connected(within) if len(c) > 1]
-    external = [f for name in modules for f in lazy_external(package / f"{name}.py")]
-    return ImportMap(modules, layers, imports, cycles, upward, layer_cycles, external)
+    external = [f for name in modules for f in lazy_external(files[name])]
+    where = {name: path.relative_to(package).as_posix() for name, path in files.items()}
+    return ImportMap(modules, layers, imports, cycles, upward, layer_cycles, external, where)
 
 
 def summary(facts: ImportMap, edges: bool = False) -> list[str]:
@@ -308,25 +361,24 @@ def summary(facts: ImportMap, edges: bool = False) -> list[str]:
     lines += [f"  within one layer: {', '.join(c)}" for c in facts.layer_cycles]
     if facts.unlisted:
         lines.append(f"not in ARCHITECTURE.md's module table: {', '.join(facts.unlisted)}")
+    if facts.misplaced:
+        lines.append(f"not in their layer's package: {', '.join(facts.misplaced)}")
     if edges:
         lines.append("imports:")
         lines += [f"  {i.importer}:{i.line} -> {i.imported} [{i.kind}]" for i in facts.imports]
     return lines
 
 
-def contract(layers: dict[str, str]) -> str:
-    """The ``[tool.importlinter]`` section that enforces the table's layers, as pyproject.toml holds it.
+def contract() -> str:
+    """The ``[tool.importlinter]`` section that enforces the layers, as pyproject.toml holds it.
 
-    One ``layers`` contract (highest layer first; the modules of one layer may import each other,
-    ``:``) that is exhaustive over diag's modules, so a new module must be placed in a layer, and one
-    ``acyclic_siblings`` contract, so the modules of one layer do not form a cycle either.
-    ``__init__`` is the package itself (the container), not a layer member.
+    One ``layers`` contract over the six layer packages (highest first; ``__main__``, the one module
+    left at the top besides the package's ``__init__``, sits with cli), exhaustive, so a new module
+    or package at the top of diag must be placed in a layer, and one ``acyclic_siblings`` contract,
+    so neither the layers nor the modules of one layer form a cycle (it checks the children of
+    every package under diag).
     """
-    rows = []
-    for layer in reversed(LAYERS):
-        members = sorted(m for m, where in layers.items() if where == layer and m != "__init__")
-        if members:
-            rows.append(f'    "{" : ".join(members)}",  # {layer}')
+    rows = ['    "__main__ : cli",'] + [f'    "{layer}",' for layer in reversed(LAYERS) if layer != "cli"]
     return "\n".join(
         [
             "[tool.importlinter]",
@@ -361,9 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     facts = import_map(args.root)
     if args.files:
-        print(" ".join(f"diag/{m}.py" for m in facts.modules if facts.layers.get(m) in args.files))
+        print(" ".join(f"diag/{facts.files[m]}" for m in facts.modules if facts.layers.get(m) in args.files))
     elif args.contract:
-        print(contract(facts.layers))
+        print(contract())
     elif args.json:
         json.dump(facts.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")

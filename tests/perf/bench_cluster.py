@@ -43,10 +43,10 @@ def _fixture(folder: Path) -> tuple[Path, Path]:
 
 
 def _exclude(fp: Path, npz: Path, target: str, batch: int, threads: int | None, scheduler: str | None) -> Any:
-    from diag.cluster import ClusterTrialRunner
-    from diag.exclude import ExcludeOptions, derive_exclusions
-    from diag.feeds import FeedSpec
-    from diag.recipe import Recipe
+    from diag.core.feeds import FeedSpec
+    from diag.core.recipe import Recipe
+    from diag.fix.cluster import ClusterTrialRunner
+    from diag.fix.exclude import ExcludeOptions, derive_exclusions
 
     recipe = Recipe(mode="dynamic", weight_type="QUInt8")
     spec = FeedSpec(inputs=str(npz), batch=batch)
@@ -56,9 +56,9 @@ def _exclude(fp: Path, npz: Path, target: str, batch: int, threads: int | None, 
 
 
 def _sweep(fp: Path, npz: Path, out: Path, batch: int, threads: int | None, scheduler: str | None) -> Any:
-    from diag.cluster import ClusterRecipes
-    from diag.feeds import FeedSpec
-    from diag.sweep import SweepOptions, sweep_model
+    from diag.core.feeds import FeedSpec
+    from diag.fix.cluster import ClusterRecipes
+    from diag.fix.sweep import SweepOptions, sweep_model
 
     grid = {
         "mode": ["dynamic", "static"],

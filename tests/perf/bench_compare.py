@@ -11,7 +11,7 @@ peak RSS (min-max over ``--repeat`` runs, each in a fresh process) of:
 * floor: the instrumented FP32 and INT8 models run once over the inputs, every output touched,
   nothing kept (the unavoidable cost of looking at every tensor);
 * floor+ (``--modes`` must name it): the floor with the allocator setting diag applies to itself
-  (``diag.run.reuse_freed_memory``), to show how much of diag's lead comes from that setting;
+  (``diag.core.run.reuse_freed_memory``), to show how much of diag's lead comes from that setting;
 * diag: ``diag.compare_models`` (accumulated + local error + histograms + outliers), exact mode,
   ``--reductions numpy`` (every tensor exposed and reduced in numpy);
 * diag-graph: the same with ``--reductions graph`` (statistics computed inside onnxruntime, one
@@ -50,18 +50,18 @@ fp, q, inputs = folder / "fp32.onnx", folder / f"{fmt}.onnx", folder / "inputs.n
 start = time.perf_counter()
 extra = {}
 if mode in ("diag", "diag-graph", "graph-nolocal"):
-    from diag.compare import CompareOptions, compare_models
-    from diag.feeds import FeedSpec
+    from diag.analysis.compare import CompareOptions, compare_models
+    from diag.core.feeds import FeedSpec
     how = "numpy" if mode == "diag" else "graph"
     r = compare_models(fp, q, FeedSpec(inputs=str(inputs), samples=samples),
                        CompareOptions(progress=False, reductions=how, local=mode != "graph-nolocal", effects=0))
     assert not r.state.numpy_reduced, r.state.numpy_reduced  # the graph computed every statistic
 elif mode in ("floor", "floor+"):
     import onnx, onnxruntime as ort
-    if mode == "floor+":  # the floor with diag's allocator setting (see diag.run.reuse_freed_memory)
-        from diag.run import reuse_freed_memory
+    if mode == "floor+":  # the floor with diag's allocator setting (see diag.core.run.reuse_freed_memory)
+        from diag.core.run import reuse_freed_memory
         reuse_freed_memory()
-    from diag.instrument import exposed_model
+    from diag.core.instrument import exposed_model
     with np.load(inputs) as npz:  # read once: indexing an NpzFile re-reads the whole array
         name = npz.files[0]
         data = {name: npz[name]}
@@ -80,10 +80,10 @@ elif mode == "passes":
     # One INT8 pass with every matched tensor exposed vs one pass of the cut model (local error),
     # built exactly as diag builds them; feeds of the cut model are the FP32 values.
     import onnx
-    from diag.compare import load_pair
-    from diag.instrument import cut_model, exposed_model
-    from diag.match import match_models
-    from diag.run import default_threads, reuse_freed_memory, run_batch, session_from_model
+    from diag.analysis.compare import load_pair
+    from diag.core.instrument import cut_model, exposed_model
+    from diag.core.match import match_models
+    from diag.core.run import default_threads, reuse_freed_memory, run_batch, session_from_model
     reuse_freed_memory()  # as diag compare does
     f, qm = load_pair(fp, q)
     pairs = match_models(f.proto, qm.proto).pairs

@@ -74,15 +74,15 @@ inputs = folder / "inputs.npz" if (folder / "inputs.npz").exists() else folder /
 start = time.perf_counter()
 extra = {}
 if mode in ("diag", "acc4"):
-    from diag.cli import main
+    from diag.cli.commands import main
     more = ["--accuracy-level-check", "4"] if mode == "acc4" else []
     code = main(["compare", str(fp), str(q), "--inputs", str(inputs), "--samples", str(samples),
                  "--out", str(folder / "out"), "--quiet", *more])
     assert code == 0, code
 elif mode == "floor":
     import onnx
-    from diag.instrument import exposed_model
-    from diag.run import session_from_model
+    from diag.core.instrument import exposed_model
+    from diag.core.run import session_from_model
     with np.load(inputs) as z:
         arrays = {k: z[k][:samples] for k in z.files}
     feeds = [{k: v[i:i + 1] for k, v in arrays.items()} for i in range(len(next(iter(arrays.values()))))]
@@ -115,7 +115,7 @@ elif mode == "ort":
     b = collect_activations(str(folder / "q_aug.onnx"), R())
     extra = {"pairs": len(create_activation_matching(b, a))}
 elif mode == "tiers":
-    from diag.cli import main
+    from diag.cli.commands import main
     code = main(["exclude", str(fp), "--int8", str(q), "--inputs", str(inputs), "--samples", str(samples),
                  "--tiers", "int4,int8,fp32", "--target", sys.argv[4], "--time-budget", sys.argv[5],
                  "--bench-runs", "0", "--out", str(folder / "tiers"), "--quiet"])

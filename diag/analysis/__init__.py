@@ -1,0 +1,1 @@
+"""The analysis layer: findings from numbers; the compare pipeline."""

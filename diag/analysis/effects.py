@@ -1,0 +1,1190 @@
+"""Root causes confirmed by their effect on the outputs: keep one node in float, measure again.
+
+Local SQNR says which nodes quantize badly; it does not say whether the *outputs* care (a bad node
+on a branch scaled down before a residual Add barely reaches them, and a node whose local error
+looks moderate may destroy a small part of a detector output). So the headline cause is not
+chosen from local error alone: for a handful of candidates — the worst local nodes, the nodes at
+the root of each output's error path, and the heads that write the outputs (the Concat of a
+detector output included) — diag builds the INT8 model with that one node's region computed in
+float, runs it on the first few samples, and measures how much of the output error it removes.
+
+"Region in float" is what ``nodes_to_exclude`` does in spirit: the FP32 node(s) of the group,
+with their FP32 weights, read the INT8 model's float value of each input *before* that input was
+quantized for them (the DynamicQuantizeLinear / Q-DQ pair is skipped; a QOperator integer input
+is dequantized with its own scale), and the consumers read the float output (re-quantized with the
+output's own scale where the consumer expects integers). No re-quantization, no calibration: one
+INT8-sized run per candidate on ``samples`` inputs.
+
+NOTE: the check never touches the models on disk; every candidate model is a new proto.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_tensor
+
+from diag.analysis.analyze import (
+    BAD_SQNR_DB,
+    NodeFinding,
+    OutputVerdict,
+    failing_clause,
+    failing_outputs,
+    single_cause,
+    upstream_of,
+)
+from diag.analysis.remedies import generic_spread
+from diag.core.feeds import FeedSource
+from diag.core.instrument import exposed_model
+from diag.core.load import LoadedModel, outer_scope_inputs, subgraphs
+from diag.core.match import Matching, TensorPair, node_id
+from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputSpec
+from diag.core.run import default_threads, run_batch, session_from_model
+from diag.foundations.jsonnum import json_number
+from diag.foundations.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL
+from diag.foundations.progress import Progress
+
+#: Candidates checked by default: enough for the worst local nodes, the path roots and the heads.
+DEFAULT_CANDIDATES = 8
+#: Samples each candidate runs on (the first ones of the inputs).
+DEFAULT_SAMPLES = 8
+#: A node that removes at least this share of the worst output's error energy is a confirmed cause.
+CONFIRMED_SHARE = 0.5
+_PREFIX = "diag_float/"
+#: Effects are measured with the optimization level onnxruntime uses by default.
+EFFECT_OPT_LEVEL = DEPLOY_LEVEL
+
+
+@dataclass
+class Effect:
+    """What keeping one node group in float does to the outputs (on the first ``samples`` inputs)."""
+
+    finding: NodeFinding
+    #: Share of the target's error energy removed: 1 - Σe²(candidate) / Σe²(INT8). 1 = fully fixed.
+    recovered: float
+    #: Per output (and part, ``"out part"``): SQNR of the candidate model (the INT8 model's is in
+    #: :attr:`EffectCheck.base`).
+    sqnr_after: dict[str, float]
+    why: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.finding.group.label,
+            "fp_nodes": list(self.finding.group.fp_nodes),
+            "local_sqnr_db": json_number(self.finding.local.sqnr_db) if self.finding.local else None,
+            "recovered": json_number(self.recovered),
+            "sqnr_after": {k: json_number(v) for k, v in self.sqnr_after.items()},
+            "why": self.why,
+        }
+
+
+@dataclass
+class EffectCheck:
+    """The candidates measured, best first, and the output (or part) they were measured on."""
+
+    target: str
+    effects: list[Effect]
+    samples: int
+    seconds: float
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: Per output (and part): the INT8 model's error as given, on the same samples.
+    base: dict[str, ErrorStats] = field(default_factory=dict)
+    #: The FP32 outputs of the checked samples, kept for :func:`estimate_list` (not serialized):
+    #: computing them again means loading the FP32 model once more (2 GB on a 500M decoder).
+    reference: _OutputErrors | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def sqnr_before(self) -> dict[str, float]:
+        """Per output (and part): SQNR of the INT8 model as given."""
+        return {k: s.sqnr_db for k, s in self.base.items()}
+
+    @property
+    def best(self) -> Effect | None:
+        return self.effects[0] if self.effects else None
+
+    def of(self, label: str) -> Effect | None:
+        return next((e for e in self.effects if e.finding.group.label == label), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "samples": self.samples,
+            "seconds": round(self.seconds, 2),
+            "effects": [e.to_dict() for e in self.effects],
+            "skipped": dict(self.skipped),
+        }
+
+
+def candidates_for(
+    findings: list[NodeFinding],
+    paths: dict[str, list[NodeFinding]],
+    specs: dict[str, OutputSpec],
+    limit: int = DEFAULT_CANDIDATES,
+) -> list[tuple[NodeFinding, str]]:
+    """The nodes worth checking, with why: worst local error, error-path roots, output heads.
+
+    Example:
+        >>> [(f.group.label, why) for f, why in candidates_for(r.findings, r.paths, specs)][:1]  # doctest: +SKIP
+        [('layer1/ffn/fc1/MatMul', 'worst local SQNR 12.7 dB')]
+    """
+    chosen: dict[str, tuple[NodeFinding, list[str]]] = {}
+
+    def add(f: NodeFinding, why: str) -> None:
+        if not f.group.quantized or (f.local is None and f.accumulated is None):
+            return
+        chosen.setdefault(f.group.key, (f, []))[1].append(why)
+
+    quantized = [f for f in findings if f.group.quantized and f.local is not None and not math.isinf(f.local.sqnr_db)]
+    local_rank = sorted(quantized, key=lambda f: (f.local.sqnr_db if f.local else math.inf, f.index))
+    for f in local_rank[: max(1, limit // 2)]:
+        add(f, f"local SQNR {f.local.sqnr_db:.1f} dB (rank {f.rank_local})" if f.local else "local rank")
+    for out, path in paths.items():
+        if path:
+            add(path[0], f"root of the error path to '{out}'")
+    writer = {t: f for f in findings for t in f.group.outputs}
+    for name, spec in specs.items():
+        head = writer.get(name)
+        if head is not None:
+            add(head, f"writes output '{name}'")
+        if spec.concat_node:
+            c = next((x for x in findings if spec.concat_node in x.group.fp_nodes), None)
+            if c is not None:
+                add(c, f"Concat that builds '{name}' from parts")
+    for f in local_rank[max(1, limit // 2) :]:
+        if len(chosen) >= limit:
+            break
+        add(f, f"local SQNR {f.local.sqnr_db:.1f} dB (rank {f.rank_local})" if f.local else "local rank")
+    return [(f, "; ".join(dict.fromkeys(why))) for f, why in chosen.values()]
+
+
+def float_region_model(
+    fp: onnx.ModelProto,
+    q: onnx.ModelProto,
+    group_fp_nodes: list[str],
+    matching: Matching,
+    op_types: set[str] | None = None,
+    fp_dir: Path | None = None,
+) -> onnx.ModelProto:
+    """The INT8 model with the FP32 node(s) ``group_fp_nodes`` computed in float (see module doc).
+
+    Mirrors what ``nodes_to_exclude`` does: the float node reads the value its INT8 version reads
+    (the dequantized input in static formats, where the producer's output quantization stays; the
+    float tensor itself in dynamic ones, whose input quantization belongs to the consumer), and its
+    output enters the INT8 graph where the INT8 node's did (``cut_name``), quantized onto the same
+    grid when that tensor is an integer, so the output quantization the consumers need stays too.
+    In static QDQ models a tensor keeps its Q/DQ only while a node that is still quantized reads
+    or writes it (``op_types``: the op types the recipe quantizes; None: quantize_static's
+    defaults), as with onnxruntime. Raises ValueError when the region cannot be rebuilt (a
+    subgraph, a tensor with no INT8 pair).
+
+    External data: the copy keeps the INT8 model's references (run it with the INT8 model's
+    folder as ``external_data_dir``). The region's own FP32 weights keep theirs too when both
+    models sit in one folder (``fp_dir`` None); ``fp_dir``, the FP32 model's folder when it is
+    another one, has them read into the copy (only the region's: one projection, not the model;
+    over :data:`REGION_READ_BYTES` the region is refused with ValueError).
+
+    Example:
+        >>> m = float_region_model(fp.proto, q.proto, ["conv3"], matching)  # doctest: +SKIP
+    """
+    nodes = _region_nodes(fp, group_fp_nodes)
+    region = _Region(
+        pairs=matching.pairs,
+        produced={o for n in nodes for o in n.output if o},
+        stays_quantized=_still_quantized(fp, set(group_fp_nodes), matching, op_types),
+    )
+    _read_region_inputs(region, nodes, fp, {i.name for i in q.graph.input}, fp_dir)
+    for o in region.produced:
+        region.rename[o] = _PREFIX + o
+    _copy_region_nodes(region, nodes)
+    model = onnx.ModelProto()
+    model.CopyFrom(q)
+    g = model.graph
+    fp_consumed = {t for n in fp.graph.node for t in n.input}
+    if not _splice_region_outputs(region, g, fp_consumed):
+        raise ValueError("no output of the group has an INT8 counterpart")
+    g.initializer.extend(region.new_inits)
+    g.node.extend(region.new_nodes)
+    _drop_dead_nodes(g)
+    _sort_topologically(g)
+    return model
+
+
+@dataclass
+class _Region:
+    """A float region being built: the nodes and initializers it adds, and what each FP32 tensor is read as."""
+
+    pairs: dict[str, TensorPair]
+    #: the tensors the region's nodes write
+    produced: set[str]
+    #: does a static QDQ model keep this tensor's Q/DQ with the region in float (``_still_quantized``)
+    stays_quantized: Callable[[str], bool]
+    new_nodes: list[onnx.NodeProto] = field(default_factory=list)
+    new_inits: list[onnx.TensorProto] = field(default_factory=list)
+    #: FP32 tensor name -> the tensor the float copy reads (or writes) instead
+    rename: dict[str, str] = field(default_factory=dict)
+    #: tensors made inside the region that a float node reads through their kept Q/DQ
+    requantized: dict[str, str] = field(default_factory=dict)
+
+
+def _region_nodes(fp: onnx.ModelProto, group_fp_nodes: list[str]) -> list[onnx.NodeProto]:
+    """The FP32 nodes of the group; a region diag cannot rebuild (missing node, subgraph) raises ValueError."""
+    fp_index = {node_id(n, i): n for i, n in enumerate(fp.graph.node)}
+    nodes = [fp_index[n] for n in group_fp_nodes if n in fp_index]
+    if len(nodes) != len(group_fp_nodes):
+        raise ValueError("a node of the group is not in the FP32 graph")
+    if any(subgraphs(n) for n in nodes):
+        raise ValueError("the group holds a subgraph (If / Loop)")
+    return nodes
+
+
+def _read_region_inputs(
+    region: _Region,
+    nodes: list[onnx.NodeProto],
+    fp: onnx.ModelProto,
+    graph_inputs: set[str],
+    fp_dir: Path | None = None,
+) -> None:
+    """Decide what each input of the region reads: the value the INT8 node read before it was excluded.
+
+    Weights are the FP32 initializers (or Constant nodes) themselves; a tensor the region makes
+    itself is read directly, or through its kept Q/DQ while another consumer is still quantized;
+    any other tensor is read from the INT8 graph by :func:`_region_input`.
+    """
+    fp_inits = {i.name: i for i in fp.graph.initializer}
+    # Paddle and TF exports hold weights in Constant nodes, which the quantizer lifts into
+    # initializers first: the float copy reads the constant itself.
+    fp_consts = {n.output[0]: n for n in fp.graph.node if n.op_type == "Constant" and n.output}
+    pairs, rename = region.pairs, region.rename
+    out_grids = [pairs[o].grid for o in region.produced if o in pairs and pairs[o].grid is not None]
+    is_concat = any(n.op_type == "Concat" for n in nodes)
+    for n in nodes:
+        for t in n.input:
+            if not t or t in rename or t in region.requantized:
+                continue
+            if t in region.produced:
+                pair = pairs.get(t)
+                if pair is not None and pair.how == "qdq" and pair.grid is not None and region.stays_quantized(t):
+                    # Another consumer is still quantized, so onnxruntime keeps this tensor's Q/DQ
+                    # and every consumer, this float one too, reads the dequantized value.
+                    q_out = _grid_node("QuantizeLinear", _PREFIX + t, pair.grid, region.new_nodes, region.new_inits)
+                    region.requantized[t] = _grid_node(
+                        "DequantizeLinear", q_out, pair.grid, region.new_nodes, region.new_inits
+                    )
+                continue
+            if t in fp_inits:
+                init = onnx.TensorProto()
+                init.CopyFrom(fp_inits[t])
+                if init.data_location == onnx.TensorProto.EXTERNAL and fp_dir is not None:
+                    _read_external(init, fp_dir)
+                init.name = _PREFIX + t
+                region.new_inits.append(init)
+                rename[t] = init.name
+            elif t in fp_consts and t not in pairs:
+                const = onnx.NodeProto()
+                const.CopyFrom(fp_consts[t])
+                const.name = _PREFIX + (const.name or t)
+                const.output[0] = _PREFIX + t
+                region.new_nodes.append(const)
+                rename[t] = const.output[0]
+            elif t in graph_inputs and not (t in pairs and pairs[t].how == "qdq" and region.stays_quantized(t)):
+                rename[t] = t
+            elif t in pairs:
+                rename[t] = _region_input(region, t, pairs[t], is_concat and _shares_grid(pairs[t], out_grids))
+            else:
+                raise ValueError(f"input '{t}' has no INT8 counterpart")
+
+
+#: The most FP32 weight bytes a float region may read into memory (models in two folders).
+REGION_READ_BYTES = 512 * 2**20
+
+
+def _read_external(init: onnx.TensorProto, folder: Path) -> None:
+    """Read one external initializer's bytes into it (paths were confined to the model's folder by
+    :func:`diag.core.load.load_model`); ValueError over :data:`REGION_READ_BYTES`."""
+    length = next((int(e.value) for e in init.external_data if e.key == "length"), None)
+    size = length if length is not None else int(np.prod(init.dims, dtype=np.int64)) * 4
+    if size > REGION_READ_BYTES:
+        raise ValueError(f"weight '{init.name}' is {size >> 20} MB in another folder's external data")
+    load_external_data_for_tensor(init, str(folder))
+    del init.external_data[:]
+    init.data_location = onnx.TensorProto.DEFAULT
+
+
+def _region_input(region: _Region, t: str, pair: TensorPair, concat_grid: bool) -> str:
+    """The INT8 graph's value a float node reads for input ``t``, made outside the region.
+
+    ``concat_grid``: the region is a Concat whose output grid this input shares.
+    """
+    if pair.how == "qdq" and pair.tail and not region.stays_quantized(t):
+        # Nothing that still quantizes this tensor touches it: excluded, it stays float.
+        return pair.cut_name
+    if concat_grid and pair.how == "qdq" and pair.tail:
+        # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
+        # quantization belongs to this node and goes with it (excluded, the input keeps
+        # its producer's own, finer grid; its float value is the closest stand-in).
+        return pair.cut_name
+    if pair.how == "fp16":
+        # What node_block_list does: the float32 node reads its float16 input cast up.
+        return _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, region.new_nodes)
+    if pair.dequant is not None:
+        return _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, region.new_nodes, region.new_inits)
+    return pair.int8_name
+
+
+def _copy_region_nodes(region: _Region, nodes: list[onnx.NodeProto]) -> None:
+    """The float copies of the region's nodes, reading and writing the renamed tensors."""
+    for n in nodes:
+        copy = helper.make_node(
+            n.op_type,
+            [region.requantized.get(t) or region.rename.get(t, t) if t else "" for t in n.input],
+            [region.rename.get(o, o) if o else "" for o in n.output],
+            name=_PREFIX + (n.name or n.op_type),
+            domain=n.domain,
+        )
+        copy.attribute.extend(n.attribute)
+        region.new_nodes.append(copy)
+
+
+def _splice_region_outputs(region: _Region, g: onnx.GraphProto, fp_consumed: set[str]) -> int:
+    """Make the INT8 graph read the region's outputs where it read the INT8 node's; returns how many.
+
+    Each output enters where the INT8 node's did (``cut_name``), re-quantized onto its grid when
+    the consumers expect integers, or replaces the quantized tensor itself when no quantized
+    consumer is left (onnxruntime drops its Q/DQ then), or the model output nothing else reads.
+    """
+    graph_outputs = {o.name for o in g.output}
+    replaced = 0
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    writers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in g.node:
+        for i, t in enumerate(node.input):
+            readers.setdefault(t, []).append((node, i))
+        for i, t in enumerate(node.output):
+            writers.setdefault(t, []).append((node, i))
+    for o in sorted(region.produced):
+        pair = region.pairs.get(o)
+        if pair is None:
+            continue  # an internal tensor of a fused group: it has no INT8 twin to replace
+        value = region.rename[o]
+        target = pair.cut_name
+        if o in graph_outputs and o not in fp_consumed and pair.int8_name in graph_outputs:
+            # A model output nothing else reads: excluded, onnxruntime leaves it unquantized.
+            target = pair.int8_name
+        elif pair.how == "qdq" and pair.tail and not region.stays_quantized(o):
+            target = pair.int8_name  # no quantized consumer is left: its Q/DQ goes too
+        elif pair.cut_quant is not None:
+            value = _grid_node(
+                "QuantizeLinear", value, pair.cut_quant, region.new_nodes, region.new_inits, pair.cut_dtype
+            )
+        elif pair.cut_dtype == onnx.TensorProto.FLOAT16:
+            value = _cast_node(value, onnx.TensorProto.FLOAT16, region.new_nodes)  # and its output cast back down
+        for node, i in readers.get(target, []):
+            node.input[i] = value
+        if target in graph_outputs:
+            for node, i in writers.get(target, []):
+                node.output[i] = target + "__diag_replaced"
+            region.new_nodes.append(helper.make_node("Identity", [value], [target], name=_PREFIX + "out/" + target))
+        replaced += 1
+    return replaced
+
+
+def _still_quantized(
+    fp: onnx.ModelProto, excluded: set[str], matching: Matching, op_types: set[str] | None
+) -> Callable[[str], bool]:
+    """``f(tensor)``: does a static QDQ model keep ``tensor``'s Q/DQ with ``excluded`` in float?
+
+    onnxruntime's QDQ quantizer quantizes a tensor when a node it quantizes reads or writes it,
+    and then rewires *every* reader to the dequantized value. So the tensor stays quantized while
+    a node touching it is still quantized (an op type the quantizer handles, in a group that was
+    quantized in the INT8 model, not being excluded); read by excluded nodes only, it becomes
+    float. (A HardSigmoid has Q/DQ on its output only because the Mul after it asked for it.)
+    """
+    if op_types is None:
+        from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+        op_types = set(QDQRegistry) | set(QLinearOpsRegistry)
+    by_id = {node_id(n, i): n for i, n in enumerate(fp.graph.node)}
+    quantized = {n for g in matching.groups if g.quantized for n in g.fp_nodes if n in by_id} - excluded
+    quantized = {n for n in quantized if by_id[n].op_type in op_types}
+    touching: dict[str, set[str]] = {}
+    for nid, n in by_id.items():
+        for t in [*n.input, *n.output]:
+            if t:
+                touching.setdefault(t, set()).add(nid)
+
+    def stays(tensor: str, ignoring: frozenset[str] = frozenset()) -> bool:
+        for nid in sorted((touching.get(tensor, set()) & quantized) - ignoring):
+            node = by_id[nid]
+            if node.op_type not in _FOLLOWERS:
+                return True
+            # Reshape, MaxPool, Relu, ...: onnxruntime quantizes them only when their data
+            # input is already quantized by another node.
+            data = node.input[1] if node.op_type == "Where" and len(node.input) > 1 else node.input[0]
+            if stays(data, ignoring | {nid}):
+                return True
+        return False
+
+    return stays
+
+
+#: QDQ op quantizers that act only when their data input is already quantized (onnxruntime's
+#: QDQDirect8BitOp and kin): they pass a quantization on, they never start one.
+_FOLLOWERS = frozenset(
+    {
+        "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "AveragePool", "Slice", "TopK", "MaxPool",
+        "Resize", "Gather", "GatherElements", "Split", "Where", "Relu", "Clip", "Pad",
+    }
+)  # fmt: skip
+
+
+def _shares_grid(pair: TensorPair, grids: list[Any]) -> bool:
+    """Whether ``pair``'s static grid is one of ``grids`` (the same scale and zero point)."""
+    g = pair.grid
+    if g is None:
+        return False
+    return any(
+        np.array_equal(np.asarray(g.scale), np.asarray(o.scale))
+        and np.array_equal(np.asarray(g.zero_point), np.asarray(o.zero_point))
+        for o in grids
+    )
+
+
+def _grid_node(
+    op: str,
+    value: str,
+    grid: Any,
+    new_nodes: list[onnx.NodeProto],
+    new_inits: list[onnx.TensorProto],
+    dtype: int | None = None,
+) -> str:
+    """A QuantizeLinear / DequantizeLinear of ``value`` on ``grid`` (a QuantParams)."""
+    zp = np.asarray(grid.zero_point)
+    if dtype is not None and dtype != onnx.TensorProto.FLOAT:
+        zp = zp.astype(onnx.helper.tensor_dtype_to_np_dtype(dtype))
+    elif not np.issubdtype(zp.dtype, np.integer):
+        zp = zp.astype(np.int8 if grid.qmin < 0 else np.uint8)
+    base = f"{_PREFIX}{value}/{op}"
+    s_init = numpy_helper.from_array(np.asarray(grid.scale, np.float32), base + "/scale")
+    z_init = numpy_helper.from_array(zp, base + "/zero_point")
+    new_inits += [s_init, z_init]
+    out = base + "/out"
+    attrs = {"axis": grid.axis} if grid.axis is not None and s_init.dims else {}
+    new_nodes.append(helper.make_node(op, [value, s_init.name, z_init.name], [out], name=base, **attrs))
+    return out
+
+
+#: A candidate model whose changed part holds more of its nodes than this share runs whole.
+DOWNSTREAM_SHARE = 0.8
+#: The most bytes of boundary values the INT8 run keeps for the downstream-only runs (all samples).
+BOUNDARY_BYTES = 256 * 2**20
+
+
+#: Producers a downstream part takes in with it, because onnxruntime fuses them into their reader.
+_JOINS_ITS_READER = frozenset({"DequantizeLinear", "DynamicQuantizeLinear"})
+
+
+@dataclass(frozen=True)
+class _CandidateRuns:
+    """How the effect check runs a candidate model: its downstream part when it has one and the
+    INT8 run kept the boundary values (``known``, per batch), else the whole model."""
+
+    measure: _OutputErrors
+    threads: int
+    region_dir: Path | None
+    known: list[dict[str, np.ndarray]] | None
+    #: onnxruntime's type string of every value the INT8 run returned
+    types: dict[str, str]
+
+    def stats(self, model: onnx.ModelProto, part: _Downstream | None, role: str) -> dict[str, ErrorStats]:
+        if part is not None and self.known is not None:
+            with contextlib.suppress(Exception):  # onnxruntime refuses the part: run the model whole
+                sub = _downstream_model(model, part, self.types)
+                sess = session_from_model(sub, role, EFFECT_OPT_LEVEL, self.threads, self.region_dir, takes_turns=True)
+                return self.measure.stats(sess, role, self.known)
+        sess = session_from_model(model, role, EFFECT_OPT_LEVEL, self.threads, self.region_dir, takes_turns=True)
+        return self.measure.stats(sess, role)
+
+
+@dataclass(frozen=True)
+class _Downstream:
+    """The part of a candidate model that differs from the INT8 model, and what it reads from the rest.
+
+    A float region changes its own nodes and everything downstream of them; every other node is
+    the INT8 model's own, reading the same values, so it computes what the INT8 model computes.
+    The effect check runs the INT8 model once per sample keeping the ``boundary`` values, then
+    runs only this part per candidate: the lm_head of a 22-layer decoder is one MatMul, not the
+    model again (500M decoder, 8 candidates x 8 samples: most of the check's time).
+    """
+
+    #: indices of the part's nodes in the candidate model, in its order
+    nodes: list[int]
+    #: tensors the part reads that the rest of the model computes (graph inputs and weights aside)
+    boundary: list[str]
+    #: graph outputs the part computes (the others are the INT8 model's values)
+    outputs: frozenset[str]
+
+
+def _downstream(model: onnx.ModelProto, int8_nodes: set[bytes]) -> _Downstream | None:
+    """The part of ``model`` (a float-region model) whose nodes are not the INT8 model's
+    (``int8_nodes``: its nodes serialized), with everything downstream; None when that is most
+    of the model (:data:`DOWNSTREAM_SHARE`) or nothing.
+
+    A DequantizeLinear or DynamicQuantizeLinear feeding the part joins it: onnxruntime fuses
+    DQ -> op -> Q into one integer op (and DynamicQuantizeLinear into the MatMul it feeds), and
+    split between the two the part would compute that op another way (with the DQ in, the
+    boundary values are exact integers; checked equal to whole runs in tests/test_effects.py).
+    """
+    nodes = list(model.graph.node)
+    changed = [i for i, n in enumerate(nodes) if n.SerializeToString() not in int8_nodes]
+    if not changed:
+        return None
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for t in _needs(n):
+            readers.setdefault(t, []).append(i)
+    part, stack = set(changed), list(changed)
+    while stack:
+        for o in nodes[stack.pop()].output:
+            for r in readers.get(o, []):
+                if r not in part:
+                    part.add(r)
+                    stack.append(r)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    for i in list(part):
+        for t in _needs(nodes[i]):
+            p = producer.get(t)
+            if p is not None and nodes[p].op_type in _JOINS_ITS_READER:
+                part.add(p)
+    if len(part) > DOWNSTREAM_SHARE * len(nodes):
+        return None
+    boundary = sorted({t for i in part for t in _needs(nodes[i]) if t in producer and producer[t] not in part})
+    written = {o for i in part for o in nodes[i].output}
+    outputs = frozenset(o.name for o in model.graph.output if o.name in written)
+    return _Downstream(sorted(part), boundary, outputs)
+
+
+def _downstream_parts(
+    q: onnx.ModelProto,
+    cands: list[tuple[NodeFinding, str]],
+    region: Callable[[NodeFinding], onnx.ModelProto],
+) -> dict[str, _Downstream]:
+    """Each candidate's :class:`_Downstream` part, by label (candidates that run whole are left out).
+
+    Each region model is built here and dropped (the check builds it again to run it): holding
+    every candidate's model at once would hold the INT8 model's proto that many times.
+    """
+    int8_nodes = {n.SerializeToString() for n in q.graph.node}
+    parts: dict[str, _Downstream] = {}
+    for f, _ in cands:
+        try:
+            part = _downstream(region(f), int8_nodes)
+        except Exception:  # the check reports the region when it builds it again
+            continue
+        if part is not None:
+            parts[f.group.label] = part
+    return parts
+
+
+def _downstream_model(model: onnx.ModelProto, part: _Downstream, types: dict[str, str]) -> onnx.ModelProto:
+    """The nodes of ``part`` as a model of their own: the boundary tensors are graph inputs
+    (element types from ``types``, onnxruntime's type strings), the weights they read come along."""
+    g = model.graph
+    keep = [g.node[i] for i in part.nodes]
+    needed = {t for n in keep for t in _needs(n)}
+    sub = onnx.ModelProto()
+    sub.ir_version = model.ir_version
+    sub.opset_import.extend(model.opset_import)
+    sub.functions.extend(model.functions)
+    sg = sub.graph
+    sg.name = g.name
+    sg.node.extend(keep)
+    sg.initializer.extend(i for i in g.initializer if i.name in needed)
+    sg.sparse_initializer.extend(i for i in g.sparse_initializer if i.values.name in needed)
+    sg.input.extend(i for i in g.input if i.name in needed)
+    sg.input.extend(helper.make_tensor_value_info(t, _elem_type(types[t]), None) for t in part.boundary)
+    sg.output.extend(o for o in g.output if o.name in part.outputs)
+    return sub
+
+
+def _elem_type(ort_type: str) -> int:
+    """onnx's element type for onnxruntime's ``tensor(float16)``-style type string."""
+    name = ort_type.removeprefix("tensor(").removesuffix(")")
+    np_name = {"float": "float32", "double": "float64", "bool": "bool"}.get(name, name)
+    return int(helper.np_dtype_to_tensor_dtype(np.dtype(np_name)))
+
+
+def _needs(n: onnx.NodeProto) -> set[str]:
+    """Every tensor ``n`` reads, its subgraphs' outer-scope reads included."""
+    return {t for t in n.input if t} | set(outer_scope_inputs(n))
+
+
+def _cast_node(value: str, to: int, new_nodes: list[onnx.NodeProto]) -> str:
+    """A Cast of ``value`` to element type ``to`` (FP16 models: the float region's boundary)."""
+    out = f"{_PREFIX}{value}/Cast{to}"
+    if not any(out in n.output for n in new_nodes):
+        new_nodes.append(helper.make_node("Cast", [value], [out], name=out, to=to))
+    return out
+
+
+def _drop_dead_nodes(g: onnx.GraphProto) -> None:
+    """Remove nodes no graph output depends on (the INT8 region the float copy replaced).
+
+    One walk back from the outputs (linear in the graph: an exclusion search builds hundreds of
+    these models).
+    """
+    needs = [_needs(n) for n in g.node]
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
+    live: set[int] = set()
+    stack = [producer[o.name] for o in g.output if o.name in producer]
+    while stack:
+        i = stack.pop()
+        if i in live:
+            continue
+        live.add(i)
+        stack.extend(producer[t] for t in needs[i] if t in producer)
+    if len(live) < len(g.node):
+        keep = [n for i, n in enumerate(g.node) if i in live]
+        del g.node[:]
+        g.node.extend(keep)
+
+
+def _sort_topologically(g: onnx.GraphProto) -> None:
+    """Order nodes so each follows its producers (Kahn's algorithm; ties keep the current order)."""
+
+    nodes = list(g.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    waiting = [0] * len(nodes)
+    followers: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        for p in {producer[t] for t in _needs(n) if t in producer} - {i}:
+            waiting[i] += 1
+            followers[p].append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for f in followers[i]:
+            waiting[f] -= 1
+            if waiting[f] == 0:
+                heapq.heappush(ready, f)
+    placed = set(order)
+    order += [i for i in range(len(nodes)) if i not in placed]  # a cycle: let onnxruntime name it
+    del g.node[:]
+    g.node.extend(nodes[i] for i in order)
+
+
+@dataclass(frozen=True)
+class EffectBudget:
+    """How much an effect check may spend: candidates, samples, threads, and whether to show progress."""
+
+    #: candidates checked (0: no check)
+    candidates: int = DEFAULT_CANDIDATES
+    #: samples each candidate runs on (the first ones of the inputs)
+    samples: int = DEFAULT_SAMPLES
+    threads: int | None = None
+    progress: bool = True
+    #: run only the part of each candidate model its float region changes, fed the INT8 model's
+    #: values at its boundary (False: the whole model each time; same figures, see _downstream)
+    downstream: bool = True
+
+
+def check_effects(
+    fp: LoadedModel,
+    q: LoadedModel,
+    matching: Matching,
+    feeds: FeedSource,
+    findings: list[NodeFinding],
+    paths: dict[str, list[NodeFinding]],
+    specs: dict[str, OutputSpec],
+    budget: EffectBudget = EffectBudget(),
+) -> EffectCheck | None:
+    """Measure, for each candidate, how much output error keeping it in float removes.
+
+    The target is the output — or Concat part — with the lowest SQNR in the INT8 model over the
+    checked samples, among the outputs in ``specs`` (see :func:`effect_target`); every candidate is
+    scored on it (and its SQNR on every output is kept). To aim the check at the outputs that fail
+    (:func:`diag.analysis.analyze.failing_outputs`), pass only those in ``specs``, ``paths`` and the
+    ``findings`` upstream of them. Returns None when there is nothing to check (no quantized
+    candidate). Models with external data are read from their folders: only the candidates'
+    FP32 weights are loaded, never a whole model.
+
+    Example:
+        >>> check = check_effects(fp, q, m, feeds, r.findings, r.paths, specs)  # doctest: +SKIP
+        >>> check.best.finding.group.label, round(check.best.recovered, 2)  # doctest: +SKIP
+        ('conv3', 0.93)
+    """
+    if budget.candidates <= 0:
+        return None
+    start = time.perf_counter()
+    cands = candidates_for(findings, paths, specs, budget.candidates)
+    if not cands:
+        return None
+    threads = budget.threads or default_threads()
+    batches, taken = _first_samples(feeds, budget.samples)
+    # NOTE: measured as onnxruntime runs a model by default (all optimizations), because that is
+    # where keeping a node in float pays off or not. Exact mode can disagree by a lot: on the
+    # convnet fixture (QDQ), excluding conv2 takes the logits error from 0.12 to 0.002 with
+    # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
+    measure = _OutputErrors(fp, batches, specs, threads)
+    fp_dir, region_dir = region_dirs(fp, q)
+
+    def region(f: NodeFinding) -> onnx.ModelProto:
+        return float_region_model(fp.proto, q.proto, f.group.fp_nodes, matching, fp_dir=fp_dir)
+
+    parts = _downstream_parts(q.proto, cands, region) if budget.downstream else {}
+    keep = {t for part in parts.values() for t in part.boundary}
+    # the outputs some candidate does not compute again come from the INT8 run as well
+    keep |= {o.name for o in q.graph.output if any(o.name not in part.outputs for part in parts.values())}
+    q_model = exposed_model(q.proto, sorted(keep - {o.name for o in q.graph.output})) if parts else q.proto
+    q_sess = session_from_model(q_model, "INT8 model", EFFECT_OPT_LEVEL, threads, q.external_dir, takes_turns=True)
+    base, known = measure.capture(q_sess, "INT8 model", keep, BOUNDARY_BYTES)
+    runs = _CandidateRuns(measure, threads, region_dir, known, {o.name: o.type for o in q_sess.get_outputs()})
+    del q_sess, q_model
+    target = effect_target(base, list(specs))
+    skipped: dict[str, str] = {}
+    effects: list[Effect] = []
+    bar = Progress(len(cands), "effect check", enabled=budget.progress)
+    try:
+        for f, why in cands:
+            role = f"INT8 model with '{f.group.label}' in float"
+            try:
+                got = runs.stats(region(f), parts.get(f.group.label), role)
+            except Exception as e:  # a region diag cannot rebuild is reported, never fatal
+                skipped[f.group.label] = str(e).splitlines()[0][:200]
+                bar.advance(1)
+                continue
+            effects.append(_effect(f, why, base[target], got, target))
+            bar.advance(1)
+    finally:
+        bar.close()
+    effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
+    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, base, measure)
+
+
+@dataclass
+class ListEstimate:
+    """What keeping a whole suggested list in float does to the effect check's target output.
+
+    Measured like an :class:`Effect` (the list computed in float inside the INT8 model, on the
+    effect check's samples, as onnxruntime runs it by default), never re-quantized and never on
+    held-out samples: a starting point's estimate, not a verified fix (``diag exclude`` verifies).
+    """
+
+    nodes: list[str]
+    target: str
+    samples: int
+    sqnr_before: float
+    sqnr_after: float
+    #: Share of the target's error energy removed (1 - Σe²(list) / Σe²(INT8); -inf: creates NaN/Inf).
+    recovered: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": self.nodes,
+            "target": self.target,
+            "samples": self.samples,
+            "sqnr_before_db": json_number(self.sqnr_before),
+            "sqnr_after_db": json_number(self.sqnr_after),
+            "recovered": json_number(self.recovered),
+            "opt_level": EFFECT_OPT_LEVEL,
+        }
+
+
+def estimate_list(
+    fp: LoadedModel,
+    q: LoadedModel,
+    matching: Matching,
+    feeds: FeedSource,
+    nodes: list[str],
+    check: EffectCheck | None,
+    specs: dict[str, OutputSpec],
+    threads: int | None = None,
+) -> ListEstimate | None:
+    """The measured effect of keeping every node of ``nodes`` in float, on ``check``'s target.
+
+    A list that is one candidate the check already measured takes its figure; otherwise the list
+    is spliced in float as a whole (one more session on the check's samples). None without a
+    check, or when the region cannot be rebuilt (the list then stays a starting point, unmeasured).
+
+    Example:
+        >>> est = estimate_list(fp, q, m, feeds, ["conv3"], result.effects, specs)  # doctest: +SKIP
+        >>> round(est.recovered, 2)  # doctest: +SKIP
+        0.93
+    """
+    if check is None or not nodes or check.target not in check.base:
+        return None
+    before = check.base[check.target].sqnr_db
+    same = next((e for e in check.effects if set(e.finding.group.fp_nodes) == set(nodes)), None)
+    if same is not None:
+        after = same.sqnr_after.get(check.target, math.nan)
+        return ListEstimate(list(nodes), check.target, check.samples, before, after, same.recovered)
+    threads = threads or default_threads()
+    try:
+        fp_dir, region_dir = region_dirs(fp, q)
+        model = float_region_model(fp.proto, q.proto, list(nodes), matching, fp_dir=fp_dir)
+        measure, taken = check.reference, check.samples  # the check's samples, FP32 outputs computed
+        if measure is None:
+            batches, taken = _first_samples(feeds, check.samples)
+            measure = _OutputErrors(fp, batches, specs, threads)
+        role = "INT8 model with the suggested list in float"
+        sess = session_from_model(model, role, EFFECT_OPT_LEVEL, threads, region_dir)
+        got = measure.stats(sess, "INT8 model with the suggested list in float")
+    except Exception:  # a region diag cannot rebuild leaves the list unmeasured, never fatal
+        return None
+    if check.target not in got:
+        return None
+    recovered = _share_removed(check.base[check.target], got[check.target])
+    return ListEstimate(list(nodes), check.target, taken, before, got[check.target].sqnr_db, recovered)
+
+
+def _fp_dir(fp: LoadedModel, q: LoadedModel) -> Path | None:
+    """The FP32 model's folder when a float region must read its weights from there: external
+    data in another folder than the INT8 model's (None: references stay valid as they are)."""
+    folder = fp.external_dir
+    return folder if folder is not None and folder != q.path.resolve().parent else None
+
+
+def region_dirs(fp: LoadedModel, q: LoadedModel) -> tuple[Path | None, Path | None]:
+    """(``fp_dir`` for :func:`float_region_model`, the ``external_data_dir`` its sessions read from).
+
+    A region model holds the INT8 model's external references and, when both models share a
+    folder, the FP32 region's: either way they resolve in the INT8 model's folder.
+    """
+    external = fp.has_external_data or q.has_external_data
+    return _fp_dir(fp, q), (q.path.resolve().parent if external else None)
+
+
+def _first_samples(feeds: FeedSource, samples: int) -> tuple[list[dict[str, np.ndarray]], int]:
+    """The first batches holding at least ``samples`` samples (all, when there are fewer), and their count."""
+    batches = []
+    taken = 0
+    for batch in feeds:
+        batches.append(batch.feeds)
+        taken += batch.size
+        if taken >= samples:
+            break
+    return batches, taken
+
+
+class _OutputErrors:
+    """A model's error per output (and Concat part) against the FP32 outputs of the same batches.
+
+    The FP32 outputs are computed once, here, and kept: ``samples`` is small (the first few
+    inputs), and every candidate is measured against them. NOTE: the FP32 model runs in exact
+    mode (the function every INT8 variant approximates, as in the main pass); only the INT8
+    variants run as deployed. Optimizing it costs time and changed no figure of the golden reports
+    (500M decoder: session 6.2 s at level all, 2.1 s in exact mode).
+    """
+
+    def __init__(
+        self, fp: LoadedModel, batches: list[dict[str, np.ndarray]], specs: dict[str, OutputSpec], threads: int
+    ) -> None:
+        self.names = [o.name for o in fp.graph.output]
+        self.batches = batches
+        self.specs = specs
+        fp_sess = session_from_model(fp.proto, "FP32 model", EXACT_LEVEL, threads, fp.external_dir, takes_turns=True)
+        self.refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in self.names} for b in batches]
+
+    def stats(self, sess: Any, role: str, known: list[dict[str, np.ndarray]] | None = None) -> dict[str, ErrorStats]:
+        """Run ``sess`` on the batches; its finalized error per output and per part (``"out part"``).
+
+        ``known``: per batch, values a downstream-only session does not compute (see
+        :func:`_downstream`): fed where it reads them, taken as outputs where it does not write them.
+        """
+        accs: dict[str, ErrorAccumulator] = {}
+        wanted = {i.name for i in sess.get_inputs()} if known is not None else set()
+        for i, (b, ref) in enumerate(zip(self.batches, self.refs, strict=True)):
+            if known is None:
+                got = run_batch(sess, b, role)
+            else:
+                feeds = {k: v for k, v in [*b.items(), *known[i].items()] if k in wanted}
+                got = {**known[i], **run_batch(sess, feeds, role)}
+            self._update(accs, b, ref, got)
+        return {k: a.finalize() for k, a in accs.items()}
+
+    def capture(
+        self, sess: Any, role: str, keep: set[str], limit: int
+    ) -> tuple[dict[str, ErrorStats], list[dict[str, np.ndarray]] | None]:
+        """:meth:`stats`, keeping each batch's values of ``keep`` for the downstream-only runs.
+
+        The values kept are None when they would pass ``limit`` bytes over all batches (judged
+        from the first batch): the candidates then run whole.
+        """
+        accs: dict[str, ErrorAccumulator] = {}
+        kept: list[dict[str, np.ndarray]] | None = []
+        for b, ref in zip(self.batches, self.refs, strict=True):
+            got = run_batch(sess, b, role)
+            if kept is not None:
+                kept.append({k: v for k, v in got.items() if k in keep})
+                if len(kept) == 1 and sum(v.nbytes for v in kept[0].values()) * len(self.batches) > limit:
+                    kept = None
+            self._update(accs, b, ref, got)
+        return {k: a.finalize() for k, a in accs.items()}, kept
+
+    def _update(
+        self,
+        accs: dict[str, ErrorAccumulator],
+        b: dict[str, np.ndarray],
+        ref: dict[str, np.ndarray],
+        got: dict[str, np.ndarray],
+    ) -> None:
+        for name in self.names:
+            spec = self.specs.get(name)
+            if spec is None:
+                accs.setdefault(name, ErrorAccumulator()).update(ref[name], got[name])
+                continue
+            new_ref, new_got = spec.new_values(ref[name], b), spec.new_values(got[name], b)
+            accs.setdefault(name, ErrorAccumulator()).update(new_ref, new_got)
+            for p in spec.parts:
+                sl = [slice(None)] * ref[name].ndim
+                sl[spec.part_axis or 0] = slice(p.start, p.stop)
+                key = f"{name} {p.label}"
+                accs.setdefault(key, ErrorAccumulator()).update(ref[name][tuple(sl)], got[name][tuple(sl)])
+
+
+def effect_target(base: dict[str, ErrorStats], failing: Sequence[str] = ()) -> str:
+    """The output (or ``"output part"``) the effect check scores candidates on: the lowest SQNR
+    among the ``failing`` outputs and their parts, else among all.
+
+    SQNR and grade disagree across output kinds: silero VAD's ``output`` (probabilities, graded
+    excellent) has a lower SQNR than ``stateN`` (min per-sample cosine 0.83, reject). Measured on
+    the lowest SQNR alone, the headline's "cause" fixed an output that did not need fixing.
+
+    Example:
+        >>> from diag.core.metrics import ErrorAccumulator
+        >>> import numpy as np
+        >>> def stats(noise):
+        ...     acc = ErrorAccumulator()
+        ...     acc.update(np.ones(4, np.float32), np.ones(4, np.float32) + noise)
+        ...     return acc.finalize()
+        >>> base = {"output": stats(0.5), "stateN": stats(0.1)}
+        >>> effect_target(base), effect_target(base, ["stateN"])
+        ('output', 'stateN')
+    """
+    keys = [k for k in base if any(k == f or k.startswith(f + " ") for f in failing)] or list(base)
+    return min(keys, key=lambda k: (base[k].sqnr_db, k))
+
+
+def _effect(f: NodeFinding, why: str, base: ErrorStats, got: dict[str, ErrorStats], target: str) -> Effect:
+    """The share of ``target``'s error energy keeping ``f`` in float removes (-inf if it creates NaN/Inf)."""
+    recovered = _share_removed(base, got[target])
+    if math.isinf(recovered) and recovered < 0:
+        why = f"{why}; creates NaN/Inf in {target}"
+    return Effect(f, recovered, {k: s.sqnr_db for k, s in got.items()}, [why])
+
+
+def _share_removed(base: ErrorStats, got: ErrorStats) -> float:
+    """1 - Σe²(got) / Σe²(base) on the same samples; -inf when ``got`` creates NaN/Inf (the worst outcome)."""
+    if got.nonfinite_int8 > base.nonfinite_int8:
+        return -math.inf
+    return 1.0 - got.mse / base.mse if base.mse > 0 else 0.0
+
+
+#: A Concat part is "destroyed" when its SQNR is bad and this many dB below the whole output's.
+HIDDEN_PART_DB = 10.0
+
+
+def concat_cause(
+    findings: list[NodeFinding],
+    verdicts: list[OutputVerdict],
+    specs: dict[str, OutputSpec],
+    matching: Matching | None,
+) -> tuple[NodeFinding, str] | None:
+    """The Concat that destroys one part of an output that its other parts keep looking fine.
+
+    Boxes in pixels and scores in 0..1 share the Concat's one per-tensor scale: the scores round
+    to a few grid steps while the whole output's SQNR (dominated by the pixels) looks healthy.
+    """
+    for v in verdicts:
+        spec = specs.get(v.name)
+        if spec is None or not spec.concat_node:
+            continue
+        concat = next((f for f in findings if spec.concat_node in f.group.fp_nodes), None)
+        if concat is None:
+            continue
+        for label, (part, acc, local) in v.per_sample.parts.items():
+            if acc.sqnr_db < BAD_SQNR_DB and v.stats.sqnr_db >= acc.sqnr_db + HIDDEN_PART_DB:
+                pair = matching.pairs.get(v.name) if matching is not None else None
+                scale = f" {pair.grid.per_tensor_scale:.3g}" if pair is not None and pair.grid is not None else ""
+                where = f", local {local.sqnr_db:.1f} dB" if local is not None else ""
+                return concat, (
+                    f"single root cause: {concat.group.label} - part '{label}' of output '{v.name}' is destroyed "
+                    f"(SQNR {acc.sqnr_db:.1f} dB{where}, min cosine {part.cosine_min:.4f}) while the whole output "
+                    f"reads {v.stats.sqnr_db:.1f} dB: the Concat's one output scale{scale} is set by its largest "
+                    "part; keep the Concat in float or give the parts their own scales"
+                )
+    return None
+
+
+def confirmed_cause(
+    findings: list[NodeFinding],
+    check: EffectCheck | None,
+    grade: str,
+    verdicts: list[OutputVerdict] | None = None,
+    specs: dict[str, OutputSpec] | None = None,
+    matching: Matching | None = None,
+    fmt: str = "",
+) -> tuple[bool, str, NodeFinding | None]:
+    """The headline from measured effects (falls back to local error when nothing was measured).
+
+    ``fmt``: the INT8 model's format family, which decides the spread-error remedies named.
+
+    Returns (single cause?, sentence, the cause). Roles are updated to agree with the sentence:
+    under a single cause every other locally bad node becomes ``contributor`` (under a confirmed
+    one its measured effect is in the check); otherwise roles stay as local error assigned them.
+
+    When some outputs pass and others fail, the headline is about the failing ones (issue 25,
+    item 5): it opens by naming them and only nodes upstream of them can be its cause.
+    """
+    failing = failing_outputs(verdicts or [])
+    scope = upstream_of(findings, [v.name for v in failing]) if failing else findings
+    one, sentence, cause = _headline(scope, check, grade, verdicts, specs, matching, fmt)
+    if one and cause is not None:
+        _make_root_cause(findings, cause)  # a root cause feeding only passing outputs is no longer one
+    return one, failing_clause(failing) + sentence, cause
+
+
+def _headline(
+    findings: list[NodeFinding],
+    check: EffectCheck | None,
+    grade: str,
+    verdicts: list[OutputVerdict] | None,
+    specs: dict[str, OutputSpec] | None,
+    matching: Matching | None,
+    fmt: str = "",
+) -> tuple[bool, str, NodeFinding | None]:
+    """:func:`confirmed_cause` over the nodes the headline may name."""
+    bad_local = [f for f in findings if f.group.quantized and f.local is not None and f.local.sqnr_db < BAD_SQNR_DB]
+    poor = grade in ("marginal", "reject")
+    # A share of a negligible error is no cause: confirm only when there is something to explain.
+    problem = bool(bad_local) or poor
+    confirmed = problem and check is not None and check.best is not None and check.best.recovered >= CONFIRMED_SHARE
+    part_cause = concat_cause(findings, verdicts or [], specs or {}, matching)
+    best = check.best if check is not None else None
+    if part_cause is not None and confirmed and best is not None and best.finding is not part_cause[0]:
+        part_cause = None  # another node measurably fixes the outputs: the effect decides
+    if part_cause is not None:
+        return _concat_headline(findings, check, *part_cause)
+    if check is None or check.best is None:
+        one, sentence, top = single_cause(findings)
+        if not one and poor and not bad_local:
+            sentence = spread_sentence(_quantized(findings), None, fmt)
+        return one, sentence, top if one else None
+    if confirmed:
+        return _confirmed_headline(findings, check, check.best, bad_local)
+    return _unconfirmed_headline(findings, check, poor, bad_local, fmt)
+
+
+def _quantized(findings: list[NodeFinding]) -> list[NodeFinding]:
+    return [f for f in findings if f.group.quantized and f.local is not None]
+
+
+def _make_root_cause(findings: list[NodeFinding], cause: NodeFinding) -> None:
+    """``cause`` becomes the root cause; any other root cause is locally bad only: a contributor."""
+    for other in findings:
+        if other is cause:
+            other.role = "root-cause"
+        elif other.role == "root-cause":
+            # Locally bad, but the outputs suffer from ``cause``: listed with its measured effect.
+            other.role = "contributor"
+
+
+def _concat_headline(
+    findings: list[NodeFinding], check: EffectCheck | None, cause: NodeFinding, sentence: str
+) -> tuple[bool, str, NodeFinding | None]:
+    """A Concat that destroys one part of an output is the cause, with its measured effect when there is one."""
+    e = check.of(cause.group.label) if check is not None else None
+    if e is not None and check is not None:
+        sentence += f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of {check.target})"
+    _make_root_cause(findings, cause)
+    return True, sentence, cause
+
+
+def _confirmed_headline(
+    findings: list[NodeFinding], check: EffectCheck, best: Effect, bad_local: list[NodeFinding]
+) -> tuple[bool, str, NodeFinding | None]:
+    """The best-measured node is the cause; say so when the worst local node is another one."""
+    top_local = min(bad_local or [best.finding], key=lambda f: (f.rank_local, f.index))
+    disagree = ""
+    if top_local is not best.finding:
+        e = check.of(top_local.group.label)
+        measured = f"keeping it in float recovers only {max(e.recovered, 0):.0%}" if e else "it was not measured"
+        disagree = (
+            f"; local error and output effect disagree: {top_local.group.label} has the worst local SQNR "
+            f"({top_local.local.sqnr_db:.1f} dB) but {measured}"
+            if top_local.local
+            else ""
+        )
+    f = best.finding
+    if not disagree and f.local is not None and f.local.sqnr_db >= BAD_SQNR_DB:
+        # The headline names a node whose local SQNR passes the documented rule: say why, or the
+        # "root cause" line under it reads as a contradiction (silero VAD: 27.9 dB).
+        disagree = (
+            f"; found by its effect, not its local error: its local SQNR {f.local.sqnr_db:.1f} dB is above "
+            f"the {BAD_SQNR_DB:.0f} dB rule (a per-tensor SQNR is set by the largest channels and can hide "
+            "error in the small ones)"
+        )
+    _make_root_cause(findings, f)
+    return (
+        True,
+        f"single root cause: {f.group.label} (keeping it in float recovers {best.recovered:.0%} of the error "
+        f"of {check.target} on {check.samples} samples){disagree}",
+        f,
+    )
+
+
+def _unconfirmed_headline(
+    findings: list[NodeFinding], check: EffectCheck, poor: bool, bad_local: list[NodeFinding], fmt: str = ""
+) -> tuple[bool, str, NodeFinding | None]:
+    """No measured node fixes the outputs: rounding noise, spread error, or a likely cause left unconfirmed."""
+    if not bad_local:
+        if not poor:
+            return False, "no node has a bad local error: the INT8 model adds only rounding-level noise", None
+        return False, spread_sentence(_quantized(findings), check, fmt), None
+    one, sentence, _ = single_cause(findings)
+    if one:
+        top_local = min(bad_local, key=lambda f: (f.rank_local, f.index))
+        e = check.of(top_local.group.label)
+        measured = (
+            f"keeping it alone in float recovers only {max(e.recovered, 0.0):.0%} of the error of {check.target}"
+            if e is not None
+            else "its effect on the outputs was not measured"
+        )
+        head = sentence.replace("single root cause:", "likely root cause (by local error):", 1)
+        return False, f"{head}; not confirmed: {measured} (see the remedies for its inputs)", top_local
+    return False, spread_sentence(_quantized(findings), check, fmt), None
+
+
+def spread_sentence(quantized: list[NodeFinding], check: EffectCheck | None, fmt: str = "") -> str:
+    """ "No single root cause: error accumulates over N quantized nodes", with the biggest contributors
+    and the remedies for the INT8 format ``fmt`` (:func:`diag.analysis.remedies.generic_spread`)."""
+    if check is not None and check.effects:
+        top = [e for e in check.effects[:3] if e.recovered > 0]
+        contributors = ", ".join(f"{e.finding.group.label} ({e.recovered:.0%})" for e in top)
+        tail = (
+            f"; keeping one node in float recovers at most {check.effects[0].recovered:.0%} of the error of "
+            f"{check.target}" + (f" (biggest contributors: {contributors})" if contributors else "")
+        )
+    else:
+        worst = sorted(quantized, key=lambda f: f.local.sqnr_db if f.local else math.inf)[:3]
+        tail = "; worst local SQNR: " + ", ".join(
+            f"{f.group.label} ({f.local.sqnr_db:.1f} dB)" for f in worst if f.local
+        )
+    # NOTE: the recipe is not known here (it is inferred on the fix side); diag.cli.verbs.diagnose
+    # replaces generic_spread(fmt) with the remedies that change something for the model's recipe.
+    return (
+        f"no single root cause: error accumulates over {len(quantized)} quantized nodes{tail}. What fits spread "
+        f"error: {generic_spread(fmt)}"
+    )

@@ -1,0 +1,76 @@
+"""Grade task metrics: the F1 drop bands, and the output verdicts a bad F1 drop makes worse.
+
+:mod:`diag.core.taskmetrics` (core) accumulates and finalizes task metrics; judging them is analysis:
+the F1 drop is graded with the bands users grade accuracy drops by and joins the first output's
+verdict (:mod:`diag.analysis.analyze`'s grades). A plugin's values are reported as they are: diag cannot
+know their bands.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+from diag.analysis.analyze import GRADES, OutputVerdict, overall_grade
+from diag.core.taskmetrics import F1Metric, PluginMetric, TaskAccumulator
+
+
+class Graded(Protocol):
+    """The part of a result task metrics join (a :class:`diag.analysis.compare.CompareResult`, which imports
+    this module): the output verdicts, the overall grade, and where the finalized metrics go."""
+
+    verdicts: list[OutputVerdict]
+    grade: str
+    task_metrics: dict[str, Any]
+
+
+#: F1 drop bands (FP32 minus INT8, a fraction): the same as the accuracy-drop bands users grade by.
+F1_DROP_BAND = {"excellent": 0.005, "acceptable": 0.015, "reject_above": 0.02}
+
+
+def f1_drop_grade(drop: float) -> str:
+    """Grade an F1 drop (fraction) with :data:`F1_DROP_BAND`; NaN is a reject.
+
+    Example:
+        >>> f1_drop_grade(0.004), f1_drop_grade(0.012), f1_drop_grade(0.018), f1_drop_grade(0.03)
+        ('excellent', 'acceptable', 'marginal', 'reject')
+    """
+    if math.isnan(drop):
+        return "reject"
+    if drop < F1_DROP_BAND["excellent"]:
+        return "excellent"
+    if drop < F1_DROP_BAND["acceptable"]:
+        return "acceptable"
+    return "reject" if drop > F1_DROP_BAND["reject_above"] else "marginal"
+
+
+def attach_task_metrics(result: Graded, task: dict[str, TaskAccumulator], spec: str | None) -> None:
+    """Finalize ``task`` (a state's accumulators) into ``result.task_metrics``; grade the first output's F1 drop.
+
+    The F1 drop is graded with :data:`F1_DROP_BAND` and joins the first output's reasons; the
+    output's grade (and the model's) becomes the worse of the two. A plugin's values are reported
+    as they are: diag cannot know their bands.
+
+    Example:
+        >>> attach_task_metrics(result, result.state.task, None)  # doctest: +SKIP
+        >>> result.task_metrics["f1"]["values"]["f1_macro_drop"]  # doctest: +SKIP
+        0.0125
+    """
+    out: dict[str, Any] = {}
+    f1 = task.get("f1")
+    if isinstance(f1, F1Metric) and f1.samples:
+        values = f1.finalize()
+        grade = f1_drop_grade(values["f1_macro_drop"])
+        out["f1"] = {"output": f1.output, "samples": f1.samples, "values": values, "better": dict(f1.better)}
+        v = next((v for v in result.verdicts if v.name == f1.output), None)
+        if v is not None:
+            v.reasons.append(
+                f"macro-F1 {values['f1_macro_fp32']:.2%} -> {values['f1_macro_int8']:.2%}, drop "
+                f"{values['f1_macro_drop']:.2%} ({grade}); micro-F1 drop {values['f1_micro_drop']:.2%}"
+            )
+            v.grade = GRADES[max(GRADES.index(v.grade), GRADES.index(grade))]
+            result.grade = overall_grade(result.verdicts)
+    plugin = task.get("plugin")
+    if isinstance(plugin, PluginMetric) and spec:
+        out["plugin"] = {"spec": spec, "values": plugin.finalize(), "better": dict(plugin.better)}
+    result.task_metrics = out

@@ -1,0 +1,1 @@
+"""The cli layer: the verbs and the package's entry points."""

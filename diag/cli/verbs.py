@@ -1,0 +1,822 @@
+"""The library call behind each CLI verb: options in, the verb's output set written all-or-nothing,
+summary lines out.
+
+``diag.cli.commands`` parses flags into the options of one function here and prints the lines it returns;
+nothing the user sees is decided in the CLI. This is the one layer that may call both sides of
+the pipeline: ``diag compare`` is the diagnosis (:func:`diag.analysis.compare.compare_models`) plus the
+fix-side steps it reports (the recipe a fix re-quantizes with, ``--sensitivity``,
+``--scheduler``), then the report (:mod:`diag.report.view`).
+
+Two sections: the diagnosing verbs (compare, merge, inspect, report, lint) and the fixing verbs
+(exclude and ``--tiers``, sweep, bench, quantize). The searches and measurements below this layer
+(:mod:`diag.fix.exclude`, :mod:`diag.fix.tiers`, :mod:`diag.fix.sweep`, :mod:`diag.fix.bench`, :mod:`diag.fix.quantize`)
+return results and write nothing: each function here checks the outputs before any work, runs one
+of them (on a Dask cluster when the options name a scheduler: :mod:`diag.fix.cluster`), renders the
+documents and writes the set with :func:`diag.foundations.files.write_set`. ``diag check`` and ``diag diff``
+are not here: :func:`diag.report.gate.run_check` and :func:`diag.report.diff.run_diff` read JSON only and must
+not import the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diag.analysis import compare as pipeline
+from diag.analysis.analyze import cache_verdicts, caches_line, nonfinite_origins, shortened_path
+from diag.analysis.compare import EXCLUDE_WORDS, CompareOptions, CompareResult, with_exclude_command
+from diag.analysis.decoder import decoder_layout, layer_sentence, module_paths
+from diag.analysis.fp16health import fp16_range_lines
+from diag.analysis.merge import add_shard_state, merge_shards
+from diag.analysis.remedies import applicable_suggestions, generic_spread, spread_text
+from diag.core.feeds import FeedSource, FeedSpec
+from diag.core.load import checked_path, model_summary
+from diag.core.precision import describe
+from diag.core.recipe import Recipe, recipe_file_text, recipe_from_option
+from diag.core.taskmetrics import task_lines
+from diag.fix.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
+from diag.fix.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
+from diag.fix.exclude import ExcludeOptions, ExclusionResult, derive_exclusions
+from diag.fix.exclude import summary_lines as exclude_lines
+from diag.fix.fixcode import reproduce_snippet
+from diag.fix.infer import fix_recipe, recipe_to_file, recipe_to_toml, search_recipe
+from diag.fix.lint import lint_recipe_file
+from diag.fix.lint import summary_line as lint_summary_line
+from diag.fix.modelprep import copy_model
+from diag.fix.quantize import QuantizeOptions, QuantizeReport, quantize_model
+from diag.fix.remedycheck import check_weight_only_remedies
+from diag.fix.sensitivity import SensitivityOptions, SensitivityResult, skip_one_sensitivity
+from diag.fix.sweep import (
+    JSONL,
+    SweepEntry,
+    SweepOptions,
+    SweepResult,
+    load_grid,
+    recipe_file_dict,
+    sweep_model,
+)
+from diag.fix.sweep import OUTPUT_NAMES as SWEEP_OUTPUT_NAMES
+from diag.fix.sweep import summary_lines as sweep_lines
+from diag.fix.tiers import TierOptions, TierPlan, derive_tier_plan, plan_snippet
+from diag.fix.tiers import summary_lines as tier_lines
+from diag.foundations.environment import environment, printable
+from diag.foundations.errors import DiagError
+from diag.foundations.files import check_outputs, internal_writes, output_file, resume_file, work_dir, write_set
+from diag.foundations.files import out_dir as checked_out_dir
+from diag.foundations.jsonnum import number_from_json
+from diag.foundations.summary import Summary
+from diag.report.document import document_from_result
+from diag.report.documents import read_document
+from diag.report.plots_sweep import pareto_plot
+from diag.report.sweep_report import render_html, render_markdown, sweep_view
+from diag.report.view import OUTPUT_NAMES, output_texts, report_to_dir, write_outputs
+
+# --- diagnosing verbs ---
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    """``diag inspect MODEL [--recipe] [--recipe-out FILE]``."""
+
+    model: str
+    #: Print the recipe that made the INT8 model (TOML) instead of the summary.
+    recipe: bool = False
+    #: Write that recipe to this file (.toml with comments, .json without).
+    recipe_out: str | None = None
+
+
+@dataclass(frozen=True)
+class MergeOptions:
+    """``diag merge PART... --out DIR [--fp32 PATH] [--int8 PATH]``."""
+
+    parts: tuple[str, ...]
+    out: str = "diag-out"
+    #: The models, when they moved since the shards ran.
+    fp32: str | None = None
+    int8: str | None = None
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """``diag report DIAG.JSON --out DIR|FILE.html``."""
+
+    json: str
+    out: str = "diag-out"
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """``diag demo``: which bundled fixture, in which format, and whether to derive the fix."""
+
+    out: str = "diag-demo"
+    fixture: str = "transformer"
+    #: None: the fixture's own (int4 for the LLM fixture, dynamic for the others).
+    format: str | None = None
+    samples: int = 32
+    progress: bool = True
+    fix: bool = True
+
+
+@dataclass(frozen=True)
+class LintOptions:
+    """``diag lint RECIPE [--model FP32]``."""
+
+    recipe: str
+    model: str | None = None
+
+
+def diagnose(
+    fp32_path: str | Path, int8_path: str | Path, feeds: FeedSource | FeedSpec, options: CompareOptions | None = None
+) -> CompareResult:
+    """`diag compare` without the files: the diagnosis plus the fix-side steps it reports.
+
+    :func:`diag.analysis.compare.compare_models`, run on a Dask cluster with ``options.scheduler``
+    (:func:`diag.fix.cluster.compare_on_cluster`), then the recipe a suggested fix re-quantizes with
+    (:func:`diag.fix.infer.fix_recipe`) and, with ``options.sensitivity``, skip-one sensitivity.
+
+    Example:
+        >>> r = diagnose("fp32.onnx", "int8.onnx", FeedSpec(random=True))  # doctest: +SKIP
+        >>> r.fix_recipe["source"]  # doctest: +SKIP
+        'inferred'
+    """
+    options = options or CompareOptions()
+    if options.scheduler is not None:
+        require_scheduler(options.scheduler)  # no Dask, no scheduler: say so before any work
+    run = pipeline.prepare_comparison(fp32_path, int8_path, feeds, options)
+    cluster: dict[str, Any] = {}
+    if options.scheduler is not None:
+        state, runtime_unmatched, cluster = compare_on_cluster(fp32_path, int8_path, run.spec, run.feeds, options)
+    else:
+        state, runtime_unmatched = pipeline.run_comparison(run.fp, run.q, run.matching, run.feeds, options)
+    result = pipeline.analyze_comparison(run, state, runtime_unmatched, options)
+    result.cluster = cluster
+    result.fix_recipe = fix_recipe(run.q.path, options.recipe)
+
+    def spell(sentence: str) -> str:  # the headline's words for an exclusion search, as a command
+        return with_exclude_command(sentence, run.fp.path, run.q.path, run.spec)
+
+    _drop_remedies_in_effect(result, spell)
+    if options.recipe is not None:
+        _measure_weight_only_remedies(result, run, options, spell)
+    if options.sensitivity > 0:
+        result.sensitivity = _sensitivity(fp32_path, int8_path, run.feeds, result, options, run.spec)
+        result.seconds = time.perf_counter() - run.start
+    return result
+
+
+def _drop_remedies_in_effect(result: CompareResult, spell: Callable[[str], str]) -> None:
+    """Remedies the model's recipe already has (``per_channel=True`` on a per-channel model) are dropped,
+    and the spread-error headline lists only remedies that change something for its recipe and format.
+
+    NOTE: the headline already spells its exclusion search as a command (``spell``, done where the
+    paths are known): the generic list is matched as spelled, or it stayed in the headline
+    unreplaced (per_channel=True told to a per-channel model, issue 25 item 1).
+    """
+    settings = (result.fix_recipe or {}).get("settings")
+    result.suggestions = applicable_suggestions(result.suggestions, settings)
+    fmt = result.int8.format.family
+    result.cause_sentence = result.cause_sentence.replace(spell(generic_spread(fmt)), spell(spread_text(fmt, settings)))
+
+
+def _measure_weight_only_remedies(
+    result: CompareResult, run: pipeline.Prepared, options: CompareOptions, spell: Callable[[str], str]
+) -> None:
+    """A weight-only model's spread remedies, re-quantized from the given recipe and measured: the
+    headline lists them best first with their figures (issue 25, item 2)."""
+    given = options.recipe
+    assert given is not None  # checked by the caller
+    recipe = given if isinstance(given, Recipe) else recipe_from_option(given)
+    settings = (result.fix_recipe or {}).get("settings")
+    listed = spell(spread_text(result.int8.format.family, settings))
+    if recipe.mode != "weight_only" or listed not in result.cause_sentence:
+        return
+    checks = check_weight_only_remedies(run.fp, run.q.path, recipe, run.feeds, options.threads)
+    result.remedy_checks = checks.to_dict()
+    measured = f"{checks.text()}, measured by re-quantizing on {checks.samples} samples; or " + spell(EXCLUDE_WORDS)
+    result.cause_sentence = result.cause_sentence.replace(listed, measured)
+
+
+def _sensitivity(
+    fp32_path: str | Path,
+    int8_path: str | Path,
+    feeds: FeedSource,
+    result: CompareResult,
+    options: CompareOptions,
+    spec: FeedSpec | None = None,
+) -> SensitivityResult:
+    if options.recipe is None:
+        raise DiagError(
+            "bad-option",
+            "--sensitivity",
+            "needs the recipe that made the INT8 model",
+            "add --recipe recipe.json (diag inspect INT8 --recipe writes one)",
+        )
+    recipe = options.recipe if isinstance(options.recipe, Recipe) else recipe_from_option(options.recipe)
+    trials = ClusterSkipOne(options.scheduler, spec) if options.scheduler is not None else None
+    return skip_one_sensitivity(
+        fp32_path,
+        int8_path,
+        recipe,
+        feeds,
+        result.findings,
+        SensitivityOptions(options.sensitivity, options.threads, options.progress),
+        trials,
+    )
+
+
+def compare_to_dir(
+    fp32_path: str | Path,
+    int8_path: str | Path,
+    feeds: FeedSource | FeedSpec,
+    out_dir: str | Path,
+    options: CompareOptions | None = None,
+) -> Summary[CompareResult]:
+    """`diag compare` end to end: compare, then write diag.json, report.html and summary.md as one set.
+
+    Returns the lines the verb prints (:func:`result_lines`), the :class:`~diag.analysis.compare.CompareResult`
+    as ``result`` and the files written as ``files``.
+
+    Example:
+        >>> s = compare_to_dir("fp32.onnx", "int8.onnx", FeedSpec(random=True), "out")  # doctest: +SKIP
+        >>> sorted(s.files), s.result.grade  # doctest: +SKIP
+        (['diag.json', 'report.html', 'summary.md'], 'excellent')
+    """
+    given = [fp32_path, int8_path, getattr(feeds, "inputs", None)]
+    if options is not None:
+        given += [options.labels, options.recipe]
+    check_outputs(out_dir, OUTPUT_NAMES, given)  # before the run, not after it
+    result = diagnose(fp32_path, int8_path, feeds, options)
+    doc = document_from_result(result)
+    if result.cluster:
+        doc["run"]["cluster"] = result.cluster
+    if result.options.shard is not None:
+        add_shard_state(doc, result)
+    files = write_outputs(doc, out_dir)
+    return Summary(result_lines(result, files), result=result, files=files)
+
+
+def merge_to_dir(
+    paths: list[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    fp32: str | os.PathLike[str] | None = None,
+    int8: str | os.PathLike[str] | None = None,
+) -> Summary[CompareResult]:
+    """`diag merge` end to end: merge the shards, then write diag.json, report.html and summary.md.
+
+    Returns what :func:`compare_to_dir` returns for one run over every shard's batches.
+
+    Example:
+        >>> s = merge_to_dir(["part0/diag.json", "part1/diag.json"], "all")  # doctest: +SKIP
+        >>> sorted(s.files)  # doctest: +SKIP
+        ['diag.json', 'report.html', 'summary.md']
+    """
+    check_outputs(out_dir, OUTPUT_NAMES, [*paths, fp32, int8])
+    result = merge_shards([(str(p), read_document(p)) for p in paths], fp32, int8)
+    files = write_outputs(document_from_result(result), out_dir)
+    return Summary(result_lines(result, files), result=result, files=files)
+
+
+def merge(options: MergeOptions) -> Summary[CompareResult]:
+    """`diag merge`: :func:`merge_to_dir` with the verb's options."""
+    return merge_to_dir(list(options.parts), options.out, options.fp32, options.int8)
+
+
+def inspect(options: InspectOptions) -> Summary:
+    """`diag inspect`: a model's format, opsets, op counts and problems, or (``recipe``) the
+    recipe that made an INT8 model, printed or written to ``recipe_out``."""
+    if options.recipe_out:
+        path, notes = recipe_to_file(options.model, options.recipe_out)
+        return Summary([f"wrote recipe: {path}", *(f"note: {note}" for note in notes)])
+    if options.recipe:
+        return Summary(recipe_to_toml(options.model).splitlines())
+    return Summary(model_summary_lines(options.model))
+
+
+def model_summary_lines(model: str | os.PathLike[str]) -> list[str]:
+    """What `diag inspect MODEL` prints: :func:`diag.core.load.model_summary`, one aligned line per fact."""
+    s = model_summary(model)
+    ev = ", ".join(f"{k} x{v}" for k, v in s.format.evidence.items())
+    lines = [f"model:      {s.path}", f"format:     {s.format.kind}" + (f"  ({ev})" if ev else "")]
+    if s.format.precisions:
+        lines.append(f"precision:  {describe(s.format.precisions)}")
+    lines += [
+        f"opsets:     {', '.join(f'{k} {v}' for k, v in s.opsets.items())}; IR {s.ir_version}; "
+        f"producer {s.producer or '?'}",
+        f"inputs:     {', '.join(s.inputs)}",
+        f"outputs:    {', '.join(s.outputs)}",
+        f"nodes:      {s.node_count} ({s.quantized_nodes} quantization ops, {s.float_nodes} other)"
+        + ("; external data" if s.external_data else ""),
+    ]
+    # Names made printable before wrapping: a newline in an op type must not move the wrap.
+    ops = ", ".join(f"{printable(k)} {v}" for k, v in s.op_counts.items())
+    lines += ("op counts:  " + textwrap.fill(ops, 96, subsequent_indent=" " * 12)).splitlines()
+    if s.precision:
+        lines.append(f"precision:  {', '.join(f'{k} x{v}' for k, v in s.precision.items())}")
+    if s.subgraph_nodes:
+        lines.append(f"subgraphs:  {', '.join(s.subgraph_nodes)}")
+    lines += [f"warning:    {w}" for w in s.warnings]
+    lines += [f"problem:    {p}" for p in s.problems]
+    if not s.problems:
+        lines.append("problems:   none found")
+    return lines
+
+
+def report(options: ReportOptions) -> Summary:
+    """`diag report`: re-render a diag.json into a folder (report.html + summary.md) or one .html file."""
+    return Summary([f"wrote {path}" for path in report_to_dir(options.json, options.out).values()])
+
+
+def lint(options: LintOptions) -> Summary:
+    """`diag lint`: one line per finding and a summary; failed when a finding is an error."""
+    findings = lint_recipe_file(options.recipe, options.model)
+    lines = [f.line() for f in findings] + [lint_summary_line(options.recipe, findings)]
+    return Summary(lines, any(f.severity == "error" for f in findings))
+
+
+def cluster_line(info: dict[str, Any], indent: str = "") -> str | None:
+    """One line on what ``--scheduler`` did: workers, tasks, retries, where latency was measured."""
+    if not info:
+        return None
+    shards = f"{info['shards']} shards, " if "shards" in info else ""
+    unused = f", {info['unused_tasks']} computed ahead and not needed" if info.get("unused_tasks") else ""
+    where = f"; latency measured on {info['latency_measured_on']}" if "latency_measured_on" in info else ""
+    return (
+        f"{indent}cluster: {info['workers']} worker(s) at {info['scheduler']}, {shards}{info['tasks']} tasks"
+        f"{unused}, {info['retries']} retried after a worker died{where}"
+    )
+
+
+def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
+    """What `diag compare` / `diag merge` / `diag demo` print about a result, in order: the
+    verdict, then the few findings worth a line each (top-3 root causes, 2 outliers, 2 remedies,
+    ...; the report has the rest), then coverage and the files written."""
+    lines = [f"warning: {w}" for model in (result.fp32, result.int8) for w in model.warnings]
+    lines.append(f"verdict: {result.grade.upper()} - {result.cause_sentence}")
+    answers = [v for v in result.verdicts if v.per_sample.cache_of is None]
+    lines += [f"  output {v.name}: {v.grade} ({'; '.join(v.reasons)})" for v in answers]
+    caches = caches_line(result.verdicts)
+    if caches is not None:
+        lines.append(f"  {caches}")
+    lines += [f"  {line}" for line in task_lines(result.task_metrics or {})]
+    lines += _deployed_lines(result)
+    lines += _cause_lines(result)
+    lines += _health_lines(result)
+    lines += _measured_lines(result)
+    cluster = cluster_line(result.cluster, "  ")
+    if cluster is not None:
+        lines.append(cluster)
+    m = result.matching
+    lines.append(
+        f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "
+        f"({len(m.unmatched_tensors)} unmatched, listed in the report); {result.samples} samples "
+        + (f"({result.passes} passes, memory budget) " if result.passes > 1 else "")
+        + f"in {result.seconds:.1f} s"
+    )
+    lines += [f"wrote {name}: {path}" for name, path in files.items()]
+    return lines
+
+
+def _deployed_lines(result: CompareResult) -> list[str]:
+    """``--ort-opt-level``: the outputs as deployed next to exact mode, and the fused kernels."""
+    exact = {v.name: v.per_sample for v in result.verdicts}
+    lines = []
+    for name, d in result.deployed.items():
+        e = exact.get(name)
+        lines.append(
+            f"  deployed ({result.options.opt_level}) output {name}: cosine min {d.cosine_min:.6f}, "
+            f"max abs {d.max_abs:.3g}"
+            + (f" (exact mode: cosine min {e.cosine_min:.6f}, max abs {e.max_abs:.3g})" if e is not None else "")
+        )
+    if result.fused:
+        hidden = {n for k in result.fused for n in k.fp_nodes}
+        lines.append(
+            f"  {len(result.fused)} fused onnxruntime kernel(s) hide {len(hidden)} FP32 node(s) "
+            "(diag.json deployed.fused_kernels)"
+        )
+    return lines
+
+
+def _cause_lines(result: CompareResult) -> list[str]:
+    """The top-3 root causes, where NaN/Inf first appear, FP16 range facts, the error paths."""
+    lines = []
+    roots = sorted((f for f in result.findings if f.role == "root-cause"), key=lambda f: f.rank_local)
+    for f in roots[:3]:
+        local, acc = f.local, f.accumulated
+        assert local is not None and acc is not None  # a root cause is ranked by both errors
+        # A "no single root cause" headline lists no root cause under it (issue 25, item 5).
+        role = "locally worst" if "no single root cause" in result.cause_sentence else "root cause"
+        lines.append(
+            f"  {role}: {f.group.label} ({f.group.op_type}) local SQNR "
+            f"{local.sqnr_db:.1f} dB, accumulated {acc.sqnr_db:.1f} dB"
+            # SQNR is over finite values: say when the node writes NaN/Inf even fed FP32 inputs.
+            + (
+                f" (its own NaN/Inf: {local.nonfinite_int8 - local.nonfinite_fp} with FP32 inputs)"
+                if local.nonfinite_int8 > local.nonfinite_fp
+                else ""
+            )
+        )
+    for model, f in nonfinite_origins(result.findings).items():
+        acc = f.accumulated
+        assert acc is not None  # an origin is found by its accumulated NaN/Inf counts
+        count = acc.nonfinite_fp if model == "FP32" else acc.nonfinite_int8
+        lines.append(
+            f"  NaN/Inf: first produced in the {model} model by {f.group.label} ({f.group.op_type}): "
+            f"{count} value(s) in '{f.tensor}'"
+        )
+    if result.state is not None and result.state.fp16_ranges:
+        lines += [f"  {line}" for line in fp16_range_lines(result.findings, result.state.fp16_ranges)]
+    caches = cache_verdicts(result.verdicts)
+    hidden = {v.name for v in caches[1:]}
+    for out, path in result.paths.items():
+        if out in hidden:
+            continue
+        labels = shortened_path([f.group.label for f in path], 2, 5, "... {} more ...")
+        more = f" (the worst of {len(caches)} KV-cache outputs)" if len(caches) > 1 and out == caches[0].name else ""
+        lines.append(f"  error path to {out}{more}: {' -> '.join(labels)}")
+    layout = decoder_layout(result.findings, module_paths(result.fp32.proto))
+    if layout is not None:
+        lines.append(f"  {layer_sentence(layout)}")
+    return lines
+
+
+def _health_lines(result: CompareResult) -> list[str]:
+    """The 2 worst outlier channels, the persistent one, 2 remedies, the worst weight block."""
+    lines = []
+    flagged = [(k, h) for k, h in result.health.items() if h.outliers and h.grid != "none"]
+    for name, h in sorted(flagged, key=lambda kv: -kv[1].outliers[0].times_median)[:2]:
+        o = h.outliers[0]
+        lines.append(f"  outlier: channel {o.index} of {name} is {o.times_median:.0f}x the median channel")
+    lines += [
+        f"  persistent outlier: channel {p.index} in {len(p.tensors)} of {p.of_tensors} tensors of width {p.channels}"
+        for p in result.persistent[:1]
+    ]
+    lines += [f"  remedy for {s.tensor}: {s.python}" for s in result.suggestions[:2]]
+    blocks = result.weights.worst_blocks(1) if result.weights is not None else []
+    lines += [  # block-wise weights (MatMulNBits, int4 QDQ): see diag.core.nbits
+        f"  worst weight block: {b.weight} {b.where()}: "
+        f"error {b.rel_rmse:.2f}x the weight's rms, {b.levels} levels used, max |w| {b.peak_ratio:.0f}x the median"
+        for b in blocks
+    ]
+    return lines
+
+
+def _measured_lines(result: CompareResult) -> list[str]:
+    """What was measured beyond the error: accuracy_level, effects, output parts, sensitivity."""
+    lines = []
+    level = result.accuracy_level
+    worst = level.worst_node() if level is not None else None
+    if level is not None and worst is not None:
+        node, db = worst
+        outs = ", ".join(f"{k} {v:.1f} dB" for k, v in level.outputs.items())
+        lines.append(
+            f"  accuracy_level {level.level} vs 0 (MatMulNBits inputs quantized inside the kernel): SQNR {outs}; "
+            f"worst node {node} {db:.1f} dB ({level.samples} samples)"
+        )
+    isa = result.deploy_isa
+    if isa is not None and not isa["u8s8_nodes"]:
+        lines.append("  on AVX2 without VNNI: no u8s8 node (no QInt8 weight meets u8 activations): nothing to saturate")
+    elif isa is not None:
+        lines.append(
+            f"  on AVX2 without VNNI (predicted, u8s8 int16 pairs simulated): {isa['saturating_nodes']} of "
+            f"{isa['u8s8_nodes']} u8s8 node(s) saturate"
+        )
+        lines += [f"    {e['sentence']}" for e in isa["nodes"][:3] if e["saturated_pairs"]]
+    effects = result.effects
+    if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
+        shown = [e for e in effects.effects[:3] if e.recovered > 0.01]
+        if shown:
+            lines.append(
+                f"  effect on {effects.target} of keeping one node in float: "
+                + ", ".join(f"{e.finding.group.label} {e.recovered:.0%}" for e in shown)
+                + f" ({effects.samples} samples)"
+            )
+    for v in result.verdicts:
+        for label, (part, acc, local) in v.per_sample.parts.items():
+            lines.append(
+                f"  output {v.name} part {label}: SQNR {acc.sqnr_db:.1f} dB, min cosine "
+                f"{part.cosine_min:.4f}" + (f", local SQNR {local.sqnr_db:.1f} dB" if local is not None else "")
+            )
+    section = result.sensitivity.to_dict() if result.sensitivity is not None else {}
+    if section.get("rows"):
+        best = section["rows"][0]
+        recovered = number_from_json(best["cosine_recovered"])
+        lines.append(
+            f"  sensitivity: keeping {best['label']} in float recovers "
+            f"{recovered:+.4f} output cosine ({section['quantizations']} quantizations)"
+        )
+    return lines
+
+
+# --- fixing verbs ---
+
+#: A search's answer files: (contents to write, their names as the verb reports them, stale files to remove).
+AnswerFiles = tuple[dict[Path, str | bytes | Path], dict[str, Path], list[Path]]
+
+
+def exclude_to_dir(
+    fp32_path: str | Path,
+    recipe: Recipe | str | Path | None,
+    feeds: FeedSpec,
+    options: ExcludeOptions,
+    out_dir: str | Path,
+) -> Summary[ExclusionResult]:
+    """`diag exclude` end to end: derive, then write exclusion.json, the mixed model and reproduce.py.
+
+    ``recipe`` is a Recipe, a ``--recipe`` value, or None: then the recipe of ``options.int8`` (the
+    user's INT8 model) or onnxruntime's defaults (:func:`diag.fix.infer.search_recipe`; the result's
+    ``recipe_origin`` says which). The mixed model and the snippet are written only when the target
+    is reachable. With ``options.scheduler`` the trials run on Dask (:class:`diag.fix.cluster.ClusterTrialRunner`).
+    Returns the lines the verb prints, the :class:`~diag.fix.exclude.ExclusionResult` as ``result`` and
+    the files written; ``failed`` when no list short of keeping every quantized node in float meets
+    the target (or the budget ran out first).
+
+    Example:
+        >>> s = exclude_to_dir("fp32.onnx", recipe, FeedSpec(inputs="d.npz"),
+        ...                    ExcludeOptions("cosine>=0.999"), "out")  # doctest: +SKIP
+        >>> sorted(s.files), s.failed  # doctest: +SKIP
+        (['diag.json', 'exclusion.json', 'mixed model', 'report.html', 'reproduce.py', 'summary.md'], False)
+    """
+    recipe, origin = search_recipe(recipe, options.int8)
+    stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
+    names_out = ["exclusion.json", f"{stem}.mixed.onnx", "reproduce.py", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
+    inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]
+    check_outputs(out_dir, names_out, inputs)
+    out = checked_out_dir(out_dir)
+    trials = ClusterTrialRunner(options.scheduler, fp32_path, recipe, feeds, options) if options.scheduler else None
+    with work_dir(out, "exclude") as work:
+        with internal_writes():  # candidate models are not this verb's outputs
+            result = derive_exclusions(fp32_path, recipe, feeds, options, str(work), trials)
+        result.recipe_origin = origin.to_dict()
+        answer = _exclusion_files(result, recipe, feeds, out, stem)
+        # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
+        # model is the recipe's baseline, quantized in a temp folder now gone.
+        note = "baseline INT8 (the recipe as given, quantized by diag exclude)"
+        files = _write_search_set(out, ("exclusion.json", result.to_dict()), answer, result.diagnosis, note, True)
+    lines = [result.recipe_origin["line"], *exclude_lines(result)]
+    cluster = cluster_line(result.cluster)
+    lines += [cluster] if cluster is not None else []
+    lines += [f"wrote {name}: {path}" for name, path in files.items()]
+    return Summary(lines, not result.reachable, result, files)
+
+
+def _exclusion_files(result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str) -> AnswerFiles:
+    """The mixed model (and its external data) and reproduce.py, or the stale ones to remove.
+
+    NOTE: one set, written all or nothing: exclusion.json, the mixed model (and its external
+    data), reproduce.py and the report. When there is no answer, a mixed model left by an
+    earlier run in the same folder would read as this run's answer: it is removed in the same step.
+    """
+    mixed, reproduce, again = out / f"{stem}.mixed.onnx", out / "reproduce.py", out / f"{stem}.reproduced.onnx"
+    contents: dict[Path, str | bytes | Path] = {}
+    names: dict[str, Path] = {}
+    if not (result.reachable and result.model):
+        return contents, names, [mixed, reproduce, again]
+    staged = Path(result.model)
+    for written in copy_model(staged, staged.with_name(mixed.name)):  # its external data renamed with it
+        contents[out / written.name] = written
+    result.model = str(mixed)
+    names["mixed model"] = mixed
+    calib, count, batch = _calibration_of(recipe, feeds, result.split)
+    # NOTE: never the verified model's path: running reproduce.py must not overwrite the answer.
+    result.snippet = reproduce_snippet(result, str(again), str(calib) if calib else None, count, batch)
+    contents[reproduce] = result.snippet
+    names["reproduce.py"] = reproduce
+    return contents, names, []
+
+
+def _write_search_set(
+    out: Path,
+    record: tuple[str, dict[str, Any]],
+    answer: AnswerFiles,
+    diagnosis: CompareResult | None,
+    model_note: str,
+    embed: bool,
+) -> dict[str, Path]:
+    """Write a search's output set all or nothing; the files written, by the names the verb reports.
+
+    The set: the search's record (``record``: file name, JSON; ``exclusion.json`` / ``tiers.json``),
+    its answer's files (or the stale ones removed), and the report of ``diagnosis``, whose model
+    ``model_note`` names (``embed`` puts the record into that report's diag.json too).
+    """
+    name, data = record
+    contents, names, remove = answer
+    contents = {out / name: json.dumps(data, indent=1, ensure_ascii=False) + "\n", **contents}
+    report, stale = diagnosis_outputs(out, diagnosis, model_note, data if embed else None)
+    written = write_set({**contents, **report}, remove=remove + stale)
+    files = {name: out / name, **names}
+    files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
+    return files
+
+
+def _calibration_of(recipe: Recipe, feeds: FeedSpec, split: dict[str, Any]) -> tuple[Any, int | None, int]:
+    """What reproduce.py calibrates on: the recipe's own data, else the ranking split of the inputs."""
+    if recipe.calibration:
+        return recipe.calibration_path(), recipe.calibration_samples, 1
+    return feeds.inputs, split["ranking_samples"], split["batch"]
+
+
+def diagnosis_outputs(
+    out: Path, diagnosis: CompareResult | None, model_note: str, exclusion: dict[str, Any] | None = None
+) -> tuple[dict[Path, str], list[Path]]:
+    """The report of a search's diagnosis (diag.json, report.html, summary.md) for ``write_set``.
+
+    Returns (files to write, files to remove): without a diagnosis (the target was already met) an
+    earlier run's report would read as this run's, so it is removed in the same step.
+    """
+    if diagnosis is None:
+        return {}, [out / name for name in OUTPUT_NAMES]
+    doc = document_from_result(diagnosis)
+    doc["models"]["int8"]["path"] = model_note
+    # The diagnosed model sat in the search's work folder, now gone: a command naming it would
+    # not run, and this search is the exclusion search the headline suggests.
+    if diagnosis.verify_command:
+        doc["verdict"]["cause"] = doc["verdict"]["cause"].replace(
+            f"an exclusion search: {diagnosis.verify_command}", "the exclusion search this report holds"
+        )
+        doc["recommendation"]["verify_command"] = ""
+    if exclusion is not None:
+        doc["exclusion"] = exclusion
+    return {out / name: text for name, text in output_texts(doc).items()}, []
+
+
+def tier_plan_to_dir(
+    fp32_path: str | Path,
+    recipe: Recipe | str | Path | None,
+    feeds: FeedSpec,
+    options: TierOptions,
+    out_dir: str | Path,
+) -> Summary[TierPlan]:
+    """`diag exclude --tiers` end to end: derive the plan, write tiers.json, recipe.json, the model and reproduce.py.
+
+    ``recipe`` as for :func:`exclude_to_dir` (None: ``options.int8``'s recipe, else the defaults).
+    Returns the lines, the :class:`~diag.fix.tiers.TierPlan` as ``result`` and the files written;
+    ``failed`` when no plan meets the target.
+
+    Example:
+        >>> s = tier_plan_to_dir("fp32.onnx", recipe, FeedSpec(inputs="x.npz"),
+        ...                      TierOptions("cosine>=0.94", tiers="int4,int8,fp32"), "out")  # doctest: +SKIP
+        >>> sorted(s.files)  # doctest: +SKIP
+        ['diag.json', 'plan model', 'recipe.json', 'report.html', 'reproduce.py', 'summary.md', 'tiers.json']
+    """
+    stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
+    plan_name = f"{stem}.plan.onnx"
+    names_out = ["tiers.json", plan_name, "reproduce.py", "recipe.json", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
+    recipe, origin = search_recipe(recipe, options.int8)
+    inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]
+    check_outputs(out_dir, names_out, inputs)
+    out = checked_out_dir(out_dir)
+    # NOTE: one set, written all or nothing (diag.foundations.files.write_set), as diag exclude writes its own:
+    # tiers.json, the plan model, recipe.json, reproduce.py and the diagnosis report. Without a plan,
+    # an earlier run's model, recipe and script would read as this run's answer: they are removed.
+    with work_dir(out, "tiers") as work:
+        with internal_writes():  # trial models are not this verb's outputs
+            plan = derive_tier_plan(fp32_path, recipe, feeds, options, work_dir=work)
+        plan.recipe_origin = origin.to_dict()
+        answer = _plan_files(plan, recipe, feeds, out, stem)
+        # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
+        note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
+        files = _write_search_set(out, ("tiers.json", plan.to_dict()), answer, plan.diagnosis, note, False)
+    lines = [plan.recipe_origin["line"], *tier_lines(plan), *(f"wrote {name}: {path}" for name, path in files.items())]
+    return Summary(lines, not plan.reachable, plan, files)
+
+
+def _plan_files(plan: TierPlan, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str) -> AnswerFiles:
+    """The plan model, recipe.json and reproduce.py, or the stale ones to remove."""
+    model, reproduce, recipe_out = out / f"{stem}.plan.onnx", out / "reproduce.py", out / "recipe.json"
+    contents: dict[Path, str | bytes | Path] = {}
+    names: dict[str, Path] = {}
+    if not (plan.reachable and plan.model):
+        return contents, names, [model, reproduce, recipe_out]
+    staged = Path(plan.model)
+    for written in copy_model(staged, staged.with_name(model.name)):  # its external data renamed with it
+        contents[out / written.name] = written
+    plan.model = str(model)
+    names["plan model"] = model
+    final = Recipe.from_dict(plan.recipe, "plan recipe")
+    contents[recipe_out] = recipe_file_text(final, recipe_out)
+    names["recipe.json"] = recipe_out
+    calib, count, batch = _calibration_of(recipe, feeds, plan.split)
+    again = str(out / f"{stem}.reproduced.onnx")
+    plan.snippet = plan_snippet(plan, final, again, str(calib) if calib else None, count, batch)
+    contents[reproduce] = plan.snippet
+    names["reproduce.py"] = reproduce
+    return contents, names, []
+
+
+def sweep_to_dir(
+    fp32_path: str | Path,
+    feeds: FeedSpec,
+    out_dir: str | Path,
+    options: SweepOptions | None = None,
+    on_entry: Callable[[SweepEntry], None] | None = None,
+) -> Summary[SweepResult]:
+    """`diag sweep` end to end: sweep, then write sweep.json, sweep.md, sweep.html, pareto.svg, best.recipe.json.
+
+    ``options.grid`` is what ``--grid`` takes (a file, inline JSON, or None for
+    :data:`diag.fix.sweep.DEFAULT_GRID`). ``best.recipe.json`` is written only when a recipe
+    qualifies (a stale one is removed). ``on_entry``: see :func:`diag.fix.sweep.sweep_model`. Returns
+    the lines, the :class:`~diag.fix.sweep.SweepResult` as ``result`` and the files written.
+
+    Example:
+        >>> s = sweep_to_dir("fp32.onnx", FeedSpec(inputs="d.npz", batch=8), "sweep")  # doctest: +SKIP
+        >>> sorted(s.files)  # doctest: +SKIP
+        ['best.recipe.json', 'pareto.svg', 'sweep.html', 'sweep.json', 'sweep.jsonl', 'sweep.md']
+    """
+    o = options if options is not None else SweepOptions()
+    # Ctrl-C: the recipes finished so far are in sweep.jsonl, and the same command resumes from them.
+    resume_file(Path(out_dir) / JSONL, "finished recipes")
+    grid_dict, grid_dir = load_grid(o.grid)
+    given = [fp32_path, feeds.inputs, o.calib.inputs if o.calib else None, o.labels]
+    check_outputs(out_dir, [*SWEEP_OUTPUT_NAMES, JSONL], given)  # before any recipe is measured
+    out = checked_out_dir(out_dir)
+    runner = ClusterRecipes(o.scheduler, feeds, o) if o.scheduler is not None else None
+    result = sweep_model(fp32_path, feeds, out, o, grid=(grid_dict, grid_dir), on_entry=on_entry, runner=runner)
+    doc = result.to_dict()
+    view = sweep_view(doc)
+    best_path = out / "best.recipe.json"
+    contents: dict[Path, str | bytes | Path] = {
+        out / "sweep.json": json.dumps(doc, indent=1, ensure_ascii=False) + "\n",
+        out / "sweep.md": render_markdown(view),
+        out / "sweep.html": render_html(view),
+        out / "pareto.svg": pareto_plot(doc),
+    }
+    if result.best_recipe is not None:
+        if result.best_recipe.mode == "dynamic":  # the static-only keys would be inert
+            contents[best_path] = json.dumps(recipe_file_dict(result.best_recipe), indent=2) + "\n"
+        else:  # rebases the calibration path onto the recipe's folder
+            contents[best_path] = recipe_file_text(result.best_recipe, best_path)
+    # NOTE: one set, all or nothing; a best recipe of an earlier run goes in the same step.
+    written = write_set(contents, remove=[] if best_path in contents else [best_path])
+    files = {name: written[name] for name in ("sweep.json", "sweep.md", "sweep.html", "pareto.svg")}
+    files["sweep.jsonl"] = out / JSONL
+    if best_path.name in written:
+        files["best.recipe.json"] = best_path
+    lines = sweep_lines(result)
+    cluster = cluster_line(result.cluster)
+    lines += [cluster] if cluster is not None else []
+    lines += [f"wrote {name}: {path}" for name, path in files.items()]
+    return Summary(lines, result=result, files=files)
+
+
+def bench_to_json(
+    paths: list[str | Path], feeds: FeedSource | FeedSpec, options: BenchOptions
+) -> Summary[list[LatencyStats]]:
+    """`diag bench` end to end: bench, format the table, write the JSON file when asked.
+
+    The JSON file is ``{"schema": "diag/bench", "schema_version": 1, "environment": ...,
+    "models": [LatencyStats.to_dict(), ...]}``, written atomically. Returns the table's lines, the
+    :class:`~diag.fix.bench.LatencyStats` of each model as ``result`` and the JSON file, if any.
+
+    Example:
+        >>> s = bench_to_json(["fp32.onnx", "int8.onnx"], FeedSpec(random=True),
+        ...                   BenchOptions(json_path="bench.json"))  # doctest: +SKIP
+        >>> s.result[1].p50_ms < s.result[0].p50_ms, s.files  # doctest: +SKIP
+        (True, {'bench.json': PosixPath('bench.json')})
+    """
+    if options.json_path is not None:
+        for path in paths:  # remembered as inputs first: --json may not name one of them
+            checked_path(path, "model")
+        output_file(options.json_path, "--json")
+    stats = bench_models(paths, feeds, options)
+    lines = format_table(stats).splitlines()
+    files: dict[str, Path] = {}
+    if options.json_path is not None:
+        doc = {
+            "schema": "diag/bench",
+            "schema_version": 1,
+            "environment": environment(),
+            "opt_level": DEPLOY_OPT_LEVEL,
+            "models": [s.to_dict() for s in stats],
+        }
+        written = Path(options.json_path)
+        write_set({written: json.dumps(doc, indent=2) + "\n"}, "--json")
+        files[written.name] = written
+        lines.append(f"wrote {written}")
+    return Summary(lines, result=stats, files=files)
+
+
+def quantize_to_file(fp32_path: str | Path, options: QuantizeOptions) -> Summary[QuantizeReport]:
+    """`diag quantize`: quantize as the recipe says (written atomically, verified) and the lines to print.
+
+    The :class:`~diag.fix.modelprep.QuantizeReport` is the summary's ``result``.
+
+    Example:
+        >>> s = quantize_to_file("fp32.onnx", QuantizeOptions("recipe.json", "int8.onnx"))  # doctest: +SKIP
+        >>> s.lines[-1], s.result.format  # doctest: +SKIP
+        ('wrote int8.onnx (QDQ) in 1.2 s', 'QDQ')
+    """
+    o = options
+    report = quantize_model(fp32_path, o.recipe, o.out, o.calibration, progress=o.progress, samples=o.samples)
+    lines = list(report.actions)
+    if o.verbose:
+        lines += [f"onnxruntime: {line}" for line in report.log]
+    elif report.log:
+        lines.append(f"onnxruntime logged {len(report.log)} message(s) (--verbose shows them)")
+    lines.append(f"wrote {report.output} ({report.format}) in {report.seconds:.1f} s")
+    return Summary(lines, result=report, files={"model": Path(report.output)})

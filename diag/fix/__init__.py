@@ -1,0 +1,1 @@
+"""The fix layer: recipes, quantizing, searching, timing, scale-out."""

@@ -1,0 +1,415 @@
+"""The one generator of fix code: Python that re-quantizes with onnxruntime's own calls, no diag.
+
+Two texts come out of it, for two readers:
+
+- :func:`fix_snippet`, the "suggested fix" of a `diag compare` report: the INT8 model's
+  recipe (given or inferred) with more nodes kept in float, for the user to paste;
+- :func:`reproduce_snippet`, `diag exclude`'s ``reproduce.py``: a script that replays every step
+  diag took before onnxruntime's quantizer and rebuilds the verified mixed-precision model.
+
+Both are built from the same pieces (the enum of each recipe key, one keyword line, one call)
+so that a recipe key is spelled one way in every text diag writes. Their bytes are pinned by the
+golden reports and by the tests that run ``reproduce.py``: change a line here and they fail.
+
+FP16 and weight-only recipes call other converters; their text lives next to the code that
+reads those models (:mod:`diag.core.fp16`, :mod:`diag.core.nbits`) and is dispatched to from here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Protocol
+
+from diag.fix.fp16convert import KeptInFloat, fix_snippet_fp16, reproduce_fp16
+from diag.fix.infer import SNIPPET_KEYS
+from diag.fix.modelprep import (
+    STEP_EXTERNAL_DATA,
+    STEP_LIFT_CONSTANTS,
+    STEP_PREPROCESS,
+    STEP_PREPROCESS_SKIP_SYMBOLIC,
+    STEP_UPGRADE_AFTER_LOAD_ERROR,
+    STEP_UPGRADE_OPSET,
+)
+from diag.fix.weightonly import weight_only_fix_snippet, weight_only_snippet
+
+#: onnxruntime's enum class of each recipe key whose value is a member name (``"QInt8"``).
+ENUMS = {
+    "quant_format": "QuantFormat",
+    "activation_type": "QuantType",
+    "weight_type": "QuantType",
+    "calibrate_method": "CalibrationMethod",
+}
+
+#: Keys only ``quantize_static`` takes: a dynamic fix must not pass them.
+_STATIC_ONLY = ("quant_format", "activation_type", "calibrate_method")
+
+#: reproduce.py's replay of ``quantize.lift_constants`` (paddle2onnx stores weights as Constant nodes).
+LIFT_CONSTANTS_SNIPPET = [
+    "# Constant nodes -> initializers (the quantizer only quantizes initializer weights).",
+    "kept = []",
+    "for node in model.graph.node:",
+    '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
+    "        t = onnx.TensorProto()",
+    "        t.CopyFrom(node.attribute[0].t)",
+    "        t.name = node.output[0]",
+    "        model.graph.initializer.append(t)",
+    "    else:",
+    "        kept.append(node)",
+    "del model.graph.node[:]",
+    "model.graph.node.extend(kept)",
+]
+
+
+class Reproducible(KeptInFloat, Protocol):
+    """What reproduce.py needs of a search's result (:class:`diag.fix.exclude.ExclusionResult`, a tier plan):
+    what an fp16 reproduce.py needs, and the steps diag took before onnxruntime's quantizer."""
+
+    @property
+    def steps(self) -> list[str]: ...
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+def _keyword(key: str, source: str) -> str:
+    """One keyword argument line of a generated call (four spaces, trailing comma)."""
+    return f"    {key}={source},"
+
+
+def _enum_keyword(key: str, member: object) -> str:
+    """``key=QuantType.QInt8,``: onnxruntime compares enum members, a string would be ignored."""
+    return _keyword(key, f"{ENUMS[key]}.{member}")
+
+
+def _call(fn: str, positional: list[str], keywords: list[str]) -> list[str]:
+    """A generated call, one argument per line, as ruff would format it."""
+    return [f"{fn}(", *(f"    {p}," for p in positional), *keywords, ")"]
+
+
+def _quantize_fn(static: bool) -> str:
+    return "quantize_static" if static else "quantize_dynamic"
+
+
+# ---------------------------------------------------------------- the report's suggested fix
+
+
+def fix_snippet(
+    fmt: str,
+    nodes: list[str],
+    recipe: dict[str, Any] | None = None,
+    fp32_path: str = "fp32.onnx",
+    int8_path: str = "int8.onnx",
+    external: bool = False,
+) -> str:
+    """Python that re-quantizes with plain onnxruntime, keeping ``nodes`` in float.
+
+    ``external``: the FP32 model keeps its weights in external data (LLM exports, anything over
+    2 GB), so the fixed model is written the same way (protobuf cannot hold it in one file).
+
+    With ``recipe`` (``diag.json["recommendation"]["recipe"]``: the ``--recipe`` given, or the
+    settings :func:`diag.fix.infer.fix_recipe` inferred from the INT8 model) every setting the INT8
+    model was made with is passed on, and the nodes it already kept in float stay excluded: the
+    fix changes the exclusions only. A comment says where the settings came from and what could
+    not be inferred. Without it (diag.json files written before the recipe was recorded) only the
+    format is known.
+
+    Example:
+        >>> r = {"source": "inferred", "settings": {"mode": "dynamic", "weight_type": "QUInt8"}, "unknown": {}}
+        >>> print(fix_snippet("dynamic", ["fc1"], r, "m.onnx", "m.int8.onnx"))
+        # Settings inferred by diag from the INT8 model (diag inspect INT8 --recipe).
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+        <BLANKLINE>
+        quantize_dynamic(
+            "m.onnx",
+            "m.int8.fixed.onnx",
+            weight_type=QuantType.QUInt8,
+            nodes_to_exclude=["fc1"],
+        )
+    """
+    if not nodes:
+        return ""
+    if recipe is None:
+        return _plain_fix_snippet(fmt, nodes)
+    if recipe.get("settings") is None:
+        why = recipe.get("why") or "unknown reason"
+        return (
+            f"# The INT8 model's settings could not be inferred ({why}): onnxruntime's defaults below may\n"
+            "# differ from the settings that made it; pass the recipe with --recipe to get them.\n"
+            + _plain_fix_snippet(fmt, nodes)
+        )
+    settings = dict(recipe["settings"])
+    if settings.get("mode") == "fp16":
+        return fix_snippet_fp16(settings, nodes, fp32_path, int8_path)
+    static = settings.get("mode") == "static"
+    settings["nodes_to_exclude"] = list(dict.fromkeys([*settings.get("nodes_to_exclude", []), *nodes]))
+    args, used = _fix_keywords(settings, static)
+    lines = _fix_comments(recipe, settings, fp32_path, static)
+    out = str(Path(int8_path).with_name(Path(int8_path).name.removesuffix(".onnx") + ".fixed.onnx"))
+    if settings.get("mode") == "weight_only":
+        return weight_only_fix_snippet(settings, lines[0], fp32_path, out, external)
+    fn = _quantize_fn(static)
+    if external:
+        args.append(_keyword("use_external_data_format", "True"))
+    lines.append(f"from onnxruntime.quantization import {', '.join(sorted(used | {fn}))}")
+    positional = [json.dumps(fp32_path), json.dumps(out), *(["calibration_reader"] if static else [])]
+    lines += ["", *_call(fn, positional, args)]
+    return "\n".join(lines)
+
+
+def _fix_keywords(settings: dict[str, Any], static: bool) -> tuple[list[str], set[str]]:
+    """The keyword lines of the fix call, in onnxruntime's argument order, and the enums they use.
+
+    Only the keys the settings hold are passed (the rest are onnxruntime's defaults either way);
+    a dynamic fix drops the static-only keys, an empty ``extra_options`` is left out.
+    """
+    args: list[str] = []
+    used: set[str] = set()
+    for key in SNIPPET_KEYS:
+        if key not in settings or settings[key] is None:
+            continue
+        if not static and key in _STATIC_ONLY:
+            continue
+        value = settings[key]
+        if key in ENUMS:
+            used.add(ENUMS[key])
+            args.append(_enum_keyword(key, value))
+        elif key == "extra_options" and not value:
+            continue
+        else:
+            args.append(_keyword(key, _py_literal(value)))
+    return args, used
+
+
+def _fix_comments(recipe: dict[str, Any], settings: dict[str, Any], fp32_path: str, static: bool) -> list[str]:
+    """The comment lines above the fix: where the settings came from and what the user must supply."""
+    unknown = [k for k in (recipe.get("unknown") or {}) if k != "calibration"]
+    if recipe.get("source") == "given":
+        head = "# Settings as given with --recipe"
+    else:
+        head = "# Settings inferred by diag from the INT8 model (diag inspect INT8 --recipe)"
+    lines = [head + (f"; not inferable: {', '.join(unknown)}." if unknown else ".")]
+    if settings.get("preprocess"):
+        lines.append(f"# The recipe runs quant_pre_process first: pass its output instead of {fp32_path!r}.")
+    if static:
+        lines.append(
+            "# calibration_reader is yours: a CalibrationDataReader over representative inputs (not in the model)."
+        )
+    return lines
+
+
+def _py_literal(value: Any) -> str:
+    """Python source for a JSON value (True/False/None, not true/false/null)."""
+    return repr(value) if not isinstance(value, (str, list, dict)) else _py_json(value)
+
+
+def _py_json(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_py_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_py_json(str(k))}: {_py_json(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
+    """The snippet for a diag.json without a recorded recipe: the format is all that is known."""
+    listed = ", ".join(json.dumps(n) for n in nodes)
+    if fmt in ("matmulnbits", "qdq-int4-blocked"):
+        quant_format = "QOperator" if fmt == "matmulnbits" else "QDQ"
+        settings = {"mode": "weight_only", "quant_format": quant_format, "nodes_to_exclude": list(nodes)}
+        return weight_only_fix_snippet(
+            settings, "# onnxruntime's defaults (bits 4, block_size 128)", "fp32.onnx", "int8.onnx"
+        )
+    if fmt == "dynamic":
+        return (
+            "from onnxruntime.quantization import quantize_dynamic\n"
+            f'quantize_dynamic("fp32.onnx", "int8.onnx", nodes_to_exclude=[{listed}])'
+        )
+    qf = "QDQ" if fmt != "qoperator" else "QOperator"
+    return (
+        "from onnxruntime.quantization import QuantFormat, quantize_static\n"
+        f'quantize_static("fp32.onnx", "int8.onnx", calibration_reader,\n'
+        f"                quant_format=QuantFormat.{qf}, nodes_to_exclude=[{listed}])"
+    )
+
+
+# ---------------------------------------------------------------- diag exclude's reproduce.py
+
+
+def reproduce_snippet(
+    result: Reproducible,
+    model_out: str,
+    calibration: str | None = None,
+    calibration_samples: int | None = None,
+    batch: int = 1,
+) -> str:
+    """Python that rebuilds the verified mixed-precision model with plain onnx/onnxruntime calls (no diag).
+
+    It replays every step diag took before onnxruntime's quantizer (``result.steps``: Constant
+    nodes lifted to initializers, opset upgrade for per-channel QDQ, ``quant_pre_process`` with
+    or without symbolic shapes), then quantizes with the final recipe: the same calls in the same
+    order, so it writes the same model. ``model_out`` must not be the verified model's own path
+    (``diag exclude`` passes ``<stem>.reproduced.onnx``). ``calibration`` is the ``.npz`` a static
+    recipe calibrates on (its first ``calibration_samples`` rows, ``batch`` rows per call).
+
+    Example:
+        >>> print(reproduce_snippet(result, "m.reproduced.onnx"))  # doctest: +SKIP
+        # Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.
+        ...
+    """
+    r = result.recipe
+    if r.get("mode") == "weight_only":
+        header = f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float."
+        lift = LIFT_CONSTANTS_SNIPPET if STEP_LIFT_CONSTANTS in result.steps else []
+        return weight_only_snippet(r, result.fp32, model_out, header, lift)
+    if r.get("mode") == "fp16":
+        return reproduce_fp16(result, model_out)
+    static = r.get("mode") == "static"
+    steps = list(result.steps)
+    if r.get("preprocess") and not any(x.startswith(STEP_PREPROCESS) for x in steps):
+        steps.append(STEP_PREPROCESS)
+    external = STEP_EXTERNAL_DATA in steps
+    lines = _reproduce_preamble(result, steps, static, model_out)
+    if static:
+        lines += [f"CALIBRATION = os.path.abspath({calibration or 'CALIBRATION.npz'!r})", *_READER_CLASS]
+    lines += ["", "", "model = onnx.load(FP32)", *_model_steps(steps)]
+    lines += _file_steps(steps, external)
+    reader = [f"Reader(CALIBRATION, {calibration_samples!r}, {batch!r})"] if static else []
+    keywords = _reproduce_keywords(r, result.nodes_to_exclude, static, external)
+    lines += [
+        *_call(_quantize_fn(static), ["src", "OUT", *reader], keywords),
+        "os.chdir(os.path.dirname(OUT))",
+        "shutil.rmtree(work, ignore_errors=True)",
+        "print('wrote', OUT)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _reproduce_preamble(result: Reproducible, steps: list[str], static: bool, model_out: str) -> list[str]:
+    """The header comments (what was found, what is replayed), the imports, and the two paths.
+
+    The paths are made absolute before the script changes folder: quant_pre_process may leave
+    temporary files in the current folder, so the script works in a temporary one.
+    """
+    names = ["QuantType", _quantize_fn(static)]
+    if static:
+        names = ["CalibrationDataReader", "CalibrationMethod", "QuantFormat", *names]
+    lines = [
+        "# Rebuilds the mixed-precision model found by `diag exclude` with plain onnx/onnxruntime calls.",
+        f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float.",
+        f"# Replays diag's steps before quantizing: {', '.join(steps) or 'none'}.",
+        "# Paths are as given to diag exclude: run this from the folder diag exclude ran in.",
+        "import os",
+        "import shutil",
+        "import tempfile",
+        "",
+        *(["import numpy as np"] if static else []),
+        "import onnx",
+        f"from onnxruntime.quantization import {', '.join(names)}",
+    ]
+    if any(x.startswith(STEP_PREPROCESS) for x in steps):
+        lines.append("from onnxruntime.quantization.shape_inference import quant_pre_process")
+    return [*lines, "", f"FP32 = os.path.abspath({result.fp32!r})", f"OUT = os.path.abspath({model_out!r})"]
+
+
+#: reproduce.py's calibration reader: the rows diag calibrated on, in the batches diag fed them.
+_READER_CLASS = [
+    "",
+    "",
+    "class Reader(CalibrationDataReader):",
+    '    """The first `count` rows of a stacked .npz, `batch` rows per get_next (as diag fed them)."""',
+    "",
+    "    def __init__(self, path, count, batch):",
+    "        with np.load(path) as z:",
+    "            arrays = {k: z[k] for k in z.files}",
+    "        n = len(next(iter(arrays.values()))) if count is None else count",
+    "        rows = range(0, n, batch)",
+    "        self.feeds = iter([{k: v[i : min(i + batch, n)] for k, v in arrays.items()} for i in rows])",
+    "",
+    "    def get_next(self):",
+    "        return next(self.feeds, None)",
+]
+
+
+def _model_steps(steps: list[str]) -> list[str]:
+    """The steps diag applied to the loaded FP32 model in memory (before it is saved for the quantizer)."""
+    lines: list[str] = []
+    for step in steps:
+        if step == STEP_LIFT_CONSTANTS:
+            lines += LIFT_CONSTANTS_SNIPPET
+        elif step == STEP_UPGRADE_OPSET:
+            lines += [
+                "# per-channel QDQ writes DequantizeLinear(axis=...), which opset < 13 forbids.",
+                "model = onnx.version_converter.convert_version(model, 13)",
+            ]
+    return lines
+
+
+def _file_steps(steps: list[str], external: bool) -> list[str]:
+    """Save the model in a temporary folder, then the steps diag ran on files (quant_pre_process, opset upgrade)."""
+    save = ", save_as_external_data=True, location='model.onnx.data'" if external else ""
+    lines = [
+        "work = tempfile.mkdtemp()",
+        "src = os.path.join(work, 'model.onnx')",
+        f"onnx.save_model(model, src{save})",
+        "del model",
+        "os.chdir(work)  # quant_pre_process may leave temp files in the current folder",
+    ]
+    for step in steps:
+        if step in (STEP_PREPROCESS, STEP_PREPROCESS_SKIP_SYMBOLIC):
+            skip = ", skip_symbolic_shape=True" if step == STEP_PREPROCESS_SKIP_SYMBOLIC else ""
+            ext = ", save_as_external_data=True, all_tensors_to_one_file=True" if external else ""
+            lines += [
+                f"quant_pre_process(src, os.path.join(work, 'pre.onnx'){skip}{ext})",
+                "src = os.path.join(work, 'pre.onnx')",
+            ]
+        elif step == STEP_UPGRADE_AFTER_LOAD_ERROR:
+            lines += [
+                "# diag's first INT8 model did not load (DequantizeLinear axis on opset < 13): upgraded, as here.",
+                "upgraded = onnx.version_converter.convert_version(onnx.load(src), 13)",
+                "onnx.save_model(upgraded, os.path.join(work, 'up.onnx'))",
+                "src = os.path.join(work, 'up.onnx')",
+            ]
+    return lines
+
+
+def _reproduce_keywords(r: dict[str, Any], nodes: list[str], static: bool, external: bool) -> list[str]:
+    """Every keyword of the final recipe, spelled out (reproduce.py must not lean on defaults)."""
+    args: list[str] = []
+    if static:
+        args += [
+            _enum_keyword("quant_format", r["quant_format"]),
+            _enum_keyword("activation_type", r["activation_type"]),
+        ]
+    args.append(_enum_keyword("weight_type", r["weight_type"]))
+    for key in ("per_channel", "reduce_range"):
+        args.append(_keyword(key, repr(bool(r.get(key)))))
+    for key in ("op_types_to_quantize", "nodes_to_quantize"):
+        if r.get(key) is not None:
+            args.append(_keyword(key, repr(r[key])))
+    args.append(_keyword("nodes_to_exclude", repr(nodes)))
+    if static:
+        args.append(_enum_keyword("calibrate_method", r["calibrate_method"]))
+    if r.get("extra_options"):
+        args.append(_keyword("extra_options", _extra_options_source(r["extra_options"])))
+    if external:
+        args.append(_keyword("use_external_data_format", "True"))
+    return args
+
+
+def _extra_options_source(extra: dict[str, Any]) -> str:
+    """``extra_options`` as Python source, TensorQuantOverrides values as onnxruntime wants them.
+
+    A recipe file holds ``"quant_type": "QInt16"`` as a string; onnxruntime compares it with
+    ``QuantType`` members and silently ignores a string (see :func:`diag.core.recipe.resolve_quant_types`).
+
+    Example:
+        >>> _extra_options_source({"TensorQuantOverrides": {"h": [{"quant_type": "QInt16"}]}})
+        "{'TensorQuantOverrides': {'h': [{'quant_type': QuantType.QInt16}]}}"
+    """
+    text = repr(extra)
+    text = re.sub(r"'quant_type': '(\w+)'", r"'quant_type': QuantType.\1", text)
+    return re.sub(r"'(rmin|rmax|scale)': ([-+0-9.eE]+)", r"'\1': np.float32(\2)", text)

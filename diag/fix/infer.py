@@ -1,0 +1,525 @@
+"""Recipe inference: from an INT8 model alone, the onnxruntime settings that made it.
+
+Users inherit INT8 models (a colleague's, a model zoo's) and need the recipe to reproduce or
+change them: quantize again with one more node excluded, or per-channel instead of per-tensor.
+Everything onnxruntime decides leaves a trace in the graph:
+
+* mode and format: the quantized op types (``diag.core.load.detect_format``);
+* weight / activation types: the dtype of weight initializers and of activation zero points;
+* per_channel: a weight scale with more than one element;
+* symmetric: every zero point is 0 (signed) or the midpoint 128 / 32768 (unsigned). Written as
+  ``WeightSymmetric`` / ``ActivationSymmetric`` only where it differs from onnxruntime's default
+  (weights: symmetric for signed types; activations: asymmetric);
+* reduce_range: every weight fits in 7 bits (onnxruntime's reduced ranges);
+* nodes_to_exclude: nodes of an op type onnxruntime's registry would quantize still in float.
+
+NOTE: Exclusions are inferred only where the graph holds proof. Weighted ops (Conv,
+ConvTranspose, MatMul, Gemm with a constant weight), all formats: a float weight initializer
+feeding them. QOperator Add / Mul / Softmax / activation MatMul on float tensors: onnxruntime's
+QLinear quantizers for them quantize any float input themselves, so a float one was skipped.
+Other weightless ops are not listed: onnxruntime quantizes Reshape, Transpose, Relu... only when
+their input is quantized, and in QDQ a Q/DQ pair is shared by quantized and skipped consumers
+alike. Guessing there would produce exclusion lists nobody asked for.
+
+NOTE: What the graph cannot tell is said, not guessed: ``calibrate_method`` (MinMax, Entropy and
+Percentile all end as a scale), calibration data, ``preprocess``, and whether a whole op type was
+skipped via ``op_types_to_quantize`` or node by node (both give the same graph; diag writes node
+names, which reproduce it either way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from diag.core.load import model_from_path
+from diag.core.precision import activation_overrides
+from diag.core.protos import value_dtypes  # element types via shape inference on a weight-free copy
+from diag.core.recipe import Recipe, recipe_from_option
+from diag.fix.fp16convert import infer_fp16_recipe
+from diag.fix.lint import DIAG_ONLY_KEYS, RECIPE_KEYS, quantizable_op_types
+from diag.fix.weightonly import infer_weight_only
+from diag.foundations.errors import DiagError
+from diag.foundations.files import output_file, write_set
+from diag.foundations.ortfacts import weight_operands
+
+#: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+#: integer dtype -> onnxruntime QuantType name.
+QUANT_TYPE_NAMES: dict[int, str] = {
+    onnx.TensorProto.INT8: "QInt8",
+    onnx.TensorProto.UINT8: "QUInt8",
+    onnx.TensorProto.INT16: "QInt16",
+    onnx.TensorProto.UINT16: "QUInt16",
+    onnx.TensorProto.FLOAT8E4M3FN: "QFLOAT8E4M3FN",
+}
+#: zero points of symmetric quantization: the midpoint of the full or the reduced range (quant_utils).
+SYMMETRIC_ZERO_POINTS: dict[int, tuple[int, ...]] = {
+    onnx.TensorProto.INT8: (0,),
+    onnx.TensorProto.INT16: (0,),
+    onnx.TensorProto.UINT8: (128, 64),
+    onnx.TensorProto.UINT16: (32768, 16384),
+}
+#: widest span (max q - min q) of one weight quantized with reduce_range: 7 bits (+1 for the
+#: symmetric ranges -64..64 and 0..128). Full-range weights span 127 (symmetric) to 255.
+REDUCED_SPAN: dict[int, int] = {
+    onnx.TensorProto.INT8: 128,
+    onnx.TensorProto.UINT8: 128,
+    onnx.TensorProto.INT16: 32768,
+    onnx.TensorProto.UINT16: 32768,
+}
+#: input index of the quantized weight, its scale and zero point, for quantized weighted ops.
+_WEIGHT_INPUTS = {
+    op: (w.index, w.scale, w.zero_point)
+    for op, w in weight_operands(lambda op: op.family in ("dynamic", "qoperator")).items()
+}
+
+UNKNOWN_FIELDS = {
+    "calibrate_method": "MinMax, Entropy, Percentile and Distribution all end as a scale in the model",
+    "calibration": "the calibration data is not stored in the model",
+    "preprocess": "quant_pre_process leaves no mark that survives quantization",
+}
+
+
+@dataclass
+class InferredRecipe:
+    """A recipe read back from an INT8 model, with the evidence and what stays unknown.
+
+    Attributes:
+        recipe: the recipe as a plain dict in recipe-file form (``diag.core.recipe`` key names).
+        unknown: recipe field -> why the model cannot tell it.
+        evidence: one line per inferred field saying what in the graph decided it.
+    """
+
+    recipe: dict[str, Any]
+    unknown: dict[str, str] = field(default_factory=dict)
+    evidence: list[str] = field(default_factory=list)
+
+    def to_toml(self) -> str:
+        """The recipe as a TOML recipe file; unknown fields are comments with the reason.
+
+        Example:
+            >>> print(InferredRecipe({"mode": "dynamic", "weight_type": "QInt8"}).to_toml())
+            mode = "dynamic"
+            weight_type = "QInt8"
+        """
+        lines = [f"{k} = {_toml(v)}" for k, v in self.recipe.items() if k != "extra_options"]
+        for key, why in self.unknown.items():
+            lines.append(toml_comment(f"{key}: cannot be inferred from the model ({why})"))
+        extra = self.recipe.get("extra_options") or {}
+        if extra:
+            lines += ["", "[extra_options]"] + [f"{k} = {_toml(v)}" for k, v in extra.items()]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The recipe as a JSON recipe file (JSON has no comments: unknown fields are left out)."""
+        return json.dumps(self.recipe, indent=2) + "\n"
+
+
+def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
+    """Infer the quantization recipe that produced the INT8 model at ``path``.
+
+    Reads weights (zero points, scales, quantized weights) but never modifies the file.
+
+    Example:
+        >>> r = infer_recipe("int8.onnx")  # doctest: +SKIP
+        >>> r.recipe["mode"], r.recipe.get("quant_format")  # doctest: +SKIP
+        ('static', 'QDQ')
+    """
+    loaded = model_from_path(path, "INT8 model")
+    kind: str = loaded.format.kind
+    obj = f"INT8 model '{loaded.path}'"
+    if kind == "fp32":
+        raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
+    if loaded.format.family == "fp16":
+        recipe, evidence = infer_fp16_recipe(loaded.proto)
+        return InferredRecipe(recipe, {}, evidence)
+    kind = loaded.format.family  # qdq-a16w8 / qdq16 / a mixed-precision QDQ model: onnxruntime's QDQ
+    if kind == "mixed":
+        ev = ", ".join(loaded.format.evidence)
+        raise DiagError(
+            "bad-option",
+            obj,
+            f"mixes quantization formats ({ev}); one recipe cannot have made it",
+            "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
+        )
+    if kind in ("matmulnbits", "qdq-int4-blocked"):
+        recipe, evidence = infer_weight_only(loaded.proto)
+        return InferredRecipe(recipe, {}, evidence)
+    # NOTE: external weights are read one tensor at a time where a value is needed (zero points,
+    # the reduce_range check), never all at once: memory stays O(largest weight) on large models.
+    base_dir = str(loaded.path.resolve().parent) if loaded.has_external_data else ""
+    return _infer(loaded.proto, kind, base_dir)
+
+
+def toml_comment(text: str) -> str:
+    r"""One TOML comment line: line breaks and control characters (invalid in a TOML comment) become '?'.
+
+    Example:
+        >>> toml_comment('from evil\nmode = "static".onnx')
+        '# from evil?mode = "static".onnx'
+    """
+    return "# " + "".join(ch if ch == "\t" or ch.isprintable() else "?" for ch in text)
+
+
+def recipe_to_toml(path: str | os.PathLike[str]) -> str:
+    """`diag inspect --recipe`: the inferred recipe as TOML text (see :func:`infer_recipe`).
+
+    Example:
+        >>> print(recipe_to_toml("int8.onnx"))  # doctest: +SKIP
+        mode = "dynamic"
+        ...
+    """
+    inferred = infer_recipe(path)
+    # NOTE: file and node names come from the user's files: a newline in one must not become a live line.
+    header = [toml_comment(f"recipe inferred by diag from {Path(path).name}")]
+    header += [toml_comment(f"evidence: {e}") for e in inferred.evidence]
+    return "\n".join(header) + "\n" + inferred.to_toml()
+
+
+def recipe_to_file(model: str | os.PathLike[str], out: str | os.PathLike[str]) -> tuple[Path, list[str]]:
+    """`diag inspect --recipe-out FILE`: write the inferred recipe (.toml with comments, else JSON).
+
+    Returns the path and the notes for fields that could not be inferred (a JSON file cannot
+    hold them as comments, so the caller prints them).
+
+    Example:
+        >>> recipe_to_file("int8.onnx", "recipe.toml")  # doctest: +SKIP
+        (PosixPath('recipe.toml'), ['calibrate_method: cannot be inferred ...'])
+    """
+    inferred = infer_recipe(model)
+    p = output_file(out, "--recipe-out")
+    text = recipe_to_toml(model) + "\n" if p.suffix.lower() == ".toml" else inferred.to_json()
+    notes = [f"{k}: cannot be inferred from the model ({why})" for k, why in inferred.unknown.items()]
+    write_set({p: text}, "--recipe-out")
+    return p, notes
+
+
+# ---------------------------------------------------------------- inference
+
+
+def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRecipe:
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    weights = _quantized_weights(graph, inits, producers, kind)
+    evidence: list[str] = []
+    recipe: dict[str, Any] = {"mode": "dynamic" if kind == "dynamic" else "static"}
+    if kind != "dynamic":
+        recipe["quant_format"] = "QDQ" if kind == "qdq" else "QOperator"
+        act_zps = _activation_zero_points(graph, inits)
+        act_types = Counter(zp.data_type for zp in act_zps)
+        if act_types:
+            dtype = act_types.most_common(1)[0][0]
+            recipe["activation_type"] = QUANT_TYPE_NAMES.get(dtype, str(dtype))
+            evidence.append(f"activation_type from {len(act_zps)} activation zero point(s)")
+    extra: dict[str, Any] = {}
+    if kind == "qdq" and act_zps and act_types:
+        overrides = activation_overrides(graph, inits, act_types.most_common(1)[0][0], QUANT_TYPE_NAMES)
+        if overrides:
+            extra["TensorQuantOverrides"] = overrides
+            evidence.append(
+                f"TensorQuantOverrides: {len(overrides)} activation(s) on another grid than activation_type"
+            )
+    if weights:
+        w_types = Counter(q.data_type for q, _, _ in weights)
+        w_dtype = w_types.most_common(1)[0][0]
+        recipe["weight_type"] = QUANT_TYPE_NAMES.get(w_dtype, str(w_dtype))
+        recipe["per_channel"] = any(_size(s) > 1 for _, s, _ in weights if s is not None) or any(
+            _size(z) > 1 for _, _, z in weights if z is not None
+        )
+        recipe["reduce_range"] = all(_fits_reduced(q, base_dir) for q, _, _ in weights)
+        evidence.append(f"weight_type, per_channel, reduce_range from {len(weights)} quantized weight(s)")
+        w_zps = [z for _, _, z in weights if z is not None]
+        symmetric = bool(w_zps) and all(_is_symmetric(z, base_dir) for z in w_zps)
+        default_symmetric = w_dtype in (onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.FLOAT8E4M3FN)
+        if w_zps and symmetric != default_symmetric:
+            extra["WeightSymmetric"] = symmetric
+    if kind != "dynamic":
+        act_zps = _activation_zero_points(graph, inits)
+        float8 = all(z.data_type == onnx.TensorProto.FLOAT8E4M3FN for z in act_zps)
+        if act_zps and not float8 and all(_is_symmetric(z, base_dir) for z in act_zps):
+            extra["ActivationSymmetric"] = True
+    dtypes = value_dtypes(model) if kind == "qoperator" else None
+    excluded = _excluded_nodes(graph, inits, producers, kind, dtypes)
+    recipe["nodes_to_exclude"] = excluded
+    evidence.append(
+        f"nodes_to_exclude: {len(excluded)} quantizable node(s) left in float"
+        if excluded
+        else "nodes_to_exclude: every quantizable node with a float weight is quantized"
+    )
+    if extra:
+        recipe["extra_options"] = extra
+    unknown = dict(UNKNOWN_FIELDS)
+    if kind == "dynamic":
+        del unknown["calibrate_method"], unknown["calibration"]
+    elif recipe.get("activation_type") == "QFLOAT8E4M3FN":
+        recipe["calibrate_method"] = "Distribution"
+        del unknown["calibrate_method"]
+        evidence.append("calibrate_method: onnxruntime quantizes to float8 with Distribution only")
+    return InferredRecipe(recipe, unknown, evidence)
+
+
+def _quantized_weights(
+    graph: onnx.GraphProto,
+    inits: dict[str, onnx.TensorProto],
+    producers: dict[str, onnx.NodeProto],
+    kind: str,
+) -> list[tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]]:
+    """(quantized weight, scale, zero point) of every quantized weighted op."""
+    found: dict[str, tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]] = {}
+
+    def get(node: onnx.NodeProto, i: int | None) -> onnx.TensorProto | None:
+        if i is None or i >= len(node.input) or not node.input[i]:
+            return None
+        return inits.get(node.input[i])
+
+    for node in graph.node:
+        if node.op_type in _WEIGHT_INPUTS:
+            wi, si, zi = _WEIGHT_INPUTS[node.op_type]
+            q = get(node, wi)
+            if q is None or q.data_type not in QUANT_TYPE_NAMES:
+                continue
+            scale = get(node, si)
+            if scale is None and q.name.endswith("_quantized"):
+                scale = inits.get(q.name[: -len("_quantized")] + "_scale")
+            found[q.name] = (q, scale, get(node, zi))
+        elif kind == "qdq" and node.op_type in WEIGHTED_OPS and len(node.input) > 1:
+            dq = producers.get(node.input[1])
+            if dq is None or dq.op_type != "DequantizeLinear":
+                continue
+            q = get(dq, 0)
+            if q is None or q.data_type not in QUANT_TYPE_NAMES:
+                continue
+            found[q.name] = (q, get(dq, 1), get(dq, 2))
+    return list(found.values())
+
+
+def _activation_zero_points(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto]) -> list[onnx.TensorProto]:
+    """Zero points of QuantizeLinear nodes that quantize activations (not constant weights)."""
+    out = []
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] not in inits and len(node.input) > 2:
+            zp = inits.get(node.input[2])
+            if zp is not None and zp.data_type in QUANT_TYPE_NAMES:
+                out.append(zp)
+    return out
+
+
+def _excluded_nodes(
+    graph: onnx.GraphProto,
+    inits: dict[str, onnx.TensorProto],
+    producers: dict[str, onnx.NodeProto],
+    kind: str,
+    dtypes: dict[str, int] | None = None,
+) -> list[str]:
+    """FP32 nodes onnxruntime would have quantized that are still float, in graph order.
+
+    Weighted ops (all formats): a Conv / ConvTranspose / MatMul / Gemm still reading a float
+    weight initializer. QOperator only: an Add / Mul / Softmax / MatMul on float activations;
+    onnxruntime's QLinear quantizers for these types quantize their inputs
+    themselves, so a float one was skipped. The quantizable op types come from the installed
+    onnxruntime's registries: IntegerOpsRegistry for dynamic, QDQRegistry / QLinearOpsRegistry for
+    static (its default op_types_to_quantize).
+    """
+    quantizable = set(quantizable_op_types(kind))
+    weighted = quantizable & set(WEIGHTED_OPS)
+    unconditional = _unconditional_qoperator_ops() & quantizable if kind == "qoperator" else set()
+    out = []
+    for node in graph.node:
+        if node.op_type in weighted and len(node.input) > 1 and node.input[1] in inits:
+            w = inits[node.input[1]]
+            if w.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                out.append(node.name)
+            continue
+        if node.op_type in unconditional and dtypes is not None:
+            acts = [i for i in node.input if i and i not in inits]
+            if acts and all(dtypes.get(i) == onnx.TensorProto.FLOAT for i in acts):
+                out.append(node.name)  # (integer shape arithmetic, or unknown types: no proof)
+    return out
+
+
+def _unconditional_qoperator_ops() -> set[str]:
+    """Op types whose QOperator quantizer quantizes float inputs itself (QLinearAdd, QLinearSoftmax...)."""
+    from onnxruntime.quantization import registry
+
+    classes = {"QLinearBinaryOp", "QLinearSoftmax", "QLinearMatMul"}
+    return {op for op, cls in registry.QLinearOpsRegistry.items() if cls.__name__ in classes}
+
+
+def _size(t: onnx.TensorProto) -> int:
+    return int(np.prod(t.dims)) if t.dims else 1
+
+
+def _is_symmetric(zp: onnx.TensorProto, base_dir: str = "") -> bool:
+    if zp.data_type == onnx.TensorProto.FLOAT8E4M3FN:
+        return True  # onnxruntime's float8 grids are always centred on 0 (their default: no option)
+    values = numpy_helper.to_array(zp, base_dir).astype(np.int64).ravel()
+    return bool(values.size) and any(bool(np.all(values == w)) for w in SYMMETRIC_ZERO_POINTS.get(zp.data_type, ()))
+
+
+def _fits_reduced(q: onnx.TensorProto, base_dir: str = "") -> bool:
+    """True when the weight's integer values span no more than a reduced (7-bit) range."""
+    limit = REDUCED_SPAN.get(q.data_type)
+    if limit is None:
+        return False
+    values = numpy_helper.to_array(q, base_dir).astype(np.int64)
+    if not values.size:
+        return False
+    return bool(values.max() - values.min() <= limit)
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+# ---------------------------------------------------------------- the recipe behind a fix
+
+
+#: recipe keys a fix snippet passes to onnxruntime, in its argument order.
+SNIPPET_KEYS = tuple(k for k in RECIPE_KEYS if k not in ("mode", *DIAG_ONLY_KEYS))
+
+
+def fix_recipe(
+    int8_path: str | os.PathLike[str], given: Recipe | str | os.PathLike[str] | None = None
+) -> dict[str, Any] | None:
+    """The recipe a suggested fix must re-quantize with, as recorded in ``diag.json``.
+
+    ``given`` (a :class:`diag.core.recipe.Recipe`, a recipe file path or inline JSON: ``--recipe``) wins;
+    otherwise the settings are inferred from the INT8 model (:func:`infer_recipe`), so the fix
+    changes only the excluded nodes, not the types, granularity or symmetry the user chose.
+    Returns ``{"source": "given" | "inferred", "settings": {...}, "unknown": {field: why}}``; when
+    the settings cannot be read back (a mixed-format model, a model file gone) ``source`` is
+    ``"unknown"``, ``settings`` None and ``why`` says why.
+
+    Example:
+        >>> fix_recipe("int8.onnx")["settings"]["per_channel"]  # doctest: +SKIP
+        True
+    """
+    if given is not None:
+        recipe = given if isinstance(given, Recipe) else recipe_from_option(given)
+        settings = {k: v for k, v in recipe.to_dict().items() if k in ("mode", *SNIPPET_KEYS)}
+        unknown = {} if settings.get("mode") == "dynamic" else {"calibration": UNKNOWN_FIELDS["calibration"]}
+        if recipe.preprocess:
+            settings["preprocess"] = True
+        return {"source": "given", "settings": settings, "unknown": unknown}
+    try:
+        inferred = infer_recipe(int8_path)
+    except Exception as e:  # the diagnosis must not fail because the recipe cannot be read back
+        why = e.problem if isinstance(e, DiagError) else f"{type(e).__name__}: {e}"
+        return {"source": "unknown", "settings": None, "unknown": {}, "why": why}
+    return {"source": "inferred", "settings": dict(inferred.recipe), "unknown": dict(inferred.unknown)}
+
+
+# ---------------------------------------------------------------- the recipe a search starts from
+
+
+@dataclass(frozen=True)
+class RecipeOrigin:
+    """Where the recipe a search (`diag exclude`, `--tiers`) starts from came from, said to the user.
+
+    Issue 25 item 6: a search that silently starts from onnxruntime's defaults measures a baseline
+    the user never shipped (cosine 0.44 where their INT8 model gives 0.85). The origin is printed
+    first and recorded in ``exclusion.json`` / ``tiers.json`` and summary.md.
+
+    Attributes:
+        source: ``"given"`` (--recipe), ``"inferred"`` (--int8: read back from the user's INT8 model)
+            or ``"default"`` (neither: onnxruntime's quantize_dynamic defaults).
+        path: the recipe file or INT8 model it came from (None for defaults and inline JSON).
+        settings: the recipe as a recipe-file dict.
+        unknown: recipe field -> why the INT8 model cannot tell it (inferred recipes only).
+    """
+
+    source: str
+    path: str | None
+    settings: dict[str, Any]
+    unknown: dict[str, str] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """One line for the terminal and summary.md, starting ``recipe:``.
+
+        Example:
+            >>> RecipeOrigin("given", "r.json", {"mode": "dynamic", "per_channel": True}).line()
+            'recipe: as given in r.json {"mode": "dynamic", "per_channel": true}'
+        """
+        settings = json.dumps(_beyond_defaults(self.settings), ensure_ascii=False)
+        if self.source == "inferred":
+            unknown = (
+                f"; not in the model: {', '.join(self.unknown)}"
+                + (" (static: calibrated on the ranking split)" if "calibration" in self.unknown else "")
+                if self.unknown
+                else ""
+            )
+            return f"recipe: inferred from the INT8 model {self.path} {settings}{unknown}"
+        if self.source == "given":
+            return f"recipe: as given in {self.path} {settings}" if self.path else f"recipe: as given {settings}"
+        return (
+            f"recipe: onnxruntime's quantize_dynamic defaults {settings} (no --recipe or --int8 given; "
+            "--int8 YOUR_INT8.onnx starts from the recipe of the model you ship)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``recipe_origin`` record of exclusion.json / tiers.json."""
+        return {"source": self.source, "path": self.path, "unknown": dict(self.unknown), "line": self.line()}
+
+
+def _beyond_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` without the fields a bare ``Recipe(mode=...)`` already has: what the line must show."""
+    mode = settings.get("mode", "dynamic")
+    try:
+        defaults = Recipe(mode=mode).to_dict()
+    except Exception:  # an unusual mode: show everything rather than guess
+        return dict(settings)
+    return {k: v for k, v in settings.items() if k == "mode" or defaults.get(k) != v}
+
+
+def search_recipe(
+    recipe: Recipe | str | os.PathLike[str] | None, int8: str | os.PathLike[str] | None = None
+) -> tuple[Recipe, RecipeOrigin]:
+    """The recipe a search starts from: ``--recipe`` as given, else the one that made ``--int8``, else defaults.
+
+    With ``int8`` the search's baseline is the user's own quantization (same types, granularity,
+    symmetry and exclusions), so its "before" figure is the one `diag compare` reported; fields the
+    model cannot tell (calibration data for static recipes) are listed in ``unknown``.
+
+    Example:
+        >>> search_recipe(None)[1].source
+        'default'
+    """
+    if recipe is not None and int8 is not None:
+        raise DiagError(
+            "bad-option",
+            "--recipe with --int8",
+            "name two starting recipes (a file, and the one read back from the INT8 model)",
+            "pass --int8 to start from your INT8 model's recipe, or --recipe to start from a file",
+        )
+    if isinstance(recipe, Recipe):
+        return recipe, RecipeOrigin("given", None, recipe.to_dict())
+    if recipe is not None:
+        loaded = recipe_from_option(recipe)
+        inline = str(recipe).lstrip().startswith("{")
+        return loaded, RecipeOrigin("given", None if inline else str(recipe), loaded.to_dict())
+    if int8 is not None:
+        inferred = infer_recipe(int8)
+        loaded = Recipe.from_dict(dict(inferred.recipe), f"recipe inferred from INT8 model '{int8}'")
+        return loaded, RecipeOrigin("inferred", str(int8), loaded.to_dict(), dict(inferred.unknown))
+    default = Recipe(mode="dynamic")
+    return default, RecipeOrigin("default", None, {"mode": "dynamic"})

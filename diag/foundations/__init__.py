@@ -1,0 +1,1 @@
+"""The foundations layer: no domain knowledge (errors, files, JSON numbers, versions, progress)."""

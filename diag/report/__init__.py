@@ -1,0 +1,1 @@
+"""The report layer: documents, views, plots, gates."""

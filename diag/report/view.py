@@ -1,0 +1,1250 @@
+"""``diag.json`` -> view models -> HTML and Markdown, and the output set of a diagnosis.
+
+The JSON document (:mod:`diag.report.document` builds it from a CompareResult) is the single source for
+every rendering: ``diag report diag.json`` re-renders without re-running models, and HTML/Markdown
+never see a CompareResult. Numbers are formatted here; templates only loop and print
+(autoescaped, StrictUndefined).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from diag.analysis.analyze import GRADES, first_nonfinite, shortened_path
+from diag.core.precision import describe
+from diag.core.taskmetrics import task_lines
+from diag.fix.fixcode import fix_snippet
+from diag.foundations.environment import templates_dir
+from diag.foundations.errors import DiagError
+from diag.foundations.files import check_outputs, input_file, out_dir, output_file, write_set
+from diag.foundations.files import out_dir as checked_out_dir
+from diag.foundations.jsonnum import number_from_json
+from diag.report.documents import read_document
+from diag.report.exclude_view import best_fix_call, report_section
+from diag.report.plots import (
+    NEIGHBOURHOOD_HOPS,
+    channel_ranges,
+    distribution,
+    error_along_graph,
+    neighbourhood,
+    per_layer,
+)
+
+SUMMARY_MAX_LINES = 60
+
+
+def view_from_file(path: str | os.PathLike[str]) -> ReportView:
+    """Load a ``diag.json`` and format it; a hand-edited or truncated document is a user error.
+
+    Example:
+        >>> view_from_file("out/diag.json").grade  # doctest: +SKIP
+        'acceptable'
+    """
+    doc = load_document(path)
+    try:
+        return view_from_document(doc)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+        raise DiagError(
+            "bad-report",
+            f"report '{path}'",
+            f"has missing or malformed fields ({type(e).__name__}: {str(e)[:80]})",
+            "re-run diag compare to write it again",
+        ) from e
+
+
+def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``diag.json``, validated against the shipped schema and for meaning (:mod:`diag.report.documents`)."""
+    return read_document(path)
+
+
+# ---------------------------------------------------------------- formatting
+
+#: What a missing number prints as.
+NO_VALUE = "\u2013"  # an en dash
+
+
+def fmt_db(v: Any) -> str:
+    if v in ("inf", None):
+        return "\u221e" if v == "inf" else NO_VALUE
+    if v in ("-inf", "nan"):
+        return str(v)
+    return f"{float(v):.1f}"
+
+
+def fmt_num(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return NO_VALUE
+    if isinstance(v, str):
+        return v
+    if v == 0:
+        return "0"
+    return f"{float(v):.{digits}g}"
+
+
+def fmt_pct(v: Any) -> str:
+    return NO_VALUE if v is None or isinstance(v, str) else f"{100 * float(v):.2f}%"
+
+
+def _sortable(v: Any) -> str:
+    """A numeric sort key for the HTML table (``data-sort``)."""
+    if v is None:
+        return ""
+    if v == "inf":
+        return "1e9"
+    if v == "-inf":
+        return "-1e9"
+    return str(v)
+
+
+# ---------------------------------------------------------------- view models
+# Every number is formatted and every cut is made here: the templates loop and print.
+
+#: Root causes and victims listed in the report's sentences (the node table has them all).
+CAUSE_LINES = 5
+#: Items of each list the Markdown summary repeats (victims, effects, sensitivity, remedies, metrics).
+SUMMARY_ITEMS = 3
+#: Steps of an error path printed in full; a longer one keeps its first and last three.
+PATH_STEPS = 7
+#: Pattern instances listed (worst first); diag.json has them all.
+PATTERN_INSTANCES = 25
+#: Weights listed (worst first); diag.json has them all.
+WEIGHT_ROWS = 40
+#: Tensors named in a persistent-outlier sentence.
+PERSISTENT_TENSORS = 8
+#: Outlier channels named per tensor.
+OUTLIER_CHANNELS = 6
+#: Rows of the outlier and health tables.
+OUTLIER_ROWS = 200
+HEALTH_ROWS = 300
+#: Tensors whose remedies the report lists (worst first); diag.json has them all.
+REMEDY_GROUPS = 12
+#: Root causes drawn with their graph neighbourhood.
+NEIGHBOURHOODS = 3
+_NUMBER_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+
+
+@dataclass
+class NodeRow:
+    rank: int
+    rank_local: int
+    name: str
+    op_type: str
+    role: str
+    quantized: str
+    acc_sqnr: str
+    acc_sqnr_key: str
+    loc_sqnr: str
+    loc_sqnr_key: str
+    amplification: str
+    amplification_key: str
+    cosine: str
+    max_abs: str
+    rmse_scale: str
+    tensor: str
+    pattern: str
+
+
+@dataclass
+class OutputRow:
+    name: str
+    grade: str
+    reasons: str
+    sqnr: str
+    cosine_min: str
+    max_abs: str
+    agreement: str
+    #: What the output is (logits, probability-map, detector, ...) and the graph evidence for it.
+    kind: str = ""
+    evidence: str = ""
+
+
+@dataclass
+class EffectRow:
+    """One candidate kept in float in the INT8 model, with the share of output error it removes."""
+
+    label: str
+    why: str
+    local_sqnr: str
+    recovered: str
+    recovered_key: str
+
+
+@dataclass
+class OutlierRow:
+    tensor: str
+    grid: str
+    axis: str
+    channels: int
+    outliers: str
+    typical_levels: str
+
+
+@dataclass
+class HealthRow:
+    tensor: str
+    grid: str
+    effective_bits: str
+    effective_bits_key: str
+    clip: str
+    clip_key: str
+    range_over_bulk: str
+    kurtosis: str
+    zero_point: str
+    dynamic_scale: str
+    reasons: str
+
+
+@dataclass
+class SuggestionItem:
+    tensor: str
+    problem: str
+    remedy: str
+    python: str
+    applies_to: str
+    note: str
+    #: the nodes the remedy keeps in float (its recipe's ``nodes_to_exclude``)
+    excludes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RemedyGroup:
+    """All remedies for one tensor: its problem once, then each onnxruntime argument."""
+
+    tensor: str
+    problem: str
+    remedies: list[SuggestionItem]
+
+
+@dataclass
+class DistributionPlot:
+    tensor: str
+    histogram: str
+    channels: str
+
+
+@dataclass
+class Neighbourhood:
+    """One root cause's graph neighbourhood, drawn (inline SVG)."""
+
+    name: str
+    svg: str
+
+
+@dataclass
+class LayerRowView:
+    """One decoder layer in the report: its error and its projections' local SQNR, formatted."""
+
+    index: int
+    worst_local: str
+    worst_node: str
+    accumulated: str
+    roles: str
+    #: local SQNR dB per projection, in :attr:`DecoderView.projections` order ("–" where absent).
+    cells: list[str]
+    #: per cell: whether it is under the bad threshold (the template marks it).
+    bad: list[bool]
+
+
+@dataclass
+class DecoderView:
+    """The per-layer section (``diag.json["decoder"]``)."""
+
+    projections: list[str]
+    layers: list[LayerRowView]
+    outside: list[tuple[str, str, str]]
+    plot: str
+
+
+@dataclass
+class PatternRow:
+    label: str
+    instances: int
+    nodes: int
+    worst_local: str
+    worst_local_key: str
+    worst_node: str
+    output_acc: str
+    share: str
+    share_key: str
+
+
+@dataclass
+class WeightRow:
+    name: str
+    op_type: str
+    shape: str
+    granularity: str
+    sqnr: str
+    sqnr_key: str
+    worst_channel: str
+    worst_key: str
+    rmse_scale: str
+    nodes: str
+
+
+@dataclass
+class BlockRow:
+    """One of the worst quantization blocks of a block-wise weight (see :mod:`diag.core.nbits`)."""
+
+    weight: str
+    where: str
+    rel_rmse: str
+    max_abs: str
+    levels: str
+    peak: str
+
+
+@dataclass
+class SensitivityRowView:
+    label: str
+    local_sqnr: str
+    cosine: str
+    recovered: str
+    recovered_key: str
+    max_abs: str
+
+
+@dataclass
+class MetricRow:
+    """A held-out metric before and after the verified exclusions."""
+
+    name: str
+    before: str
+    after: str
+
+
+@dataclass
+class LatencyRow:
+    model: str
+    p50: str
+    p90: str
+    speedup: str
+
+
+@dataclass
+class ExclusionView:
+    """The verified-fix section, from an ``exclusion.json`` (:func:`diag.report.exclude_view.report_section`)."""
+
+    verdict: str
+    target: str
+    held_out: str
+    nodes: list[str]
+    node_count: int
+    metrics: list[MetricRow]
+    #: The first :data:`SUMMARY_ITEMS` metrics, for summary.md.
+    summary_metrics: list[MetricRow]
+    latency: list[LatencyRow]
+    counts: str
+    trajectory_svg: str
+    snippet: str
+    #: The best fix as the quantizer arguments to paste (first screen, copy button).
+    fix_call: str
+    #: Every verified fix, best first (:func:`diag.report.exclude_view.fix_lines`).
+    fix_lines: list[str]
+    #: Which recipe the search started from (``recipe: ...``; empty in older documents).
+    recipe_line: str
+    alternatives: list[str]
+
+
+@dataclass
+class SummaryView:
+    """What summary.md repeats of the report: the first :data:`SUMMARY_ITEMS` of each list."""
+
+    victims: list[str]
+    effects: list[EffectRow]
+    sensitivity: list[SensitivityRowView]
+    #: The first persistent-outlier sentence, or "".
+    persistent: str
+    remedy_groups: list[RemedyGroup]
+
+
+@dataclass
+class ReportView:
+    """Everything the templates print, already formatted and already cut."""
+
+    title: str
+    #: "INT8 model", or "INT4 model" for a 4-bit weight-only one (the headline's subject).
+    model_noun: str
+    grade: str
+    cause: str
+    single_cause: bool
+    fp32_path: str
+    int8_path: str
+    int8_format: str
+    inputs: str
+    samples: int
+    seconds: str
+    environment: list[tuple[str, str]]
+    outputs: list[OutputRow]
+    root_causes: list[str]
+    #: The heading over ``root_causes``: under a "no single root cause" headline they are only the
+    #: locally worst nodes, and a list titled "Root causes" would contradict the sentence above it.
+    root_causes_heading: str
+    victims: list[str]
+    nodes_to_exclude: list[str]
+    #: len(nodes_to_exclude), printed by the summary.
+    fix_node_count: int
+    unnamed_nodes: list[str]
+    #: unnamed_nodes joined for a sentence.
+    unnamed_list: str
+    fix_command: str
+    #: The starting point's measured estimate (or why there is none), one sentence.
+    fix_estimate: str
+    #: The command that verifies and prunes the starting point (diag exclude), or "".
+    verify_command: str
+    nodes: list[NodeRow]
+    unmatched: list[tuple[str, str]]
+    skipped_count: int
+    compared: int
+    float_tensors: int
+    accounted: int
+    plot_error_along_graph: str
+    bad_db: str
+    #: The loss (dB) under which a node only passes its input's error on (the document's threshold).
+    inherit_db: str
+    outliers: list[OutlierRow]
+    persistent: list[str]
+    health: list[HealthRow]
+    remedy_groups: list[RemedyGroup]
+    #: " The 12 worst of 30 tensors; diag.json lists them all." when the list is cut; else "".
+    remedy_note: str
+    distribution_plots: list[DistributionPlot]
+    pattern_kinds: list[PatternRow]
+    pattern_instances: list[PatternRow]
+    weights: list[WeightRow]
+    weights_shown: int
+    weights_total: int
+    exclusion: ExclusionView | None
+    sensitivity: list[SensitivityRowView]
+    neighbourhoods: list[Neighbourhood]
+    #: How far around a root cause its neighbourhood plot reaches, in words ("two").
+    neighbourhood_hops: str
+    versions: str
+    nonfinite: list[str]
+    error_paths: list[str]
+    #: Transformer stacks: the per-layer section (None for other models).
+    decoder: DecoderView | None
+    sensitivity_note: str
+    summary: SummaryView
+    #: Root-cause candidates with their measured effect on the outputs, and what it was measured on.
+    effects: list[EffectRow] = field(default_factory=list)
+    effects_note: str = ""
+    #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
+    run_note: str = ""
+    #: The CPU's integer-kernel path the figures were measured on (diag.foundations.cpu.KernelPath), or "".
+    kernel_path: str = ""
+    #: --deploy-isa avx2: one sentence for the prediction, then one per u8s8 node (worst first).
+    deploy_isa_head: str = ""
+    deploy_isa: list[str] = field(default_factory=list)
+    #: Findings about the model files that did not stop diag (e.g. onnx.checker vs onnxruntime).
+    model_warnings: list[str] = field(default_factory=list)
+    #: One line per --metric plugin value.
+    task_lines: list[str] = field(default_factory=list)
+    #: Worst quantization blocks of block-wise weights (MatMulNBits, int4 QDQ).
+    weight_blocks: list[BlockRow] = field(default_factory=list)
+
+
+def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
+    """Format a ``diag.json`` document for the templates (``with_plots=False``: no SVG drawn).
+
+    Example:
+        >>> view_from_document(json.load(open("out/diag.json"))).grade  # doctest: +SKIP
+        'acceptable'
+    """
+    nodes, models, verdict, rec, m = doc["nodes"], doc["models"], doc["verdict"], doc["recommendation"], doc["matching"]
+    bad_db = doc["thresholds"]["bad_sqnr_db"]
+    dist, patterns = doc.get("distributions") or {}, doc.get("patterns") or {}
+    remedy_groups = _remedy_groups(doc.get("suggestions", []))
+    _mark_remedies_off_the_list(remedy_groups, doc)
+    weights = _weight_rows(doc.get("weights"))
+    weights_total = len((doc.get("weights") or {}).get("findings", []))
+    effects, sensitivity = _effect_rows(doc.get("effects")), _sensitivity_rows(doc.get("sensitivity"))
+    victims, persistent = _victim_lines(nodes), _persistent_lines(dist)
+    shown_groups = remedy_groups[:REMEDY_GROUPS]
+    return ReportView(
+        title=f"diag: {Path(models['int8']['path']).name} vs {Path(models['fp32']['path']).name}",
+        model_noun=model_noun(doc),
+        grade=verdict["grade"],
+        cause=verdict["cause"],
+        single_cause=verdict["single_cause"],
+        fp32_path=models["fp32"]["path"],
+        int8_path=models["int8"]["path"],
+        int8_format=models["int8"]["format"] + _precision_note(models["int8"].get("precisions")),
+        inputs=doc["run"]["inputs"],
+        samples=doc["run"]["samples"],
+        seconds=f"{doc['run']['seconds']:.1f}",
+        run_note=_run_note(doc["run"]),
+        kernel_path=_kernel_path_line(doc["run"].get("kernel_path")),
+        **_deploy_isa_fields(doc.get("deploy_isa")),
+        environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
+        outputs=_output_rows(verdict["outputs"]),
+        root_causes=_root_cause_lines(doc),
+        root_causes_heading="Locally worst nodes" if "no single root cause" in verdict["cause"] else "Root causes",
+        victims=victims,
+        **_starting_point_fields(models, rec),
+        nodes=[_node_row(n) for n in nodes],
+        unmatched=sorted(m["unmatched_tensors"].items()),
+        skipped_count=len(m["skipped_tensors"]),
+        compared=m["compared"],
+        float_tensors=m["float_tensors"],
+        accounted=m["accounted"],
+        plot_error_along_graph=error_along_graph(nodes, bad_db) if with_plots and nodes else "",
+        bad_db=f"{bad_db:g}",
+        inherit_db=f"{doc['thresholds']['inherit_db']:g}",
+        outliers=_outlier_rows(dist.get("tensors", {})),
+        persistent=persistent,
+        health=_health_rows(dist.get("tensors", {})),
+        remedy_groups=shown_groups,
+        remedy_note=_remedy_note(len(shown_groups), len(remedy_groups)),
+        distribution_plots=_distribution_plots(dist) if with_plots else [],
+        pattern_kinds=[_pattern_row(t) for t in patterns.get("kinds", [])],
+        pattern_instances=[_pattern_row(t) for t in patterns.get("instances", [])[:PATTERN_INSTANCES]],
+        weights=weights,
+        weights_shown=len(weights),
+        weights_total=weights_total,
+        weight_blocks=_block_rows(doc.get("weights")),
+        exclusion=_exclusion_view(doc.get("exclusion"), with_plots),
+        sensitivity=sensitivity,
+        sensitivity_note=_sensitivity_note(doc.get("sensitivity")),
+        effects=effects,
+        effects_note=_effects_note(doc.get("effects")),
+        versions=_versions(doc["environment"]),
+        nonfinite=_nonfinite(nodes),
+        error_paths=_error_paths(verdict["outputs"], nodes),
+        decoder=_decoder_view(doc.get("decoder"), bad_db, with_plots),
+        neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
+        neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
+        model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
+        task_lines=_task_lines(doc.get("task_metrics") or {}),
+        summary=SummaryView(
+            victims[:SUMMARY_ITEMS],
+            effects[:SUMMARY_ITEMS],
+            sensitivity[:SUMMARY_ITEMS],
+            persistent[0] if persistent else "",
+            shown_groups[:SUMMARY_ITEMS],
+        ),
+    )
+
+
+def _decoder_view(decoder: dict[str, Any] | None, bad_db: float, with_plots: bool) -> DecoderView | None:
+    """The per-layer table (a row per layer, a column per projection) and its plot."""
+    if not decoder:
+        return None
+    names = [p["name"] for p in decoder["projections"]]
+    rows = []
+    for layer in decoder["layers"]:
+        key = str(layer["index"])
+        cells, bad = [], []
+        for p in decoder["projections"]:
+            local = (p["by_layer"].get(key) or {}).get("local_sqnr_db")
+            cells.append(fmt_db(local))
+            bad.append(isinstance(local, (int, float)) and local < bad_db)
+        rows.append(
+            LayerRowView(
+                layer["index"],
+                fmt_db(layer["worst_local_sqnr_db"]),
+                layer["worst_local_node"] or NO_VALUE,
+                fmt_db(layer["accumulated_sqnr_db"]),
+                ", ".join(layer["roles"]),
+                cells,
+                bad,
+            )
+        )
+    outside = [(o["node"], fmt_db(o["local_sqnr_db"]), fmt_db(o["accumulated_sqnr_db"])) for o in decoder["outside"]]
+    return DecoderView(names, rows, outside, per_layer(decoder, bad_db) if with_plots else "")
+
+
+def _starting_point_fields(models: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`ReportView` fields of the starting point (the unverified list) and its estimate."""
+    return {
+        "nodes_to_exclude": rec["nodes_to_exclude"],
+        "fix_node_count": len(rec["nodes_to_exclude"]),
+        "unnamed_nodes": rec["unnamed_nodes"],
+        "unnamed_list": ", ".join(rec["unnamed_nodes"]),
+        "fix_command": _fix_command(models, rec),
+        "fix_estimate": starting_point_estimate(rec),
+        "verify_command": rec.get("verify_command") or "",
+    }
+
+
+def starting_point_estimate(rec: dict[str, Any]) -> str:
+    """What keeping the suggested list in float was measured to do, labelled as an estimate.
+
+    Example:
+        >>> rec = {"estimate": {"target": "probs", "samples": 8, "sqnr_before_db": 19.3,
+        ...        "sqnr_after_db": 41.0, "recovered": 0.993, "opt_level": "all"}}
+        >>> starting_point_estimate(rec).split(": ")[1]
+        'probs SQNR 19.3 \u2192 41.0 dB, 99% of its error removed'
+    """
+    est = rec.get("estimate")
+    if not est:
+        return "not measured (the effect check did not run or could not rebuild the list in float)"
+    recovered = number_from_json(est["recovered"])
+    if math.isinf(recovered) and recovered < 0:
+        share = "creates NaN/Inf"
+    elif recovered < 0:
+        share = f"its error grows by {-recovered:.0%}: this list alone does not fix it"
+    else:
+        share = f"{recovered:.0%} of its error removed"
+    return (
+        f"estimated on {est['samples']} samples with the list in float inside the INT8 model: "
+        f"{est['target']} SQNR {fmt_db(est['sqnr_before_db'])} \u2192 {fmt_db(est['sqnr_after_db'])} dB, {share}"
+    )
+
+
+def _fix_command(models: dict[str, Any], rec: dict[str, Any]) -> str:
+    """The unverified fix as Python to paste: re-quantize with the root causes kept in float."""
+    int8 = models["int8"]
+    external = bool(models["fp32"].get("external_data"))
+    return fix_snippet(
+        int8["format"], rec["nodes_to_exclude"], rec.get("recipe"), models["fp32"]["path"], int8["path"], external
+    )
+
+
+def _versions(environment: dict[str, Any]) -> str:
+    """``onnxruntime 1.20.1 · onnx 1.17.0 · diag 0.9.0 · date ...`` for the report's header."""
+    return " · ".join(f"{k} {environment[k]}" for k in ("onnxruntime", "onnx", "diag", "date") if k in environment)
+
+
+def _deploy_isa_fields(isa: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``--deploy-isa avx2`` prediction: its summary sentence and the nodes, worst first."""
+    if not isa:
+        return {}
+    if not isa["u8s8_nodes"]:
+        head = "no u8s8 node (no QInt8 weight meets u8 activations): nothing saturates on any x86 CPU"
+        return {"deploy_isa_head": head, "deploy_isa": []}
+    head = (
+        f"{isa['saturating_nodes']} of {isa['u8s8_nodes']} u8s8 node(s) saturate on an AVX2 CPU without VNNI, "
+        "where onnxruntime adds each pair of u8 x s8 products into a saturating int16; predicted by replaying "
+        "that arithmetic on this run's inputs (this CPU's own figures are above)"
+    )
+    return {"deploy_isa_head": head, "deploy_isa": [str(e["sentence"]) for e in isa["nodes"]]}
+
+
+def _kernel_path_line(kp: dict[str, Any] | None) -> str:
+    """``int8 kernels: x86_64 AVX2 AVX512-VNNI · onnxruntime 1.20.1 CPU · u8s8 exact (VNNI)``; "" for old documents."""
+    if not kp:
+        return ""
+    providers = ", ".join(str(p).removesuffix("ExecutionProvider") for p in kp.get("providers", []))
+    isa = " ".join(kp.get("isa", [])) or "no SIMD int8 flags seen"
+    return f"{kp['machine']} {isa} · onnxruntime {kp['onnxruntime']} {providers} · u8s8 {kp['u8s8']}"
+
+
+def _run_note(run: dict[str, Any]) -> str:
+    passes = int(run.get("passes", 1))
+    return f" \u00b7 {passes} passes (memory budget)" if passes > 1 else ""
+
+
+def _remedy_note(shown: int, total: int) -> str:
+    """The sentence that says the remedy list was cut to the worst tensors, or ""."""
+    return f" The {shown} worst of {total} tensors; diag.json lists them all." if total > shown else ""
+
+
+def _node_row(n: dict[str, Any]) -> NodeRow:
+    a = n["accumulated"]
+    loc = n["local"] or {}
+    return NodeRow(
+        rank=n["rank_accumulated"],
+        rank_local=n["rank_local"],
+        name=n["name"],
+        op_type=n["op_type"],
+        role=n["role"],
+        quantized="yes" if n["quantized"] else "no",
+        acc_sqnr=fmt_db(a["sqnr_db"]),
+        acc_sqnr_key=_sortable(a["sqnr_db"]),
+        loc_sqnr=fmt_db(loc.get("sqnr_db")),
+        loc_sqnr_key=_sortable(loc.get("sqnr_db")),
+        amplification=fmt_db(n["amplification_db"]),
+        amplification_key=_sortable(n["amplification_db"]),
+        cosine=fmt_num(a["cosine"], 6),
+        max_abs=fmt_num(a["max_abs"]),
+        rmse_scale=fmt_num(a["rmse_over_scale"]),
+        tensor=n["tensor"],
+        pattern=n.get("pattern") or "",
+    )
+
+
+def _root_cause_lines(doc: dict[str, Any]) -> list[str]:
+    """The first :data:`CAUSE_LINES` root causes by local rank, with their SQNRs and input outliers."""
+    dist_tensors = (doc.get("distributions") or {}).get("tensors", {})
+    return [
+        (f"{n['pattern']}: " if n.get("pattern") else "")
+        + f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
+        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB" + _input_outliers(n, dist_tensors)
+        for n in sorted(doc["nodes"], key=lambda n: n["rank_local"])
+        if n["role"] == "root-cause"
+    ][:CAUSE_LINES]
+
+
+def _victim_lines(nodes: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"{n['name']} ({n['op_type']}): accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB, "
+        f"local {fmt_db((n['local'] or {}).get('sqnr_db'))} dB"
+        for n in nodes
+        if n["role"] in ("victim", "amplifier")
+    ][:CAUSE_LINES]
+
+
+def _agreement_cell(o: dict[str, Any]) -> str:
+    """Top-1 agreement; for a sequence output, per position and how many samples agree at every one."""
+    cell = fmt_pct(o["top1_agreement"])
+    share = o.get("sequence_agreement")
+    if o.get("positions") and share is not None and o["top1_agreement"] is not None:
+        whole = round(share * o["samples"])
+        cell += f" per position ({o['positions']}); {whole}/{o['samples']} samples at every position"
+        first = o.get("first_divergence") or {}
+        if first.get("earliest") is not None:
+            cell += f"; first differ at position {first['earliest']} (median {first['median']})"
+        if isinstance(o.get("kl_mean"), (int, float)):
+            cell += f"; KL {o['kl_mean']:.4f}"
+    return cell
+
+
+def _output_rows(outputs: list[dict[str, Any]]) -> list[OutputRow]:
+    """One row per model output, then one per Concat part of each."""
+    rows = [
+        OutputRow(
+            o["name"],
+            o["grade"],
+            "; ".join(o["reasons"]),
+            fmt_db(o["sqnr_db"]),
+            fmt_num(o["cosine_min"], 6),
+            fmt_num(o["max_abs"]),
+            _agreement_cell(o),
+            o.get("kind") or "",
+            o.get("kind_evidence") or "",
+        )
+        for o in outputs
+    ]
+    return rows + [
+        OutputRow(
+            f"{o['name']} \u00b7 {p['label']}",
+            "",
+            f"Concat part; local SQNR {fmt_db(p['local_sqnr_db'])} dB",
+            fmt_db(p["sqnr_db"]),
+            fmt_num(p["cosine_min"], 6),
+            fmt_num(p["max_abs"]),
+            "",
+            "part",
+            "",
+        )
+        for o in outputs
+        for p in o.get("parts") or []
+    ]
+
+
+def _sensitivity_rows(sens: dict[str, Any] | None) -> list[SensitivityRowView]:
+    return [
+        SensitivityRowView(
+            r["label"],
+            fmt_db(r["local_sqnr_db"]),
+            fmt_num(r["cosine"], 6),
+            ("+" if isinstance(r["cosine_recovered"], float) and r["cosine_recovered"] >= 0 else "")
+            + fmt_num(r["cosine_recovered"], 4),
+            _sortable(r["cosine_recovered"]),
+            fmt_num(r["max_abs"]),
+        )
+        for r in (sens or {}).get("rows", [])
+    ]
+
+
+def _effect_rows(effects: dict[str, Any] | None) -> list[EffectRow]:
+    return [
+        EffectRow(
+            e["node"],
+            "; ".join(e["why"]),
+            fmt_db(e["local_sqnr_db"]),
+            fmt_pct(e["recovered"]),
+            _sortable(e["recovered"]),
+        )
+        for e in (effects or {}).get("effects", [])
+    ]
+
+
+def _persistent_lines(dist: dict[str, Any]) -> list[str]:
+    """One sentence per channel index that is an outlier in several tensors."""
+    lines = []
+    for p in dist.get("persistent_outliers", []):
+        tensors = p["tensors"]
+        named = ", ".join(tensors[:PERSISTENT_TENSORS]) + (" ..." if len(tensors) > PERSISTENT_TENSORS else "")
+        lines.append(
+            f"channel {p['index']} is an outlier in {len(tensors)} of the {p['of_tensors']} tensors "
+            f"with {p['channels']} channels: " + named
+        )
+    return lines
+
+
+def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[Neighbourhood]:
+    roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
+    drawn = [Neighbourhood(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
+    return [d for d in drawn if d.svg]
+
+
+def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> list[str]:
+    """ "logits: conv3 (+relu3) [root cause, 9.5 dB] → pool [17.6 dB] → … → fc [18.4 dB]".
+
+    Of the KV-cache outputs (``present.*``, one per layer and per key / value) only the one with
+    the lowest SQNR gets a line, saying how many it stands for.
+    """
+    by_name = {n["name"]: n for n in nodes}
+    caches = sorted(
+        (o for o in outputs if o.get("cache_of")),
+        key=lambda o: (-GRADES.index(o["grade"]) if o.get("grade") in GRADES else 0, _db(o.get("sqnr_db")), o["name"]),
+    )
+    shown = [o for o in outputs if not o.get("cache_of")] + caches[:1]
+    lines = []
+    for o in shown:
+        path = [by_name[p] for p in o.get("error_path", []) if p in by_name]
+        if not path:
+            continue
+        steps = []
+        for n in path:
+            role = f"{n['role']}, " if n["role"] not in ("ok", "victim") else ""
+            steps.append(f"{n['name']} [{role}{fmt_db(n['accumulated']['sqnr_db'])} dB]")
+        steps = shortened_path(steps, 3, PATH_STEPS, "\u2026 {} more \u2026")
+        more = f" (the worst of {len(caches)} KV-cache outputs)" if o.get("cache_of") and len(caches) > 1 else ""
+        lines.append(f"{o['name']}{more}: " + " \u2192 ".join(steps))
+    return lines
+
+
+def _db(value: Any) -> float:
+    """An SQNR from the document (None, or a string such as ``"inf"``) as a float to sort on."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.inf
+
+
+def _nonfinite(nodes: list[dict[str, Any]]) -> list[str]:
+    """Where NaN/Inf first appear in each model (:func:`diag.analysis.analyze.first_nonfinite` on the document).
+
+    Only over the nodes whose NaN/Inf reach an output or a quantized input
+    (:func:`diag.analysis.analyze.reaching_nonfinite`): a causal mask's -inf, which Softmax absorbs, is no
+    finding. Documents older than that flag count every node.
+    """
+    ordered = sorted((n for n in nodes if n.get("nonfinite_reaches", True)), key=lambda n: n["index"])
+    counts = (
+        (n, (n["accumulated"] or {}).get("nonfinite_fp") or 0, (n["accumulated"] or {}).get("nonfinite_int8") or 0)
+        for n in ordered
+    )
+    lines = []
+    for model, n in first_nonfinite(counts).items():
+        a = n["accumulated"] or {}
+        if model == "FP32":
+            lines.append(
+                f"NaN/Inf first produced in the FP32 model by {n['name']} ({n['op_type']}): "
+                f"{a.get('nonfinite_fp') or 0} value(s); "
+                "the float model itself is broken on these inputs, so its errors are not quantization's"
+            )
+        else:
+            lines.append(
+                f"NaN/Inf first produced in the INT8 model by {n['name']} ({n['op_type']}): "
+                f"{a.get('nonfinite_int8') or 0} value(s)"
+            )
+    return lines
+
+
+def _effects_note(effects: dict[str, Any] | None) -> str:
+    if not effects:
+        return ""
+    skipped = effects.get("skipped") or {}
+    note = f"Measured on '{effects['target']}' (the worst output or part) over {effects['samples']} samples."
+    if skipped:
+        note += f" Not rebuilt: {', '.join(sorted(skipped))}."
+    return note
+
+
+def _sensitivity_note(sens: dict[str, Any] | None) -> str:
+    if not sens:
+        return ""
+    b, g = sens["baseline"], sens["given"]
+    note = (
+        f"Recipe re-applied as given: min cosine {fmt_num(b['cosine'], 6)} "
+        f"(the diagnosed INT8 model: {fmt_num(g['cosine'], 6)}); {sens['quantizations']} quantizations, "
+        f"{sens['seconds']:.1f} s."
+    )
+    if not sens["reproduces"]:
+        note += " The recipe does not reproduce the diagnosed model: read the rows with care."
+    return note
+
+
+def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> ExclusionView | None:
+    """The verified-fix section, from an ``exclusion.json`` document (see diag.report.exclude_view.report_section)."""
+    if not exclusion:
+        return None
+    section = report_section(exclusion, with_plots)
+    metrics = [MetricRow(r["name"], r["before"], r["after"]) for r in section["metrics"]]
+    return ExclusionView(
+        verdict=section["verdict"],
+        target=section["target"],
+        held_out=section["held_out"],
+        nodes=section["nodes"],
+        node_count=len(section["nodes"]),
+        metrics=metrics,
+        summary_metrics=metrics[:SUMMARY_ITEMS],
+        latency=[LatencyRow(r["model"], r["p50"], r["p90"], r["speedup"]) for r in section["latency"]],
+        counts=section["counts"],
+        trajectory_svg=section["trajectory_svg"],
+        snippet=section["snippet"],
+        fix_call=section["fix_call"],
+        fix_lines=section["fix_lines"],
+        recipe_line=section["recipe_line"],
+        alternatives=section["alternatives"],
+    )
+
+
+def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
+    groups: dict[tuple[str, str], RemedyGroup] = {}
+    for x in suggestions:
+        key = (x["tensor"], x["problem"])
+        g = groups.setdefault(key, RemedyGroup(x["tensor"], x["problem"], []))
+        g.remedies.append(
+            SuggestionItem(
+                x["tensor"],
+                x["problem"],
+                x["remedy"],
+                x["python"],
+                x["applies_to"],
+                x["note"],
+                [str(n) for n in (x.get("recipe") or {}).get("nodes_to_exclude") or []],
+            )
+        )
+    return list(groups.values())
+
+
+def _mark_remedies_off_the_list(groups: list[RemedyGroup], doc: dict[str, Any]) -> None:
+    """A ``nodes_to_exclude`` remedy naming nodes outside the run's one list says so (issue 25, item 4).
+
+    The list is the verified fix when the run has one (``diag exclude``, ``diag demo``), else the
+    starting point (the root causes). A per-tensor remedy is what fits that tensor alone; next to
+    a list that does without its nodes, it must not read as a second, competing fix.
+    """
+    exclusion = doc.get("exclusion") or {}
+    verified = str(exclusion.get("verdict", "")).startswith("met")
+    if verified:
+        best = (exclusion.get("fixes") or [exclusion])[0]
+        fix = list(best.get("nodes_to_exclude") or [])
+        # An op-type fix leaves every node of the other op types in float as well.
+        op_types = best.get("op_types_to_quantize")
+        floated = set(fix)
+        if op_types:
+            for node in doc["nodes"]:
+                if not set(str(node["op_type"]).split("+")) & set(op_types):
+                    floated.update(node["fp_nodes"])
+        kept = best_fix_call(exclusion)
+    else:
+        fix = list(doc["recommendation"]["nodes_to_exclude"])
+        floated = set(fix)
+        if not fix:
+            return
+        kept = f"nodes_to_exclude={json.dumps(fix, ensure_ascii=False)}"
+    for g in groups:
+        for r in g.remedies:
+            extra = ", ".join(n for n in r.excludes if n not in floated)
+            if not extra:
+                continue
+            if verified:
+                off = f"{extra}: not needed by the verified fix ({kept})"
+            else:
+                off = f"{extra}: not in the starting point ({kept})"
+            r.note = f"{r.note}; {off}" if r.note else off
+
+
+def _pattern_row(t: dict[str, Any]) -> PatternRow:
+    return PatternRow(
+        t["label"],
+        t["instances"],
+        t["nodes"],
+        fmt_db(t["worst_local_sqnr_db"]),
+        _sortable(t["worst_local_sqnr_db"]),
+        t["worst_local_node"] or "",
+        fmt_db(t["output_accumulated_sqnr_db"]),
+        fmt_pct(t["local_share"]),
+        _sortable(t["local_share"]),
+    )
+
+
+def _weight_rows(weights: dict[str, Any] | None, limit: int = WEIGHT_ROWS) -> list[WeightRow]:
+    rows = []
+    for w in (weights or {}).get("findings", [])[:limit]:
+        worst = w["channels"][0] if w["channels"] else None
+        gran = "per-tensor" if w["axis"] is None else f"per-channel (axis {w['axis']})"
+        if w.get("block_size"):
+            gran = f"block-wise ({w['block_size']} rows)"
+        if w["folded"]:
+            gran += f"; folded {w['folded']}"
+        rows.append(
+            WeightRow(
+                w["fp_name"],
+                w["op_type"] + (" bias" if w["is_bias"] else ""),
+                "\u00d7".join(str(d) for d in w["shape"]) or "scalar",
+                f"{w['dtype']} {gran}",
+                fmt_db(w["sqnr_db"]),
+                _sortable(w["sqnr_db"]),
+                f"#{worst['channel']}: {fmt_db(worst['sqnr_db'])} dB" if worst else "",
+                _sortable(w["worst_sqnr_db"]),
+                fmt_num(w["rmse_over_scale"]),
+                ", ".join(w["fp_nodes"][:3]),
+            )
+        )
+    return rows
+
+
+def _block_rows(weights: dict[str, Any] | None) -> list[BlockRow]:
+    """The worst blocks of block-wise weights as table cells (see :mod:`diag.core.nbits`)."""
+    return [
+        BlockRow(
+            weight=b["weight"],
+            where=b["where"],
+            rel_rmse=fmt_num(b["rel_rmse"]),
+            max_abs=fmt_num(b["max_abs"]),
+            levels=str(b["levels"]),
+            peak=fmt_num(b["peak_ratio"]),
+        )
+        for b in (weights or {}).get("blocks", [])
+    ]
+
+
+def _input_outliers(node: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
+    """ "; input 'x' has outlier channel 7 (42x the median)" for a root cause, when it does."""
+    parts = []
+    for t in node.get("inputs", []):
+        h = dist_tensors.get(t)
+        if h and h["outliers"]:
+            o = h["outliers"][0]
+            parts.append(f"input '{t}' has outlier channel {o['index']} ({fmt_num(o['times_median'], 3)}x the median)")
+    return "; " + "; ".join(parts[:2]) if parts else ""
+
+
+def _outlier_rows(dist_tensors: dict[str, Any]) -> list[OutlierRow]:
+    rows = []
+    for name, h in dist_tensors.items():
+        if not h["outliers"]:
+            continue
+        shown = ", ".join(
+            f"{o['index']} ({fmt_num(o['times_median'], 3)}x, {fmt_pct(o['scale_share'])} of range)"
+            for o in h["outliers"][:OUTLIER_CHANNELS]
+        )
+        extra = len(h["outliers"]) - OUTLIER_CHANNELS
+        more = f" +{extra} more" if extra > 0 else ""
+        rows.append(
+            OutlierRow(
+                name, h["grid"], str(h["axis"]), h["channels"], shown + more, fmt_num(h["median_channel_levels"], 3)
+            )
+        )
+    quantized_first = sorted(rows, key=lambda r: (r.grid == "none",))
+    return quantized_first[:OUTLIER_ROWS]
+
+
+def _health_rows(dist_tensors: dict[str, Any]) -> list[HealthRow]:
+    rows = []
+    for name, h in dist_tensors.items():
+        if h["grid"] == "none":
+            continue
+        dyn = h["dynamic_scale"]
+        rows.append(
+            HealthRow(
+                name,
+                h["grid"],
+                fmt_num(h["effective_bits"], 3),
+                _sortable(h["effective_bits"]),
+                fmt_pct(h["clip_fraction"]),
+                _sortable(h["clip_fraction"]),
+                fmt_num(h["range_over_bulk"], 3),
+                fmt_num(h["kurtosis"], 3),
+                fmt_pct(h["zero_point_position"]),
+                f"{fmt_num(dyn['min'])}\u2013{fmt_num(dyn['max'])} over {dyn['batches']} batches" if dyn else "",
+                "; ".join(h["reasons"]),
+            )
+        )
+    rows.sort(key=lambda r: (not r.reasons, float(r.effective_bits_key or 99)))
+    return rows[:HEALTH_ROWS]
+
+
+def _distribution_plots(dist: dict[str, Any]) -> list[DistributionPlot]:
+    plots = []
+    factor = dist.get("outlier_factor", 6.0)
+    for name, p in dist.get("plotted", {}).items():
+        h = dist["tensors"][name]
+        chans = ""
+        if p["channel_max"]:
+            chans = channel_ranges(name, p["channel_max"], [o["index"] for o in h["outliers"]], factor)
+        plots.append(DistributionPlot(name, distribution(name, p, h), chans))
+    return plots
+
+
+def model_noun(doc: dict[str, Any]) -> str:
+    """ "INT4 model" for a weight-only model of 4 bits (as its recipe says), else "INT8 model".
+
+    Example:
+        >>> model_noun({"recommendation": {"recipe": {"settings": {"mode": "weight_only", "bits": 4}}}})
+        'INT4 model'
+        >>> model_noun({"recommendation": {"recipe": None}})
+        'INT8 model'
+    """
+    settings = ((doc.get("recommendation") or {}).get("recipe") or {}).get("settings") or {}
+    if settings.get("mode") == "weight_only":
+        return f"INT{int(settings.get('bits', 4))} model"
+    return "INT8 model"
+
+
+def _precision_note(precisions: dict[str, list[str]] | None) -> str:
+    """`` (fp16 6 nodes; fp32 1 (attn/Attention))`` for the report header; empty for 8-bit models."""
+    if not precisions:
+        return ""
+    return f" ({describe(precisions)})"
+
+
+def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
+    lines = []
+    f1 = task_metrics.get("f1")
+    if f1:
+        v = {k: number_from_json(x) for k, x in f1["values"].items()}
+        macro, micro = (
+            f"{fmt_pct(v[f'f1_{k}_fp32'])} → {fmt_pct(v[f'f1_{k}_int8'])} (drop {fmt_pct(v[f'f1_{k}_drop'])})"
+            for k in ("macro", "micro")
+        )
+        lines.append(
+            f"F1 of output {f1['output']} against --labels ({f1['samples']} samples): macro {macro}, micro {micro}"
+        )
+    plugin = task_metrics.get("plugin")
+    if plugin:
+        values = {k: number_from_json(v) for k, v in plugin["values"].items()}
+        lines += task_lines({"plugin": {**plugin, "values": values}})
+    return lines
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _printable(value: Any) -> Any:
+    """Drop terminal control characters from untrusted names (newlines and tabs stay; Markup passes)."""
+    if isinstance(value, str) and not hasattr(value, "__html__"):
+        return "".join(ch for ch in value if ch.isprintable() or ch in "\n\t")
+    return value
+
+
+def jinja_environment() -> jinja2.Environment:
+    """The templates' jinja2 environment: autoescaped, StrictUndefined, control characters dropped."""
+
+    return jinja2.Environment(
+        finalize=_printable,
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def render_html(view: ReportView) -> str:
+    return str(jinja_environment().get_template("report.html.j2").render(v=view))
+
+
+def render_markdown(view: ReportView) -> str:
+    """The PR-comment summary; Markdown control characters in names are escaped."""
+    env = jinja_environment()
+    env.autoescape = False
+    env.filters["md"] = md_escape
+    env.filters["mdcode"] = md_code
+    env.filters["mdfence"] = md_fence
+    text = str(env.get_template("summary.md.j2").render(v=view))
+    lines = text.splitlines()
+    if len(lines) > SUMMARY_MAX_LINES:
+        lines = [*lines[: SUMMARY_MAX_LINES - 1], "_(truncated; see report.html)_"]
+    return "\n".join(lines) + "\n"
+
+
+def md_code(text: str) -> str:
+    """An inline code span that no content can break out of (HTML inside it stays text).
+
+    Example:
+        >>> md_code("a`b")
+        '`` a`b ``'
+    """
+    clean = "".join(ch for ch in str(text) if ch.isprintable())
+    longest = max((len(run) for run in re.findall(r"`+", clean)), default=0)
+    fence = "`" * (longest + 1)
+    return f"{fence} {clean} {fence}" if longest else f"`{clean}`"
+
+
+def md_fence(text: str, lang: str = "python") -> str:
+    """A fenced code block that no content can close early (the fence outgrows every backtick run).
+
+    Example:
+        >>> print(md_fence('nodes_to_exclude=["a```b"]'))
+        ````python
+        nodes_to_exclude=["a```b"]
+        ````
+    """
+    clean = "\n".join("".join(ch for ch in line if ch.isprintable()) for line in str(text).splitlines())
+    longest = max((len(run) for run in re.findall(r"`+", clean)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{lang}\n{clean}\n{fence}"
+
+
+def md_escape(text: str) -> str:
+    """Escape Markdown/HTML control characters and drop terminal escapes from untrusted names."""
+    out = []
+    for ch in str(text):
+        if not ch.isprintable():
+            continue
+        if ch in "\\`*_[]<>|~#&":
+            out.append("\\" + ch)
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+#: The files of a diag compare / merge run, in the order they are printed.
+OUTPUT_NAMES = ("diag.json", "report.html", "summary.md")
+
+
+def report_to_dir(json_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Path]:
+    """`diag report`: re-render a diag.json into ``out`` (a folder, or a single ``.html`` path), as one set.
+
+    Example:
+        >>> report_to_dir("run/diag.json", "run")  # doctest: +SKIP
+        {'report.html': PosixPath('run/report.html'), 'summary.md': PosixPath('run/summary.md')}
+    """
+
+    input_file(json_path, "report", "pass the diag.json written by diag compare")
+    target = Path(out)
+    if target.suffix.lower() in (".html", ".htm"):
+        output_file(target, "--out")
+        return write_set({target: render_html(view_from_file(json_path))})
+    check_outputs(target, ("report.html", "summary.md"))
+    view = view_from_file(json_path)
+    folder = out_dir(target)
+    return write_set({folder / "report.html": render_html(view), folder / "summary.md": render_markdown(view)})
+
+
+def output_texts(doc: dict[str, Any]) -> dict[str, str]:
+    """diag.json, report.html and summary.md of a document, rendered in memory (nothing written)."""
+    view = view_from_document(doc)
+    return {
+        "diag.json": json.dumps(doc, indent=1, sort_keys=False, ensure_ascii=False) + "\n",
+        "report.html": render_html(view),
+        "summary.md": render_markdown(view),
+    }
+
+
+def write_outputs(doc: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Write diag.json, report.html and summary.md into ``out_dir`` as one set
+    (:func:`diag.foundations.files.write_set`).
+
+    Everything is rendered in memory first, so an existing report stays intact (all three files of
+    it) until the new one is complete, and a failure leaves no half-written file.
+    """
+
+    out = checked_out_dir(out_dir)
+    return write_set({out / name: text for name, text in output_texts(doc).items()})
