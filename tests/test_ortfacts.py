@@ -180,3 +180,13 @@ def test_every_module_view_of_the_format_kinds_is_the_table() -> None:
             assert "quantize_dynamic(" in snippet, kind
         elif f.quant_format is not None:
             assert f"QuantFormat.{f.quant_format}" in snippet, (kind, snippet)
+
+
+def test_docs_formats_has_a_row_for_every_kind_of_the_table() -> None:
+    """docs/formats.md is the manual's list of formats: a kind added to the table without its row fails here."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "formats.md").read_text(encoding="utf-8")
+    listed = {k for cell in re.findall(r"^\| (`[^|]+`) \|", page, flags=re.M) for k in re.findall(r"`([^`]+)`", cell)}
+    assert listed == set(FORMATS) - {"fp32"}  # fp32: the FP32 model, not a format diag diagnoses

@@ -1,10 +1,12 @@
-"""What onnxruntime defines that several diag modules read: its quantized ops' input signatures and
-its graph optimization levels, written once.
+"""What onnxruntime defines that several diag modules read: its quantized ops' input signatures, its
+quantization formats (one row of facts per format kind) and its graph optimization levels, written once.
 
 Every module that reads a quantized op's inputs (``load``'s format detection, ``match``'s grids,
 ``weights``' dequantizing, ``infer``'s recipe, ``cpu`` and ``saturation``'s u8s8 weights) derives
 its view from :data:`QUANTIZED_OPS`; ``tests/test_ortfacts.py`` checks every signature against the
 op schemas of the installed onnxruntime (``com.microsoft`` ops included, which ``onnx.defs`` lacks).
+The modules that branch on a model's format kind (``load``, ``match``, ``weights``, ``infer``,
+``remedies``, ``fixcode``) read :data:`FORMATS` instead of spelling the kinds in tuples.
 
 A foundation module: it imports nothing from diag, and nothing heavy (``cli`` reads the levels).
 """
