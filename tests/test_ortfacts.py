@@ -11,7 +11,15 @@ from diag.analysis import remedies, weights
 from diag.core import load, match, saturation
 from diag.fix import fixcode, infer
 from diag.foundations import cpu
-from diag.foundations.ortfacts import FORMATS, QUANTIZED_OPS, Family, families_where, kinds_where, ops_where
+from diag.foundations.ortfacts import (
+    FORMATS,
+    QUANTIZED_OPS,
+    Family,
+    families_where,
+    kind_made_by,
+    kinds_where,
+    ops_where,
+)
 
 
 def _schemas() -> dict[tuple[str, str], tuple[str, ...]]:
@@ -173,6 +181,8 @@ def test_every_module_view_of_the_format_kinds_is_the_table() -> None:
 
     dynamic, static = set(registry.IntegerOpsRegistry), set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry)
     for kind, f in FORMATS.items():
+        if f.family == kind or f.weight_only:  # the kinds a recipe with 8-bit types asks for (quantize's check)
+            assert kind_made_by(str(f.mode), f.quant_format or "QDQ") == kind
         want = {"dynamic": dynamic, "static": static}.get(str(f.mode), dynamic | static)
         assert load._quantizable_op_types(kind) == want, kind
         snippet = fixcode._plain_fix_snippet(kind, ["n"])

@@ -386,6 +386,20 @@ def kinds_where(keep: Callable[[FormatFacts], bool]) -> frozenset[str]:
     return frozenset(kind for kind, f in FORMATS.items() if keep(f))
 
 
+def kind_made_by(mode: str, quant_format: str) -> str | None:
+    """The format kind a recipe of ``mode`` and ``quant_format`` makes with its 8-bit defaults, or None.
+
+    The first row of :data:`FORMATS` with that mode and (unless it takes none) that ``QuantFormat``:
+    the 16-bit and FP8 QDQ kinds come after ``qdq``, so their types are what makes them.
+
+    Example:
+        >>> kind_made_by("static", "QOperator"), kind_made_by("dynamic", "QDQ"), kind_made_by("weight_only", "QDQ")
+        ('qoperator', 'dynamic', 'qdq-int4-blocked')
+    """
+    rows = (k for k, f in FORMATS.items() if f.mode == mode and f.quant_format in (None, quant_format))
+    return next(rows, None)
+
+
 def families_where(keep: Callable[[FormatFacts], bool]) -> frozenset[Family]:
     """The op families of the format kinds ``keep`` accepts.
 
