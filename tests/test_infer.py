@@ -15,12 +15,12 @@ from diag.cli import commands as cli
 from diag.core.recipe import Recipe, read_recipe_file
 from diag.fix.infer import infer_recipe, recipe_to_toml
 from diag.fixtures import models
-from diag.fixtures.quantize import _ArrayReader
+from diag.fixtures.quantize import FORMATS, _ArrayReader
+from diag.foundations import ortfacts
 from diag.foundations.errors import DiagError
 
 #: (fixture, recipe as a user writes it). Defaults are onnxruntime's: only the asked-for keys are set.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "dynamic-defaults": ("transformer", {"mode": "dynamic"}),
     "dynamic-u8-per-channel-excluded": (
         "transformer",
         {
@@ -82,7 +82,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             ],
         },
     ),
-    "qoperator-transformer-defaults": ("transformer", {"mode": "static", "quant_format": "QOperator"}),
     "qdq-asymmetric-int8-weights": (
         "convnet",
         {
@@ -93,6 +92,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "extra_options": {"WeightSymmetric": False},
         },
     ),
+}
+
+# Each 8-bit kind with onnxruntime's defaults, its recipe read from the format table: a new kind
+# gets its row here without writing one.
+CASES |= {
+    f"{kind}-defaults": ("transformer", {"mode": f.mode} | ({"quant_format": f.quant_format} if f.quant_format else {}))
+    for kind, f in ((k, ortfacts.FORMATS[k]) for k in FORMATS)
 }
 
 COMPARED = ("mode", "quant_format", "activation_type", "weight_type", "per_channel", "reduce_range")

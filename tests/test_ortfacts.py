@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import onnx
 import pytest
 
-from diag.analysis import weights
+from diag.analysis import remedies, weights
 from diag.core import load, match, saturation
-from diag.fix import infer
+from diag.fix import fixcode, infer
 from diag.foundations import cpu
-from diag.foundations.ortfacts import QUANTIZED_OPS, ops_where
+from diag.foundations.ortfacts import (
+    FORMATS,
+    QUANTIZED_OPS,
+    Family,
+    families_where,
+    kind_made_by,
+    kinds_where,
+    ops_where,
+)
 
 
 def _schemas() -> dict[tuple[str, str], tuple[str, ...]]:
@@ -108,6 +118,7 @@ def test_model_format_kinds_are_the_schemas_format_enum() -> None:
     kinds = get_args(load.FormatKind)
     assert len(kinds) == len(set(kinds))
     assert set(kinds) == set(enum) | {"fp32"}  # fp32: the FP32 model's format, which has no enum
+    assert list(FORMATS) == list(kinds)  # one row of the format table per kind, in the Literal's order
     assert set(get_args(precision.PrecisionKind)) <= set(kinds)
 
 
@@ -137,3 +148,55 @@ def test_the_optimization_levels_are_onnxruntimes_and_written_once() -> None:
     )
     assert got[OPT_LEVELS.index(EXACT_LEVEL)] == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     assert bench.DEPLOY_OPT_LEVEL == effects.EFFECT_OPT_LEVEL == exclude.SearchOptions.deploy_level == DEPLOY_LEVEL
+
+
+def test_the_format_table_is_onnxruntimes_and_family_facts_agree_within_a_family() -> None:
+    """Each row's mode and QuantFormat exist in onnxruntime and the recipe; a family's rows agree on its facts."""
+    from onnxruntime.quantization import QuantFormat
+
+    from diag.core.recipe import Recipe
+
+    for kind, f in FORMATS.items():
+        assert f.quant_format is None or f.quant_format in QuantFormat.__members__, kind
+        if f.mode is not None:
+            recipe = Recipe.from_dict({"mode": f.mode} | ({"quant_format": f.quant_format} if f.quant_format else {}))
+            assert recipe.mode == f.mode, kind
+        assert f.quant_format is None or f.mode in ("static", "weight_only"), kind
+    assert {f.family for f in FORMATS.values()} - {None} == set(get_args(Family))
+    for family in get_args(Family):
+        rows = [f for f in FORMATS.values() if f.family == family]
+        assert len({(f.input_grids, f.integer_weights) for f in rows}) == 1, family
+
+
+def test_every_module_view_of_the_format_kinds_is_the_table() -> None:
+    """The kind lists are derived: this fails when a module goes back to spelling its own tuple."""
+    grids = families_where(lambda f: f.input_grids)
+    assert {QUANTIZED_OPS[op].family for op in match._INPUT_QPARAM_INDICES} == grids
+    integer = families_where(lambda f: f.integer_weights)
+    assert {QUANTIZED_OPS[op].family for op in weights._OPERANDS} == integer
+    assert {QUANTIZED_OPS[op].family for op in infer._WEIGHT_INPUTS} == integer
+    assert remedies.WEIGHT_ONLY_FORMATS == kinds_where(lambda f: f.weight_only) == {"matmulnbits", "qdq-int4-blocked"}
+    assert kinds_where(lambda f: f.calibrated) == remedies.CALIBRATED_FORMATS
+    from onnxruntime.quantization import registry
+
+    dynamic, static = set(registry.IntegerOpsRegistry), set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry)
+    for kind, f in FORMATS.items():
+        if f.family == kind or f.weight_only:  # the kinds a recipe with 8-bit types asks for (quantize's check)
+            assert kind_made_by(str(f.mode), f.quant_format or "QDQ") == kind
+        want = {"dynamic": dynamic, "static": static}.get(str(f.mode), dynamic | static)
+        assert load._quantizable_op_types(kind) == want, kind
+        snippet = fixcode._plain_fix_snippet(kind, ["n"])
+        if f.mode == "dynamic":
+            assert "quantize_dynamic(" in snippet, kind
+        elif f.quant_format is not None:
+            assert f"QuantFormat.{f.quant_format}" in snippet, (kind, snippet)
+
+
+def test_docs_formats_has_a_row_for_every_kind_of_the_table() -> None:
+    """docs/formats.md is the manual's list of formats: a kind added to the table without its row fails here."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "formats.md").read_text(encoding="utf-8")
+    listed = {k for cell in re.findall(r"^\| (`[^|]+`) \|", page, flags=re.M) for k in re.findall(r"`([^`]+)`", cell)}
+    assert listed == set(FORMATS) - {"fp32"}  # fp32: the FP32 model, not a format diag diagnoses

@@ -13,9 +13,8 @@ from onnx import numpy_helper
 
 from diag.analysis.weights import ChannelError, WeightFinding, weight_errors, weight_report
 from diag.fixtures.models import convnet
+from diag.fixtures.quantize import FORMATS  # every 8-bit kind of diag.foundations.ortfacts.FORMATS
 from diag.fixtures.weight_models import DEFECT_CHANNEL, quantize_variant, weightnet
-
-FORMATS = ("dynamic", "qdq", "qoperator")
 
 
 @pytest.fixture(scope="module")

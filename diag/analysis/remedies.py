@@ -22,6 +22,7 @@ import onnx
 from diag.analysis.weights import WeightFinding
 from diag.core.distributions import TensorHealth
 from diag.core.match import Matching, NodeGroup, TopLevelIndex
+from diag.foundations.ortfacts import kinds_where
 
 #: Effective bits this far below the grid's bits mean the tails waste the grid.
 WASTED_BITS = 3.0
@@ -113,6 +114,9 @@ def quantized_consumers(
 
 #: Levels a median channel spans above which an outlier channel is harmless (an 8-bit grid's worth).
 ROOMY_LEVELS = 256
+#: Formats whose activation grids come (or, mixed, may come) from calibration: clipping,
+#: percentile-calibration and 16-bit-activation remedies apply (:data:`diag.foundations.ortfacts.FORMATS`).
+CALIBRATED_FORMATS = kinds_where(lambda f: f.calibrated)
 
 
 def suggestions_for(
@@ -129,7 +133,7 @@ def suggestions_for(
     """
     if health.grid == "none":
         return []
-    static = fmt in ("qdq", "qoperator", "mixed")
+    static = fmt in CALIBRATED_FORMATS
     # On a 16-bit grid a typical channel can still span more levels than a whole 8-bit grid: the
     # outlier channel then costs nothing and needs no remedy.
     roomy = health.median_channel_levels is not None and health.median_channel_levels >= ROOMY_LEVELS
@@ -146,7 +150,7 @@ def _outlier_remedies(
     name: str, health: TensorHealth, fmt: str, consumers: list[str], consumer_ops: list[str]
 ) -> list[Suggestion]:
     """An outlier channel crushes the others under one scale: 16 bits, float consumers, or SmoothQuant."""
-    static = fmt in ("qdq", "qoperator", "mixed")
+    static = fmt in CALIBRATED_FORMATS
     out: list[Suggestion] = []
     top = health.outliers[0]
     dims = ", ".join(str(o.index) for o in health.outliers[:5])
@@ -226,7 +230,7 @@ def _wasted_range_remedies(name: str, health: TensorHealth, fmt: str, consumers:
         f"the bulk (P0.1..P99.9) spans {health.effective_bits:.1f} of {health.grid_bits:.0f} bits: "
         f"rare tail values set the range ({health.range_over_bulk:.0f}x the bulk)"
     )
-    if fmt in ("qdq", "qoperator", "mixed"):
+    if fmt in CALIBRATED_FORMATS:
         opts = {"CalibPercentile": 99.99}
         out.append(
             Suggestion(
@@ -340,7 +344,7 @@ def all_suggestions(
 
 #: Formats whose weights alone are quantized (``MatMulNBits``, block-wise int4 ``DequantizeLinear``):
 #: their activations stay float, so INT8-activation remedies change nothing on them.
-WEIGHT_ONLY_FORMATS = frozenset({"matmulnbits", "qdq-int4-blocked"})
+WEIGHT_ONLY_FORMATS = kinds_where(lambda f: f.weight_only)
 
 #: The tail of the spread-error headline before a recipe is known (``effects.spread_sentence``).
 GENERIC_SPREAD = (

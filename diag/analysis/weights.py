@@ -61,7 +61,7 @@ from diag.core.nbits import (
 )
 from diag.foundations.errors import DiagError
 from diag.foundations.jsonnum import json_number as _num
-from diag.foundations.ortfacts import QUANTIZED_OPS, Operand
+from diag.foundations.ortfacts import QUANTIZED_OPS, Operand, families_where
 
 #: Ops that compute with a weight: the float op in QDQ / FP32 and the integer ops made of it.
 _CONV_OPS = {"Conv", "ConvInteger", "QLinearConv"}
@@ -89,7 +89,7 @@ _MEASURED_FLOAT_OPS = {"Conv", "ConvTranspose", "MatMul", "Gemm", "Add", "Mul"}
 _OPERANDS: dict[str, list[tuple[int, Operand]]] = {
     name: [(fp_idx, op.operand(fp_idx)) for fp_idx in range(len(op.operands))]
     for name, op in QUANTIZED_OPS.items()
-    if op.family in ("dynamic", "qoperator") and op.float_op in _MEASURED_FLOAT_OPS
+    if op.family in families_where(lambda f: f.integer_weights) and op.float_op in _MEASURED_FLOAT_OPS
 }
 #: QOperator / dynamic ops: quantized input index -> (scale index, zero point index, FP32 input index).
 _QOP_INPUTS: dict[str, dict[int, tuple[int, int, int]]] = {

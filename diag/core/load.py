@@ -10,14 +10,13 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import onnx
 
 from diag.core.precision import fp16_breakdown, has_float16, precision_breakdown, qdq_breakdown
 from diag.foundations.errors import DiagError
 from diag.foundations.files import input_file, remember_input
-from diag.foundations.ortfacts import ops_where
+from diag.foundations.ortfacts import FORMATS, FormatKind, ops_where
 
 #: op types that only exist in quantized graphs, by the format that produces them (:mod:`diag.foundations.ortfacts`).
 DYNAMIC_OPS = ops_where(lambda op: op.family == "dynamic")
@@ -28,23 +27,6 @@ NBITS_OPS = ops_where(lambda op: op.family == "nbits")
 
 #: Refuse to parse files larger than this without external data (protobuf's own hard limit).
 MAX_PROTO_BYTES = 2**31 - 1
-
-
-#: Every value of :attr:`ModelFormat.kind`; an INT8 model's is one of diag.schema.json's
-#: ``models.int8.format`` enum (``tests/test_ortfacts.py`` checks both lists are the same), ``fp32`` the FP32 model's.
-FormatKind = Literal[
-    "fp32",
-    "dynamic",
-    "qdq",
-    "qoperator",
-    "mixed",
-    "fp16",
-    "qdq-a16w8",
-    "qdq16",
-    "qdq-fp8",
-    "matmulnbits",
-    "qdq-int4-blocked",
-]
 
 
 @dataclass
@@ -522,11 +504,13 @@ def onnxruntime_domains() -> set[str]:
 def _quantizable_op_types(kind: str) -> set[str]:
     """Op types onnxruntime's quantizer quantizes by default for a model of format ``kind``.
 
-    Dynamic: IntegerOpsRegistry; QDQ / QOperator: QDQRegistry | QLinearOpsRegistry; an FP32 (or
-    mixed) model may go either way, so both.
+    By the kind's recipe mode (:data:`diag.foundations.ortfacts.FORMATS`): dynamic, IntegerOpsRegistry;
+    static (QDQ / QOperator), QDQRegistry | QLinearOpsRegistry; an FP32 (or mixed) model may go
+    either way, so both.
     """
     from onnxruntime.quantization import registry
 
     dynamic = set(registry.IntegerOpsRegistry)
     static = set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry)
-    return dynamic if kind == "dynamic" else static if kind in ("qdq", "qoperator") else dynamic | static
+    mode = FORMATS[kind].mode
+    return dynamic if mode == "dynamic" else static if mode == "static" else dynamic | static

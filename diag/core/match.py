@@ -27,7 +27,7 @@ from onnx import numpy_helper
 
 from diag.core.load import DYNAMIC_OPS, NBITS_OPS, QDQ_OPS, QOPERATOR_OPS, outer_scope_inputs, subgraphs
 from diag.core.protos import node_id, value_dtypes
-from diag.foundations.ortfacts import QUANTIZED_OPS, QuantizedOp
+from diag.foundations.ortfacts import QUANTIZED_OPS, QuantizedOp, families_where
 
 QUANT_OPS = DYNAMIC_OPS | QDQ_OPS | QOPERATOR_OPS | NBITS_OPS
 
@@ -52,7 +52,7 @@ def _input_grids(op: QuantizedOp) -> tuple[tuple[int, int, int], ...]:
 _INPUT_QPARAM_INDICES = {
     name: _input_grids(op)
     for name, op in QUANTIZED_OPS.items()
-    if op.family in ("qoperator", "qdq") and _input_grids(op)
+    if op.family in families_where(lambda f: f.input_grids) and _input_grids(op)
 }
 
 

@@ -33,6 +33,7 @@ from diag.fix.modelprep import (
     STEP_UPGRADE_OPSET,
 )
 from diag.fix.weightonly import weight_only_fix_snippet, weight_only_snippet
+from diag.foundations.ortfacts import FORMATS
 
 #: onnxruntime's enum class of each recipe key whose value is a member name (``"QInt8"``).
 ENUMS = {
@@ -217,9 +218,9 @@ def _py_json(value: Any) -> str:
 def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
     """The snippet for a diag.json without a recorded recipe: the format is all that is known."""
     listed = ", ".join(json.dumps(n) for n in nodes)
-    if fmt in ("matmulnbits", "qdq-int4-blocked"):
-        quant_format = "QOperator" if fmt == "matmulnbits" else "QDQ"
-        settings = {"mode": "weight_only", "quant_format": quant_format, "nodes_to_exclude": list(nodes)}
+    facts = FORMATS.get(fmt)
+    if facts is not None and facts.weight_only:
+        settings = {"mode": "weight_only", "quant_format": facts.quant_format, "nodes_to_exclude": list(nodes)}
         return weight_only_fix_snippet(
             settings, "# onnxruntime's defaults (bits 4, block_size 128)", "fp32.onnx", "int8.onnx"
         )
@@ -228,7 +229,7 @@ def _plain_fix_snippet(fmt: str, nodes: list[str]) -> str:
             "from onnxruntime.quantization import quantize_dynamic\n"
             f'quantize_dynamic("fp32.onnx", "int8.onnx", nodes_to_exclude=[{listed}])'
         )
-    qf = "QDQ" if fmt != "qoperator" else "QOperator"
+    qf = (facts and facts.quant_format) or "QDQ"  # QDQ when the format does not say (a mixed model)
     return (
         "from onnxruntime.quantization import QuantFormat, quantize_static\n"
         f'quantize_static("fp32.onnx", "int8.onnx", calibration_reader,\n'

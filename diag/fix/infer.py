@@ -49,7 +49,7 @@ from diag.fix.lint import DIAG_ONLY_KEYS, RECIPE_KEYS, quantizable_op_types
 from diag.fix.weightonly import infer_weight_only
 from diag.foundations.errors import DiagError
 from diag.foundations.files import output_file, write_set
-from diag.foundations.ortfacts import weight_operands
+from diag.foundations.ortfacts import FORMATS, families_where, weight_operands
 
 #: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
@@ -79,7 +79,7 @@ REDUCED_SPAN: dict[int, int] = {
 #: input index of the quantized weight, its scale and zero point, for quantized weighted ops.
 _WEIGHT_INPUTS = {
     op: (w.index, w.scale, w.zero_point)
-    for op, w in weight_operands(lambda op: op.family in ("dynamic", "qoperator")).items()
+    for op, w in weight_operands(lambda op: op.family in families_where(lambda f: f.integer_weights)).items()
 }
 
 UNKNOWN_FIELDS = {
@@ -151,7 +151,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
             f"mixes quantization formats ({ev}); one recipe cannot have made it",
             "infer the recipe of a model made by one quantize_dynamic / quantize_static call",
         )
-    if kind in ("matmulnbits", "qdq-int4-blocked"):
+    if FORMATS[kind].weight_only:
         recipe, evidence = infer_weight_only(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)
     # NOTE: external weights are read one tensor at a time where a value is needed (zero points,
@@ -214,7 +214,7 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
     evidence: list[str] = []
     recipe: dict[str, Any] = {"mode": "dynamic" if kind == "dynamic" else "static"}
     if kind != "dynamic":
-        recipe["quant_format"] = "QDQ" if kind == "qdq" else "QOperator"
+        recipe["quant_format"] = FORMATS[kind].quant_format
         act_zps = _activation_zero_points(graph, inits)
         act_types = Counter(zp.data_type for zp in act_zps)
         if act_types:

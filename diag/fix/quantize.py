@@ -68,6 +68,7 @@ from diag.fix.modelprep import (
 from diag.fix.weightonly import quantize_weight_only
 from diag.foundations.errors import DiagError
 from diag.foundations.files import work_dir
+from diag.foundations.ortfacts import kind_made_by
 from diag.foundations.progress import Progress
 
 
@@ -296,9 +297,7 @@ def _verified_format(job: _Job, staged: Path, fp32_path: Path, error: str | None
             "against the model's op types)"
         )
     recipe = job.recipe
-    wanted = {"dynamic": "dynamic", "weight_only": _weight_only_format(recipe)}.get(
-        recipe.mode, recipe.quant_format.lower()
-    )
+    wanted = kind_made_by(recipe.mode, recipe.quant_format) or recipe.quant_format.lower()
     if fmt.is_quantized and fmt.family != wanted:
         ev = ", ".join(f"{k} x{v}" for k, v in fmt.evidence.items())
         job.actions.append(f"note: the recipe asked for {wanted} but the output is {fmt.kind} ({ev})")
@@ -548,10 +547,6 @@ def _run_quantizer(job: _Job, src: Path, dst: Path, progress: bool) -> None:
             f"raised {type(e).__name__}: {first}",
             "fix the recipe setting onnxruntime names, or exclude the node it names; --debug shows the traceback",
         ) from e
-
-
-def _weight_only_format(recipe: Recipe) -> str:
-    return "matmulnbits" if recipe.quant_format == "QOperator" else "qdq-int4-blocked"
 
 
 def _reader(source: FeedSource, progress: bool, limit: int | None = None) -> Any:

@@ -1,10 +1,12 @@
-"""What onnxruntime defines that several diag modules read: its quantized ops' input signatures and
-its graph optimization levels, written once.
+"""What onnxruntime defines that several diag modules read: its quantized ops' input signatures, its
+quantization formats (one row of facts per format kind) and its graph optimization levels, written once.
 
 Every module that reads a quantized op's inputs (``load``'s format detection, ``match``'s grids,
 ``weights``' dequantizing, ``infer``'s recipe, ``cpu`` and ``saturation``'s u8s8 weights) derives
 its view from :data:`QUANTIZED_OPS`; ``tests/test_ortfacts.py`` checks every signature against the
 op schemas of the installed onnxruntime (``com.microsoft`` ops included, which ``onnx.defs`` lacks).
+The modules that branch on a model's format kind (``load``, ``match``, ``weights``, ``infer``,
+``remedies``, ``fixcode``) read :data:`FORMATS` instead of spelling the kinds in tuples.
 
 A foundation module: it imports nothing from diag, and nothing heavy (``cli`` reads the levels).
 """
@@ -303,6 +305,109 @@ def weight_operands(keep: Callable[[QuantizedOp], bool] = lambda op: True) -> di
         Operand(index=3, scale=4, zero_point=5)
     """
     return {name: op.operand(1) for name, op in QUANTIZED_OPS.items() if op.weighted and keep(op)}
+
+
+#: Every value of ``ModelFormat.kind`` (:mod:`diag.core.load`): one row of :data:`FORMATS` each; an
+#: INT8 model's is one of diag.schema.json's ``models.int8.format`` enum (``tests/test_ortfacts.py``
+#: checks the Literal, the table and the enum are the same list), ``fp32`` the FP32 model's.
+FormatKind = Literal[
+    "fp32",
+    "dynamic",
+    "qdq",
+    "qoperator",
+    "mixed",
+    "fp16",
+    "qdq-a16w8",
+    "qdq16",
+    "qdq-fp8",
+    "matmulnbits",
+    "qdq-int4-blocked",
+]
+#: The recipe's ``mode`` that makes a kind (:class:`diag.core.recipe.Recipe`).
+Mode = Literal["dynamic", "static", "weight_only", "fp16"]
+
+
+@dataclass(frozen=True)
+class FormatFacts:
+    """What the modules that branch on a model's format kind read about it, written once.
+
+    Attributes:
+        family: the op family whose ops mark the kind (:data:`Family`; the 16-bit and FP8 QDQ
+            kinds are QDQ's); None for a float or mixed model.
+        mode: the recipe's ``mode`` that makes it; None when no one call does (FP32, mixed).
+        quant_format: onnxruntime's ``QuantFormat`` name, the recipe's ``quant_format``; None for
+            dynamic (no such argument) and for kinds no quantizer call makes.
+        calibrated: its activations' grids come (or, mixed, may come) from calibration: the
+            static remedies (clipping, percentile calibration, 16-bit activations) apply.
+        input_grids: its family's ops read a quantized input with that input's grid (``match``
+            pairs those grids). A family-wide fact: every row of a family says the same.
+        integer_weights: its family's weights are integer initializers read by the op itself,
+            which ``weights`` dequantizes and ``infer`` reads the recipe from (QDQ's go through a
+            ``DequantizeLinear``; block-wise ones through :mod:`diag.core.nbits`). Family-wide.
+    """
+
+    family: Family | None
+    mode: Mode | None
+    quant_format: Literal["QDQ", "QOperator"] | None = None
+    calibrated: bool = False
+    input_grids: bool = False
+    integer_weights: bool = False
+
+    @property
+    def weight_only(self) -> bool:
+        """Weights quantized block-wise, activations left in float (``mode = "weight_only"``)."""
+        return self.mode == "weight_only"
+
+
+_QDQ = FormatFacts("qdq", "static", "QDQ", calibrated=True, input_grids=True)
+#: Format kind -> its facts, in the order of :data:`FormatKind`.
+FORMATS: dict[str, FormatFacts] = {
+    "fp32": FormatFacts(None, None),
+    "dynamic": FormatFacts("dynamic", "dynamic", integer_weights=True),
+    "qdq": _QDQ,
+    "qoperator": FormatFacts("qoperator", "static", "QOperator", True, input_grids=True, integer_weights=True),
+    "mixed": FormatFacts(None, None, calibrated=True),
+    "fp16": FormatFacts(None, "fp16"),
+    "qdq-a16w8": _QDQ,
+    "qdq16": _QDQ,
+    "qdq-fp8": _QDQ,
+    "matmulnbits": FormatFacts("nbits", "weight_only", "QOperator"),
+    "qdq-int4-blocked": FormatFacts("qdq", "weight_only", "QDQ", input_grids=True),
+}
+
+
+def kinds_where(keep: Callable[[FormatFacts], bool]) -> frozenset[str]:
+    """The format kinds of :data:`FORMATS` that ``keep`` accepts.
+
+    Example:
+        >>> sorted(kinds_where(lambda f: f.weight_only))
+        ['matmulnbits', 'qdq-int4-blocked']
+    """
+    return frozenset(kind for kind, f in FORMATS.items() if keep(f))
+
+
+def kind_made_by(mode: str, quant_format: str) -> str | None:
+    """The format kind a recipe of ``mode`` and ``quant_format`` makes with its 8-bit defaults, or None.
+
+    The first row of :data:`FORMATS` with that mode and (unless it takes none) that ``QuantFormat``:
+    the 16-bit and FP8 QDQ kinds come after ``qdq``, so their types are what makes them.
+
+    Example:
+        >>> kind_made_by("static", "QOperator"), kind_made_by("dynamic", "QDQ"), kind_made_by("weight_only", "QDQ")
+        ('qoperator', 'dynamic', 'qdq-int4-blocked')
+    """
+    rows = (k for k, f in FORMATS.items() if f.mode == mode and f.quant_format in (None, quant_format))
+    return next(rows, None)
+
+
+def families_where(keep: Callable[[FormatFacts], bool]) -> frozenset[Family]:
+    """The op families of the format kinds ``keep`` accepts.
+
+    Example:
+        >>> sorted(families_where(lambda f: f.integer_weights))
+        ['dynamic', 'qoperator']
+    """
+    return frozenset(f.family for f in FORMATS.values() if f.family is not None and keep(f))
 
 
 #: onnxruntime's graph optimization levels by the names diag's flags and documents use, in order.
