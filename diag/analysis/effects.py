@@ -24,7 +24,7 @@ import contextlib
 import heapq
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -542,7 +542,8 @@ def _downstream(model: onnx.ModelProto, int8_nodes: set[bytes]) -> _Downstream |
     A DequantizeLinear or DynamicQuantizeLinear feeding the part joins it: onnxruntime fuses
     DQ -> op -> Q into one integer op (and DynamicQuantizeLinear into the MatMul it feeds), and
     split between the two the part would compute that op another way (with the DQ in, the
-    boundary values are exact integers; checked equal to whole runs in tests/test_effects.py).
+    boundary values are exact integers; checked equal to whole runs in
+    tests/test_effects_downstream.py).
     """
     nodes = list(model.graph.node)
     changed = [i for i, n in enumerate(nodes) if n.SerializeToString() not in int8_nodes]
@@ -904,13 +905,7 @@ class _OutputErrors:
         :func:`_downstream`): fed where it reads them, taken as outputs where it does not write them.
         """
         accs: dict[str, ErrorAccumulator] = {}
-        wanted = {i.name for i in sess.get_inputs()} if known is not None else set()
-        for i, (b, ref) in enumerate(zip(self.batches, self.refs, strict=True)):
-            if known is None:
-                got = run_batch(sess, b, role)
-            else:
-                feeds = {k: v for k, v in [*b.items(), *known[i].items()] if k in wanted}
-                got = {**known[i], **run_batch(sess, feeds, role)}
+        for b, ref, got in self._runs(sess, role, known):
             self._update(accs, b, ref, got)
         return {k: a.finalize() for k, a in accs.items()}
 
@@ -924,14 +919,25 @@ class _OutputErrors:
         """
         accs: dict[str, ErrorAccumulator] = {}
         kept: list[dict[str, np.ndarray]] | None = []
-        for b, ref in zip(self.batches, self.refs, strict=True):
-            got = run_batch(sess, b, role)
+        for b, ref, got in self._runs(sess, role):
             if kept is not None:
                 kept.append({k: v for k, v in got.items() if k in keep})
                 if len(kept) == 1 and sum(v.nbytes for v in kept[0].values()) * len(self.batches) > limit:
                     kept = None
             self._update(accs, b, ref, got)
         return {k: a.finalize() for k, a in accs.items()}, kept
+
+    def _runs(
+        self, sess: Any, role: str, known: list[dict[str, np.ndarray]] | None = None
+    ) -> Iterator[tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]]:
+        """(batch, FP32 outputs, ``sess``'s values) per batch, ``known`` fed and merged as in :meth:`stats`."""
+        wanted = {i.name for i in sess.get_inputs()} if known is not None else set()
+        for i, (b, ref) in enumerate(zip(self.batches, self.refs, strict=True)):
+            if known is None:
+                yield b, ref, run_batch(sess, b, role)
+            else:
+                feeds = {k: v for k, v in [*b.items(), *known[i].items()] if k in wanted}
+                yield b, ref, {**known[i], **run_batch(sess, feeds, role)}
 
     def _update(
         self,
