@@ -124,6 +124,7 @@ def _feed_state(state: CompareState, b: dict[str, Any]) -> None:
     state.labelled = {k: v + n for k, v in state.labelled.items()}
     state.samples += n
     state.batches += 1
+    state.local_samples += n - 1  # one sample of each batch without local error
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,15 @@ CASES = [
     ),
     Case("Fp16Range", Fp16Range, lambda r, b: r.update(b["x"])),
     # numpy_reduced says which tensors the numpy reference reduced in *this* process: not state.
-    Case("CompareState", CompareState, _feed_state, not_state=frozenset({"numpy_reduced"})),
+    # kept_outputs is a handle on files the engine writes for this process's effect check: no batch
+    # sets it through the accumulator, and it is not state.
+    Case(
+        "CompareState",
+        CompareState,
+        _feed_state,
+        unchanged=frozenset({"kept_outputs"}),
+        not_state=frozenset({"numpy_reduced", "kept_outputs"}),
+    ),
 ]
 
 

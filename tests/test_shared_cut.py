@@ -29,9 +29,9 @@ from diag.fixtures import llm_models
 FIXTURES = ("transformer", "convnet", "embedding", "two_outputs", "ctc")
 
 
-def _figures(fp, q, inputs, options=None):
+def _figures(fp, q, inputs, options=None, batch=4):
     matching = match_models(fp.proto, q.proto)
-    feeds = feeds_from_arrays(inputs, input_specs(fp.proto), 8, 4, "x")
+    feeds = feeds_from_arrays(inputs, input_specs(fp.proto), 8, batch, "x")
     state, _ = run_comparison(fp, q, matching, feeds, options or CompareOptions(progress=False))
     figures = {}
     for kind, accs in (("accumulated", state.accumulated), ("local", state.local)):
@@ -157,9 +157,15 @@ def test_a_large_models_pass_drops_mapped_pages_without_changing_a_figure(tmp_pa
 
     monkeypatch.setattr(diag.core.streaming, "drop_mapped_pages", counting)
     monkeypatch.setattr(diag.core.streaming, "REUSE_FREED_BELOW", 0)
-    with_drops = _figures(fp, q, inputs)
+    monkeypatch.setattr(diag.core.streaming, "DROP_MAPPED_AFTER", -(1 << 62))  # after every batch but the first
+    with_drops = _figures(fp, q, inputs, batch=1)
     assert dropped and max(dropped) > 0  # onnxruntime mapped the int4 model's external data
     monkeypatch.setattr(diag.core.streaming, "REUSE_FREED_BELOW", 1 << 62)
     dropped.clear()
-    assert _figures(fp, q, inputs) == with_drops
+    assert _figures(fp, q, inputs, batch=1) == with_drops
+    assert not dropped
+    # a large model whose mapped pages have not grown by DROP_MAPPED_AFTER is not searched
+    monkeypatch.setattr(diag.core.streaming, "REUSE_FREED_BELOW", 0)
+    monkeypatch.setattr(diag.core.streaming, "DROP_MAPPED_AFTER", 1 << 62)
+    assert _figures(fp, q, inputs, batch=1) == with_drops
     assert not dropped

@@ -37,7 +37,7 @@ COMPARE_FLAGS += ["--shard", "1/4", "--reductions", "graph", "--no-local", "--no
 COMPARE_FLAGS += ["--outlier-factor", "9.5", "--sensitivity", "4", "--recipe", "r.json"]
 COMPARE_FLAGS += ["--output-kind", "logits=probabilities", "--effects", "6", "--effect-samples", "11"]
 COMPARE_FLAGS += ["--accuracy-level-check", "4", "--labels", "y.npy", "--metric", "plug:metric"]
-COMPARE_FLAGS += ["--scheduler", "local:2", "--deploy-isa", "avx2", "--quiet"]
+COMPARE_FLAGS += ["--scheduler", "local:2", "--deploy-isa", "avx2", "--quiet", "--local-samples", "13"]
 
 #: One value per metric gate (diag.foundations.metricnames' table: a new gate is tested without a new line here),
 #: each different from the others, so a flag wired to another gate's field fails.
@@ -56,6 +56,7 @@ CASES: list[tuple[str, list[str], Any, list[str], Any]] = [
             max_memory=4 * 1024**3,
             shard=(1, 4),
             local=False,
+            local_samples=13,
             progress=False,
             labels="y.npy",
             distributions=False,

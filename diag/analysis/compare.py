@@ -127,6 +127,15 @@ class CompareOptions:
     #: (:func:`diag.core.saturation.predict_avx2` on the captured inputs); None: off.
     deploy_isa: str | None = None
 
+    #: Samples the local error is measured on, the first ones: a count, ``"all"``, or ``"auto"``
+    #: (all, but the first 16 for FP32 weights of 1 GiB and more: :func:`diag.core.streaming.local_sample_limit`).
+    local_samples: int | str = "auto"
+
+    @property
+    def reference_samples(self) -> int:
+        """Samples of FP32 outputs the main pass keeps for the effect check (0: no check will run)."""
+        return self.effect_samples if self.effects > 0 and self.local and self.shard is None else 0
+
 
 @dataclass
 class CompareResult:
@@ -157,6 +166,8 @@ class CompareResult:
     pattern_instances: list[PatternTotal] = field(default_factory=list)
     pattern_kinds: list[PatternTotal] = field(default_factory=list)
     passes: int = 1
+    #: Samples whose local error was measured (the first ones; ``samples`` unless --local-samples limited it).
+    local_samples: int = 0
     #: Output figures of what onnxruntime really runs at ``options.opt_level`` (empty when disabled).
     deployed: dict[str, OutputStats] = field(default_factory=dict)
     fused: list[FusedKernel] = field(default_factory=list)
@@ -355,7 +366,8 @@ def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, o
             findings = upstream_of(findings, aim)
             paths = {k: v for k, v in paths.items() if k in aim}
         aimed = {k: v for k, v in specs.items() if k in aim}
-        result.effects = check_effects(fp, q, matching, feeds, findings, paths, aimed, budget)
+        kept = state.kept_outputs.batches() if state.kept_outputs is not None else None
+        result.effects = check_effects(fp, q, matching, feeds, findings, paths, aimed, budget, kept)
         result.single_cause, result.cause_sentence, _ = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching, q.format.family
         )
@@ -363,6 +375,8 @@ def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, o
         result.list_estimate = estimate_list(fp, q, matching, feeds, suggested, result.effects, specs, options.threads)
         if result.effects is not None:
             result.effects.reference = None  # the FP32 outputs it kept for the estimate
+    if state.kept_outputs is not None:
+        state.kept_outputs.close()  # the maps the check read are dropped with it
 
 
 def deploy_isa_prediction(result: CompareResult, feeds: FeedSource) -> dict[str, Any]:
@@ -495,6 +509,7 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
         per_kind,
         paths=error_paths(findings, [o.name for o in fp.graph.output]),
         passes=state.passes,
+        local_samples=state.local_samples,
         deployed=figures.deployed,
         fused=list(state.fused),
         state=state,

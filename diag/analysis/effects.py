@@ -701,7 +701,7 @@ class EffectBudget:
     downstream: bool = True
 
 
-def check_effects(
+def check_effects(  # NOTE: 9 parameters: the comparison's parts, as compare holds them, and its kept outputs
     fp: LoadedModel,
     q: LoadedModel,
     matching: Matching,
@@ -710,6 +710,7 @@ def check_effects(
     paths: dict[str, list[NodeFinding]],
     specs: dict[str, OutputSpec],
     budget: EffectBudget = EffectBudget(),
+    reference: list[dict[str, np.ndarray]] | None = None,
 ) -> EffectCheck | None:
     """Measure, for each candidate, how much output error keeping it in float removes.
 
@@ -719,7 +720,9 @@ def check_effects(
     (:func:`diag.analysis.analyze.failing_outputs`), pass only those in ``specs``, ``paths`` and the
     ``findings`` upstream of them. Returns None when there is nothing to check (no quantized
     candidate). Models with external data are read from their folders: only the candidates'
-    FP32 weights are loaded, never a whole model.
+    FP32 weights are loaded, never a whole model. ``reference``: the FP32 outputs of the same
+    first batches if the caller has them (the main pass keeps them, :mod:`diag.core.spill`); the
+    FP32 model is then not loaded at all.
 
     Example:
         >>> check = check_effects(fp, q, m, feeds, r.findings, r.paths, specs)  # doctest: +SKIP
@@ -738,7 +741,7 @@ def check_effects(
     # where keeping a node in float pays off or not. Exact mode can disagree by a lot: on the
     # convnet fixture (QDQ), excluding conv2 takes the logits error from 0.12 to 0.002 with
     # optimizations off but to 0.147 with them on (onnxruntime fuses the remaining Q/DQ pairs).
-    measure = _OutputErrors(fp, batches, specs, threads)
+    measure = _OutputErrors(fp, batches, specs, threads, reference)
     fp_dir, region_dir = region_dirs(fp, q)
 
     def region(f: NodeFinding) -> onnx.ModelProto:
@@ -886,15 +889,27 @@ class _OutputErrors:
     inputs), and every candidate is measured against them. NOTE: the FP32 model runs in exact
     mode (the function every INT8 variant approximates, as in the main pass); only the INT8
     variants run as deployed. Optimizing it costs time and changed no figure of the golden reports
-    (500M decoder: session 6.2 s at level all, 2.1 s in exact mode).
+    (500M decoder: session 6.2 s at level all, 2.1 s in exact mode). ``reference``: those outputs
+    already computed (by the main pass, in the same exact mode), one dict per batch of
+    ``batches``; used only when it has every output of every batch.
     """
 
     def __init__(
-        self, fp: LoadedModel, batches: list[dict[str, np.ndarray]], specs: dict[str, OutputSpec], threads: int
+        self,
+        fp: LoadedModel,
+        batches: list[dict[str, np.ndarray]],
+        specs: dict[str, OutputSpec],
+        threads: int,
+        reference: list[dict[str, np.ndarray]] | None = None,
     ) -> None:
         self.names = [o.name for o in fp.graph.output]
         self.batches = batches
         self.specs = specs
+        #: Whether the FP32 outputs came from the caller (no FP32 session was built).
+        self.given = reference is not None and _covers(reference, batches, self.names)
+        if self.given and reference is not None:
+            self.refs = reference
+            return
         fp_sess = session_from_model(fp.proto, "FP32 model", EXACT_LEVEL, threads, fp.external_dir, takes_turns=True)
         self.refs = [{k: v for k, v in run_batch(fp_sess, b, "FP32 model").items() if k in self.names} for b in batches]
 
@@ -958,6 +973,18 @@ class _OutputErrors:
                 sl[spec.part_axis or 0] = slice(p.start, p.stop)
                 key = f"{name} {p.label}"
                 accs.setdefault(key, ErrorAccumulator()).update(ref[name][tuple(sl)], got[name][tuple(sl)])
+
+
+def _covers(reference: list[dict[str, np.ndarray]], batches: list[dict[str, np.ndarray]], names: list[str]) -> bool:
+    """Whether ``reference`` holds every output of every batch, with the batch's number of samples."""
+    if len(reference) != len(batches):
+        return False
+    for ref, b in zip(reference, batches, strict=True):
+        rows = {len(v) for v in b.values() if np.ndim(v)}
+        for name in names:
+            if name not in ref or (np.ndim(ref[name]) and rows and len(ref[name]) not in rows):
+                return False
+    return True
 
 
 def effect_target(base: dict[str, ErrorStats], failing: Sequence[str] = ()) -> str:

@@ -182,7 +182,7 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
     """`diag compare`'s flags as :class:`diag.analysis.compare.CompareOptions` (the inputs: :func:`feed_spec`)."""
     from diag.analysis.compare import CompareOptions
     from diag.core.outputs import parse_output_kinds
-    from diag.core.run import parse_shard, parse_size
+    from diag.core.run import parse_local_samples, parse_shard, parse_size
 
     return CompareOptions(
         opt_level=args.ort_opt_level,
@@ -190,6 +190,7 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
         max_memory=parse_size(args.max_memory) if args.max_memory else None,
         shard=parse_shard(args.shard) if args.shard else None,
         local=not args.no_local,
+        local_samples=parse_local_samples(args.local_samples),
         progress=not args.quiet,
         labels=args.labels,
         distributions=not args.no_distributions,
@@ -548,6 +549,13 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
         "in numpy (the reference); 'graph' computes them inside onnxruntime, one diagnostic graph per pass",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
+    p.add_argument(
+        "--local-samples",
+        default="auto",
+        metavar="N",
+        help="measure local error on the first N samples only, or all (default auto: all, but the first 16 "
+        "for FP32 weights of 1 GiB and more, where it costs a model run per sample)",
+    )
     p.add_argument(
         "--no-distributions",
         action="store_true",

@@ -377,6 +377,11 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
         f"({len(m.unmatched_tensors)} unmatched, listed in the report); {result.samples} samples "
         + (f"({result.passes} passes, memory budget) " if result.passes > 1 else "")
         + f"in {result.seconds:.1f} s"
+        + (
+            f" (local error on the first {result.local_samples}; --local-samples all for every one)"
+            if result.options.local and result.local_samples < result.samples
+            else ""
+        )
     )
     lines += [f"wrote {name}: {path}" for name, path in files.items()]
     return lines

@@ -166,6 +166,23 @@ def drop_mapped_pages(files: Iterable[Path]) -> int:
     return sum(libc.madvise(a, b - a, madv_dontneed) == 0 for a, b in ranges)
 
 
+def file_resident_bytes() -> int:
+    """Bytes of this process's memory that are file-backed and resident (``/proc/self/statm``'s
+    shared pages: mapped files, libraries included); 0 where that file does not exist.
+
+    One line to read, unlike ``/proc/self/smaps``: cheap enough to ask after every batch.
+
+    Example:
+        >>> file_resident_bytes() >= 0
+        True
+    """
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[2]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0
+
+
 def default_threads() -> int:
     """Cores this process may run on: every session gets all of them, one session at a time.
 
@@ -406,3 +423,23 @@ def parse_shard(text: str) -> tuple[int, int]:
             "bad-option", f"--shard '{text}'", "must be K/N with 0 <= K < N", "shards of 4 are 0/4, 1/4, 2/4, 3/4"
         )
     return int(m.group(1)), int(m.group(2))
+
+
+def parse_local_samples(text: str) -> int | str:
+    """``--local-samples``: ``"all"``, ``"auto"`` or a positive count of samples.
+
+    Example:
+        >>> parse_local_samples("16"), parse_local_samples("all")
+        (16, 'all')
+    """
+    word = text.strip().lower()
+    if word in ("all", "auto"):
+        return word
+    if word.isdigit() and int(word) > 0:
+        return int(word)
+    raise DiagError(
+        "bad-option",
+        f"--local-samples '{text}'",
+        "must be a positive number of samples, all or auto",
+        "--local-samples all measures local error on every sample; --no-local skips it",
+    )

@@ -47,11 +47,13 @@ from diag.core.run import (
     batch_tensor_bytes,
     default_threads,
     drop_mapped_pages,
+    file_resident_bytes,
     plan_passes,
     reuse_freed_memory,
     run_batch,
     session_from_model,
 )
+from diag.core.spill import SpilledBatches
 from diag.core.state import State, from_states, states_of
 from diag.core.taskmetrics import (
     TaskAccumulator,
@@ -98,6 +100,10 @@ class StreamOptions(Protocol):
     def metric(self) -> str | None: ...
     @property
     def reductions(self) -> str: ...
+    @property
+    def reference_samples(self) -> int: ...
+    @property
+    def local_samples(self) -> int | str: ...
 
 
 @dataclass
@@ -134,6 +140,8 @@ class CompareState:
     labelled: dict[str, int] = field(default_factory=lambda: {"n": 0, "fp32": 0, "int8": 0})
     samples: int = 0
     batches: int = 0
+    #: Samples whose local error was measured (the first ones: :func:`local_sample_limit`).
+    local_samples: int = 0
     #: Passes over the inputs the memory budget needed (1 = every tensor exposed at once).
     passes: int = 1
     #: Model outputs as onnxruntime really runs the models at ``--ort-opt-level`` (not disabled).
@@ -147,6 +155,10 @@ class CompareState:
     #: With ``reductions="graph"``: what was reduced by the numpy reference instead, and why
     #: (a tensor name, or ``"pass N"`` for a whole pass). Not part of the shard state.
     numpy_reduced: dict[str, str] = field(default_factory=dict)
+    #: The FP32 model's outputs of the first ``options.reference_samples`` samples, kept on disk
+    #: by the first pass for the effect check (:mod:`diag.core.spill`). A handle, not a figure:
+    #: not part of the shard state, not merged.
+    kept_outputs: SpilledBatches | None = None
 
     def merge(self, other: CompareState) -> CompareState:
         for mine, theirs in ((self.accumulated, other.accumulated), (self.local, other.local)):
@@ -162,6 +174,7 @@ class CompareState:
         for k in self.labelled:
             self.labelled[k] += other.labelled[k]
         self.samples += other.samples
+        self.local_samples += other.local_samples
         self.batches += other.batches
         self.passes = max(self.passes, other.passes)
         for k, dep in other.deployed.items():
@@ -194,6 +207,7 @@ class CompareState:
         return {
             "version": self.STATE_VERSION,
             "samples": self.samples,
+            "local_samples": self.local_samples,
             "batches": self.batches,
             "passes": self.passes,
             "labelled": dict(self.labelled),
@@ -218,6 +232,8 @@ class CompareState:
             distributions=from_states(DistributionAccumulator, state["distributions"]),
             labelled={str(k): int(v) for k, v in state["labelled"].items()},
             samples=int(state["samples"]),
+            # a state written before local samples were counted measured local error on every sample
+            local_samples=int(state["local_samples" if "local_samples" in state else "samples"]),
             batches=int(state["batches"]),
             passes=int(state["passes"]),
             deployed=from_states(OutputAccumulator, state["deployed"]),
@@ -301,6 +317,49 @@ def run_comparison(
 #: 1-2 MB each, spread over several malloc arenas that each keep their freed memory; the
 #: page-fault savings the tuning was made for (PP-OCRv4 det: -25 % wall) do not show there.
 REUSE_FREED_BELOW = 512 << 20
+
+
+#: Growth of the file-backed resident size past its level after the first batch (the pages
+#: every batch reads) at which a pass drops its models' mapped pages.
+#: NOTE: on the 500M decoder a batch maps ~75 MB of int4 weights, dropped and mapped again every
+#: batch when the drop ran after each (a read of ``/proc/self/smaps``, ~70 ms, and the faults);
+#: the growth that costs memory is what the Gather adds beyond that, ~6 MB a sample.
+DROP_MAPPED_AFTER = 32 << 20
+
+
+#: FP32 weights from which ``--local-samples auto`` measures local error on the first
+#: :data:`LARGE_MODEL_LOCAL_SAMPLES` samples only.
+#: NOTE: on a weight-only decoder the cut model is every quantized MatMul again, fed FP32 inputs:
+#: a whole model run per sample (500M int4 decoder: 0.7 s of the 2.2 s of model runs a sample
+#: costs). Local error is a property of each node's quantization, and 16 samples of a decoder are
+#: 2048 positions per MatMul: its SQNR moves by hundredths of a dB with more. The accumulated
+#: error, the outputs and the distributions still see every sample.
+LARGE_MODEL_BYTES = 1 << 30
+LARGE_MODEL_LOCAL_SAMPLES = 16
+
+
+def local_sample_limit(options: StreamOptions, fp: LoadedModel) -> int | None:
+    """Samples the local error is measured on, the first ones (None: every sample).
+
+    ``options.local_samples``: a count, ``"all"``, or ``"auto"`` (every sample, but the first
+    :data:`LARGE_MODEL_LOCAL_SAMPLES` for FP32 weights of :data:`LARGE_MODEL_BYTES` and more). A
+    batch is measured whole when it starts before the limit.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> local_sample_limit(NS(local_samples="auto"), NS(weight_bytes=2 << 30))
+        16
+        >>> local_sample_limit(NS(local_samples="auto"), NS(weight_bytes=1 << 20)) is None
+        True
+        >>> local_sample_limit(NS(local_samples=8), NS(weight_bytes=1 << 20))
+        8
+    """
+    n = options.local_samples
+    if n == "all":
+        return None
+    if n == "auto":
+        return LARGE_MODEL_LOCAL_SAMPLES if fp.weight_bytes >= LARGE_MODEL_BYTES else None
+    return int(n)
 
 
 def _mapped_files(fp: LoadedModel, q: LoadedModel) -> list[Path]:
@@ -398,11 +457,13 @@ class _Pass:
         """Whether batch ``index`` belongs to another shard (``--shard k/n``)."""
         return self.options.shard is not None and index % self.options.shard[1] != self.options.shard[0]
 
-    def done(self, size: int) -> None:
-        """A batch of ``size`` samples is reduced (counted once, by the first pass)."""
+    def done(self, size: int, local: bool) -> None:
+        """A batch of ``size`` samples is reduced (counted once, by the first pass); ``local``: its
+        local error too (when the run measures local error at all)."""
         if self.first:
             self.state.samples += size
             self.state.batches += 1
+            self.state.local_samples += size if local and self.options.local else 0
         self.progress.advance(size)
 
 
@@ -414,6 +475,11 @@ def _run_pass(p: _Pass) -> None:
     fp_sess, q_sess, cut_sess, cut = _exposed_sessions(p.fp, p.q, mine, p.cut, output_names, threads, share=True)
     reductions = _Reductions(threads)
     mapped = _mapped_files(p.fp, p.q)
+    kept: SpilledBatches | None = None
+    if output_names and p.options.reference_samples > 0 and p.options.shard is None:
+        kept = p.state.kept_outputs = SpilledBatches(p.options.reference_samples)
+    working: int | None = None  # file-backed resident bytes after the first batch
+    limit = local_sample_limit(p.options, p.fp) if cut is not None else None
     try:
         offset = 0
         for index, batch in enumerate(p.feeds):
@@ -425,9 +491,23 @@ def _run_pass(p: _Pass) -> None:
             # at most one batch of values is alive (peak RSS as a sequential loop's), and each
             # accumulator sees its batches in order.
             reductions.wait()
-            if mapped:
-                drop_mapped_pages(mapped)
+            if mapped and index > 0:
+                resident = file_resident_bytes()
+                if working is None:
+                    working = resident
+                elif resident - working >= DROP_MAPPED_AFTER:
+                    drop_mapped_pages(mapped)
+            local = limit is None or offset < limit
+            if not local and cut is not None:
+                # The samples local error is measured on are done: the cut model stops running
+                # (merged into the INT8 session, that session is replaced by the plain one).
+                if cut_sess is q_sess:
+                    q_sess = cut_sess = None
+                    q_sess = _exposed_int8_session(p.q, mine, output_names, threads)
+                cut = cut_sess = None
             fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{p.fp.path.name}'")
+            if kept is not None and not kept.full:
+                kept.add({name: fp_out[name] for name in output_names}, batch.size)
             local_out: dict[str, np.ndarray] | None = None
             if cut is not None and cut_sess is q_sess:
                 # One run of the INT8 model merged with its cut model (weights held once).
@@ -453,7 +533,7 @@ def _run_pass(p: _Pass) -> None:
                 _reduce_local(cut, cut_sess, p.q, batch.feeds, fp_out, mine, p.state, reductions)
             del fp_out
             offset += batch.size
-            p.done(batch.size)
+            p.done(batch.size, local)
         reductions.wait()
     finally:
         reductions.close()
@@ -476,13 +556,7 @@ def _exposed_sessions(
     session *is* the INT8 session, one run gives both, and the weights are held once.
     """
     fp_names = list(dict.fromkeys(list(mine) + [ci.fp_name for ci in (cut.inputs if cut else [])] + output_names))
-    int8_names = list(
-        dict.fromkeys(
-            [t.int8_name for t in mine.values()] + [t.dynamic_scale for t in mine.values() if t.dynamic_scale]
-        )
-    )
-    int8_names += [n for n in output_names if n not in int8_names]
-    ext_fp, ext_q = fp.external_dir, q.external_dir
+    ext_q = q.external_dir
 
     def session(model: onnx.ModelProto, role: str, ext: Path | None) -> ort.InferenceSession:
         # Exposed tensors are compared in exact mode whatever --ort-opt-level says: exposing a
@@ -490,16 +564,35 @@ def _exposed_sessions(
         # exact nor what really runs. What really runs is measured by the deployed sessions.
         return session_from_model(model, role, "disabled", threads, ext, takes_turns=True)
 
-    fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", ext_fp)
-    q_exposed = exposed_model(q.proto, int8_names)
-    both = merged_with_cut(q_exposed, cut) if share and cut is not None and _shares_weights(q) else None
-    if both is not None:
-        q_sess = session(both[0], f"INT8 model '{q.path}'", ext_q)
-        return fp_sess, q_sess, q_sess, both[1]
-    q_sess = session(q_exposed, f"INT8 model '{q.path}'", ext_q)
-    del q_exposed
-    cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
-    return fp_sess, q_sess, cut_sess, cut
+    fp_sess = session(exposed_model(fp.proto, fp_names), f"FP32 model '{fp.path}'", fp.external_dir)
+    if not (share and cut is not None and _shares_weights(q)):
+        q_sess = _exposed_int8_session(q, mine, output_names, threads)
+        cut_sess = session(cut.model, f"cut INT8 model of '{q.path}'", ext_q) if cut is not None else None
+        return fp_sess, q_sess, cut_sess, cut
+    both = merged_with_cut(exposed_model(q.proto, _int8_names(mine, output_names)), cut)
+    if both is None:
+        q_sess = _exposed_int8_session(q, mine, output_names, threads)
+        return fp_sess, q_sess, session(cut.model, f"cut INT8 model of '{q.path}'", ext_q), cut
+    q_sess = session(both[0], f"INT8 model '{q.path}'", ext_q)
+    return fp_sess, q_sess, q_sess, both[1]
+
+
+def _int8_names(mine: dict[str, TensorPair], output_names: list[str]) -> list[str]:
+    """The INT8 values a pass exposes: each pair's value and dynamic scale, and the model outputs."""
+    names = list(
+        dict.fromkeys(
+            [t.int8_name for t in mine.values()] + [t.dynamic_scale for t in mine.values() if t.dynamic_scale]
+        )
+    )
+    return names + [n for n in output_names if n not in names]
+
+
+def _exposed_int8_session(
+    q: LoadedModel, mine: dict[str, TensorPair], output_names: list[str], threads: int
+) -> ort.InferenceSession:
+    """The INT8 model exposing a pass's values, in exact mode (see :func:`_exposed_sessions`)."""
+    model = exposed_model(q.proto, _int8_names(mine, output_names))
+    return session_from_model(model, f"INT8 model '{q.path}'", "disabled", threads, q.external_dir, takes_turns=True)
 
 
 #: INT8 weights from which the cut model runs inside the INT8 session (:func:`_exposed_sessions`).
@@ -625,7 +718,7 @@ def _run_graph_pass(p: _Pass) -> None:
             _update_graph_outputs(p, dg, output_names, out, batch.feeds, offset, batch.size)
             del out
             offset += batch.size
-            p.done(batch.size)
+            p.done(batch.size, True)  # the diagnostic graph measures every sample
         if pending is not None:
             pending.result()
     finally:

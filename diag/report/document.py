@@ -64,6 +64,7 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
             "seconds": round(result.seconds, 2),
             "opt_level": result.options.opt_level,
             "local_error": result.options.local,
+            "local_samples": result.local_samples,
             "passes": result.passes,
             "kernel_path": kernel_path().to_dict(),
         },

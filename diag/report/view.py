@@ -437,7 +437,8 @@ class ReportView:
     #: Root-cause candidates with their measured effect on the outputs, and what it was measured on.
     effects: list[EffectRow] = field(default_factory=list)
     effects_note: str = ""
-    #: " · 3 passes (memory budget)" when a --max-memory budget split the run; empty otherwise.
+    #: " · 3 passes (memory budget)" when a --max-memory budget split the run, " · local error on the
+    #: first 16 samples" when --local-samples limited it; empty otherwise.
     run_note: str = ""
     #: The CPU's integer-kernel path the figures were measured on (diag.foundations.cpu.KernelPath), or "".
     kernel_path: str = ""
@@ -640,7 +641,17 @@ def _kernel_path_line(kp: dict[str, Any] | None) -> str:
 
 def _run_note(run: dict[str, Any]) -> str:
     passes = int(run.get("passes", 1))
-    return f" \u00b7 {passes} passes (memory budget)" if passes > 1 else ""
+    note = f" \u00b7 {passes} passes (memory budget)" if passes > 1 else ""
+    return note + local_samples_note(run, " \u00b7 ")
+
+
+def local_samples_note(run: dict[str, Any], sep: str) -> str:
+    """``sep`` + "local error on the first 16 samples" when fewer samples than the run's had
+    their local error measured (``--local-samples``); empty otherwise."""
+    local, samples = run.get("local_samples"), int(run.get("samples", 0))
+    if not run.get("local_error") or local is None or int(local) >= samples:
+        return ""
+    return f"{sep}local error on the first {int(local)} samples"
 
 
 def _remedy_note(shown: int, total: int) -> str:
