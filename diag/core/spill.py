@@ -12,6 +12,10 @@ through the whole main pass, where the run's memory peaks (a decoder's logits ar
 reads them. The folder is removed by :meth:`SpilledBatches.close`, or when the object is
 collected, or at exit.
 
+The held-out evaluator of the fixing verbs (:class:`diag.fix.evaluate.HeldOutEvaluator`) keeps its
+FP32 outputs here too when they are large, so that no FP32 session stays alive through a search's
+re-quantizations; it reads them back one batch at a time (:meth:`SpilledBatches.batch`).
+
 Example:
     >>> kept = SpilledBatches(2)
     >>> kept.add({"logits": np.ones((1, 3), np.float32)}, 1)
@@ -77,6 +81,13 @@ class SpilledBatches:
             {name: np.load(folder / f"{b}-{i}.npy", mmap_mode="r") for i, name in enumerate(names)}
             for b, names in enumerate(self._names)
         ]
+
+    def batch(self, index: int) -> dict[str, np.ndarray]:
+        """Kept batch ``index`` alone, as :meth:`batches` gives it (one batch's files open at a time)."""
+        if not self.usable or self._folder is None:
+            raise ValueError("no batches kept")
+        folder = self._folder
+        return {name: np.load(folder / f"{index}-{i}.npy", mmap_mode="r") for i, name in enumerate(self._names[index])}
 
     def close(self) -> None:
         """Remove the folder now (maps still open keep their data until they are dropped)."""
