@@ -441,3 +441,54 @@ def test_a_calibration_cache_gives_the_same_model_as_a_fresh_calibration_without
     assert any("no calibration pass" in a for a in again.actions)
     assert (tmp_path / "b.onnx").read_bytes() == (tmp_path / "c.onnx").read_bytes()
     assert (tmp_path / "a.onnx").read_bytes() != (tmp_path / "b.onnx").read_bytes()
+
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("fmt", ["QOperator", "QDQ"])
+def test_weight_only_reads_the_input_as_it_is_with_the_bytes_of_a_fixed_copy(tmp_path, monkeypatch, fmt):
+    """A weight-only recipe on a model that needs no fix quantizes from the input itself (no 2 GB
+    copy per trial at 500M); the output is byte-identical to quantizing from the copy."""
+    import diag.fix.quantize as quantize
+    from diag.fixtures.llm_models import llama_decoder, save_with_external_data
+
+    src = tmp_path / "in"
+    src.mkdir()
+    fp = save_with_external_data(llama_decoder(layers=2).model, src / "llm.onnx")
+    before = _tree_digest(src)
+    recipe = Recipe(mode="weight_only", bits=4, block_size=32, quant_format=fmt)
+    saved: list[Path] = []
+    real_save = quantize._save
+
+    def counting_save(model: onnx.ModelProto, path: Path, external: bool) -> Path:
+        saved.append(path)
+        return real_save(model, path, external)
+
+    monkeypatch.setattr(quantize, "_save", counting_save)
+    direct = quantize_model(fp, recipe, tmp_path / "direct" / "q.onnx")
+    assert saved == []
+    monkeypatch.setattr(quantize, "_has_constants", lambda model: True)  # the copying path
+    copied = quantize_model(fp, recipe, tmp_path / "copied" / "q.onnx")
+    assert len(saved) == 1
+    assert _tree_digest(tmp_path / "direct") == _tree_digest(tmp_path / "copied")
+    assert (direct.actions, direct.steps) == (copied.actions, copied.steps) and "external_data" in direct.steps
+    assert _tree_digest(src) == before  # the input model is never written
+
+
+def test_weight_only_on_a_model_with_constant_weights_still_lifts_them(tmp_path):
+    fx = models.build("spread_mlp")
+    weights = {t.name: t for t in fx.model.graph.initializer}
+    model = onnx.ModelProto()
+    model.CopyFrom(fx.model)
+    del model.graph.initializer[:]
+    consts = [onnx.helper.make_node("Constant", [], [name], value=t) for name, t in weights.items()]
+    model.graph.node.insert(0, consts[0])
+    for c in consts[1:]:
+        model.graph.node.insert(0, c)
+    fp = tmp_path / "consts.onnx"
+    onnx.save(model, fp)
+    r = quantize_model(fp, Recipe(mode="weight_only", bits=4, block_size=32), tmp_path / "q.onnx")
+    assert any(a.startswith(f"lifted {len(consts)} Constant node(s)") for a in r.actions)
+    assert detect_format(onnx.load(tmp_path / "q.onnx")).kind == "matmulnbits"

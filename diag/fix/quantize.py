@@ -151,12 +151,8 @@ def quantize_model(
     ):
         tmp = Path(tmp_name).resolve()
         staged = stage_dir.resolve() / out.name  # same folder as the output: publishing is a rename
-        model = onnx.load(str(loaded.path))  # with weights: the quantizer needs them
-        job.external = loaded.has_external_data or weight_bytes(model) > EXTERNAL_DATA_BYTES
-        model, upgraded = _preflight(job, model, out.name)
         with _captured_ort_logging(job.log):
-            src = _save(model, tmp / "fp32" / "model.onnx", job.external)
-            del model
+            src, upgraded = _source_model(job, loaded.path, tmp, out.name)
             if recipe.preprocess:
                 src = _preprocess(src, tmp / "pre" / "model.onnx", job.external, job.actions, job.log)
                 skipped = any("skip_symbolic_shape=True" in a for a in job.actions)
@@ -192,6 +188,33 @@ class _Job:
     steps: list[str] = field(default_factory=list)
     #: calibration passes run
     calibrations: int = 0
+
+
+def _source_model(job: _Job, fp32: Path, tmp: Path, out_name: str) -> tuple[Path, bool]:
+    """The model the quantizer reads, after :func:`_preflight`'s fixes: (path, opset upgraded?).
+
+    Usually a fixed copy in ``tmp``. A weight-only recipe (its quantizer loads the model itself)
+    on a model that needs no fix and no pre-processing reads the input as it is: at 500M
+    parameters the copy was a 2 GB load and a 2 GB write per quantization, and a tier search
+    quantizes a dozen times. The input is only read, never written, either way.
+    """
+    structure = onnx.load(str(fp32), load_external_data=False)  # embedded weights come with it
+    has_external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in structure.graph.initializer)
+    job.external = has_external or weight_bytes(structure) > EXTERNAL_DATA_BYTES
+    as_is = job.recipe.mode == "weight_only" and not job.recipe.preprocess and not _has_constants(structure)
+    if as_is:
+        _preflight(job, structure, out_name)  # records the external-data step; changes nothing here
+        return fp32, False
+    del structure
+    model = onnx.load(str(fp32))  # with weights: the quantizer needs them
+    model, upgraded = _preflight(job, model, out_name)
+    src = _save(model, tmp / "fp32" / "model.onnx", job.external)
+    return src, upgraded
+
+
+def _has_constants(model: onnx.ModelProto) -> bool:
+    """Whether :func:`lift_constants` would lift anything (Constant nodes in the main graph)."""
+    return any(n.op_type == "Constant" for n in model.graph.node)
 
 
 def _validated_recipe(recipe: Recipe | str | os.PathLike[str]) -> Recipe:
