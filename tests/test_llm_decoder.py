@@ -324,6 +324,14 @@ def test_a_tier_search_stopped_by_its_budget_keeps_the_plan_it_met_and_claims_no
     assert len(plan["plan"]) == sum(plan["trials"][-1]["promoted"].values()) >= len(full["plan"])
     assert "met on" in run.stdout and f"not the smallest plan: --max-trials {limit} reached" in run.stdout
     assert (tmp_path / "met" / "fp32.plan.onnx").exists()
+    # Stopped while pruning (a met plan, not every group tried one tier lower): said too. It used
+    # to be kept silently, as if the plan were the smallest.
+    pruning = next(i for i, t in enumerate(full["trials"]) if t["phase"] == "prune") + 2
+    assert sum(t["phase"] == "prune" for t in full["trials"]) > 2
+    run, pruned = tiers("pruned", "--max-trials", str(pruning))
+    assert [t["phase"] for t in pruned["trials"]][-2:] == ["prune", "prune"] and pruned["reachable"]
+    assert pruned["budget"] == f"--max-trials {pruning} reached" and pruned["after"]["cosine"] >= 0.995
+    assert f"not the smallest plan: --max-trials {pruning} reached" in run.stdout
     run, short = tiers("short", "--max-trials", "2")
     assert run.returncode == 3 and not short["reachable"]
     assert "not reached (--max-trials 2 reached)" in run.stdout and "stopped before any plan met it" in run.stdout

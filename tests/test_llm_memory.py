@@ -1,5 +1,5 @@
-"""Memory follows the model: `diag compare` on a 265 MB int4 decoder fits an address-space limit
-that a second copy of the FP32 weights does not.
+"""Memory follows the model: `diag compare` and a tier search (`diag exclude --tiers`) on a 265 MB
+int4 decoder fit an address-space limit that a second copy of the FP32 weights does not.
 
 The limit is measured, not guessed: the same command on a tiny decoder of the same shape gives
 the fixed cost (its peak address space: Python, numpy, onnxruntime, thread stacks); the large
@@ -12,6 +12,7 @@ under that limit, so the limit really would catch weights loaded twice.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -40,17 +41,30 @@ RUN = "from diag.cli.commands import main\nsys.exit(main(sys.argv[2:]))\n"
 pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")
 
 
-def _decoder(d: Path, hidden: int, ffn: int, vocab: int) -> tuple[Path, Path, Path]:
+def _decoder(d: Path, hidden: int, ffn: int, vocab: int, samples: int = 4) -> tuple[Path, Path, Path]:
     d.mkdir()
     f = llama_decoder(layers=6, hidden=hidden, heads=8, ffn=ffn, vocab=vocab, outlier_layer=1)
     fp32 = save_with_external_data(f.model, d / "fp32.onnx")
     int4 = quantize_int4(fp32, d / "int4.onnx")
-    np.savez(d / "ids.npz", **f.make_inputs(4))
+    np.savez(d / "ids.npz", **f.make_inputs(samples))
     return fp32, int4, d / "ids.npz"
 
 
 def _compare(fp32: Path, int4: Path, ids: Path, prelude: str, limit: int | None = None) -> subprocess.CompletedProcess:
     argv = ["compare", str(fp32), str(int4), "--inputs", str(ids), "--out", str(fp32.parent / "out"), "--quiet"]
+    return _diag(fp32, argv, prelude, limit)
+
+
+def _tiers(fp32: Path, int4: Path, ids: Path, prelude: str, limit: int | None = None) -> subprocess.CompletedProcess:
+    # Two quantizations (the all-int4 baseline, one search trial) after the diagnosis compare:
+    # enough to reach every phase of a search (evaluators built, quantizer, candidate evaluated).
+    argv = ["exclude", str(fp32), "--int8", str(int4), "--inputs", str(ids), "--tiers", "int4,int8,fp32",
+            "--target", "cosine>=0.99999", "--max-trials", "2", "--bench-runs", "0",
+            "--out", str(fp32.parent / "tiers"), "--quiet"]  # fmt: skip
+    return _diag(fp32, argv, prelude, limit)
+
+
+def _diag(fp32: Path, argv: list[str], prelude: str, limit: int | None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", prelude + RUN, str(fp32), *argv]
     if limit is not None:
         cmd = ["prlimit", f"--as={limit}", "--", *cmd]
@@ -75,4 +89,22 @@ def test_large_decoder_fits_a_limit_that_weights_loaded_twice_do_not(tmp_path):
     assert fits.returncode == 0, f"limit {limit >> 20} MB (fixed {fixed >> 20} MB): {fits.stderr[-2000:]}"
     assert "root cause: /model/layers.1/mlp/down_proj/MatMul" in fits.stdout
     twice = _compare(*large, DOUBLE, limit)
+    assert twice.returncode != 0, f"a second copy of the FP32 weights fit under {limit >> 20} MB: the test cannot fail"
+
+
+def test_a_tier_search_on_the_large_decoder_fits_the_same_limit(tmp_path):
+    """The search keeps held-out evaluators (exact and deploy level) alive through every
+    re-quantization; they used to hold an FP32 session each beside the quantizer's own copy of
+    the FP32 model (500M: 8.9 GB for 2.4 GB of files). They keep the FP32 outputs instead."""
+    small = _decoder(tmp_path / "small", 64, 128, 256, samples=8)
+    large = _decoder(tmp_path / "large", 768, 2048, 8192, samples=8)
+    base = _tiers(*small, PEAK)
+    assert base.returncode in (0, 3), base.stderr
+    fixed = int(base.stderr.split("VMPEAK ")[1].split()[0])
+    limit = fixed + int(1.5 * _weights(large[0], large[1])) + MARGIN
+    fits = _tiers(*large, "import sys\n", limit)
+    assert fits.returncode in (0, 3), f"limit {limit >> 20} MB (fixed {fixed >> 20} MB): {fits.stderr[-2000:]}"
+    plan = json.loads((large[0].parent / "tiers" / "tiers.json").read_text())
+    assert plan["quantizations"] == 2 and [t["phase"] for t in plan["trials"]] == ["baseline", "search"]
+    twice = _tiers(*large, DOUBLE, limit)
     assert twice.returncode != 0, f"a second copy of the FP32 weights fit under {limit >> 20} MB: the test cannot fail"

@@ -331,6 +331,8 @@ class _TierSearch:
         self.trials: list[TierTrial] = []
         self.quantizations = 0
         self.calibration_cache = work / "calibration.json"
+        #: why the pruning stopped before every group was tried one tier lower (None: it finished)
+        self.pruning_stopped: str | None = None
         #: Per-trial lines go above any bar (no bar of its own: a plan's trial count is not known).
         self.lines = Progress(None, "tiers", enabled=False, unit="trials")
 
@@ -412,8 +414,9 @@ class _TierSearch:
                     trial[i] -= 1
                     try:
                         met = self.trial(tuple(trial), "prune")[1]
-                    except BudgetExhausted:
-                        return tuple(found)  # verified met; not proven minimal
+                    except BudgetExhausted as e:
+                        self.pruning_stopped = str(e)  # verified met; not proven minimal: said so
+                        return tuple(found)
                     if not met:
                         break
                     found = trial
@@ -472,6 +475,7 @@ def derive_tier_plan(
                 # before narrowing it (500M decoder: every MatMul at int8 met cosine>=0.99, then
                 # the budget was spent). Saying "not reachable" there would be wrong advice.
                 budget, chosen = str(e), s.smallest_met()
+            budget = budget or s.pruning_stopped
         plan = _plan(setup, recipe, s, chosen, o, work_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
