@@ -332,7 +332,12 @@ def test_a_tier_search_stopped_by_its_budget_keeps_the_plan_it_met_and_claims_no
     assert [t["phase"] for t in pruned["trials"]][-2:] == ["prune", "prune"] and pruned["reachable"]
     assert pruned["budget"] == f"--max-trials {pruning} reached" and pruned["after"]["cosine"] >= 0.995
     assert f"not the smallest plan: --max-trials {pruning} reached" in run.stdout
+    summary = (tmp_path / "pruned" / "summary.md").read_text()
+    assert f"**Verified fix**: met (--max-trials {pruning} reached: verified, not the smallest plan)" in summary
     run, short = tiers("short", "--max-trials", "2")
     assert run.returncode == 3 and not short["reachable"]
     assert "not reached (--max-trials 2 reached)" in run.stdout and "stopped before any plan met it" in run.stdout
     assert "no plan short of" not in run.stdout
+    summary = (tmp_path / "short" / "summary.md").read_text()
+    assert "**Verified fix**: not reached (--max-trials 2 reached before any plan met the target)" in summary
+    assert "best-fix-code" not in (tmp_path / "short" / "report.html").read_text()  # no calls to paste

@@ -78,6 +78,14 @@ def test_int4_plan_promotes_the_stray_head_to_8_bits_and_plain_onnxruntime_confi
     assert len(plan["plan"]) <= len(fp32_only["plan"])
     assert plan["sizes"]["plan"] < fp32_only["sizes"]["plan"]
     assert (tmp_path / "tiers" / "reproduce.py").read_text().count("MatMulNBitsQuantizer(model, bits=") == 2
+    # The report beside the plan shows it as the verified fix, not the diagnosis's unverified starting point.
+    html = (tmp_path / "tiers" / "report.html").read_text()
+    summary = (tmp_path / "tiers" / "summary.md").read_text()
+    assert '<ul id="tier-plan"><li>int8 (1 node): fc2</li></ul>' in html and "Starting point" not in html
+    assert "<th>all int4</th><th>the plan</th>" in html and "nodes_to_exclude=[&#39;fc2&#39;]" in html
+    assert "**Verified fix**: met (target `cosine>=0.94`" in summary and "\n- int8 (1 node): fc2\n" in summary
+    embedded = json.loads((tmp_path / "tiers" / "diag.json").read_text())["tiers"]
+    assert embedded["plan"] == plan["plan"] and "MatMulNBitsQuantizer" in embedded["snippet"]
     # One output set, all or nothing: a folder in the way of one file replaces none of the others.
     before = {p.name: p.read_bytes() for p in (tmp_path / "tiers").iterdir() if p.is_file()}
     assert {"tiers.json", "fp32.plan.onnx", "recipe.json", "reproduce.py", "diag.json"} <= set(before)

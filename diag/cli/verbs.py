@@ -562,7 +562,8 @@ def exclude_to_dir(
         # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
         # model is the recipe's baseline, quantized in a temp folder now gone.
         note = "baseline INT8 (the recipe as given, quantized by diag exclude)"
-        files = _write_search_set(out, ("exclusion.json", result.to_dict()), answer, result.diagnosis, note, True)
+        record = ("exclusion.json", result.to_dict())
+        files = _write_search_set(out, record, answer, result.diagnosis, note, "exclusion")
     lines = [result.recipe_origin["line"], *exclude_lines(result)]
     cluster = cluster_line(result.cluster)
     lines += [cluster] if cluster is not None else []
@@ -601,18 +602,20 @@ def _write_search_set(
     answer: AnswerFiles,
     diagnosis: CompareResult | None,
     model_note: str,
-    embed: bool,
+    embed_as: str,
+    embedded: dict[str, Any] | None = None,
 ) -> dict[str, Path]:
     """Write a search's output set all or nothing; the files written, by the names the verb reports.
 
     The set: the search's record (``record``: file name, JSON; ``exclusion.json`` / ``tiers.json``),
     its answer's files (or the stale ones removed), and the report of ``diagnosis``, whose model
-    ``model_note`` names (``embed`` puts the record into that report's diag.json too).
+    ``model_note`` names; the report's diag.json holds the record (or ``embedded``) under
+    ``embed_as`` (``exclusion`` / ``tiers``), and its HTML and summary.md show it as the verified fix.
     """
     name, data = record
     contents, names, remove = answer
     contents = {out / name: json.dumps(data, indent=1, ensure_ascii=False) + "\n", **contents}
-    report, stale = diagnosis_outputs(out, diagnosis, model_note, data if embed else None)
+    report, stale = diagnosis_outputs(out, diagnosis, model_note, embedded or data, embed_as)
     written = write_set({**contents, **report}, remove=remove + stale)
     files = {name: out / name, **names}
     files.update({k: v for k, v in written.items() if k in OUTPUT_NAMES})
@@ -627,7 +630,11 @@ def _calibration_of(recipe: Recipe, feeds: FeedSpec, split: dict[str, Any]) -> t
 
 
 def diagnosis_outputs(
-    out: Path, diagnosis: CompareResult | None, model_note: str, exclusion: dict[str, Any] | None = None
+    out: Path,
+    diagnosis: CompareResult | None,
+    model_note: str,
+    exclusion: dict[str, Any] | None = None,
+    key: str = "exclusion",
 ) -> tuple[dict[Path, str], list[Path]]:
     """The report of a search's diagnosis (diag.json, report.html, summary.md) for ``write_set``.
 
@@ -646,7 +653,7 @@ def diagnosis_outputs(
         )
         doc["recommendation"]["verify_command"] = ""
     if exclusion is not None:
-        doc["exclusion"] = exclusion
+        doc[key] = exclusion  # "exclusion" (diag exclude) or "tiers" (diag exclude --tiers)
     return {out / name: text for name, text in output_texts(doc).items()}, []
 
 
@@ -686,7 +693,9 @@ def tier_plan_to_dir(
         answer = _plan_files(plan, recipe, feeds, out, stem)
         # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
         note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
-        files = _write_search_set(out, ("tiers.json", plan.to_dict()), answer, plan.diagnosis, note, False)
+        # The report shows the plan (it is this run's answer), with the reproduce.py it refers to.
+        embedded = {**plan.to_dict(), "snippet": plan.snippet or ""}
+        files = _write_search_set(out, ("tiers.json", plan.to_dict()), answer, plan.diagnosis, note, "tiers", embedded)
     lines = [plan.recipe_origin["line"], *tier_lines(plan), *(f"wrote {name}: {path}" for name, path in files.items())]
     return Summary(lines, not plan.reachable, plan, files)
 

@@ -62,6 +62,7 @@ from diag.fix.search import BudgetExhausted, Candidate, ranked_candidates, short
 from diag.fix.weightonly import weight_only_snippet
 from diag.foundations.errors import DiagError
 from diag.foundations.jsonnum import json_number
+from diag.foundations.numfmt import byte_size
 from diag.foundations.progress import Progress
 
 
@@ -620,10 +621,10 @@ def summary_lines(plan: TierPlan) -> list[str]:
             f"node at {plan.tiers[-1]} meets it"
         )
     sizes = plan.sizes
-    parts = [f"all {low} {_kb(sizes['lowest'])}"]
+    parts = [f"all {low} {byte_size(sizes['lowest'])}"]
     if "plan" in sizes and plan.plan:
-        parts.append(f"plan {_kb(sizes['plan'])}")
-    parts.append(f"fp32 {_kb(sizes['fp32'])}")
+        parts.append(f"plan {byte_size(sizes['plan'])}")
+    parts.append(f"fp32 {byte_size(sizes['fp32'])}")
     lines.append("  size: " + ", ".join(parts))
     if plan.latency:
         names = {"lowest": f"all {low}"}
@@ -633,7 +634,3 @@ def summary_lines(plan: TierPlan) -> list[str]:
         )
     lines.append(f"  {plan.quantizations} quantizations in {plan.seconds:.1f} s")
     return lines
-
-
-def _kb(n: int) -> str:
-    return f"{n / 1024:.1f} KB"

@@ -37,3 +37,13 @@ def table_cell(v: object, digits: int = 6) -> str:
     if isinstance(v, float):
         return fixed_number(v, digits)
     return str(v)
+
+
+def byte_size(n: int) -> str:
+    """A file size for people: KB under 1 MiB, MB above (a 2 GB model is not "1979131.2 KB").
+
+    Example:
+        >>> byte_size(40857), byte_size(2026631 * 1024)
+        ('39.9 KB', '1979.13 MB')
+    """
+    return f"{n / 2**20:.2f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB"

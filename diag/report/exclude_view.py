@@ -29,7 +29,7 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
         >>> view["nodes"]  # doctest: +SKIP
         ['layer1/ffn/fc1/MatMul']
     """
-    rows = _metric_rows(doc)
+    rows = metric_rows(doc)
     latency = [
         {
             "model": x["model"],
@@ -65,7 +65,7 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
     }
 
 
-def _metric_rows(doc: dict[str, Any]) -> list[dict[str, str]]:
+def metric_rows(doc: dict[str, Any]) -> list[dict[str, str]]:
     """Before/after rows of the exclusion's metrics: a NaN row first, then the target's own metric."""
     before = doc["metrics"]["before"]
     after = doc["metrics"]["after"] or {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diag.foundations.numfmt import table_cell
+from diag.foundations.numfmt import byte_size, table_cell
 from diag.report.plots_sweep import pareto_plot
 from diag.report.view import jinja_environment, md_code, md_escape
 
@@ -94,7 +94,7 @@ class SweepView:
 def _size(n: int | None) -> str:
     if n is None:
         return "-"
-    return f"{n / 2**20:.2f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB"
+    return byte_size(n)
 
 
 def sweep_view(doc: dict[str, Any]) -> SweepView:

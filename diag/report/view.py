@@ -37,6 +37,7 @@ from diag.report.plots import (
     neighbourhood,
     per_layer,
 )
+from diag.report.tiers_view import report_section as tier_section
 
 SUMMARY_MAX_LINES = 60
 
@@ -352,6 +353,11 @@ class ExclusionView:
     #: Which recipe the search started from (``recipe: ...``; empty in older documents).
     recipe_line: str
     alternatives: list[str]
+    #: A tier plan's nodes by tier (``diag exclude --tiers``; empty for an exclusion list).
+    plan_lines: list[str] = field(default_factory=list)
+    #: The metrics table's column heads: the model the search started from, and its answer.
+    before_label: str = "INT8 as given"
+    after_label: str = "with the exclusions"
 
 
 @dataclass
@@ -512,7 +518,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         weights_shown=len(weights),
         weights_total=weights_total,
         weight_blocks=_block_rows(doc.get("weights")),
-        exclusion=_exclusion_view(doc.get("exclusion"), with_plots),
+        exclusion=_exclusion_view(doc.get("exclusion"), with_plots) or _tier_view(doc.get("tiers")),
         sensitivity=sensitivity,
         sensitivity_note=_sensitivity_note(doc.get("sensitivity")),
         effects=effects,
@@ -909,6 +915,34 @@ def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> Exclu
         fix_lines=section["fix_lines"],
         recipe_line=section["recipe_line"],
         alternatives=section["alternatives"],
+    )
+
+
+def _tier_view(plan: dict[str, Any] | None) -> ExclusionView | None:
+    """A tier plan as the verified-fix section (see diag.report.tiers_view.report_section)."""
+    if not plan:
+        return None
+    section = tier_section(plan)
+    metrics = [MetricRow(r["name"], r["before"], r["after"]) for r in section["metrics"]]
+    return ExclusionView(
+        verdict=section["verdict"],
+        target=section["target"],
+        held_out=section["held_out"],
+        nodes=[],
+        node_count=0,
+        metrics=metrics,
+        summary_metrics=metrics[:SUMMARY_ITEMS],
+        latency=[LatencyRow(r["model"], r["p50"], r["p90"], r["speedup"]) for r in section["latency"]],
+        counts=section["counts"],
+        trajectory_svg="",
+        snippet=section["snippet"],
+        fix_call=section["fix_call"],
+        fix_lines=[],
+        recipe_line=section["recipe_line"],
+        alternatives=[],
+        plan_lines=section["plan_lines"],
+        before_label=f"all {plan['tiers'][0]}",
+        after_label="the plan",
     )
 
 
