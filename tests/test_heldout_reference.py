@@ -101,3 +101,48 @@ def test_one_spilled_batch_is_read_alone(tmp_path):
     kept.close()
     with pytest.raises(ValueError):
         kept.batch(0)
+
+
+INPLACE_METRIC = """
+import numpy as np
+
+
+class M:
+    better = {"err": "lower"}
+
+    def __init__(self):
+        self.worst = 0.0
+
+    def update(self, fp32, int8, labels):
+        for k, x in fp32.items():
+            x -= x.max(axis=-1, keepdims=True)  # stabilised in place, as softmax code does
+            y = int8[k]
+            y -= y.max(axis=-1, keepdims=True)
+            self.worst = max(self.worst, float(np.abs(x - y).max()))
+
+    def merge(self, other):
+        self.worst = max(self.worst, other.worst)
+        return self
+
+    def finalize(self):
+        return {"err": self.worst}
+
+
+def m():
+    return M()
+"""
+
+
+@pytest.mark.parametrize("limit", [diag.fix.evaluate.IN_MEMORY_BYTES, 0], ids=["in-memory", "on-disk"])
+def test_a_metric_plugin_that_writes_into_its_arrays_changes_nothing_kept(convnet, tmp_path, monkeypatch, limit):
+    """A --metric plugin gets arrays of its own (as in diag compare): writing into them neither
+    corrupts the FP32 outputs every later evaluation reads nor fails on the read-only maps."""
+    fp, q, inputs, _ = convnet
+    (tmp_path / "inplace_metric.py").write_text(INPLACE_METRIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(diag.fix.evaluate, "IN_MEMORY_BYTES", limit)
+    loaded = model_from_path(fp, "FP32")
+    source = FeedSpec(inputs=str(inputs), batch=4).source(loaded.proto)
+    ev = HeldOutEvaluator(loaded, source, 0, None, None, metric="inplace_metric:m")
+    first, second = ev.evaluate(q).to_dict(), ev.evaluate(q).to_dict()
+    assert first == second and first["task"]["err"] > 0

@@ -88,6 +88,26 @@ def test_a_remedy_naming_nodes_outside_the_verified_fix_says_so(built, tmp_path)
     assert "not needed by the verified fix" in summary
 
 
+def test_a_remedy_naming_nodes_a_tier_plan_keeps_out_of_float_says_so(built, tmp_path):
+    """The same model fixed by a tier plan (diag exclude --tiers): its report shows the plan, not
+    the starting point, so a remedy's extra nodes are measured against the plan's fp32 tier."""
+    b = built("convnet")
+    int8 = quantize(b.fp32, tmp_path / "u8.onnx", "dynamic", weight_type="QUInt8")
+    out = tmp_path / "tiers"
+    args = ["exclude", str(b.fp32), "--int8", str(int8), "--inputs", str(b.inputs_path), "--batch", "8"]
+    flags = ["--target", "cosine>=0.999", "--tiers", "int8,fp32", "--bench-runs", "0", "--out", str(out), "--quiet"]
+    assert main([*args, *flags]) == 0
+    doc = json.loads((out / "diag.json").read_text())
+    floated = doc["tiers"]["recipe"]["nodes_to_exclude"]
+    remedies = [s["python"] for s in doc["suggestions"] if s["python"].startswith("nodes_to_exclude=")]
+    off = [p for p in remedies if any(n not in floated for n in json.loads(p.split("=", 1)[1]))]
+    assert floated and off, (floated, remedies)  # the case this test is about exists
+    notes = [r.note for g in view_from_document(doc, with_plots=False).remedy_groups for r in g.remedies]
+    assert any("not kept in float by the verified tier plan" in n for n in notes), notes
+    assert not any("starting point" in n for n in notes), notes
+    assert "not kept in float by the verified tier plan" in (out / "summary.md").read_text()
+
+
 def test_a_list_estimate_reuses_the_effect_checks_fp32_outputs(built, monkeypatch):
     """The list estimate measures against the FP32 outputs the effect check computed (the FP32
     model is not loaded again) and gets the figure a fresh FP32 run gives."""

@@ -492,3 +492,34 @@ def test_weight_only_on_a_model_with_constant_weights_still_lifts_them(tmp_path)
     r = quantize_model(fp, Recipe(mode="weight_only", bits=4, block_size=32), tmp_path / "q.onnx")
     assert any(a.startswith(f"lifted {len(consts)} Constant node(s)") for a in r.actions)
     assert detect_format(onnx.load(tmp_path / "q.onnx")).kind == "matmulnbits"
+
+
+def test_a_model_whose_only_external_tensor_is_a_constant_stays_external(tmp_path):
+    """External data is found in Constant values too, not only in initializers (review of the
+    no-copy path: the output was written inline and the external_data step was missing)."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "W")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Constant", [], ["W"], value=w, name="c"),
+            helper.make_node("MatMul", ["x", "W"], ["y"], name="mm"),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    convert_model_to_external_data(model, location="m.onnx.data", size_threshold=0, convert_attribute=True)
+    (tmp_path / "in").mkdir()
+    onnx.save(model, tmp_path / "in" / "m.onnx")
+    for mode, recipe in (
+        ("dynamic", Recipe(mode="dynamic")),
+        ("weight_only", Recipe(mode="weight_only", block_size=32)),
+    ):
+        out = tmp_path / mode / "q.onnx"
+        r = quantize_model(tmp_path / "in" / "m.onnx", recipe, out)
+        assert r.steps[:2] == ["external_data", "lift_constants"], mode
+        assert (tmp_path / mode / "q.onnx.data").exists(), mode

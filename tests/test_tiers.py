@@ -65,6 +65,9 @@ def test_int4_plan_promotes_the_stray_head_to_8_bits_and_plain_onnxruntime_confi
     code, plan = run_tiers(fp32, inputs, tmp_path / "tiers", recipe, "cosine>=0.94", "int4,int8,fp32")
     assert code == 0 and plan["reachable"]
     assert plan["plan"] == {"fc2": "int8"}, "the head needs 8 bits, not float"
+    # Lowering the one promoted group is the baseline: measured once, not quantized again by the pruning.
+    assert plan["trials"][0]["phase"] == "baseline" and all(t["promoted"] for t in plan["trials"][1:])
+    assert plan["quantizations"] == len(plan["trials"])
     assert plan["recipe"]["node_bits"] == {"fc2": 8} and plan["recipe"]["nodes_to_exclude"] == []
     first = plan["split"]["held_out_first"]
     assert plan["before"]["cosine"] < 0.94 <= plan["after"]["cosine"]

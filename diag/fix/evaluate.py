@@ -305,6 +305,8 @@ class HeldOutEvaluator:
                     self._on_disk, self._fp_sess = None, session
                     break
             else:
+                for value in out.values():
+                    value.flags.writeable = False  # shared by every evaluation, as the maps on disk are
                 self._in_memory.append(out)
                 sizes.append(batch.size)
         del session
@@ -357,7 +359,8 @@ class HeldOutEvaluator:
             broken += int(bad.sum())
             if task is not None:
                 rows = self.labels[start : start + batch.size] if self.labels is not None else None
-                call_update(task, str(self.metric), ref, got, rows)
+                # The plugin gets arrays of its own, as in diag compare: the kept FP32 outputs are read-only.
+                call_update(task, str(self.metric), {k: np.array(v) for k, v in ref.items()}, got, rows)
             if self.labels is not None:
                 first = self.output_names[0]
                 if ref[first].ndim != 2 or ref[first].shape[0] != batch.size:

@@ -43,7 +43,7 @@ from typing import Any
 import onnx
 
 from diag.core.feeds import FeedSource, FeedSpec
-from diag.core.load import ModelFormat, detect_format, float_model_from_path, iter_nodes
+from diag.core.load import LoadedModel, ModelFormat, detect_format, float_model_from_path, iter_nodes
 from diag.core.protos import default_opset
 from diag.core.recipe import Recipe, recipe_from_option
 from diag.fix.fp16convert import convert_model
@@ -152,7 +152,7 @@ def quantize_model(
         tmp = Path(tmp_name).resolve()
         staged = stage_dir.resolve() / out.name  # same folder as the output: publishing is a rename
         with _captured_ort_logging(job.log):
-            src, upgraded = _source_model(job, loaded.path, tmp, out.name)
+            src, upgraded = _source_model(job, loaded, tmp, out.name)
             if recipe.preprocess:
                 src = _preprocess(src, tmp / "pre" / "model.onnx", job.external, job.actions, job.log)
                 skipped = any("skip_symbolic_shape=True" in a for a in job.actions)
@@ -190,7 +190,7 @@ class _Job:
     calibrations: int = 0
 
 
-def _source_model(job: _Job, fp32: Path, tmp: Path, out_name: str) -> tuple[Path, bool]:
+def _source_model(job: _Job, loaded: LoadedModel, tmp: Path, out_name: str) -> tuple[Path, bool]:
     """The model the quantizer reads, after :func:`_preflight`'s fixes: (path, opset upgraded?).
 
     Usually a fixed copy in ``tmp``. A weight-only recipe (its quantizer loads the model itself)
@@ -198,9 +198,10 @@ def _source_model(job: _Job, fp32: Path, tmp: Path, out_name: str) -> tuple[Path
     parameters the copy was a 2 GB load and a 2 GB write per quantization, and a tier search
     quantizes a dozen times. The input is only read, never written, either way.
     """
+    fp32 = loaded.path
     structure = onnx.load(str(fp32), load_external_data=False)  # embedded weights come with it
-    has_external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in structure.graph.initializer)
-    job.external = has_external or weight_bytes(structure) > EXTERNAL_DATA_BYTES
+    # NOTE: loaded.has_external_data sees every tensor (Constant values, subgraphs), not only initializers.
+    job.external = loaded.has_external_data or weight_bytes(structure) > EXTERNAL_DATA_BYTES
     as_is = job.recipe.mode == "weight_only" and not job.recipe.preprocess and not _has_constants(structure)
     if as_is:
         _preflight(job, structure, out_name)  # records the external-data step; changes nothing here

@@ -351,6 +351,8 @@ class _TierSearch:
         return plan
 
     def trial(self, levels: tuple[int, ...], phase: str) -> tuple[HeldOutMetrics, bool]:
+        if not any(levels):
+            levels = ()  # nothing promoted is the baseline (pruning lowers the last group to it)
         if levels in self.cache:
             return self.cache[levels][0], self.met_levels[levels]
         if self.max_trials is not None and self.quantizations >= self.max_trials and any(levels):

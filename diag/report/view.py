@@ -968,12 +968,24 @@ def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
 def _mark_remedies_off_the_list(groups: list[RemedyGroup], doc: dict[str, Any]) -> None:
     """A ``nodes_to_exclude`` remedy naming nodes outside the run's one list says so (issue 25, item 4).
 
-    The list is the verified fix when the run has one (``diag exclude``, ``diag demo``), else the
-    starting point (the root causes). A per-tensor remedy is what fits that tensor alone; next to
-    a list that does without its nodes, it must not read as a second, competing fix.
+    The list is the verified fix when the run has one (``diag exclude``, ``diag demo``; a tier
+    plan's fp32 tier for ``diag exclude --tiers``), else the starting point (the root causes). A
+    per-tensor remedy is what fits that tensor alone; next to a list that does without its nodes,
+    it must not read as a second, competing fix.
     """
     exclusion = doc.get("exclusion") or {}
     verified = str(exclusion.get("verdict", "")).startswith("met")
+    plan = doc.get("tiers") or {}
+    if plan.get("reachable") and plan.get("plan"):
+        # A tier plan keeps in float only its fp32 tier; the rest of it is at a higher bit width.
+        floated = set((plan.get("recipe") or {}).get("nodes_to_exclude") or [])
+        for g in groups:
+            for r in g.remedies:
+                extra = ", ".join(n for n in r.excludes if n not in floated)
+                if extra:
+                    off = f"{extra}: not kept in float by the verified tier plan"
+                    r.note = f"{r.note}; {off}" if r.note else off
+        return
     if verified:
         best = (exclusion.get("fixes") or [exclusion])[0]
         fix = list(best.get("nodes_to_exclude") or [])
