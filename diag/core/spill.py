@@ -10,7 +10,8 @@ NOTE: on disk, not in memory: they are taken in the first batches and held until
 through the whole main pass, where the run's memory peaks (a decoder's logits are 16 MB a sample,
 131 MB for the default 8). Read back as memory maps, so they cost memory only while the check
 reads them. The folder is removed by :meth:`SpilledBatches.close`, or when the object is
-collected, or at exit.
+collected, or at exit. It is made in Python's temp folder (``TMPDIR``): where ``/tmp`` is a tmpfs,
+the files live in RAM after all (outside the process's RSS), so point ``TMPDIR`` at a disk there.
 
 The held-out evaluator of the fixing verbs (:class:`diag.fix.evaluate.HeldOutEvaluator`) keeps its
 FP32 outputs here too when they are large, so that no FP32 session stays alive through a search's
