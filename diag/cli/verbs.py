@@ -694,8 +694,9 @@ def tier_plan_to_dir(
         # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
         note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
         # The report shows the plan (it is this run's answer), with the reproduce.py it refers to.
-        embedded = {**plan.to_dict(), "snippet": plan.snippet or ""}
-        files = _write_search_set(out, ("tiers.json", plan.to_dict()), answer, plan.diagnosis, note, "tiers", embedded)
+        record = plan.to_dict()
+        embedded = {**record, "snippet": plan.snippet or ""}
+        files = _write_search_set(out, ("tiers.json", record), answer, plan.diagnosis, note, "tiers", embedded)
     lines = [plan.recipe_origin["line"], *tier_lines(plan), *(f"wrote {name}: {path}" for name, path in files.items())]
     return Summary(lines, not plan.reachable, plan, files)
 

@@ -21,7 +21,8 @@ from diag.report.exclude_view import metric_rows
 
 
 def report_section(doc: dict[str, Any]) -> dict[str, Any]:
-    """View-model of a tier plan, with :func:`diag.report.exclude_view.report_section`'s keys and ``plan_lines``.
+    """View-model of a tier plan: :func:`diag.report.exclude_view.report_section`'s keys, ``plan_lines``
+    and the metrics table's column heads (``before_label``, ``after_label``).
 
     Example:
         >>> view = report_section(json.load(open("tiers.json")))  # doctest: +SKIP
@@ -70,6 +71,8 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         "fix_lines": [],
         "recipe_line": (doc.get("recipe_origin") or {}).get("line", ""),
         "alternatives": [],
+        "before_label": f"all {low}",
+        "after_label": "the plan",
     }
 
 

@@ -895,9 +895,16 @@ def _sensitivity_note(sens: dict[str, Any] | None) -> str:
 
 def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> ExclusionView | None:
     """The verified-fix section, from an ``exclusion.json`` document (see diag.report.exclude_view.report_section)."""
-    if not exclusion:
-        return None
-    section = report_section(exclusion, with_plots)
+    return _fix_view(report_section(exclusion, with_plots)) if exclusion else None
+
+
+def _tier_view(plan: dict[str, Any] | None) -> ExclusionView | None:
+    """A tier plan as the verified-fix section (see diag.report.tiers_view.report_section)."""
+    return _fix_view(tier_section(plan)) if plan else None
+
+
+def _fix_view(section: dict[str, Any]) -> ExclusionView:
+    """The verified-fix section from either search's rows (the keys both report_section functions give)."""
     metrics = [MetricRow(r["name"], r["before"], r["after"]) for r in section["metrics"]]
     return ExclusionView(
         verdict=section["verdict"],
@@ -915,34 +922,9 @@ def _exclusion_view(exclusion: dict[str, Any] | None, with_plots: bool) -> Exclu
         fix_lines=section["fix_lines"],
         recipe_line=section["recipe_line"],
         alternatives=section["alternatives"],
-    )
-
-
-def _tier_view(plan: dict[str, Any] | None) -> ExclusionView | None:
-    """A tier plan as the verified-fix section (see diag.report.tiers_view.report_section)."""
-    if not plan:
-        return None
-    section = tier_section(plan)
-    metrics = [MetricRow(r["name"], r["before"], r["after"]) for r in section["metrics"]]
-    return ExclusionView(
-        verdict=section["verdict"],
-        target=section["target"],
-        held_out=section["held_out"],
-        nodes=[],
-        node_count=0,
-        metrics=metrics,
-        summary_metrics=metrics[:SUMMARY_ITEMS],
-        latency=[LatencyRow(r["model"], r["p50"], r["p90"], r["speedup"]) for r in section["latency"]],
-        counts=section["counts"],
-        trajectory_svg="",
-        snippet=section["snippet"],
-        fix_call=section["fix_call"],
-        fix_lines=[],
-        recipe_line=section["recipe_line"],
-        alternatives=[],
-        plan_lines=section["plan_lines"],
-        before_label=f"all {plan['tiers'][0]}",
-        after_label="the plan",
+        plan_lines=section.get("plan_lines", []),
+        before_label=section.get("before_label", "INT8 as given"),
+        after_label=section.get("after_label", "with the exclusions"),
     )
 
 
@@ -974,45 +956,33 @@ def _mark_remedies_off_the_list(groups: list[RemedyGroup], doc: dict[str, Any]) 
     it must not read as a second, competing fix.
     """
     exclusion = doc.get("exclusion") or {}
-    verified = str(exclusion.get("verdict", "")).startswith("met")
     plan = doc.get("tiers") or {}
     if plan.get("reachable") and plan.get("plan"):
         # A tier plan keeps in float only its fp32 tier; the rest of it is at a higher bit width.
         floated = set((plan.get("recipe") or {}).get("nodes_to_exclude") or [])
-        for g in groups:
-            for r in g.remedies:
-                extra = ", ".join(n for n in r.excludes if n not in floated)
-                if extra:
-                    off = f"{extra}: not kept in float by the verified tier plan"
-                    r.note = f"{r.note}; {off}" if r.note else off
-        return
-    if verified:
+        why = "not kept in float by the verified tier plan"
+    elif str(exclusion.get("verdict", "")).startswith("met"):
         best = (exclusion.get("fixes") or [exclusion])[0]
-        fix = list(best.get("nodes_to_exclude") or [])
+        floated = set(best.get("nodes_to_exclude") or [])
         # An op-type fix leaves every node of the other op types in float as well.
         op_types = best.get("op_types_to_quantize")
-        floated = set(fix)
         if op_types:
             for node in doc["nodes"]:
                 if not set(str(node["op_type"]).split("+")) & set(op_types):
                     floated.update(node["fp_nodes"])
-        kept = best_fix_call(exclusion)
+        why = f"not needed by the verified fix ({best_fix_call(exclusion)})"
     else:
         fix = list(doc["recommendation"]["nodes_to_exclude"])
-        floated = set(fix)
         if not fix:
             return
-        kept = f"nodes_to_exclude={json.dumps(fix, ensure_ascii=False)}"
+        floated = set(fix)
+        why = f"not in the starting point (nodes_to_exclude={json.dumps(fix, ensure_ascii=False)})"
     for g in groups:
         for r in g.remedies:
             extra = ", ".join(n for n in r.excludes if n not in floated)
-            if not extra:
-                continue
-            if verified:
-                off = f"{extra}: not needed by the verified fix ({kept})"
-            else:
-                off = f"{extra}: not in the starting point ({kept})"
-            r.note = f"{r.note}; {off}" if r.note else off
+            if extra:
+                off = f"{extra}: {why}"
+                r.note = f"{r.note}; {off}" if r.note else off
 
 
 def _pattern_row(t: dict[str, Any]) -> PatternRow:
