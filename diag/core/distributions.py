@@ -344,10 +344,19 @@ class DistributionAccumulator:
 
     def update(self, fp: np.ndarray, q: np.ndarray, dynamic_scale: float | None = None) -> None:
         """Add one batch of the FP32 tensor and the INT8 model's (dequantized) value of it."""
+        if self.update_fp(fp):
+            self.update_int8(q, dynamic_scale)
+
+    def update_fp(self, fp: np.ndarray) -> bool:
+        """The FP32 half of :meth:`update`: ranges, channels, clipping, the FP32 histogram.
+
+        Why apart: the FP32 values exist before the INT8 model has run, so this half can be
+        reduced while it runs. It touches no field :meth:`update_int8` touches. Returns whether
+        the batch counted (a floating, non-empty tensor): only then does its INT8 half follow.
+        """
         x = np.asarray(fp)
-        y = np.asarray(q)
         if x.size == 0 or not np.issubdtype(x.dtype, np.floating):
-            return
+            return False
         if self.rank is None:
             self.rank, self.axis = x.ndim, self.axis_for(x.ndim)
         # Per-channel min / max double as the tensor's (one pass each instead of two more).
@@ -368,12 +377,16 @@ class DistributionAccumulator:
             self._add_channels(*stats, x.size)
         peak = max(abs(lo), abs(hi))
         self.fp.update(_sample(xf), peak)
-        self.int8.update(_sample(y, DISPLAY_SAMPLE_MAX))
         # Nothing can clip when the batch's range lies inside the grid (the usual case): skip the passes.
         if self.grid is not None and lo < self.grid.low:
             self.clipped_low += int(np.count_nonzero(xf < self.grid.low))
         if self.grid is not None and hi > self.grid.high:
             self.clipped_high += int(np.count_nonzero(xf > self.grid.high))
+        return True
+
+    def update_int8(self, q: np.ndarray, dynamic_scale: float | None = None) -> None:
+        """The INT8 half of :meth:`update`, for a batch whose FP32 half counted."""
+        self.int8.update(_sample(np.asarray(q), DISPLAY_SAMPLE_MAX))
         self._add_scale(dynamic_scale)
 
     def update_from_sums(self, batch: BatchSummary) -> None:

@@ -144,6 +144,12 @@ def _row_products(x: np.ndarray, y: np.ndarray) -> _RowProducts:
     return p
 
 
+def sum_of_squares(fp: np.ndarray) -> float:
+    """Σx² of a tensor's values, as :meth:`ErrorAccumulator.update` sums them (float32 dot)."""
+    x = _as_float(fp)
+    return float(np.dot(x, x))
+
+
 def _as_float(a: np.ndarray) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype != np.float32:
@@ -181,8 +187,13 @@ class ErrorAccumulator:
     nonfinite_x: int = 0
     nonfinite_y: int = 0
 
-    def update(self, fp: np.ndarray, q: np.ndarray, scale: float | None = None) -> None:
-        """Add one batch. ``scale``: the quantization step in force for this batch, if any."""
+    def update(self, fp: np.ndarray, q: np.ndarray, scale: float | None = None, s_xx: float | None = None) -> None:
+        """Add one batch. ``scale``: the quantization step in force for this batch, if any.
+
+        ``s_xx``: :func:`sum_of_squares` of ``fp`` when the caller has it already (computed
+        while the INT8 model ran; shared by a tensor's accumulated and local error). The sums
+        are the same bit for bit either way.
+        """
         x = _as_float(fp)
         y = _as_float(q)
         if x.shape != y.shape:
@@ -203,9 +214,11 @@ class ErrorAccumulator:
             s_ee = float(np.dot(e, e))
             if x.size == 0:
                 return
+            s_xx = None  # the caller's sum counted the values just dropped
         # NOTE: y = x + e, so sum y^2 and sum xy follow from sum x^2, sum xe and sum e^2 in float64:
         # one pass fewer than four dot products, and more precise than a float32 dot(x, y).
-        s_xx = float(np.dot(x, x))
+        if s_xx is None:
+            s_xx = float(np.dot(x, x))
         s_xe = float(np.dot(x, e))
         self.n += x.size
         self.s_xx += s_xx

@@ -9,17 +9,20 @@ metrics are planned and fed here. Core layer: it knows models, inputs, sessions 
 not findings; :mod:`diag.analysis.compare` plans the diagnosis around it and analyses the state it fills.
 
 Memory is O(one batch): each batch's FP32, INT8 and cut-model outputs are reduced into
-accumulators and dropped before the next batch is read.
+accumulators and dropped; the next batch's FP32 run starts once the reductions still pending hold
+no more than the last batch's values less its FP32 values (what the run will take again).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import onnx
@@ -40,7 +43,7 @@ from diag.core.instrument import (
 )
 from diag.core.load import LoadedModel
 from diag.core.match import Matching, TensorPair
-from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats
+from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats, sum_of_squares
 from diag.core.outputs import channel_axes, output_specs
 from diag.core.protos import node_id, value_dtypes
 from diag.core.run import (
@@ -480,6 +483,7 @@ def _run_pass(p: _Pass) -> None:
         kept = p.state.kept_outputs = SpilledBatches(p.options.reference_samples)
     working: int | None = None  # file-backed resident bytes after the first batch
     limit = local_sample_limit(p.options, p.fp) if cut is not None else None
+    overlap = 0  # bytes the previous batch's reductions may still hold when the next batch starts
     try:
         offset = 0
         for index, batch in enumerate(p.feeds):
@@ -487,10 +491,12 @@ def _run_pass(p: _Pass) -> None:
                 offset += batch.size
                 p.progress.advance(batch.size)
                 continue
-            # A batch's reductions overlap its own cut-model run but never the next batch: so
-            # at most one batch of values is alive (peak RSS as a sequential loop's), and each
-            # accumulator sees its batches in order.
-            reductions.wait()
+            # The next batch's FP32 run starts once the previous batch's pending reductions hold
+            # no more than that batch's values less its FP32 values: the FP32 run refills what
+            # was freed, so about one batch of values is alive at a time (the peak of a
+            # sequential loop), while the reductions fill the cores onnxruntime leaves idle.
+            # Each accumulator still sees its batches in order (:class:`_Reductions`).
+            reductions.wait_below(overlap)
             if mapped and index > 0:
                 resident = file_resident_bytes()
                 if working is None:
@@ -506,8 +512,10 @@ def _run_pass(p: _Pass) -> None:
                     q_sess = _exposed_int8_session(p.q, mine, output_names, threads)
                 cut = cut_sess = None
             fp_out = run_batch(fp_sess, batch.feeds, f"FP32 model '{p.fp.path.name}'")
+            fp_bytes = sum(int(v.nbytes) for v in fp_out.values())
             if kept is not None and not kept.full:
                 kept.add({name: fp_out[name] for name in output_names}, batch.size)
+            fp_sides = reductions.submit(_fp_jobs(mine, fp_out, p.state))  # while the INT8 model runs
             local_out: dict[str, np.ndarray] | None = None
             if cut is not None and cut_sess is q_sess:
                 # One run of the INT8 model merged with its cut model (weights held once).
@@ -521,17 +529,19 @@ def _run_pass(p: _Pass) -> None:
                 if name in p.state.fp16_ranges and name in fp_out:
                     p.state.fp16_ranges[name].update(fp_out[name])
             # Each INT8 value is freed as soon as its reduction is done (the task holds the last reference).
-            reductions.submit(_accumulated_jobs(mine, p.pairs, fp_out, q_out, p.state, p.runtime_unmatched))
+            reductions.submit(_accumulated_jobs(mine, p.pairs, fp_out, q_out, p.state, p.runtime_unmatched, fp_sides))
             _update_outputs(p, output_names, batch.feeds, fp_out, q_out, offset, batch.size)
             del q_out
-            if local_out is not None and cut is not None:
-                _local_parts(cut, fp_out, local_out, p.state)
-                reductions.submit(_local_jobs(cut, mine, fp_out, local_out, p.state))
-                del local_out
-            elif cut is not None and cut_sess is not None:
+            if local_out is None and cut is not None and cut_sess is not None:
                 # The cut model runs while the pool reduces this batch's accumulated error.
-                _reduce_local(cut, cut_sess, p.q, batch.feeds, fp_out, mine, p.state, reductions)
-            del fp_out
+                local_out = _run_cut(cut, cut_sess, p.q, batch.feeds, fp_out)
+            if local_out is not None and cut is not None:
+                # Local and accumulated reductions touch different accumulators: no wait between them.
+                _local_parts(cut, fp_out, local_out, p.state)
+                reductions.submit(_local_jobs(cut, mine, fp_out, local_out, p.state, fp_sides))
+                del local_out
+            del fp_out, fp_sides
+            overlap = max(0, reductions.held - fp_bytes)
             offset += batch.size
             p.done(batch.size, local)
         reductions.wait()
@@ -641,24 +651,15 @@ def _update_outputs(
         _update_task(state, p.options, output_names, fp_out, q_out, p.labels, offset, size)
 
 
-def _reduce_local(
+def _run_cut(
     cut: CutModel,
     cut_sess: ort.InferenceSession,
     q: LoadedModel,
     feeds: dict[str, np.ndarray],
     fp_out: dict[str, np.ndarray],
-    mine: dict[str, TensorPair],
-    state: CompareState,
-    reductions: _Reductions,
-) -> None:
-    """Run the cut model on FP32 values (quantized as the INT8 model would) and reduce its local error."""
-    cut_feeds = _cut_feeds(cut, feeds, fp_out)
-    local_out = run_batch(cut_sess, cut_feeds, f"cut INT8 model of '{q.path.name}'")
-    del cut_feeds
-    # Local and accumulated reductions touch different accumulators: no wait between them.
-    _local_parts(cut, fp_out, local_out, state)
-    reductions.submit(_local_jobs(cut, mine, fp_out, local_out, state))
-    del local_out
+) -> dict[str, np.ndarray]:
+    """Run the cut model on FP32 values (quantized as the INT8 model would): each node's local value."""
+    return run_batch(cut_sess, _cut_feeds(cut, feeds, fp_out), f"cut INT8 model of '{q.path.name}'")
 
 
 def _run_graph_pass(p: _Pass) -> None:
@@ -889,14 +890,31 @@ class _ReferenceSessions:
         q_out = run_batch(self.q_sess, feeds, f"INT8 model '{self.q.path.name}'")
         subset = {n: self.mine[n] for n in accumulated if n in self.mine}
         for job in _accumulated_jobs(subset, dict(subset), fp_out, q_out, state, {}):
-            _reduce(*job)
+            job.fn(*job.args)
         del q_out
         if local and self.cut is not None and self.cut_sess is not None:
             cut_feeds = _cut_feeds(self.cut, feeds, fp_out)
             local_out = run_batch(self.cut_sess, cut_feeds, f"cut INT8 model of '{self.q.path.name}'")
             wanted = {n: self.mine[n] for n in local if n in self.mine}
             for job in _local_jobs(self.cut, wanted, fp_out, local_out, state):
-                _reduce(*job)
+                job.fn(*job.args)
+
+
+class Job(NamedTuple):
+    """One reduction task of :class:`_Reductions`."""
+
+    #: The accumulators it touches (tasks of one key run in submission order).
+    key: str
+    fn: Any
+    args: tuple[Any, ...]
+    #: Bytes of values only this task still needs: freed when it ends (an FP32 value counts once,
+    #: with its tensor's accumulated-error task).
+    holds: int = 0
+
+
+def _fp_jobs(mine: dict[str, TensorPair], fp_out: dict[str, np.ndarray], state: CompareState) -> list[Job]:
+    """One :func:`_reduce_fp` task per matched tensor of a batch: its FP32 side, ready before the INT8 run."""
+    return [Job(name, _reduce_fp, (state.distributions.get(name), fp_out[name])) for name in mine if name in fp_out]
 
 
 def _accumulated_jobs(
@@ -906,9 +924,13 @@ def _accumulated_jobs(
     q_out: dict[str, np.ndarray],
     state: CompareState,
     runtime_unmatched: dict[str, str],
-) -> list[tuple[Any, ...]]:
-    """One :func:`_reduce` task per matched tensor of a batch; drops pairs whose shapes differ."""
-    jobs: list[tuple[Any, ...]] = []
+    fp_sides: dict[str, Future[tuple[float, bool]]] | None = None,
+) -> list[Job]:
+    """One :func:`_reduce` task per matched tensor of a batch; drops pairs whose shapes differ.
+
+    ``fp_sides``: the batch's :func:`_reduce_fp` tasks, when the FP32 sides were reduced apart.
+    """
+    jobs: list[Job] = []
     for name, pair in list(mine.items()):
         value = q_out[pair.int8_name]
         ref = fp_out[name]
@@ -924,7 +946,9 @@ def _accumulated_jobs(
         scale = _scale_for(pair, q_out)
         acc = state.accumulated.setdefault(name, ErrorAccumulator())
         dist = state.distributions.get(name)
-        jobs.append((acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None))
+        fp_side = fp_sides.get(name) if fp_sides is not None else None
+        args = (acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None, fp_side)
+        jobs.append(Job(name, _reduce, args, holds=int(value.nbytes + ref.nbytes)))
     return jobs
 
 
@@ -934,9 +958,10 @@ def _local_jobs(
     fp_out: dict[str, np.ndarray],
     local_out: dict[str, np.ndarray],
     state: CompareState,
-) -> list[tuple[Any, ...]]:
+    fp_sides: dict[str, Future[tuple[float, bool]]] | None = None,
+) -> list[Job]:
     """One :func:`_reduce` task per locally recomputed tensor of a batch (error only, no distribution)."""
-    jobs: list[tuple[Any, ...]] = []
+    jobs: list[Job] = []
     for lo in cut.outputs:
         if lo.fp_name not in mine:
             continue
@@ -944,7 +969,9 @@ def _local_jobs(
         ref = fp_out[lo.fp_name]
         if value.shape == ref.shape:
             acc = state.local.setdefault(lo.fp_name, ErrorAccumulator())
-            jobs.append((acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None))
+            fp_side = fp_sides.get(lo.fp_name) if fp_sides is not None else None
+            args = (acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None, fp_side)
+            jobs.append(Job(f"local {lo.fp_name}", _reduce, args, holds=int(value.nbytes)))
     return jobs
 
 
@@ -965,37 +992,93 @@ def _local_parts(
 class _Reductions:
     """The numpy reductions of a pass, run on a thread pool while onnxruntime computes.
 
-    numpy and onnxruntime both release the GIL, so a batch's accumulated-error reductions run
-    on the other cores while onnxruntime computes the cut model. Each accumulator is touched by
-    exactly one task per batch and :meth:`wait` is called before the next batch starts, so every
-    sum is the same as a sequential loop's, bit for bit. Tasks hold the only
-    references to the arrays they reduce: each value is freed as soon as its task is done.
-    With one thread the reductions run inline, in order.
+    numpy and onnxruntime both release the GIL, and onnxruntime leaves much of two cores idle on a
+    decoder's small kernels: a batch's FP32 sides are reduced while the INT8 model runs, its
+    errors while the cut model runs. Tasks with the same key (one tensor's accumulators) run in
+    the order they were submitted: each first waits for the one before it, which the FIFO pool
+    has already started, so no wait can deadlock and every sum is the same as a sequential loop's,
+    bit for bit. Tasks hold the only references to the arrays they reduce: each value is freed as
+    soon as its task is done. With one thread the tasks run inline, in order.
     """
 
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="diag-reduce") if threads > 1 else None
-        self._pending: list[Future[None]] = []
+        self._pending: list[Future[Any]] = []
+        self._last: dict[str, Future[Any]] = {}
+        #: Bytes of the arrays the pending tasks hold (each task's own share, see :meth:`submit`).
+        self._held = 0
+        self._changed = threading.Condition()
 
-    def submit(self, jobs: list[tuple[Any, ...]]) -> None:
-        """Start reducing ``jobs`` (argument tuples of :func:`_reduce`); empties the list."""
+    @property
+    def held(self) -> int:
+        """Bytes of values the pending tasks still hold."""
+        return self._held
+
+    def submit(self, jobs: list[Job]) -> dict[str, Future[Any]]:
+        """Start ``jobs`` (emptying the list); returns each key's task.
+
+        A task's :attr:`Job.holds` bytes count as held until it ends (:meth:`wait_below`).
+        """
+        started: dict[str, Future[Any]] = {}
         while jobs:
-            job = jobs.pop(0)
+            key, fn, args, nbytes = jobs.pop(0)
             if self._pool is None:
-                _reduce(*job)
+                done: Future[Any] = Future()
+                done.set_result(fn(*args))
+                started[key] = done
             else:
-                self._pending.append(self._pool.submit(_reduce, *job))
-            del job
+                with self._changed:
+                    self._held += nbytes
+                task = self._pool.submit(_after, self._last.get(key), fn, *args)
+                task.add_done_callback(functools.partial(self._release, nbytes))
+                self._pending.append(task)
+                self._last[key] = started[key] = task
+            del args
+        return started
+
+    def _release(self, nbytes: int, _task: Future[Any]) -> None:
+        with self._changed:
+            self._held -= nbytes
+            self._changed.notify_all()
+
+    def wait_below(self, limit: int) -> None:
+        """Block until the pending tasks hold at most ``limit`` bytes; re-raises a failure."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._held <= limit)
+        still: list[Future[Any]] = []
+        for task in self._pending:
+            if task.done():
+                task.result()
+            else:
+                still.append(task)
+        self._pending = still
 
     def wait(self) -> None:
         """Block until every submitted task is done; re-raises the first failure."""
         pending, self._pending = self._pending, []
+        self._last.clear()
         for done in pending:
             done.result()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
+
+
+def _after(before: Future[Any] | None, fn: Any, *args: Any) -> Any:
+    """Run ``fn(*args)`` once ``before`` (the previous task of the same accumulators) is done."""
+    if before is not None:
+        before.result()
+    return fn(*args)
+
+
+def _reduce_fp(dist: DistributionAccumulator | None, ref: np.ndarray) -> tuple[float, bool]:
+    """The FP32 side of one tensor of one batch: Σx² for its errors, its distribution's FP32 half.
+
+    Returns Σx² and whether the distribution counted the batch (its INT8 half follows only then).
+    """
+    counted = dist.update_fp(ref) if dist is not None else False
+    return sum_of_squares(ref), counted
 
 
 def _reduce(
@@ -1006,13 +1089,23 @@ def _reduce(
     dequant: Any,
     scale: float | None,
     dynamic_scale: float | None,
+    fp_side: Future[tuple[float, bool]] | None = None,
 ) -> None:
-    """Reduce one tensor of one batch into its accumulators (one task of the reduction pool)."""
+    """Reduce one tensor of one batch into its accumulators (one task of the reduction pool).
+
+    ``fp_side``: the batch's :func:`_reduce_fp` task of this tensor, when its FP32 side was
+    reduced apart (its Σx² is reused, its distribution gets only the INT8 half here).
+    """
+    s_xx, counted = fp_side.result() if fp_side is not None else (None, False)
     if dequant is not None:
         value = dequant.dequantize(value)
-    acc.update(ref, value, scale)
-    if dist is not None:
+    acc.update(ref, value, scale, s_xx=s_xx)
+    if dist is None:
+        return
+    if fp_side is None:
         dist.update(ref, value, dynamic_scale)
+    elif counted:
+        dist.update_int8(value, dynamic_scale)
 
 
 def _update_deployed(
