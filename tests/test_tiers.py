@@ -87,6 +87,9 @@ def test_int4_plan_promotes_the_stray_head_to_8_bits_and_plain_onnxruntime_confi
     assert '<ul id="tier-plan"><li>int8 (1 node): fc2</li></ul>' in html and "Starting point" not in html
     assert "<th>all int4</th><th>the plan</th>" in html and "nodes_to_exclude=[&#39;fc2&#39;]" in html
     assert "**Verified fix**: met (target `cosine>=0.94`" in summary and "\n- int8 (1 node): fc2\n" in summary
+    # The calls to paste are in the summary a review quotes too, not only in report.html.
+    calls = summary.split("```")[1]
+    assert calls.count("MatMulNBitsQuantizer(") == 2 and "nodes_to_exclude=['fc2']" in calls
     embedded = json.loads((tmp_path / "tiers" / "diag.json").read_text())["tiers"]
     assert embedded["plan"] == plan["plan"] and "MatMulNBitsQuantizer" in embedded["snippet"]
     # One output set, all or nothing: a folder in the way of one file replaces none of the others.
