@@ -13,6 +13,7 @@ import pytest
 
 import diag.analysis.effects
 import diag.core.spill
+import diag.core.streaming
 from diag.analysis.compare import CompareOptions, CompareResult, compare_models
 from diag.core.feeds import FeedSpec
 from diag.core.spill import SpilledBatches
@@ -113,3 +114,37 @@ def test_kept_folders_are_removed_when_nobody_closes_them():
     gc.collect()
     assert not folder.exists()
     assert diag.core.spill.SpilledBatches is SpilledBatches
+
+
+def test_auto_checks_effects_on_4_samples_from_1_gib_with_the_kept_outputs(tmp_path, monkeypatch):
+    # --effect-samples auto: 8 samples, 4 from 1 GiB of FP32 weights (a 500M decoder: 26.7 -> 17.6 s).
+    # The main pass must keep exactly the samples the check runs on: else it loads FP32 again.
+    fx = llama_decoder(layers=2)
+    save_with_external_data(fx.model, tmp_path / "fp32.onnx")
+    quantize_int4(tmp_path / "fp32.onnx", tmp_path / "int4.onnx")
+    np.savez(tmp_path / "ids.npz", **fx.make_inputs(12, 5))
+    roles: list[str] = []
+    real = diag.analysis.effects.session_from_model
+
+    def recording(model: Any, role: str, *args: Any, **kwargs: Any) -> Any:
+        roles.append(role)
+        return real(model, role, *args, **kwargs)
+
+    monkeypatch.setattr(diag.analysis.effects, "session_from_model", recording)
+
+    def check(**options: Any) -> CompareResult:
+        feeds = FeedSpec(inputs=str(tmp_path / "ids.npz"))
+        return compare_models(
+            tmp_path / "fp32.onnx", tmp_path / "int4.onnx", feeds, CompareOptions(progress=False, **options)
+        )
+
+    small = check()
+    assert small.effects is not None and small.effects.samples == 8
+    monkeypatch.setattr(diag.core.streaming, "LARGE_MODEL_BYTES", 0)
+    roles.clear()
+    large = check()
+    assert large.effects is not None and large.effects.samples == 4
+    assert "FP32 model" not in roles
+    explicit = check(effect_samples=4)
+    assert _figures(large.effects.to_dict()) == _figures(explicit.effects.to_dict())
+    assert check(effect_samples=6).effects.samples == 6  # a count is taken as given, large or not

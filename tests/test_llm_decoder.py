@@ -340,5 +340,6 @@ def test_a_tier_search_stopped_by_its_budget_keeps_the_plan_it_met_and_claims_no
     assert "no plan short of" not in run.stdout
     summary = (tmp_path / "short" / "summary.md").read_text()
     assert "**Verified fix**: not reached (--max-trials 2 reached before any plan met the target)" in summary
-    assert "MatMulNBitsQuantizer" not in summary and "```" not in summary.split("**Verified fix**")[1].split("INT8 format")[0]
+    verdict = summary.split("**Verified fix**")[1].split("INT8 format")[0]
+    assert "MatMulNBitsQuantizer" not in summary and "```" not in verdict  # no calls to paste
     assert "best-fix-code" not in (tmp_path / "short" / "report.html").read_text()  # no calls to paste

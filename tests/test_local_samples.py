@@ -107,3 +107,6 @@ def test_the_cli_says_where_local_error_was_measured_and_refuses_a_bad_count(dec
     bad = subprocess.run([*cmd, "--local-samples", "0", "--out", str(tmp_path / "c")], capture_output=True, text=True)
     assert bad.returncode == 2 and "bad-option" in bad.stderr and "--local-samples '0'" in bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "c").exists()
+    bad = subprocess.run([*cmd, "--effect-samples", "x", "--out", str(tmp_path / "d")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "bad-option" in bad.stderr and "--effect-samples 'x'" in bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "d").exists()

@@ -36,7 +36,6 @@ from diag.analysis.analyze import (
 )
 from diag.analysis.effects import (
     DEFAULT_CANDIDATES,
-    DEFAULT_SAMPLES,
     EffectBudget,
     EffectCheck,
     ListEstimate,
@@ -61,6 +60,7 @@ from diag.core.recipe import Recipe
 from diag.core.run import check_memory
 from diag.core.saturation import predict_avx2
 from diag.core.streaming import CompareState as CompareState
+from diag.core.streaming import effect_sample_count
 from diag.core.streaming import run_comparison as run_comparison
 from diag.foundations.cpu import saturation_warning
 from diag.foundations.environment import environment
@@ -111,7 +111,9 @@ class CompareOptions:
     #: Candidates whose effect on the outputs is measured by keeping each in float (0 = off).
     effects: int = DEFAULT_CANDIDATES
     #: Samples each effect check runs on (the first ones).
-    effect_samples: int = DEFAULT_SAMPLES
+    #: Samples each effect check runs on, the first ones: a count or ``"auto"`` (8, but 4 for FP32
+    #: weights of 1 GiB and more: :func:`diag.core.streaming.effect_sample_count`).
+    effect_samples: int | str = "auto"
     #: ``module:function`` of a task-metric plugin (:mod:`diag.core.taskmetrics`), reported with the outputs.
     metric: str | None = None
     #: Where per-tensor statistics are computed: ``"numpy"`` (every tensor exposed and reduced in
@@ -132,8 +134,9 @@ class CompareOptions:
     local_samples: int | str = "auto"
 
     @property
-    def reference_samples(self) -> int:
-        """Samples of FP32 outputs the main pass keeps for the effect check (0: no check will run)."""
+    def reference_samples(self) -> int | str:
+        """Samples of FP32 outputs the main pass keeps for the effect check: ``effect_samples``, or 0
+        when no check will run."""
         return self.effect_samples if self.effects > 0 and self.local and self.shard is None else 0
 
 
@@ -335,7 +338,7 @@ def analyze_comparison(
             q.proto,
             feeds,
             options.accuracy_level_check,
-            options.effect_samples,
+            effect_sample_count(options.effect_samples, fp),
             options.threads,
             fp.proto,
             q.external_dir,
@@ -358,7 +361,8 @@ def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, o
     # overflows. The NaN/Inf origin and the converter's re-run (fp16health.fp16_fix) are the measure.
     if options.effects > 0 and options.local and options.shard is None and q.format.family != "fp16":
         specs = {k: a.spec for k, a in state.outputs.items()}
-        budget = EffectBudget(options.effects, options.effect_samples, options.threads, options.progress)
+        samples = effect_sample_count(options.effect_samples, fp)
+        budget = EffectBudget(options.effects, samples, options.threads, options.progress)
         findings, paths = result.findings, result.paths
         # Aim at the outputs that fail (issue 25, item 5), the answers before the KV caches.
         aim = aimed_outputs(result.verdicts)

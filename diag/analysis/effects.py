@@ -50,6 +50,7 @@ from diag.core.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.core.match import Matching, TensorPair, node_id
 from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputSpec
 from diag.core.run import default_threads, run_batch, session_from_model
+from diag.core.streaming import EFFECT_SAMPLES
 from diag.foundations.jsonnum import json_number
 from diag.foundations.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL
 from diag.foundations.progress import Progress
@@ -57,7 +58,7 @@ from diag.foundations.progress import Progress
 #: Candidates checked by default: enough for the worst local nodes, the path roots and the heads.
 DEFAULT_CANDIDATES = 8
 #: Samples each candidate runs on (the first ones of the inputs).
-DEFAULT_SAMPLES = 8
+DEFAULT_SAMPLES = EFFECT_SAMPLES
 #: A node that removes at least this share of the worst output's error energy is a confirmed cause.
 CONFIRMED_SHARE = 0.5
 _PREFIX = "diag_float/"

@@ -182,7 +182,7 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
     """`diag compare`'s flags as :class:`diag.analysis.compare.CompareOptions` (the inputs: :func:`feed_spec`)."""
     from diag.analysis.compare import CompareOptions
     from diag.core.outputs import parse_output_kinds
-    from diag.core.run import parse_local_samples, parse_shard, parse_size
+    from diag.core.run import parse_effect_samples, parse_local_samples, parse_shard, parse_size
 
     return CompareOptions(
         opt_level=args.ort_opt_level,
@@ -199,7 +199,7 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
         recipe=args.recipe,
         output_kinds=parse_output_kinds(args.output_kind),
         effects=args.effects,
-        effect_samples=args.effect_samples,
+        effect_samples=parse_effect_samples(args.effect_samples),
         accuracy_level_check=args.accuracy_level_check,
         deploy_isa=args.deploy_isa,
         metric=args.metric,
@@ -603,10 +603,10 @@ def _compare_analysis_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--effect-samples",
-        type=int,
-        default=8,
-        metavar="N",
-        help="samples each effect check runs on (the first N; default 8)",
+        default="auto",
+        metavar="N|auto",
+        help="samples each effect check runs on, the first N (default auto: 8, but 4 for FP32 weights of 1 GiB "
+        "and more)",
     )
     p.add_argument(
         "--accuracy-level-check",

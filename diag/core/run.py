@@ -425,6 +425,26 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def parse_effect_samples(text: str) -> int | str:
+    """``--effect-samples``: ``"auto"`` or a positive count of samples.
+
+    Example:
+        >>> parse_effect_samples("6"), parse_effect_samples("auto")
+        (6, 'auto')
+    """
+    word = text.strip().lower()
+    if word == "auto":
+        return word
+    if word.isdigit() and int(word) > 0:
+        return int(word)
+    raise DiagError(
+        "bad-option",
+        f"--effect-samples '{text}'",
+        "must be a positive number of samples or auto",
+        "--effects 0 turns the effect check off",
+    )
+
+
 def parse_local_samples(text: str) -> int | str:
     """``--local-samples``: ``"all"``, ``"auto"`` or a positive count of samples.
 
