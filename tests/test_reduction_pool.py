@@ -60,6 +60,31 @@ def test_wait_below_blocks_until_the_pending_tasks_hold_few_enough_bytes():
         pool.close()
 
 
+def test_a_value_two_tasks_read_counts_once_until_the_last_of_them_ends():
+    # A tensor's FP32 value is read by its accumulated-error task and its local-error task; the
+    # next batch's FP32 run may start only once it is really freed (found in review: counted with
+    # the accumulated task alone, it was "freed" while the local task still held it).
+    pool = _Reductions(4)
+    first, second = threading.Event(), threading.Event()
+    fp32 = np.zeros(100, np.float32)  # 400 bytes
+    try:
+        pool.submit([Job("acc", first.wait, (), holds=10, shared=(fp32,))])
+        pool.submit([Job("local", second.wait, (), holds=20, shared=(fp32,))])
+        assert pool.held == 430
+        first.set()
+        deadline = time.monotonic() + 5
+        while pool.held != 420 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.held == 420, "the FP32 value is still read by the local task"
+        second.set()
+        pool.wait()
+        assert pool.held == 0
+    finally:
+        first.set()
+        second.set()
+        pool.close()
+
+
 def test_a_failing_task_is_raised_by_the_wait_and_fails_the_next_task_of_its_key():
     pool = _Reductions(2)
     ran: list[str] = []
@@ -71,6 +96,7 @@ def test_a_failing_task_is_raised_by_the_wait_and_fails_the_next_task_of_its_key
         pool.submit([Job("a", boom, ()), Job("a", ran.append, ("after",)), Job("b", ran.append, ("other",))])
         with pytest.raises(ValueError, match="planted"):
             pool.wait()
+        assert pool.held == 0
     finally:
         pool.close()
     assert ran == ["other"]

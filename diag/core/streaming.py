@@ -10,7 +10,8 @@ not findings; :mod:`diag.analysis.compare` plans the diagnosis around it and ana
 
 Memory is O(one batch): each batch's FP32, INT8 and cut-model outputs are reduced into
 accumulators and dropped; the next batch's FP32 run starts once the reductions still pending hold
-no more than the last batch's values less its FP32 values (what the run will take again).
+no more than the last batch's values less its FP32 values (what the run will take again), and its
+INT8 run once they are all done.
 """
 
 from __future__ import annotations
@@ -386,7 +387,7 @@ def effect_sample_count(samples: int | str, fp: LoadedModel) -> int:
         >>> effect_sample_count(6, NS(weight_bytes=2 << 30))
         6
     """
-    if samples == "auto":
+    if str(samples).strip().lower() == "auto":
         return LARGE_MODEL_EFFECT_SAMPLES if fp.weight_bytes >= LARGE_MODEL_BYTES else EFFECT_SAMPLES
     return int(samples)
 
@@ -542,6 +543,9 @@ def _run_pass(p: _Pass) -> None:
             if kept is not None and not kept.full:
                 kept.add({name: fp_out[name] for name in output_names}, batch.size)
             fp_sides = reductions.submit(_fp_jobs(mine, fp_out, p.state))  # while the INT8 model runs
+            # The last batch's tasks end before this batch's INT8 values arrive (its FP32 sides hold
+            # nothing): one batch of values at most, as in a sequential loop.
+            reductions.wait_below(0)
             local_out: dict[str, np.ndarray] | None = None
             if cut is not None and cut_sess is q_sess:
                 # One run of the INT8 model merged with its cut model (weights held once).
@@ -933,9 +937,11 @@ class Job(NamedTuple):
     key: str
     fn: Any
     args: tuple[Any, ...]
-    #: Bytes of values only this task still needs: freed when it ends (an FP32 value counts once,
-    #: with its tensor's accumulated-error task).
+    #: Bytes of values only this task reads (an INT8 or local value): freed when it ends.
     holds: int = 0
+    #: Values other tasks may read too (a tensor's FP32 value: its accumulated and local error):
+    #: counted once, freed when the last task reading them ends.
+    shared: tuple[np.ndarray, ...] = ()
 
 
 def _fp_jobs(mine: dict[str, TensorPair], fp_out: dict[str, np.ndarray], state: CompareState) -> list[Job]:
@@ -974,7 +980,7 @@ def _accumulated_jobs(
         dist = state.distributions.get(name)
         fp_side = fp_sides.get(name) if fp_sides is not None else None
         args = (acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None, fp_side)
-        jobs.append(Job(name, _reduce, args, holds=int(value.nbytes + ref.nbytes)))
+        jobs.append(Job(name, _reduce, args, holds=int(value.nbytes), shared=(ref,)))
     return jobs
 
 
@@ -997,7 +1003,7 @@ def _local_jobs(
             acc = state.local.setdefault(lo.fp_name, ErrorAccumulator())
             fp_side = fp_sides.get(lo.fp_name) if fp_sides is not None else None
             args = (acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None, fp_side)
-            jobs.append(Job(f"local {lo.fp_name}", _reduce, args, holds=int(value.nbytes)))
+            jobs.append(Job(f"local {lo.fp_name}", _reduce, args, holds=int(value.nbytes), shared=(ref,)))
     return jobs
 
 
@@ -1031,8 +1037,10 @@ class _Reductions:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="diag-reduce") if threads > 1 else None
         self._pending: list[Future[Any]] = []
         self._last: dict[str, Future[Any]] = {}
-        #: Bytes of the arrays the pending tasks hold (each task's own share, see :meth:`submit`).
+        #: Bytes of the values the pending tasks hold (:attr:`Job.holds` and :attr:`Job.shared`).
         self._held = 0
+        #: id of a shared value -> [its bytes, pending tasks reading it] (alive while they hold it).
+        self._shared: dict[int, list[int]] = {}
         self._changed = threading.Condition()
 
     @property
@@ -1041,13 +1049,11 @@ class _Reductions:
         return self._held
 
     def submit(self, jobs: list[Job]) -> dict[str, Future[Any]]:
-        """Start ``jobs`` (emptying the list); returns each key's task.
-
-        A task's :attr:`Job.holds` bytes count as held until it ends (:meth:`wait_below`).
-        """
+        """Start ``jobs`` (emptying the list); returns each key's task. Their values count as held
+        until they end (:meth:`wait_below`)."""
         started: dict[str, Future[Any]] = {}
         while jobs:
-            key, fn, args, nbytes = jobs.pop(0)
+            key, fn, args, nbytes, shared = jobs.pop(0)
             if self._pool is None:
                 done: Future[Any] = Future()
                 done.set_result(fn(*args))
@@ -1055,16 +1061,28 @@ class _Reductions:
             else:
                 with self._changed:
                     self._held += nbytes
+                    ids = []
+                    for value in shared:
+                        entry = self._shared.setdefault(id(value), [int(value.nbytes), 0])
+                        self._held += entry[0] if entry[1] == 0 else 0
+                        entry[1] += 1
+                        ids.append(id(value))
                 task = self._pool.submit(_after, self._last.get(key), fn, *args)
-                task.add_done_callback(functools.partial(self._release, nbytes))
+                task.add_done_callback(functools.partial(self._release, nbytes, ids))
                 self._pending.append(task)
                 self._last[key] = started[key] = task
-            del args
+            del args, shared
         return started
 
-    def _release(self, nbytes: int, _task: Future[Any]) -> None:
+    def _release(self, nbytes: int, ids: list[int], _task: Future[Any]) -> None:
         with self._changed:
             self._held -= nbytes
+            for i in ids:
+                entry = self._shared[i]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self._held -= entry[0]
+                    del self._shared[i]
             self._changed.notify_all()
 
     def wait_below(self, limit: int) -> None:
@@ -1091,10 +1109,15 @@ class _Reductions:
             self._pool.shutdown(cancel_futures=True)
 
 
+class _EarlierFailure(Exception):
+    """An earlier task of the same accumulators failed: this one did not run (the wait raises that
+    failure first; raising it again here would keep this task's arrays in its traceback)."""
+
+
 def _after(before: Future[Any] | None, fn: Any, *args: Any) -> Any:
     """Run ``fn(*args)`` once ``before`` (the previous task of the same accumulators) is done."""
-    if before is not None:
-        before.result()
+    if before is not None and before.exception() is not None:
+        raise _EarlierFailure
     return fn(*args)
 
 
