@@ -26,9 +26,8 @@ def _figures(d: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k != "seconds"}
 
 
-def _compare(fp32: Path, int8: Path, inputs: Path, monkeypatch: Any, keep: bool) -> tuple[CompareResult, list[str]]:
-    """A compare, and the roles of the sessions its effect check built; ``keep=False``: as before
-    the main pass kept anything (the check runs the FP32 model itself)."""
+def _recorded_roles(monkeypatch: Any) -> list[str]:
+    """The roles of the sessions the effect check builds from now on (a list filled as they are)."""
     roles: list[str] = []
     real = diag.analysis.effects.session_from_model
 
@@ -37,6 +36,13 @@ def _compare(fp32: Path, int8: Path, inputs: Path, monkeypatch: Any, keep: bool)
         return real(model, role, *args, **kwargs)
 
     monkeypatch.setattr(diag.analysis.effects, "session_from_model", recording)
+    return roles
+
+
+def _compare(fp32: Path, int8: Path, inputs: Path, monkeypatch: Any, keep: bool) -> tuple[CompareResult, list[str]]:
+    """A compare, and the roles of the sessions its effect check built; ``keep=False``: as before
+    the main pass kept anything (the check runs the FP32 model itself)."""
+    roles = _recorded_roles(monkeypatch)
     if not keep:
         monkeypatch.setattr(SpilledBatches, "batches", lambda self: None)
     r = compare_models(
@@ -123,14 +129,7 @@ def test_auto_checks_effects_on_4_samples_from_1_gib_with_the_kept_outputs(tmp_p
     save_with_external_data(fx.model, tmp_path / "fp32.onnx")
     quantize_int4(tmp_path / "fp32.onnx", tmp_path / "int4.onnx")
     np.savez(tmp_path / "ids.npz", **fx.make_inputs(12, 5))
-    roles: list[str] = []
-    real = diag.analysis.effects.session_from_model
-
-    def recording(model: Any, role: str, *args: Any, **kwargs: Any) -> Any:
-        roles.append(role)
-        return real(model, role, *args, **kwargs)
-
-    monkeypatch.setattr(diag.analysis.effects, "session_from_model", recording)
+    roles = _recorded_roles(monkeypatch)
 
     def check(**options: Any) -> CompareResult:
         feeds = FeedSpec(inputs=str(tmp_path / "ids.npz"))

@@ -432,17 +432,7 @@ def parse_effect_samples(text: str) -> int | str:
         >>> parse_effect_samples("6"), parse_effect_samples("auto")
         (6, 'auto')
     """
-    word = text.strip().lower()
-    if word == "auto":
-        return word
-    if word.isdigit() and int(word) > 0:
-        return int(word)
-    raise DiagError(
-        "bad-option",
-        f"--effect-samples '{text}'",
-        "must be a positive number of samples or auto",
-        "--effects 0 turns the effect check off",
-    )
+    return _sample_count(text, "--effect-samples", ("auto",), "--effects 0 turns the effect check off")
 
 
 def parse_local_samples(text: str) -> int | str:
@@ -452,14 +442,17 @@ def parse_local_samples(text: str) -> int | str:
         >>> parse_local_samples("16"), parse_local_samples("all")
         (16, 'all')
     """
+    hint = "--local-samples all measures local error on every sample; --no-local skips it"
+    return _sample_count(text, "--local-samples", ("all", "auto"), hint)
+
+
+def _sample_count(text: str, flag: str, words: tuple[str, ...], hint: str) -> int | str:
+    """A positive count of samples, or one of ``words``; else a bad-option error naming ``flag``."""
     word = text.strip().lower()
-    if word in ("all", "auto"):
+    if word in words:
         return word
     if word.isdigit() and int(word) > 0:
         return int(word)
-    raise DiagError(
-        "bad-option",
-        f"--local-samples '{text}'",
-        "must be a positive number of samples, all or auto",
-        "--local-samples all measures local error on every sample; --no-local skips it",
-    )
+    choices = " or ".join(words)  # "all or auto": "samples, all or auto"; "auto": "samples or auto"
+    joined = f"{',' if len(words) > 1 else ' or'} {choices}"
+    raise DiagError("bad-option", f"{flag} '{text}'", f"must be a positive number of samples{joined}", hint)
