@@ -62,6 +62,7 @@ _LAZY = {
     "TaskMetric": "diag.core.taskmetrics",
     "F1Metric": "diag.core.taskmetrics",
     "infer_recipe": "diag.fix.infer",
+    "splice_to_file": "diag.fix.exclude",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

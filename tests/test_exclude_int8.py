@@ -83,13 +83,15 @@ def test_exclude_with_int8_starts_from_that_models_figure(user_model, tmp_path, 
     assert default_doc["metrics"]["before"]["cosine"] != pytest.approx(expected, abs=1e-6)
 
 
-def test_int8_with_recipe_is_one_line_error(user_model, tmp_path, capsys) -> None:
+def test_int8_with_a_recipe_that_does_not_rebuild_it_says_so_and_fixes_the_int8_model(user_model, tmp_path, capsys):
     fp, q, x, _ = user_model
     args = ["exclude", fp, "--int8", q, "--recipe", '{"mode": "dynamic"}', "--inputs", x, "--target", "cosine>=0.9"]
-    code, out, err = run_cli([*args, "--out", tmp_path / "o"], capsys)
-    assert code == USER_ERROR and out == ""
-    assert err.startswith("diag: error[bad-option]: --recipe with --int8 | ") and err.count("\n") == 1, err
-    assert not (tmp_path / "o").exists()
+    code, out, err = run_cli([*args, "--bench-runs", "0", "--quiet", "--out", tmp_path / "o"], capsys)
+    assert code == 0, err
+    # QInt8 per-tensor defaults against the user's QUInt8 per-channel weights: the scales' shapes differ.
+    line = next(x for x in out.splitlines() if x.strip().startswith("round trip: the recipe does not rebuild"))
+    assert "differs (" in line and line.endswith("splicing float regions into it instead"), line
+    assert json.loads((tmp_path / "o" / "exclusion.json").read_text())["method"] == "surgical"
 
 
 def test_int8_that_is_not_quantized_is_refused(user_model, tmp_path, capsys) -> None:

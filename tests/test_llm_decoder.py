@@ -221,7 +221,8 @@ def test_fix_snippet_and_kept_models_are_whole_with_external_data(llm, tmp_path)
     out = tmp_path / "ex"
     args = ["--inputs", llm["ids32"], "--target", "cosine>=0.97", "--out", out, "--bench-runs", "0"]
     run = _diag("exclude", llm["fp32"], "--int8", llm["int4"], *args)
-    assert "estimates" in run.stdout  # float-region estimates ran on external-data models
+    # every trial is the user's int4 model with float regions spliced in, external data and all
+    assert "spliced from your INT8 model (no re-quantization)" in run.stdout
     mixed = out / "fp32.mixed.onnx"
     assert _locations(mixed) == {"fp32.mixed.onnx.data"} and (out / "fp32.mixed.onnx.data").exists()
     excluded = json.loads((out / "exclusion.json").read_text())["nodes_to_exclude"]

@@ -57,6 +57,7 @@ PUBLIC = {
     "feed_source",
     "find_patterns",
     "infer_recipe",
+    "splice_to_file",
     "load_pair",
     "load_recipe",
     "merge_shards",

@@ -127,9 +127,9 @@ def test_float_region_model_equals_real_exclusion(tmp_path: Path) -> None:
     import onnxruntime as ort
     from onnxruntime.quantization import quantize_dynamic
 
-    from diag.analysis.effects import float_region_model
     from diag.core.load import model_from_path
     from diag.core.match import match_models
+    from diag.core.surgery import float_region_model
 
     fx = build("convnet")
     onnx.save(fx.model, tmp_path / "fp.onnx")
@@ -206,9 +206,9 @@ def test_float_region_of_a_qdq_concat_equals_real_exclusion_on_the_scores(tmp_pa
     import onnxruntime as ort
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
-    from diag.analysis.effects import float_region_model
     from diag.core.load import model_from_path
     from diag.core.match import match_models
+    from diag.core.surgery import float_region_model
     from diag.fixtures.quantize import _ArrayReader
 
     fx = build("detector")
@@ -300,9 +300,9 @@ def test_estimates_of_multi_node_exclusions_equal_real_static_qdq_exclusion(tmp_
     import onnxruntime as ort
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
-    from diag.analysis.effects import float_region_model
     from diag.core.load import model_from_path
     from diag.core.match import match_models
+    from diag.core.surgery import float_region_model
     from diag.fixtures.quantize import _ArrayReader
 
     onnx.save(_hardswish_block(), tmp_path / "fp.onnx")

@@ -21,7 +21,6 @@ NOTE: the check never touches the models on disk; every candidate model is a new
 from __future__ import annotations
 
 import contextlib
-import heapq
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,8 +30,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
-from onnx.external_data_helper import load_external_data_for_tensor
+from onnx import helper
 
 from diag.analysis.analyze import (
     BAD_SQNR_DB,
@@ -46,11 +44,12 @@ from diag.analysis.analyze import (
 from diag.analysis.remedies import generic_spread
 from diag.core.feeds import FeedSource
 from diag.core.instrument import exposed_model
-from diag.core.load import LoadedModel, outer_scope_inputs, subgraphs
-from diag.core.match import Matching, TensorPair, node_id
+from diag.core.load import LoadedModel
+from diag.core.match import Matching
 from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputSpec
 from diag.core.run import default_threads, run_batch, session_from_model
 from diag.core.streaming import EFFECT_SAMPLES
+from diag.core.surgery import float_region_model, node_reads, region_dirs
 from diag.foundations.jsonnum import json_number
 from diag.foundations.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL
 from diag.foundations.progress import Progress
@@ -61,7 +60,6 @@ DEFAULT_CANDIDATES = 8
 DEFAULT_SAMPLES = EFFECT_SAMPLES
 #: A node that removes at least this share of the worst output's error energy is a confirmed cause.
 CONFIRMED_SHARE = 0.5
-_PREFIX = "diag_float/"
 #: Effects are measured with the optimization level onnxruntime uses by default.
 EFFECT_OPT_LEVEL = DEPLOY_LEVEL
 
@@ -168,322 +166,6 @@ def candidates_for(
     return [(f, "; ".join(dict.fromkeys(why))) for f, why in chosen.values()]
 
 
-def float_region_model(
-    fp: onnx.ModelProto,
-    q: onnx.ModelProto,
-    group_fp_nodes: list[str],
-    matching: Matching,
-    op_types: set[str] | None = None,
-    fp_dir: Path | None = None,
-) -> onnx.ModelProto:
-    """The INT8 model with the FP32 node(s) ``group_fp_nodes`` computed in float (see module doc).
-
-    Mirrors what ``nodes_to_exclude`` does: the float node reads the value its INT8 version reads
-    (the dequantized input in static formats, where the producer's output quantization stays; the
-    float tensor itself in dynamic ones, whose input quantization belongs to the consumer), and its
-    output enters the INT8 graph where the INT8 node's did (``cut_name``), quantized onto the same
-    grid when that tensor is an integer, so the output quantization the consumers need stays too.
-    In static QDQ models a tensor keeps its Q/DQ only while a node that is still quantized reads
-    or writes it (``op_types``: the op types the recipe quantizes; None: quantize_static's
-    defaults), as with onnxruntime. Raises ValueError when the region cannot be rebuilt (a
-    subgraph, a tensor with no INT8 pair).
-
-    External data: the copy keeps the INT8 model's references (run it with the INT8 model's
-    folder as ``external_data_dir``). The region's own FP32 weights keep theirs too when both
-    models sit in one folder (``fp_dir`` None); ``fp_dir``, the FP32 model's folder when it is
-    another one, has them read into the copy (only the region's: one projection, not the model;
-    over :data:`REGION_READ_BYTES` the region is refused with ValueError).
-
-    Example:
-        >>> m = float_region_model(fp.proto, q.proto, ["conv3"], matching)  # doctest: +SKIP
-    """
-    nodes = _region_nodes(fp, group_fp_nodes)
-    region = _Region(
-        pairs=matching.pairs,
-        produced={o for n in nodes for o in n.output if o},
-        stays_quantized=_still_quantized(fp, set(group_fp_nodes), matching, op_types),
-    )
-    _read_region_inputs(region, nodes, fp, {i.name for i in q.graph.input}, fp_dir)
-    for o in region.produced:
-        region.rename[o] = _PREFIX + o
-    _copy_region_nodes(region, nodes)
-    model = onnx.ModelProto()
-    model.CopyFrom(q)
-    g = model.graph
-    fp_consumed = {t for n in fp.graph.node for t in n.input}
-    if not _splice_region_outputs(region, g, fp_consumed):
-        raise ValueError("no output of the group has an INT8 counterpart")
-    g.initializer.extend(region.new_inits)
-    g.node.extend(region.new_nodes)
-    _drop_dead_nodes(g)
-    _sort_topologically(g)
-    return model
-
-
-@dataclass
-class _Region:
-    """A float region being built: the nodes and initializers it adds, and what each FP32 tensor is read as."""
-
-    pairs: dict[str, TensorPair]
-    #: the tensors the region's nodes write
-    produced: set[str]
-    #: does a static QDQ model keep this tensor's Q/DQ with the region in float (``_still_quantized``)
-    stays_quantized: Callable[[str], bool]
-    new_nodes: list[onnx.NodeProto] = field(default_factory=list)
-    new_inits: list[onnx.TensorProto] = field(default_factory=list)
-    #: FP32 tensor name -> the tensor the float copy reads (or writes) instead
-    rename: dict[str, str] = field(default_factory=dict)
-    #: tensors made inside the region that a float node reads through their kept Q/DQ
-    requantized: dict[str, str] = field(default_factory=dict)
-
-
-def _region_nodes(fp: onnx.ModelProto, group_fp_nodes: list[str]) -> list[onnx.NodeProto]:
-    """The FP32 nodes of the group; a region diag cannot rebuild (missing node, subgraph) raises ValueError."""
-    fp_index = {node_id(n, i): n for i, n in enumerate(fp.graph.node)}
-    nodes = [fp_index[n] for n in group_fp_nodes if n in fp_index]
-    if len(nodes) != len(group_fp_nodes):
-        raise ValueError("a node of the group is not in the FP32 graph")
-    if any(subgraphs(n) for n in nodes):
-        raise ValueError("the group holds a subgraph (If / Loop)")
-    return nodes
-
-
-def _read_region_inputs(
-    region: _Region,
-    nodes: list[onnx.NodeProto],
-    fp: onnx.ModelProto,
-    graph_inputs: set[str],
-    fp_dir: Path | None = None,
-) -> None:
-    """Decide what each input of the region reads: the value the INT8 node read before it was excluded.
-
-    Weights are the FP32 initializers (or Constant nodes) themselves; a tensor the region makes
-    itself is read directly, or through its kept Q/DQ while another consumer is still quantized;
-    any other tensor is read from the INT8 graph by :func:`_region_input`.
-    """
-    fp_inits = {i.name: i for i in fp.graph.initializer}
-    # Paddle and TF exports hold weights in Constant nodes, which the quantizer lifts into
-    # initializers first: the float copy reads the constant itself.
-    fp_consts = {n.output[0]: n for n in fp.graph.node if n.op_type == "Constant" and n.output}
-    pairs, rename = region.pairs, region.rename
-    out_grids = [pairs[o].grid for o in region.produced if o in pairs and pairs[o].grid is not None]
-    is_concat = any(n.op_type == "Concat" for n in nodes)
-    for n in nodes:
-        for t in n.input:
-            if not t or t in rename or t in region.requantized:
-                continue
-            if t in region.produced:
-                pair = pairs.get(t)
-                if pair is not None and pair.how == "qdq" and pair.grid is not None and region.stays_quantized(t):
-                    # Another consumer is still quantized, so onnxruntime keeps this tensor's Q/DQ
-                    # and every consumer, this float one too, reads the dequantized value.
-                    q_out = _grid_node("QuantizeLinear", _PREFIX + t, pair.grid, region.new_nodes, region.new_inits)
-                    region.requantized[t] = _grid_node(
-                        "DequantizeLinear", q_out, pair.grid, region.new_nodes, region.new_inits
-                    )
-                continue
-            if t in fp_inits:
-                init = onnx.TensorProto()
-                init.CopyFrom(fp_inits[t])
-                if init.data_location == onnx.TensorProto.EXTERNAL and fp_dir is not None:
-                    _read_external(init, fp_dir)
-                init.name = _PREFIX + t
-                region.new_inits.append(init)
-                rename[t] = init.name
-            elif t in fp_consts and t not in pairs:
-                const = onnx.NodeProto()
-                const.CopyFrom(fp_consts[t])
-                const.name = _PREFIX + (const.name or t)
-                const.output[0] = _PREFIX + t
-                region.new_nodes.append(const)
-                rename[t] = const.output[0]
-            elif t in graph_inputs and not (t in pairs and pairs[t].how == "qdq" and region.stays_quantized(t)):
-                rename[t] = t
-            elif t in pairs:
-                rename[t] = _region_input(region, t, pairs[t], is_concat and _shares_grid(pairs[t], out_grids))
-            else:
-                raise ValueError(f"input '{t}' has no INT8 counterpart")
-
-
-#: The most FP32 weight bytes a float region may read into memory (models in two folders).
-REGION_READ_BYTES = 512 * 2**20
-
-
-def _read_external(init: onnx.TensorProto, folder: Path) -> None:
-    """Read one external initializer's bytes into it (paths were confined to the model's folder by
-    :func:`diag.core.load.load_model`); ValueError over :data:`REGION_READ_BYTES`."""
-    length = next((int(e.value) for e in init.external_data if e.key == "length"), None)
-    size = length if length is not None else int(np.prod(init.dims, dtype=np.int64)) * 4
-    if size > REGION_READ_BYTES:
-        raise ValueError(f"weight '{init.name}' is {size >> 20} MB in another folder's external data")
-    load_external_data_for_tensor(init, str(folder))
-    del init.external_data[:]
-    init.data_location = onnx.TensorProto.DEFAULT
-
-
-def _region_input(region: _Region, t: str, pair: TensorPair, concat_grid: bool) -> str:
-    """The INT8 graph's value a float node reads for input ``t``, made outside the region.
-
-    ``concat_grid``: the region is a Concat whose output grid this input shares.
-    """
-    if pair.how == "qdq" and pair.tail and not region.stays_quantized(t):
-        # Nothing that still quantizes this tensor touches it: excluded, it stays float.
-        return pair.cut_name
-    if concat_grid and pair.how == "qdq" and pair.tail:
-        # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
-        # quantization belongs to this node and goes with it (excluded, the input keeps
-        # its producer's own, finer grid; its float value is the closest stand-in).
-        return pair.cut_name
-    if pair.how == "fp16":
-        # What node_block_list does: the float32 node reads its float16 input cast up.
-        return _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, region.new_nodes)
-    if pair.dequant is not None:
-        return _grid_node("DequantizeLinear", pair.int8_name, pair.dequant, region.new_nodes, region.new_inits)
-    return pair.int8_name
-
-
-def _copy_region_nodes(region: _Region, nodes: list[onnx.NodeProto]) -> None:
-    """The float copies of the region's nodes, reading and writing the renamed tensors."""
-    for n in nodes:
-        copy = helper.make_node(
-            n.op_type,
-            [region.requantized.get(t) or region.rename.get(t, t) if t else "" for t in n.input],
-            [region.rename.get(o, o) if o else "" for o in n.output],
-            name=_PREFIX + (n.name or n.op_type),
-            domain=n.domain,
-        )
-        copy.attribute.extend(n.attribute)
-        region.new_nodes.append(copy)
-
-
-def _splice_region_outputs(region: _Region, g: onnx.GraphProto, fp_consumed: set[str]) -> int:
-    """Make the INT8 graph read the region's outputs where it read the INT8 node's; returns how many.
-
-    Each output enters where the INT8 node's did (``cut_name``), re-quantized onto its grid when
-    the consumers expect integers, or replaces the quantized tensor itself when no quantized
-    consumer is left (onnxruntime drops its Q/DQ then), or the model output nothing else reads.
-    """
-    graph_outputs = {o.name for o in g.output}
-    replaced = 0
-    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    writers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in g.node:
-        for i, t in enumerate(node.input):
-            readers.setdefault(t, []).append((node, i))
-        for i, t in enumerate(node.output):
-            writers.setdefault(t, []).append((node, i))
-    for o in sorted(region.produced):
-        pair = region.pairs.get(o)
-        if pair is None:
-            continue  # an internal tensor of a fused group: it has no INT8 twin to replace
-        value = region.rename[o]
-        target = pair.cut_name
-        if o in graph_outputs and o not in fp_consumed and pair.int8_name in graph_outputs:
-            # A model output nothing else reads: excluded, onnxruntime leaves it unquantized.
-            target = pair.int8_name
-        elif pair.how == "qdq" and pair.tail and not region.stays_quantized(o):
-            target = pair.int8_name  # no quantized consumer is left: its Q/DQ goes too
-        elif pair.cut_quant is not None:
-            value = _grid_node(
-                "QuantizeLinear", value, pair.cut_quant, region.new_nodes, region.new_inits, pair.cut_dtype
-            )
-        elif pair.cut_dtype == onnx.TensorProto.FLOAT16:
-            value = _cast_node(value, onnx.TensorProto.FLOAT16, region.new_nodes)  # and its output cast back down
-        for node, i in readers.get(target, []):
-            node.input[i] = value
-        if target in graph_outputs:
-            for node, i in writers.get(target, []):
-                node.output[i] = target + "__diag_replaced"
-            region.new_nodes.append(helper.make_node("Identity", [value], [target], name=_PREFIX + "out/" + target))
-        replaced += 1
-    return replaced
-
-
-def _still_quantized(
-    fp: onnx.ModelProto, excluded: set[str], matching: Matching, op_types: set[str] | None
-) -> Callable[[str], bool]:
-    """``f(tensor)``: does a static QDQ model keep ``tensor``'s Q/DQ with ``excluded`` in float?
-
-    onnxruntime's QDQ quantizer quantizes a tensor when a node it quantizes reads or writes it,
-    and then rewires *every* reader to the dequantized value. So the tensor stays quantized while
-    a node touching it is still quantized (an op type the quantizer handles, in a group that was
-    quantized in the INT8 model, not being excluded); read by excluded nodes only, it becomes
-    float. (A HardSigmoid has Q/DQ on its output only because the Mul after it asked for it.)
-    """
-    if op_types is None:
-        from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
-
-        op_types = set(QDQRegistry) | set(QLinearOpsRegistry)
-    by_id = {node_id(n, i): n for i, n in enumerate(fp.graph.node)}
-    quantized = {n for g in matching.groups if g.quantized for n in g.fp_nodes if n in by_id} - excluded
-    quantized = {n for n in quantized if by_id[n].op_type in op_types}
-    touching: dict[str, set[str]] = {}
-    for nid, n in by_id.items():
-        for t in [*n.input, *n.output]:
-            if t:
-                touching.setdefault(t, set()).add(nid)
-
-    def stays(tensor: str, ignoring: frozenset[str] = frozenset()) -> bool:
-        for nid in sorted((touching.get(tensor, set()) & quantized) - ignoring):
-            node = by_id[nid]
-            if node.op_type not in _FOLLOWERS:
-                return True
-            # Reshape, MaxPool, Relu, ...: onnxruntime quantizes them only when their data
-            # input is already quantized by another node.
-            data = node.input[1] if node.op_type == "Where" and len(node.input) > 1 else node.input[0]
-            if stays(data, ignoring | {nid}):
-                return True
-        return False
-
-    return stays
-
-
-#: QDQ op quantizers that act only when their data input is already quantized (onnxruntime's
-#: QDQDirect8BitOp and kin): they pass a quantization on, they never start one.
-_FOLLOWERS = frozenset(
-    {
-        "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "AveragePool", "Slice", "TopK", "MaxPool",
-        "Resize", "Gather", "GatherElements", "Split", "Where", "Relu", "Clip", "Pad",
-    }
-)  # fmt: skip
-
-
-def _shares_grid(pair: TensorPair, grids: list[Any]) -> bool:
-    """Whether ``pair``'s static grid is one of ``grids`` (the same scale and zero point)."""
-    g = pair.grid
-    if g is None:
-        return False
-    return any(
-        np.array_equal(np.asarray(g.scale), np.asarray(o.scale))
-        and np.array_equal(np.asarray(g.zero_point), np.asarray(o.zero_point))
-        for o in grids
-    )
-
-
-def _grid_node(
-    op: str,
-    value: str,
-    grid: Any,
-    new_nodes: list[onnx.NodeProto],
-    new_inits: list[onnx.TensorProto],
-    dtype: int | None = None,
-) -> str:
-    """A QuantizeLinear / DequantizeLinear of ``value`` on ``grid`` (a QuantParams)."""
-    zp = np.asarray(grid.zero_point)
-    if dtype is not None and dtype != onnx.TensorProto.FLOAT:
-        zp = zp.astype(onnx.helper.tensor_dtype_to_np_dtype(dtype))
-    elif not np.issubdtype(zp.dtype, np.integer):
-        zp = zp.astype(np.int8 if grid.qmin < 0 else np.uint8)
-    base = f"{_PREFIX}{value}/{op}"
-    s_init = numpy_helper.from_array(np.asarray(grid.scale, np.float32), base + "/scale")
-    z_init = numpy_helper.from_array(zp, base + "/zero_point")
-    new_inits += [s_init, z_init]
-    out = base + "/out"
-    attrs = {"axis": grid.axis} if grid.axis is not None and s_init.dims else {}
-    new_nodes.append(helper.make_node(op, [value, s_init.name, z_init.name], [out], name=base, **attrs))
-    return out
-
-
 #: A candidate model whose changed part holds more of its nodes than this share runs whole.
 DOWNSTREAM_SHARE = 0.8
 #: The most bytes of boundary values the INT8 run keeps for the downstream-only runs (all samples).
@@ -552,7 +234,7 @@ def _downstream(model: onnx.ModelProto, int8_nodes: set[bytes]) -> _Downstream |
         return None
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
-        for t in _needs(n):
+        for t in node_reads(n):
             readers.setdefault(t, []).append(i)
     part, stack = set(changed), list(changed)
     while stack:
@@ -563,13 +245,13 @@ def _downstream(model: onnx.ModelProto, int8_nodes: set[bytes]) -> _Downstream |
                     stack.append(r)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     for i in list(part):
-        for t in _needs(nodes[i]):
+        for t in node_reads(nodes[i]):
             p = producer.get(t)
             if p is not None and nodes[p].op_type in _JOINS_ITS_READER:
                 part.add(p)
     if len(part) > DOWNSTREAM_SHARE * len(nodes):
         return None
-    boundary = sorted({t for i in part for t in _needs(nodes[i]) if t in producer and producer[t] not in part})
+    boundary = sorted({t for i in part for t in node_reads(nodes[i]) if t in producer and producer[t] not in part})
     written = {o for i in part for o in nodes[i].output}
     outputs = frozenset(o.name for o in model.graph.output if o.name in written)
     return _Downstream(sorted(part), boundary, outputs)
@@ -602,7 +284,7 @@ def _downstream_model(model: onnx.ModelProto, part: _Downstream, types: dict[str
     (element types from ``types``, onnxruntime's type strings), the weights they read come along."""
     g = model.graph
     keep = [g.node[i] for i in part.nodes]
-    needed = {t for n in keep for t in _needs(n)}
+    needed = {t for n in keep for t in node_reads(n)}
     sub = onnx.ModelProto()
     sub.ir_version = model.ir_version
     sub.opset_import.extend(model.opset_import)
@@ -623,68 +305,6 @@ def _elem_type(ort_type: str) -> int:
     name = ort_type.removeprefix("tensor(").removesuffix(")")
     np_name = {"float": "float32", "double": "float64", "bool": "bool"}.get(name, name)
     return int(helper.np_dtype_to_tensor_dtype(np.dtype(np_name)))
-
-
-def _needs(n: onnx.NodeProto) -> set[str]:
-    """Every tensor ``n`` reads, its subgraphs' outer-scope reads included."""
-    return {t for t in n.input if t} | set(outer_scope_inputs(n))
-
-
-def _cast_node(value: str, to: int, new_nodes: list[onnx.NodeProto]) -> str:
-    """A Cast of ``value`` to element type ``to`` (FP16 models: the float region's boundary)."""
-    out = f"{_PREFIX}{value}/Cast{to}"
-    if not any(out in n.output for n in new_nodes):
-        new_nodes.append(helper.make_node("Cast", [value], [out], name=out, to=to))
-    return out
-
-
-def _drop_dead_nodes(g: onnx.GraphProto) -> None:
-    """Remove nodes no graph output depends on (the INT8 region the float copy replaced).
-
-    One walk back from the outputs (linear in the graph: an exclusion search builds hundreds of
-    these models).
-    """
-    needs = [_needs(n) for n in g.node]
-    producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
-    live: set[int] = set()
-    stack = [producer[o.name] for o in g.output if o.name in producer]
-    while stack:
-        i = stack.pop()
-        if i in live:
-            continue
-        live.add(i)
-        stack.extend(producer[t] for t in needs[i] if t in producer)
-    if len(live) < len(g.node):
-        keep = [n for i, n in enumerate(g.node) if i in live]
-        del g.node[:]
-        g.node.extend(keep)
-
-
-def _sort_topologically(g: onnx.GraphProto) -> None:
-    """Order nodes so each follows its producers (Kahn's algorithm; ties keep the current order)."""
-
-    nodes = list(g.node)
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    waiting = [0] * len(nodes)
-    followers: list[list[int]] = [[] for _ in nodes]
-    for i, n in enumerate(nodes):
-        for p in {producer[t] for t in _needs(n) if t in producer} - {i}:
-            waiting[i] += 1
-            followers[p].append(i)
-    ready = [i for i, w in enumerate(waiting) if w == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for f in followers[i]:
-            waiting[f] -= 1
-            if waiting[f] == 0:
-                heapq.heappush(ready, f)
-    placed = set(order)
-    order += [i for i in range(len(nodes)) if i not in placed]  # a cycle: let onnxruntime name it
-    del g.node[:]
-    g.node.extend(nodes[i] for i in order)
 
 
 @dataclass(frozen=True)
@@ -852,23 +472,6 @@ def estimate_list(
         return None
     recovered = _share_removed(check.base[check.target], got[check.target])
     return ListEstimate(list(nodes), check.target, taken, before, got[check.target].sqnr_db, recovered)
-
-
-def _fp_dir(fp: LoadedModel, q: LoadedModel) -> Path | None:
-    """The FP32 model's folder when a float region must read its weights from there: external
-    data in another folder than the INT8 model's (None: references stay valid as they are)."""
-    folder = fp.external_dir
-    return folder if folder is not None and folder != q.path.resolve().parent else None
-
-
-def region_dirs(fp: LoadedModel, q: LoadedModel) -> tuple[Path | None, Path | None]:
-    """(``fp_dir`` for :func:`float_region_model`, the ``external_data_dir`` its sessions read from).
-
-    A region model holds the INT8 model's external references and, when both models share a
-    folder, the FP32 region's: either way they resolve in the INT8 model's folder.
-    """
-    external = fp.has_external_data or q.has_external_data
-    return _fp_dir(fp, q), (q.path.resolve().parent if external else None)
 
 
 def _first_samples(feeds: FeedSource, samples: int) -> tuple[list[dict[str, np.ndarray]], int]:

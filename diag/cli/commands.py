@@ -398,14 +398,30 @@ def _exclude_options(args: argparse.Namespace) -> ExcludeOptions:
     """``diag exclude``'s flags as :class:`diag.fix.exclude.ExcludeOptions`."""
     from diag.fix.exclude import ExcludeOptions
 
-    return ExcludeOptions(**_search_options(args), estimates=not args.no_estimates, scheduler=args.scheduler)
+    if args.requantize and not args.int8:
+        raise DiagError(
+            "bad-option",
+            "--requantize",
+            "needs --int8 (the model whose recipe is re-applied)",
+            "add --int8 YOUR_INT8.onnx",
+        )
+    return ExcludeOptions(
+        **_search_options(args),
+        estimates=not args.no_estimates,
+        scheduler=args.scheduler,
+        requantize=args.requantize,
+    )
 
 
 def _tier_options(args: argparse.Namespace) -> TierOptions:
     """``diag exclude --tiers``'s flags as :class:`diag.fix.tiers.TierOptions`."""
     from diag.fix.tiers import TierOptions
 
-    for flag, given in (("--scheduler", args.scheduler), ("--no-estimates", args.no_estimates)):
+    for flag, given in (
+        ("--scheduler", args.scheduler),
+        ("--no-estimates", args.no_estimates),
+        ("--requantize", args.requantize),
+    ):
         if given:
             raise DiagError(
                 "bad-option", f"{flag} with --tiers", "is not supported by the tier search", f"drop {flag} or --tiers"
@@ -671,8 +687,16 @@ def _exclude_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--int8",
         metavar="MODEL",
-        help="your INT8 model: the search starts from the recipe read back from it (as diag inspect --recipe "
-        "prints), so its baseline is the model you ship; not with --recipe",
+        help="your INT8 model, whatever quantizer made it: every trial is that model with float regions spliced "
+        "in (no re-quantization), so 'before' is the model you ship and the fix is your model with those nodes in "
+        "float; with --recipe (or --requantize), the recipe is first proven to rebuild it exactly",
+    )
+    p.add_argument(
+        "--requantize",
+        action="store_true",
+        help="with --int8: re-quantize every trial from the recipe read back from it (or --recipe), so that "
+        "calibration sees the exclusions; refused (recipe-mismatch, exit 2) unless the recipe rebuilds your "
+        "INT8 model exactly",
     )
     _add_target(p, "goal on held-out inputs, e.g. cosine>=0.999", required=True)
     p.add_argument(

@@ -19,6 +19,7 @@ not import the pipeline.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import textwrap
@@ -44,13 +45,14 @@ from diag.fix.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_m
 from diag.fix.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
 from diag.fix.exclude import ExcludeOptions, ExclusionResult, derive_exclusions
 from diag.fix.exclude import summary_lines as exclude_lines
-from diag.fix.fixcode import reproduce_snippet
+from diag.fix.fixcode import reproduce_snippet, splice_snippet
 from diag.fix.infer import fix_recipe, recipe_to_file, recipe_to_toml, search_recipe
 from diag.fix.lint import lint_recipe_file
 from diag.fix.lint import summary_line as lint_summary_line
 from diag.fix.modelprep import copy_model
 from diag.fix.quantize import QuantizeOptions, QuantizeReport, quantize_model
 from diag.fix.remedycheck import check_weight_only_remedies
+from diag.fix.roundtrip import prove_roundtrip, roundtrip_line
 from diag.fix.sensitivity import SensitivityOptions, SensitivityResult, skip_one_sensitivity
 from diag.fix.sweep import (
     JSONL,
@@ -547,21 +549,32 @@ def exclude_to_dir(
         >>> sorted(s.files), s.failed  # doctest: +SKIP
         (['diag.json', 'exclusion.json', 'mixed model', 'report.html', 'reproduce.py', 'summary.md'], False)
     """
-    recipe, origin = search_recipe(recipe, options.int8)
+    given = recipe
+    recipe, origin = search_recipe(recipe if options.int8 is None else None, options.int8)
+    if given is not None and options.int8 is not None:
+        recipe, origin = search_recipe(given)
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     names_out = ["exclusion.json", f"{stem}.mixed.onnx", "reproduce.py", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
     inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]
     check_outputs(out_dir, names_out, inputs)
     out = checked_out_dir(out_dir)
-    trials = ClusterTrialRunner(options.scheduler, fp32_path, recipe, feeds, options) if options.scheduler else None
     with work_dir(out, "exclude") as work:
+        proof: list[str] = []
+        if options.int8 is not None and (given is not None or options.requantize):
+            options, proof = _prove_recipe(fp32_path, recipe, feeds, options, work)
+        trials = ClusterTrialRunner(options.scheduler, fp32_path, recipe, feeds, options) if options.scheduler else None
         with internal_writes():  # candidate models are not this verb's outputs
             result = derive_exclusions(fp32_path, recipe, feeds, options, str(work), trials)
         result.recipe_origin = origin.to_dict()
+        result.warnings[:0] = proof
         answer = _exclusion_files(result, recipe, feeds, out, stem)
         # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
         # model is the recipe's baseline, quantized in a temp folder now gone.
-        note = "baseline INT8 (the recipe as given, quantized by diag exclude)"
+        note = (
+            f"your INT8 model {result.int8}"
+            if result.method == "surgical"
+            else "baseline INT8 (the recipe as given, quantized by diag exclude)"
+        )
         record = ("exclusion.json", result.to_dict())
         files = _write_search_set(out, record, answer, result.diagnosis, note, "exclusion")
     lines = [result.recipe_origin["line"], *exclude_lines(result)]
@@ -569,6 +582,35 @@ def exclude_to_dir(
     lines += [cluster] if cluster is not None else []
     lines += [f"wrote {name}: {path}" for name, path in files.items()]
     return Summary(lines, not result.reachable, result, files)
+
+
+def _prove_recipe(
+    fp32_path: str | Path, recipe: Recipe, feeds: FeedSpec, options: ExcludeOptions, work: Path
+) -> tuple[ExcludeOptions, list[str]]:
+    """Before re-quantizing for a user who gave their INT8 model: does the recipe rebuild it exactly?
+
+    Identical: the search re-quantizes (calibration then sees the exclusions), and says the proof.
+    Different: ``--requantize`` refuses (exit 2, ``recipe-mismatch``); a ``--recipe`` alone falls
+    back to splicing float regions into the user's model, with the difference in one line. A
+    rebuilt model's figure is never printed as the user's (issue 41 item 2).
+    """
+    static = str(getattr(recipe.mode, "name", recipe.mode)) == "static"
+    calibration = feeds if static and not recipe.calibration else None
+    with internal_writes():
+        rt = prove_roundtrip(fp32_path, str(options.int8), recipe, work / "roundtrip", calibration)
+    line = roundtrip_line(rt)
+    if rt.identical:
+        return dataclasses.replace(options, requantize=True), [f"round trip: {line}; re-quantizing from the recipe"]
+    if options.requantize:
+        raise DiagError(
+            "recipe-mismatch",
+            f"--requantize with --int8 '{options.int8}'",
+            line,
+            "drop --requantize: diag then fixes your INT8 model itself by splicing float regions into it",
+        )
+    return dataclasses.replace(options, requantize=False), [
+        f"round trip: {line}; fixing your INT8 model by splicing float regions into it instead"
+    ]
 
 
 def _exclusion_files(result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, out: Path, stem: str) -> AnswerFiles:
@@ -588,9 +630,17 @@ def _exclusion_files(result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, o
         contents[out / written.name] = written
     result.model = str(mixed)
     names["mixed model"] = mixed
-    calib, count, batch = _calibration_of(recipe, feeds, result.split)
-    # NOTE: never the verified model's path: running reproduce.py must not overwrite the answer.
-    result.snippet = reproduce_snippet(result, str(again), str(calib) if calib else None, count, batch)
+    if result.method == "surgical" and result.int8 is not None:
+        header = (
+            f"# Rebuilds the model `diag exclude --int8` verified (target {result.target}: {result.verdict}):\n"
+            f"# your INT8 model with {len(result.nodes_to_exclude)} node(s) kept in float."
+        )
+        call = result.producer.get("fix_call") or f"nodes_to_exclude={json.dumps(result.nodes_to_exclude)}"
+        result.snippet = splice_snippet(result.fp32, result.int8, result.nodes_to_exclude, str(again), header, call)
+    else:
+        calib, count, batch = _calibration_of(recipe, feeds, result.split)
+        # NOTE: never the verified model's path: running reproduce.py must not overwrite the answer.
+        result.snippet = reproduce_snippet(result, str(again), str(calib) if calib else None, count, batch)
     contents[reproduce] = result.snippet
     names["reproduce.py"] = reproduce
     return contents, names, []

@@ -17,7 +17,7 @@ model is good enough, and how few can I get away with?* The answer is searched, 
 5. Steps 3 and 4 run first on **estimates**: the baseline INT8 model with the groups' FP32 nodes
    computed in float where their INT8 versions were, reading and writing the same calibrated
    grids — what ``nodes_to_exclude`` produces, built in memory without re-quantizing
-   (:func:`diag.analysis.effects.float_region_model`, which follows onnxruntime's rule that a tensor
+   (:func:`diag.core.surgery.float_region_model`, which follows onnxruntime's rule that a tensor
    keeps its Q/DQ while a still-quantized node touches it). A trial then costs one session, not
    a quantization (plus a calibration pass in onnxruntime before the cache). The estimated answer
    is re-quantized and verified; when it meets the target each of its groups is re-included once
@@ -53,12 +53,12 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import onnx
 
-from diag.analysis.compare import CompareOptions, CompareResult, compare_models
-from diag.analysis.effects import float_region_model, region_dirs
+from diag.analysis.compare import CompareOptions, CompareResult, compare_models, load_pair
 from diag.core.feeds import FeedSource, FeedSpec, load_labels
 from diag.core.load import LoadedModel, float_model_from_path
-from diag.core.match import Matching
+from diag.core.match import Matching, match_models
 from diag.core.recipe import Recipe
+from diag.core.surgery import float_region_model, region_dirs, save_spliced, spliced_model
 from diag.core.taskmetrics import metric_factory
 from diag.fix.bench import BenchOptions, bench_models
 from diag.fix.evaluate import (
@@ -78,6 +78,7 @@ from diag.foundations.errors import DiagError
 from diag.foundations.jsonnum import json_number
 from diag.foundations.metricnames import labelled_names
 from diag.foundations.ortfacts import DEPLOY_LEVEL
+from diag.foundations.producers import detect_producer, fix_call
 from diag.foundations.progress import Progress
 
 #: An op type is suggested for exclusion when more than this share of its nodes end up excluded.
@@ -101,8 +102,13 @@ class SearchOptions:
             (verified on the held-out samples, not proven minimal), or none: ``budget`` says so.
         metric: ``module:function`` of a task-metric plugin (:mod:`diag.core.taskmetrics`); the names
             it declares become target metrics (``--target map50>=0.6``).
-        int8: the user's INT8 model (``--int8``): without a recipe, the search starts from the
-            recipe read back from it (:func:`diag.fix.infer.search_recipe`), so its baseline is theirs.
+        int8: the user's INT8 model (``--int8``). Every trial is then that model with the trial's
+            groups spliced in float (:func:`diag.core.surgery.spliced_model`): its baseline *is* the
+            user's model, the answer is their model with float regions, and no quantizer runs. The
+            recipe (read back from it, :func:`diag.fix.infer.search_recipe`) only words the fix.
+        requantize: with ``int8``, re-quantize every trial from the recipe instead of splicing:
+            only after :mod:`diag.fix.roundtrip` proved that the recipe rebuilds ``int8`` exactly
+            (the verb checks; calibration then sees the exclusions).
         deploy_level: the onnxruntime optimization level the user deploys with (``--deploy-level``;
             default ``"all"``, onnxruntime's own default). A list is *met* only when the target holds
             in exact mode (optimizations off, what the search compares) and at this level, where fused
@@ -120,6 +126,12 @@ class SearchOptions:
     metric: str | None = None
     int8: str | None = None
     deploy_level: str = DEPLOY_LEVEL
+    requantize: bool = False
+
+    @property
+    def surgical(self) -> bool:
+        """Trials are the user's INT8 model with float regions spliced in (no quantizer runs)."""
+        return self.int8 is not None and not self.requantize
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,20 @@ class ExclusionResult:
     after_deployed: HeldOutMetrics | None = None
     #: Sessions run at the deploy level (met-in-exact-mode lists only).
     deployed_checks: int = 0
+    #: ``"surgical"``: every trial was the user's INT8 model (``int8``) with float regions spliced in;
+    #: ``"requantized"``: every trial was quantized from ``recipe`` by onnxruntime.
+    method: str = "requantized"
+    #: The user's INT8 model the surgical trials were spliced into.
+    int8: str | None = None
+    #: Trials built by splicing float regions into the user's model (surgical searches).
+    splices: int = 0
+    #: Who made the user's INT8 model (:func:`diag.foundations.producers.detect_producer`): its
+    #: key, name and the mark that decided it; the fix is also worded in that tool's terms.
+    producer: dict[str, Any] = field(default_factory=dict)
+    #: Quantized node groups of the baseline (the candidates) and how many stay quantized in the answer.
+    quantized_groups: int = 0
+    #: A met list that keeps (almost) every quantized group in float: not a fix (see ``verdict``).
+    all_but_float: bool = False
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
     diagnosis: CompareResult | None = None
@@ -224,6 +250,8 @@ class ExclusionResult:
     def verdict(self) -> str:
         if self.already_met:
             return "already met"
+        if self.all_but_float:
+            return "not reachable"
         if self.reachable:
             return "met"
         return "budget exhausted" if self.budget.get("exhausted") else "not reachable"
@@ -241,7 +269,14 @@ class ExclusionResult:
             "target": str(self.target),
             "verdict": self.verdict,
             "reachable": self.reachable,
+            "method": self.method,
+            "int8": self.int8,
+            "producer": self.producer,
             "nodes_to_exclude": list(self.nodes_to_exclude),
+            "stays_int8": {
+                "groups": self.quantized_groups - len(self.excluded),
+                "of": self.quantized_groups,
+            },
             "op_types_to_quantize": self.op_types_to_quantize,
             "excluded": [c.to_dict() for c in self.excluded],
             "recipe": self.recipe,
@@ -261,6 +296,7 @@ class ExclusionResult:
             "calibration": self.calibration,
             "search": {
                 "quantizations": self.quantizations,
+                "splices": self.splices,
                 "calibrations": self.calibrations,
                 "estimates": self.estimates,
                 "evaluations": self.evaluations,
@@ -391,6 +427,11 @@ class _Search(SearchAlgorithm):
         self.estimate_bar = Progress(None, "exclude: estimates", enabled=False, unit="estimates")
         #: ``--scheduler``: runs a trial elsewhere instead (set by a :class:`TrialRunner`'s ``start``).
         self.remote: Callable[[frozenset[int], Path], HeldOutMetrics] | None = None
+        #: Surgical searches: the user's INT8 model, the baseline every trial is spliced into.
+        self.user_int8: Path | None = Path(options.int8) if options.surgical and options.int8 else None
+        #: What the splices are built from (set by the ranking pass, which pairs the two models).
+        self.surgery: EstimateSource | None = None
+        self.splices = 0
 
     def expect(self, remaining: int) -> None:
         """Set the progress bar's total to the trials done plus an estimate of those left (for its ETA)."""
@@ -406,8 +447,29 @@ class _Search(SearchAlgorithm):
         return None
 
     def nodes(self, groups: frozenset[int] | list[int]) -> list[str]:
-        picked = [n for i in sorted(groups) for n in self.candidates[i].fp_nodes]
-        return list(dict.fromkeys([*self.base, *picked]))
+        return list(dict.fromkeys([*self.base, *self.picked(groups)]))
+
+    def picked(self, groups: frozenset[int] | list[int]) -> list[str]:
+        """The FP32 nodes of ``groups`` (without the recipe's own exclusions)."""
+        return list(dict.fromkeys(n for i in sorted(groups) for n in self.candidates[i].fp_nodes))
+
+    def splice(self, fp_nodes: list[str]) -> onnx.ModelProto:
+        """The user's INT8 model with ``fp_nodes`` in float (:func:`diag.core.surgery.spliced_model`)."""
+        src = self.surgery
+        assert src is not None, "the ranking pass pairs the models before any splice"
+        self.splices += 1
+        return spliced_model(src.fp, src.q, fp_nodes, src.matching, src.fp_dir)
+
+    def model_path(self, groups: frozenset[int]) -> Path:
+        """The trial's model on disk. A spliced trial is built again and written only when needed
+        (the answer, its latency): holding every met splice in memory would cost a model each."""
+        path = self.cache[groups][1]
+        if self.user_int8 is not None and groups and not path.exists():
+            assert self.surgery is not None
+            splices = self.splices  # the trial was counted when it was measured
+            save_spliced(self.splice(self.picked(groups)), path, self.surgery.q_dir)
+            self.splices = splices
+        return path
 
     def quantize(self, nodes: list[str], out: Path, recipe: Recipe | None = None) -> Path:
         r = (recipe or self.recipe).with_excluded(nodes)
@@ -424,17 +486,25 @@ class _Search(SearchAlgorithm):
         self.evaluations += 1
         return m
 
-    def judge(self, m: HeldOutMetrics, path: Path) -> tuple[bool, HeldOutMetrics | None]:
+    def judge(
+        self, m: HeldOutMetrics, path: Path, model: onnx.ModelProto | None = None
+    ) -> tuple[bool, HeldOutMetrics | None]:
         """Met = met in exact mode *and* at the deploy level (issue 25 item 9); the deploy-level metrics.
 
         Only lists that meet in exact mode are run a second time, so the check costs one session
-        per met trial (a handful per search), not one per trial.
+        per met trial (a handful per search), not one per trial. ``model``: a spliced trial, in memory.
         """
         if not m.meets(self.target):
             return False, None
-        if self.deploy_evaluator is None or not path.exists():
+        if self.deploy_evaluator is None:
             return True, None
-        d = self.deploy_evaluator.evaluate(path)
+        if model is not None:
+            assert self.surgery is not None
+            d = self.deploy_evaluator.evaluate_model(model, path.name, self.surgery.q_dir)
+        elif path.exists():
+            d = self.deploy_evaluator.evaluate(path)
+        else:
+            return True, None
         self.deployed_checks += 1
         return d.meets(self.target), d
 
@@ -452,20 +522,30 @@ class _Search(SearchAlgorithm):
             raise BudgetExhausted(reason)
         t0 = time.perf_counter()
         path = self.work / f"step{len(self.trajectory):03d}.onnx"
-        if self.remote is not None:
+        model: onnx.ModelProto | None = None
+        if self.user_int8 is not None and not groups:
+            path = self.user_int8  # the baseline is the user's model itself, read as it is
+            m = self.evaluate(path)
+        elif self.user_int8 is not None:
+            model = self.splice(self.picked(groups))
+            assert self.surgery is not None
+            m = self.evaluator.evaluate_model(model, path.name, self.surgery.q_dir)
+            self.evaluations += 1
+        elif self.remote is not None:
             m = self.remote(groups, path)
         else:
             self.quantize(self.nodes(groups), path)
             m = self.evaluate(path)
         self.cache[groups] = (m, path)
         value = m.value(self.target.metric)
-        met, deployed = self.judge(m, path)
+        met, deployed = self.judge(m, path, model)
         if deployed is not None:
             self.deployed[groups] = deployed
+
         if met and groups and (self.best is None or len(groups) < len(self.best)):
             self.best = groups
         self.bar.advance(1)
-        if not met and groups:
+        if not met and groups and self.user_int8 is None:
             # NOTE: only the baseline (ranking, latency) and met lists (the answer is one of them)
             # are ever read again; dropping the rest keeps disk use at a few model copies.
             path.unlink(missing_ok=True)
@@ -499,7 +579,7 @@ class _Search(SearchAlgorithm):
         """Held-out metrics of ``groups`` in float *estimated* without re-quantizing (cached).
 
         The baseline INT8 model with those groups' FP32 nodes computed in float where their INT8
-        versions were (:func:`diag.analysis.effects.float_region_model`, which mirrors what
+        versions were (:func:`diag.core.surgery.float_region_model`, which mirrors what
         ``nodes_to_exclude`` does: the same calibrated grids around the float region). One
         session instead of a quantization; None when the region cannot be rebuilt.
         """
@@ -574,6 +654,31 @@ class _Search(SearchAlgorithm):
                 )
             self.guess = guess
         return self.search_real()
+
+
+def splice_to_file(fp32_path: str | Path, int8_path: str | Path, fp_nodes: list[str], out_path: str | Path) -> Path:
+    """Write the user's INT8 model with ``fp_nodes`` kept in float: the fix ``diag exclude --int8`` verified.
+
+    The same splice the search measured (:func:`diag.core.surgery.spliced_model`): every other
+    node and initializer of ``int8_path`` is kept as it is, so the file is the user's model with
+    float regions, deployable as is, whatever quantizer made it. reproduce.py calls this.
+
+    Example:
+        >>> splice_to_file("m.fp32.onnx", "m.int8.onnx", ["layer1/ffn/fc1/MatMul"], "m.mixed.onnx")  # doctest: +SKIP
+        PosixPath('m.mixed.onnx')
+    """
+    fp, q = load_pair(fp32_path, int8_path)
+    fp_dir, q_dir = region_dirs(fp, q)
+    try:
+        model = spliced_model(fp.proto, q.proto, list(fp_nodes), match_models(fp.proto, q.proto), fp_dir)
+    except ValueError as e:
+        raise DiagError(
+            "bad-option",
+            f"nodes {list(fp_nodes)}",
+            f"cannot be kept in float inside '{q.path.name}': {e}",
+            "pass FP32 node names of quantized nodes (exclusion.json's nodes_to_exclude)",
+        ) from e
+    return save_spliced(model, Path(out_path), q_dir)
 
 
 def search_target(
@@ -790,8 +895,46 @@ def _rank(setup: SearchSetup, search: _Search, outcome: _Outcome, options: Exclu
     )
     outcome.candidates = ranked_candidates(outcome.compared.findings, set(search.base))
     search.candidates = outcome.candidates
-    if options.estimates:
+    if search.user_int8 is not None:
+        # Surgical: a trial is already one session on a spliced model, so estimates add nothing.
+        search.surgery = _estimate_source(outcome.compared)
+        outcome.warnings += _drop_unspliceable(search)
+        outcome.candidates = search.candidates
+    elif options.estimates:
         search.region = _estimate_source(outcome.compared)
+
+
+def _drop_unspliceable(search: _Search) -> list[str]:
+    """Candidates whose float region cannot be built inside the user's model leave the search, said once.
+
+    One splice of every candidate at once proves them all in the usual case; only when it fails is
+    each tried alone (a subgraph, a tensor with no INT8 pair).
+    """
+    everything = list(range(len(search.candidates)))
+    splices = search.splices  # building is not a trial: only measured splices are counted
+    try:
+        search.splice(search.picked(everything))
+        return []
+    except ValueError:
+        pass
+    finally:
+        search.splices = splices
+    keep, dropped = [], []
+    for i in everything:
+        try:
+            search.splice(search.picked([i]))
+            keep.append(i)
+        except ValueError as e:
+            dropped.append(f"{search.candidates[i].label} ({e})")
+        finally:
+            search.splices = splices
+    search.candidates = [search.candidates[i] for i in keep]
+    if not dropped:
+        return []
+    return [
+        f"{count_phrase(len(dropped), 'quantized group')} cannot be kept in float inside your INT8 model and "
+        f"stay quantized in every trial: {'; '.join(dropped[:5])}" + (" ..." if len(dropped) > 5 else "")
+    ]
 
 
 def _find(search: _Search, outcome: _Outcome) -> None:
@@ -811,15 +954,15 @@ def _finish(
     if chosen and not outcome.exhausted:
         outcome.suggestions = _op_type_suggestions(search, setup.fp, outcome.candidates, chosen, unmeasured)
     if chosen is None:
-        outcome.warnings = _deployed_misses(setup, search)
+        outcome.warnings += _deployed_misses(setup, search)
     outcome.warnings += unmeasured
     if chosen is not None and work_dir is not None:
         outcome.model = Path(work_dir) / "mixed.onnx"
-        copy_model(Path(search.cache[chosen][1]), outcome.model)
+        copy_model(search.model_path(chosen), outcome.model)
     if options.bench_runs > 0:
         paths: list[str | Path] = [setup.fp32, outcome.baseline]
         if chosen:
-            paths.append(search.cache[chosen][1])
+            paths.append(search.model_path(chosen))
         bench = BenchOptions(runs=options.bench_runs, warmup=3, threads=options.threads, progress=False)
         stats = bench_models(paths, setup.split.held_out, bench)
         names = ["fp32", "int8", "mixed"]
@@ -854,6 +997,16 @@ def _exclusion_result(
     setup: SearchSetup, recipe: Recipe, search: _Search, outcome: _Outcome, options: ExcludeOptions
 ) -> ExclusionResult:
     chosen, candidates, exhausted = outcome.chosen, outcome.candidates, outcome.exhausted
+    # NOTE: a list that keeps (almost) every quantized group in float is the FP32 model, not a fix:
+    # NOT REACHABLE unless the target is met with the model still quantized (issue 41 item 5).
+    all_but_float = bool(chosen) and _nearly_all(len(chosen or ()), len(candidates))
+    if all_but_float:
+        outcome.warnings.append(
+            f"only a list keeping {len(chosen or ())} of {len(candidates)} quantized node groups in float met the "
+            "target: that is the FP32 model, not a fix"
+        )
+        chosen = None
+        outcome.model = None
     nodes = search.nodes(chosen) if chosen is not None else []
     final_recipe = recipe.with_excluded(nodes) if chosen is not None else recipe
     result = ExclusionResult(
@@ -887,9 +1040,41 @@ def _exclusion_result(
         alternatives=[] if chosen is not None else alternatives(recipe, candidates),
         latency=outcome.latency,
         model=str(outcome.model) if outcome.model else None,
+        method="surgical" if search.user_int8 is not None else "requantized",
+        producer=_producer(search.user_int8, nodes) if search.user_int8 is not None else {},
+        int8=str(search.user_int8) if search.user_int8 is not None else None,
+        splices=search.splices,
+        quantized_groups=len(candidates),
+        all_but_float=all_but_float,
     )
     result.diagnosis = outcome.compared
     return result
+
+
+def _producer(int8: Path, nodes: list[str]) -> dict[str, Any]:
+    """Who made the user's model, by the marks it carries, and the fix in that tool's own call."""
+    detection = detect_producer(onnx.load(str(int8), load_external_data=False), int8)
+    mark = detection.decided_by
+    return {
+        "key": detection.key,
+        "name": detection.producer.name,
+        "evidence": f"{mark.mark.means} ({mark.found})" if mark is not None else (detection.note or ""),
+        "fix_call": fix_call(detection.producer, nodes) if nodes else "",
+    }
+
+
+#: A met list may keep at most this share of the quantized groups in float and still be a fix.
+MAX_FLOAT_SHARE = 0.9
+
+
+def _nearly_all(in_float: int, quantized: int) -> bool:
+    """Does keeping ``in_float`` of ``quantized`` groups in float leave (almost) nothing quantized?
+
+    Example:
+        >>> _nearly_all(206, 207), _nearly_all(7, 207), _nearly_all(2, 2), _nearly_all(1, 2)
+        (True, False, True, False)
+    """
+    return (quantized > 0 and in_float >= quantized) or (quantized >= 10 and in_float > MAX_FLOAT_SHARE * quantized)
 
 
 def _budget(options: SearchOptions, exhausted: str | None) -> dict[str, Any]:
@@ -905,7 +1090,7 @@ def _budget(options: SearchOptions, exhausted: str | None) -> dict[str, Any]:
 class EstimateSource(NamedTuple):
     """What :meth:`_Search.estimate` edits: the FP32 and baseline INT8 protos and their matching,
     as the ranking comparison of the baseline loaded and matched them, and where external data is
-    read from (:func:`diag.analysis.effects.region_dirs`). The protos hold no external weights: an estimate
+    read from (:func:`diag.core.surgery.region_dirs`). The protos hold no external weights: an estimate
     copies the graph and reads at most its float region's FP32 weights."""
 
     fp: onnx.ModelProto
@@ -968,16 +1153,24 @@ def _op_type_suggestions(
         recipe = dataclasses.replace(search.recipe, op_types_to_quantize=keep)
         t0 = time.perf_counter()
         path = search.work / f"optype-{op}.onnx"
-        try:
-            search.quantize(search.nodes(rest), path, recipe)
-        except DiagError as e:
-            # NOTE: an op-type suggestion is an extra; onnxruntime failing on it (its quantizer
-            # raising the opset under a graph that does not convert) drops the suggestion only.
-            unmeasured.append(f"note: op_types_to_quantize without {op} was not measured: {e.problem}")
-            continue
-        m = search.evaluate(path)
-        met, deployed = search.judge(m, path)
-        path.unlink(missing_ok=True)
+        if search.user_int8 is not None:
+            # Surgical: every candidate group of this op type in float, inside the user's model.
+            model = search.splice(search.picked(rest | frozenset(total)))
+            assert search.surgery is not None
+            m = search.evaluator.evaluate_model(model, path.name, search.surgery.q_dir)
+            search.evaluations += 1
+            met, deployed = search.judge(m, path, model)
+        else:
+            try:
+                search.quantize(search.nodes(rest), path, recipe)
+            except DiagError as e:
+                # NOTE: an op-type suggestion is an extra; onnxruntime failing on it (its quantizer
+                # raising the opset under a graph that does not convert) drops the suggestion only.
+                unmeasured.append(f"note: op_types_to_quantize without {op} was not measured: {e.problem}")
+                continue
+            m = search.evaluate(path)
+            met, deployed = search.judge(m, path)
+            path.unlink(missing_ok=True)
         value = m.value(search.target.metric)
         search.trajectory.append(
             Step(
@@ -1152,11 +1345,35 @@ def summary_lines(result: ExclusionResult) -> list[str]:
     lines.extend(f"  {w}" for w in result.warnings)
     lines.append(
         f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; "
-        f"{count_phrase(result.quantizations, 'quantization')}{calibrations_phrase(result.calibrations)}, "
+        f"{trials_phrase(result.method, result.quantizations, result.splices, result.calibrations)}, "
         f"{count_phrase(result.evaluations, 'evaluation')}{estimates_phrase(result.estimates)}, "
         f"{count_phrase(result.ranking_passes, 'ranking pass', 'ranking passes')} in {result.seconds:.1f} s"
     )
     return lines
+
+
+def trials_phrase(method: str, quantizations: int, splices: int, calibrations: int) -> str:
+    """How the trials were made: spliced into the user's model, or re-quantized by onnxruntime.
+
+    Example:
+        >>> trials_phrase("surgical", 0, 12, 0)
+        '12 models spliced from your INT8 model (no re-quantization)'
+        >>> trials_phrase("requantized", 5, 0, 1)
+        '5 quantizations (1 calibration pass)'
+    """
+    if method == "surgical":
+        return f"{count_phrase(splices, 'model')} spliced from your INT8 model (no re-quantization)"
+    return f"{count_phrase(quantizations, 'quantization')}{calibrations_phrase(calibrations)}"
+
+
+def stays_int8_phrase(in_float: int, quantized: int) -> str:
+    """``12 of 14 quantized node groups stay INT8``: how much of the model a fix leaves quantized.
+
+    Example:
+        >>> stays_int8_phrase(1, 14)
+        '13 of 14 quantized node groups stay INT8'
+    """
+    return f"{quantized - in_float} of {quantized} quantized node groups stay INT8"
 
 
 def _met_lines(result: ExclusionResult, b: float | None, b_note: str) -> list[str]:
@@ -1184,6 +1401,10 @@ def _met_lines(result: ExclusionResult, b: float | None, b_note: str) -> list[st
             f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> {_fmt(a, t)}"
             f"{_deployed_note(result)} by {keeping}"
         )
+    where = "inside your INT8 model" if result.method == "surgical" else "re-quantized from the recipe"
+    lines.append(f"  {where}: {stays_int8_phrase(len(result.excluded), result.quantized_groups)}")
+    if result.producer.get("fix_call"):
+        lines.append(f"  made by {result.producer['name']}: reproduce.py also words the list in its terms")
     if result.budget.get("exhausted"):
         lines.append(
             f"  budget exhausted ({result.budget['reason']}): this is the smallest list that met the target "

@@ -414,3 +414,40 @@ def _extra_options_source(extra: dict[str, Any]) -> str:
     text = repr(extra)
     text = re.sub(r"'quant_type': '(\w+)'", r"'quant_type': QuantType.\1", text)
     return re.sub(r"'(rmin|rmax|scale)': ([-+0-9.eE]+)", r"'\1': np.float32(\2)", text)
+
+
+def splice_snippet(
+    fp32: str, int8: str, nodes: list[str], model_out: str, header: str, requantize_call: str | None = None
+) -> str:
+    """reproduce.py of a surgical fix: the user's INT8 model with ``nodes`` spliced in float, by diag.
+
+    A surgical fix is not a quantizer call: the float regions are cut into the model the user
+    ships (:func:`diag.fix.exclude.splice_to_file`), so the script needs diag. ``requantize_call``
+    (the fix in the producer's own vocabulary) is shown as a comment only: re-quantizing makes a
+    different model unless the recipe round-trips, and that model was not the one verified.
+
+    Example:
+        >>> print(splice_snippet("m.fp32.onnx", "m.int8.onnx", ["fc1"], "m.reproduced.onnx", "# met").splitlines()[-2])
+        diag.splice_to_file(FP32, INT8, NODES, OUT)
+    """
+    lines = [
+        header,
+        "# Every other node and initializer of your INT8 model is kept as it is: no quantizer runs.",
+        "import os",
+        "",
+        "import diag",
+        "",
+        f"FP32 = os.path.abspath({fp32!r})",
+        f"INT8 = os.path.abspath({int8!r})",
+        f"OUT = os.path.abspath({model_out!r})",
+        f"NODES = {json.dumps(list(nodes), ensure_ascii=False)}",
+    ]
+    if requantize_call:
+        lines += [
+            "",
+            "# The same list in your quantizer's own terms; re-quantizing builds another model, verified only",
+            "# when the recipe rebuilds yours exactly (diag exclude --int8 ... --requantize proves that first):",
+            *[f"#   {x}".rstrip() for x in requantize_call.splitlines()],
+        ]
+    lines += ["", "diag.splice_to_file(FP32, INT8, NODES, OUT)", "print('wrote', OUT)"]
+    return "\n".join(lines) + "\n"

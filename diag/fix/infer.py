@@ -11,6 +11,9 @@ Everything onnxruntime decides leaves a trace in the graph:
   ``WeightSymmetric`` / ``ActivationSymmetric`` only where it differs from onnxruntime's default
   (weights: symmetric for signed types; activations: asymmetric);
 * reduce_range: every weight fits in 7 bits (onnxruntime's reduced ranges);
+* MatMulConstBOnly (dynamic): a MatMulInteger reading B from a DynamicQuantizeLinear output
+  quantizes two activations, which ``quantize_dynamic`` does only with ``MatMulConstBOnly: False``
+  (its default is True); written only then;
 * nodes_to_exclude: nodes of an op type onnxruntime's registry would quantize still in float.
 
 NOTE: Exclusions are inferred only where the graph holds proof. Weighted ops (Conv,
@@ -20,6 +23,14 @@ QLinear quantizers for them quantize any float input themselves, so a float one 
 Other weightless ops are not listed: onnxruntime quantizes Reshape, Transpose, Relu... only when
 their input is quantized, and in QDQ a Q/DQ pair is shared by quantized and skipped consumers
 alike. Guessing there would produce exclusion lists nobody asked for.
+
+NOTE: A MatMul reading two activations (attention's Q·Kᵀ and P·V) is left in float by the
+``MatMulConstBOnly`` lever, not by the user, wherever the lever is on: it is never an exclusion in a
+dynamic model that quantizes no such MatMul (the default). Where the graph proves the lever off (a
+MatMulInteger reads two activations), a float one beside it was excluded. QOperator reads the lever
+too (its default is off), but a QOperator model whose every such MatMul is float could have been
+made either way (the lever on, or each one excluded): diag lists them in nodes_to_exclude, which
+rebuilds the same graph, and says so in the evidence. QDQ ignores the lever.
 
 NOTE: What the graph cannot tell is said, not guessed: ``calibrate_method`` (MinMax, Entropy and
 Percentile all end as a scale), calibration data, ``preprocess``, and whether a whole op type was
@@ -49,7 +60,7 @@ from diag.fix.lint import DIAG_ONLY_KEYS, RECIPE_KEYS, quantizable_op_types
 from diag.fix.weightonly import infer_weight_only
 from diag.foundations.errors import DiagError
 from diag.foundations.files import output_file, write_set
-from diag.foundations.ortfacts import FORMATS, families_where, weight_operands
+from diag.foundations.ortfacts import FORMATS, QUANTIZED_OPS, families_where, weight_operands
 
 #: ops whose weight (input 1) onnxruntime quantizes when it quantizes the op.
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
@@ -86,6 +97,10 @@ UNKNOWN_FIELDS = {
     "calibrate_method": "MinMax, Entropy, Percentile and Distribution all end as a scale in the model",
     "calibration": "the calibration data is not stored in the model",
     "preprocess": "quant_pre_process leaves no mark that survives quantization",
+}
+#: quantized ops computing a MatMul, with the input index of their second operand (B).
+_MATMUL_B = {
+    op.op_type: op.operand(1).index for op in QUANTIZED_OPS.values() if op.float_op == "MatMul" and op.operands
 }
 
 
@@ -243,22 +258,18 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
         default_symmetric = w_dtype in (onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.FLOAT8E4M3FN)
         if w_zps and symmetric != default_symmetric:
             extra["WeightSymmetric"] = symmetric
+    untold: dict[str, str] = {}
+    if kind == "dynamic" and weights and w_dtype != onnx.TensorProto.UINT8:
+        untold = _dynamic_activation_symmetry(inits, weights, recipe["weight_type"], extra, evidence, base_dir)
     if kind != "dynamic":
         act_zps = _activation_zero_points(graph, inits)
         float8 = all(z.data_type == onnx.TensorProto.FLOAT8E4M3FN for z in act_zps)
         if act_zps and not float8 and all(_is_symmetric(z, base_dir) for z in act_zps):
             extra["ActivationSymmetric"] = True
-    dtypes = value_dtypes(model) if kind == "qoperator" else None
-    excluded = _excluded_nodes(graph, inits, producers, kind, dtypes)
-    recipe["nodes_to_exclude"] = excluded
-    evidence.append(
-        f"nodes_to_exclude: {len(excluded)} quantizable node(s) left in float"
-        if excluded
-        else "nodes_to_exclude: every quantizable node with a float weight is quantized"
-    )
+    recipe["nodes_to_exclude"] = _exclusions(model, inits, producers, kind, extra, evidence)
     if extra:
         recipe["extra_options"] = extra
-    unknown = dict(UNKNOWN_FIELDS)
+    unknown = dict(UNKNOWN_FIELDS) | untold
     if kind == "dynamic":
         del unknown["calibrate_method"], unknown["calibration"]
     elif recipe.get("activation_type") == "QFLOAT8E4M3FN":
@@ -266,6 +277,76 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
         del unknown["calibrate_method"]
         evidence.append("calibrate_method: onnxruntime quantizes to float8 with Distribution only")
     return InferredRecipe(recipe, unknown, evidence)
+
+
+def _dynamic_activation_symmetry(
+    inits: dict[str, onnx.TensorProto],
+    weights: list[tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]],
+    weight_type: str,
+    extra: dict[str, Any],
+    evidence: list[str],
+    base_dir: str = "",
+) -> dict[str, str]:
+    """``ActivationSymmetric`` of a dynamic model with signed weights, into ``extra`` when proven on.
+
+    Returns the unknown fields: the option, when its constants cannot tell (see :func:`_activation_symmetric`).
+    """
+    tables = _activation_typed_constants(inits, {q.name for q, _, _ in weights})
+    told = _activation_symmetric(tables, base_dir)
+    if told:
+        extra["ActivationSymmetric"] = True
+        evidence.append(
+            f"ActivationSymmetric: True — {len(tables)} constant(s) quantized to uint8 beside "
+            f"{weight_type} weights are centred on 128 without spanning 0..255: e.g. '{tables[0][0].name}'"
+        )
+    if told is not None:
+        return {}
+    return {
+        "extra_options.ActivationSymmetric": (
+            f"the {len(tables)} constant(s) quantize_dynamic quantizes with it (e.g. '{tables[0][0].name}') "
+            "are centred on 128 and span 0..255, as both settings would make them"
+        )
+    }
+
+
+def _exclusions(
+    model: onnx.ModelProto,
+    inits: dict[str, onnx.TensorProto],
+    producers: dict[str, onnx.NodeProto],
+    kind: str,
+    extra: dict[str, Any],
+    evidence: list[str],
+) -> list[str]:
+    """``nodes_to_exclude``, after ``MatMulConstBOnly`` (into ``extra`` where the graph proves it off).
+
+    The lever comes first: it decides whether a float MatMul on two activations is an exclusion.
+    """
+    graph = model.graph
+    both_quantized = two_activation_matmuls(graph)
+    lever_off = kind == "dynamic" and bool(both_quantized)
+    if lever_off:
+        extra["MatMulConstBOnly"] = False  # quantize_dynamic's default is True: only this trace proves it off
+        evidence.append(
+            f"MatMulConstBOnly: False — {len(both_quantized)} MatMulInteger read two activations "
+            f"(B from DynamicQuantizeLinear): e.g. '{both_quantized[0]}'"
+        )
+    dtypes = value_dtypes(model) if kind == "qoperator" or lever_off else None
+    excluded = _excluded_nodes(graph, inits, producers, kind, dtypes, lever_off)
+    evidence.append(
+        f"nodes_to_exclude: {len(excluded)} quantizable node(s) left in float"
+        if excluded
+        else "nodes_to_exclude: every quantizable node with a float weight is quantized"
+    )
+    if kind == "qoperator" and not both_quantized:
+        listed = set(excluded)
+        float_pairs = [n for n in _float_activation_matmuls(graph, inits, dtypes) if n in listed]
+        if float_pairs:
+            evidence.append(
+                f"MatMulConstBOnly: not told — every MatMul reading two activations is float "
+                f"({len(float_pairs)}, e.g. '{float_pairs[0]}'); listed in nodes_to_exclude, which rebuilds "
+                "the graph MatMulConstBOnly: True makes"
+            )
+    return excluded
 
 
 def _quantized_weights(
@@ -303,6 +384,45 @@ def _quantized_weights(
     return list(found.values())
 
 
+def _activation_typed_constants(
+    inits: dict[str, onnx.TensorProto], weight_names: set[str]
+) -> list[tuple[onnx.TensorProto, onnx.TensorProto]]:
+    """(quantized constant, zero point) of a dynamic model's uint8 constants that are no op's weight.
+
+    ``quantize_dynamic`` quantizes the constant inputs it does not treat as weights (a Gather's
+    embedding table) with its activation type, uint8, and the activation's symmetry; they are
+    found by onnxruntime's names ``<t>_quantized`` / ``<t>_zero_point``.
+    """
+    out = []
+    for name, q in inits.items():
+        if name in weight_names or q.data_type != onnx.TensorProto.UINT8 or not name.endswith("_quantized"):
+            continue
+        zp = inits.get(name[: -len("_quantized")] + "_zero_point")
+        if zp is not None and zp.data_type == onnx.TensorProto.UINT8 and _size(zp) == 1:
+            out.append((q, zp))
+    return out
+
+
+def _activation_symmetric(tables: list[tuple[onnx.TensorProto, onnx.TensorProto]], base_dir: str = "") -> bool | None:
+    """Whether uint8 constants were quantized symmetrically: True, False, or None (cannot tell).
+
+    Symmetric quantization always writes zero point 128, and maps only the side of the larger
+    magnitude to an end of 0..255. Asymmetric quantization of values of both signs maps the
+    minimum to 0 and the maximum to 255 exactly, whatever its zero point. So a zero point other
+    than 128 proves asymmetric, and 128 with a range short of 0..255 proves symmetric; 128 spanning
+    0..255 is what both make.
+    """
+    if not tables:
+        return False
+    if any(int(numpy_helper.to_array(zp).ravel()[0]) != 128 for _, zp in tables):
+        return False
+    for q, _ in tables:
+        values = numpy_helper.to_array(q, base_dir)
+        if values.size and (int(values.min()) > 0 or int(values.max()) < 255):
+            return True
+    return None
+
+
 def _activation_zero_points(graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto]) -> list[onnx.TensorProto]:
     """Zero points of QuantizeLinear nodes that quantize activations (not constant weights)."""
     out = []
@@ -320,19 +440,25 @@ def _excluded_nodes(
     producers: dict[str, onnx.NodeProto],
     kind: str,
     dtypes: dict[str, int] | None = None,
+    matmul_const_b_off: bool = False,
 ) -> list[str]:
     """FP32 nodes onnxruntime would have quantized that are still float, in graph order.
 
     Weighted ops (all formats): a Conv / ConvTranspose / MatMul / Gemm still reading a float
     weight initializer. QOperator only: an Add / Mul / Softmax / MatMul on float activations;
     onnxruntime's QLinear quantizers for these types quantize their inputs
-    themselves, so a float one was skipped. The quantizable op types come from the installed
-    onnxruntime's registries: IntegerOpsRegistry for dynamic, QDQRegistry / QLinearOpsRegistry for
-    static (its default op_types_to_quantize).
+    themselves, so a float one was skipped. Dynamic, where the graph proves ``MatMulConstBOnly``
+    off (``matmul_const_b_off``): a MatMul on two float activations. Without that proof such a
+    MatMul is never listed: the lever kept it in float, not the user. The quantizable op types
+    come from the installed onnxruntime's registries: IntegerOpsRegistry for dynamic, QDQRegistry /
+    QLinearOpsRegistry for static (its default op_types_to_quantize).
     """
     quantizable = set(quantizable_op_types(kind))
     weighted = quantizable & set(WEIGHTED_OPS)
     unconditional = _unconditional_qoperator_ops() & quantizable if kind == "qoperator" else set()
+    lever_kept: set[str] = set()
+    if kind == "dynamic" and matmul_const_b_off and "MatMul" in quantizable:
+        lever_kept = set(_float_activation_matmuls(graph, inits, dtypes))
     out = []
     for node in graph.node:
         if node.op_type in weighted and len(node.input) > 1 and node.input[1] in inits:
@@ -340,10 +466,62 @@ def _excluded_nodes(
             if w.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
                 out.append(node.name)
             continue
+        if node.name in lever_kept:
+            out.append(node.name)
+            continue
         if node.op_type in unconditional and dtypes is not None:
             acts = [i for i in node.input if i and i not in inits]
             if acts and all(dtypes.get(i) == onnx.TensorProto.FLOAT for i in acts):
                 out.append(node.name)  # (integer shape arithmetic, or unknown types: no proof)
+    return out
+
+
+def two_activation_matmuls(graph: onnx.GraphProto) -> list[str]:
+    """Quantized MatMuls reading two activations (B quantized at run time), in graph order.
+
+    onnxruntime's dynamic and QOperator quantizers quantize a MatMul whose B is not a constant
+    (attention's Q·Kᵀ and P·V) only with ``MatMulConstBOnly`` off; its quantized B is then the
+    output of a quantizing node (``DynamicQuantizeLinear``, ``QuantizeLinear``, a ``QLinear*`` op)
+    where a weight's is an initializer. Nodes are named as in the graph (an unnamed one by its output).
+
+    Example:
+        >>> g = onnx.parser.parse_graph('''
+        ...   g (float[2,2] a, float[2,2] b) => (int32[2,2] y) {
+        ...     qa, sa, za = DynamicQuantizeLinear(a)
+        ...     qb, sb, zb = DynamicQuantizeLinear(b)
+        ...     [scores] y = MatMulInteger(qa, qb, za, zb)
+        ...   }''')
+        >>> two_activation_matmuls(g)
+        ['scores']
+    """
+    inits = {t.name for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    out = []
+    for node in graph.node:
+        b = _MATMUL_B.get(node.op_type)
+        if b is None or b >= len(node.input) or not node.input[b] or node.input[b] in inits:
+            continue
+        producer = producers.get(node.input[b])
+        if producer is not None and producer.op_type in QUANTIZED_OPS:
+            out.append(node.name or node.output[0])
+    return out
+
+
+def _float_activation_matmuls(
+    graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto], dtypes: dict[str, int] | None
+) -> list[str]:
+    """Float MatMuls whose two inputs are float activations (neither an initializer), in graph order.
+
+    Without element types (``dtypes`` None) nothing is proven float, and none is listed.
+    """
+    if dtypes is None:
+        return []
+    out = []
+    for node in graph.node:
+        if node.op_type != "MatMul" or len(node.input) < 2 or any(i in inits for i in node.input[:2]):
+            continue
+        if all(dtypes.get(i) == onnx.TensorProto.FLOAT for i in node.input[:2]):
+            out.append(node.name)
     return out
 
 

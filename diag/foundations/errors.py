@@ -46,6 +46,9 @@ SLUGS: dict[str, str] = {
     ),
     "missing-templates": "the report templates are not installed with the package",
     "bad-recipe": "a recipe file is not valid JSON/TOML or has an unknown key or value",
+    "recipe-mismatch": (
+        "a recipe does not rebuild the user's INT8 model exactly, so re-quantizing from it would fix another model"
+    ),
     "quantize-failed": "onnxruntime's quantizer failed, or its output does not load in onnxruntime",
     "missing-extra": 'an optional dependency a flag needs is not installed (e.g. pip install "diag[dask]")',
     "no-scheduler": "the Dask scheduler given by --scheduler cannot be reached or has no workers",

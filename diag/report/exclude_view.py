@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from diag.fix.exclude import calibrations_phrase, count_phrase, estimates_phrase
+from diag.fix.exclude import count_phrase, estimates_phrase, stays_int8_phrase, trials_phrase
 from diag.foundations.metricnames import held_out_names
 from diag.report.plots_exclude import trajectory_plot
 
@@ -45,6 +45,9 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
     if budget.get("exhausted") and verdict == "met":
         verdict = f"met (budget exhausted: {budget['reason']}; verified, not proven minimal)"
     calib = s.get("calibrations") or 0
+    method = doc.get("method", "requantized")
+    stays = doc.get("stays_int8") or {}
+    kept = f"; {stays_int8_phrase(stays['of'] - stays['groups'], stays['of'])}" if stays.get("of") else ""
     return {
         "verdict": verdict,
         "target": doc["target"],
@@ -52,16 +55,18 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
         "nodes": list(doc["nodes_to_exclude"]),
         "metrics": rows,
         "latency": latency,
-        "counts": f"{count_phrase(s['quantizations'], 'quantization')}{calibrations_phrase(calib)}, "
+        "counts": f"{trials_phrase(method, s['quantizations'], s.get('splices', 0), calib)}, "
         f"{count_phrase(s['evaluations'], 'evaluation')}{estimates_phrase(s.get('estimates', 0))}, "
         f"{count_phrase(s['ranking_passes'], 'ranking pass', 'ranking passes')} over {s['candidates']} candidate "
-        f"groups in {s['seconds']:.1f} s" + _cluster_note(s.get("cluster") or {}),
+        f"groups in {s['seconds']:.1f} s{kept if doc['reachable'] else ''}" + _cluster_note(s.get("cluster") or {}),
         "trajectory_svg": trajectory_plot(doc) if with_plots and s["trajectory"] else "",
         "snippet": doc["snippet"],
         "fix_call": best_fix_call(doc),
         "fix_lines": fix_lines(doc),
         "recipe_line": (doc.get("recipe_origin") or {}).get("line", ""),
         "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
+        "before_label": "your INT8 model" if method == "surgical" else "the recipe, quantized by diag",
+        "after_label": "with float regions spliced in" if method == "surgical" else "with the exclusions",
     }
 
 
