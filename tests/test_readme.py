@@ -93,7 +93,12 @@ def _split(cmd: str) -> tuple[dict[str, str], list[str]]:
 #: QDQ demo by running it with the effects check at two kernel paths.
 KERNEL_DEPENDENT = (
     # "effect on logits of keeping one node in float: a 16%, b 9% (8 samples)": which nodes, how much
-    (re.compile(r"^(\s*effect on \S+ of keeping one node in float: ).*( \(\d+ samples\))$"), r"\1<measured>\2"),
+    (
+        re.compile(r"^(\s*effect on \S+ of keeping one node in float: ).*( \(\d+ samples), optimization level \w+\)$"),
+        r"\1<measured>\2, optimization level <level>)",
+    ),
+    # the level the effects ran at ("all" as shipped; the test below also runs them in exact mode)
+    (re.compile(r"at optimization level \w+"), "at optimization level <level>"),
     # "keeping it alone in float recovers only 11% of the error of logits"
     (re.compile(r"recovers (only |at most )?\d+%"), r"recovers \1<measured>%"),
     # the demo's best verified fix (a node list or an op-type change) is met as deployed (level
@@ -277,8 +282,9 @@ def test_kernel_dependent_lines_are_exactly_the_scrubbed_ones(tmp_path, monkeypa
 
 
 def test_the_scrubber_blurs_measurements_not_names():
-    line = "  effect on logits of keeping one node in float: classifier/MatMul 16%, x/Add 9% (8 samples)"
-    assert _scrub(line) == "  effect on logits of keeping one node in float: <measured> (8 samples)"
+    head_of = "  effect on logits of keeping one node in float: "
+    line = head_of + "classifier/MatMul 16%, x/Add 9% (8 samples, optimization level all)"
+    assert _scrub(line) == head_of + "<measured> (8 samples, optimization level <level>)"
     head = "verdict: ACCEPTABLE - likely root cause (by local error): a/MatMul (100% of the local error"
     assert _scrub(head + "; recovers only 0% of") == head + "; recovers only <measured>% of"
     assert _scrub(head.replace("a/MatMul", "b/MatMul")) != _scrub(head)

@@ -265,3 +265,21 @@ def test_exclude_int8_fixes_models_of_other_quantizers_in_place(kind, fixture, t
         assert "nncf.IgnoredScope(names=[" in snippet
     for name in doc["nodes_to_exclude"]:
         assert repr(name) in snippet or json.dumps(name) in snippet
+
+
+def test_exclude_max_memory_splits_the_ranking_pass_as_compare_does(const_b_off, tmp_path, capsys) -> None:
+    """``--max-memory`` bounds exclude's ranking pass, the one run that exposes every tensor, exactly
+    as in `diag compare`: its tensors are split into passes, and the answer does not change."""
+    fp, q, x, _ = const_b_off
+    common = ["--inputs", x, "--batch", "8", "--target", "cosine>=0.999", "--bench-runs", "0", "--quiet"]
+    answers = {}
+    for budget in (None, "300KB"):
+        out = tmp_path / str(budget)
+        flags = ["--max-memory", budget] if budget else []
+        code, _, err = run_cli(["exclude", fp, "--int8", q, *common, *flags, "--out", out], capsys)
+        assert code == 0, err
+        passes = json.loads((out / "diag.json").read_text())["run"]["passes"]
+        assert (passes > 1) == (budget is not None), passes
+        doc = json.loads((out / "exclusion.json").read_text())
+        answers[budget] = (doc["nodes_to_exclude"], doc["metrics"]["after"]["cosine"])
+    assert answers[None] == answers["300KB"]

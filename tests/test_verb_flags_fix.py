@@ -38,6 +38,8 @@ SEARCH_FLAGS = [
     "11",
     "--time-budget",
     "13.5",
+    "--max-memory",
+    "2GB",
     "--quiet",
 ]
 SEARCH_FIELDS: dict[str, Any] = {
@@ -49,6 +51,7 @@ SEARCH_FIELDS: dict[str, Any] = {
     "bench_runs": 7,
     "max_trials": 11,
     "time_budget": 13.5,
+    "max_memory": 2 * 2**30,
     "progress": False,
 }
 
@@ -58,6 +61,12 @@ CASES: list[tuple[str, list[str], Any, Any]] = [
         ["exclude", "m.onnx", "--random", *SEARCH_FLAGS, "--no-estimates", "--scheduler", "local:2"],
         cli._exclude_options,
         ExcludeOptions(**SEARCH_FIELDS, estimates=False, scheduler="local:2"),
+    ),
+    (
+        "exclude --int8 --requantize",
+        ["exclude", "m.onnx", "--random", "--target", "max_abs<=0.1", "--int8", "q.onnx", "--requantize"],
+        cli._exclude_options,
+        ExcludeOptions("max_abs<=0.1", int8="q.onnx", requantize=True),
     ),
     (
         "exclude (defaults)",
@@ -198,10 +207,10 @@ def test_the_search_flags_the_tier_search_cannot_honour_are_refused():
 
 CALLS = [
     ("diag.cli.verbs.exclude_to_dir", CASES[0][1], 3),
-    ("diag.cli.verbs.tier_plan_to_dir", CASES[2][1], 3),
-    ("diag.cli.verbs.sweep_to_dir", CASES[3][1], 3),
-    ("diag.cli.verbs.bench_to_json", CASES[5][1], 2),
-    ("diag.cli.verbs.quantize_to_file", CASES[7][1], 1),
+    ("diag.cli.verbs.tier_plan_to_dir", CASES[3][1], 3),
+    ("diag.cli.verbs.sweep_to_dir", CASES[4][1], 3),
+    ("diag.cli.verbs.bench_to_json", CASES[6][1], 2),
+    ("diag.cli.verbs.quantize_to_file", CASES[8][1], 1),
 ]
 
 

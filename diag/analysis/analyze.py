@@ -528,9 +528,16 @@ def recommended_nodes(findings: list[NodeFinding]) -> tuple[list[str], list[str]
 
     The one list a compare run suggests (its summary, report, ``diag.json`` and the estimate in
     :func:`diag.analysis.effects.estimate_list` all use it). Unnamed nodes only have diag's stand-in ids
-    (``MatMul#2``), which ``nodes_to_exclude`` cannot take: they are listed apart.
+    (``MatMul#2``), which ``nodes_to_exclude`` cannot take: they are listed apart. When the effect
+    check refuted every locally bad node as *the* cause (each is a ``contributor``, none a root
+    cause), the list is those nodes: together they may still help, and the estimate measures it.
     """
     roots = sorted((f for f in findings if f.role == "root-cause"), key=lambda f: f.rank_local)
+    if not roots:
+        roots = sorted(
+            (f for f in findings if f.role == "contributor" and f.local is not None and f.local.sqnr_db < BAD_SQNR_DB),
+            key=lambda f: f.rank_local,
+        )
     exclude = [name for f in roots if f.group.quantized and not f.group.unnamed for name in f.group.fp_nodes]
     return exclude, [f.group.label for f in roots if f.group.unnamed]
 

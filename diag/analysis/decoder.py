@@ -75,6 +75,8 @@ class DecoderLayout:
     projections: list[ProjectionRow]
     #: Quantized nodes outside any numbered layer (``lm_head``, an embedding): (label, local dB, accumulated dB).
     outside: list[tuple[str, float | None, float]] = field(default_factory=list)
+    #: What the stack is, read off its module paths (:func:`stack_kind`): "encoder", "decoder" or "transformer".
+    stack: str = "transformer"
 
     @property
     def worst_layer(self) -> LayerRow | None:
@@ -85,6 +87,7 @@ class DecoderLayout:
     def to_dict(self) -> dict[str, Any]:
         """The ``decoder`` section of ``diag.json``."""
         return {
+            "stack": self.stack,
             "layers": [
                 {
                     "index": r.index,
@@ -239,7 +242,30 @@ def decoder_layout(findings: list[NodeFinding], paths: dict[str, str] | None = N
         (ProjectionRow(name, by) for name, by in projections.items()),
         key=lambda p: min(order[n] for n, _, _ in p.by_layer.values()),
     )
-    return DecoderLayout(layers, rows, outside)
+    names = [path(f) for fs in by_layer.values() for f in fs] + [label for label, _, _ in outside]
+    return DecoderLayout(layers, rows, outside, stack_kind(names))
+
+
+def stack_kind(names: list[str]) -> str:
+    """``"encoder"``, ``"decoder"`` or ``"transformer"`` (both, or neither said), from module paths.
+
+    An encoder is titled as one (BERT's ``/encoder/layer.N``, Whisper's encoder); a decoder-only
+    LLM's paths say ``decoder`` or it has an ``lm_head``; names that say neither stay "transformer".
+
+    Example:
+        >>> stack_kind(["/bert/encoder/layer.0/attention/self/query/MatMul"])
+        'encoder'
+        >>> stack_kind(["/model/layers.0/self_attn/q_proj/MatMul", "/lm_head/MatMul"])
+        'decoder'
+        >>> stack_kind(["layer0/attn/q/MatMul"])
+        'transformer'
+    """
+    low = [n.lower() for n in names]
+    encoder = any("encoder" in n for n in low)
+    decoder = any("decoder" in n or "lm_head" in n for n in low)
+    if encoder != decoder:
+        return "encoder" if encoder else "decoder"
+    return "transformer"
 
 
 def layer_sentence(layout: DecoderLayout) -> str:

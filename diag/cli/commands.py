@@ -379,6 +379,8 @@ def cmd_exclude(args: argparse.Namespace) -> int:
 
 def _search_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags diag exclude and diag exclude --tiers share, as :class:`diag.fix.exclude.SearchOptions` fields."""
+    from diag.core.run import parse_size
+
     return {
         "target": args.target,
         "holdout": args.holdout,
@@ -391,6 +393,7 @@ def _search_options(args: argparse.Namespace) -> dict[str, Any]:
         "metric": args.metric,
         "int8": args.int8,
         "deploy_level": args.deploy_level,
+        "max_memory": parse_size(args.max_memory) if args.max_memory else None,
     }
 
 
@@ -676,14 +679,8 @@ def _report_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _exclude_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("fp32", help="the FP32 model")
-    _add_recipe(
-        p,
-        "recipe .json/.toml (onnxruntime's argument names); default: --int8's recipe, else "
-        '{"mode": "dynamic"} (onnxruntime\'s defaults)',
-        metavar="PATH",
-    )
+def _add_int8_flags(p: argparse.ArgumentParser) -> None:
+    """``--int8`` and ``--requantize``: where a search starts (the user's model) and whether it re-quantizes."""
     p.add_argument(
         "--int8",
         metavar="MODEL",
@@ -698,6 +695,17 @@ def _exclude_flags(p: argparse.ArgumentParser) -> None:
         "calibration sees the exclusions; refused (recipe-mismatch, exit 2) unless the recipe rebuilds your "
         "INT8 model exactly",
     )
+
+
+def _exclude_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("fp32", help="the FP32 model")
+    _add_recipe(
+        p,
+        "recipe .json/.toml (onnxruntime's argument names); default: --int8's recipe, else "
+        '{"mode": "dynamic"} (onnxruntime\'s defaults)',
+        metavar="PATH",
+    )
+    _add_int8_flags(p)
     _add_target(p, "goal on held-out inputs, e.g. cosine>=0.999", required=True)
     p.add_argument(
         "--deploy-level",
@@ -708,6 +716,12 @@ def _exclude_flags(p: argparse.ArgumentParser) -> None:
         "an exclusion (default: all, onnxruntime's default; disabled: exact mode only)",
     )
     _add_feed_flags(p)
+    p.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="as in diag compare: budget for one batch's exposed tensors in the ranking pass (e.g. 4GB); above "
+        "it they are split into passes",
+    )
     _add_holdout(p, "share of the samples held out for verification, cut on batch boundaries (default 0.5)")
     _add_labels(p, ".npy of class indices (accuracy_drop / f1_drop targets)")
     _add_metric(

@@ -501,7 +501,7 @@ def _measured_lines(result: CompareResult) -> list[str]:
             lines.append(
                 f"  effect on {effects.target} of keeping one node in float: "
                 + ", ".join(f"{e.finding.group.label} {e.recovered:.0%}" for e in shown)
-                + f" ({effects.samples} samples)"
+                + f" ({effects.samples} samples, optimization level {effects.level})"
             )
     for v in result.verdicts:
         for label, (part, acc, local) in v.per_sample.parts.items():

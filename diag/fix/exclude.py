@@ -127,6 +127,9 @@ class SearchOptions:
     int8: str | None = None
     deploy_level: str = DEPLOY_LEVEL
     requantize: bool = False
+    #: ``--max-memory``: the ranking pass's budget for one batch's exposed tensors (split into passes
+    #: above it), as in `diag compare`; None: no budget (the pre-flight still refuses what cannot fit).
+    max_memory: int | None = None
 
     @property
     def surgical(self) -> bool:
@@ -891,7 +894,10 @@ def derive_exclusions(
 def _rank(setup: SearchSetup, search: _Search, outcome: _Outcome, options: ExcludeOptions) -> None:
     """The ranking pass: compare the baseline INT8 model with FP32 on the ranking split."""
     outcome.compared = compare_models(
-        setup.fp32, outcome.baseline, setup.split.ranking, CompareOptions(progress=False, threads=options.threads)
+        setup.fp32,
+        outcome.baseline,
+        setup.split.ranking,
+        CompareOptions(progress=False, threads=options.threads, max_memory=options.max_memory),
     )
     outcome.candidates = ranked_candidates(outcome.compared.findings, set(search.base))
     search.candidates = outcome.candidates

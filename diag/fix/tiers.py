@@ -468,7 +468,10 @@ def derive_tier_plan(
         budget: str | None = None
         if not met0:
             compared = compare_models(
-                setup.fp32, baseline, setup.split.ranking, CompareOptions(progress=False, threads=o.threads)
+                setup.fp32,
+                baseline,
+                setup.split.ranking,
+                CompareOptions(progress=False, threads=o.threads, max_memory=o.max_memory),
             )
             s.candidates = ranked_candidates(compared.findings, set(recipe.nodes_to_exclude or []))
             try:

@@ -262,6 +262,8 @@ class DecoderView:
     layers: list[LayerRowView]
     outside: list[tuple[str, str, str]]
     plot: str
+    #: "Per encoder layer", "Per decoder layer" or "Per transformer layer" (what the stack is).
+    title: str = "Per transformer layer"
 
 
 @dataclass
@@ -566,7 +568,8 @@ def _decoder_view(decoder: dict[str, Any] | None, bad_db: float, with_plots: boo
             )
         )
     outside = [(o["node"], fmt_db(o["local_sqnr_db"]), fmt_db(o["accumulated_sqnr_db"])) for o in decoder["outside"]]
-    return DecoderView(names, rows, outside, per_layer(decoder, bad_db) if with_plots else "")
+    title = f"Per {decoder.get('stack', 'transformer')} layer"
+    return DecoderView(names, rows, outside, per_layer(decoder, bad_db) if with_plots else "", title)
 
 
 def _starting_point_fields(models: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
@@ -873,7 +876,10 @@ def _effects_note(effects: dict[str, Any] | None) -> str:
     if not effects:
         return ""
     skipped = effects.get("skipped") or {}
-    note = f"Measured on '{effects['target']}' (the worst output or part) over {effects['samples']} samples."
+    note = (
+        f"Measured on '{effects['target']}' (the worst output or part) over {effects['samples']} samples, the "
+        f"models run at onnxruntime's optimization level {effects.get('level', 'all')} (its default: what you deploy)."
+    )
     if skipped:
         note += f" Not rebuilt: {', '.join(sorted(skipped))}."
     return note
