@@ -1,4 +1,4 @@
-"""Finding the headless Chromium the browser tests drive (Debian's package, installed by .ci/run)."""
+"""Finding the headless Chromium the browser tests drive (Debian's package, installed by tools/test.sh)."""
 
 from __future__ import annotations
 
@@ -11,5 +11,8 @@ def chromium() -> str:
     """Path of the chromium binary; fails the test (never skips) when it is missing."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.fail("Debian's chromium is required for the browser test: apt-get install chromium (see .ci/run)")
+        pytest.fail(
+            "Debian's chromium is required for the browser test: run tools/test.sh (it installs it), "
+            "or apt-get install chromium"
+        )
     return path

@@ -69,3 +69,19 @@ def test_summary_md_matches_the_golden_file(built):
         golden.write_text(md)
     assert md == golden.read_text()
     assert len(md.splitlines()) <= 60
+
+
+def test_a_long_summary_is_cut_in_the_middle_never_the_verdict_or_the_fix(monkeypatch):
+    """Issue 45: summary.md ("paste it in a PR") keeps its verdict and the fix to paste whole; the
+    sections between them are shortened, then cut."""
+    from diag.report import view as view_module
+
+    doc = json.loads(DOC.read_text())
+    full = render_markdown(view_from_document(doc, with_plots=False)).splitlines()
+    fix_at = next(i for i, line in enumerate(full) if line.startswith("**Starting point**"))
+    monkeypatch.setattr(view_module, "SUMMARY_MAX_LINES", 30)
+    short = render_markdown(view_from_document(doc, with_plots=False)).splitlines()
+    assert len(short) <= 30 and "_(truncated; see report.html)_" in short
+    assert short[:3] == full[:3]  # the title and the verdict
+    assert short[-(len(full) - fix_at) :] == full[fix_at:]  # the fix block, fence and verify command whole
+    assert any("nodes_to_exclude=" in line for line in short)

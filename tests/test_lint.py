@@ -223,3 +223,21 @@ def test_names_are_checked_against_a_float_model_only(built, tmp_path):
 def _recipe(path: Path) -> Path:
     path.write_text('{"mode": "dynamic", "nodes_to_exclude": ["conv3"]}')
     return path
+
+
+def test_use_external_data_format_is_a_recipe_key_onnxruntime_honours(tmp_path):
+    """Issue 45: a real quantize_dynamic / quantize_static argument; the guide's literal recipe has it."""
+    from diag.core.recipe import Recipe
+    from diag.fix.quantize import quantize_model
+
+    assert lint_recipe({"mode": "dynamic", "use_external_data_format": True}) == []
+    fp = tmp_path / "t.fp32.onnx"
+    onnx.save(models.build("transformer").model, fp)
+    out = tmp_path / "t.int8.onnx"
+    recipe = Recipe.from_dict({"mode": "dynamic", "use_external_data_format": True}, "recipe")
+    quantize_model(fp, recipe, out, progress=False)
+    m = onnx.load(str(out), load_external_data=False)
+    external = [t.name for t in m.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    assert external, "the weights were written inline"
+    assert onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"]).get_inputs()[0].name
+    assert Recipe(mode="dynamic").to_dict().get("use_external_data_format") is None  # old recipes unchanged

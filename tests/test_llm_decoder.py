@@ -301,6 +301,7 @@ def test_accuracy_level_check_reads_external_data_from_the_models_folder(llm, tm
     assert all(name.startswith(("/model/layers.", "/lm_head")) for name in check["nodes"])
 
 
+@pytest.mark.slow
 def test_a_tier_search_stopped_by_its_budget_keeps_the_plan_it_met_and_claims_nothing_it_did_not_test(llm, tmp_path):
     """At 500M the tier search met cosine>=0.99 with every MatMul at int8, then ran out of time
     while narrowing: it said "not reachable ... no plan short of every node at fp32 meets it".

@@ -76,6 +76,7 @@ def _weights(*paths: Path) -> int:
     return sum(p.stat().st_size + Path(f"{p}.data").stat().st_size for p in paths)
 
 
+@pytest.mark.slow
 def test_large_decoder_fits_a_limit_that_weights_loaded_twice_do_not(tmp_path):
     small = _decoder(tmp_path / "small", 64, 128, 256)
     large = _decoder(tmp_path / "large", 768, 2048, 8192)
@@ -93,6 +94,7 @@ def test_large_decoder_fits_a_limit_that_weights_loaded_twice_do_not(tmp_path):
     assert twice.returncode != 0, f"a second copy of the FP32 weights fit under {limit >> 20} MB: the test cannot fail"
 
 
+@pytest.mark.slow
 def test_a_tier_search_on_the_large_decoder_fits_the_same_limit(tmp_path):
     """The search keeps held-out evaluators (exact and deploy level) alive through every
     re-quantization; they used to hold an FP32 session each beside the quantizer's own copy of

@@ -82,3 +82,23 @@ def test_compare_report_is_short_with_long_sections_collapsed(demo):
     assert errors == []
     assert collapsed <= MAX_COMPARE_PX, (collapsed, expanded)
     assert expanded > 2 * collapsed, "nothing long was collapsed"
+
+
+@pytest.mark.parametrize("report", ["report.html", "fix/report.html"])
+def test_the_report_fits_a_1400_px_window_with_every_section_open(demo, report):
+    """Issue 45: the node table made report.html 1701 px wide in a 1400 px window. Long node and
+    tensor names wrap inside their cells; nothing reaches past the window's right edge."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser, page, errors = _open(p, demo / report)
+        page.eval_on_selector_all("details", "ds => ds.forEach(d => { d.open = true; })")
+        width = page.evaluate("() => document.documentElement.scrollWidth")
+        past = page.eval_on_selector_all(
+            "body *",
+            "es => es.filter(e => e.getBoundingClientRect().right > window.innerWidth + 0.5)"
+            ".map(e => e.tagName + '#' + e.id + ' ' + Math.round(e.getBoundingClientRect().right))",
+        )
+        browser.close()
+    assert errors == []
+    assert width <= VIEWPORT["width"] and past == [], (width, past[:5])

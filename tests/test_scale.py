@@ -354,6 +354,7 @@ print(json.dumps({"maxrss_kb": _peak_kb(),
 """
 
 
+@pytest.mark.slow
 def test_model_over_2gb_with_external_data_is_compared_without_copying_its_weights(tmp_path):
     folder = tmp_path / "big"
     folder.mkdir()

@@ -499,3 +499,27 @@ def test_ctrl_c_in_the_cli_exits_130_and_the_same_command_resumes(tmp_path, monk
     text = capsys.readouterr().out
     assert f"{4 - len(finished)} measured now, {len(finished)} resumed from sweep.jsonl" in text
     assert (out / "sweep.jsonl").read_text().splitlines()[: len(finished)] == finished
+
+
+def test_with_labels_the_f1_drop_is_a_column_of_the_terminal_and_sweep_md(tmp_path, capsys):
+    """Issue 45: `diag sweep --labels` computed the F1 drop and showed it only in sweep.html."""
+    fp32, inputs, _ = write_fixture(tmp_path, "convnet", samples=16)
+    labels = tmp_path / "labels.npy"
+    np.save(labels, np.arange(16) % 10)
+    out = tmp_path / "f1"
+    argv = ["sweep", str(fp32), "--inputs", str(inputs), "--batch", "4", "--runs", "0", "--out", str(out), "--quiet"]
+    argv += ["--grid", '{"mode": "dynamic", "per_channel": [false, true]}', "--labels", str(labels)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    doc = json.loads((out / "sweep.json").read_text())
+    drops = {e["label"] if "label" in e else e["key"]: e["metrics"]["f1_drop"] for e in doc["entries"]}
+    assert all(v is not None for v in drops.values()), drops
+    head = next(line for line in text.splitlines() if line.strip().startswith("rank"))
+    assert "F1 drop" in head
+    md = (out / "sweep.md").read_text()
+    assert "| accuracy drop | F1 drop |" in md
+    from diag.foundations.numfmt import table_cell
+
+    rows = [line for line in md.splitlines() if line.startswith("| ") and "`" in line]
+    cells = sorted(table_cell(v, 4) for v in drops.values())
+    assert sorted(row.split(" | ")[5] for row in rows) == cells, rows

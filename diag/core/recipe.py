@@ -86,6 +86,8 @@ class Recipe:
         calibration: calibration inputs (``.npz`` or folder), relative to the recipe file.
         calibration_samples: use the first N calibration samples.
         preprocess: run ``quant_pre_process`` (shape inference + graph cleanup) first.
+        use_external_data_format: onnxruntime's own argument: write the quantized weights as external
+            data beside the model (diag also does so by itself for models with external data or over 2 GB).
         bits: weight_only: ``MatMulNBitsQuantizer(bits=...)`` (2, 4 or 8; default 4).
         block_size: weight_only: rows per quantization block (default 128, as onnxruntime).
         is_symmetric: weight_only: no zero points (default false).
@@ -115,6 +117,7 @@ class Recipe:
     calibration: str | None = None
     calibration_samples: int | None = None
     preprocess: bool = False
+    use_external_data_format: bool = False
     bits: int | None = None
     block_size: int | None = None
     is_symmetric: bool | None = None
@@ -150,7 +153,8 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         """The recipe as plain JSON types in a stable key order (the dataclass field order).
 
-        ``None`` values are left out (TOML has no null); ``base_dir`` is never written; an ``fp16``
+        ``None`` values are left out (TOML has no null), ``use_external_data_format`` unless true;
+        ``base_dir`` is never written; an ``fp16``
         recipe writes ``mode`` and the converter's keys only.
 
         Example:
@@ -164,8 +168,8 @@ class Recipe:
             if self.mode == "fp16" and f.name not in ("mode", *FP16_KEYS):
                 continue  # an fp16 recipe holds the converter's arguments only
             value = getattr(self, f.name)
-            if value is None:
-                continue
+            if value is None or (f.name == "use_external_data_format" and not value):
+                continue  # (written only when asked for: every earlier recipe file stays the same)
             out[f.name] = json.loads(json.dumps(value))  # deep copy, plain types only
         return out
 
@@ -400,7 +404,7 @@ def _check_value(key: str, value: Any, obj: str) -> Any:
         if value not in _ENUMS[key]:
             raise DiagError("bad-recipe", obj, f"has unknown value {value!r}", _suggest(value, _ENUMS[key]))
         return value
-    if key in ("per_channel", "reduce_range", "preprocess", "keep_io_types"):
+    if key in ("per_channel", "reduce_range", "preprocess", "keep_io_types", "use_external_data_format"):
         if not isinstance(value, bool):
             raise DiagError("bad-recipe", obj, f"is {value!r}, not true/false", "write true or false")
         return value

@@ -100,6 +100,7 @@ RECIPE_KEYS = (
     "calibration",
     "calibration_samples",
     "preprocess",
+    "use_external_data_format",
     # mode "weight_only": MatMulNBitsQuantizer's arguments (node_bits is diag's own).
     "bits",
     "block_size",

@@ -201,7 +201,11 @@ def _source_model(job: _Job, loaded: LoadedModel, tmp: Path, out_name: str) -> t
     fp32 = loaded.path
     structure = onnx.load(str(fp32), load_external_data=False)  # embedded weights come with it
     # NOTE: loaded.has_external_data sees every tensor (Constant values, subgraphs), not only initializers.
-    job.external = loaded.has_external_data or weight_bytes(structure) > EXTERNAL_DATA_BYTES
+    job.external = (
+        loaded.has_external_data
+        or weight_bytes(structure) > EXTERNAL_DATA_BYTES
+        or bool(job.recipe.use_external_data_format)  # asked for: onnxruntime's own argument (issue 45)
+    )
     as_is = job.recipe.mode == "weight_only" and not job.recipe.preprocess and not _has_constants(structure)
     if as_is:
         _preflight(job, structure, out_name)  # records the external-data step; changes nothing here

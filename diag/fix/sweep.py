@@ -1201,9 +1201,15 @@ def summary_lines(result: SweepResult) -> list[str]:
         lines.append(f"  ... and {len(skipped) - 3} more skipped (sweep.md)")
     ranked = result.ranked
     width = max([len("recipe"), *(len(result.labels[e.key]) for _, e in ranked[:10])])
-    lines.append(f"  {'rank':>4}  {'recipe':<{width}}  {'cosine':>9}  {'max abs':>9}  {'size KB':>8}  {'speedup':>14}")
+    # With --labels the F1 drop gets a column (issue 45): it was computed and printed nowhere.
+    f1 = any((e.metrics or {}).get("f1_drop") is not None for _, e in ranked)
+    f1_head = f"  {'F1 drop':>9}" if f1 else ""
+    lines.append(
+        f"  {'rank':>4}  {'recipe':<{width}}  {'cosine':>9}  {'max abs':>9}{f1_head}  {'size KB':>8}  {'speedup':>14}"
+    )
     for rank, e in ranked[:10]:
         m = e.metrics or {}
+        f1_cell = f"  {table_cell(m.get('f1_drop'), 4):>9}" if f1 else ""
         sp = "-"
         if e.latency:
             lo, hi = e.latency["speedup_range"]
@@ -1211,7 +1217,7 @@ def summary_lines(result: SweepResult) -> list[str]:
         size = f"{(e.size_bytes or 0) / 1024:.1f}"
         lines.append(
             f"  {rank:>4}  {result.labels[e.key]:<{width}}  {table_cell(m.get('cosine'))[:9]:>9}  "
-            f"{table_cell(m.get('max_abs'), 4):>9}  {size:>8}  {sp:>14}"
+            f"{table_cell(m.get('max_abs'), 4):>9}{f1_cell}  {size:>8}  {sp:>14}"
         )
     if len(ranked) > 10:
         lines.append(f"  ... {len(ranked) - 10} more in sweep.md / sweep.html")

@@ -417,16 +417,33 @@ def remove_tree(path: Path) -> None:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP while the output set is replaced; they are delivered right after."""
-    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    """Hold SIGINT/SIGTERM/SIGHUP while the output set is replaced; they are delivered right after.
+
+    NOTE: blocking the signals in this thread is not enough. A signal sent to the process goes to
+    any thread that does not block it (onnxruntime's pools, the reduction pool, Dask's), and Python
+    then raises KeyboardInterrupt in the main thread at its next instruction: in the middle of the
+    set (issue 45: exclusion.json replaced, reproduce.py not). So Python's own handlers are swapped
+    for one that only records the signal, and what was recorded is raised again once the set is whole.
+    """
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    pending: list[int] = []
+
+    def record(signum: int, frame: object) -> None:
+        pending.append(signum)
+
+    handlers = {s: signal.signal(s, record) for s in held}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(held))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a signal blocked until now is recorded here
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        for signum in dict.fromkeys(pending):
+            signal.raise_signal(signum)
 
 
 def _write_staged(target: Path, content: Content, stage: Path) -> Path:

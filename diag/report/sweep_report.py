@@ -238,13 +238,17 @@ def _md_table(rows: list[SweepRow], room: int) -> list[str]:
     shown = rows[: max(room, 1)] if len(rows) > room else rows
     if len(shown) < len(rows):
         shown = rows[: max(room - 1, 1)]
+    # With --labels, the task figures (issue 45: the F1 drop was computed and shown nowhere but sweep.html).
+    labelled = any(r.f1_drop != "-" or r.accuracy_drop != "-" for r in rows)
+    head, rule = ("| accuracy drop | F1 drop ", "|---|---") if labelled else ("", "")
     table = [
-        "| rank | recipe | cosine | max abs | size | p50 ms (range) | speedup (range) | vs FP32 |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| rank | recipe | cosine | max abs {head}| size | p50 ms (range) | speedup (range) | vs FP32 |",
+        f"|---|---|---|---{rule}|---|---|---|---|",
     ] + [
         f"| {r.rank} | {md_code(r.label)}{' (best)' if r.best else ''}{' (front)' if r.pareto else ''} "
-        f"| {r.cosine} | {r.max_abs} | {r.size} | {r.p50} ({r.p50_range}) | {r.speedup} "
-        f"({r.speedup_range}) | {r.vs_fp32} |"
+        f"| {r.cosine} | {r.max_abs} "
+        + (f"| {r.accuracy_drop} | {r.f1_drop} " if labelled else "")
+        + f"| {r.size} | {r.p50} ({r.p50_range}) | {r.speedup} ({r.speedup_range}) | {r.vs_fp32} |"
         for r in shown
     ]
     if len(shown) < len(rows):

@@ -8,6 +8,7 @@ never see a CompareResult. Numbers are formatted here; templates only loop and p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -1183,6 +1184,31 @@ def render_html(view: ReportView) -> str:
     return str(jinja_environment().get_template("report.html.j2").render(v=view))
 
 
+#: Where summary.md's closing fix block starts: the lines from it on are never cut.
+_FIX_BLOCK = "**Starting point**"
+_TRUNCATED = "_(truncated; see report.html)_"
+
+
+def _cut_middle(lines: list[str], limit: int) -> list[str]:
+    """At most ``limit`` lines: the verdict and the fix always stay (issue 45), the middle goes first.
+
+    The head (title, verdict, the verified fix) and the closing fix block (the starting point to
+    paste and the command that verifies it) are kept whole; sections between them are cut.
+
+    Example:
+        >>> _cut_middle(["# t", "verdict", "a", "b", "c", "**Starting point** x", "fix"], 5)
+        ['# t', 'verdict', '_(truncated; see report.html)_', '**Starting point** x', 'fix']
+    """
+    if len(lines) <= limit:
+        return lines
+    tail_at = next((i for i, line in enumerate(lines) if line.startswith(_FIX_BLOCK)), len(lines))
+    tail = lines[tail_at:]
+    room = limit - 1 - len(tail)
+    if room < 2:  # a fix block longer than the summary: keep the head, cut the rest
+        return [*lines[: limit - 1], _TRUNCATED]
+    return [*lines[:room], _TRUNCATED, *tail]
+
+
 def render_markdown(view: ReportView) -> str:
     """The PR-comment summary; Markdown control characters in names are escaped."""
     env = jinja_environment()
@@ -1191,9 +1217,12 @@ def render_markdown(view: ReportView) -> str:
     env.filters["mdcode"] = md_code
     env.filters["mdfence"] = md_fence
     text = str(env.get_template("summary.md.j2").render(v=view))
-    lines = text.splitlines()
-    if len(lines) > SUMMARY_MAX_LINES:
-        lines = [*lines[: SUMMARY_MAX_LINES - 1], "_(truncated; see report.html)_"]
+    if len(text.splitlines()) > SUMMARY_MAX_LINES:
+        # Fewer items per list before any cut: one victim, effect, remedy group, ...
+        s = view.summary
+        fewer = SummaryView(s.victims[:1], s.effects[:1], s.sensitivity[:1], s.persistent, s.remedy_groups[:1])
+        text = str(env.get_template("summary.md.j2").render(v=dataclasses.replace(view, summary=fewer)))
+    lines = _cut_middle(text.splitlines(), SUMMARY_MAX_LINES)
     return "\n".join(lines) + "\n"
 
 
