@@ -49,3 +49,26 @@ def test_the_printed_commands_run_as_printed_in_a_shell(built, tmp_path):
     assert not (tmp_path / "=0.99").exists()
     assert out.stdout.startswith(f"recipe: inferred from the INT8 model {b.int8['dynamic']} "), out.stdout
     assert "exclusion.json" in out.stdout
+
+
+def test_the_suggested_search_aims_at_a_band_the_model_has_not_reached(tmp_path, capsys):
+    """Issue 45: the demo suggested ``cosine>=0.99`` to a model already at 0.9965, and the search it
+    printed answered "nothing to exclude". The suggestion aims at the loosest cosine band the worst
+    output misses, so running it always searches."""
+    import json
+    import shlex
+
+    from diag.analysis.compare import SUGGESTED_COSINES
+    from diag.cli import commands as cli
+
+    assert cli.main(["demo", "--no-fix", "--out", str(tmp_path / "demo"), "--quiet"]) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "demo" / "diag.json").read_text())
+    worst = min(o["cosine_min"] for o in doc["verdict"]["outputs"])
+    command = doc["recommendation"]["verify_command"]
+    target = float(command.rsplit(">=", 1)[1].rstrip("'"))
+    assert target == next(t for t in SUGGESTED_COSINES if worst < t) and worst < target, (worst, command)
+    code = cli.main([*shlex.split(command)[1:], "--bench-runs", "0", "--quiet", "--out", str(tmp_path / "ex")])
+    printed = capsys.readouterr().out
+    assert code in (0, 3), printed
+    assert "already met" not in printed and "nothing to exclude" not in printed, printed

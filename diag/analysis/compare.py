@@ -347,8 +347,9 @@ def analyze_comparison(
     if options.deploy_isa == "avx2" and options.shard is None:
         result.deploy_isa = deploy_isa_prediction(result, feeds)
         result.seconds = time.perf_counter() - run.start
-    result.cause_sentence = with_exclude_command(result.cause_sentence, fp.path, q.path, run.spec)
-    result.verify_command = exclude_command(fp.path, q.path, run.spec)
+    target = exclusion_target(result.verdicts)
+    result.cause_sentence = with_exclude_command(result.cause_sentence, fp.path, q.path, run.spec, target)
+    result.verify_command = exclude_command(fp.path, q.path, run.spec, target)
     attach_task_metrics(result, state.task, options.metric)
     return result
 
@@ -443,9 +444,30 @@ def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str =
     )
 
 
-def with_exclude_command(sentence: str, fp32: Path, int8: Path, spec: FeedSpec | None) -> str:
+#: The cosine targets an exclusion search is suggested with, loosest first: the bands' "acceptable"
+#: and "excellent" thresholds, then one more decade for a model already in the excellent band.
+SUGGESTED_COSINES = (0.99, 0.999, 0.9999)
+
+
+def exclusion_target(verdicts: list[OutputVerdict]) -> str:
+    """The target a suggested exclusion search aims at: the loosest cosine band the worst output
+    does not reach yet, so the command always has work to do (issue 45: the demo suggested
+    ``cosine>=0.99`` to a model at 0.9965, and the search answered "nothing to exclude").
+
+    Example:
+        >>> exclusion_target([])
+        'cosine>=0.99'
+    """
+    worst = min((v.per_sample.cosine_min for v in verdicts), default=0.0)
+    target = next((t for t in SUGGESTED_COSINES if worst < t), SUGGESTED_COSINES[-1])
+    return f"cosine>={target}"
+
+
+def with_exclude_command(
+    sentence: str, fp32: Path, int8: Path, spec: FeedSpec | None, target: str = "cosine>=0.99"
+) -> str:
     """The headline with its suggested exclusion search written as the command to run (issue 25, 6b)."""
-    return sentence.replace(EXCLUDE_WORDS, f"an exclusion search: {exclude_command(fp32, int8, spec)}")
+    return sentence.replace(EXCLUDE_WORDS, f"an exclusion search: {exclude_command(fp32, int8, spec, target)}")
 
 
 def finish(  # NOTE: a shard merge's eight parameters, and the report computed beside the effect check

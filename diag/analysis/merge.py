@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import time
 from collections.abc import Callable
 from typing import Any
 
 import onnx
 
-from diag.analysis.compare import CompareOptions, CompareResult, CompareState, finish, load_pair
+from diag.analysis.compare import CompareOptions, CompareResult, CompareState, exclusion_target, finish, load_pair
 from diag.analysis.taskgrade import attach_task_metrics
 from diag.core.match import match_models
 from diag.foundations.errors import DiagError
@@ -168,7 +169,12 @@ def _merge_documents(
     result = finish(fp, q, matching, state, unmatched, first["shard"]["inputs"], options, seconds)
     # The shards recorded the recipe the fix re-quantizes with; the models may have moved since.
     result.fix_recipe = first.get("recommendation", {}).get("recipe")
-    result.verify_command = first.get("recommendation", {}).get("verify_command") or ""
+    # The shards' command carries their paths and inputs; its target is the merged run's (each
+    # shard chose one from its own samples' worst cosine). exclude_command puts the target last.
+    command = first.get("recommendation", {}).get("verify_command") or ""
+    if " --target " in command:
+        command = f"{command.rsplit(' --target ', 1)[0]} --target {shlex.quote(exclusion_target(result.verdicts))}"
+    result.verify_command = command
     attach_task_metrics(result, state.task, options.metric)
     return result
 

@@ -39,7 +39,12 @@ def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32)
 
     Calibration and comparison inputs are drawn from different seeds, as in real use.
     """
-    fx = llm_models.llama_decoder() if fixture == LLM_FIXTURE else models.build(fixture)
+    if fixture == LLM_FIXTURE:
+        fx = llm_models.llama_decoder()
+    elif fixture == "transformer":
+        fx = models.transformer(outlier_factor=DEMO_OUTLIER_FACTOR)
+    else:
+        fx = models.build(fixture)
     folder.mkdir(parents=True, exist_ok=True)
     fp = folder / f"{fixture}.fp32.onnx"
     if fixture == LLM_FIXTURE:
@@ -63,6 +68,11 @@ def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32)
 #: different numbers on different machines; u8u8 is exact everywhere, and the demo must print the
 #: same thing on every machine.
 DEMO_DYNAMIC_WEIGHTS = "QUInt8"
+
+#: The demo transformer's outlier dimension, this many times the others: its defect fails the seeds'
+#: bands (top-1 agreement 90.6 %: marginal) and its fix passes them (issue 45: at the fixture's
+#: default 40x the demo "fixed" a model its own bands call excellent).
+DEMO_OUTLIER_FACTOR = 80.0
 
 #: The accuracy target the demo's exclusion must meet on held-out samples.
 DEMO_TARGET = "cosine>=0.999"

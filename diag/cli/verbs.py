@@ -31,7 +31,13 @@ from typing import Any
 
 from diag.analysis import compare as pipeline
 from diag.analysis.analyze import cache_verdicts, caches_line, nonfinite_origins, shortened_path
-from diag.analysis.compare import EXCLUDE_WORDS, CompareOptions, CompareResult, with_exclude_command
+from diag.analysis.compare import (
+    EXCLUDE_WORDS,
+    CompareOptions,
+    CompareResult,
+    exclusion_target,
+    with_exclude_command,
+)
 from diag.analysis.decoder import decoder_layout, layer_sentence, module_paths
 from diag.analysis.fp16health import fp16_range_lines
 from diag.analysis.merge import add_shard_state, merge_shards
@@ -161,7 +167,7 @@ def diagnose(
     result.fix_recipe = fix_recipe(run.q.path, options.recipe)
 
     def spell(sentence: str) -> str:  # the headline's words for an exclusion search, as a command
-        return with_exclude_command(sentence, run.fp.path, run.q.path, run.spec)
+        return with_exclude_command(sentence, run.fp.path, run.q.path, run.spec, exclusion_target(result.verdicts))
 
     _drop_remedies_in_effect(result, spell)
     if options.recipe is not None:
