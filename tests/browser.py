@@ -1,4 +1,4 @@
-"""Finding the headless Chromium the browser tests drive (Debian's package, installed by tools/test.sh)."""
+"""Finding the headless Chromium the browser tests drive (Debian's package, installed by tools/test-setup.sh)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
         pytest.fail(
-            "Debian's chromium is required for the browser test: run tools/test.sh (it installs it), "
+            "Debian's chromium is required for the browser test: run tools/test-setup.sh (it installs it), "
             "or apt-get install chromium"
         )
     return path

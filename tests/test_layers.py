@@ -208,7 +208,7 @@ def test_the_size_check_finds_a_long_function_and_a_wide_one():
 
 def test_ci_runs_the_layer_contract_and_the_type_checks_before_the_tests():
     steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text("utf-8").splitlines()]
-    for step in ("ruff check diag tests fixtures tools", "lint-imports", "mypy diag", "tools/test.sh"):
+    for step in ("ruff check diag tests fixtures tools", "lint-imports", "mypy diag", "tools/test-setup.sh && pytest"):
         assert step in steps, f".ci/run does not run {step!r}"
     assert any(s.startswith("mypy --strict") and "--files foundations core" in s for s in steps)
-    assert steps.index("lint-imports") < steps.index("tools/test.sh")
+    assert steps.index("lint-imports") < steps.index("tools/test-setup.sh && pytest")

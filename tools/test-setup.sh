@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: on a fresh machine (Python, pip and gcc only) install everything the
-# tests need, then run every test on this checkout. Arguments go to pytest (e.g. -m "not slow").
+# The set-up half of the README's test command (`tools/test-setup.sh && pytest`): on a fresh machine
+# (Python, pip and gcc only) install everything the tests need for this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,4 +25,3 @@ if python -m pip install -q --no-index --no-deps "torch==2.13.0" 2>/dev/null; th
 else
     echo "no local torch wheel: the HQQ/GPTQ tests will skip (they say why)"
 fi
-exec python -m pytest "$@"
