@@ -712,7 +712,7 @@ def _headline(
     # NOTE: "something" is any grade short of excellent, bad local error or not: a measured effect
     # outranks the local-error rule of thumb (issue 46: every local SQNR >= 20 dB, and one node
     # kept in float removed 60 % of a speech encoder's output error).
-    problem = bool(bad_local) or grade not in ("excellent", "")
+    problem = bool(bad_local) or grade != "excellent"
     confirmed = problem and check is not None and check.best is not None and check.best.recovered >= CONFIRMED_SHARE
     part_cause = concat_cause(findings, verdicts or [], specs or {}, matching)
     best = check.best if check is not None else None

@@ -556,9 +556,8 @@ def exclude_to_dir(
         (['diag.json', 'exclusion.json', 'mixed model', 'report.html', 'reproduce.py', 'summary.md'], False)
     """
     given = recipe
-    recipe, origin = search_recipe(recipe if options.int8 is None else None, options.int8)
-    if given is not None and options.int8 is not None:
-        recipe, origin = search_recipe(given)
+    # A recipe given with --int8 is the one to prove against the model, not to infer again.
+    recipe, origin = search_recipe(given) if given is not None else search_recipe(None, options.int8)
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     names_out = ["exclusion.json", f"{stem}.mixed.onnx", "reproduce.py", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
     inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]

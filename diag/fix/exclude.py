@@ -457,10 +457,13 @@ class _Search(SearchAlgorithm):
         return list(dict.fromkeys(n for i in sorted(groups) for n in self.candidates[i].fp_nodes))
 
     def splice(self, fp_nodes: list[str]) -> onnx.ModelProto:
-        """The user's INT8 model with ``fp_nodes`` in float (:func:`diag.core.surgery.spliced_model`)."""
+        """The user's INT8 model with ``fp_nodes`` in float (:func:`diag.core.surgery.spliced_model`).
+
+        Not counted here: ``splices`` counts measured trials, and a splice is also built to prove
+        candidates (:func:`_drop_unspliceable`) and to write the answer (:meth:`model_path`).
+        """
         src = self.surgery
         assert src is not None, "the ranking pass pairs the models before any splice"
-        self.splices += 1
         return spliced_model(src.fp, src.q, fp_nodes, src.matching, src.fp_dir)
 
     def model_path(self, groups: frozenset[int]) -> Path:
@@ -469,9 +472,7 @@ class _Search(SearchAlgorithm):
         path = self.cache[groups][1]
         if self.user_int8 is not None and groups and not path.exists():
             assert self.surgery is not None
-            splices = self.splices  # the trial was counted when it was measured
             save_spliced(self.splice(self.picked(groups)), path, self.surgery.q_dir)
-            self.splices = splices
         return path
 
     def quantize(self, nodes: list[str], out: Path, recipe: Recipe | None = None) -> Path:
@@ -531,6 +532,7 @@ class _Search(SearchAlgorithm):
             m = self.evaluate(path)
         elif self.user_int8 is not None:
             model = self.splice(self.picked(groups))
+            self.splices += 1
             assert self.surgery is not None
             m = self.evaluator.evaluate_model(model, path.name, self.surgery.q_dir)
             self.evaluations += 1
@@ -917,14 +919,11 @@ def _drop_unspliceable(search: _Search) -> list[str]:
     each tried alone (a subgraph, a tensor with no INT8 pair).
     """
     everything = list(range(len(search.candidates)))
-    splices = search.splices  # building is not a trial: only measured splices are counted
     try:
         search.splice(search.picked(everything))
         return []
     except ValueError:
         pass
-    finally:
-        search.splices = splices
     keep, dropped = [], []
     for i in everything:
         try:
@@ -932,8 +931,6 @@ def _drop_unspliceable(search: _Search) -> list[str]:
             keep.append(i)
         except ValueError as e:
             dropped.append(f"{search.candidates[i].label} ({e})")
-        finally:
-            search.splices = splices
     search.candidates = [search.candidates[i] for i in keep]
     if not dropped:
         return []
@@ -1162,6 +1159,7 @@ def _op_type_suggestions(
         if search.user_int8 is not None:
             # Surgical: every candidate group of this op type in float, inside the user's model.
             model = search.splice(search.picked(rest | frozenset(total)))
+            search.splices += 1
             assert search.surgery is not None
             m = search.evaluator.evaluate_model(model, path.name, search.surgery.q_dir)
             search.evaluations += 1
