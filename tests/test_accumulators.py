@@ -310,3 +310,25 @@ def test_a_version_1_distribution_state_with_a_list_of_scales_is_still_read():
     back = DistributionAccumulator.from_state(v1)
     assert (back.dyn_batches, back.dyn_sum, back.dyn_min, back.dyn_max) == (3, 1.5, 0.25, 0.75)
     assert back.finalize().scale == 0.5
+
+
+def test_a_quantized_attention_mask_is_measured_in_float64_not_read_as_minus_inf_db():
+    """Finite mask values near float32's lowest (-3.4e38) square to inf in a float32 dot: the error
+    of a quantized mask read as -inf dB and ranked its Where node first (issue 42 item 5)."""
+    import math
+
+    import numpy as np
+
+    from diag.core.metrics import ErrorAccumulator, sum_of_squares
+
+    x = np.array([np.finfo(np.float32).min, 0.0, 1.0, 2.0], np.float32)
+    y = x.copy()
+    y[0] *= np.float32(0.999)  # the mask, off by 0.1 % after quantization
+    y[3] = 2.1
+    acc = ErrorAccumulator()
+    acc.update(x, y, s_xx=sum_of_squares(x))
+    stats = acc.finalize()
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    expected = 10 * math.log10(float((x64 * x64).sum()) / float(((y64 - x64) ** 2).sum()))
+    assert math.isfinite(stats.sqnr_db) and stats.sqnr_db == pytest.approx(expected, abs=1e-6)
+    assert acc.nonfinite_x == acc.nonfinite_y == 0 and acc.n == 4

@@ -74,9 +74,9 @@ def test_every_step_the_quantizer_records_is_replayed_by_reproduce_py():
     from diag.fix.fixcode import _file_steps, _model_steps
     from diag.fix.modelprep import STEP_EXTERNAL_DATA, STEPS
 
-    baseline = _model_steps([]) + _file_steps([], external=False)
+    baseline = _model_steps([], "static") + _file_steps([], external=False)
     for step in STEPS:
         if step == STEP_EXTERNAL_DATA:  # changes how the model is saved, not a step of its own
             assert _file_steps([], external=True) != _file_steps([], external=False)
             continue
-        assert _model_steps([step]) + _file_steps([step], external=False) != baseline, step
+        assert _model_steps([step], "static") + _file_steps([step], external=False) != baseline, step

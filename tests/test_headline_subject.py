@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from diag.analysis.compare import CompareOptions, compare_models
-from diag.analysis.effects import effect_target
+from diag.analysis.effects import HELPS_SHARE, effect_target, judge_remedies
 from diag.cli.commands import main
 from diag.cli.verbs import result_lines
 from diag.core.feeds import FeedSpec
@@ -109,7 +109,34 @@ def test_lines_under_the_headline_agree_with_it(built, name, fmt, effects):
         labels = [f.group.label for f in r.findings if f.role == "root-cause"]
         assert r.single_cause and len(labels) == 1 and named.startswith(labels[0]), (headline, labels)
         assert all(line.startswith(f"  root cause: {labels[0]} (") for line in roots), (headline, roots)
+    # No advice against its own measurement (issue 42 item 2): a remedy the effect check measured
+    # not to help is never printed as a remedy, and says why where it is listed.
+    for sug in r.suggestions:
+        if sug.measured is not None and sug.measured <= HELPS_SHARE:
+            assert not sug.advised and sug.measured_note.startswith("measured, does not help: "), sug
+        if not sug.advised:
+            assert not [x for x in lines if x.startswith(f"  remedy for {sug.tensor}: {sug.python}")], sug
     # A headline opening on one failing output names an output that is graded as failing.
     opened = re.match(r"verdict: \w+ - outputs? (\S+) \(", headline)
     if opened:
         assert {v.name: v.grade for v in r.verdicts}[opened.group(1)] in ("marginal", "reject")
+
+
+def test_a_remedy_measured_to_add_error_is_listed_as_not_helping_never_advised(built):
+    """The report's remedy 2 once had -12% in the same report's effect table (issue 42 item 2)."""
+    import dataclasses
+
+    r = _compare(built, "transformer", "dynamic", samples=16)
+    assert r.effects is not None and r.suggestions
+    culprit = next(s for s in r.suggestions if (s.recipe or {}).get("nodes_to_exclude") == ["layer1/ffn/fc1/MatMul"])
+    assert culprit.advised and culprit.measured is not None and culprit.measured > 0.5
+    assert culprit.measured_note == f"measured: removes {culprit.measured:.0%} of the error of logits"
+    # The same suggestion against a check where that node made things worse: not advised, and why.
+    worse = dataclasses.replace(r.effects.effects[0], recovered=-0.12)
+    check = dataclasses.replace(r.effects, effects=[worse], groups=[])
+    fresh = [dataclasses.replace(culprit, measured=None, measured_note="", advised=True)]
+    judge_remedies(fresh, check)
+    assert not fresh[0].advised and fresh[0].measured == -0.12
+    assert fresh[0].measured_note == (
+        "measured, does not help: keeping layer1/ffn/fc1/MatMul in float adds 12% to the error of logits"
+    )

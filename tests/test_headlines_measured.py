@@ -85,3 +85,28 @@ def test_spread_error_amplified_by_softmax_names_the_pattern_and_no_root_cause(t
         assert "root cause:" not in text.replace("no single root cause:", ""), text
     softmax = next(n for n in doc["nodes"] if n["name"] == "attn/Softmax")
     assert softmax["role"] == "amplifier"
+
+
+def test_without_local_error_the_headline_claims_nothing_about_it(tmp_path, capsys) -> None:
+    """--no-local measures no local error: the headline must not say "no node has a bad local error"
+    nor list an empty "worst local SQNR" (issue 42 item 5); it says where the accumulated error is worst."""
+    fx = models.build("attention_lever")
+    fp, q, x = tmp_path / "a.fp32.onnx", tmp_path / "a.int8.onnx", tmp_path / "x.npz"
+    onnx.save(fx.model, fp)
+    quantize_dynamic(str(fp), str(q), extra_options={"MatMulConstBOnly": False})
+    np.savez(x, **fx.make_inputs(32, 3))
+    out = tmp_path / "out"
+    cli.main(
+        ["compare", str(fp), str(q), "--inputs", str(x), "--batch", "8", "--no-local", "--out", str(out), "--quiet"]
+    )
+    capsys.readouterr()
+    doc = json.loads((out / "diag.json").read_text())
+    cause = doc["verdict"]["cause"]
+    assert doc["verdict"]["grade"] in ("marginal", "reject"), doc["verdict"]
+    assert "bad local error" not in cause and "worst local SQNR" not in cause and "0 quantized nodes" not in cause
+    assert cause.startswith("local error was not measured (--no-local), so no cause is named: the accumulated error ")
+    worst = min(
+        (n for n in doc["nodes"] if n.get("accumulated") and n["quantized"]),
+        key=lambda n: float(n["accumulated"]["sqnr_db"]),
+    )
+    assert f"is worst at {worst['name']} (" in cause

@@ -807,7 +807,8 @@ def test_absurd_int8_scale_is_graded_not_crashed(zoo, tmp_path, capsys):
     assert code == OK, err
     assert "verdict: REJECT" in stdout and "output y: reject" in stdout
     doc = json.loads((tmp_path / "o" / "diag.json").read_text())
-    assert doc["verdict"]["outputs"][0]["sqnr_db"] == "-inf"
+    # The error's squares overflow float32; summed in float64 it is a number, not -inf (issue 42 item 5).
+    assert float(doc["verdict"]["outputs"][0]["sqnr_db"]) < -300
 
 
 def test_inspect_prints_hostile_names_without_terminal_escapes(tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import onnx
@@ -135,8 +136,12 @@ def test_a_clean_recipe_has_no_findings(bert):
             ("error", "contradiction", "nodes_to_exclude 'b'"),
         ),
         (
-            {"mode": "dynamic", "extra_options": {"ActivationSymmetric": True}},
+            {"mode": "dynamic", "weight_type": "QUInt8", "extra_options": {"ActivationSymmetric": True}},
             ("warning", "static-only-option", "extra_options.ActivationSymmetric"),
+        ),
+        (
+            {"mode": "dynamic", "extra_options": {"MatMulConstBOnly": False}},
+            ("warning", "act-act-matmuls", "extra_options.MatMulConstBOnly"),
         ),
         ({"op_type_to_quantize": ["Conv"]}, ("error", "unknown-key", "op_type_to_quantize")),
         ({"weight_type": "INT8"}, ("error", "bad-value", "weight_type")),
@@ -187,7 +192,9 @@ def test_cli_exit_code_is_3_on_errors_and_0_on_warnings(bert, tmp_path, capsys):
     assert cli.main(["lint", str(bad), "--model", str(bert)]) == GATE_FAILED
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("error[unknown-extra-option] extra_options.OpTypesToExclude: onnxruntime ")
-    assert out[-1] == "bad.toml: 1 error, 0 warnings"
+    # Measured on the model: the hint's op_types_to_quantize writes the same model (Add is not quantized here).
+    assert out[1].startswith("warning[no-effect] extra_options.OpTypesToExclude: its fix, op_types_to_quantize=")
+    assert out[-1] == "bad.toml: 1 error, 1 warning; 1 line measured on the model"
     warn = tmp_path / "warn.json"
     warn.write_text('{"mode": "static", "calibration_samples": 8}')
     assert cli.main(["lint", str(warn)]) == 0
@@ -210,6 +217,16 @@ def test_readme_lint_example_prints_what_the_readme_shows(tmp_path):
     argv = block[0].split()[1:]  # no '$ ': test_readme runs only examples that exit 0
     out = subprocess.run([sys.executable, "-m", "diag", *argv], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == GATE_FAILED, out.stderr
+    assert out.stdout.splitlines() == block[1:]
+    # The measured example: the golden config's lines, each quantized with and without (exit 0).
+    start = section.index("```json\n", section.index("(`golden.json`)")) + 8
+    (tmp_path / "golden.json").write_text(section[start : section.index("```", start)])
+    block = section[section.index("```\ndiag lint golden.json") + 4 :]
+    block = block[: block.index("```")].splitlines()
+    out = subprocess.run(
+        [sys.executable, "-m", "diag", *block[0].split()[1:]], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == block[1:]
 
 
@@ -241,3 +258,80 @@ def test_use_external_data_format_is_a_recipe_key_onnxruntime_honours(tmp_path):
     assert external, "the weights were written inline"
     assert onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"]).get_inputs()[0].name
     assert Recipe(mode="dynamic").to_dict().get("use_external_data_format") is None  # old recipes unchanged
+
+
+def test_activation_symmetric_in_dynamic_mode_is_judged_by_weight_type_and_measured(tmp_path, capsys):
+    """quantize_dynamic reads ActivationSymmetric for a Gather's table when weights are QInt8 (its
+    default), and ignores it with QUInt8 weights: the rule says so by weight type, and --model measures it."""
+    assert not [f for f in lint_recipe({"mode": "dynamic", "extra_options": {"ActivationSymmetric": True}})]
+    fp = tmp_path / "t.onnx"
+    onnx.save(models.build("transformer").model, fp)  # embeddings/Gather: a table quantized by quantize_dynamic
+    for weight_type, expected in (("QInt8", "note[measured]"), ("QUInt8", "warning[no-effect]")):
+        recipe = tmp_path / f"{weight_type}.json"
+        recipe.write_text(
+            json.dumps({"mode": "dynamic", "weight_type": weight_type, "extra_options": {"ActivationSymmetric": True}})
+        )
+        code, out = _lint([str(recipe), "--model", str(fp)], capsys)
+        lines = [x for x in out.splitlines() if "ActivationSymmetric" in x]
+        assert code == 0
+        assert len(lines) == 1 and lines[0].startswith(f"{expected} extra_options.ActivationSymmetric: "), lines
+    # The claim behind the QUInt8 line, by hand: the two quantize_dynamic calls write the same bytes.
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    quantize_dynamic(str(fp), str(a), weight_type=QuantType.QUInt8)
+    quantize_dynamic(str(fp), str(b), weight_type=QuantType.QUInt8, extra_options={"ActivationSymmetric": True})
+    assert a.read_bytes() == b.read_bytes()
+
+
+def _lint(argv: list[str], capsys) -> tuple[int, str]:
+    """``diag lint ARGV``: its exit code and what it printed."""
+    code = cli.main(["lint", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_matmul_const_b_only_false_is_called_out_with_its_measured_cost(tmp_path, capsys):
+    """The guide's line on the attention_lever fixture: a warning, and the measured cost in output SQNR."""
+    import numpy as np
+
+    fx = models.build("attention_lever")
+    fp, x = tmp_path / "enc.onnx", tmp_path / "x.npz"
+    onnx.save(fx.model, fp)
+    np.savez(x, **fx.make_inputs(16, 3))
+    recipe = tmp_path / "golden.json"
+    recipe.write_text(
+        json.dumps(
+            {
+                "mode": "dynamic",
+                "weight_type": "QUInt8",
+                "per_channel": True,
+                "extra_options": {"MatMulConstBOnly": False, "EnableSubgraph": True},
+            }
+        )
+    )
+    code, out = _lint([str(recipe), "--model", str(fp), "--inputs", str(x)], capsys)
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[0].startswith("warning[act-act-matmuls] extra_options.MatMulConstBOnly: False quantizes every ")
+    measured = next(x for x in lines if x.startswith("note[measured] extra_options.MatMulConstBOnly: "))
+    # 8 activation x activation MatMuls more with it (the fixture's 4 layers x scores and context)
+    assert "MatMulInteger 33 with it, 25 without" in measured
+    with_it, without = (float(v) for v in re.findall(r"([-\d.]+) dB", measured))
+    assert without > with_it + 10, measured
+    assert any(x.startswith("warning[no-effect] extra_options.EnableSubgraph: changes nothing") for x in lines)
+    assert lines[-1] == "golden.json: 0 errors, 2 warnings; 3 lines measured on the model"
+
+
+def test_an_invented_keys_fix_that_changes_nothing_says_so(tmp_path, capsys):
+    fp = tmp_path / "t.onnx"
+    onnx.save(models.build("transformer").model, fp)
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"mode": "dynamic", "extra_options": {"OpTypesToExclude": ["Softmax"]}}))
+    code, out = _lint([str(recipe), "--model", str(fp)], capsys)
+    lines = out.splitlines()
+    assert code == GATE_FAILED
+    assert lines[0].startswith("error[unknown-extra-option] extra_options.OpTypesToExclude")
+    assert lines[1].startswith("warning[no-effect] extra_options.OpTypesToExclude: its fix, op_types_to_quantize=")
+    assert "changes nothing in this model (byte-identical)" in lines[1]
+    code, out = _lint([str(recipe), "--model", str(fp), "--no-measure"], capsys)
+    assert code == GATE_FAILED and "no-effect" not in out

@@ -259,7 +259,12 @@ def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path):
     bits = {
         n.name: next(a.i for a in n.attribute if a.name == "bits") for n in m.graph.node if n.op_type == "MatMulNBits"
     }
-    assert {k.removesuffix("_Q8") for k, v in bits.items() if v == 8} == set(plan["by_tier"]["int8"])
+    # Spliced into the user's model: the re-blocked nodes carry diag's prefix, the rest are the user's.
+    assert {k.removeprefix("diag_float/").removesuffix("_Q8") for k, v in bits.items() if v == 8} == set(
+        plan["by_tier"]["int8"]
+    )
+    assert all(k.startswith("diag_float/") for k, v in bits.items() if v == 8)
+    assert plan["method"] == "surgical" and plan["quantizations"] == 0
     ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])  # loads on its own
 
 

@@ -56,8 +56,8 @@ def _compare(fp32: Path, int4: Path, ids: Path, prelude: str, limit: int | None 
 
 
 def _tiers(fp32: Path, int4: Path, ids: Path, prelude: str, limit: int | None = None) -> subprocess.CompletedProcess:
-    # Two quantizations (the all-int4 baseline, one search trial) after the diagnosis compare:
-    # enough to reach every phase of a search (evaluators built, quantizer, candidate evaluated).
+    # Two trials (the user's int4 model, one plan spliced into it) after the diagnosis compare:
+    # enough to reach every phase of a search (evaluators built, a weight re-blocked, plan evaluated).
     argv = ["exclude", str(fp32), "--int8", str(int4), "--inputs", str(ids), "--tiers", "int4,int8,fp32",
             "--target", "cosine>=0.99999", "--max-trials", "2", "--bench-runs", "0",
             "--out", str(fp32.parent / "tiers"), "--quiet"]  # fmt: skip
@@ -108,6 +108,8 @@ def test_a_tier_search_on_the_large_decoder_fits_the_same_limit(tmp_path):
     fits = _tiers(*large, "import sys\n", limit)
     assert fits.returncode in (0, 3), f"limit {limit >> 20} MB (fixed {fixed >> 20} MB): {fits.stderr[-2000:]}"
     plan = json.loads((large[0].parent / "tiers" / "tiers.json").read_text())
-    assert plan["quantizations"] == 2 and [t["phase"] for t in plan["trials"]] == ["baseline", "search"]
+    # Surgical (issue 41 item 6): the user's int4 model is the baseline, the plan one splice of it.
+    assert plan["method"] == "surgical" and plan["quantizations"] == 0 and plan["splices"] == 1
+    assert [t["phase"] for t in plan["trials"]] == ["baseline", "search"]
     twice = _tiers(*large, DOUBLE, limit)
     assert twice.returncode != 0, f"a second copy of the FP32 weights fit under {limit >> 20} MB: the test cannot fail"

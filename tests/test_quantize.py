@@ -242,10 +242,39 @@ def test_constant_node_weights_are_lifted_and_said(tmp_path: Path) -> None:
         m.graph.initializer.remove(t)
     onnx.save(m, tmp_path / "consts.onnx")
     report = quantize_model(tmp_path / "consts.onnx", DYNAMIC, tmp_path / "q.onnx")
-    assert report.actions[0].startswith(f"lifted {len(weights)} Constant node(s) to initializers")
+    # Only the weights quantize_dynamic reads (the 3 Conv weights): the Gemm's, which it does not
+    # quantize, stays the Constant the export wrote (issue 42 item 4: no rewrite for a false reason).
+    assert report.actions[0].startswith("lifted 3 Constant node(s) to initializers")
     nodes = _nodes(report.output)
-    assert not any(n.op_type == "Constant" and n.name.startswith("const_") for n in nodes.values())
+    assert [n.name for n in nodes.values() if n.op_type == "Constant" and n.name.startswith("const_")] == [
+        "const_fc.weight"
+    ]
     assert sum(n.op_type == "ConvInteger" for n in nodes.values()) == 3
+
+
+def test_inspect_warns_about_constants_only_where_they_hold_quantizable_weights(tmp_path: Path) -> None:
+    """A standard export's shape and scalar Constants quantize fine: no warning (issue 42 item 4)."""
+    from diag.core.load import constant_weights, model_summary
+
+    fx = models.build("convnet")
+    m = onnx.ModelProto()
+    m.CopyFrom(fx.model)
+    fc = next(t for t in m.graph.initializer if t.name == "fc.weight")
+    m.graph.node.insert(0, onnx.helper.make_node("Constant", [], [fc.name], name="const_fc", value=fc))
+    m.graph.initializer.remove(fc)  # a Gemm weight: quantize_dynamic does not quantize Gemm
+    onnx.save(m, tmp_path / "gemm_const.onnx")
+    assert constant_weights(m, "dynamic") == [] and constant_weights(m, "static") == ["fc.weight"]
+    assert not [p for p in model_summary(tmp_path / "gemm_const.onnx").problems if "Constant" in p]
+    conv = next(t for t in m.graph.initializer if t.name == "conv2.weight")
+    m.graph.node.insert(0, onnx.helper.make_node("Constant", [], [conv.name], name="const_conv2", value=conv))
+    m.graph.initializer.remove(conv)
+    onnx.save(m, tmp_path / "conv_const.onnx")
+    said = [p for p in model_summary(tmp_path / "conv_const.onnx").problems if "Constant" in p]
+    assert said == [
+        "1 Constant node(s) hold weights of quantizable nodes (e.g. 'conv2.weight'): quantize_dynamic fails with "
+        "'Expected ... to be an initializer' on them; diag quantize lifts them to initializers (or run "
+        "onnxruntime's quant_pre_process first)"
+    ]
 
 
 def test_lift_constants_never_modifies_its_argument() -> None:
@@ -346,7 +375,8 @@ def test_det_per_channel_qdq_on_opset_12_is_upgraded_and_preprocess_retried(
     recipe = Recipe(activation_type="QUInt8", per_channel=True, preprocess=True, calibration="calib.npz")
     recipe.base_dir = str(tmp_path)
     report = quantize_model(det, recipe, tmp_path / "det.int8.onnx")
-    assert report.actions[0].startswith("lifted 342 Constant node(s) to initializers")
+    # The float Constants quantized nodes read (318 of the export's 342; the rest are shapes and scalars).
+    assert report.actions[0].startswith("lifted 318 Constant node(s) to initializers")
     assert report.actions[1].startswith("upgraded opset 12 -> 13 with onnx.version_converter: per-channel QDQ")
     assert report.actions[2] == (
         "ran quant_pre_process with skip_symbolic_shape=True because symbolic shape inference failed "
@@ -419,7 +449,8 @@ def test_dynamic_on_paddle_constant_weights_fails_raw_and_works_guarded(tmp_path
     with pytest.raises(ValueError, match=r"Expected conv2d_\d+\.w_0 to be an initializer"):
         quantize_dynamic(det, tmp_path / "raw.onnx")
     report = quantize_model(det, Recipe(mode="dynamic"), tmp_path / "det.dynamic.onnx")
-    assert report.actions[0].startswith("lifted 342 Constant node(s) to initializers")
+    # The weights quantize_dynamic reads (the Conv weights), not the export's other Constants.
+    assert report.actions[0].startswith("lifted 62 Constant node(s) to initializers")
     assert report.format == "dynamic"
 
 

@@ -110,6 +110,8 @@ KERNEL_DEPENDENT = (
     ),
     # diag exclude's answer as onnxruntime runs it at the deploy level: "-> 0.9993 (level all: 0.9993)"
     (re.compile(r"\(level (basic|extended|all): -?[\d.]+\)"), r"(level \1: <measured>)"),
+    # a remedy's measured effect: "(measured: removes 96% of the error of logits)"
+    (re.compile(r"\((measured(?:, does not help)?): [^()]*\)$"), r"(\1: <measured>)"),
     # the spread sentence's "(biggest contributors: a (12%), b (5%))"
     (re.compile(r"\(biggest contributors: .*?%\)\)"), "(biggest contributors: <measured>)"),
 )

@@ -157,6 +157,22 @@ def test_exclude_int8_measures_and_fixes_the_users_own_model(const_b_off, tmp_pa
     assert "your INT8 model" in (out / "report.html").read_text()
 
 
+def test_max_trials_caps_a_surgical_search_too(const_b_off, tmp_path, capsys) -> None:
+    """--max-trials counts the models a search measures, the user's own included: splices count as
+    trials (they did not, and a surgical search ran past its cap)."""
+    fp, q, x, _ = const_b_off
+    args = ["exclude", fp, "--int8", q, "--inputs", x, "--batch", "8", "--target", "cosine>=0.9995"]
+    code, printed, err = run_cli([*args, "--bench-runs", "0", "--quiet", "--out", tmp_path / "full"], capsys)
+    full = json.loads((tmp_path / "full" / "exclusion.json").read_text())["search"]
+    assert code == 0 and full["splices"] >= 3, printed + err
+    code, printed, err = run_cli(
+        [*args, "--bench-runs", "0", "--quiet", "--max-trials", "4", "--out", tmp_path / "o"], capsys
+    )
+    doc = json.loads((tmp_path / "o" / "exclusion.json").read_text())["search"]
+    assert doc["splices"] == 3, "the user's model and three splices: four trials"
+    assert doc["budget"]["exhausted"] and doc["budget"]["reason"] == "--max-trials 4 reached"
+
+
 def test_a_list_keeping_every_group_in_float_is_not_a_fix(const_b_off, tmp_path, capsys) -> None:
     fp, q, x, _ = const_b_off
     args = ["exclude", fp, "--int8", q, "--inputs", x, "--batch", "8", "--target", "cosine>=0.9999999"]

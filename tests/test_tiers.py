@@ -172,3 +172,117 @@ def test_flags_the_tier_search_does_not_take_are_refused_not_ignored(tmp_path: P
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"diag: error[bad-option]: {flag[0]} with --tiers") and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def _user_int4(fp32: Path, out: Path) -> Path:
+    """The user's model: MatMulNBitsQuantizer at 4 bits, by hand (no diag)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.disable(logging.INFO)
+    try:
+        q = MatMulNBitsQuantizer(onnx.load(str(fp32)), bits=4, block_size=BLOCK)
+        q.process()
+    finally:
+        logging.disable(logging.NOTSET)
+    onnx.save(q.model.model, str(out))
+    return out
+
+
+def test_tiers_on_the_users_int4_model_splice_the_plan_into_it_no_quantizer_runs(
+    stray: tuple[Path, Path, dict[str, np.ndarray]], tmp_path: Path, capsys
+) -> None:
+    """Issue 41 item 6: a plan on the user's MatMulNBits model is that model with one weight re-blocked
+    at 8 bits from its FP32 weight; nothing else changes, and plain onnxruntime reproduces every figure."""
+    import runpy
+
+    from plain_ort import min_cosine as cosine_of
+
+    fp32, inputs, arrays = stray
+    user = _user_int4(fp32, tmp_path / "user.int4.onnx")
+    user_bytes = user.read_bytes()
+    out = tmp_path / "plan"
+    argv = ["exclude", str(fp32), "--int8", str(user), "--inputs", str(inputs), "--target", "cosine>=0.94"]
+    code = main([*argv, "--tiers", "int4,int8,fp32", "--bench-runs", "0", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    plan = json.loads((out / "tiers.json").read_text())
+    assert plan["method"] == "surgical" and plan["int8"] == str(user)
+    assert plan["plan"] == {"fc2": "int8"} and plan["quantizations"] == 0 and plan["splices"] >= 1
+    assert "(your model) -> " in printed and "spliced from your INT8 model (no re-quantization)" in printed
+    first = plan["split"]["held_out_first"]
+    # "before" is the user's file, measured by plain onnxruntime; the plan file reproduces "after".
+    assert cosine_of(fp32, user, arrays, first, 1) == pytest.approx(plan["before"]["cosine"], abs=1e-6)
+    model = out / "fp32.plan.onnx"
+    assert cosine_of(fp32, model, arrays, first, 1) == pytest.approx(plan["after"]["cosine"], abs=1e-6)
+    assert plan["after"]["cosine"] >= 0.94 > plan["before"]["cosine"]
+    # The plan is the user's model but for fc2's node: every other node and initializer byte for byte.
+    u, p = onnx.load(str(user)), onnx.load(str(model))
+    kept = [n for n in u.graph.node if n.name != "fc2_Q4"]
+    assert {n.SerializeToString() for n in kept} <= {n.SerializeToString() for n in p.graph.node}
+    u_inits = {i.name: i.SerializeToString() for i in u.graph.initializer}
+    for init in p.graph.initializer:
+        assert u_inits.get(init.name, init.SerializeToString()) == init.SerializeToString()
+        assert init.name in u_inits or init.name.startswith("diag_float/")
+    # The re-blocked weight is what onnxruntime's own 8-bit call writes for fc2 from the FP32 weight.
+    plain = onnx.load(
+        str(
+            plain_weight_only(
+                fp32,
+                tmp_path / "plain.onnx",
+                {"bits": 4, "block_size": BLOCK, "nodes_to_exclude": [], "node_bits": {"fc2": 8}},
+            )
+        )
+    )
+    eight = {i.name: i.raw_data for i in plain.graph.initializer if i.name.startswith("fc2.weight")}
+    spliced = {
+        i.name.removeprefix("diag_float/").removesuffix("/8bit"): i.raw_data
+        for i in p.graph.initializer
+        if i.name.startswith("diag_float/")
+    }
+    assert spliced == eight
+    # reproduce.py splices (no quantizer, no recipe.json): the same bytes; the user's file is untouched.
+    script = (out / "reproduce.py").read_text()
+    assert "diag.splice_to_file(FP32, INT8, NODES, OUT, bits=BITS)" in script and 'BITS = {"fc2": 8}' in script
+    assert not (out / "recipe.json").exists()
+    runpy.run_path(str(out / "reproduce.py"))
+    assert (out / "fp32.reproduced.onnx").read_bytes() == model.read_bytes()
+    assert user.read_bytes() == user_bytes
+    # The report beside it shows the splice as the verified fix, not a quantizer call that builds another model.
+    summary = (out / "summary.md").read_text()
+    assert 'diag.splice_to_file(FP32, INT8, [], OUT, bits={"fc2": 8})' in summary
+    assert "MatMulNBitsQuantizer" not in summary.split("**Verified fix**")[1].split("recipe:")[0]
+    assert json.loads((out / "diag.json").read_text())["models"]["int8"]["path"] == f"your INT8 model {user}"
+
+
+def test_tiers_a_splice_cannot_express_on_the_users_model_are_refused_before_any_work(tmp_path: Path, capsys) -> None:
+    fx = outlier_activation_mlp()
+    fp32 = tmp_path / "a16.onnx"
+    onnx.save(fx.model, fp32)
+    arrays = fx.make_inputs(16, 1)
+    np.savez(tmp_path / "x.npz", **arrays)
+    user = tmp_path / "user.qdq.onnx"
+    quantize_static(str(fp32), str(user), Rows(arrays, 8), quant_format=QuantFormat.QDQ, per_channel=True)
+    argv = ["exclude", str(fp32), "--int8", str(user), "--inputs", str(tmp_path / "x.npz"), "--target", "cosine>=0.9"]
+    assert main([*argv, "--tiers", "int8,a16,fp32", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("diag: error[bad-option]: --tiers int8,a16,fp32 with --int8") and "\n" not in err
+    assert "tier 'a16'" in err and "--requantize" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tiers_requantize_only_after_the_round_trip_proves_the_recipe(
+    stray: tuple[Path, Path, dict[str, np.ndarray]], tmp_path: Path, capsys
+) -> None:
+    fp32, inputs, _ = stray
+    user = _user_int4(fp32, tmp_path / "user.int4.onnx")
+    argv = ["exclude", str(fp32), "--int8", str(user), "--inputs", str(inputs), "--target", "cosine>=0.94"]
+    flags = ["--tiers", "int4,int8,fp32", "--bench-runs", "0", "--requantize"]
+    assert main([*argv, *flags, "--out", str(tmp_path / "ok")]) == 0
+    printed = capsys.readouterr().out
+    assert "round trip: the recipe rebuilds your INT8 model exactly (3 quantized nodes)" in printed
+    plan = json.loads((tmp_path / "ok" / "tiers.json").read_text())
+    assert plan["method"] == "requantized" and plan["quantizations"] >= 2 and plan["plan"] == {"fc2": "int8"}
+    # A recipe that does not rebuild the user's model (block size 16, the user's is 32) is refused.
+    wrong = json.dumps({"mode": "weight_only", "bits": 4, "block_size": 16})
+    assert main([*argv, *flags, "--recipe", wrong, "--out", str(tmp_path / "no")]) == 2
+    assert "error[recipe-mismatch]" in capsys.readouterr().err

@@ -126,8 +126,8 @@ CASES: list[tuple[str, list[str], Any, list[str], Any]] = [
     ),
     (
         "lint",
-        ["r.toml", "--model", "f.onnx"],
-        LintOptions("r.toml", model="f.onnx"),
+        ["r.toml", "--model", "f.onnx", "--inputs", "x.npz", "--batch", "4", "--no-measure", "--threads", "3"],
+        LintOptions("r.toml", model="f.onnx", inputs=FeedSpec(inputs="x.npz", batch=4), measure=False, threads=3),
         ["r.toml"],
         LintOptions("r.toml"),
     ),

@@ -42,6 +42,7 @@ from diag.analysis.effects import (
     check_effects,
     confirmed_cause,
     estimate_list,
+    judge_remedies,
 )
 from diag.analysis.fp16health import nonfinite_cause
 from diag.analysis.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
@@ -555,6 +556,7 @@ def attach_weights(result: CompareResult, report: WeightReport) -> None:
     result.weights = report
     fp, q = result.fp32, result.int8
     result.suggestions = all_suggestions(fp.proto, result.matching, result.health, q.format.family, report.findings)
+    judge_remedies(result.suggestions, result.effects)  # no advice against its own measurement
 
 
 def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, sentence: str) -> tuple[bool, str]:

@@ -21,6 +21,7 @@ NOTE: the check never touches the models on disk; every candidate model is a new
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,7 +42,8 @@ from diag.analysis.analyze import (
     single_cause,
     upstream_of,
 )
-from diag.analysis.remedies import generic_spread
+from diag.analysis.levers import GroupCandidate, group_candidates
+from diag.analysis.remedies import Suggestion, generic_spread
 from diag.core.feeds import FeedSource
 from diag.core.instrument import exposed_model
 from diag.core.load import LoadedModel
@@ -88,6 +90,27 @@ class Effect:
 
 
 @dataclass
+class GroupEffect:
+    """What keeping a whole recipe-lever group in float does to the outputs (:mod:`diag.analysis.levers`)."""
+
+    group: GroupCandidate
+    #: Share of the target's error energy removed, as :attr:`Effect.recovered`.
+    recovered: float
+    sqnr_after: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.group.kind,
+            "label": self.group.label,
+            "lever": self.group.lever,
+            "fix": self.group.fix,
+            "fp_nodes": self.group.fp_nodes,
+            "recovered": json_number(self.recovered),
+            "sqnr_after": {k: json_number(v) for k, v in self.sqnr_after.items()},
+        }
+
+
+@dataclass
 class EffectCheck:
     """The candidates measured, best first, and the output (or part) they were measured on."""
 
@@ -103,6 +126,12 @@ class EffectCheck:
     reference: _OutputErrors | None = field(default=None, repr=False, compare=False)
     #: The onnxruntime optimization level the candidates (and the INT8 model) ran at: the deployed one.
     level: str = EFFECT_OPT_LEVEL
+    #: Recipe-lever groups measured when no single node is confirmed, best first.
+    groups: list[GroupEffect] = field(default_factory=list)
+
+    @property
+    def best_group(self) -> GroupEffect | None:
+        return self.groups[0] if self.groups else None
 
     @property
     def sqnr_before(self) -> dict[str, float]:
@@ -123,6 +152,7 @@ class EffectCheck:
             "level": self.level,
             "seconds": round(self.seconds, 2),
             "effects": [e.to_dict() for e in self.effects],
+            "groups": [g.to_dict() for g in self.groups],
             "skipped": dict(self.skipped),
         }
 
@@ -398,7 +428,75 @@ def check_effects(  # NOTE: 9 parameters: the comparison's parts, as compare hol
     finally:
         bar.close()
     effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
-    return EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, base, measure, EFFECT_OPT_LEVEL)
+    groups: list[GroupEffect] = []
+    if not effects or effects[0].recovered < CONFIRMED_SHARE:
+        # No node alone explains the error: measure the groups one recipe change switches.
+        for g in group_candidates(fp.proto, findings, q.format.family):
+            role = f"INT8 model with {g.label} in float"
+            try:
+                model = float_region_model(fp.proto, q.proto, g.fp_nodes, matching, fp_dir=fp_dir)
+                got = runs.stats(model, None, role)
+            except Exception as e:  # a region diag cannot rebuild is reported, never fatal
+                skipped[g.label] = str(e).splitlines()[0][:200]
+                continue
+            after = {k: s.sqnr_db for k, s in got.items()}
+            groups.append(GroupEffect(g, _share_removed(base[target], got[target]), after))
+        groups.sort(key=_cheapest_explanation_first)
+    check = EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, base, measure, EFFECT_OPT_LEVEL)
+    check.groups = groups
+    return check
+
+
+#: A remedy whose measured effect removes no more than this share of the error does not help.
+HELPS_SHARE = 0.01
+
+
+def judge_remedies(suggestions: list[Suggestion], check: EffectCheck | None) -> None:
+    """Give each ``nodes_to_exclude`` remedy the effect the check measured for those very nodes.
+
+    A remedy that does not help (removes at most :data:`HELPS_SHARE` of the error, or adds to it)
+    is no longer advised: it is listed as "measured, does not help" with the figure (issue 42 item
+    2). Remedies whose nodes were not measured keep what they were (their note says nothing more).
+    """
+    if check is None:
+        return
+    measured: dict[frozenset[str], tuple[str, float]] = {
+        frozenset(e.finding.group.fp_nodes): (e.finding.group.label, e.recovered) for e in check.effects
+    }
+    for g in check.groups:
+        measured.setdefault(frozenset(g.group.fp_nodes), (g.group.label, g.recovered))
+    for i, s in enumerate(suggestions):
+        nodes = (s.recipe or {}).get("nodes_to_exclude")
+        if set(s.recipe or {}) != {"nodes_to_exclude"} or not nodes:
+            continue
+        hit = measured.get(frozenset(str(n) for n in nodes))
+        if hit is not None:
+            suggestions[i] = _judged(s, *hit, check)
+
+
+def _judged(s: Suggestion, label: str, recovered: float, check: EffectCheck) -> Suggestion:
+    """``s`` with its measured effect and the sentence that words it (not advised when it does not help)."""
+    # NOTE: the effect line beside it says the samples and the optimization level the check ran at.
+    if recovered > HELPS_SHARE:
+        note = f"measured: removes {recovered:.0%} of the error of {check.target}"
+        return dataclasses.replace(s, measured=recovered, measured_note=note)
+    if math.isinf(recovered):
+        change = f"creates NaN/Inf in {check.target}"
+    elif recovered < 0:
+        change = f"adds {-recovered:.0%} to the error of {check.target}"
+    else:
+        change = f"removes only {max(recovered, 0.0):.0%} of the error of {check.target}"
+    note = f"measured, does not help: keeping {label} in float {change}"
+    return dataclasses.replace(s, measured=recovered, measured_note=note, advised=False)
+
+
+def _cheapest_explanation_first(g: GroupEffect) -> tuple[bool, float]:
+    """Sort key of measured groups: those that explain the error (>= :data:`CONFIRMED_SHARE`) and leave
+    most of the model quantized, fewest nodes in float first (the smallest change that works); then
+    the rest, most error removed first."""
+    if g.recovered >= CONFIRMED_SHARE and g.group.small:
+        return False, float(len(g.group.fp_nodes))
+    return True, -g.recovered
 
 
 @dataclass
@@ -720,6 +818,8 @@ def _headline(
         part_cause = None  # another node measurably fixes the outputs: the effect decides
     if part_cause is not None:
         return _concat_headline(findings, check, *part_cause)
+    if check is None and not any(f.local is not None for f in findings if f.group.quantized):
+        return False, _unmeasured_local_sentence(findings, poor), None
     if check is None or check.best is None:
         one, sentence, top = single_cause(findings)
         if one and top is not None:
@@ -730,7 +830,44 @@ def _headline(
         return False, sentence, None
     if confirmed:
         return _confirmed_headline(findings, check, check.best, bad_local)
+    group = check.best_group
+    if problem and group is not None and group.recovered >= CONFIRMED_SHARE and group.group.small:
+        return _group_headline(findings, check, group)
     return _unconfirmed_headline(findings, check, poor, bad_local, fmt)
+
+
+def _group_headline(
+    findings: list[NodeFinding], check: EffectCheck, group: GroupEffect
+) -> tuple[bool, str, NodeFinding | None]:
+    """A recipe lever is the cause: its group kept in float removes most of the error no node alone does.
+
+    No node is the root cause then: a locally bad one is a contributor (its effect is in the check).
+    """
+    for f in findings:
+        if f.role == "root-cause":
+            f.role = "contributor"
+    alone = max((e.recovered for e in check.effects), default=0.0)
+    g = group.group
+    return (
+        False,
+        f"cause: {g.lever}: keeping {g.label} in float recovers {group.recovered:.0%} of the error of "
+        f"{check.target} on {check.samples} samples at optimization level {check.level}, one node alone at most "
+        f"{max(alone, 0.0):.0%}; fix: {g.fix}",
+        None,
+    )
+
+
+def _unmeasured_local_sentence(findings: list[NodeFinding], poor: bool) -> str:
+    """``--no-local``: no claim about local error (none was measured), only where the accumulated error is worst."""
+    measured = [f for f in findings if f.group.quantized and f.accumulated is not None]
+    if not poor or not measured:
+        return "local error was not measured (--no-local), so no node is named"
+    worst = min(measured, key=lambda f: (f.accumulated.sqnr_db if f.accumulated else math.inf, f.index))
+    assert worst.accumulated is not None
+    return (
+        f"local error was not measured (--no-local), so no cause is named: the accumulated error is worst at "
+        f"{worst.group.label} ({worst.accumulated.sqnr_db:.1f} dB); run without --no-local to find where it starts"
+    )
 
 
 def _quantized(findings: list[NodeFinding]) -> list[NodeFinding]:
@@ -878,6 +1015,10 @@ def spread_sentence(
         tail = "; worst local SQNR: " + ", ".join(
             f"{f.group.label} ({f.local.sqnr_db:.1f} dB)" for f in worst if f.local
         )
+    group = check.best_group if check is not None else None
+    alone = max((e.recovered for e in check.effects), default=0.0) if check is not None else 0.0
+    if group is not None and group.recovered > alone:
+        tail += f"; keeping {group.group.label} in float ({group.group.lever}) recovers {max(group.recovered, 0.0):.0%}"
     tail += amplifier_clause(findings)
     # NOTE: the recipe is not known here (it is inferred on the fix side); diag.cli.verbs.diagnose
     # replaces generic_spread(fmt) with the remedies that change something for the model's recipe.

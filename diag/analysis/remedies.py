@@ -22,6 +22,7 @@ import onnx
 from diag.analysis.weights import WeightFinding
 from diag.core.distributions import TensorHealth
 from diag.core.match import Matching, NodeGroup, TopLevelIndex
+from diag.foundations.jsonnum import json_number
 from diag.foundations.ortfacts import kinds_where
 
 #: Effective bits this far below the grid's bits mean the tails waste the grid.
@@ -42,6 +43,14 @@ class Suggestion:
     applies_to: str
     note: str = ""
     consumers: list[str] = field(default_factory=list)
+    #: Share of the failing output's error the remedy removed, as the effect check measured it (a
+    #: ``nodes_to_exclude`` remedy whose nodes the check kept in float); None: not measured.
+    measured: float | None = None
+    #: The measurement in one sentence (:func:`diag.analysis.effects.judge_remedies`), "" if none.
+    measured_note: str = ""
+    #: False when measured and it does not help: shown as "measured, does not help", never advised
+    #: (issue 42 item 2: a remedy with a negative measured effect was the report's remedy 2).
+    advised: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +62,9 @@ class Suggestion:
             "applies_to": self.applies_to,
             "note": self.note,
             "consumers": self.consumers,
+            "measured": json_number(self.measured) if self.measured is not None else None,
+            "measured_note": self.measured_note,
+            "advised": self.advised,
         }
 
 

@@ -251,8 +251,14 @@ def diff_options(args: argparse.Namespace) -> DiffOptions:
 
 def lint_options(args: argparse.Namespace) -> LintOptions:
     from diag.cli.verbs import LintOptions
+    from diag.core.feeds import FeedSpec
 
-    return LintOptions(args.recipe, model=args.model)
+    if args.inputs and not args.model:
+        raise DiagError(
+            "bad-option", "--inputs", "needs --model (the FP32 model the lines are measured on)", "add --model FP32"
+        )
+    inputs = FeedSpec(inputs=args.inputs, batch=args.batch) if args.inputs else None
+    return LintOptions(args.recipe, model=args.model, inputs=inputs, measure=not args.no_measure, threads=args.threads)
 
 
 # ---------------------------------------------------------------- verbs
@@ -327,8 +333,12 @@ def cmd_lint(args: argparse.Namespace) -> int:
     module names get the ONNX node names that contain them), and options that contradict each
     other or the format.
 
-    Every finding is one line, error or warning. Exit code 3 when there is an error (onnxruntime
-    would ignore or reject part of the recipe), 0 with warnings only (legal but probably not meant)."""
+    With --model each line the recipe sets is also measured on the model: quantized with and
+    without it, a line that changes nothing is a warning, one that changes the model a note with
+    what it changes (and, with --inputs, the output SQNR with and without it as deployed).
+
+    Every finding is one line: error, warning or note. Exit code 3 when there is an error
+    (onnxruntime would ignore or reject part of the recipe), 0 otherwise."""
     from diag.cli import verbs
 
     return _emit(verbs.lint(lint_options(args)))
@@ -381,6 +391,13 @@ def _search_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags diag exclude and diag exclude --tiers share, as :class:`diag.fix.exclude.SearchOptions` fields."""
     from diag.core.run import parse_size
 
+    if args.requantize and not args.int8:
+        raise DiagError(
+            "bad-option",
+            "--requantize",
+            "needs --int8 (the model whose recipe is re-applied)",
+            "add --int8 YOUR_INT8.onnx",
+        )
     return {
         "target": args.target,
         "holdout": args.holdout,
@@ -394,6 +411,7 @@ def _search_options(args: argparse.Namespace) -> dict[str, Any]:
         "int8": args.int8,
         "deploy_level": args.deploy_level,
         "max_memory": parse_size(args.max_memory) if args.max_memory else None,
+        "requantize": args.requantize,
     }
 
 
@@ -401,19 +419,7 @@ def _exclude_options(args: argparse.Namespace) -> ExcludeOptions:
     """``diag exclude``'s flags as :class:`diag.fix.exclude.ExcludeOptions`."""
     from diag.fix.exclude import ExcludeOptions
 
-    if args.requantize and not args.int8:
-        raise DiagError(
-            "bad-option",
-            "--requantize",
-            "needs --int8 (the model whose recipe is re-applied)",
-            "add --int8 YOUR_INT8.onnx",
-        )
-    return ExcludeOptions(
-        **_search_options(args),
-        estimates=not args.no_estimates,
-        scheduler=args.scheduler,
-        requantize=args.requantize,
-    )
+    return ExcludeOptions(**_search_options(args), estimates=not args.no_estimates, scheduler=args.scheduler)
 
 
 def _tier_options(args: argparse.Namespace) -> TierOptions:
@@ -423,7 +429,6 @@ def _tier_options(args: argparse.Namespace) -> TierOptions:
     for flag, given in (
         ("--scheduler", args.scheduler),
         ("--no-estimates", args.no_estimates),
-        ("--requantize", args.requantize),
     ):
         if given:
             raise DiagError(
@@ -737,7 +742,8 @@ def _exclude_flags(p: argparse.ArgumentParser) -> None:
         "--max-trials",
         type=int,
         metavar="N",
-        help="at most N quantizations (the baseline included); when reached, the answer is the smallest list that "
+        help="at most N trials, the baseline included (quantizations, or models spliced from your --int8 model "
+        "plus the model itself); when reached, the answer is the smallest list that "
         "met the target so far, reported as 'budget exhausted' (default: no cap)",
     )
     p.add_argument(
@@ -757,7 +763,9 @@ def _exclude_flags(p: argparse.ArgumentParser) -> None:
         metavar="T1,T2,...",
         help="mixed-precision plan across tiers, lowest (the recipe's) first: int4,int8,fp32 (weight_only), "
         "int8,a16,fp32 (static: a16 = 16-bit activations via TensorQuantOverrides), int8,fp32; nodes are "
-        "promoted one tier at a time; writes tiers.json, recipe.json, the plan model and reproduce.py",
+        "promoted one tier at a time; writes tiers.json, recipe.json, the plan model and reproduce.py. With "
+        "--int8 the plan is spliced into your model (fp32 nodes in float, weight-only nodes re-blocked at a "
+        "wider width from the FP32 weight): no quantizer runs",
     )
     _add_out(p, "diag-exclude")
     _add_scheduler(
@@ -850,7 +858,21 @@ def _bench_flags(p: argparse.ArgumentParser) -> None:
 
 def _lint_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="a recipe file (.json or .toml)")
-    p.add_argument("--model", metavar="FP32", help="the FP32 model: check node names and op types against it")
+    p.add_argument(
+        "--model",
+        metavar="FP32",
+        help="the FP32 model: check node names and op types against it, and measure each recipe line on it "
+        "(quantized with and without the line: 'changes nothing' or what it changes)",
+    )
+    p.add_argument(
+        "--inputs",
+        metavar="NPZ",
+        help="with --model: also measure each line's effect on the outputs (SQNR against FP32 as onnxruntime runs "
+        "the model by default, first 16 samples)",
+    )
+    p.add_argument("--batch", type=int, default=1, metavar="N", help="samples per run with --inputs (default 1)")
+    p.add_argument("--no-measure", action="store_true", help="with --model: check names only, quantize nothing")
+    p.add_argument("--threads", type=int, metavar="N", help="onnxruntime intra-op threads for the measurement")
 
 
 def _sweep_flags(p: argparse.ArgumentParser) -> None:

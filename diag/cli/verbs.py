@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from diag.analysis import compare as pipeline
 from diag.analysis.analyze import cache_verdicts, caches_line, nonfinite_origins, shortened_path
@@ -49,10 +49,11 @@ from diag.core.recipe import Recipe, recipe_file_text, recipe_from_option
 from diag.core.taskmetrics import task_lines
 from diag.fix.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.fix.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
-from diag.fix.exclude import ExcludeOptions, ExclusionResult, derive_exclusions
+from diag.fix.exclude import ExcludeOptions, ExclusionResult, SearchOptions, count_phrase, derive_exclusions
 from diag.fix.exclude import summary_lines as exclude_lines
 from diag.fix.fixcode import reproduce_snippet, splice_snippet
 from diag.fix.infer import fix_recipe, recipe_to_file, recipe_to_toml, search_recipe
+from diag.fix.linecheck import measure_lines
 from diag.fix.lint import lint_recipe_file
 from diag.fix.lint import summary_line as lint_summary_line
 from diag.fix.modelprep import copy_model
@@ -73,6 +74,7 @@ from diag.fix.sweep import OUTPUT_NAMES as SWEEP_OUTPUT_NAMES
 from diag.fix.sweep import summary_lines as sweep_lines
 from diag.fix.tiers import TierOptions, TierPlan, derive_tier_plan, plan_snippet
 from diag.fix.tiers import summary_lines as tier_lines
+from diag.fix.weightonly import quantizer_calls
 from diag.foundations.environment import environment, printable
 from diag.foundations.errors import DiagError
 from diag.foundations.files import check_outputs, internal_writes, output_file, resume_file, work_dir, write_set
@@ -137,6 +139,11 @@ class LintOptions:
 
     recipe: str
     model: str | None = None
+    #: ``--inputs``: with ``model``, each measured line also gets the outputs' SQNR with and without it.
+    inputs: FeedSpec | None = None
+    #: With ``model``: quantize with and without each line to measure what it changes (``--no-measure``: off).
+    measure: bool = True
+    threads: int | None = None
 
 
 def diagnose(
@@ -343,6 +350,11 @@ def report(options: ReportOptions) -> Summary:
 def lint(options: LintOptions) -> Summary:
     """`diag lint`: one line per finding and a summary; failed when a finding is an error."""
     findings = lint_recipe_file(options.recipe, options.model)
+    if options.model is not None and options.measure:  # a recipe that loads is measured, errors or not
+        measured = measure_lines(options.recipe, options.model, options.inputs, options.threads)
+        # A rule of thumb ("only affects quantize_static") gives way to the measurement of the same line.
+        where = {f.where for f in measured}
+        findings = [f for f in findings if not (f.code == "static-only-option" and f.where in where)] + measured
     lines = [f.line() for f in findings] + [lint_summary_line(options.recipe, findings)]
     return Summary(lines, any(f.severity == "error" for f in findings))
 
@@ -469,7 +481,14 @@ def _health_lines(result: CompareResult) -> list[str]:
         f"  persistent outlier: channel {p.index} in {len(p.tensors)} of {p.of_tensors} tensors of width {p.channels}"
         for p in result.persistent[:1]
     ]
-    lines += [f"  remedy for {s.tensor}: {s.python}" for s in result.suggestions[:2]]
+    advised = [s for s in result.suggestions if s.advised]
+    lines += [
+        f"  remedy for {s.tensor}: {s.python}" + (f" ({s.measured_note})" if s.measured_note else "")
+        for s in advised[:2]
+    ]
+    lines += [
+        f"  not advised for {s.tensor}: {s.python} ({s.measured_note})" for s in result.suggestions if not s.advised
+    ][:2]
     blocks = result.weights.worst_blocks(1) if result.weights is not None else []
     lines += [  # block-wise weights (MatMulNBits, int4 QDQ): see diag.core.nbits
         f"  worst weight block: {b.weight} {b.where()}: "
@@ -509,6 +528,11 @@ def _measured_lines(result: CompareResult) -> list[str]:
                 + ", ".join(f"{e.finding.group.label} {e.recovered:.0%}" for e in shown)
                 + f" ({effects.samples} samples, optimization level {effects.level})"
             )
+    if effects is not None and effects.groups:
+        lines.append(
+            f"  effect on {effects.target} of keeping a recipe-lever group in float: "
+            + ", ".join(f"{g.group.label} ({g.group.lever}) {max(g.recovered, 0.0):.0%}" for g in effects.groups[:3])
+        )
     for v in result.verdicts:
         for label, (part, acc, local) in v.per_sample.parts.items():
             lines.append(
@@ -530,6 +554,8 @@ def _measured_lines(result: CompareResult) -> list[str]:
 
 #: A search's answer files: (contents to write, their names as the verb reports them, stale files to remove).
 AnswerFiles = tuple[dict[Path, str | bytes | Path], dict[str, Path], list[Path]]
+#: The options of either search (``diag exclude``, ``diag exclude --tiers``).
+_Opts = TypeVar("_Opts", bound=SearchOptions)
 
 
 def exclude_to_dir(
@@ -590,8 +616,8 @@ def exclude_to_dir(
 
 
 def _prove_recipe(
-    fp32_path: str | Path, recipe: Recipe, feeds: FeedSpec, options: ExcludeOptions, work: Path
-) -> tuple[ExcludeOptions, list[str]]:
+    fp32_path: str | Path, recipe: Recipe, feeds: FeedSpec, options: _Opts, work: Path
+) -> tuple[_Opts, list[str]]:
     """Before re-quantizing for a user who gave their INT8 model: does the recipe rebuild it exactly?
 
     Identical: the search re-quantizes (calibration then sees the exclusions), and says the proof.
@@ -734,7 +760,8 @@ def tier_plan_to_dir(
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     plan_name = f"{stem}.plan.onnx"
     names_out = ["tiers.json", plan_name, "reproduce.py", "recipe.json", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
-    recipe, origin = search_recipe(recipe, options.int8)
+    given = recipe
+    recipe, origin = search_recipe(given) if given is not None else search_recipe(None, options.int8)
     inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]
     check_outputs(out_dir, names_out, inputs)
     out = checked_out_dir(out_dir)
@@ -742,12 +769,20 @@ def tier_plan_to_dir(
     # tiers.json, the plan model, recipe.json, reproduce.py and the diagnosis report. Without a plan,
     # an earlier run's model, recipe and script would read as this run's answer: they are removed.
     with work_dir(out, "tiers") as work:
+        proof: list[str] = []
+        if options.int8 is not None and (given is not None or options.requantize):
+            options, proof = _prove_recipe(fp32_path, recipe, feeds, options, work)
         with internal_writes():  # trial models are not this verb's outputs
             plan = derive_tier_plan(fp32_path, recipe, feeds, options, work_dir=work)
         plan.recipe_origin = origin.to_dict()
+        plan.warnings[:0] = proof
         answer = _plan_files(plan, recipe, feeds, out, stem)
-        # The diagnosis of the all-lowest model: what ranked the nodes (weight blocks included).
-        note = f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
+        # The diagnosis of the starting model: what ranked the nodes (weight blocks included).
+        note = (
+            f"your INT8 model {plan.int8}"
+            if plan.method == "surgical"
+            else f"all {plan.tiers[0]} (the recipe as given, quantized by diag exclude --tiers)"
+        )
         # The report shows the plan (it is this run's answer), with the reproduce.py it refers to.
         record = plan.to_dict()
         embedded = {**record, "snippet": plan.snippet or ""}
@@ -769,10 +804,30 @@ def _plan_files(plan: TierPlan, recipe: Recipe, feeds: FeedSpec, out: Path, stem
     plan.model = str(model)
     names["plan model"] = model
     final = Recipe.from_dict(plan.recipe, "plan recipe")
+    again = str(out / f"{stem}.reproduced.onnx")
+    if plan.method == "surgical" and plan.int8 is not None:
+        # The verified plan is the user's model with regions spliced in: reproduce.py splices; the
+        # recipe that would re-quantize it builds another model, so it is a comment, not recipe.json.
+        in_float = [n for n, t in plan.plan.items() if t == "fp32"]
+        bits = {n: int(t[3:]) for n, t in plan.plan.items() if t != "fp32"}
+        changes = [f"{count_phrase(len(in_float), 'node')} kept in float"] if in_float else []
+        changes += [f"{count_phrase(len(bits), 'weight')} re-blocked at a wider width"] if bits else []
+        header = (
+            f"# Rebuilds the plan `diag exclude --tiers --int8` verified (target {plan.target}):\n"
+            f"# your INT8 model with {' and '.join(changes)}."
+        )
+        call = (
+            "\n".join(quantizer_calls(final))
+            if final.mode == "weight_only"
+            else f"nodes_to_exclude={json.dumps(in_float, ensure_ascii=False)}"
+        )
+        plan.snippet = splice_snippet(plan.fp32, plan.int8, in_float, again, header, call, bits or None)
+        contents[reproduce] = plan.snippet
+        names["reproduce.py"] = reproduce
+        return contents, names, [recipe_out]
     contents[recipe_out] = recipe_file_text(final, recipe_out)
     names["recipe.json"] = recipe_out
     calib, count, batch = _calibration_of(recipe, feeds, plan.split)
-    again = str(out / f"{stem}.reproduced.onnx")
     plan.snippet = plan_snippet(plan, final, again, str(calib) if calib else None, count, batch)
     contents[reproduce] = plan.snippet
     names["reproduce.py"] = reproduce

@@ -453,11 +453,14 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
             f"{unnamed} quantizable node(s) without a name ({', '.join(unnamed_ops)}): nodes_to_exclude cannot "
             "refer to them"
         )
-    consts = sum(1 for n in proto.graph.node if n.op_type == "Constant")
-    if m.format.kind == "fp32" and consts:
+    # NOTE: only a Constant that holds a quantizable node's weight matters (quantize_dynamic raises
+    # "Expected ... to be an initializer" on it); a standard export's shape and scalar Constants do not.
+    weights = constant_weights(proto, "dynamic") if m.format.kind == "fp32" else []
+    if weights:
         problems.append(
-            f"{consts} Constant node(s): quantize_dynamic may fail with 'Expected ... to be an "
-            "initializer'; run onnxruntime's quant_pre_process first"
+            f"{len(weights)} Constant node(s) hold weights of quantizable nodes (e.g. '{weights[0]}'): "
+            "quantize_dynamic fails with 'Expected ... to be an initializer' on them; diag quantize lifts "
+            "them to initializers (or run onnxruntime's quant_pre_process first)"
         )
     if m.format.kind == "fp32" and default_opset < 13:
         problems.append(
@@ -499,6 +502,51 @@ def onnxruntime_domains() -> set[str]:
     from onnxruntime.capi import _pybind_state as C
 
     return {k.domain or "ai.onnx" for k in C.get_all_opkernel_def()}
+
+
+#: The inputs onnxruntime's dynamic quantizer reads as weights (initializers only), by op type.
+WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {
+    "MatMul": (1,),
+    "Gemm": (1,),
+    "Conv": (1,),
+    "ConvTranspose": (1,),
+    "Gather": (0,),
+    "Attention": (1,),
+    "LSTM": (1, 2),
+    "EmbedLayerNormalization": (2, 3, 4),
+}
+
+
+def constant_weights(proto: onnx.ModelProto, mode: str) -> list[str]:
+    """The ``Constant`` node outputs onnxruntime's quantizer would need as initializers, in ``mode``.
+
+    ``dynamic``: those read at a weight input (:data:`WEIGHT_INPUTS`) of a node quantize_dynamic
+    quantizes (it raises "Expected ... to be an initializer" on them). ``static``: every float
+    Constant read by a node quantize_static quantizes (it would quantize it like an activation, at
+    run time, ignoring ``weight_type`` and ``per_channel``).
+
+    Example:
+        >>> constant_weights(onnx.load("paddle_det.onnx"), "dynamic")[:1]  # doctest: +SKIP
+        ['conv2d_0.w_0']
+    """
+    consts = {
+        n.output[0]: n
+        for n in proto.graph.node
+        if n.op_type == "Constant" and n.output and len(n.attribute) == 1 and n.attribute[0].name == "value"
+    }
+    if not consts:
+        return []
+    quantizable = _quantizable_op_types("dynamic" if mode == "dynamic" else "qdq")
+    found: dict[str, None] = {}
+    for n in proto.graph.node:
+        if n.op_type not in quantizable:
+            continue
+        if mode == "dynamic":
+            read = [n.input[i] for i in WEIGHT_INPUTS.get(n.op_type, ()) if i < len(n.input)]
+        else:
+            read = [t for t in n.input if t in consts and consts[t].attribute[0].t.data_type == onnx.TensorProto.FLOAT]
+        found.update({t: None for t in read if t in consts})
+    return list(found)
 
 
 def _quantizable_op_types(kind: str) -> set[str]:

@@ -145,9 +145,15 @@ def _row_products(x: np.ndarray, y: np.ndarray) -> _RowProducts:
 
 
 def sum_of_squares(fp: np.ndarray) -> float:
-    """Σx² of a tensor's values, as :meth:`ErrorAccumulator.update` sums them (float32 dot)."""
+    """Σx² of a tensor's values, as :meth:`ErrorAccumulator.update` sums them (a float32 dot, again in
+    float64 when that overflows: an attention mask's -3.4e38 squared is not representable in float32)."""
     x = _as_float(fp)
-    return float(np.dot(x, x))
+    with np.errstate(over="ignore"):
+        total = float(np.dot(x, x))
+    if math.isinf(total) and np.isfinite(x).all():
+        x64 = x.astype(np.float64)
+        total = float(np.dot(x64, x64))
+    return total
 
 
 def _as_float(a: np.ndarray) -> np.ndarray:
@@ -211,15 +217,23 @@ class ErrorAccumulator:
             keep = fin_x & fin_y
             x, y = x[keep], y[keep]
             e = y - x
-            s_ee = float(np.dot(e, e))
+            with np.errstate(over="ignore"):
+                s_ee = float(np.dot(e, e))
             if x.size == 0:
                 return
             s_xx = None  # the caller's sum counted the values just dropped
         # NOTE: y = x + e, so sum y^2 and sum xy follow from sum x^2, sum xe and sum e^2 in float64:
         # one pass fewer than four dot products, and more precise than a float32 dot(x, y).
-        if s_xx is None:
-            s_xx = float(np.dot(x, x))
-        s_xe = float(np.dot(x, e))
+        with np.errstate(over="ignore", invalid="ignore"):
+            if s_xx is None:
+                s_xx = float(np.dot(x, x))
+            s_xe = float(np.dot(x, e))
+        if not (math.isfinite(s_ee) and math.isfinite(s_xx) and math.isfinite(s_xe)):
+            # Finite values whose squares overflow float32 (a quantized attention mask at -3.4e38
+            # read as -inf dB): the same sums in float64, for this batch only.
+            x = x.astype(np.float64)
+            e = y.astype(np.float64) - x
+            s_ee, s_xx, s_xe = float(np.dot(e, e)), float(np.dot(x, x)), float(np.dot(x, e))
         self.n += x.size
         self.s_xx += s_xx
         self.s_yy += s_xx + 2.0 * s_xe + s_ee

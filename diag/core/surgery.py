@@ -16,7 +16,9 @@ What a float region is, per format (it mirrors onnxruntime's ``nodes_to_exclude`
   node shares stays).
 * **QOperator**: a QLinear* node is replaced by DequantizeLinear -> FP32 node -> QuantizeLinear on
   the tensors' own scales.
-* **MatMulNBits**: the FP32 MatMul with its FP32 weight.
+* **MatMulNBits**: the FP32 MatMul with its FP32 weight; or, for a tier plan (``bits``), the
+  FP32 weight re-blocked at another width by onnxruntime's own ``MatMulNBitsQuantizer`` (round to
+  nearest, the user's block size, symmetry and accuracy level), that one node only.
 
 :func:`float_region_model` is the trial model (kept INT8 nodes that nothing reads any more are
 dropped; their initializers may stay). :func:`spliced_model` is the shippable one: the same graph
@@ -28,7 +30,10 @@ NOTE: nothing here touches a model on disk; every model is a new proto.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import io
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +46,7 @@ from onnx.external_data_helper import load_external_data_for_model, load_externa
 
 from diag.core.load import LoadedModel, outer_scope_inputs, subgraphs
 from diag.core.match import Matching, TensorPair
-from diag.core.protos import node_id
+from diag.core.protos import default_opset, node_id
 
 #: Names of the nodes, tensors and initializers a float region adds (never an FP32 or INT8 name).
 PREFIX = "diag_float/"
@@ -448,8 +453,15 @@ def spliced_model(
     fp_nodes: list[str],
     matching: Matching,
     fp_dir: Path | None = None,
+    bits: dict[str, int] | None = None,
+    external_dir: Path | None = None,
 ) -> onnx.ModelProto:
     """The user's INT8 model ``q`` with the FP32 nodes ``fp_nodes`` in float: the model a fix ships.
+
+    ``bits``: weight-only nodes (FP32 names) re-blocked at another width instead (a tier plan's
+    ``int8`` over an int4 model): the FP32 weight quantized again by ``MatMulNBitsQuantizer`` with
+    the user's node's settings (:func:`_reblock`); an FP32 weight kept in external data is read from
+    ``fp_dir``, else ``external_dir`` (the folder both models share, :func:`region_dirs`).
 
     Unlike an onnxruntime re-quantization, nothing outside the regions changes: the kept nodes are
     the user's (only their order may differ, topologically), and so are their initializers; the
@@ -464,9 +476,129 @@ def spliced_model(
         7
     """
     every_op = {n.op_type for n in fp.graph.node}
-    model = float_region_model(fp, q, fp_nodes, matching, every_op, fp_dir)
-    drop_unread_initializers(model.graph, {i.name for i in q.graph.initializer})
+    model = float_region_model(fp, q, list(dict.fromkeys([*fp_nodes, *(bits or {})])), matching, every_op, fp_dir)
+    floats = _reblock(model, q, bits or {}, matching, fp_dir or external_dir) if bits else set()
+    drop_unread_initializers(model.graph, {i.name for i in q.graph.initializer} | floats)
     return model
+
+
+def _reblock(
+    model: onnx.ModelProto, q: onnx.ModelProto, bits: dict[str, int], matching: Matching, folder: Path | None
+) -> set[str]:
+    """Quantize the float copies of the weight-only nodes ``bits`` names again, each at its width.
+
+    Each float MatMul of a region is quantized alone (a one-node model) by ``MatMulNBitsQuantizer``
+    with the settings of the user's node it replaces (block size, symmetry, accuracy level, format),
+    and its nodes and initializers take its place, named under :data:`PREFIX`. Returns the float
+    weights it no longer reads (for :func:`drop_unread_initializers`). ValueError when the user's
+    node is not a block-quantized weight (MatMulNBits, or a blocked DequantizeLinear before a MatMul).
+    """
+    by_id = {node_id(n, i): n for i, n in enumerate(q.graph.node)}
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    freed: set[str] = set()
+    for fp_name, width in bits.items():
+        settings = _weight_only_settings(fp_name, matching, by_id)
+        index, copy = next(((i, n) for i, n in enumerate(g.node) if n.name == PREFIX + fp_name), (-1, None))
+        if copy is None or copy.op_type != "MatMul" or copy.input[1] not in inits:
+            raise ValueError(f"'{fp_name}' is not a MatMul with a constant weight: it cannot be re-blocked")
+        weight = inits[copy.input[1]]
+        if uses_external_data(weight):
+            if folder is None:
+                raise ValueError(f"the FP32 weight of '{fp_name}' is in external data and no folder was given")
+            loaded = onnx.TensorProto()
+            loaded.CopyFrom(weight)
+            _read_external(loaded, folder)
+            weight = loaded
+        nodes, new_inits = _quantized_alone(copy, weight, width, settings, default_opset(model))
+        del g.node[index]
+        for offset, n in enumerate(nodes):
+            g.node.insert(index + offset, n)
+        g.initializer.extend(new_inits)
+        freed.add(copy.input[1])
+    return freed
+
+
+def _weight_only_settings(fp_name: str, matching: Matching, by_id: dict[str, onnx.NodeProto]) -> dict[str, Any]:
+    """The ``MatMulNBitsQuantizer`` settings the user's model used for ``fp_name``'s weight."""
+    group = next((g for g in matching.groups if fp_name in g.fp_nodes), None)
+    for nid in group.int8_nodes if group is not None else []:
+        n = by_id.get(nid)
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute} if n is not None else {}
+        if n is not None and n.op_type == "MatMulNBits":
+            return {
+                "block_size": int(attrs.get("block_size", 128)),
+                "is_symmetric": len(n.input) < 4 or not n.input[3],
+                "accuracy_level": int(attrs["accuracy_level"]) if "accuracy_level" in attrs else None,
+                "quant_format": "QOperator",
+            }
+        if n is not None and n.op_type == "DequantizeLinear" and "block_size" in attrs:
+            return {
+                "block_size": int(attrs["block_size"]),
+                "is_symmetric": len(n.input) < 3 or not n.input[2],
+                "accuracy_level": None,
+                "quant_format": "QDQ",
+            }
+    raise ValueError(f"'{fp_name}' has no block-quantized weight in the INT8 model: it cannot be re-blocked")
+
+
+def _quantized_alone(
+    matmul: onnx.NodeProto, weight: onnx.TensorProto, width: int, settings: dict[str, Any], opset: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """``matmul`` with ``weight`` quantized at ``width`` bits by onnxruntime, as nodes and initializers
+    to splice in place of the float copy (every new name under :data:`PREFIX`)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # before the import: it calls logging.basicConfig
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    a, y = matmul.input[0], matmul.output[0]
+    k, n = list(weight.dims)
+    alone = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["a", weight.name], ["y"], name=matmul.name)],
+            "reblock",
+            [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, ["n", k])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", n])],
+            [weight],
+        ),
+        opset_imports=[helper.make_opsetid("", max(opset, 21 if settings["quant_format"] == "QDQ" else opset))],
+    )
+    quantizer = MatMulNBitsQuantizer(
+        alone,
+        bits=width,
+        block_size=settings["block_size"],
+        is_symmetric=settings["is_symmetric"],
+        accuracy_level=settings["accuracy_level"],
+        quant_format=QuantFormat[settings["quant_format"]],
+    )
+    root.handlers = [logging.NullHandler()]  # onnxruntime logs every weight it quantizes at INFO
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            quantizer.process()
+    finally:
+        root.handlers, root.level = handlers, level
+    done = quantizer.model.model.graph
+    outer = {"a": a, "y": y}
+
+    def renamed(t: str) -> str:
+        return outer.get(t) or (PREFIX + t.removeprefix(PREFIX) if t else "")
+
+    nodes: list[onnx.NodeProto] = []
+    for node in done.node:
+        copy = onnx.NodeProto()
+        copy.CopyFrom(node)
+        copy.name = renamed(node.name or node.op_type)
+        copy.input[:] = [renamed(t) for t in node.input]
+        copy.output[:] = [renamed(t) for t in node.output]
+        nodes.append(copy)
+    inits = []
+    for init in done.initializer:
+        copy = onnx.TensorProto()
+        copy.CopyFrom(init)
+        copy.name = renamed(init.name)
+        inits.append(copy)
+    return nodes, inits
 
 
 def drop_unread_initializers(g: onnx.GraphProto, among: set[str] | None = None) -> int:

@@ -54,6 +54,7 @@ import numpy as np
 import onnx
 
 from diag.analysis.compare import CompareOptions, CompareResult, compare_models, load_pair
+from diag.analysis.levers import nearly_all
 from diag.core.feeds import FeedSource, FeedSpec, load_labels
 from diag.core.load import LoadedModel, float_model_from_path
 from diag.core.match import Matching, match_models
@@ -436,14 +437,20 @@ class _Search(SearchAlgorithm):
         self.surgery: EstimateSource | None = None
         self.splices = 0
 
+    @property
+    def trials_made(self) -> int:
+        """The models built and measured, the baseline included (what ``--max-trials`` caps): quantizations,
+        or, in a surgical search, splices plus the user's own model."""
+        return self.quantizations + self.splices + (1 if self.user_int8 is not None else 0)
+
     def expect(self, remaining: int) -> None:
         """Set the progress bar's total to the trials done plus an estimate of those left (for its ETA)."""
-        total = self.quantizations + max(remaining, 0)
+        total = self.trials_made + max(remaining, 0)
         self.bar.total = min(total, self.max_trials) if self.max_trials else total
 
     def out_of_budget(self) -> str | None:
         """Why no further trial may run (``--max-trials`` / ``--time-budget``), or None."""
-        if self.max_trials is not None and self.quantizations >= self.max_trials:
+        if self.max_trials is not None and self.trials_made >= self.max_trials:
             return f"--max-trials {self.max_trials} reached"
         if self.deadline is not None and time.perf_counter() >= self.deadline:
             return "--time-budget reached"
@@ -661,12 +668,20 @@ class _Search(SearchAlgorithm):
         return self.search_real()
 
 
-def splice_to_file(fp32_path: str | Path, int8_path: str | Path, fp_nodes: list[str], out_path: str | Path) -> Path:
+def splice_to_file(
+    fp32_path: str | Path,
+    int8_path: str | Path,
+    fp_nodes: list[str],
+    out_path: str | Path,
+    bits: dict[str, int] | None = None,
+) -> Path:
     """Write the user's INT8 model with ``fp_nodes`` kept in float: the fix ``diag exclude --int8`` verified.
 
     The same splice the search measured (:func:`diag.core.surgery.spliced_model`): every other
     node and initializer of ``int8_path`` is kept as it is, so the file is the user's model with
     float regions, deployable as is, whatever quantizer made it. reproduce.py calls this.
+    ``bits``: weight-only nodes re-blocked at that width from their FP32 weight instead (a tier
+    plan of ``diag exclude --tiers --int8``).
 
     Example:
         >>> splice_to_file("m.fp32.onnx", "m.int8.onnx", ["layer1/ffn/fc1/MatMul"], "m.mixed.onnx")  # doctest: +SKIP
@@ -675,11 +690,12 @@ def splice_to_file(fp32_path: str | Path, int8_path: str | Path, fp_nodes: list[
     fp, q = load_pair(fp32_path, int8_path)
     fp_dir, q_dir = region_dirs(fp, q)
     try:
-        model = spliced_model(fp.proto, q.proto, list(fp_nodes), match_models(fp.proto, q.proto), fp_dir)
+        matching = match_models(fp.proto, q.proto)
+        model = spliced_model(fp.proto, q.proto, list(fp_nodes), matching, fp_dir, bits, external_dir=q_dir)
     except ValueError as e:
         raise DiagError(
             "bad-option",
-            f"nodes {list(fp_nodes)}",
+            f"nodes {[*fp_nodes, *(bits or {})]}",
             f"cannot be kept in float inside '{q.path.name}': {e}",
             "pass FP32 node names of quantized nodes (exclusion.json's nodes_to_exclude)",
         ) from e
@@ -1066,18 +1082,15 @@ def _producer(int8: Path, nodes: list[str]) -> dict[str, Any]:
     }
 
 
-#: A met list may keep at most this share of the quantized groups in float and still be a fix.
-MAX_FLOAT_SHARE = 0.9
-
-
 def _nearly_all(in_float: int, quantized: int) -> bool:
     """Does keeping ``in_float`` of ``quantized`` groups in float leave (almost) nothing quantized?
+    (:func:`diag.analysis.levers.nearly_all`: the same rule names recipe-lever causes.)
 
     Example:
         >>> _nearly_all(206, 207), _nearly_all(7, 207), _nearly_all(2, 2), _nearly_all(1, 2)
         (True, False, True, False)
     """
-    return (quantized > 0 and in_float >= quantized) or (quantized >= 10 and in_float > MAX_FLOAT_SHARE * quantized)
+    return nearly_all(in_float, quantized)
 
 
 def _budget(options: SearchOptions, exhausted: str | None) -> dict[str, Any]:

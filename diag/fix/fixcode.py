@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
+from diag.core.load import WEIGHT_INPUTS
 from diag.fix.fp16convert import KeptInFloat, fix_snippet_fp16, reproduce_fp16
 from diag.fix.infer import SNIPPET_KEYS
 from diag.fix.modelprep import (
@@ -46,21 +47,57 @@ ENUMS = {
 #: Keys only ``quantize_static`` takes: a dynamic fix must not pass them.
 _STATIC_ONLY = ("quant_format", "activation_type", "calibrate_method")
 
-#: reproduce.py's replay of ``quantize.lift_constants`` (paddle2onnx stores weights as Constant nodes).
-LIFT_CONSTANTS_SNIPPET = [
-    "# Constant nodes -> initializers (the quantizer only quantizes initializer weights).",
-    "kept = []",
-    "for node in model.graph.node:",
-    '    if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":',
-    "        t = onnx.TensorProto()",
-    "        t.CopyFrom(node.attribute[0].t)",
-    "        t.name = node.output[0]",
-    "        model.graph.initializer.append(t)",
-    "    else:",
-    "        kept.append(node)",
-    "del model.graph.node[:]",
-    "model.graph.node.extend(kept)",
-]
+
+def lift_constants_snippet(mode: str) -> list[str]:
+    """reproduce.py's replay of ``quantize``'s Constant lifting: the Constant nodes the quantizer reads
+    as weights become initializers (:func:`diag.core.load.constant_weights`, by the same rule).
+
+    ``mode``: the recipe's (``static``: every float Constant a quantized op reads; otherwise the
+    weight inputs of the ops quantize_dynamic quantizes).
+
+    Example:
+        >>> any("IntegerOpsRegistry" in line for line in lift_constants_snippet("dynamic"))
+        True
+    """
+    static = mode == "static"
+    registries = (
+        "set(registry.QDQRegistry) | set(registry.QLinearOpsRegistry)" if static else "set(registry.IntegerOpsRegistry)"
+    )
+    pick = (
+        [
+            "        wanted.update(t for t in node.input if t in consts",
+            "                      and consts[t].attribute[0].t.data_type == onnx.TensorProto.FLOAT)",
+        ]
+        if static
+        else [
+            f"        weight_inputs = {dict(WEIGHT_INPUTS)!r}.get(node.op_type, ())",
+            "        wanted.update(node.input[i] for i in weight_inputs",
+            "                      if i < len(node.input) and node.input[i] in consts)",
+        ]
+    )
+    return [
+        "# The Constant nodes the quantizer reads as weights -> initializers (it only quantizes initializers).",
+        "from onnxruntime.quantization import registry",
+        "",
+        f"quantized = {registries}",
+        "consts = {n.output[0]: n for n in model.graph.node if n.op_type == 'Constant' and n.output",
+        "          and len(n.attribute) == 1 and n.attribute[0].name == 'value'}",
+        "wanted = set()",
+        "for node in model.graph.node:",
+        "    if node.op_type in quantized:",
+        *pick,
+        "kept = []",
+        "for node in model.graph.node:",
+        '    if node.op_type == "Constant" and node.output and node.output[0] in wanted:',
+        "        t = onnx.TensorProto()",
+        "        t.CopyFrom(node.attribute[0].t)",
+        "        t.name = node.output[0]",
+        "        model.graph.initializer.append(t)",
+        "    else:",
+        "        kept.append(node)",
+        "del model.graph.node[:]",
+        "model.graph.node.extend(kept)",
+    ]
 
 
 class Reproducible(KeptInFloat, Protocol):
@@ -264,7 +301,7 @@ def reproduce_snippet(
     r = result.recipe
     if r.get("mode") == "weight_only":
         header = f"# target {result.target}: {result.verdict}; {len(result.nodes_to_exclude)} node(s) kept in float."
-        lift = LIFT_CONSTANTS_SNIPPET if STEP_LIFT_CONSTANTS in result.steps else []
+        lift = lift_constants_snippet("weight_only") if STEP_LIFT_CONSTANTS in result.steps else []
         return weight_only_snippet(r, result.fp32, model_out, header, lift)
     if r.get("mode") == "fp16":
         return reproduce_fp16(result, model_out)
@@ -276,7 +313,7 @@ def reproduce_snippet(
     lines = _reproduce_preamble(result, steps, static, model_out)
     if static:
         lines += [f"CALIBRATION = os.path.abspath({calibration or 'CALIBRATION.npz'!r})", *_READER_CLASS]
-    lines += ["", "", "model = onnx.load(FP32)", *_model_steps(steps)]
+    lines += ["", "", "model = onnx.load(FP32)", *_model_steps(steps, str(r.get("mode") or "static"))]
     lines += _file_steps(steps, external)
     reader = [f"Reader(CALIBRATION, {calibration_samples!r}, {batch!r})"] if static else []
     keywords = _reproduce_keywords(r, result.nodes_to_exclude, static, external)
@@ -335,12 +372,12 @@ _READER_CLASS = [
 ]
 
 
-def _model_steps(steps: list[str]) -> list[str]:
+def _model_steps(steps: list[str], mode: str) -> list[str]:
     """The steps diag applied to the loaded FP32 model in memory (before it is saved for the quantizer)."""
     lines: list[str] = []
     for step in steps:
         if step == STEP_LIFT_CONSTANTS:
-            lines += LIFT_CONSTANTS_SNIPPET
+            lines += lift_constants_snippet(mode)
         elif step == STEP_UPGRADE_OPSET:
             lines += [
                 "# per-channel QDQ writes DequantizeLinear(axis=...), which opset < 13 forbids.",
@@ -417,7 +454,13 @@ def _extra_options_source(extra: dict[str, Any]) -> str:
 
 
 def splice_snippet(
-    fp32: str, int8: str, nodes: list[str], model_out: str, header: str, requantize_call: str | None = None
+    fp32: str,
+    int8: str,
+    nodes: list[str],
+    model_out: str,
+    header: str,
+    requantize_call: str | None = None,
+    bits: dict[str, int] | None = None,
 ) -> str:
     """reproduce.py of a surgical fix: the user's INT8 model with ``nodes`` spliced in float, by diag.
 
@@ -425,6 +468,7 @@ def splice_snippet(
     ships (:func:`diag.fix.exclude.splice_to_file`), so the script needs diag. ``requantize_call``
     (the fix in the producer's own vocabulary) is shown as a comment only: re-quantizing makes a
     different model unless the recipe round-trips, and that model was not the one verified.
+    ``bits``: weight-only nodes re-blocked at a wider width (a tier plan), passed on as ``bits=``.
 
     Example:
         >>> print(splice_snippet("m.fp32.onnx", "m.int8.onnx", ["fc1"], "m.reproduced.onnx", "# met").splitlines()[-2])
@@ -449,5 +493,10 @@ def splice_snippet(
             "# when the recipe rebuilds yours exactly (diag exclude --int8 ... --requantize proves that first):",
             *[f"#   {x}".rstrip() for x in requantize_call.splitlines()],
         ]
-    lines += ["", "diag.splice_to_file(FP32, INT8, NODES, OUT)", "print('wrote', OUT)"]
+    call = "diag.splice_to_file(FP32, INT8, NODES, OUT)"
+    if bits:
+        widths = json.dumps(bits, ensure_ascii=False)
+        lines.append(f"BITS = {widths}  # re-blocked from the FP32 weight at these widths")
+        call = "diag.splice_to_file(FP32, INT8, NODES, OUT, bits=BITS)"
+    lines += ["", call, "print('wrote', OUT)"]
     return "\n".join(lines) + "\n"

@@ -254,11 +254,12 @@ def lint_recipe(data: dict[str, Any], model: onnx.ModelProto | None = None) -> l
     findings: list[Finding] = []
     valid = _check_keys(data, findings)
     mode = valid.get("mode", "static")
-    _check_extra_options(data.get("extra_options"), mode, model, findings)
+    weight_type = str(valid.get("weight_type") or ("QInt8" if mode == "dynamic" else ""))
+    _check_extra_options(data.get("extra_options"), mode, model, findings, weight_type)
     _check_contradictions(data, valid, model, findings)
     if model is not None:
         _check_names(valid, model, findings)
-    order = {"error": 0, "warning": 1}
+    order = {"error": 0, "warning": 1, "note": 2}
     return sorted(findings, key=lambda f: order[f.severity])
 
 
@@ -270,10 +271,12 @@ def summary_line(recipe_path: str | os.PathLike[str], findings: list[Finding]) -
         'r.json: no problems found'
     """
     errors = sum(f.severity == "error" for f in findings)
-    warnings = len(findings) - errors
-    if not findings:
-        return f"{Path(recipe_path).name}: no problems found"
-    return f"{Path(recipe_path).name}: {_plural(errors, 'error')}, {_plural(warnings, 'warning')}"
+    warnings = sum(f.severity == "warning" for f in findings)
+    lines = sum(f.code in ("measured", "no-effect") for f in findings)
+    measured = f"; {_plural(lines, 'line')} measured on the model" if lines else ""
+    if not errors and not warnings:
+        return f"{Path(recipe_path).name}: no problems found{measured}"
+    return f"{Path(recipe_path).name}: {_plural(errors, 'error')}, {_plural(warnings, 'warning')}{measured}"
 
 
 # ---------------------------------------------------------------- checks
@@ -313,15 +316,34 @@ def _check_keys(data: dict[str, Any], findings: list[Finding]) -> dict[str, Any]
     return valid
 
 
-def _check_extra_options(extra: Any, mode: str, model: Any, findings: list[Finding]) -> None:
+def _check_extra_options(extra: Any, mode: str, model: Any, findings: list[Finding], weight_type: str = "") -> None:
     if not isinstance(extra, dict):
         return
     known = onnxruntime_extra_options()
     source = f"onnxruntime {known.version}" + ("" if known.scanned else " (diag's built-in list)")
     for key in extra:
         where = f"extra_options.{key}"
+        if key == "MatMulConstBOnly" and mode == "dynamic" and extra[key] is False:
+            findings.append(
+                Finding(
+                    "warning",
+                    "act-act-matmuls",
+                    where,
+                    "False quantizes every activation x activation MatMul (a transformer's attention scores "
+                    "and context), which quantize_dynamic leaves in float by default: a common cause of spread "
+                    "error",
+                    "remove it unless measured harmless (diag lint --model FP32 --inputs X measures it; diag "
+                    "compare names it as the cause when keeping those MatMuls in float recovers the error)",
+                )
+            )
+            continue
         if key in known.quantizer:
-            if mode == "dynamic" and key.startswith(STATIC_ONLY_PREFIXES):
+            # NOTE: quantize_dynamic reads ActivationSymmetric for what it quantizes with the activation
+            # type that is not an activation: a Gather's table when weight_type is not QUInt8 (with
+            # QInt8 weights a MiniLM's embedding scales change 0.0061 -> 0.0082). With QUInt8 weights the
+            # model is byte-identical (REFERENCE.md; tests/test_lint.py measures both).
+            reads_it = key == "ActivationSymmetric" and weight_type != "QUInt8"
+            if mode == "dynamic" and key.startswith(STATIC_ONLY_PREFIXES) and not reads_it:
                 findings.append(
                     Finding(
                         "warning",
@@ -359,7 +381,7 @@ def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
     """The op_types_to_quantize list that really keeps ``excluded`` op types in float."""
     kinds = set(quantizable_op_types("dynamic" if mode == "dynamic" else "qdq"))
     if model is not None:
-        kinds &= {n.op_type for n in _all_nodes(model)}
+        kinds &= {n.op_type for n in all_nodes(model)}
     keep = sorted(kinds - {str(x) for x in excluded})
     if not keep:
         return None
@@ -487,7 +509,8 @@ def _check_opset(model: Any, findings: list[Finding]) -> None:
         )
 
 
-def _all_nodes(model: Any) -> list[Any]:
+def all_nodes(model: Any) -> list[Any]:
+    """Every node of ``model``, its subgraphs' included (what node names and op types are checked against)."""
     return iter_nodes(model.graph)
 
 
@@ -508,7 +531,7 @@ def module_to_onnx_prefix(name: str) -> str:
 
 
 def _check_names(valid: dict[str, Any], model: Any, findings: list[Finding]) -> None:
-    nodes = _all_nodes(model)
+    nodes = all_nodes(model)
     names = [n.name for n in nodes if n.name]
     name_set = set(names)
     for key in ("nodes_to_exclude", "nodes_to_quantize", "node_block_list"):

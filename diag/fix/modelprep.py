@@ -72,8 +72,11 @@ class QuantizeReport:
     calibrations: int = 0
 
 
-def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+def lift_constants(model: onnx.ModelProto, only: set[str] | None = None) -> tuple[onnx.ModelProto, int]:
     """Return the model with its tensor ``Constant`` nodes as initializers, and how many were lifted.
+
+    ``only``: lift just these outputs (:func:`diag.core.load.constant_weights`, what the quantizer
+    needs as initializers); None lifts every tensor Constant.
 
     paddle2onnx stores weights as Constant nodes; onnxruntime's quantizer only treats initializers
     as weights ("Expected <w> to be an initializer" in ``quantize_dynamic``). Lifting is exact:
@@ -85,14 +88,15 @@ def lift_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         >>> n  # doctest: +SKIP
         342
     """
-    if not any(n.op_type == "Constant" for n in model.graph.node):
+    if not any(n.op_type == "Constant" and (only is None or n.output[0] in only) for n in model.graph.node):
         return model, 0  # nothing to lift: no copy of a possibly huge model
     out = onnx.ModelProto()
     out.CopyFrom(model)
     keep = []
     lifted = 0
     for node in out.graph.node:
-        if node.op_type == "Constant" and len(node.attribute) == 1 and node.attribute[0].name == "value":
+        wanted = only is None or (bool(node.output) and node.output[0] in only)
+        if node.op_type == "Constant" and wanted and len(node.attribute) == 1 and node.attribute[0].name == "value":
             t = onnx.TensorProto()
             t.CopyFrom(node.attribute[0].t)
             t.name = node.output[0]

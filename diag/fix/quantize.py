@@ -43,7 +43,14 @@ from typing import Any
 import onnx
 
 from diag.core.feeds import FeedSource, FeedSpec
-from diag.core.load import LoadedModel, ModelFormat, detect_format, float_model_from_path, iter_nodes
+from diag.core.load import (
+    LoadedModel,
+    ModelFormat,
+    constant_weights,
+    detect_format,
+    float_model_from_path,
+    iter_nodes,
+)
 from diag.core.protos import default_opset
 from diag.core.recipe import Recipe, recipe_from_option
 from diag.fix.fp16convert import convert_model
@@ -260,7 +267,9 @@ def _preflight(job: _Job, model: onnx.ModelProto, out_name: str) -> tuple[onnx.M
             "quantized with use_external_data_format=True: the model's weights are stored as external data "
             f"(written next to the output as {out_name}.data)"
         )
-    model, lifted = lift_constants(model)
+    # Only the Constants the quantizer reads as weights: the rest of the export stays as it is.
+    mode = "static" if job.recipe.mode == "static" else "dynamic"  # weight-only reads MatMul weights too
+    model, lifted = lift_constants(model, set(constant_weights(model, mode)))
     if lifted:
         job.steps.append(STEP_LIFT_CONSTANTS)
         why = (

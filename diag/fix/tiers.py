@@ -51,10 +51,11 @@ from diag.analysis.compare import CompareOptions, CompareResult, compare_models
 from diag.analysis.decoder import module_paths, projection_phrase
 from diag.core.feeds import FeedSource, FeedSpec
 from diag.core.recipe import Recipe
+from diag.core.surgery import region_dirs, save_spliced, spliced_model
 from diag.fix.bench import BenchOptions, bench_models
 from diag.fix.evaluate import HeldOutMetrics, Target
 from diag.fix.evaluate import format_metric as _fmt
-from diag.fix.exclude import SearchOptions, SearchSetup, prepare_search, search_target
+from diag.fix.exclude import SearchOptions, SearchSetup, count_phrase, prepare_search, search_target, trials_phrase
 from diag.fix.fixcode import reproduce_snippet
 from diag.fix.modelprep import copy_model
 from diag.fix.quantize import quantize_model
@@ -271,6 +272,14 @@ class TierPlan:
     snippet: str | None = None
     #: Where the starting recipe came from (:meth:`diag.fix.infer.RecipeOrigin.to_dict`; set by the verb).
     recipe_origin: dict[str, Any] = field(default_factory=dict)
+    #: ``"surgical"``: every plan was the user's INT8 model (``int8``) with groups spliced in float or
+    #: re-blocked at a wider width, no quantizer run; ``"requantized"``: every plan quantized from FP32.
+    method: str = "requantized"
+    int8: str | None = None
+    #: Plans built by splicing into the user's model (surgical searches).
+    splices: int = 0
+    #: What the search wants the user to know (groups that could not be spliced).
+    warnings: list[str] = field(default_factory=list)
     #: The ``diag compare`` result of the all-lowest model that ranked the nodes (not serialized).
     diagnosis: CompareResult | None = field(default=None, repr=False)
 
@@ -304,6 +313,10 @@ class TierPlan:
             "candidates": [c.to_dict() for c in self.candidates],
             "trials": [t.to_dict(self.tiers) for t in self.trials],
             "quantizations": self.quantizations,
+            "method": self.method,
+            "int8": self.int8,
+            "splices": self.splices,
+            "warnings": list(self.warnings),
             "seconds": round(self.seconds, 3),
             "budget": self.budget,
             "model": self.model,
@@ -336,6 +349,37 @@ class _TierSearch:
         self.pruning_stopped: str | None = None
         #: Per-trial lines go above any bar (no bar of its own: a plan's trial count is not known).
         self.lines = Progress(None, "tiers", enabled=False, unit="trials")
+        #: Surgical plans (issue 41 item 6): the user's model, the baseline every plan is spliced into.
+        self.user_int8: Path | None = Path(options.int8) if options.surgical and options.int8 else None
+        #: (FP32 proto, INT8 proto, matching, FP32 folder, INT8 folder): set by the ranking comparison.
+        self.surgery: tuple[Any, ...] | None = None
+        self.splices = 0
+        #: Plans kept in memory as spliced protos (written only for the answer, :meth:`model_path`).
+        self.spliced: dict[tuple[int, ...], Any] = {}
+
+    @property
+    def trials_run(self) -> int:
+        """The plans built and measured, the baseline included (what ``--max-trials`` caps): quantizations,
+        or, in a surgical search, splices plus the user's own model."""
+        return self.quantizations + self.splices + (1 if self.user_int8 is not None else 0)
+
+    def splice(self, levels: tuple[int, ...]) -> onnx.ModelProto:
+        """The user's model with the plan's fp32 groups in float and its wider weight-only groups
+        re-blocked from their FP32 weights (:func:`diag.core.surgery.spliced_model`)."""
+        assert self.surgery is not None, "the ranking comparison pairs the models before any splice"
+        fp, q, matching, fp_dir, q_dir = self.surgery
+        plan = self.plan_of(levels)
+        in_float = [n for n, t in plan.items() if t == "fp32"]
+        bits = {n: int(t[3:]) for n, t in plan.items() if t != "fp32"}
+        return spliced_model(fp, q, in_float, matching, fp_dir, bits=bits or None, external_dir=q_dir)
+
+    def model_path(self, levels: tuple[int, ...]) -> Path:
+        """The plan's model on disk (a spliced plan is written when first asked for)."""
+        path = self.cache[levels][1]
+        if self.user_int8 is not None and levels and not path.exists():
+            assert self.surgery is not None
+            save_spliced(self.splice(levels), path, self.surgery[4])
+        return path
 
     def smallest_met(self) -> tuple[int, ...] | None:
         """The met trial that promotes the fewest groups (then the lowest tiers), None if none met."""
@@ -355,19 +399,26 @@ class _TierSearch:
             levels = ()  # nothing promoted is the baseline (pruning lowers the last group to it)
         if levels in self.cache:
             return self.cache[levels][0], self.met_levels[levels]
-        if self.max_trials is not None and self.quantizations >= self.max_trials and any(levels):
+        if self.max_trials is not None and self.trials_run >= self.max_trials and any(levels):
             raise BudgetExhausted(f"--max-trials {self.max_trials} reached")
         if self.deadline is not None and time.perf_counter() >= self.deadline and any(levels):
             raise BudgetExhausted("--time-budget reached")
         t0 = time.perf_counter()
         path = self.work / f"plan{len(self.trials):03d}.onnx"
-        recipe = recipe_for_plan(self.recipe, self.fp_proto, self.plan_of(levels))
-        quantize_model(self.fp32, recipe, path, calibration=self.calibration, calibration_cache=self.calibration_cache)
-        self.quantizations += 1
-        m = self.evaluator.evaluate(path)
-        met = m.meets(self.target)
-        if met and self.deploy_evaluator is not None:
-            met = self.deploy_evaluator.evaluate(path).meets(self.target)
+        if self.user_int8 is not None and not levels:
+            path = self.user_int8  # the baseline is the user's model itself, read as it is
+            m, met = self._judge(path, None)
+        elif self.user_int8 is not None:
+            model = self.splice(levels)
+            self.splices += 1
+            m, met = self._judge(path, model)
+        else:
+            recipe = recipe_for_plan(self.recipe, self.fp_proto, self.plan_of(levels))
+            quantize_model(
+                self.fp32, recipe, path, calibration=self.calibration, calibration_cache=self.calibration_cache
+            )
+            self.quantizations += 1
+            m, met = self._judge(path, None)
         self.cache[levels] = (m, path)
         self.met_levels[levels] = met
         value = m.value(self.target.metric)
@@ -381,6 +432,22 @@ class _TierSearch:
                 f"tiers: {phase:<8} {counts or 'all at ' + self.tiers[0]} -> {self.target.metric} {shown} "
                 f"({'met' if met else 'missed'})"
             )
+        return m, met
+
+    def _judge(self, path: Path, model: onnx.ModelProto | None) -> tuple[HeldOutMetrics, bool]:
+        """Held-out metrics in exact mode; met = met there and at the deploy level (as diag exclude).
+        ``model``: a spliced plan, evaluated in memory (``path`` only names it)."""
+        q_dir = self.surgery[4] if self.surgery is not None else None
+
+        def run(evaluator: Any) -> HeldOutMetrics:
+            if model is not None:
+                return evaluator.evaluate_model(model, path.name, q_dir)  # type: ignore[no-any-return]
+            return evaluator.evaluate(path)  # type: ignore[no-any-return]
+
+        m = run(self.evaluator)
+        met = m.meets(self.target)
+        if met and self.deploy_evaluator is not None:
+            met = run(self.deploy_evaluator).meets(self.target)
         return m, met
 
     def search(self) -> tuple[int, ...] | None:
@@ -457,6 +524,8 @@ def derive_tier_plan(
     o = options
     tier_list = parse_tiers(",".join(o.tiers) if isinstance(o.tiers, list) else o.tiers, recipe)
     tgt = search_target(o.target, o.metric, o.labels, o.max_trials, o.time_budget)
+    if o.surgical:
+        _check_spliceable(tier_list, recipe, o)
     setup = prepare_search(fp32_path, recipe, feeds, tgt, o)
     tmp = Path(tempfile.mkdtemp(prefix="diag-tiers-"))
     try:
@@ -466,6 +535,7 @@ def derive_tier_plan(
         chosen: tuple[int, ...] | None = ()
         compared: CompareResult | None = None
         budget: str | None = None
+        warnings: list[str] = []
         if not met0:
             compared = compare_models(
                 setup.fp32,
@@ -474,6 +544,10 @@ def derive_tier_plan(
                 CompareOptions(progress=False, threads=o.threads, max_memory=o.max_memory),
             )
             s.candidates = ranked_candidates(compared.findings, set(recipe.nodes_to_exclude or []))
+            if s.user_int8 is not None:
+                fp_dir, q_dir = region_dirs(compared.fp32, compared.int8)
+                s.surgery = (compared.fp32.proto, compared.int8.proto, compared.matching, fp_dir, q_dir)
+                warnings += _drop_unspliceable(s)
             try:
                 chosen = s.search()
             except BudgetExhausted as e:
@@ -486,6 +560,7 @@ def derive_tier_plan(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plan.before, plan.already_met, plan.budget, plan.diagnosis = before, met0, budget, compared
+    plan.warnings = warnings
     promotable = {n for c in plan.candidates for n in c.fp_nodes}
     universe = [n.name for n in setup.fp.proto.graph.node if n.name in promotable]  # in graph order
     paths = module_paths(setup.fp.proto)
@@ -511,7 +586,7 @@ def _plan(
     plan = s.plan_of(levels) if chosen is not None else {}
     after = s.cache[chosen][0] if chosen is not None and chosen in s.cache else None
     final = recipe_for_plan(recipe, setup.fp.proto, plan)
-    plan_path = s.cache[chosen][1] if chosen is not None and chosen in s.cache else None
+    plan_path = s.model_path(chosen) if chosen is not None and chosen in s.cache else None
     sizes = {"lowest": _size(baseline), "fp32": _size(fp32)}
     if plan_path is not None:
         sizes["plan"] = _size(plan_path)
@@ -542,9 +617,51 @@ def _plan(
         split=setup.split.to_dict(),
         trials=s.trials,
         quantizations=s.quantizations,
+        splices=s.splices,
+        method="surgical" if s.user_int8 is not None else "requantized",
+        int8=str(s.user_int8) if s.user_int8 is not None else None,
         latency=latency,
         model=model_out,
     )
+
+
+def _check_spliceable(tiers: list[str], recipe: Recipe, options: TierOptions) -> None:
+    """Surgical plans promote a group to float, or re-block a weight-only node's weight; a tier
+    that changes how tensors other nodes share are quantized (``a16``, 8-bit weights over a static
+    int4 model) cannot be spliced into the user's model: said before any work."""
+    if recipe.mode == "weight_only":
+        return
+    other = [t for t in tiers[1:] if t != "fp32"]
+    if other:
+        raise DiagError(
+            "bad-option",
+            f"--tiers {','.join(tiers)} with --int8 '{options.int8}'",
+            f"tier '{other[0]}' changes the quantization of tensors other nodes share, so it cannot be spliced "
+            "into your INT8 model",
+            f"use --tiers {tiers[0]},fp32, or add --requantize with a --recipe that rebuilds your model exactly "
+            "(diag proves that first)",
+        )
+
+
+def _drop_unspliceable(s: _TierSearch) -> list[str]:
+    """Candidates whose region cannot be built in the user's model leave the plan search, said once
+    (as in :func:`diag.fix.exclude._drop_unspliceable`: each is tried at the top tier, float)."""
+    assert s.surgery is not None
+    fp, q, matching, fp_dir, _ = s.surgery
+    keep, dropped = [], []
+    for c in s.candidates:
+        try:
+            spliced_model(fp, q, list(c.fp_nodes), matching, fp_dir)
+            keep.append(c)
+        except ValueError as e:
+            dropped.append(f"{c.label} ({e})")
+    s.candidates = keep
+    if not dropped:
+        return []
+    return [
+        f"{count_phrase(len(dropped), 'quantized group')} cannot be kept in float inside your INT8 model and stay at "
+        f"{s.tiers[0]} in every plan: {'; '.join(dropped[:5])}" + (" ..." if len(dropped) > 5 else "")
+    ]
 
 
 def _size(path: Path) -> int:
@@ -595,12 +712,14 @@ def summary_lines(plan: TierPlan) -> list[str]:
     held = plan.split["held_out_samples"]
     b = plan.before.value(t.metric)
     low = plan.tiers[0]
+    #: The starting point: the user's own model (surgical), or the recipe quantized at the lowest tier.
+    start = "your model" if plan.method == "surgical" else f"all {low}"
     lines: list[str] = []
     if plan.already_met:
-        lines.append(f"target {t} already met on {held} held-out samples by all {low}: {t.metric} {_fmt(b, t)}")
+        lines.append(f"target {t} already met on {held} held-out samples by {start}: {t.metric} {_fmt(b, t)}")
     elif plan.reachable and plan.after is not None:
         lines.append(
-            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)} (all {low}) -> "
+            f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)} ({start}) -> "
             f"{_fmt(plan.after.value(t.metric), t)} (plan)"
         )
         if plan.budget:
@@ -617,25 +736,26 @@ def summary_lines(plan: TierPlan) -> list[str]:
     elif plan.budget:
         # NOTE: the search stopped before any plan met the target: that proves nothing either way.
         lines.append(
-            f"target {t} not reached ({plan.budget}): all {low} gives {t.metric} {_fmt(b, t)}; the search "
+            f"target {t} not reached ({plan.budget}): {start} gives {t.metric} {_fmt(b, t)}; the search "
             "stopped before any plan met it (a larger budget may find one)"
         )
     else:
         lines.append(
-            f"target {t} not reachable: all {low} gives {t.metric} {_fmt(b, t)}, and no plan short of every "
+            f"target {t} not reachable: {start} gives {t.metric} {_fmt(b, t)}, and no plan short of every "
             f"node at {plan.tiers[-1]} meets it"
         )
     sizes = plan.sizes
-    parts = [f"all {low} {byte_size(sizes['lowest'])}"]
+    parts = [f"{start} {byte_size(sizes['lowest'])}"]
     if "plan" in sizes and plan.plan:
         parts.append(f"plan {byte_size(sizes['plan'])}")
     parts.append(f"fp32 {byte_size(sizes['fp32'])}")
     lines.append("  size: " + ", ".join(parts))
     if plan.latency:
-        names = {"lowest": f"all {low}"}
+        names = {"lowest": start}
         lines.append(
             "  latency p50: "
             + ", ".join(f"{names.get(r['model'], r['model'])} {r['p50_ms']:.2f} ms" for r in plan.latency)
         )
-    lines.append(f"  {plan.quantizations} quantizations in {plan.seconds:.1f} s")
+    lines += [f"  {w}" for w in plan.warnings]
+    lines.append(f"  {trials_phrase(plan.method, plan.quantizations, plan.splices, 0)} in {plan.seconds:.1f} s")
     return lines

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from diag.core.recipe import Recipe
-from diag.fix.exclude import count_phrase
+from diag.fix.exclude import count_phrase, trials_phrase
 from diag.fix.weightonly import quantizer_calls
 from diag.foundations.numfmt import byte_size
 from diag.report.exclude_view import metric_rows
@@ -30,8 +30,11 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         ['int8 (1 node): fc2']
     """
     low = doc["tiers"][0]
+    surgical = doc.get("method") == "surgical"
+    #: The starting point: the user's model (surgical plans), or the recipe quantized at the lowest tier.
+    start = "your INT8 model" if surgical else f"all {low}"
     if doc["already_met"]:
-        verdict = f"already met by all {low}"
+        verdict = f"already met by {start}"
     elif doc["reachable"]:
         verdict = "met"
         if doc.get("budget"):
@@ -42,7 +45,7 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         verdict = f"not reachable: no plan short of every node at {doc['tiers'][-1]} meets the target"
     latency = [
         {
-            "model": {"lowest": f"all {low}"}.get(x["model"], x["model"]),
+            "model": {"lowest": start}.get(x["model"], x["model"]),
             "p50": f"{x['p50_ms']:.2f} ms",
             "p90": f"{x['p90_ms']:.2f} ms",
             "speedup": "ref" if x.get("speedup") is None else f"{x['speedup']:.2f}x",
@@ -50,7 +53,7 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         for x in doc["latency"]
     ]
     sizes = doc["sizes"]
-    size = f"all {low} {byte_size(sizes['lowest'])}"
+    size = f"{start} {byte_size(sizes['lowest'])}"
     if "plan" in sizes and doc["plan"]:
         size += f", plan {byte_size(sizes['plan'])}"
     size += f", fp32 {byte_size(sizes['fp32'])}"
@@ -63,16 +66,16 @@ def report_section(doc: dict[str, Any]) -> dict[str, Any]:
         "plan_lines": plan_lines(doc) if met else [],
         "metrics": metric_rows({"metrics": {"before": doc["before"], "after": doc["after"]}, "target": doc["target"]}),
         "latency": latency,
-        "counts": f"{count_phrase(doc['quantizations'], 'quantization')} over {len(doc['candidates'])} candidate "
-        f"groups in {doc['seconds']:.1f} s; sizes: {size}",
+        "counts": f"{trials_phrase(doc.get('method', 'requantized'), doc['quantizations'], doc.get('splices', 0), 0)}"
+        f" over {len(doc['candidates'])} candidate groups in {doc['seconds']:.1f} s; sizes: {size}",
         "trajectory_svg": "",
         "snippet": doc.get("snippet") or "",
-        "fix_call": fix_call(doc["recipe"]) if met else "",
+        "fix_call": (splice_call(doc) if surgical else fix_call(doc["recipe"])) if met else "",
         "fix_lines": [],
         "recipe_line": (doc.get("recipe_origin") or {}).get("line", ""),
         "alternatives": [],
-        "before_label": f"all {low}",
-        "after_label": "the plan",
+        "before_label": start,
+        "after_label": "with the plan spliced in" if surgical else "the plan",
     }
 
 
@@ -88,6 +91,20 @@ def plan_lines(doc: dict[str, Any]) -> list[str]:
         named = (doc.get("by_projection") or {}).get(tier) or ", ".join(nodes)
         lines.append(f"{tier} ({count_phrase(len(nodes), 'node')}): {named}")
     return lines
+
+
+def splice_call(doc: dict[str, Any]) -> str:
+    """A surgical plan as the call that builds it from the user's model (what reproduce.py runs).
+
+    Example:
+        >>> splice_call({"plan": {"fc2": "int8", "fc1": "fp32"}})
+        'diag.splice_to_file(FP32, INT8, ["fc1"], OUT, bits={"fc2": 8})'
+    """
+    in_float = [n for n, t in doc["plan"].items() if t == "fp32"]
+    bits = {n: int(t[3:]) for n, t in doc["plan"].items() if t != "fp32"}
+    nodes = json.dumps(in_float, ensure_ascii=False)
+    wider = f", bits={json.dumps(bits, ensure_ascii=False)}" if bits else ""
+    return f"diag.splice_to_file(FP32, INT8, {nodes}, OUT{wider})"
 
 
 def fix_call(recipe: dict[str, Any]) -> str:

@@ -778,7 +778,8 @@ def _sensitivity_rows(sens: dict[str, Any] | None) -> list[SensitivityRowView]:
 
 
 def _effect_rows(effects: dict[str, Any] | None) -> list[EffectRow]:
-    return [
+    """The nodes measured, then the recipe-lever groups (diag.analysis.levers) when some were measured."""
+    rows = [
         EffectRow(
             e["node"],
             "; ".join(e["why"]),
@@ -788,6 +789,17 @@ def _effect_rows(effects: dict[str, Any] | None) -> list[EffectRow]:
         )
         for e in (effects or {}).get("effects", [])
     ]
+    rows += [
+        EffectRow(
+            g["label"],
+            f"recipe lever {g['lever']}; fix: {g['fix']}",
+            "-",
+            fmt_pct(g["recovered"]),
+            _sortable(g["recovered"]),
+        )
+        for g in (effects or {}).get("groups", [])
+    ]
+    return rows
 
 
 def _persistent_lines(dist: dict[str, Any]) -> list[str]:
@@ -936,10 +948,18 @@ def _fix_view(section: dict[str, Any]) -> ExclusionView:
 
 
 def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
+    """The remedies by tensor and problem, each with its measured effect when the check measured it;
+    a remedy measured not to help says so first ("measured, does not help: ...": never advice)."""
     groups: dict[tuple[str, str], RemedyGroup] = {}
     for x in suggestions:
         key = (x["tensor"], x["problem"])
         g = groups.setdefault(key, RemedyGroup(x["tensor"], x["problem"], []))
+        measured = str(x.get("measured_note") or "")
+        note = (
+            "; ".join(p for p in (measured, x["note"]) if p)
+            if x.get("advised", True) is False
+            else "; ".join(p for p in (x["note"], measured) if p)
+        )
         g.remedies.append(
             SuggestionItem(
                 x["tensor"],
@@ -947,7 +967,7 @@ def _remedy_groups(suggestions: list[dict[str, Any]]) -> list[RemedyGroup]:
                 x["remedy"],
                 x["python"],
                 x["applies_to"],
-                x["note"],
+                note,
                 [str(n) for n in (x.get("recipe") or {}).get("nodes_to_exclude") or []],
             )
         )

@@ -1,0 +1,164 @@
+"""Causes a user can switch that are not one node: recipe levers and structural groups.
+
+Spread error is often one decision of the recipe, not one node: ``MatMulConstBOnly: False``
+quantizes every activation x activation MatMul (a transformer's attention scores and context);
+quantizing an op type quantizes every node of it. No single node recovers much when kept in
+float, and the headline would say "no single root cause" while one line of the recipe is the
+cause. So the effect check measures these groups like nodes: the group's float region spliced
+into the user's INT8 model (:mod:`diag.core.surgery`), one run on the effect samples, the share
+of the failing output's error removed. A group is named only with that measured effect.
+
+The groups, each with the lever that switches it, in onnxruntime's terms:
+
+* **activation x activation MatMuls** (both inputs computed, not weights): quantized only when
+  ``MatMulConstBOnly`` is False (quantize_dynamic's default is True; quantize_static's is False);
+* **every quantized node of one op type**, when the model quantizes several op types: what
+  ``op_types_to_quantize`` without that type leaves in float.
+
+NOTE: a lever is worded from the INT8 format alone (dynamic vs static), never from a guess at the
+recipe: an act x act MatMul quantized in a dynamic model means the recipe set the key to False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+import onnx
+
+from diag.analysis.analyze import NodeFinding
+
+#: Formats whose quantizer has the ``MatMulConstBOnly`` key, and its default there.
+CONST_B_ONLY_DEFAULT = {"dynamic": True, "qdq": False, "qoperator": False}
+#: A lever group is a cause only when it holds less than this share of the quantized groups and weights.
+CAUSE_SHARE = 0.5
+#: A fix may keep at most this share of the quantized groups in float (more is the FP32 model
+#: with a few quantized nodes left, not a fix): for exclusion lists and lever groups alike.
+MAX_FLOAT_SHARE = 0.9
+
+
+def nearly_all(in_float: int, quantized: int) -> bool:
+    """Does keeping ``in_float`` of ``quantized`` groups in float leave (almost) nothing quantized?
+
+    Example:
+        >>> nearly_all(206, 207), nearly_all(7, 207), nearly_all(2, 2), nearly_all(1, 2)
+        (True, False, True, False)
+    """
+    return (quantized > 0 and in_float >= quantized) or (quantized >= 10 and in_float > MAX_FLOAT_SHARE * quantized)
+
+
+@dataclass(frozen=True)
+class GroupCandidate:
+    """Node groups the user switches with one recipe change, measured as one float region.
+
+    Attributes:
+        kind: ``"act_act_matmuls"`` or ``"op_type"``.
+        label: what the group is, for a sentence (``the 8 activation x activation MatMuls``).
+        lever: the recipe setting that quantizes it (``MatMulConstBOnly=False``).
+        fix: the change that leaves the group in float, in onnxruntime's terms.
+        members: the quantized node groups it holds.
+    """
+
+    kind: str
+    label: str
+    lever: str
+    fix: str
+    members: tuple[NodeFinding, ...]
+    #: Keeping the group in float leaves most of the model quantized: it holds under
+    #: :data:`CAUSE_SHARE` of the quantized node groups and of their weights. Only such a group is
+    #: named as the cause (every Conv of a 3-Conv net in float is the FP32 net, not a fix).
+    small: bool = True
+
+    @property
+    def fp_nodes(self) -> list[str]:
+        """Every FP32 node of the group, in graph order of the members (``nodes_to_exclude`` form)."""
+        return [n for f in self.members for n in f.group.fp_nodes]
+
+
+def group_candidates(fp: onnx.ModelProto, findings: list[NodeFinding], fmt: str) -> list[GroupCandidate]:
+    """The recipe-lever groups of the quantized ``findings`` worth measuring (see module doc).
+
+    ``fmt``: the INT8 model's format family (``dynamic``, ``qdq``, ``qoperator``, ...). A group of
+    one node is left out (the node's own effect measures it), and so is a group that holds (nearly)
+    every quantized node (:func:`nearly_all`: in float, it is the FP32 model, not a fix).
+
+    Example:
+        >>> [g.lever for g in group_candidates(fp.proto, result.findings, "dynamic")]  # doctest: +SKIP
+        ['MatMulConstBOnly=False', 'op_types_to_quantize without MatMul']
+    """
+    quantized = [f for f in findings if f.group.quantized and (f.local is not None or f.accumulated is not None)]
+    groups: list[GroupCandidate] = []
+    act_act = _act_act_matmuls(fp, quantized)
+    if len(act_act) >= 2 and fmt in CONST_B_ONLY_DEFAULT and not nearly_all(len(act_act), len(quantized)):
+        groups.append(_const_b_group(act_act, fmt))
+    by_type: dict[str, list[NodeFinding]] = {}
+    for f in quantized:
+        by_type.setdefault(f.group.op_types[0], []).append(f)
+    if len(by_type) >= 2:
+        for op, members in sorted(by_type.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            if len(members) < 2 or nearly_all(len(members), len(quantized)):
+                continue
+            others = sorted(t for t in by_type if t != op)
+            groups.append(
+                GroupCandidate(
+                    "op_type",
+                    f"every quantized {op} ({len(members)})",
+                    f"op_types_to_quantize with {op}",
+                    f"op_types_to_quantize={json.dumps(others)}",
+                    tuple(members),
+                )
+            )
+    weights = _weight_sizes(fp)
+    total = sum(weights.get(n, 0) for f in quantized for n in f.group.fp_nodes)
+    return [dataclasses.replace(g, small=_small(g, len(quantized), total, weights)) for g in groups]
+
+
+def _weight_sizes(fp: onnx.ModelProto) -> dict[str, int]:
+    """FP32 node name -> the elements of the initializers it reads (its weights)."""
+    sizes = {i.name: int(math.prod(i.dims)) for i in fp.graph.initializer}
+    return {n.name: sum(sizes.get(t, 0) for t in n.input) for n in fp.graph.node if n.name}
+
+
+def _small(g: GroupCandidate, quantized: int, weights_total: int, weights: dict[str, int]) -> bool:
+    """Under :data:`CAUSE_SHARE` of the quantized groups and of their weight elements."""
+    held = sum(weights.get(n, 0) for n in g.fp_nodes)
+    return len(g.members) < CAUSE_SHARE * quantized and (weights_total == 0 or held < CAUSE_SHARE * weights_total)
+
+
+def _act_act_matmuls(fp: onnx.ModelProto, quantized: list[NodeFinding]) -> list[NodeFinding]:
+    """Quantized MatMul groups whose FP32 MatMul reads two computed tensors (no weight)."""
+    constants = {i.name for i in fp.graph.initializer} | {
+        o for n in fp.graph.node if n.op_type == "Constant" for o in n.output
+    }
+    by_name = {n.name: n for n in fp.graph.node if n.name}
+    out = []
+    for f in quantized:
+        nodes = [by_name.get(n) for n in f.group.fp_nodes]
+        if any(
+            n is not None and n.op_type == "MatMul" and len(n.input) == 2 and not set(n.input) & constants
+            for n in nodes
+        ):
+            out.append(f)
+    return out
+
+
+def _const_b_group(members: list[NodeFinding], fmt: str) -> GroupCandidate:
+    """The activation x activation MatMuls, with the ``MatMulConstBOnly`` change that leaves them float."""
+    label = f"the {len(members)} activation x activation MatMuls"
+    if CONST_B_ONLY_DEFAULT[fmt]:
+        return GroupCandidate(
+            "act_act_matmuls",
+            label,
+            "MatMulConstBOnly=False",
+            "drop MatMulConstBOnly: False from extra_options (quantize_dynamic's default, True, keeps them in float)",
+            tuple(members),
+        )
+    return GroupCandidate(
+        "act_act_matmuls",
+        label,
+        "MatMulConstBOnly=False (quantize_static's default)",
+        "extra_options={'MatMulConstBOnly': True} (quantize_static then keeps them in float)",
+        tuple(members),
+    )

@@ -1,0 +1,116 @@
+"""Causes a user can act on (issue 42 item 1): a recipe lever is a candidate cause, measured like a node.
+
+The ``attention_lever`` fixture's error is spread over its 8 activation x activation MatMuls (no
+one of them recovers half of it) and comes from one recipe line, ``MatMulConstBOnly: False``. The
+headline must name that lever with its measured effect, and the lever's fix, applied to the user's
+own quantize_dynamic call, must remove the error when measured with plain onnxruntime.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+from plain_ort import Rows
+
+from diag.analysis.levers import group_candidates
+from diag.cli import commands as cli
+from diag.core.feeds import FeedSpec
+from diag.core.match import match_models
+from diag.fixtures import models
+
+ACT_ACT = [f"layer{i}/attn/{m}" for i in range(4) for m in ("MatMul", "MatMul_1")]
+
+
+def _sqnr(fp32: Path, model: Path, feeds: dict[str, np.ndarray]) -> float:
+    """SQNR (dB) of the logits over every sample, plain onnxruntime at its default level."""
+    ref = ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"]).run(None, feeds)[0].astype(np.float64)
+    got = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, feeds)[0].astype(np.float64)
+    return float(10 * np.log10((ref**2).sum() / ((got - ref) ** 2).sum()))
+
+
+@pytest.fixture(scope="module")
+def lever(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, dict[str, np.ndarray]]:
+    d = tmp_path_factory.mktemp("lever")
+    fx = models.build("attention_lever")
+    fp, q, x = d / "enc.fp32.onnx", d / "enc.int8.onnx", d / "enc.npz"
+    onnx.save(fx.model, fp)
+    # The popular guide's line: quantize the activation x activation MatMuls too.
+    quantize_dynamic(
+        str(fp), str(q), weight_type=QuantType.QUInt8, per_channel=True, extra_options={"MatMulConstBOnly": False}
+    )
+    feeds = fx.make_inputs(32, 3)
+    np.savez(x, **feeds)
+    return fp, q, x, feeds
+
+
+def test_the_headline_names_the_recipe_lever_with_its_measured_effect(lever, tmp_path, capsys) -> None:
+    fp, q, x, _ = lever
+    out = tmp_path / "out"
+    assert cli.main(["compare", str(fp), str(q), "--inputs", str(x), "--batch", "8", "--out", str(out), "--quiet"]) in (
+        0,
+        3,
+    )
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "diag.json").read_text())
+    effects = doc["effects"]
+    # No node alone explains the error ...
+    assert max(e["recovered"] for e in effects["effects"]) < 0.5
+    # ... the 8 activation x activation MatMuls together do, and they are named by the lever that quantizes them.
+    group = effects["groups"][0]
+    assert group["kind"] == "act_act_matmuls" and sorted(group["fp_nodes"]) == sorted(ACT_ACT)
+    assert group["lever"] == "MatMulConstBOnly=False" and group["recovered"] >= 0.9
+    headline = next(line for line in printed.splitlines() if line.startswith("verdict:"))
+    assert "cause: MatMulConstBOnly=False: keeping the 8 activation x activation MatMuls in float recovers " in headline
+    assert f"recovers {group['recovered']:.0%} of the error of logits" in headline
+    assert "drop MatMulConstBOnly: False from extra_options" in headline
+    assert "single root cause" not in headline and not [n for n in doc["nodes"] if n["role"] == "root-cause"]
+    assert "(MatMulConstBOnly=False)" in printed  # the terminal's effect line for the groups
+    assert "the 8 activation x activation MatMuls" in (out / "report.html").read_text()
+    assert "cause: MatMulConstBOnly=False" in (out / "summary.md").read_text()
+
+
+def test_the_levers_fix_applied_to_the_users_call_removes_the_error(lever, tmp_path) -> None:
+    """The claim checked on the user's own pipeline: the same quantize_dynamic call without the line."""
+    fp, q, _, feeds = lever
+    fixed = tmp_path / "fixed.onnx"
+    quantize_dynamic(str(fp), str(fixed), weight_type=QuantType.QUInt8, per_channel=True)
+    before, after = _sqnr(fp, q, feeds), _sqnr(fp, fixed, feeds)
+    assert after > before + 10, (before, after)
+    m = onnx.load(str(fixed))
+    assert sum(n.op_type == "MatMulInteger" for n in m.graph.node) == 4 * 6 + 1  # the weight MatMuls only
+
+
+def test_no_lever_is_named_where_the_recipe_did_not_pull_it(lever, tmp_path, capsys) -> None:
+    """quantize_dynamic's default leaves the act x act MatMuls in float: nothing to blame on that lever."""
+    fp, _, x, _ = lever
+    q = tmp_path / "default.onnx"
+    quantize_dynamic(str(fp), str(q), weight_type=QuantType.QUInt8, per_channel=True)
+    out = tmp_path / "out"
+    cli.main(["compare", str(fp), str(q), "--inputs", str(x), "--batch", "8", "--out", str(out), "--quiet"])
+    capsys.readouterr()
+    doc = json.loads((out / "diag.json").read_text())
+    assert "MatMulConstBOnly" not in doc["verdict"]["cause"]
+    assert all(g["kind"] != "act_act_matmuls" for g in (doc.get("effects") or {}).get("groups", []))
+
+
+def test_static_models_word_the_lever_in_quantize_statics_terms(lever, tmp_path) -> None:
+    """quantize_static quantizes act x act MatMuls by default: the change is MatMulConstBOnly=True."""
+    from diag.analysis.compare import CompareOptions, compare_models
+
+    fp, _, x, feeds = lever
+    q = tmp_path / "qdq.onnx"
+    quantize_static(str(fp), str(q), Rows(feeds, 8), quant_format=QuantFormat.QDQ, per_channel=True)
+    r = compare_models(fp, q, FeedSpec(inputs=str(x), batch=8), CompareOptions(progress=False, effects=0))
+    groups = group_candidates(onnx.load(str(fp)), r.findings, "qdq")
+    act = next(g for g in groups if g.kind == "act_act_matmuls")
+    assert sorted(act.fp_nodes) == sorted(ACT_ACT)
+    assert act.fix.startswith("extra_options={'MatMulConstBOnly': True}")
+    # An op-type group that would leave (nearly) nothing quantized is not a fix, so not a candidate.
+    assert match_models(onnx.load(str(fp)), onnx.load(str(q))).groups
+    assert all(len(g.fp_nodes) <= 0.9 * sum(f.group.quantized for f in r.findings) for g in groups)
