@@ -114,7 +114,7 @@ def _feed_state(state: CompareState, b: dict[str, Any]) -> None:
     state.accumulated.setdefault("t", ErrorAccumulator()).update(b["x"], b["y"], b["scale"])
     state.local.setdefault("t", ErrorAccumulator()).update(b["x"], b["x"] + 0.01, GRID.scale)
     state.outputs.setdefault("out", OutputAccumulator(SPEC)).update(b["logits"], b["q"], "out")
-    state.deployed.setdefault("out", OutputAccumulator()).update(b["logits"], b["local"], "out")
+    state.deployed.setdefault("out", OutputAccumulator(whole=True)).update(b["logits"], b["local"], "out")
     state.distributions.setdefault("t", DistributionAccumulator(GRID, "Conv")).update(b["x"], b["y"])
     state.fp16_ranges.setdefault("t", Fp16Range()).update(b["x"])
     state.numpy_reduced.setdefault("pass", "whole pass reduced in numpy: a test")
@@ -142,7 +142,7 @@ CASES = [
     Case("ErrorAccumulator", ErrorAccumulator, _feed_error),
     Case(
         "OutputAccumulator",
-        lambda: OutputAccumulator(SPEC),
+        lambda: OutputAccumulator(SPEC, whole=True),
         _feed_output,
         # classlike starts True and stays True for logits; the spec is the constructor's.
         unchanged=frozenset({"classlike", "spec"}),

@@ -32,7 +32,9 @@ from diag.report.gate import CheckOptions, Gates
 FEED_FLAGS = ["--inputs", "x.npz", "--random", "--reader", "mod:factory", "--samples", "5", "--batch", "2"]
 FEED_FLAGS += ["--seed", "7", "--shape", "x=2,3", "--shape", "y=4", "--int-range", "3,30522"]
 
-COMPARE_FLAGS = ["--out", "outdir", "--ort-opt-level", "basic", "--threads", "3", "--max-memory", "4GB"]
+# --ort-opt-level is --deploy-level's old name: one field, the last given wins.
+COMPARE_FLAGS = ["--out", "outdir", "--ort-opt-level", "basic", "--deploy-level", "extended", "--threads", "3"]
+COMPARE_FLAGS += ["--max-memory", "4GB"]
 COMPARE_FLAGS += ["--shard", "1/4", "--reductions", "graph", "--no-local", "--no-distributions"]
 COMPARE_FLAGS += ["--outlier-factor", "9.5", "--sensitivity", "4", "--recipe", "r.json"]
 COMPARE_FLAGS += ["--output-kind", "logits=probabilities", "--effects", "6", "--effect-samples", "11"]
@@ -51,7 +53,7 @@ CASES: list[tuple[str, list[str], Any, list[str], Any]] = [
         "compare",
         ["a.onnx", "b.onnx", *FEED_FLAGS, *COMPARE_FLAGS],
         CompareOptions(
-            opt_level="basic",
+            opt_level="extended",
             threads=3,
             max_memory=4 * 1024**3,
             shard=(1, 4),

@@ -394,7 +394,9 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
     m = result.matching
     lines.append(
         f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "
-        f"({len(m.unmatched_tensors)} unmatched, listed in the report); {result.samples} samples "
+        f"({len(m.unmatched_tensors)} unmatched, listed in the report); outputs graded "
+        + (f"as deployed (level {result.options.opt_level}); " if result.exact_verdicts else "in exact mode; ")
+        + f"{result.samples} samples "
         + (f"({result.passes} passes, memory budget) " if result.passes > 1 else "")
         + f"in {result.seconds:.1f} s"
         + (
@@ -408,21 +410,22 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
 
 
 def _deployed_lines(result: CompareResult) -> list[str]:
-    """``--ort-opt-level``: the outputs as deployed next to exact mode, and the fused kernels."""
-    exact = {v.name: v.per_sample for v in result.verdicts}
+    """The outputs are graded as deployed: an output whose exact-mode grade differs says it (the
+    fused integer kernels change the verdict), with the fused kernels behind the difference."""
+    graded = {v.name: v for v in result.verdicts}
     lines = []
-    for name, d in result.deployed.items():
-        e = exact.get(name)
-        lines.append(
-            f"  deployed ({result.options.opt_level}) output {name}: cosine min {d.cosine_min:.6f}, "
-            f"max abs {d.max_abs:.3g}"
-            + (f" (exact mode: cosine min {e.cosine_min:.6f}, max abs {e.max_abs:.3g})" if e is not None else "")
-        )
-    if result.fused:
+    for e in result.exact_verdicts:
+        v = graded.get(e.name)
+        if v is not None and v.grade != e.grade and e.per_sample.cache_of is None:
+            lines.append(
+                f"  output {e.name} in exact mode (optimizations off): {e.grade} ({'; '.join(e.reasons)}); graded "
+                f"{v.grade} as onnxruntime runs it at level {result.options.opt_level}"
+            )
+    if lines and result.fused:
         hidden = {n for k in result.fused for n in k.fp_nodes}
         lines.append(
-            f"  {len(result.fused)} fused onnxruntime kernel(s) hide {len(hidden)} FP32 node(s) "
-            "(diag.json deployed.fused_kernels)"
+            f"  {len(result.fused)} fused onnxruntime kernel(s) hide {len(hidden)} FP32 node(s) at level "
+            f"{result.options.opt_level} (diag.json deployed.fused_kernels)"
         )
     return lines
 

@@ -527,8 +527,11 @@ class OutputAccumulator:
     Implements :class:`diag.core.state.Accumulator`; memory O(parts).
     """
 
-    def __init__(self, spec: OutputSpec | None = None) -> None:
+    def __init__(self, spec: OutputSpec | None = None, whole: bool = False) -> None:
         self.spec = spec if spec is not None else OutputSpec()
+        #: The whole output's error too (``whole``): what the deployed run's grade and SQNR are read
+        #: from (the exact run's come from the matched-tensor accumulators instead).
+        self.errors: ErrorAccumulator | None = ErrorAccumulator() if whole else None
         self.samples = 0
         self.nonfinite = 0
         self.nonfinite_fp = 0
@@ -571,6 +574,8 @@ class OutputAccumulator:
         ``feeds``: the batch's model inputs, for an output graded on the positions it adds to
         one of them (:meth:`OutputSpec.new_values`).
         """
+        if self.errors is not None and np.shape(fp) == np.shape(q):
+            self.errors.update(np.asarray(fp), np.asarray(q))
         x = np.asarray(self.spec.new_values(fp, feeds), dtype=np.float32)
         y = np.asarray(self.spec.new_values(q, feeds), dtype=np.float32)
         if self.spec.appended_to is not None and x.shape == y.shape:
@@ -727,6 +732,8 @@ class OutputAccumulator:
         for mine, theirs in ((self.part_errors, other.part_errors), (self.part_local, other.part_local)):
             for k, e in theirs.items():
                 mine.setdefault(k, ErrorAccumulator()).merge(e)
+        if other.errors is not None:
+            self.errors = (self.errors or ErrorAccumulator()).merge(other.errors)
         return self
 
     def to_state(self) -> State:
@@ -739,6 +746,8 @@ class OutputAccumulator:
         d["parts"] = {k: a.to_state() for k, a in self.parts.items()}
         d["part_errors"] = {k: a.to_state() for k, a in self.part_errors.items()}
         d["part_local"] = {k: a.to_state() for k, a in self.part_local.items()}
+        if self.errors is not None:
+            d["errors"] = self.errors.to_state()
         return d
 
     @classmethod
@@ -755,6 +764,7 @@ class OutputAccumulator:
         acc.parts = {str(k): cls.from_state(v) for k, v in (state.get("parts") or {}).items()}
         acc.part_errors = {str(k): ErrorAccumulator.from_state(v) for k, v in (state.get("part_errors") or {}).items()}
         acc.part_local = {str(k): ErrorAccumulator.from_state(v) for k, v in (state.get("part_local") or {}).items()}
+        acc.errors = ErrorAccumulator.from_state(state["errors"]) if state.get("errors") else None
         return acc
 
     def new_position_errors(self) -> ErrorStats | None:

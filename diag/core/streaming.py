@@ -141,7 +141,9 @@ class CompareState:
     local: dict[str, ErrorAccumulator] = field(default_factory=dict)
     outputs: dict[str, OutputAccumulator] = field(default_factory=dict)
     distributions: dict[str, DistributionAccumulator] = field(default_factory=dict)
-    labelled: dict[str, int] = field(default_factory=lambda: {"n": 0, "fp32": 0, "int8": 0})
+    #: Correct top-1 predictions: FP32, the INT8 model as graded (deployed when a deploy level is set)
+    #: and in exact mode (``int8_exact``, optimizations off).
+    labelled: dict[str, int] = field(default_factory=lambda: {"n": 0, "fp32": 0, "int8": 0, "int8_exact": 0})
     samples: int = 0
     batches: int = 0
     #: Samples whose local error was measured (the first ones: :func:`local_sample_limit`).
@@ -176,7 +178,7 @@ class CompareState:
             else:
                 self.distributions[k] = dacc
         for k in self.labelled:
-            self.labelled[k] += other.labelled[k]
+            self.labelled[k] += other.labelled.get(k, 0)
         self.samples += other.samples
         self.local_samples += other.local_samples
         self.batches += other.batches
@@ -234,7 +236,7 @@ class CompareState:
             local=from_states(ErrorAccumulator, state["local"]),
             outputs=from_states(OutputAccumulator, state["outputs"]),
             distributions=from_states(DistributionAccumulator, state["distributions"]),
-            labelled={str(k): int(v) for k, v in state["labelled"].items()},
+            labelled={"int8_exact": 0, **{str(k): int(v) for k, v in state["labelled"].items()}},
             samples=int(state["samples"]),
             # a state written before local samples were counted measured local error on every sample
             local_samples=int(state["local_samples" if "local_samples" in state else "samples"]),
@@ -279,7 +281,7 @@ def run_comparison(
     groups = _plan_passes(fp, pairs, feeds, options)
     state = _start_state(fp, q, pairs, labels, options, len(groups))
     runtime_unmatched: dict[str, str] = {}
-    deployed = _deployed_sessions(fp, q, matching, options, state) if options.opt_level != "disabled" else None
+    deployed = _deployed_session(q, matching, options, state) if options.opt_level != "disabled" else None
     total = feeds.total_samples * len(groups) if feeds.total_samples is not None else None
     progress = Progress(total, "compare", enabled=options.progress)
     run_pass = _run_graph_pass if options.reductions == "graph" else _run_pass
@@ -442,7 +444,7 @@ def _start_state(
     state = CompareState(passes=passes)
     state.outputs = {name: OutputAccumulator(spec) for name, spec in specs.items()}
     if options.opt_level != "disabled":
-        state.deployed = {name: OutputAccumulator(spec) for name, spec in specs.items()}
+        state.deployed = {name: OutputAccumulator(spec, whole=True) for name, spec in specs.items()}
     state.task = start_task_metrics(fp.graph.output[0].name, labels, options.metric, options.shard is not None)
     if options.distributions:
         ops = {node_id(n, i): n.op_type for i, n in enumerate(fp.graph.node)}
@@ -473,8 +475,8 @@ class _Pass:
     runtime_unmatched: dict[str, str]
     labels: np.ndarray | None
     progress: Progress
-    #: The FP32 and INT8 sessions at ``--ort-opt-level`` (first pass only, and only when not disabled).
-    deployed: tuple[ort.InferenceSession, ort.InferenceSession] | None = None
+    #: The INT8 session at the deploy level (first pass only, and only when not disabled).
+    deployed: ort.InferenceSession | None = None
 
     def mine(self) -> dict[str, TensorPair]:
         """This pass's matched tensors (a new dict: a pass drops the pairs whose shapes differ from it)."""
@@ -673,12 +675,14 @@ def _update_outputs(
     state = p.state
     for name in output_names:
         state.outputs.setdefault(name, OutputAccumulator()).update(fp_out[name], q_out[name], name, feeds)
+    graded = q_out
     if p.deployed is not None:
-        _update_deployed(state, p.deployed, feeds, p.fp, p.q, p.options.opt_level, output_names)
+        graded = _update_deployed(state, p.deployed, feeds, fp_out, p.q, p.options.opt_level, output_names)
     if p.labels is not None and p.first:
-        _count_correct(state, p.labels, fp_out[output_names[0]], q_out[output_names[0]], size, offset)
+        first = output_names[0]
+        _count_correct(state, p.labels, fp_out[first], graded[first], q_out[first], size, offset)
     if state.task and p.first:
-        _update_task(state, p.options, output_names, fp_out, q_out, p.labels, offset, size)
+        _update_task(state, p.options, output_names, fp_out, graded, p.labels, offset, size)
 
 
 def _run_cut(
@@ -824,21 +828,24 @@ def _update_graph_outputs(
         state.outputs.setdefault(name, OutputAccumulator()).update(f_out, q_out, name, feeds)
         if name in dg.local_outputs:
             state.outputs[name].update_local(f_out, out[dg.local_outputs[name]])
-    if state.task and p.first:
-        fp_vals = {n: out[dg.outputs[n][0]] for n in output_names}
-        q_vals = {n: out[dg.outputs[n][1]] for n in output_names}
-        _update_task(state, p.options, output_names, fp_vals, q_vals, p.labels, offset, size)
+    fp_vals = {n: out[dg.outputs[n][0]] for n in output_names}
+    q_vals = {n: out[dg.outputs[n][1]] for n in output_names}
+    graded = q_vals
     if p.deployed is not None:
-        _update_deployed(state, p.deployed, feeds, p.fp, p.q, p.options.opt_level, output_names)
+        graded = _update_deployed(state, p.deployed, feeds, fp_vals, p.q, p.options.opt_level, output_names)
+    if state.task and p.first:
+        _update_task(state, p.options, output_names, fp_vals, graded, p.labels, offset, size)
     if p.labels is not None and p.first:
-        f_out, q_out = (out[n] for n in dg.outputs[output_names[0]])
-        _count_correct(state, p.labels, f_out, q_out, size, offset)
+        first = output_names[0]
+        _count_correct(state, p.labels, fp_vals[first], graded[first], q_vals[first], size, offset)
 
 
-def _deployed_sessions(
-    fp: LoadedModel, q: LoadedModel, matching: Matching, options: StreamOptions, state: CompareState
-) -> tuple[ort.InferenceSession, ort.InferenceSession]:
-    """FP32 and INT8 sessions at ``options.opt_level`` with only the model outputs: what really runs.
+def _deployed_session(
+    q: LoadedModel, matching: Matching, options: StreamOptions, state: CompareState
+) -> ort.InferenceSession:
+    """The INT8 session at the deploy level (``options.opt_level``) with only the model outputs: what
+    the user runs, and what the outputs are graded on. Its reference is the FP32 model's exact
+    outputs from the pass itself: one extra INT8 run per batch, no second FP32 session.
 
     The INT8 graph onnxruntime optimizes is saved to a temp file to see which fused kernels hide
     which nodes (``state.fused``). Skipped for models with external data, whose saved graph
@@ -846,19 +853,16 @@ def _deployed_sessions(
     """
 
     threads = options.threads or default_threads()
-    ext_fp, ext_q = fp.external_dir, q.external_dir
-    role = f"FP32 model '{fp.path}' ({options.opt_level})"
-    fp_sess = session_from_model(fp.proto, role, options.opt_level, threads, ext_fp, takes_turns=True)
     role = f"INT8 model '{q.path}' ({options.opt_level})"
-    if ext_q is not None:
-        return fp_sess, session_from_model(q.proto, role, options.opt_level, threads, ext_q, takes_turns=True)
+    if q.external_dir is not None:
+        return session_from_model(q.proto, role, options.opt_level, threads, q.external_dir, takes_turns=True)
     with tempfile.TemporaryDirectory(prefix="diag-opt-") as tmp:
         saved = Path(tmp) / "int8.optimized.onnx"
         q_sess = session_from_model(q.proto, role, options.opt_level, threads, None, saved, takes_turns=True)
         if saved.exists():
             fp_nodes_of = {n: g.fp_nodes for g in matching.groups for n in g.int8_nodes}
             state.fused = fused_kernels(q.proto, onnx.load(str(saved), load_external_data=False), fp_nodes_of)
-    return fp_sess, q_sess
+    return q_sess
 
 
 def _plan_passes(
@@ -1159,23 +1163,26 @@ def _reduce(
 
 def _update_deployed(
     state: CompareState,
-    deployed: tuple[ort.InferenceSession, ort.InferenceSession],
+    deployed: ort.InferenceSession,
     feeds: dict[str, np.ndarray],
-    fp: LoadedModel,
+    fp_out: dict[str, np.ndarray],
     q: LoadedModel,
     opt_level: str,
     output_names: list[str],
-) -> None:
-    """Output figures of what onnxruntime really runs at ``opt_level`` (both reduction paths)."""
-    dep_fp = run_batch(deployed[0], feeds, f"FP32 model '{fp.path.name}' ({opt_level})")
-    dep_q = run_batch(deployed[1], feeds, f"INT8 model '{q.path.name}' ({opt_level})")
+) -> dict[str, np.ndarray]:
+    """Output figures of what onnxruntime really runs at ``opt_level`` against the exact FP32 outputs
+    (both reduction paths); returns the deployed outputs (labels and task metrics are graded on them)."""
+    dep_q = run_batch(deployed, feeds, f"INT8 model '{q.path.name}' ({opt_level})")
     for name in output_names:
-        state.deployed.setdefault(name, OutputAccumulator()).update(dep_fp[name], dep_q[name], name, feeds)
+        state.deployed.setdefault(name, OutputAccumulator(whole=True)).update(fp_out[name], dep_q[name], name, feeds)
+    return dep_q
 
 
 def _count_correct(
-    state: CompareState, labels: np.ndarray, fp: np.ndarray, q: np.ndarray, size: int, start: int
+    state: CompareState, labels: np.ndarray, fp: np.ndarray, q: np.ndarray, q_exact: np.ndarray, size: int, start: int
 ) -> None:
+    """Correct top-1 predictions of the batch: FP32, the graded INT8 outputs ``q`` (deployed when a
+    deploy level is set) and the exact-mode ones."""
     if fp.ndim != 2 or fp.shape[0] != size:
         raise DiagError(
             "bad-inputs",
@@ -1194,6 +1201,7 @@ def _count_correct(
     state.labelled["n"] += size
     state.labelled["fp32"] += int((fp.argmax(axis=1) == truth).sum())
     state.labelled["int8"] += int((q.argmax(axis=1) == truth).sum())
+    state.labelled["int8_exact"] = state.labelled.get("int8_exact", 0) + int((q_exact.argmax(axis=1) == truth).sum())
 
 
 def _update_task(

@@ -74,7 +74,12 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
             "grade": result.grade,
             "single_cause": result.single_cause,
             "cause": result.cause_sentence,
+            # The level the outputs are graded at: onnxruntime's default ("all": what the user
+            # deploys) unless --deploy-level says otherwise; "disabled" grades exact mode.
+            "graded_at": result.options.opt_level,
             "outputs": [_output_dict(result, v) for v in result.verdicts],
+            # The same outputs graded in exact mode (optimizations off), beside the deployed grades.
+            "exact_outputs": [_exact_dict(v) for v in result.exact_verdicts],
         },
         # F1 against --labels and --metric plugin values (see diag.core.taskmetrics).
         "task_metrics": json_values(result.task_metrics or {}),
@@ -204,6 +209,21 @@ def _output_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
             }
             for label, (part, acc, local) in v.per_sample.parts.items()
         ],
+    }
+
+
+def _exact_dict(v: OutputVerdict) -> dict[str, Any]:
+    """An output's exact-mode grade and figures (``verdict.exact_outputs``)."""
+    return {
+        "name": v.name,
+        "grade": v.grade,
+        "reasons": v.reasons,
+        "sqnr_db": _num(v.stats.sqnr_db),
+        "cosine_min": _num(v.per_sample.cosine_min),
+        "max_abs": _num(v.per_sample.max_abs),
+        "top1_agreement": _num(v.per_sample.top1_agreement),
+        "accuracy_int8": _num(v.accuracy_int8),
+        "accuracy_drop": _num(v.accuracy_drop),
     }
 
 

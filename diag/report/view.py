@@ -393,6 +393,8 @@ class ReportView:
     seconds: str
     environment: list[tuple[str, str]]
     outputs: list[OutputRow]
+    #: Which run the grades are of (deployed at a level, or exact mode).
+    outputs_note: str
     root_causes: list[str]
     #: The heading over ``root_causes``: under a "no single root cause" headline they are only the
     #: locally worst nodes, and a list titled "Root causes" would contradict the sentence above it.
@@ -474,8 +476,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     dist, patterns = doc.get("distributions") or {}, doc.get("patterns") or {}
     remedy_groups = _remedy_groups(doc.get("suggestions", []))
     _mark_remedies_off_the_list(remedy_groups, doc)
-    weights = _weight_rows(doc.get("weights"))
-    weights_total = len((doc.get("weights") or {}).get("findings", []))
+    weights, weights_total = _weight_rows(doc.get("weights")), len((doc.get("weights") or {}).get("findings", []))
     effects, sensitivity = _effect_rows(doc.get("effects")), _sensitivity_rows(doc.get("sensitivity"))
     victims, persistent = _victim_lines(nodes), _persistent_lines(dist)
     shown_groups = remedy_groups[:REMEDY_GROUPS]
@@ -495,7 +496,8 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         kernel_path=_kernel_path_line(doc["run"].get("kernel_path")),
         **_deploy_isa_fields(doc.get("deploy_isa")),
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
-        outputs=_output_rows(verdict["outputs"]),
+        outputs=_output_rows(verdict["outputs"], verdict.get("exact_outputs") or []),
+        outputs_note=_graded_at_note(verdict),
         root_causes=_root_cause_lines(doc),
         root_causes_heading="Locally worst nodes" if "no single root cause" in verdict["cause"] else "Root causes",
         victims=victims,
@@ -729,8 +731,22 @@ def _agreement_cell(o: dict[str, Any]) -> str:
     return cell
 
 
-def _output_rows(outputs: list[dict[str, Any]]) -> list[OutputRow]:
-    """One row per model output, then one per Concat part of each."""
+def _graded_at_note(verdict: dict[str, Any]) -> str:
+    """Which run the grades are of: as deployed (onnxruntime's optimization level) or exact mode."""
+    level = verdict.get("graded_at", "disabled")
+    if level == "disabled":
+        return "Graded in exact mode (onnxruntime's optimizations off; --deploy-level disabled)."
+    return (
+        f"Graded as onnxruntime runs the INT8 model at optimization level {level} (what you deploy; "
+        "--deploy-level), against the exact FP32 outputs; an output whose exact-mode grade differs has a "
+        "row of its own."
+    )
+
+
+def _output_rows(outputs: list[dict[str, Any]], exact: list[dict[str, Any]] | None = None) -> list[OutputRow]:
+    """One row per model output, one per output whose exact-mode grade differs, then one per Concat part."""
+    graded = {o["name"]: o["grade"] for o in outputs}
+    differ = [e for e in exact or [] if graded.get(e["name"]) not in (None, e["grade"])]
     rows = [
         OutputRow(
             o["name"],
@@ -744,6 +760,20 @@ def _output_rows(outputs: list[dict[str, Any]]) -> list[OutputRow]:
             o.get("kind_evidence") or "",
         )
         for o in outputs
+    ]
+    rows += [
+        OutputRow(
+            f"{e['name']} \u00b7 exact mode",
+            e["grade"],
+            "; ".join(e["reasons"]),
+            fmt_db(e["sqnr_db"]),
+            fmt_num(e["cosine_min"], 6),
+            fmt_num(e["max_abs"]),
+            _agreement_cell(e),
+            "exact mode",
+            "",
+        )
+        for e in differ
     ]
     return rows + [
         OutputRow(
