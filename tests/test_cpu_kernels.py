@@ -10,6 +10,7 @@ from diag.analysis.compare import CompareOptions
 from diag.core.feeds import FeedSpec
 from diag.foundations.cpu import KernelPath, kernel_path
 from diag.report.documents import read_document
+from diag.report.view import md_escape
 
 
 def _cpuinfo_flags() -> set[str]:
@@ -65,6 +66,6 @@ def test_diag_json_report_and_summary_carry_the_kernel_path(built, tmp_path) -> 
     assert doc["run"]["kernel_path"] == json.loads(json.dumps(kernel_path().to_dict()))
     read_document(files["diag.json"])  # the shipped schema accepts it
     line = f"int8 kernels: {platform.machine()}"
-    assert line.replace("_", "\\_") in files["summary.md"].read_text()  # Markdown-escaped
+    assert md_escape(line) in files["summary.md"].read_text()  # Markdown-escaped
     assert line in files["report.html"].read_text()
     assert f"onnxruntime {kernel_path().onnxruntime}" in files["summary.md"].read_text()

@@ -110,3 +110,52 @@ def test_without_local_error_the_headline_claims_nothing_about_it(tmp_path, caps
         key=lambda n: float(n["accumulated"]["sqnr_db"]),
     )
     assert f"is worst at {worst['name']} (" in cause
+
+
+def test_a_name_copied_from_the_raw_summary_is_the_models_name(tmp_path, capsys) -> None:
+    """Names with underscores stay greppable in summary.md (issue 46): an underscore inside a word is
+    never Markdown emphasis, so it is not escaped; the name in the raw file is the model's own."""
+    _, _, doc, _ = _compare("transformer", tmp_path, capsys)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    tensor = models.build("transformer").expected.outlier_tensor
+    assert tensor is not None and "_" in tensor
+    assert tensor in doc["verdict"]["cause"] + json.dumps(doc["suggestions"])
+    assert tensor in summary and tensor.replace("_", "\\_") not in summary
+
+
+def test_an_effect_the_fused_kernels_undo_is_shown_in_exact_mode_beside_deployed(tmp_path, capsys) -> None:
+    """Issue 46: on the convnet quantized static QDQ, keeping conv2 in float removes nearly all of the
+    logits error with onnxruntime's optimizations off and nothing as deployed (the remaining Q/DQ
+    pairs are fused into integer kernels again). Both figures are shown, and both are what plain
+    onnxruntime computes on the spliced model at each level."""
+    import diag
+    from diag.fixtures.quantize import quantize
+
+    fx = models.build("convnet")
+    fp, q, x = tmp_path / "c.fp32.onnx", tmp_path / "c.qdq.onnx", tmp_path / "x.npz"
+    onnx.save(fx.model, fp)
+    quantize(fp, q, "qdq", calibration=fx.make_inputs(8, 5))
+    feeds = fx.make_inputs(32, 3)
+    np.savez(x, **feeds)
+    cli.main(["compare", str(fp), str(q), "--inputs", str(x), "--batch", "8", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    doc = json.loads((tmp_path / "out" / "diag.json").read_text())
+    conv2 = next(e for e in doc["effects"]["effects"] if e["fp_nodes"][0] == "conv2")
+    assert conv2["exact_recovered"] > 0.9 and conv2["recovered"] < 0.1, conv2
+    assert "in exact mode (optimizations off) keeping conv2 (+relu2) in float recovers " in doc["verdict"]["cause"]
+    assert f"conv2 (+relu2) {conv2['recovered']:.0%} (exact mode {conv2['exact_recovered']:.0%})" in printed
+    assert "(exact mode " in (tmp_path / "out" / "report.html").read_text()
+    # Plain onnxruntime on the spliced model, on the effect check's samples, at both levels.
+    mixed = diag.splice_to_file(fp, q, conv2["fp_nodes"], tmp_path / "mixed.onnx")
+    first = {k: v[:8] for k, v in feeds.items()}
+
+    def energy(model: Path, level: ort.GraphOptimizationLevel) -> float:
+        ref = ort.InferenceSession(str(fp), providers=["CPUExecutionProvider"]).run(None, first)[0]
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        got = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"]).run(None, first)[0]
+        return float(((ref.astype(np.float64) - got) ** 2).sum())
+
+    for level, share in ((ort.GraphOptimizationLevel.ORT_DISABLE_ALL, conv2["exact_recovered"]),
+                         (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, conv2["recovered"])):  # fmt: skip
+        assert 1 - energy(mixed, level) / energy(q, level) == pytest.approx(share, abs=0.02), level

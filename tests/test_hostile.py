@@ -747,7 +747,7 @@ def _valid_cases() -> list[Valid]:
             lambda f: (
                 []
                 if "NaN/Inf first produced in the FP32 model by the_log (Log)" in f["report.html"]
-                and "NaN/Inf first produced in the FP32 model by the\\_log (Log)" in f["summary.md"]
+                and "NaN/Inf first produced in the FP32 model by the_log (Log)" in f["summary.md"]
                 else ["the report and summary do not say where NaN first appears"]
             ),
         ),

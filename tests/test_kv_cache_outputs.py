@@ -168,7 +168,7 @@ def test_caches_get_one_line_named_by_the_worst(two_caches, tmp_path):
     ]
     files = {p.name: p for p in write_outputs(document_from_result(r), tmp_path).values()}
     summary = files["summary.md"].read_text()
-    assert summary.count("Error path: ") == 2 and "Error path: present\\_value" not in summary
+    assert summary.count("Error path: ") == 2 and "Error path: present_value" not in summary
     doc = json.loads(files["diag.json"].read_text())
     assert {o["name"]: o["cache_of"] for o in doc["verdict"]["outputs"]} == {
         "logits": None,

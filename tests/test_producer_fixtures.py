@@ -149,3 +149,40 @@ def test_smoothquant_style_without_inputs_still_runs_and_keeps_the_outputs(qdq):
     _, m = producers.smoothquant_style(fx.fp32, fx.q)
     assert sum(n.name.endswith("/nncf_smooth_quant") for n in m.graph.node) == SMOOTHED_ACTIVATIONS
     assert _max_difference(fx.q, m, fx.feed) <= TOLERANCE
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+@pytest.mark.parametrize("name", ["convnet", "transformer"])
+def test_float_weights_before_a_quantizelinear_are_read_as_quantized_weights(tmp_path, name, per_channel):
+    """Issue 43 item 1: ModelOpt / AIMET / NNCF-on-Constants store each weight in float and quantize it at
+    run time. The weight table, the recipe and the advice must see the same quantized weights as in the
+    onnxruntime model they were rewritten from: same figures, same weight_type and per_channel."""
+    from diag.analysis.weights import weight_errors
+    from diag.fix.infer import infer_recipe
+
+    fx = models.build(name)
+    fp32_path = tmp_path / f"{name}.fp32.onnx"
+    onnx.save(fx.model, fp32_path)
+    q_path = quantize.quantize(fp32_path, tmp_path / "q.onnx", "qdq", fx.make_inputs(4, 3), per_channel=per_channel)
+    ort_model = onnx.load(q_path)
+    float_weights = producers.modelopt_style(ort_model)
+    onnx.save(float_weights, tmp_path / "mo.onnx")
+    assert not [t for t in float_weights.graph.initializer if t.data_type == TensorProto.INT8 and len(t.dims) > 1]
+    ref = {w.fp_name: w for w in weight_errors(fx.model, ort_model) if not w.is_bias}
+    got = {w.fp_name: w for w in weight_errors(fx.model, float_weights)}
+    assert got.keys() == ref.keys() and len(got) >= 3, (sorted(got), sorted(ref))
+    assert any(w.axis is not None for w in got.values()) == per_channel
+    for k, w in got.items():
+        assert w.sqnr_db == pytest.approx(ref[k].sqnr_db, abs=1e-6), k
+        assert w.axis == ref[k].axis and w.dtype == ref[k].dtype, k
+        assert [c.sqnr_db for c in w.channels] == pytest.approx([c.sqnr_db for c in ref[k].channels], abs=1e-6)
+    # The recipe read back: the weights' type and per-channel grid, as from the onnxruntime model.
+    mine, theirs = infer_recipe(tmp_path / "mo.onnx").recipe, infer_recipe(q_path).recipe
+    assert (
+        (mine["weight_type"], mine["per_channel"])
+        == (theirs["weight_type"], theirs["per_channel"])
+        == (
+            "QInt8",
+            per_channel,
+        )
+    )

@@ -109,7 +109,7 @@ def test_the_readme_decoder_plugin_gives_the_share_of_decoded_texts_that_match(b
     assert plugin["values"]["text_agreement"] == pytest.approx(texts, abs=1e-12)
     # Texts are the user's figure: they differ from both agreement shares diag grades on its own.
     assert texts < (fp == q).mean()
-    assert re.search(r"text\\_agreement 0\.\d+", (out / "summary.md").read_text())  # markdown-escaped
+    assert re.search(r"text_agreement 0\.\d+", (out / "summary.md").read_text())  # markdown-escaped
 
 
 def test_sequence_counts_merge_and_survive_the_shard_state():

@@ -37,6 +37,7 @@ from diag.analysis.analyze import (
 )
 from diag.analysis.effects import (
     DEFAULT_CANDIDATES,
+    EXACT_CANDIDATES,
     EffectBudget,
     EffectCheck,
     ListEstimate,
@@ -61,8 +62,8 @@ from diag.core.nbits import AccuracyLevelCheck, accuracy_level_nodes, check_accu
 from diag.core.recipe import Recipe
 from diag.core.run import check_memory
 from diag.core.saturation import predict_avx2
+from diag.core.streaming import LARGE_MODEL_BYTES, effect_sample_count
 from diag.core.streaming import CompareState as CompareState
-from diag.core.streaming import effect_sample_count
 from diag.core.streaming import run_comparison as run_comparison
 from diag.foundations.cpu import saturation_warning
 from diag.foundations.environment import environment
@@ -372,7 +373,10 @@ def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, o
     if options.effects > 0 and options.local and options.shard is None and q.format.family != "fp16":
         specs = {k: a.spec for k, a in state.outputs.items()}
         samples = effect_sample_count(options.effect_samples, fp)
-        budget = EffectBudget(options.effects, samples, options.threads, options.progress)
+        # The exact-mode figures beside the deployed ones cost a run per candidate: not on models as
+        # large as those whose effect check is cut to fewer samples (LARGE_MODEL_BYTES).
+        exact = 0 if fp.weight_bytes >= LARGE_MODEL_BYTES else EXACT_CANDIDATES
+        budget = EffectBudget(options.effects, samples, options.threads, options.progress, exact=exact)
         findings, paths = result.findings, result.paths
         # Aim at the outputs that fail (issue 25, item 5), the answers before the KV caches.
         aim = aimed_outputs(result.verdicts)

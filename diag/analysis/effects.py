@@ -62,6 +62,11 @@ DEFAULT_CANDIDATES = 8
 DEFAULT_SAMPLES = EFFECT_SAMPLES
 #: A node that removes at least this share of the worst output's error energy is a confirmed cause.
 CONFIRMED_SHARE = 0.5
+#: The best candidates are measured in exact mode too (one more run each), so a figure the fused
+#: kernels change is shown beside the deployed one (issue 46).
+EXACT_CANDIDATES = 3
+#: Exact and deployed shares this far apart are shown side by side.
+LEVELS_DISAGREE = 0.2
 #: Effects are measured with the optimization level onnxruntime uses by default.
 EFFECT_OPT_LEVEL = DEPLOY_LEVEL
 
@@ -77,6 +82,14 @@ class Effect:
     #: :attr:`EffectCheck.base`).
     sqnr_after: dict[str, float]
     why: list[str] = field(default_factory=list)
+    #: The same share with onnxruntime's optimizations off (exact mode), for the best candidates
+    #: (:data:`EXACT_CANDIDATES`); None when not measured there.
+    exact_recovered: float | None = None
+
+    @property
+    def levels_disagree(self) -> bool:
+        """Exact mode and the deployed level tell a different story (:data:`LEVELS_DISAGREE` apart)."""
+        return self.exact_recovered is not None and abs(self.exact_recovered - self.recovered) >= LEVELS_DISAGREE
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +97,7 @@ class Effect:
             "fp_nodes": list(self.finding.group.fp_nodes),
             "local_sqnr_db": json_number(self.finding.local.sqnr_db) if self.finding.local else None,
             "recovered": json_number(self.recovered),
+            "exact_recovered": json_number(self.exact_recovered) if self.exact_recovered is not None else None,
             "sqnr_after": {k: json_number(v) for k, v in self.sqnr_after.items()},
             "why": self.why,
         }
@@ -353,6 +367,9 @@ class EffectBudget:
     #: run only the part of each candidate model its float region changes, fed the INT8 model's
     #: values at its boundary (False: the whole model each time; same figures, see _downstream)
     downstream: bool = True
+    #: the best candidates measured in exact mode too (0: none; compare sets 0 for models of
+    #: LARGE_MODEL_BYTES of FP32 weights, whose effect check is already cut to 4 samples)
+    exact: int = EXACT_CANDIDATES
 
 
 def check_effects(  # NOTE: 9 parameters: the comparison's parts, as compare holds them, and its kept outputs
@@ -428,6 +445,8 @@ def check_effects(  # NOTE: 9 parameters: the comparison's parts, as compare hol
     finally:
         bar.close()
     effects.sort(key=lambda e: (-e.recovered, e.finding.rank_local))
+    if budget.exact > 0:
+        _measure_exact(effects[: budget.exact], measure, q, target, threads, region, region_dir)
     groups: list[GroupEffect] = []
     if not effects or effects[0].recovered < CONFIRMED_SHARE:
         # No node alone explains the error: measure the groups one recipe change switches.
@@ -488,6 +507,32 @@ def _judged(s: Suggestion, label: str, recovered: float, check: EffectCheck) -> 
         change = f"removes only {max(recovered, 0.0):.0%} of the error of {check.target}"
     note = f"measured, does not help: keeping {label} in float {change}"
     return dataclasses.replace(s, measured=recovered, measured_note=note, advised=False)
+
+
+def _measure_exact(
+    effects: list[Effect],
+    measure: _OutputErrors,
+    q: LoadedModel,
+    target: str,
+    threads: int,
+    region: Callable[[NodeFinding], onnx.ModelProto],
+    region_dir: Path | None,
+) -> None:
+    """The same shares with optimizations off, for ``effects`` (the best few): where onnxruntime's fused
+    integer kernels re-quantize what a float region keeps, the deployed share is low and the exact one
+    high (a QDQ model's excluded Conv between remaining Q/DQ pairs), and the user must see both."""
+    if not effects:
+        return
+    with contextlib.suppress(Exception):  # an extra figure: never fatal
+        q_sess = session_from_model(
+            q.proto, "INT8 model (exact)", EXACT_LEVEL, threads, q.external_dir, takes_turns=True
+        )
+        base = measure.stats(q_sess, "INT8 model (exact)")[target]
+        del q_sess
+        for e in effects:
+            role = f"INT8 model with '{e.finding.group.label}' in float (exact)"
+            sess = session_from_model(region(e.finding), role, EXACT_LEVEL, threads, region_dir, takes_turns=True)
+            e.exact_recovered = _share_removed(base, measure.stats(sess, role)[target])
 
 
 def _cheapest_explanation_first(g: GroupEffect) -> tuple[bool, float]:
@@ -956,10 +1001,30 @@ def _unconfirmed_headline(
             f"no single node to keep in float: {top_local.group.label} has {share:.0%} of the local error of "
             f"{bad} bad node(s), but keeping it alone in float recovers only {max(e.recovered, 0.0):.0%} of the "
             f"error of {check.target} (measured on {check.samples} samples at optimization level {check.level}; "
-            f"see the remedies for its tensors){amplifier_clause(findings)}",
+            f"see the remedies for its tensors){levels_clause(check)}{amplifier_clause(findings)}",
             None,
         )
     return False, spread_sentence(_quantized(findings), check, fmt, findings), None
+
+
+def levels_clause(check: EffectCheck | None) -> str:
+    """``; in exact mode keeping conv2 in float recovers 98%, as deployed 0%: ...``, or ``""``.
+
+    A node whose float region works in exact mode but not as deployed (onnxruntime's fused integer
+    kernels quantize it again around the remaining Q/DQ pairs) is the fix a user would try first
+    and see fail: said where the headline refutes the nodes (issue 46).
+    """
+    if check is None:
+        return ""
+    hidden = [e for e in check.effects if e.levels_disagree and (e.exact_recovered or 0) >= CONFIRMED_SHARE]
+    if not hidden:
+        return ""
+    e = max(hidden, key=lambda x: x.exact_recovered or 0.0)
+    return (
+        f"; in exact mode (optimizations off) keeping {e.finding.group.label} in float recovers "
+        f"{e.exact_recovered:.0%}, as deployed {max(e.recovered, 0.0):.0%}: onnxruntime's fused integer kernels "
+        "quantize its float region again"
+    )
 
 
 def _local_share(findings: list[NodeFinding], top: NodeFinding) -> tuple[float, int]:
@@ -1019,7 +1084,7 @@ def spread_sentence(
     alone = max((e.recovered for e in check.effects), default=0.0) if check is not None else 0.0
     if group is not None and group.recovered > alone:
         tail += f"; keeping {group.group.label} in float ({group.group.lever}) recovers {max(group.recovered, 0.0):.0%}"
-    tail += amplifier_clause(findings)
+    tail += levels_clause(check) + amplifier_clause(findings)
     # NOTE: the recipe is not known here (it is inferred on the fix side); diag.cli.verbs.diagnose
     # replaces generic_spread(fmt) with the remedies that change something for the model's recipe.
     return (

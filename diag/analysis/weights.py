@@ -530,6 +530,31 @@ class _QuantizedWeight:
     axis: int | None
     is_bias: bool = False
     unsupported: str | None = None  # why it cannot be measured (listed as unmatched)
+    #: The QuantizeLinear that quantizes this *float* initializer at run time (ModelOpt, AIMET's
+    #: ``to_onnx_qdq()``, NNCF on Constant weights, onnxruntime's ``AddQDQPairToWeight``): the
+    #: integer weight is what that node computes; None for an integer initializer.
+    quantized_by: onnx.NodeProto | None = None
+
+    def integer(self, q: _Graph) -> np.ndarray:
+        """The integer weight: the initializer itself, or what ``quantized_by`` makes of the float one
+        (round half to even, saturated to the zero point's type, as QuantizeLinear does)."""
+        value = q.array(self.name)
+        assert value is not None
+        if self.quantized_by is None:
+            return value
+        qn = self.quantized_by
+        scale = q.array(qn.input[1])
+        zp_name = qn.input[2] if len(qn.input) > 2 else ""
+        zp = q.array(zp_name) if zp_name else np.zeros(1, dtype=np.uint8)
+        assert scale is not None and zp is not None
+        axis = None
+        if scale.size > 1:
+            axis = int(_attr(qn, "axis", 1))
+            axis = axis + value.ndim if axis < 0 else axis
+        s, z = _grid(scale, zp, axis, value.ndim)
+        info = np.iinfo(zp.dtype)
+        rounded = np.rint(value.astype(np.float64) / s) + z
+        return np.clip(rounded, info.min, info.max).astype(zp.dtype)
 
 
 def _quantized_weights(q: _Graph) -> Iterable[_QuantizedWeight]:
@@ -544,9 +569,12 @@ def _quantized_weights(q: _Graph) -> Iterable[_QuantizedWeight]:
         if op == "DequantizeLinear" and node.input[0] in q.inits:
             yield from _qdq_weight(q, node, node.input[0])
         elif op == "DequantizeLinear" and node.input[0] in q.producer:
-            gather = q.producer[node.input[0]]
-            if gather.op_type == "Gather" and gather.input[0] in q.inits:
-                yield from _qdq_weight(q, node, gather.input[0], via=gather)
+            before = q.producer[node.input[0]]
+            if before.op_type == "Gather" and before.input[0] in q.inits:
+                yield from _qdq_weight(q, node, before.input[0], via=before)
+            elif before.op_type == "QuantizeLinear" and _float_init(q, before.input[0]):
+                # A float weight quantized at run time (ModelOpt, AIMET, NNCF on Constant weights).
+                yield from _qdq_weight(q, node, before.input[0], quantized_by=before)
         elif op in _QOP_INPUTS or op in _INTEGER_INPUTS:
             for idx, (s, z, fp_idx) in _weight_inputs(op).items():
                 name = inputs[idx]
@@ -584,14 +612,31 @@ def _zero_point(q: _Graph, zp_name: str, weight: str) -> np.ndarray:
     return np.zeros(1, dtype=onnx.helper.tensor_dtype_to_np_dtype(q.inits[weight].data_type))
 
 
+def _float_init(q: _Graph, name: str) -> bool:
+    """Is ``name`` a float initializer (or Constant) of the INT8 graph?"""
+    t = q.inits.get(name)
+    return t is not None and t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
+
+
 def _qdq_weight(
-    q: _Graph, dq: onnx.NodeProto, name: str, via: onnx.NodeProto | None = None
+    q: _Graph,
+    dq: onnx.NodeProto,
+    name: str,
+    via: onnx.NodeProto | None = None,
+    quantized_by: onnx.NodeProto | None = None,
 ) -> Iterable[_QuantizedWeight]:
-    """A DequantizeLinear of an initializer (or of a Gather over one); the first consumer is the op."""
+    """A DequantizeLinear of an initializer (or of a Gather over one, or of a QuantizeLinear of a float
+    one: ``quantized_by``); the first consumer is the op."""
     scale = q.array(dq.input[1])
     if scale is None:
         return
-    zp = _zero_point(q, dq.input[2] if len(dq.input) > 2 else "", name)
+    zp_name = dq.input[2] if len(dq.input) > 2 else ""
+    if quantized_by is not None:
+        # The float initializer has no integer type: the zero point is the grid's (uint8 when omitted).
+        zp = q.array(zp_name) if zp_name else np.zeros(1, dtype=np.uint8)
+        assert zp is not None
+    else:
+        zp = _zero_point(q, zp_name, name)
     ndim = len(q.inits[name].dims)
     if _attr(dq, "block_size", 0):
         return  # block-wise weights: see _blocked_findings
@@ -607,7 +652,9 @@ def _qdq_weight(
         return
     node, idx = consumers[0]
     is_bias = q.inits[name].data_type == onnx.TensorProto.INT32  # onnxruntime quantizes only biases to int32
-    yield _QuantizedWeight(name, node, idx, scale, zp, axis, is_bias=is_bias)
+    if quantized_by is not None:
+        is_bias = zp.dtype == np.int32
+    yield _QuantizedWeight(name, node, idx, scale, zp, axis, is_bias=is_bias, quantized_by=quantized_by)
 
 
 def _dynamic_weight_scale(q: _Graph, node: onnx.NodeProto, weight: str) -> np.ndarray | None:
@@ -658,11 +705,11 @@ def _output_axis(fp_op: str, fp_idx: int, ndim: int, node: onnx.NodeProto | None
 def _finding(qw: _QuantizedWeight, f: _Graph, q: _Graph) -> WeightFinding:
     if qw.unsupported:
         raise _Unmatched(f"{qw.unsupported} is not supported")
-    qarr = q.array(qw.name)
-    assert qarr is not None
+    qarr = qw.integer(q)
     fp_op = _FLOAT_OP_OF.get(qw.consumer.op_type, qw.consumer.op_type)
     base = qw.name.removesuffix("_quantized")
-    direct = f.const(base) if base != qw.name else None
+    # A float weight quantized at run time keeps its FP32 name (ModelOpt, AIMET, NNCF).
+    direct = f.const(base) if base != qw.name or qw.quantized_by is not None else None
     if direct is not None and direct.shape == qarr.shape:
         fp_node = f.consumers[base][0][0] if f.consumers.get(base) else None
         op_type = fp_node.op_type if fp_node is not None else fp_op

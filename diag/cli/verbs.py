@@ -524,11 +524,15 @@ def _measured_lines(result: CompareResult) -> list[str]:
         lines += [f"    {e['sentence']}" for e in isa["nodes"][:3] if e["saturated_pairs"]]
     effects = result.effects
     if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
-        shown = [e for e in effects.effects[:3] if e.recovered > 0.01]
+        shown = [e for e in effects.effects[:3] if e.recovered > 0.01 or e.levels_disagree]
         if shown:
             lines.append(
                 f"  effect on {effects.target} of keeping one node in float: "
-                + ", ".join(f"{e.finding.group.label} {e.recovered:.0%}" for e in shown)
+                + ", ".join(
+                    f"{e.finding.group.label} {e.recovered:.0%}"
+                    + (f" (exact mode {e.exact_recovered:.0%})" if e.levels_disagree and e.exact_recovered else "")
+                    for e in shown
+                )
                 + f" ({effects.samples} samples, optimization level {effects.level})"
             )
     if effects is not None and effects.groups:

@@ -225,7 +225,7 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
-    weights = _quantized_weights(graph, inits, producers, kind)
+    weights = _quantized_weights(graph, inits, producers, kind, base_dir)
     evidence: list[str] = []
     recipe: dict[str, Any] = {"mode": "dynamic" if kind == "dynamic" else "static"}
     if kind != "dynamic":
@@ -354,8 +354,13 @@ def _quantized_weights(
     inits: dict[str, onnx.TensorProto],
     producers: dict[str, onnx.NodeProto],
     kind: str,
+    base_dir: str = "",
 ) -> list[tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]]:
-    """(quantized weight, scale, zero point) of every quantized weighted op."""
+    """(quantized weight, scale, zero point) of every quantized weighted op.
+
+    A float weight quantized at run time (float initializer -> QuantizeLinear -> DequantizeLinear:
+    ModelOpt, AIMET's ``to_onnx_qdq()``, NNCF on Constant weights) counts too: its integer value is
+    what the QuantizeLinear computes (:func:`_run_time_quantized`)."""
     found: dict[str, tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]] = {}
 
     def get(node: onnx.NodeProto, i: int | None) -> onnx.TensorProto | None:
@@ -378,10 +383,40 @@ def _quantized_weights(
             if dq is None or dq.op_type != "DequantizeLinear":
                 continue
             q = get(dq, 0)
+            quant = producers.get(dq.input[0])
+            if q is None and quant is not None and quant.op_type == "QuantizeLinear":
+                q = _run_time_quantized(quant, inits, base_dir)
             if q is None or q.data_type not in QUANT_TYPE_NAMES:
                 continue
             found[q.name] = (q, get(dq, 1), get(dq, 2))
     return list(found.values())
+
+
+def _run_time_quantized(
+    quant: onnx.NodeProto, inits: dict[str, onnx.TensorProto], base_dir: str = ""
+) -> onnx.TensorProto | None:
+    """The integer weight a QuantizeLinear makes of a float initializer (round half to even, saturated
+    to the zero point's type, uint8 when omitted), as a tensor named like the float one; None when
+    its input is not a float initializer."""
+    w = inits.get(quant.input[0])
+    scale = inits.get(quant.input[1]) if len(quant.input) > 1 else None
+    if w is None or scale is None or w.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+        return None
+    zp_t = inits.get(quant.input[2]) if len(quant.input) > 2 and quant.input[2] else None
+    zp = numpy_helper.to_array(zp_t, base_dir) if zp_t is not None else np.zeros((), np.uint8)
+    if zp.dtype.kind not in "iu":
+        return None  # fp8 grids: not an integer weight
+    value = numpy_helper.to_array(w, base_dir).astype(np.float64)
+    s = numpy_helper.to_array(scale, base_dir).astype(np.float64)
+    z = zp.astype(np.float64)
+    if s.size > 1:
+        axis = next((int(a.i) for a in quant.attribute if a.name == "axis"), 1)
+        shape = [1] * value.ndim
+        shape[axis] = -1
+        s, z = s.reshape(shape), z.reshape(shape) if z.size > 1 else z
+    info = np.iinfo(zp.dtype)
+    integer = np.clip(np.rint(value / s) + z, info.min, info.max).astype(zp.dtype)
+    return numpy_helper.from_array(integer, w.name)
 
 
 def _activation_typed_constants(

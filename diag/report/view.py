@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 
 from diag.analysis.analyze import GRADES, first_nonfinite, shortened_path
+from diag.analysis.effects import LEVELS_DISAGREE
 from diag.core.precision import describe
 from diag.core.taskmetrics import task_lines
 from diag.fix.fixcode import fix_snippet
@@ -807,6 +808,14 @@ def _sensitivity_rows(sens: dict[str, Any] | None) -> list[SensitivityRowView]:
     ]
 
 
+def _exact_note(e: dict[str, Any]) -> str:
+    """`` (exact mode 98.40%)`` beside a deployed share the fused kernels change (issue 46), else ``""``."""
+    exact = e.get("exact_recovered")
+    if not isinstance(exact, (int, float)) or not isinstance(e.get("recovered"), (int, float)):
+        return ""
+    return f" (exact mode {fmt_pct(exact)})" if abs(exact - e["recovered"]) >= LEVELS_DISAGREE else ""
+
+
 def _effect_rows(effects: dict[str, Any] | None) -> list[EffectRow]:
     """The nodes measured, then the recipe-lever groups (diag.analysis.levers) when some were measured."""
     rows = [
@@ -814,7 +823,7 @@ def _effect_rows(effects: dict[str, Any] | None) -> list[EffectRow]:
             e["node"],
             "; ".join(e["why"]),
             fmt_db(e["local_sqnr_db"]),
-            fmt_pct(e["recovered"]),
+            fmt_pct(e["recovered"]) + _exact_note(e),
             _sortable(e["recovered"]),
         )
         for e in (effects or {}).get("effects", [])
@@ -1305,12 +1314,21 @@ def md_fence(text: str, lang: str = "python") -> str:
 
 
 def md_escape(text: str) -> str:
-    """Escape Markdown/HTML control characters and drop terminal escapes from untrusted names."""
+    """Escape Markdown/HTML control characters and drop terminal escapes from untrusted names.
+
+    An underscore between two letters or digits is left as it is: CommonMark never opens or closes
+    emphasis there, and a name copied from the raw summary.md (``down_proj``, ``ffn_norm``) must be
+    the model's name, not ``down\\_proj`` (issue 46). Every other ``_`` is escaped.
+
+    Example:
+        >>> md_escape("layers.1/mlp/down_proj/MatMul _x_ *y*")
+        'layers.1/mlp/down_proj/MatMul \\\\_x\\\\_ \\\\*y\\\\*'
+    """
+    text = "".join(ch for ch in str(text) if ch.isprintable())
     out = []
-    for ch in str(text):
-        if not ch.isprintable():
-            continue
-        if ch in "\\`*_[]<>|~#&":
+    for i, ch in enumerate(text):
+        intraword = ch == "_" and 0 < i < len(text) - 1 and text[i - 1].isalnum() and text[i + 1].isalnum()
+        if ch in "\\`*_[]<>|~#&" and not intraword:
             out.append("\\" + ch)
         else:
             out.append(ch)
