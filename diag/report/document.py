@@ -79,7 +79,7 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
             "graded_at": result.options.opt_level,
             "outputs": [_output_dict(result, v) for v in result.verdicts],
             # The same outputs graded in exact mode (optimizations off), beside the deployed grades.
-            "exact_outputs": [_exact_dict(v) for v in result.exact_verdicts],
+            "exact_outputs": [_exact_dict(result, v) for v in result.exact_verdicts],
         },
         # F1 against --labels and --metric plugin values (see diag.core.taskmetrics).
         "task_metrics": json_values(result.task_metrics or {}),
@@ -212,19 +212,16 @@ def _output_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
     }
 
 
-def _exact_dict(v: OutputVerdict) -> dict[str, Any]:
-    """An output's exact-mode grade and figures (``verdict.exact_outputs``)."""
-    return {
-        "name": v.name,
-        "grade": v.grade,
-        "reasons": v.reasons,
-        "sqnr_db": _num(v.stats.sqnr_db),
-        "cosine_min": _num(v.per_sample.cosine_min),
-        "max_abs": _num(v.per_sample.max_abs),
-        "top1_agreement": _num(v.per_sample.top1_agreement),
-        "accuracy_int8": _num(v.accuracy_int8),
-        "accuracy_drop": _num(v.accuracy_drop),
-    }
+#: The figures ``verdict.exact_outputs`` keeps of an output graded in exact mode.
+_EXACT_KEYS = (
+    "name", "grade", "reasons", "sqnr_db", "cosine_min", "max_abs", "top1_agreement", "accuracy_int8", "accuracy_drop",
+)  # fmt: skip
+
+
+def _exact_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
+    """An output's exact-mode grade and figures (``verdict.exact_outputs``): those of :func:`_output_dict`."""
+    full = _output_dict(result, v)
+    return {k: full[k] for k in _EXACT_KEYS}
 
 
 def _recommendation(result: CompareResult) -> dict[str, Any]:
