@@ -425,7 +425,10 @@ def weight_only_changes(settings: dict[str, Any], last_matmul: str | None) -> li
         out.append(("accuracy_level=0 (no int8 quantization of the input inside the kernel)", {"accuracy_level": 0}))
     if not settings.get("node_bits"):
         change = {"node_bits": {last_matmul: 8}} if last_matmul else {}
-        out.append(("the last MatMul (lm_head) at 8 bits (node_bits)", change))
+        # NOTE: named as the model's own node when known; "lm_head" only where a decoder has one
+        # (an int4 encoder was told to keep "lm_head" at 8 bits: issue 42 item 5).
+        head = f"the output head {last_matmul}" if last_matmul else "the output head (the last MatMul)"
+        out.append((f"{head} at 8 bits (node_bits)", change))
     return out
 
 
