@@ -88,7 +88,8 @@ def measure_lines(
                     "fix the errors above, then lint again",
                 )
             ]
-        base_sqnr = _outputs_sqnr(model_path, base, feeds, threads) if feeds is not None else None
+        reference = _Reference(model_path, feeds, threads) if feeds is not None else None
+        base_sqnr = reference.sqnr(base) if reference is not None else None
         for where, change in lines:
             variant = Path(tmp) / "without.onnx"
             changed = Recipe.from_dict({**recipe.to_dict(), **change})
@@ -109,8 +110,8 @@ def measure_lines(
                 )
                 continue
             message = f"changes the model: {_model_change(base, variant)}"
-            if feeds is not None and base_sqnr is not None:
-                without = _outputs_sqnr(model_path, variant, feeds, threads)
+            if reference is not None and base_sqnr is not None:
+                without = reference.sqnr(variant)
                 message += f"; output SQNR {base_sqnr:.1f} dB with it, {without:.1f} dB without (as deployed)"
             out.append(Finding("note", "measured", where, message))
     return out
@@ -169,16 +170,23 @@ def _model_change(with_it: Path, without: Path, labels: tuple[str, str] = ("with
     return f"{changed} initializer(s) differ (scales, zero points or weights), same ops"
 
 
-def _outputs_sqnr(fp32: str | os.PathLike[str], model: Path, feeds: FeedSpec, threads: int | None) -> float:
-    """SQNR (dB) of every output over the first :data:`MEASURE_SAMPLES` samples: FP32 exact vs ``model``
-    as onnxruntime runs it by default (what the user deploys)."""
-    fp = float_model_from_path(fp32)
-    spec = dataclasses.replace(feeds, samples=min(feeds.samples or MEASURE_SAMPLES, MEASURE_SAMPLES))
-    ref_sess = session_from_model(fp.proto, "FP32 model", EXACT_LEVEL, threads or 1, fp.external_dir)
-    q_sess = session_from_model(onnx.load(str(model)), "INT8 model", DEPLOY_LEVEL, threads or 1, None)
-    acc = ErrorAccumulator()
-    for batch in spec.source(fp.proto):
-        for x, y in zip(ref_sess.run(None, batch.feeds), q_sess.run(None, batch.feeds), strict=True):
-            if np.shape(x) == np.shape(y) and np.issubdtype(np.asarray(x).dtype, np.floating):
-                acc.update(np.asarray(x), np.asarray(y))
-    return acc.finalize().sqnr_db
+class _Reference:
+    """The FP32 model's exact outputs on the first :data:`MEASURE_SAMPLES` samples, computed once:
+    every measured line compares its model with them (the FP32 model is loaded and run one time)."""
+
+    def __init__(self, fp32: str | os.PathLike[str], feeds: FeedSpec, threads: int | None) -> None:
+        fp = float_model_from_path(fp32)
+        spec = dataclasses.replace(feeds, samples=min(feeds.samples or MEASURE_SAMPLES, MEASURE_SAMPLES))
+        self.threads = threads or 1
+        sess = session_from_model(fp.proto, "FP32 model", EXACT_LEVEL, self.threads, fp.external_dir)
+        self.batches = [(b.feeds, sess.run(None, b.feeds)) for b in spec.source(fp.proto)]
+
+    def sqnr(self, model: Path) -> float:
+        """SQNR (dB) of every output of ``model`` as onnxruntime runs it by default (what the user deploys)."""
+        q_sess = session_from_model(onnx.load(str(model)), "INT8 model", DEPLOY_LEVEL, self.threads, None)
+        acc = ErrorAccumulator()
+        for feeds, ref in self.batches:
+            for x, y in zip(ref, q_sess.run(None, feeds), strict=True):
+                if np.shape(x) == np.shape(y) and np.issubdtype(np.asarray(x).dtype, np.floating):
+                    acc.update(np.asarray(x), np.asarray(y))
+        return acc.finalize().sqnr_db
