@@ -4,18 +4,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diag.analysis.compare import EXCLUDE_WORDS, exclude_command, with_exclude_command
+from diag.analysis.compare import exclude_search
+from diag.analysis.headline import Headline, NextSearch, SpreadRemedies
+from diag.analysis.remedies import SEARCH_REMEDY
 from diag.core.feeds import FeedSpec
 
 
+def exclude_command(fp32: Path, int8: Path, spec: FeedSpec) -> str:
+    return str(exclude_search(fp32, int8, spec))
+
+
 def test_exclusion_search_is_printed_as_the_command_with_the_users_paths():
-    sentence = f"no single root cause: ... or {EXCLUDE_WORDS}"
-    out = with_exclude_command(sentence, Path("models/m.onnx"), Path("m int8.onnx"), FeedSpec(inputs="data/x.npz"))
+    headline = Headline("spread", "no single root cause: ...", spread=SpreadRemedies("dynamic"))
+    assert headline.text().endswith(f"or {SEARCH_REMEDY}")
+    search = exclude_search(Path("models/m.onnx"), Path("m int8.onnx"), FeedSpec(inputs="data/x.npz"))
+    headline.search = NextSearch(search)
+    out = headline.text()
     assert out.endswith(
         "an exclusion search: diag exclude models/m.onnx --int8 'm int8.onnx' --inputs data/x.npz "
         "--target 'cosine>=0.99'"
     )
-    assert EXCLUDE_WORDS not in out
+    assert SEARCH_REMEDY not in out
+    headline.search.held_here = True  # diag exclude's own diagnosis: the command's work folder is gone
+    assert headline.text().endswith(", or the exclusion search this report holds"), headline.text()
 
 
 def test_random_inputs_are_carried_into_the_exclude_command():

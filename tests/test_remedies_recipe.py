@@ -5,10 +5,10 @@ from __future__ import annotations
 from diag.analysis.effects import spread_sentence
 from diag.analysis.remedies import (
     GENERIC_SPREAD,
+    SEARCH_REMEDY,
     Suggestion,
     applicable_suggestions,
     spread_remedies,
-    spread_text,
 )
 
 
@@ -40,19 +40,27 @@ def test_per_channel_remedy_stays_on_a_per_tensor_recipe() -> None:
 def test_static_recipe_is_not_told_to_use_static_calibration() -> None:
     items = spread_remedies("qdq", {"mode": "static", "per_channel": True, "activation_type": "QUInt8"})
     assert items == ["16-bit activations (QDQ)", "an exclusion search (diag exclude)"]
-    assert "per_channel=True" not in spread_text("dynamic", {"mode": "dynamic", "per_channel": True})
+    assert "per_channel=True" not in spread_remedies("dynamic", {"mode": "dynamic", "per_channel": True})
 
 
 def test_weight_only_model_gets_only_weight_only_remedies() -> None:
     settings = {"mode": "weight_only", "bits": 4, "block_size": 32, "is_symmetric": False, "accuracy_level": 4}
-    text = spread_text("matmulnbits", settings)
+    text = ", ".join(spread_remedies("matmulnbits", settings))
     for int8_advice in ("per_channel", "static calibration", "16-bit activations"):
         assert int8_advice not in text
     assert "block_size (16)" in text and "is_symmetric=True" in text and "accuracy_level=0" in text
 
 
-def test_spread_sentence_carries_the_generic_list_diagnose_replaces() -> None:
-    assert GENERIC_SPREAD in spread_sentence([], None)
+def test_spread_sentence_carries_the_generic_list_until_the_recipe_is_known() -> None:
+    """The spread headline's remedies are a typed slot: the generic list for the format until
+    diagnose sets the recipe on it, then only what changes something for that recipe."""
+    headline = spread_sentence([], None, "dynamic")
+    assert headline.kind == "spread" and headline.spread is not None
+    assert headline.text().endswith("What fits spread error: " + ", ".join(GENERIC_SPREAD) + ", or " + SEARCH_REMEDY)
+    headline.spread.settings, headline.spread.recipe_known = {"mode": "dynamic", "per_channel": True}, True
+    assert headline.text().endswith(
+        "What fits spread error: static calibration instead of dynamic, or an exclusion search (diag exclude)"
+    )
 
 
 def test_per_channel_dynamic_model_never_gets_a_per_channel_remedy(built, tmp_path) -> None:
@@ -68,4 +76,4 @@ def test_per_channel_dynamic_model_never_gets_a_per_channel_remedy(built, tmp_pa
     assert r.fix_recipe is not None and r.fix_recipe["settings"]["per_channel"] is True
     assert not [s for s in r.suggestions if s.recipe.get("per_channel")]
     assert "What fits spread error: per_channel=True" not in r.cause_sentence
-    assert GENERIC_SPREAD not in r.cause_sentence
+    assert ", ".join(GENERIC_SPREAD) not in r.cause_sentence

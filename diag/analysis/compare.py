@@ -47,6 +47,7 @@ from diag.analysis.effects import (
     judge_remedies,
 )
 from diag.analysis.fp16health import nonfinite_cause
+from diag.analysis.headline import ExcludeCommand, Headline, NextSearch
 from diag.analysis.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.analysis.remedies import Suggestion, all_suggestions
 from diag.analysis.taskgrade import attach_task_metrics
@@ -159,8 +160,8 @@ class CompareResult:
     findings: list[NodeFinding]
     verdicts: list[OutputVerdict]
     grade: str
-    single_cause: bool
-    cause_sentence: str
+    #: The verdict's headline, decided once every grade is final (:mod:`diag.analysis.headline`).
+    headline: Headline
     input_description: str
     samples: int
     batches: int
@@ -193,8 +194,6 @@ class CompareResult:
     effects: EffectCheck | None = None
     #: Measured effect of keeping the whole suggested list (the root causes) in float.
     list_estimate: ListEstimate | None = None
-    #: The diag exclude command that verifies and prunes the suggested list (from this run's inputs).
-    verify_command: str = ""
     #: Weight-only spread remedies re-quantized and measured (diag.fix.remedycheck, with --recipe).
     remedy_checks: dict[str, Any] | None = None
     #: ``--deploy-isa avx2``: per u8s8 node, its predicted saturation on AVX2 without VNNI.
@@ -207,6 +206,23 @@ class CompareResult:
     cluster: dict[str, Any] = field(default_factory=dict)
     #: ``--accuracy-level-check``: the MatMulNBits nodes at that accuracy_level vs 0 (diag.core.nbits).
     accuracy_level: AccuracyLevelCheck | None = None
+
+    @property
+    def single_cause(self) -> bool:
+        """The headline names one node as the cause."""
+        return self.headline.single_cause
+
+    @property
+    def cause_sentence(self) -> str:
+        """The headline's sentence (:meth:`diag.analysis.headline.Headline.text`)."""
+        return self.headline.text()
+
+    @property
+    def verify_command(self) -> str:
+        """The diag exclude command that verifies and prunes the suggested list (from this run's
+        inputs); "" before the paths are known, or when this report is the search's own."""
+        command = self.headline.search.command
+        return "" if command is None or self.headline.search.held_here else str(command)
 
 
 def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
@@ -357,10 +373,7 @@ def analyze_comparison(
     if options.deploy_isa == "avx2" and options.shard is None:
         result.deploy_isa = deploy_isa_prediction(result, feeds)
         result.seconds = time.perf_counter() - run.start
-    target = exclusion_target(result.verdicts)
-    result.cause_sentence = with_exclude_command(result.cause_sentence, fp.path, q.path, run.spec, target)
-    result.verify_command = exclude_command(fp.path, q.path, run.spec, target)
-    attach_task_metrics(result, state.task, options.metric)
+    result.headline.search = NextSearch(exclude_search(fp.path, q.path, run.spec, exclusion_target(result.verdicts)))
     return result
 
 
@@ -386,7 +399,7 @@ def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, o
         aimed = {k: v for k, v in specs.items() if k in aim}
         kept = state.kept_outputs.batches() if state.kept_outputs is not None else None
         result.effects = check_effects(fp, q, matching, feeds, findings, paths, aimed, budget, kept)
-        result.single_cause, result.cause_sentence, _ = confirmed_cause(
+        result.headline = confirmed_cause(
             result.findings, result.effects, result.grade, result.verdicts, specs, matching, q.format.family
         )
         suggested, _unnamed = recommended_nodes(result.findings)
@@ -427,11 +440,7 @@ def deploy_isa_prediction(result: CompareResult, feeds: FeedSource) -> dict[str,
     }
 
 
-#: The words of a headline that suggest an exclusion search, replaced by the command to run.
-EXCLUDE_WORDS = "an exclusion search (diag exclude)"
-
-
-def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str = "cosine>=0.99") -> str:
+def exclude_search(fp32: Path, int8: Path, spec: FeedSpec | None, target: str = "cosine>=0.99") -> ExcludeCommand:
     """The exact command that runs an exclusion search from this INT8 model's own recipe.
 
     ``--int8`` makes the search start from the recipe read back from the INT8 model, so its
@@ -440,7 +449,7 @@ def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str =
     is the "acceptable" cosine band.
 
     Example:
-        >>> print(exclude_command(Path("m.onnx"), Path("q.onnx"), FeedSpec(inputs="x.npz")))
+        >>> print(exclude_search(Path("m.onnx"), Path("q.onnx"), FeedSpec(inputs="x.npz")))
         diag exclude m.onnx --int8 q.onnx --inputs x.npz --target 'cosine>=0.99'
     """
     if spec is not None and spec.inputs:
@@ -452,9 +461,7 @@ def exclude_command(fp32: Path, int8: Path, spec: FeedSpec | None, target: str =
     if spec is not None and spec.batch != 1:
         # Dynamic quantization scales each batch as a whole: the search must batch as this run did.
         feeds += f" --batch {spec.batch}"
-    return (
-        f"diag exclude {shlex.quote(str(fp32))} --int8 {shlex.quote(str(int8))} {feeds} --target {shlex.quote(target)}"
-    )
+    return ExcludeCommand(str(fp32), str(int8), feeds, target)
 
 
 #: The cosine targets an exclusion search is suggested with, loosest first: the bands' "acceptable"
@@ -474,13 +481,6 @@ def exclusion_target(verdicts: list[OutputVerdict]) -> str:
     worst = min((v.per_sample.cosine_min for v in verdicts), default=0.0)
     target = next((t for t in SUGGESTED_COSINES if worst < t), SUGGESTED_COSINES[-1])
     return f"cosine>={target}"
-
-
-def with_exclude_command(
-    sentence: str, fp32: Path, int8: Path, spec: FeedSpec | None, target: str = "cosine>=0.99"
-) -> str:
-    """The headline with its suggested exclusion search written as the command to run (issue 25, 6b)."""
-    return sentence.replace(EXCLUDE_WORDS, f"an exclusion search: {exclude_command(fp32, int8, spec, target)}")
 
 
 def finish(  # NOTE: a shard merge's eight parameters, and the report computed beside the effect check
@@ -505,10 +505,12 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
     graph = fp_graph(fp.proto)
     findings = node_findings(matching.groups, accumulated, local, graph, [o.name for o in fp.proto.graph.output])
     verdicts, exact_verdicts = _graded_outputs(state, figures, accumulated)
-    grade = overall_grade(verdicts)
+    # Every grade is final before any headline is decided from it: the F1 drop joins them here.
+    grades = _Grades(verdicts, overall_grade(verdicts))
+    attach_task_metrics(grades, state.task, options.metric)
     specs = {k: a.spec for k, a in state.outputs.items()}
-    one, sentence, _ = confirmed_cause(findings, None, grade, verdicts, specs, matching, q.format.family)
-    one, sentence = _fp16_headline(findings, state, one, sentence)
+    headline = confirmed_cause(findings, None, grades.grade, verdicts, specs, matching, q.format.family)
+    headline = _fp16_headline(findings, state, headline)
     patterns = find_patterns(fp.proto)
     tensor_of_node = {n: f.tensor for f in findings for n in f.group.fp_nodes}
     per_instance, per_kind = pattern_totals(patterns, accumulated, local, tensor_of_node)
@@ -520,9 +522,8 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
         local,
         findings,
         verdicts,
-        grade,
-        one,
-        sentence,
+        grades.grade,
+        headline,
         description,
         state.samples,
         state.batches,
@@ -544,6 +545,7 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
         fused=list(state.fused),
         state=state,
         exact_verdicts=exact_verdicts,
+        task_metrics=grades.task_metrics,
     )
     if weights is None:
         attach_weights(result, _weight_report(fp, q))
@@ -599,10 +601,19 @@ def attach_weights(result: CompareResult, report: WeightReport) -> None:
     judge_remedies(result.suggestions, result.effects)  # no advice against its own measurement
 
 
-def _fp16_headline(findings: list[NodeFinding], state: CompareState, one: bool, sentence: str) -> tuple[bool, str]:
+def _fp16_headline(findings: list[NodeFinding], state: CompareState, headline: Headline) -> Headline:
     """An FP16 model that creates NaN/Inf: its origin is the cause (see
     :func:`diag.analysis.fp16health.nonfinite_cause`)."""
     if not state.fp16_ranges:
-        return one, sentence
+        return headline
     cause = nonfinite_cause(findings, state.fp16_ranges)
-    return (cause[0], cause[1]) if cause is not None else (one, sentence)
+    return cause if cause is not None else headline
+
+
+@dataclass
+class _Grades:
+    """The outputs' grades while they are being made final (:class:`diag.analysis.taskgrade.Graded`)."""
+
+    verdicts: list[OutputVerdict]
+    grade: str
+    task_metrics: dict[str, Any] = field(default_factory=dict)

@@ -42,8 +42,9 @@ from diag.analysis.analyze import (
     single_cause,
     upstream_of,
 )
+from diag.analysis.headline import Headline, SpreadRemedies
 from diag.analysis.levers import GroupCandidate, group_candidates
-from diag.analysis.remedies import Suggestion, generic_spread
+from diag.analysis.remedies import Suggestion
 from diag.core.feeds import FeedSource
 from diag.core.instrument import exposed_model
 from diag.core.load import LoadedModel
@@ -819,12 +820,12 @@ def confirmed_cause(
     specs: dict[str, OutputSpec] | None = None,
     matching: Matching | None = None,
     fmt: str = "",
-) -> tuple[bool, str, NodeFinding | None]:
+) -> Headline:
     """The headline from measured effects (falls back to local error when nothing was measured).
 
     ``fmt``: the INT8 model's format family, which decides the spread-error remedies named.
 
-    Returns (single cause?, sentence, the cause). Roles are updated to agree with the sentence:
+    Roles are updated to agree with the headline:
     under a single cause every other locally bad node becomes ``contributor`` (under a confirmed
     one its measured effect is in the check); otherwise roles stay as local error assigned them.
 
@@ -833,10 +834,12 @@ def confirmed_cause(
     """
     failing = failing_outputs(verdicts or [])
     scope = upstream_of(findings, [v.name for v in failing]) if failing else findings
-    one, sentence, cause = _headline(scope, check, grade, verdicts, specs, matching, fmt)
-    if one and cause is not None:
+    headline = _headline(scope, check, grade, verdicts, specs, matching, fmt)
+    if headline.single_cause:
+        cause = next(f for f in scope if f.group.label == headline.node)
         _make_root_cause(findings, cause)  # a root cause feeding only passing outputs is no longer one
-    return one, failing_clause(failing) + sentence, cause
+    headline.subject = failing_clause(failing)
+    return headline
 
 
 def _headline(
@@ -847,7 +850,7 @@ def _headline(
     specs: dict[str, OutputSpec] | None,
     matching: Matching | None,
     fmt: str = "",
-) -> tuple[bool, str, NodeFinding | None]:
+) -> Headline:
     """:func:`confirmed_cause` over the nodes the headline may name."""
     bad_local = [f for f in findings if f.group.quantized and f.local is not None and f.local.sqnr_db < BAD_SQNR_DB]
     poor = grade in ("marginal", "reject")
@@ -864,15 +867,15 @@ def _headline(
     if part_cause is not None:
         return _concat_headline(findings, check, *part_cause)
     if check is None and not any(f.local is not None for f in findings if f.group.quantized):
-        return False, _unmeasured_local_sentence(findings, poor), None
+        return Headline("no-local", _unmeasured_local_sentence(findings, poor))
     if check is None or check.best is None:
         one, sentence, top = single_cause(findings)
         if one and top is not None:
             # Without a measured effect a local-error cause is a guess: never "single root cause".
-            return False, _likely_cause(findings, top, "its effect on the outputs was not measured"), top
-        if not one and poor and not bad_local:
-            sentence = spread_sentence(_quantized(findings), None, fmt, findings)
-        return False, sentence, None
+            return _likely_cause(findings, top, "its effect on the outputs was not measured")
+        if not bad_local:
+            return spread_sentence(_quantized(findings), None, fmt, findings) if poor else _rounding()
+        return Headline("spread", sentence)  # several locally bad nodes, none measured
     if confirmed:
         return _confirmed_headline(findings, check, check.best, bad_local)
     group = check.best_group
@@ -881,9 +884,7 @@ def _headline(
     return _unconfirmed_headline(findings, check, poor, bad_local, fmt)
 
 
-def _group_headline(
-    findings: list[NodeFinding], check: EffectCheck, group: GroupEffect
-) -> tuple[bool, str, NodeFinding | None]:
+def _group_headline(findings: list[NodeFinding], check: EffectCheck, group: GroupEffect) -> Headline:
     """A recipe lever is the cause: its group kept in float removes most of the error no node alone does.
 
     No node is the root cause then: a locally bad one is a contributor (its effect is in the check).
@@ -893,12 +894,11 @@ def _group_headline(
             f.role = "contributor"
     alone = max((e.recovered for e in check.effects), default=0.0)
     g = group.group
-    return (
-        False,
+    return Headline(
+        "lever",
         f"cause: {g.lever}: keeping {g.label} in float recovers {group.recovered:.0%} of the error of "
         f"{check.target} on {check.samples} samples at optimization level {check.level}, one node alone at most "
         f"{max(alone, 0.0):.0%}; fix: {g.fix}",
-        None,
     )
 
 
@@ -931,18 +931,18 @@ def _make_root_cause(findings: list[NodeFinding], cause: NodeFinding) -> None:
 
 def _concat_headline(
     findings: list[NodeFinding], check: EffectCheck | None, cause: NodeFinding, sentence: str
-) -> tuple[bool, str, NodeFinding | None]:
+) -> Headline:
     """A Concat that destroys one part of an output is the cause, with its measured effect when there is one."""
     e = check.of(cause.group.label) if check is not None else None
     if e is not None and check is not None:
         sentence += f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of {check.target})"
     _make_root_cause(findings, cause)
-    return True, sentence, cause
+    return Headline("single-cause", sentence, node=cause.group.label)
 
 
 def _confirmed_headline(
     findings: list[NodeFinding], check: EffectCheck, best: Effect, bad_local: list[NodeFinding]
-) -> tuple[bool, str, NodeFinding | None]:
+) -> Headline:
     """The best-measured node is the cause; say so when the worst local node is another one."""
     top_local = min(bad_local or [best.finding], key=lambda f: (f.rank_local, f.index))
     disagree = ""
@@ -965,17 +965,17 @@ def _confirmed_headline(
             "error in the small ones)"
         )
     _make_root_cause(findings, f)
-    return (
-        True,
+    return Headline(
+        "single-cause",
         f"single root cause: {f.group.label} (keeping it in float recovers {best.recovered:.0%} of the error "
         f"of {check.target} on {check.samples} samples at optimization level {check.level}){disagree}",
-        f,
+        node=f.group.label,
     )
 
 
 def _unconfirmed_headline(
     findings: list[NodeFinding], check: EffectCheck, poor: bool, bad_local: list[NodeFinding], fmt: str = ""
-) -> tuple[bool, str, NodeFinding | None]:
+) -> Headline:
     """No measured node fixes the outputs: rounding noise, spread error, or a likely cause left unmeasured.
 
     NOTE: a node its own check refutes (kept alone in float, it removes less than
@@ -983,28 +983,30 @@ def _unconfirmed_headline(
     error is spread, and the headline says what was measured instead.
     """
     if not bad_local:
-        if not poor:
-            return False, "no node has a bad local error: the INT8 model adds only rounding-level noise", None
-        return False, spread_sentence(_quantized(findings), check, fmt, findings), None
+        return spread_sentence(_quantized(findings), check, fmt, findings) if poor else _rounding()
     one, _, _ = single_cause(findings)
     top_local = min(bad_local, key=lambda f: (f.rank_local, f.index))
     e = check.of(top_local.group.label)
     if one and e is None:
-        return False, _likely_cause(findings, top_local, "its effect on the outputs was not measured"), top_local
+        return _likely_cause(findings, top_local, "its effect on the outputs was not measured")
     for f in findings:
         if f.role == "root-cause":
             f.role = "contributor"  # refuted by its measured effect: locally bad, not the cause
     if one and e is not None:
         share, bad = _local_share(findings, top_local)
-        return (
-            False,
+        return Headline(
+            "refuted",
             f"no single node to keep in float: {top_local.group.label} has {share:.0%} of the local error of "
             f"{bad} bad node(s), but keeping it alone in float recovers only {max(e.recovered, 0.0):.0%} of the "
             f"error of {check.target} (measured on {check.samples} samples at optimization level {check.level}; "
             f"see the remedies for its tensors){levels_clause(check)}{amplifier_clause(findings)}",
-            None,
         )
-    return False, spread_sentence(_quantized(findings), check, fmt, findings), None
+    return spread_sentence(_quantized(findings), check, fmt, findings)
+
+
+def _rounding() -> Headline:
+    """Nothing is wrong: no node has a bad local error and the outputs grade well."""
+    return Headline("rounding", "no node has a bad local error: the INT8 model adds only rounding-level noise")
 
 
 def levels_clause(check: EffectCheck | None) -> str:
@@ -1035,12 +1037,14 @@ def _local_share(findings: list[NodeFinding], top: NodeFinding) -> tuple[float, 
     return (energy.get(id(top), 0.0) / total if total > 0 else 1.0), len(bad)
 
 
-def _likely_cause(findings: list[NodeFinding], top: NodeFinding, why: str) -> str:
+def _likely_cause(findings: list[NodeFinding], top: NodeFinding, why: str) -> Headline:
     """The locally worst node as a hedged cause, when nothing measured it: ``likely root cause (by local error)``."""
     share, bad = _local_share(findings, top)
-    return (
+    return Headline(
+        "likely",
         f"likely root cause (by local error): {top.group.label} ({share:.0%} of the local error of {bad} bad "
-        f"node(s)); not confirmed: {why} (see the remedies for its inputs)"
+        f"node(s)); not confirmed: {why} (see the remedies for its inputs)",
+        node=top.group.label,
     )
 
 
@@ -1065,9 +1069,10 @@ def amplifier_clause(findings: Sequence[NodeFinding]) -> str:
 
 def spread_sentence(
     quantized: list[NodeFinding], check: EffectCheck | None, fmt: str = "", findings: Sequence[NodeFinding] = ()
-) -> str:
-    """ "No single root cause: error accumulates over N quantized nodes", with the biggest contributors
-    and the remedies for the INT8 format ``fmt`` (:func:`diag.analysis.remedies.generic_spread`)."""
+) -> Headline:
+    """ "No single root cause: error accumulates over N quantized nodes", with the biggest contributors;
+    the remedies for the INT8 format ``fmt`` end it (:class:`diag.analysis.headline.SpreadRemedies`,
+    made specific to the recipe once it is known)."""
     if check is not None and check.effects:
         top = [e for e in check.effects[:3] if e.recovered > 0]
         contributors = ", ".join(f"{e.finding.group.label} ({e.recovered:.0%})" for e in top)
@@ -1086,8 +1091,9 @@ def spread_sentence(
         tail += f"; keeping {group.group.label} in float ({group.group.lever}) recovers {max(group.recovered, 0.0):.0%}"
     tail += levels_clause(check) + amplifier_clause(findings)
     # NOTE: the recipe is not known here (it is inferred on the fix side); diag.cli.verbs.diagnose
-    # replaces generic_spread(fmt) with the remedies that change something for the model's recipe.
-    return (
-        f"no single root cause: error accumulates over {len(quantized)} quantized nodes{tail}. What fits spread "
-        f"error: {generic_spread(fmt)}"
+    # sets it on the remedies, which then list only what changes something for the model's recipe.
+    return Headline(
+        "spread",
+        f"no single root cause: error accumulates over {len(quantized)} quantized nodes{tail}",
+        spread=SpreadRemedies(fmt),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diag.analysis.analyze import NodeFinding, nonfinite_origins
+from diag.analysis.headline import Headline
 from diag.core.fp16 import Fp16Range
 
 
@@ -84,7 +85,7 @@ def _fix_at(origin: NodeFinding | None, ranges: dict[str, Fp16Range]) -> Fp16Fix
     return fix
 
 
-def nonfinite_cause(findings: list[NodeFinding], ranges: dict[str, Fp16Range]) -> tuple[bool, str, NodeFinding] | None:
+def nonfinite_cause(findings: list[NodeFinding], ranges: dict[str, Fp16Range]) -> Headline | None:
     """The headline of an FP16 comparison whose FP16 model creates NaN/Inf, else None.
 
     NaN/Inf is no rounding error: local SQNR cannot rank it (it is NaN) and no share of the
@@ -103,13 +104,17 @@ def nonfinite_cause(findings: list[NodeFinding], ranges: dict[str, Fp16Range]) -
     count = origin.accumulated.nonfinite_int8 if origin.accumulated is not None else 0
     head = f"single root cause: {origin.group.label} overflows FP16"
     if fix.node_block_list:
-        return (
-            True,
+        return Headline(
+            "single-cause",
             f"{head} inside the node (its FP32 output fits FP16): {count} NaN/Inf value(s) in "
             f"'{origin.tensor}'; keep it in float32: node_block_list={fix.node_block_list!r}",
-            origin,
+            node=origin.group.label,
         )
-    return True, f"{head} in its output: {count} NaN/Inf value(s) in '{origin.tensor}'; {fix.why[0]}", origin
+    return Headline(
+        "single-cause",
+        f"{head} in its output: {count} NaN/Inf value(s) in '{origin.tensor}'; {fix.why[0]}",
+        node=origin.group.label,
+    )
 
 
 def fp16_range_lines(findings: list[NodeFinding], ranges: dict[str, Fp16Range], top: int = 3) -> list[str]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shlex
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import onnx
 
 from diag.analysis.compare import CompareOptions, CompareResult, CompareState, exclusion_target, finish, load_pair
-from diag.analysis.taskgrade import attach_task_metrics
+from diag.analysis.headline import ExcludeCommand, NextSearch
 from diag.core.match import match_models
 from diag.foundations.errors import DiagError
 from diag.foundations.untrusted import fields_of
@@ -170,12 +169,11 @@ def _merge_documents(
     # The shards recorded the recipe the fix re-quantizes with; the models may have moved since.
     result.fix_recipe = first.get("recommendation", {}).get("recipe")
     # The shards' command carries their paths and inputs; its target is the merged run's (each
-    # shard chose one from its own samples' worst cosine). exclude_command puts the target last.
-    command = first.get("recommendation", {}).get("verify_command") or ""
-    if " --target " in command:
-        command = f"{command.rsplit(' --target ', 1)[0]} --target {shlex.quote(exclusion_target(result.verdicts))}"
-    result.verify_command = command
-    attach_task_metrics(result, state.task, options.metric)
+    # shard chose one from its own samples' worst cosine).
+    search = first.get("verdict", {}).get("headline", {}).get("search", {}).get("command")
+    if search:
+        command = ExcludeCommand(**{**search, "target": exclusion_target(result.verdicts)})
+        result.headline.search = NextSearch(command)
     return result
 
 

@@ -358,22 +358,11 @@ def all_suggestions(
 #: their activations stay float, so INT8-activation remedies change nothing on them.
 WEIGHT_ONLY_FORMATS = kinds_where(lambda f: f.weight_only)
 
-#: The tail of the spread-error headline before a recipe is known (``effects.spread_sentence``).
-GENERIC_SPREAD = (
-    "per_channel=True, static calibration instead of dynamic, 16-bit activations (QDQ), or an "
-    "exclusion search (diag exclude)"
-)
-
-
-def generic_spread(fmt: str) -> str:
-    """The spread-error headline's remedies before the recipe is known: the weight-only family
-    for weight-only formats (INT8-activation advice changes nothing there), else :data:`GENERIC_SPREAD`.
-
-    Example:
-        >>> generic_spread("matmulnbits").startswith("a smaller block_size")
-        True
-    """
-    return spread_text(fmt, None) if fmt in WEIGHT_ONLY_FORMATS else GENERIC_SPREAD
+#: The spread-error headline's model-wide remedies before a recipe is known (the exclusion search,
+#: :data:`SEARCH_REMEDY`, always ends the list: :class:`diag.analysis.headline.SpreadRemedies`).
+GENERIC_SPREAD = ("per_channel=True", "static calibration instead of dynamic", "16-bit activations (QDQ)")
+#: The last remedy of every spread-error list, before the command to run is known.
+SEARCH_REMEDY = "an exclusion search (diag exclude)"
 
 
 def spread_remedies(fmt: str, settings: dict[str, Any] | None) -> list[str]:
@@ -391,7 +380,7 @@ def spread_remedies(fmt: str, settings: dict[str, Any] | None) -> list[str]:
     """
     s = settings or {}
     if fmt in WEIGHT_ONLY_FORMATS or s.get("mode") == "weight_only":
-        return [text for text, _ in weight_only_changes(s, None)] + ["an exclusion search (diag exclude)"]
+        return [text for text, _ in weight_only_changes(s, None)] + [SEARCH_REMEDY]
     out = []
     if not s.get("per_channel"):
         out.append("per_channel=True")
@@ -400,7 +389,7 @@ def spread_remedies(fmt: str, settings: dict[str, Any] | None) -> list[str]:
     acts = str(s.get("activation_type", ""))
     if fmt != "dynamic" and s.get("mode") != "dynamic" and "16" not in acts:
         out.append("16-bit activations (QDQ)")
-    return [*out, "an exclusion search (diag exclude)"]
+    return [*out, SEARCH_REMEDY]
 
 
 def weight_only_changes(settings: dict[str, Any], last_matmul: str | None) -> list[tuple[str, dict[str, Any]]]:
@@ -430,12 +419,6 @@ def weight_only_changes(settings: dict[str, Any], last_matmul: str | None) -> li
         head = f"the output head {last_matmul}" if last_matmul else "the output head (the last MatMul)"
         out.append((f"{head} at 8 bits (node_bits)", change))
     return out
-
-
-def spread_text(fmt: str, settings: dict[str, Any] | None) -> str:
-    """:func:`spread_remedies` as the headline's list ("a, b, or c")."""
-    items = spread_remedies(fmt, settings)
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", or " + items[-1]
 
 
 def in_effect(suggestion: Suggestion, settings: dict[str, Any] | None) -> bool:

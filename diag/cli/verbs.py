@@ -31,17 +31,11 @@ from typing import Any, TypeVar
 
 from diag.analysis import compare as pipeline
 from diag.analysis.analyze import cache_verdicts, caches_line, nonfinite_origins, shortened_path
-from diag.analysis.compare import (
-    EXCLUDE_WORDS,
-    CompareOptions,
-    CompareResult,
-    exclusion_target,
-    with_exclude_command,
-)
+from diag.analysis.compare import CompareOptions, CompareResult
 from diag.analysis.decoder import decoder_layout, layer_sentence, module_paths
 from diag.analysis.fp16health import fp16_range_lines
 from diag.analysis.merge import add_shard_state, merge_shards
-from diag.analysis.remedies import applicable_suggestions, generic_spread, spread_text
+from diag.analysis.remedies import applicable_suggestions
 from diag.core.feeds import FeedSource, FeedSpec
 from diag.core.load import checked_path, model_summary
 from diag.core.precision import describe
@@ -172,49 +166,38 @@ def diagnose(
     result = pipeline.analyze_comparison(run, state, runtime_unmatched, options)
     result.cluster = cluster
     result.fix_recipe = fix_recipe(run.q.path, options.recipe)
-
-    def spell(sentence: str) -> str:  # the headline's words for an exclusion search, as a command
-        return with_exclude_command(sentence, run.fp.path, run.q.path, run.spec, exclusion_target(result.verdicts))
-
-    _drop_remedies_in_effect(result, spell)
+    _drop_remedies_in_effect(result)
     if options.recipe is not None:
-        _measure_weight_only_remedies(result, run, options, spell)
+        _measure_weight_only_remedies(result, run, options)
     if options.sensitivity > 0:
         result.sensitivity = _sensitivity(fp32_path, int8_path, run.feeds, result, options, run.spec)
         result.seconds = time.perf_counter() - run.start
     return result
 
 
-def _drop_remedies_in_effect(result: CompareResult, spell: Callable[[str], str]) -> None:
+def _drop_remedies_in_effect(result: CompareResult) -> None:
     """Remedies the model's recipe already has (``per_channel=True`` on a per-channel model) are dropped,
-    and the spread-error headline lists only remedies that change something for its recipe and format.
-
-    NOTE: the headline already spells its exclusion search as a command (``spell``, done where the
-    paths are known): the generic list is matched as spelled, or it stayed in the headline
-    unreplaced (per_channel=True told to a per-channel model, issue 25 item 1).
-    """
+    and the spread-error headline lists only remedies that change something for its recipe and format
+    (issue 25 item 1: per_channel=True was told to a per-channel model)."""
     settings = (result.fix_recipe or {}).get("settings")
     result.suggestions = applicable_suggestions(result.suggestions, settings)
-    fmt = result.int8.format.family
-    result.cause_sentence = result.cause_sentence.replace(spell(generic_spread(fmt)), spell(spread_text(fmt, settings)))
+    spread = result.headline.spread
+    if spread is not None:
+        spread.settings, spread.recipe_known = settings, True
 
 
-def _measure_weight_only_remedies(
-    result: CompareResult, run: pipeline.Prepared, options: CompareOptions, spell: Callable[[str], str]
-) -> None:
+def _measure_weight_only_remedies(result: CompareResult, run: pipeline.Prepared, options: CompareOptions) -> None:
     """A weight-only model's spread remedies, re-quantized from the given recipe and measured: the
     headline lists them best first with their figures (issue 25, item 2)."""
     given = options.recipe
     assert given is not None  # checked by the caller
     recipe = given if isinstance(given, Recipe) else recipe_from_option(given)
-    settings = (result.fix_recipe or {}).get("settings")
-    listed = spell(spread_text(result.int8.format.family, settings))
-    if recipe.mode != "weight_only" or listed not in result.cause_sentence:
+    spread = result.headline.spread
+    if recipe.mode != "weight_only" or spread is None:
         return
     checks = check_weight_only_remedies(run.fp, run.q.path, recipe, run.feeds, options.threads)
     result.remedy_checks = checks.to_dict()
-    measured = f"{checks.text()}, measured by re-quantizing on {checks.samples} samples; or " + spell(EXCLUDE_WORDS)
-    result.cause_sentence = result.cause_sentence.replace(listed, measured)
+    spread.measured, spread.measured_samples = checks.text(), checks.samples
 
 
 def _sensitivity(
@@ -438,7 +421,7 @@ def _cause_lines(result: CompareResult) -> list[str]:
         local, acc = f.local, f.accumulated
         assert local is not None and acc is not None  # a root cause is ranked by both errors
         # A "no single root cause" headline lists no root cause under it (issue 25, item 5).
-        role = "locally worst" if "no single root cause" in result.cause_sentence else "root cause"
+        role = "locally worst" if result.headline.kind == "spread" else "root cause"
         lines.append(
             f"  {role}: {f.group.label} ({f.group.op_type}) local SQNR "
             f"{local.sqnr_db:.1f} dB, accumulated {acc.sqnr_db:.1f} dB"
@@ -523,7 +506,7 @@ def _measured_lines(result: CompareResult) -> list[str]:
         )
         lines += [f"    {e['sentence']}" for e in isa["nodes"][:3] if e["saturated_pairs"]]
     effects = result.effects
-    if effects is not None and effects.best is not None and "rounding-level" not in result.cause_sentence:
+    if effects is not None and effects.best is not None and result.headline.kind != "rounding":
         shown = [e for e in effects.effects[:3] if e.recovered > 0.01 or e.levels_disagree]
         if shown:
             lines.append(
@@ -731,15 +714,11 @@ def diagnosis_outputs(
     """
     if diagnosis is None:
         return {}, [out / name for name in OUTPUT_NAMES]
-    doc = document_from_result(diagnosis)
-    doc["models"]["int8"]["path"] = model_note
     # The diagnosed model sat in the search's work folder, now gone: a command naming it would
     # not run, and this search is the exclusion search the headline suggests.
-    if diagnosis.verify_command:
-        doc["verdict"]["cause"] = doc["verdict"]["cause"].replace(
-            f"an exclusion search: {diagnosis.verify_command}", "the exclusion search this report holds"
-        )
-        doc["recommendation"]["verify_command"] = ""
+    diagnosis.headline.search.held_here = True
+    doc = document_from_result(diagnosis)
+    doc["models"]["int8"]["path"] = model_note
     if exclusion is not None:
         doc[key] = exclusion  # "exclusion" (diag exclude) or "tiers" (diag exclude --tiers)
     return {out / name: text for name, text in output_texts(doc).items()}, []

@@ -19,6 +19,7 @@ on any error and 0 with warnings only, so CI can run it before a long quantizati
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -385,7 +386,7 @@ def _op_types_hint(excluded: list[Any], mode: str, model: Any) -> str | None:
     keep = sorted(kinds - {str(x) for x in excluded})
     if not keep:
         return None
-    return f'write "op_types_to_quantize": [{", ".join(repr(k).replace(chr(39), chr(34)) for k in keep)}]'
+    return f'write "op_types_to_quantize": {json.dumps(keep)}'
 
 
 def _check_contradictions(data: dict[str, Any], valid: dict[str, Any], model: Any, findings: list[Finding]) -> None:

@@ -326,7 +326,8 @@ def weight_only_snippet(
     """
     r = Recipe.from_dict(recipe, "recipe")
     lines = [
-        "# Rebuilds the model found by diag with plain onnx/onnxruntime calls (MatMulNBitsQuantizer, default RTN).",
+        "# Rebuilds the model found by diag with plain onnx/onnxruntime calls "
+        f"(MatMulNBitsQuantizer, algorithm {r.algorithm or 'RTN'}).",
         header,
         "import os",
         "",
@@ -340,7 +341,6 @@ def weight_only_snippet(
         "model = onnx.load(FP32)",
     ]
     lines += prelude or []
-    lines[0] = lines[0].replace("default RTN", f"algorithm {r.algorithm or 'RTN'}")
     if r.quant_format == "QDQ":
         lines += [
             "if next(o.version for o in model.opset_import if o.domain in ('', 'ai.onnx')) < 21:",

@@ -74,6 +74,9 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
             "grade": result.grade,
             "single_cause": result.single_cause,
             "cause": result.cause_sentence,
+            # The headline as typed data: its kind, the node it names, its remedies and next search
+            # (diag.analysis.headline); "cause" is its sentence.
+            "headline": result.headline.to_dict(),
             # The level the outputs are graded at: onnxruntime's default ("all": what the user
             # deploys) unless --deploy-level says otherwise; "disabled" grades exact mode.
             "graded_at": result.options.opt_level,

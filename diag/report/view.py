@@ -500,7 +500,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         outputs=_output_rows(verdict["outputs"], verdict.get("exact_outputs") or []),
         outputs_note=_graded_at_note(verdict),
         root_causes=_root_cause_lines(doc),
-        root_causes_heading="Locally worst nodes" if "no single root cause" in verdict["cause"] else "Root causes",
+        root_causes_heading="Locally worst nodes" if _headline_kind(verdict) == "spread" else "Root causes",
         victims=victims,
         **_starting_point_fields(models, rec),
         nodes=[_node_row(n) for n in nodes],
@@ -742,6 +742,17 @@ def _graded_at_note(verdict: dict[str, Any]) -> str:
         "--deploy-level), against the exact FP32 outputs; an output whose exact-mode grade differs has a "
         "row of its own."
     )
+
+
+def _headline_kind(verdict: dict[str, Any]) -> str:
+    """The headline's kind (:data:`diag.analysis.headline.HeadlineKind`); "" in a document written
+    before the headline was typed data (its sentence is shown as it is, never parsed).
+
+    Example:
+        >>> _headline_kind({"headline": {"kind": "spread"}}), _headline_kind({"cause": "no single root cause"})
+        ('spread', '')
+    """
+    return str((verdict.get("headline") or {}).get("kind") or "")
 
 
 def _output_rows(outputs: list[dict[str, Any]], exact: list[dict[str, Any]] | None = None) -> list[OutputRow]:
