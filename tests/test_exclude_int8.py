@@ -64,15 +64,19 @@ def test_exclude_with_int8_starts_from_that_models_figure(user_model, tmp_path, 
     code, out, err = run_cli(["exclude", fp, "--int8", q, *common, "--out", tmp_path / "mine"], capsys)
     assert code in (0, 3), err
     first = out.splitlines()[0]
-    assert first.startswith(f"recipe: inferred from the INT8 model {q} "), first
+    assert first.startswith(f"recipe: read back from the INT8 model {q} "), first
     assert '"per_channel": true' in first and '"weight_type": "QUInt8"' in first, first
+    # Surgical: the recipe re-quantized nothing (no "calibrated on the ranking split" claim).
+    assert first.endswith(
+        "nothing was re-quantized with it: every trial is your INT8 model with float regions spliced in"
+    ), first
     doc = json.loads((tmp_path / "mine" / "exclusion.json").read_text())
     assert doc["recipe_origin"]["source"] == "inferred" and doc["recipe_origin"]["path"] == str(q)
     assert doc["recipe"]["per_channel"] is True and doc["recipe"]["weight_type"] == "QUInt8"
     held = doc["split"]["held_out_first"]
     expected = _min_cosine(fp, q, feeds, held, 8)
     assert doc["metrics"]["before"]["cosine"] == pytest.approx(expected, abs=1e-6)
-    assert "recipe: inferred from the INT8 model" in (tmp_path / "mine" / "summary.md").read_text()
+    assert "recipe: read back from the INT8 model" in (tmp_path / "mine" / "summary.md").read_text()
     assert q.read_bytes() == before  # the user's model is read, never written
 
     # Without --int8 the search starts from onnxruntime's defaults, a different baseline, and says so.

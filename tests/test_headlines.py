@@ -58,7 +58,7 @@ def test_the_printed_commands_run_as_printed_in_a_shell(built, tmp_path):
     assert out.returncode in (0, 3), out.stderr  # 3: the target was not reached; never a usage error
     assert "error[" not in out.stderr
     assert not (tmp_path / "=0.99").exists()
-    assert out.stdout.startswith(f"recipe: inferred from the INT8 model {b.int8['dynamic']} "), out.stdout
+    assert out.stdout.startswith(f"recipe: read back from the INT8 model {b.int8['dynamic']} "), out.stdout
     assert "exclusion.json" in out.stdout
 
 

@@ -114,3 +114,31 @@ def test_static_models_word_the_lever_in_quantize_statics_terms(lever, tmp_path)
     # An op-type group that would leave (nearly) nothing quantized is not a fix, so not a candidate.
     assert match_models(onnx.load(str(fp)), onnx.load(str(q))).groups
     assert all(len(g.fp_nodes) <= 0.9 * sum(f.group.quantized for f in r.findings) for g in groups)
+
+
+@pytest.mark.parametrize(
+    ("producer", "lever_", "fix"),
+    [
+        ("onnxruntime", "op_types_to_quantize with {op}", "op_types_to_quantize=["),
+        ("nncf", "NNCF quantizes every {op}", "nncf.IgnoredScope(types=['{op}']) in your nncf.quantize call"),
+        ("modelopt", "NVIDIA ModelOpt (TensorRT Model Optimizer) quantizes every {op}", "op_types_to_exclude=['{op}']"),
+        ("aimet", "Qualcomm AIMET (aimet-onnx): {op} quantized", "keep these "),
+    ],
+)
+def test_levers_are_worded_in_the_terms_of_the_tool_that_made_the_model(lever, tmp_path, producer, lever_, fix) -> None:
+    """A user of NNCF, ModelOpt or AIMET cannot set onnxruntime's op_types_to_quantize or
+    MatMulConstBOnly: a group is named by that tool's own switch, or as nodes for its exclusion list."""
+    from diag.analysis.compare import CompareOptions, compare_models
+
+    fp, _, x, feeds = lever
+    q = tmp_path / "qdq.onnx"
+    quantize_static(str(fp), str(q), Rows(feeds, 8), quant_format=QuantFormat.QDQ, per_channel=True)
+    r = compare_models(fp, q, FeedSpec(inputs=str(x), batch=8), CompareOptions(progress=False, effects=0))
+    groups = group_candidates(onnx.load(str(fp)), r.findings, "qdq", producer)
+    by_type = next(g for g in groups if g.kind == "op_type")
+    op = by_type.label.split()[2]
+    assert by_type.lever == lever_.format(op=op), by_type.lever
+    assert by_type.fix.startswith(fix.format(op=op)), by_type.fix
+    act = next(g for g in groups if g.kind == "act_act_matmuls")
+    assert sorted(act.fp_nodes) == sorted(ACT_ACT)
+    assert ("MatMulConstBOnly" in act.lever + act.fix) == (producer == "onnxruntime"), (act.lever, act.fix)

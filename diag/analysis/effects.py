@@ -55,6 +55,7 @@ from diag.core.streaming import EFFECT_SAMPLES
 from diag.core.surgery import float_region_model, node_reads, region_dirs
 from diag.foundations.jsonnum import json_number
 from diag.foundations.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL
+from diag.foundations.producers import detect_producer
 from diag.foundations.progress import Progress
 
 #: Candidates checked by default: enough for the worst local nodes, the path roots and the heads.
@@ -451,7 +452,7 @@ def check_effects(  # NOTE: 9 parameters: the comparison's parts, as compare hol
     groups: list[GroupEffect] = []
     if not effects or effects[0].recovered < CONFIRMED_SHARE:
         # No node alone explains the error: measure the groups one recipe change switches.
-        for g in group_candidates(fp.proto, findings, q.format.family):
+        for g in group_candidates(fp.proto, findings, q.format.family, detect_producer(q.proto, q.path).key):
             role = f"INT8 model with {g.label} in float"
             try:
                 model = float_region_model(fp.proto, q.proto, g.fp_nodes, matching, fp_dir=fp_dir)
@@ -1000,6 +1001,7 @@ def _unconfirmed_headline(
             f"{bad} bad node(s), but keeping it alone in float recovers only {max(e.recovered, 0.0):.0%} of the "
             f"error of {check.target} (measured on {check.samples} samples at optimization level {check.level}; "
             f"see the remedies for its tensors){levels_clause(check)}{amplifier_clause(findings)}",
+            node=top_local.group.label,
         )
     return spread_sentence(_quantized(findings), check, fmt, findings)
 

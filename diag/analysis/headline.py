@@ -128,7 +128,8 @@ class Headline:
             others pass; "), else "".
         spread: the spread-error remedies that end the sentence (spread error only).
         search: the exclusion search the remedies point to.
-        node: the FP32 label of the node it names as the cause (single-cause, likely), else "".
+        node: the FP32 label of the node it names: the cause (single-cause), the hedged cause
+            (likely) or the refuted one (refuted); else "".
     """
 
     kind: HeadlineKind

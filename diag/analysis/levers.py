@@ -17,6 +17,10 @@ The groups, each with the lever that switches it, in onnxruntime's terms:
 
 NOTE: a lever is worded from the INT8 format alone (dynamic vs static), never from a guess at the
 recipe: an act x act MatMul quantized in a dynamic model means the recipe set the key to False.
+A model another tool made (NNCF, ModelOpt, Quark, AIMET: :mod:`diag.foundations.producers`) gets
+the switch in that tool's terms (NNCF's ``IgnoredScope(types=[...])``), or, where diag knows no
+such switch, the group's nodes to keep in float with that tool's own exclusion list: an NNCF user
+cannot set ``op_types_to_quantize``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import onnx
 
 from diag.analysis.analyze import NodeFinding
+from diag.foundations.producers import ORT_RECIPE_PRODUCERS, PRODUCERS, type_fix_call
 
 #: Formats whose quantizer has the ``MatMulConstBOnly`` key, and its default there.
 CONST_B_ONLY_DEFAULT = {"dynamic": True, "qdq": False, "qoperator": False}
@@ -77,12 +82,15 @@ class GroupCandidate:
         return [n for f in self.members for n in f.group.fp_nodes]
 
 
-def group_candidates(fp: onnx.ModelProto, findings: list[NodeFinding], fmt: str) -> list[GroupCandidate]:
+def group_candidates(
+    fp: onnx.ModelProto, findings: list[NodeFinding], fmt: str, producer: str = "onnxruntime"
+) -> list[GroupCandidate]:
     """The recipe-lever groups of the quantized ``findings`` worth measuring (see module doc).
 
     ``fmt``: the INT8 model's format family (``dynamic``, ``qdq``, ``qoperator``, ...). A group of
     one node is left out (the node's own effect measures it), and so is a group that holds (nearly)
     every quantized node (:func:`nearly_all`: in float, it is the FP32 model, not a fix).
+    ``producer``: the key of the tool that made the INT8 model, whose terms the levers are worded in.
 
     Example:
         >>> [g.lever for g in group_candidates(fp.proto, result.findings, "dynamic")]  # doctest: +SKIP
@@ -91,8 +99,9 @@ def group_candidates(fp: onnx.ModelProto, findings: list[NodeFinding], fmt: str)
     quantized = [f for f in findings if f.group.quantized and (f.local is not None or f.accumulated is not None)]
     groups: list[GroupCandidate] = []
     act_act = _act_act_matmuls(fp, quantized)
+    ort = producer in ORT_RECIPE_PRODUCERS
     if len(act_act) >= 2 and fmt in CONST_B_ONLY_DEFAULT and not nearly_all(len(act_act), len(quantized)):
-        groups.append(_const_b_group(act_act, fmt))
+        groups.append(_const_b_group(act_act, fmt) if ort else _own_exclusion_group(act_act, producer))
     by_type: dict[str, list[NodeFinding]] = {}
     for f in quantized:
         by_type.setdefault(f.group.op_types[0], []).append(f)
@@ -100,19 +109,48 @@ def group_candidates(fp: onnx.ModelProto, findings: list[NodeFinding], fmt: str)
         for op, members in sorted(by_type.items(), key=lambda kv: (-len(kv[1]), kv[0])):
             if len(members) < 2 or nearly_all(len(members), len(quantized)):
                 continue
-            others = sorted(t for t in by_type if t != op)
-            groups.append(
-                GroupCandidate(
-                    "op_type",
-                    f"every quantized {op} ({len(members)})",
-                    f"op_types_to_quantize with {op}",
-                    f"op_types_to_quantize={json.dumps(others)}",
-                    tuple(members),
-                )
-            )
+            groups.append(_op_type_group(op, members, sorted(t for t in by_type if t != op), producer))
     weights = _weight_sizes(fp)
     total = sum(weights.get(n, 0) for f in quantized for n in f.group.fp_nodes)
     return [dataclasses.replace(g, small=_small(g, len(quantized), total, weights)) for g in groups]
+
+
+def _op_type_group(op: str, members: list[NodeFinding], others: list[str], producer: str) -> GroupCandidate:
+    """Every quantized node of ``op``: onnxruntime's ``op_types_to_quantize`` without it, or the
+    producer's own switch for op types (:func:`diag.foundations.producers.type_fix_call`)."""
+    label = f"every quantized {op} ({len(members)})"
+    if producer in ORT_RECIPE_PRODUCERS:
+        return GroupCandidate(
+            "op_type",
+            label,
+            f"op_types_to_quantize with {op}",
+            f"op_types_to_quantize={json.dumps(others)}",
+            tuple(members),
+        )
+    own = type_fix_call(producer, [op])
+    if own is None:
+        return _own_exclusion_group(members, producer, "op_type", label, f"{op} quantized")
+    return GroupCandidate("op_type", label, f"{PRODUCERS[producer].name} quantizes every {op}", own, tuple(members))
+
+
+def _own_exclusion_group(
+    members: list[NodeFinding],
+    producer: str,
+    kind: str = "act_act_matmuls",
+    label: str = "",
+    what: str = "activation x activation MatMuls quantized",
+) -> GroupCandidate:
+    """A group whose switch diag knows only as a node list in the producer's own exclusion call."""
+    name = PRODUCERS[producer].name
+    label = label or f"the {len(members)} activation x activation MatMuls"
+    return GroupCandidate(
+        kind,
+        label,
+        f"{name}: {what}",
+        f"keep these {len(members)} nodes in float with {name}'s own exclusion list "
+        "(diag exclude --int8 words it in its terms and verifies it in your model)",
+        tuple(members),
+    )
 
 
 def _weight_sizes(fp: onnx.ModelProto) -> dict[str, int]:

@@ -370,15 +370,16 @@ def cmd_exclude(args: argparse.Namespace) -> int:
     """Find the fewest nodes to keep in float so that the quantized model meets --target on held-out
     inputs; write exclusion.json, the mixed-precision model and reproduce.py into --out.
 
-    The first part of the samples ranks the nodes (diag compare on the recipe's INT8 model) and
-    calibrates a static recipe without calibration data; the rest (--holdout) is held out and judges
-    every candidate list. Search: exponential then binary search on the ranked prefix, then each
-    excluded node is re-included in turn and stays quantized when the target still holds. The search
-    runs first on estimates (the INT8 model with those nodes computed in float, as nodes_to_exclude
-    would: no re-quantization), then its answer is re-quantized, verified and pruned for real. A
-    static recipe is calibrated once; --max-trials / --time-budget cap the search. Exit code 3 when no
-    list short of keeping every quantized node in float meets the target, or when the budget ran
-    out before any list met it."""
+    With --int8 YOUR_INT8.onnx (the usual case) every trial is your INT8 model with float regions
+    spliced in: no quantizer runs, "before" is the model you ship, and the mixed model written is
+    your model with those nodes in float, unchanged everywhere else. Without it (or with
+    --requantize, after proving the recipe rebuilds your model exactly) trials re-quantize the
+    recipe. The first part of the samples ranks the nodes (diag compare); the rest (--holdout) is
+    held out and judges every candidate list. Search: exponential then binary search on the ranked
+    prefix, then each excluded node is re-included in turn and stays quantized when the target
+    still holds; every answer is verified exact and at --deploy-level. --max-trials / --time-budget
+    cap the search. Exit code 3 when no list short of keeping (nearly) every quantized node in float
+    meets the target, or when the budget ran out before any list met it."""
     from diag.cli import verbs
 
     if args.tiers:  # a mixed-precision plan across tiers (diag.fix.tiers)

@@ -306,6 +306,7 @@ def model_summary_lines(model: str | os.PathLike[str]) -> list[str]:
     lines += [
         f"opsets:     {', '.join(f'{k} {v}' for k, v in s.opsets.items())}; IR {s.ir_version}; "
         f"producer {s.producer or '?'}",
+        *([f"made by:    {printable(s.made_by)}"] if s.made_by else []),
         f"inputs:     {', '.join(s.inputs)}",
         f"outputs:    {', '.join(s.outputs)}",
         f"nodes:      {s.node_count} ({s.quantized_nodes} quantization ops, {s.float_nodes} other)"
@@ -586,7 +587,7 @@ def exclude_to_dir(
         trials = ClusterTrialRunner(options.scheduler, fp32_path, recipe, feeds, options) if options.scheduler else None
         with internal_writes():  # candidate models are not this verb's outputs
             result = derive_exclusions(fp32_path, recipe, feeds, options, str(work), trials)
-        result.recipe_origin = origin.to_dict()
+        result.recipe_origin = dataclasses.replace(origin, spliced=result.method == "surgical").to_dict()
         result.warnings[:0] = proof
         answer = _exclusion_files(result, recipe, feeds, out, stem)
         # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
@@ -760,7 +761,7 @@ def tier_plan_to_dir(
             options, proof = _prove_recipe(fp32_path, recipe, feeds, options, work)
         with internal_writes():  # trial models are not this verb's outputs
             plan = derive_tier_plan(fp32_path, recipe, feeds, options, work_dir=work)
-        plan.recipe_origin = origin.to_dict()
+        plan.recipe_origin = dataclasses.replace(origin, spliced=plan.method == "surgical").to_dict()
         plan.warnings[:0] = proof
         answer = _plan_files(plan, recipe, feeds, out, stem)
         # The diagnosis of the starting model: what ranked the nodes (weight blocks included).

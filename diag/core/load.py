@@ -17,6 +17,7 @@ from diag.core.precision import fp16_breakdown, has_float16, precision_breakdown
 from diag.foundations.errors import DiagError
 from diag.foundations.files import input_file, remember_input
 from diag.foundations.ortfacts import FORMATS, FormatKind, ops_where
+from diag.foundations.producers import detect_producer
 
 #: op types that only exist in quantized graphs, by the format that produces them (:mod:`diag.foundations.ortfacts`).
 DYNAMIC_OPS = ops_where(lambda op: op.family == "dynamic")
@@ -405,6 +406,9 @@ class ModelSummary:
     #: Weight precision -> node count for block-wise / weight-only formats
     #: (:func:`diag.core.precision.precision_breakdown`).
     precision: dict[str, int] = field(default_factory=dict)
+    #: Which tool quantized the model, by the marks it left (:func:`diag.foundations.producers.detect_producer`):
+    #: its name and the marks, or "" for an FP32 model or when no producer's marks decide.
+    made_by: str = ""
 
 
 _QUANT_OP_TYPES = DYNAMIC_OPS | QOPERATOR_OPS | QDQ_OPS | NBITS_OPS
@@ -487,7 +491,16 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
         problems=problems,
         warnings=list(m.warnings),
         precision=_precision(proto, m.format),
+        made_by=_made_by(proto, m),
     )
+
+
+def _made_by(proto: onnx.ModelProto, m: LoadedModel) -> str:
+    """Who quantized the model, by its marks ("" for FP32 models, or when no producer's marks decide)."""
+    if m.format.kind == "fp32":
+        return ""
+    detection = detect_producer(proto, m.path)
+    return "" if detection.key == "unknown" else detection.seen()
 
 
 def _precision(proto: onnx.ModelProto, fmt: ModelFormat) -> dict[str, int]:

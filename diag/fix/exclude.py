@@ -79,7 +79,7 @@ from diag.foundations.errors import DiagError
 from diag.foundations.jsonnum import json_number
 from diag.foundations.metricnames import labelled_names
 from diag.foundations.ortfacts import DEPLOY_LEVEL
-from diag.foundations.producers import detect_producer, fix_call
+from diag.foundations.producers import detect_producer, fix_call, op_types_change
 from diag.foundations.progress import Progress
 
 #: An op type is suggested for exclusion when more than this share of its nodes end up excluded.
@@ -1292,6 +1292,7 @@ def ranked_fixes(result: ExclusionResult) -> list[dict[str, Any]]:
             fixes.append(
                 {
                     "kind": "op_types_to_quantize",
+                    "op_type": s["op_type"],
                     "nodes_to_exclude": list(s["nodes_to_exclude"]),
                     "op_types_to_quantize": list(s["op_types_to_quantize"]),
                     "metric": s["metric"],
@@ -1406,11 +1407,11 @@ def _met_lines(result: ExclusionResult, b: float | None, b_note: str) -> list[st
         # The best fix leads (issue 25 item 3): a one-argument change beats a long node list.
         f = fixes[0]
         also = f" with nodes_to_exclude={f['nodes_to_exclude']}" if f["nodes_to_exclude"] else ""
+        change = op_types_change(result.producer.get("key", "onnxruntime"), [f["op_type"]], f["op_types_to_quantize"])
         lines.append(
             f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> "
             f"{_fmt(f['metric'], t)}{_level_note(result.deploy_level, f.get('deployed_metric'), t)} "
-            f"by op_types_to_quantize={f['op_types_to_quantize']}{also} "
-            f"(best fix: a smaller change than the {n}-node list)"
+            f"by {change}{also} (best fix: a smaller change than the {n}-node list)"
         )
         lines.append(f"  also met: {t.metric} {_fmt(a, t)}{_deployed_note(result)} by {keeping}")
     else:
@@ -1428,10 +1429,10 @@ def _met_lines(result: ExclusionResult, b: float | None, b_note: str) -> list[st
             "before the search stopped, verified on the held-out samples but not proven minimal"
         )
     for s in result.op_type_suggestions:
+        change = op_types_change(result.producer.get("key", "onnxruntime"), [s["op_type"]], s["op_types_to_quantize"])
         lines.append(
-            f"  op types: {s['excluded']}/{s['of']} {s['op_type']} nodes excluded; op_types_to_quantize="
-            f"{s['op_types_to_quantize']} gives {t.metric} {_fmt(s['metric'], t)}"
-            f" ({'met' if s['met'] else 'missed'})"
+            f"  op types: {s['excluded']}/{s['of']} {s['op_type']} nodes excluded; {change} gives "
+            f"{t.metric} {_fmt(s['metric'], t)} ({'met' if s['met'] else 'missed'})"
         )
     return lines
 

@@ -659,12 +659,16 @@ class RecipeOrigin:
         path: the recipe file or INT8 model it came from (None for defaults and inline JSON).
         settings: the recipe as a recipe-file dict.
         unknown: recipe field -> why the INT8 model cannot tell it (inferred recipes only).
+        spliced: the search spliced every trial into the user's INT8 model (``--int8`` without
+            ``--requantize``): the recipe quantized nothing and calibrated nothing, it only words
+            the fix in onnxruntime's terms.
     """
 
     source: str
     path: str | None
     settings: dict[str, Any]
     unknown: dict[str, str] = field(default_factory=dict)
+    spliced: bool = False
 
     def line(self) -> str:
         """One line for the terminal and summary.md, starting ``recipe:``.
@@ -674,6 +678,12 @@ class RecipeOrigin:
             'recipe: as given in r.json {"mode": "dynamic", "per_channel": true}'
         """
         settings = json.dumps(_beyond_defaults(self.settings), ensure_ascii=False)
+        if self.spliced:
+            where = f"read back from the INT8 model {self.path}" if self.source == "inferred" else "as given"
+            return (
+                f"recipe: {where} {settings}, in onnxruntime's terms; nothing was re-quantized with it: every "
+                "trial is your INT8 model with float regions spliced in"
+            )
         if self.source == "inferred":
             unknown = (
                 f"; not in the model: {', '.join(self.unknown)}"

@@ -27,9 +27,11 @@ A foundation module: it imports only the standard library, :mod:`diag.foundation
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +115,9 @@ class Producer:
         fix_with: the key whose :attr:`fix` applies when :attr:`fix` is None (an exporter writes
             FP32 models: they are quantized, and fixed, with onnxruntime).
         fix_note: a comment line printed above the fix.
+        type_fix: its own switch that keeps every node of some op types in float, ``$types`` where
+            the op types go (a list literal); None when diag knows none (onnxruntime's is
+            ``op_types_to_quantize``, the complement, worded where the op types present are known).
         source: where the marks and the fix's vocabulary were read (a file of the tool's own code,
             or an assumption, said as such).
     """
@@ -124,6 +129,7 @@ class Producer:
     fix: FixTemplate | None = None
     fix_with: str | None = None
     fix_note: str | None = None
+    type_fix: str | None = None
     source: str = ""
 
 
@@ -273,6 +279,7 @@ quantized_model = nncf.quantize(
 )
 """,
             ),
+            type_fix="nncf.IgnoredScope(types=$types) in your nncf.quantize call",
             source="openvinotoolkit/nncf: src/nncf/onnx/graph/model_transformer.py (q_output_/dq_output_ "
             "<edge>_<n>, QuantizeLinear_/DequantizeLinear_ node names, scale_/zero_point_ initializers, "
             "<mul>_scale / <mul>_output of inserted Mul nodes), quantization/algorithms/smooth_quant/"
@@ -315,6 +322,7 @@ quantized_model = nncf.quantize(
     --nodes_to_exclude $regexes
 """,
             ),
+            type_fix="op_types_to_exclude=$types in your modelopt.onnx.quantization.quantize call",
             source="NVIDIA/Model-Optimizer: modelopt/onnx/quantization/int8.py (onnxruntime's quantize_static; "
             "producer_name stays 'onnx.quantize'), ort_utils.py configure_ort (AddQDQPairToWeight=True, "
             "ActivationSymmetric=True, DedicatedQDQPair=False), quantize.py (<model>.quant.onnx, fp16 by "
@@ -463,6 +471,18 @@ class Detection:
         """The strongest mark of the winning producer (None for unknown)."""
         return self.evidence[0] if self.evidence else None
 
+    def seen(self, marks: int = 2) -> str:
+        """The producer with the first ``marks`` marks that decided it, for one line (``inspect``).
+
+        Example:
+            >>> import onnx
+            >>> detect_producer(onnx.ModelProto(producer_name="quark.onnx")).seen()
+            "AMD Quark (producer name 'quark.onnx')"
+        """
+        if not self.evidence:
+            return self.producer.name
+        return f"{self.producer.name} ({', '.join(e.found for e in self.evidence[:marks])})"
+
 
 #: Longest text of a matched name kept in the evidence (a hostile model may hold huge names).
 _SHOWN = 160
@@ -603,6 +623,45 @@ def _render_line(line: str, names: Sequence[str]) -> str:
 
     # One pass: a name holding "$regexes" is never substituted again.
     return re.sub(r"\$(" + "|".join(PLACEHOLDERS) + r")\b", value, line)
+
+
+#: Producers whose INT8 models come from onnxruntime's own quantizer calls: its recipe keys
+#: (``op_types_to_quantize``, ``MatMulConstBOnly``) are switches their users have.
+ORT_RECIPE_PRODUCERS = ("onnxruntime", "optimum", "torch", "unknown")
+
+
+def op_types_change(producer: str, excluded: Sequence[str], keep: Sequence[str]) -> str:
+    """The change that keeps every node of the ``excluded`` op types in float, in ``producer``'s terms.
+
+    onnxruntime (and the tools that call it) quantize the op types listed, so its change is
+    ``op_types_to_quantize`` with the ``keep`` list; NNCF and ModelOpt name the types to leave out
+    (:attr:`Producer.type_fix`); a tool without such a switch gets the nodes in its own exclusion list.
+
+    Example:
+        >>> op_types_change("onnxruntime", ["Div"], ["Conv", "Mul"])
+        'op_types_to_quantize=["Conv", "Mul"]'
+        >>> op_types_change("nncf", ["Div"], ["Conv", "Mul"])
+        "nncf.IgnoredScope(types=['Div']) in your nncf.quantize call"
+        >>> op_types_change("aimet", ["Div"], ["Conv"])
+        "every Div node in float with Qualcomm AIMET (aimet-onnx)'s own exclusion list"
+    """
+    if producer in ORT_RECIPE_PRODUCERS or producer not in PRODUCERS:
+        return f"op_types_to_quantize={json.dumps(list(keep), ensure_ascii=False)}"
+    own = type_fix_call(producer, excluded)
+    return own or f"every {'/'.join(excluded)} node in float with {PRODUCERS[producer].name}'s own exclusion list"
+
+
+def type_fix_call(producer: str | Producer, op_types: Sequence[str]) -> str | None:
+    """``producer``'s own switch that keeps every node of ``op_types`` in float, or None without one.
+
+    Example:
+        >>> type_fix_call("nncf", ["Conv"])
+        "nncf.IgnoredScope(types=['Conv']) in your nncf.quantize call"
+        >>> type_fix_call("aimet", ["Conv"]) is None
+        True
+    """
+    row = PRODUCERS[producer] if isinstance(producer, str) else producer
+    return None if row.type_fix is None else string.Template(row.type_fix).substitute(types=repr(list(op_types)))
 
 
 def fix_call(producer: str | Producer, nodes: Sequence[str]) -> str:

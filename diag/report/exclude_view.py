@@ -13,6 +13,7 @@ from typing import Any
 
 from diag.fix.exclude import count_phrase, estimates_phrase, stays_int8_phrase, trials_phrase
 from diag.foundations.metricnames import held_out_names
+from diag.foundations.producers import op_types_change
 from diag.report.plots_exclude import trajectory_plot
 
 
@@ -121,7 +122,7 @@ def fix_lines(doc: dict[str, Any]) -> list[str]:
     metric = str(doc["target"]).replace("<", ">").split(">", 1)[0]
     lines = []
     for f in doc.get("fixes") or []:
-        call = best_fix_call({"fixes": [f], "nodes_to_exclude": f["nodes_to_exclude"]})
+        call = best_fix_call({"fixes": [f], "nodes_to_exclude": f["nodes_to_exclude"], "producer": doc.get("producer")})
         n = len(f["nodes_to_exclude"])
         size = f"{n} node{'s' if n != 1 else ''} in float"
         if f["kind"] == "op_types_to_quantize":
@@ -147,7 +148,11 @@ def best_fix_call(doc: dict[str, Any]) -> str:
     best = fixes[0] if fixes else {"nodes_to_exclude": doc["nodes_to_exclude"]}
     parts = []
     if best.get("op_types_to_quantize"):
-        parts.append(f"op_types_to_quantize={json.dumps(list(best['op_types_to_quantize']), ensure_ascii=False)}")
+        # In the terms of the tool that made the user's model (NNCF: IgnoredScope(types=[...])).
+        producer = (doc.get("producer") or {}).get("key", "onnxruntime")
+        excluded = [best["op_type"]] if best.get("op_type") else []
+        # A document without the excluded type (older diag) keeps onnxruntime's own words.
+        parts.append(op_types_change(producer if excluded else "onnxruntime", excluded, best["op_types_to_quantize"]))
     if best.get("nodes_to_exclude"):
         parts.append(f"nodes_to_exclude={json.dumps(list(best['nodes_to_exclude']), ensure_ascii=False)}")
     return ", ".join(parts) or "nodes_to_exclude=[]"

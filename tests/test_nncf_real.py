@@ -1,0 +1,76 @@
+"""A real Paddle export (RapidOCR's cls MobileNet) quantized by NNCF itself, read by diag as is.
+
+NNCF (``nncf.quantize``, its ONNX backend) places its own Q/DQ pairs, calibrates, corrects biases
+and names the model's unnamed nodes. diag must say who made the model, pair every FP32 tensor with
+NNCF's, and name nodes as NNCF does, or ``nncf.IgnoredScope(names=[...])`` would not find them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from diag.cli.commands import main
+from diag.fixtures import thirdparty
+
+
+@pytest.fixture(scope="module")
+def cls_by_nncf(tmp_path_factory) -> tuple[str, str, str, onnx.ModelProto]:
+    """(FP32 path, NNCF INT8 path, inputs path, the FP32 model as loaded) for the cls model."""
+    root = tmp_path_factory.mktemp("nncf-cls")
+    fp32 = str(thirdparty.rapidocr_model("cls"))
+    model = onnx.load(fp32)
+    calibration = thirdparty.one_sample_batches({"x": thirdparty.text_images(16, 48, 192, seed=3)})
+    q = thirdparty.nncf_quantized(model, calibration)
+    int8 = str(root / "cls.nncf.onnx")
+    onnx.save(q, int8)
+    x = str(root / "x.npz")
+    np.savez(x, x=thirdparty.text_images(8, 48, 192, seed=5))
+    return fp32, int8, x, model
+
+
+@pytest.fixture(scope="module")
+def compared(cls_by_nncf, tmp_path_factory) -> dict:
+    """diag.json of ``diag compare`` on the export and NNCF's model."""
+    fp32, int8, x, _ = cls_by_nncf
+    out = tmp_path_factory.mktemp("nncf-cmp")
+    assert main(["compare", fp32, int8, "--inputs", x, "--batch", "4", "--quiet", "--out", str(out)]) in (0, 3)
+    return json.loads((out / "diag.json").read_text())
+
+
+def test_inspect_says_nncf_made_it_by_its_marks(cls_by_nncf, capsys) -> None:
+    fp32, int8, _, model = cls_by_nncf
+    assert model.SerializeToString() == onnx.load(fp32).SerializeToString(), "NNCF renamed the caller's model"
+    assert main(["inspect", int8]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    made = next(line for line in lines if line.startswith("made by:"))
+    assert made.startswith("made by:    NNCF (tensor name 'dq_output_x_1'"), made
+    assert "producer PaddlePaddle" in next(line for line in lines if line.startswith("opsets:"))
+
+
+def test_compare_pairs_every_tensor_and_names_nodes_as_nncf_does(cls_by_nncf, compared) -> None:
+    int8, doc = cls_by_nncf[1], compared
+    matching = doc["matching"]
+    assert matching["coverage"] == 1.0 and not matching["unmatched_tensors"] and matching["compared"] > 200, matching
+    # diag's labels for the FP32 nodes are the names NNCF's graph has (the export leaves some
+    # unnamed and NNCF names them), so an IgnoredScope built from diag's answer names nodes NNCF finds.
+    nncf_names = {n.name for n in onnx.load(int8).graph.node}
+    convs = [n["name"] for n in doc["nodes"] if n["op_type"] == "Conv"]
+    assert len(convs) == 53 and set(convs) <= nncf_names, sorted(set(convs) - nncf_names)[:5]
+    assert doc["verdict"]["headline"]["kind"] in ("single-cause", "lever", "refuted", "spread"), doc["verdict"]["cause"]
+
+
+def test_the_op_type_levers_of_an_nncf_model_are_worded_as_nncf_switches(compared) -> None:
+    """An NNCF user cannot set onnxruntime's op_types_to_quantize: a measured op-type group is named
+    by NNCF's own switch, ``nncf.IgnoredScope(types=[...])``."""
+    doc = compared
+    groups = (doc["effects"] or {}).get("groups") or []
+    conv = next(g for g in groups if g["label"].startswith("every quantized Conv"))
+    assert conv["lever"] == "NNCF quantizes every Conv", conv
+    assert conv["fix"] == "nncf.IgnoredScope(types=['Conv']) in your nncf.quantize call", conv
+    assert not [g for g in groups if "op_types_to_quantize" in g["lever"] + g["fix"]], groups
+    if doc["verdict"]["headline"]["kind"] == "lever":
+        assert "op_types_to_quantize" not in doc["verdict"]["cause"], doc["verdict"]["cause"]
