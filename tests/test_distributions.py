@@ -316,3 +316,66 @@ def test_an_axis_proven_by_the_graph_wins_in_both_reduction_engines():
     graph_run.update_from_sums(BatchSummary(x.size, 3, float(x.min()), float(x.max()), channels, x.ravel(), x.ravel()))
     assert numpy_run.axis == graph_run.axis == 1
     assert numpy_run.to_state()["axis"] == graph_run.to_state()["axis"]
+
+
+def test_attention_heads_and_key_positions_are_not_channels_hidden_dims_are(tmp_path, capsys):
+    """Issue 42 item 5: MiniLM's 12 attention heads were reported as outlier "channels" (axis 1 of
+    every rank-4 tensor was taken for NCHW channels). A 12-head tensor with one head 100x louder:
+    the head is no channel, while the same values back in ``[batch, seq, hidden]`` are 4 outlier
+    hidden dimensions; attention scores (key positions last) have no channel axis either."""
+    import json
+
+    from onnx import TensorProto, helper, numpy_helper
+
+    from diag.cli import commands as cli
+    from diag.core.distributions import layout_hints
+    from diag.fixtures.quantize import quantize
+
+    rng = np.random.default_rng(0)
+    gain = np.ones((1, 12, 1, 1), np.float32)
+    gain[0, 5] = 100.0
+    inits = [
+        numpy_helper.from_array(np.array([0, 16, 12, 4], np.int64), "heads_shape"),
+        numpy_helper.from_array(np.array([0, 16, 48], np.int64), "hidden_shape"),
+        numpy_helper.from_array(gain, "gain"),
+        numpy_helper.from_array(rng.normal(size=(48, 8)).astype(np.float32), "w"),
+    ]
+    nodes = [
+        helper.make_node("Reshape", ["x", "heads_shape"], ["split"], name="split"),
+        helper.make_node("Transpose", ["split"], ["heads"], name="to_heads", perm=[0, 2, 1, 3]),
+        helper.make_node("Mul", ["heads", "gain"], ["scaled"], name="scale_heads"),
+        helper.make_node("MatMul", ["scaled", "scaled_t"], ["scores"], name="scores"),
+        helper.make_node("Transpose", ["scaled"], ["scaled_t"], name="keys_t", perm=[0, 1, 3, 2]),
+        helper.make_node("Softmax", ["scores"], ["probs"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["probs", "scaled"], ["context"], name="context"),
+        helper.make_node("Transpose", ["context"], ["merged"], name="from_heads", perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["merged", "hidden_shape"], ["hidden"], name="merge"),
+        helper.make_node("MatMul", ["hidden", "w"], ["y"], name="proj"),
+    ]
+    nodes = [nodes[0], nodes[1], nodes[2], nodes[4], nodes[3], *nodes[5:]]
+    graph = helper.make_graph(
+        nodes,
+        "heads",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16, 48])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 16, 8])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    hints = layout_hints(model.graph)
+    assert hints["scores"] == hints["probs"] == "positions" and hints["context"] == "MatMul"
+    fp, q, x = tmp_path / "h.fp32.onnx", tmp_path / "h.int8.onnx", tmp_path / "x.npz"
+    onnx.save(model, fp)
+    quantize(fp, q, "dynamic")
+    np.savez(x, x=rng.normal(size=(8, 16, 48)).astype(np.float32))
+    out = tmp_path / "o"
+    assert cli.main(["compare", str(fp), str(q), "--inputs", str(x), "--batch", "4", "--quiet", "--out", str(out)]) in (
+        0,
+        3,
+    )
+    capsys.readouterr()
+    tensors = json.loads((out / "diag.json").read_text())["distributions"]["tensors"]
+    for name in ("scaled", "scores", "probs"):  # heads on axis 1, key positions last: no channel axis
+        assert tensors[name]["axis"] is None and not tensors[name]["outliers"], (name, tensors[name]["axis"])
+    hidden = tensors["hidden"]
+    assert hidden["axis"] == 2 and hidden["channels"] == 48
+    assert sorted(o["index"] for o in hidden["outliers"]) == [20, 21, 22, 23], hidden["outliers"]

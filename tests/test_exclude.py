@@ -24,6 +24,7 @@ from diag.fix.quantize import quantize_model
 from diag.fixtures import models
 from diag.foundations.errors import DiagError
 from diag.report.exclude_view import report_section
+from diag.report.nodedata import OVERLAYS
 from diag.report.plots_exclude import trajectory_plot
 
 # NOTE: QUInt8 weights: onnxruntime's default QInt8 runs u8s8 integer kernels that saturate on x86
@@ -240,7 +241,8 @@ def test_cli_writes_exclusion_json_model_and_snippet_and_exits_3_when_unreachabl
     assert rc == 3
     assert "NOT REACHABLE" in capsys.readouterr().out
     # No model and no snippet: only the verdict, and the diagnosis report that explains it.
-    assert sorted(p.name for p in out2.iterdir()) == ["diag.json", "exclusion.json", "report.html", "summary.md"]
+    report = ["diag.json", "report.html", "summary.md", *OVERLAYS]
+    assert sorted(p.name for p in out2.iterdir()) == sorted(["exclusion.json", *report])
     assert json.loads((out2 / "exclusion.json").read_text())["verdict"] == "not reachable"
     html = (out2 / "report.html").read_text()
     assert "Verified fix" in html and "not reachable" in html and "Cheaper alternatives" in html

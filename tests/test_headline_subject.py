@@ -70,7 +70,7 @@ def test_summary_and_report_title_the_list_by_the_headline(built, tmp_path):
     args = ["compare", str(b.fp32), str(b.int8["qdq"]), "--inputs", str(b.inputs_path), "--out", str(out)]
     assert main([*args, "--quiet"]) == 0  # compare reports; diag check is the gate
     summary = (out / "summary.md").read_text()
-    assert "output state (top-1 agreement" in summary
+    assert "output `state` (top-1 agreement" in summary  # the output's name is a code span (issue 46)
     assert "**Root causes**" in summary and "b/MatMul (+b/Relu) (MatMul+Relu): local SQNR" in summary
     assert "<h2>Root causes</h2>" in (out / "report.html").read_text()
 

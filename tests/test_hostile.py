@@ -29,6 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 from diag.cli import commands as cli
 from diag.fixtures import models, quantize
 from diag.foundations.errors import INTERRUPTED, OK, USER_ERROR
+from diag.report.nodedata import OVERLAYS
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 
@@ -789,7 +790,7 @@ def test_unusual_but_valid_models_are_compared_and_reported(tmp_path, capsys):
             problems.append("terminal escape in stdout")
         if code == OK:
             names = sorted(p.name for p in out.iterdir())
-            if names != ["diag.json", "report.html", "summary.md"]:
+            if names != sorted(["diag.json", "report.html", "summary.md", *OVERLAYS]):
                 problems.append(f"--out holds {names}")
             files = {n: (out / n).read_text() for n in ("diag.json", "report.html", "summary.md")}
             problems += case.files(files)
@@ -840,7 +841,7 @@ def test_existing_report_is_replaced_whole_and_survives_disk_full(zoo, tmp_path,
     code, _, err = run_cli(_compare_args(p, out), capsys)
     assert code == OK, err
     old = _tree_hashes(out)
-    assert sorted(old) == ["diag.json", "report.html", "summary.md"]
+    assert sorted(old) == sorted(["diag.json", "report.html", "summary.md", *OVERLAYS])
 
     # Disk full while the new report is written: the write fails with a bad-out line and the
     # previous report stays byte-identical, with no temp file left next to it.

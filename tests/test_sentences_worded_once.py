@@ -102,3 +102,44 @@ def test_every_later_stage_sets_a_slot_and_the_sentence_follows(held_here: bool)
     )
     assert h.text().endswith(f"What fits spread error: {expected}"), h.text()
     assert h.to_dict()["search"]["held_here"] is held_here and h.to_dict()["kind"] == "spread"
+
+
+def test_names_in_the_headline_copy_from_summary_md_and_the_report_as_the_models_own(tmp_path, capsys) -> None:
+    """Issue 46: summary.md escaped ``_`` in node names (``self\\_attn/v\\_proj``), so a name copied
+    or searched in the raw Markdown did not match the model. The headline's names are code spans
+    (``<code>`` in report.html) and its prose is escaped, from the same typed parts."""
+    import json
+
+    import numpy as np
+    import onnx
+
+    from diag.cli import commands as cli
+    from diag.fixtures import models
+    from diag.fixtures.quantize import quantize
+
+    fx = models.build("convnet")
+    renamed = {"conv2": "block_1/conv_2*down_proj", "relu2": "block_1/act_2"}
+    for node in fx.model.graph.node:
+        node.name = renamed.get(node.name, node.name)
+    fp, q, x = tmp_path / "m.fp32.onnx", tmp_path / "m.int8.onnx", tmp_path / "x.npz"
+    onnx.save(fx.model, fp)
+    quantize(fp, q, "dynamic")
+    np.savez(x, **fx.make_inputs(16, 12))
+    out = tmp_path / "out"
+    assert cli.main(["compare", str(fp), str(q), "--inputs", str(x), "--batch", "8", "--quiet", "--out", str(out)]) in (
+        0,
+        3,
+    )
+    capsys.readouterr()
+    doc = json.loads((out / "diag.json").read_text())
+    headline = doc["verdict"]["headline"]
+    assert headline["kind"] == "single-cause" and headline["node"].startswith("block_1/conv_2*down_proj"), headline
+    named = [p["text"] for p in headline["parts"] if p["name"]]
+    assert "block_1/conv_2*down_proj" in named, named
+    summary = (out / "summary.md").read_text()
+    assert "`block_1/conv_2*down_proj`" in summary, summary[:600]
+    assert "conv\\_2" not in summary.splitlines()[2] and "down\\_proj" not in summary.splitlines()[2]
+    html = (out / "report.html").read_text()
+    assert "<code>block_1/conv_2*down_proj</code>" in html
+    # The plain sentence (terminal, diag.json) is the same words without the markup.
+    assert doc["verdict"]["cause"] == "".join(p["text"] for p in headline["parts"])

@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import networkx as nx
 
+from diag.analysis.headline import Name, Said
 from diag.core.graph import input_tensors
 from diag.core.match import NodeGroup
 from diag.core.metrics import ErrorStats, OutputStats
@@ -315,38 +316,42 @@ def caches_line(verdicts: list[OutputVerdict]) -> str | None:
     return f"{len(caches)} KV-cache outputs: {grades}; worst {worst.name}: {worst.grade} ({'; '.join(worst.reasons)})"
 
 
-def failing_clause(failing: list[OutputVerdict]) -> str:
+def failing_clause(failing: list[OutputVerdict]) -> Said:
     """ "output stateN fails: min per-sample cosine 0.83000 (reject); " — the headline's subject.
 
     KV-cache outputs (``present.*``: one per layer and per key / value) are counted as one
-    subject, named by the worst of them, so a 32-layer decoder's headline is one line.
+    subject, named by the worst of them, so a 32-layer decoder's headline is one line. Output
+    names are :class:`diag.analysis.headline.Name` parts.
 
     Example:
+        >>> from diag.analysis.headline import plain
         >>> from diag.core.metrics import ErrorAccumulator, OutputStats
         >>> def v(name, cache=None):
         ...     stats = OutputStats(4, .9, .9, 0, None, cache_of=cache)
         ...     return OutputVerdict(name, ErrorAccumulator().finalize(), stats, "reject", ["cosine 0.9 (reject)"])
         >>> caches = [v("present.1.key", "past.1.key"), v("present.0.key", "past.0.key")]
-        >>> print(failing_clause([v("logits"), *caches]))  # doctest: +ELLIPSIS
+        >>> print(plain(failing_clause([v("logits"), *caches])))  # doctest: +ELLIPSIS
         outputs logits (cosine 0.9 (reject)) and 2 KV-cache outputs (worst present.1.key: cosine 0.9 (reject)) ...
-        >>> failing_clause([v("logits")])
+        >>> plain(failing_clause([v("logits")]))
         'output logits (cosine 0.9 (reject)) fails while the others pass; '
     """
     if not failing:
-        return ""
+        return ()
 
     def reason(v: OutputVerdict) -> str:
         return next((r for r in v.reasons if r.endswith(f"({v.grade})")), v.reasons[0] if v.reasons else v.grade)
 
     caches = [v for v in failing if v.per_sample.cache_of is not None]
-    parts = [f"{v.name} ({reason(v)})" for v in failing if v.per_sample.cache_of is None]
+    parts: list[Said] = [(Name(v.name), f" ({reason(v)})") for v in failing if v.per_sample.cache_of is None]
     if len(caches) == 1:
-        parts.append(f"{caches[0].name} ({reason(caches[0])})")
+        parts.append((Name(caches[0].name), f" ({reason(caches[0])})"))
     elif caches:  # failing is worst first: the first cache is the worst
-        parts.append(f"{len(caches)} KV-cache outputs (worst {caches[0].name}: {reason(caches[0])})")
+        parts.append((f"{len(caches)} KV-cache outputs (worst ", Name(caches[0].name), f": {reason(caches[0])})"))
     one = len(failing) == 1
-    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-    return f"{'output' if one else 'outputs'} {listed} {'fails' if one else 'fail'} while the others pass; "
+    listed: list[str | Name] = []
+    for i, part in enumerate(parts):
+        listed += [*([", " if i < len(parts) - 1 else " and "] if i else []), *part]
+    return ("output " if one else "outputs ", *listed, f" {'fails' if one else 'fail'} while the others pass; ")
 
 
 def upstream_of(findings: list[NodeFinding], outputs: Iterable[str]) -> list[NodeFinding]:

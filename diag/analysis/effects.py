@@ -42,7 +42,7 @@ from diag.analysis.analyze import (
     single_cause,
     upstream_of,
 )
-from diag.analysis.headline import Headline, SpreadRemedies
+from diag.analysis.headline import Headline, Name, Said, SpreadRemedies, group_name
 from diag.analysis.levers import GroupCandidate, group_candidates
 from diag.analysis.remedies import Suggestion
 from diag.core.feeds import FeedSource
@@ -786,7 +786,7 @@ def concat_cause(
     verdicts: list[OutputVerdict],
     specs: dict[str, OutputSpec],
     matching: Matching | None,
-) -> tuple[NodeFinding, str] | None:
+) -> tuple[NodeFinding, Said] | None:
     """The Concat that destroys one part of an output that its other parts keep looking fine.
 
     Boxes in pixels and scores in 0..1 share the Concat's one per-tensor scale: the scores round
@@ -805,10 +805,13 @@ def concat_cause(
                 scale = f" {pair.grid.per_tensor_scale:.3g}" if pair is not None and pair.grid is not None else ""
                 where = f", local {local.sqnr_db:.1f} dB" if local is not None else ""
                 return concat, (
-                    f"single root cause: {concat.group.label} - part '{label}' of output '{v.name}' is destroyed "
-                    f"(SQNR {acc.sqnr_db:.1f} dB{where}, min cosine {part.cosine_min:.4f}) while the whole output "
-                    f"reads {v.stats.sqnr_db:.1f} dB: the Concat's one output scale{scale} is set by its largest "
-                    "part; keep the Concat in float or give the parts their own scales"
+                    "single root cause: ",
+                    *group_name(concat.group.fp_nodes),
+                    f" - part '{label}' of output '",
+                    Name(v.name),
+                    f"' is destroyed (SQNR {acc.sqnr_db:.1f} dB{where}, min cosine {part.cosine_min:.4f}) while the "
+                    f"whole output reads {v.stats.sqnr_db:.1f} dB: the Concat's one output scale{scale} is set by its "
+                    "largest part; keep the Concat in float or give the parts their own scales",
                 )
     return None
 
@@ -870,13 +873,22 @@ def _headline(
     if check is None and not any(f.local is not None for f in findings if f.group.quantized):
         return Headline("no-local", _unmeasured_local_sentence(findings, poor))
     if check is None or check.best is None:
-        one, sentence, top = single_cause(findings)
+        one, _, top = single_cause(findings)
         if one and top is not None:
             # Without a measured effect a local-error cause is a guess: never "single root cause".
             return _likely_cause(findings, top, "its effect on the outputs was not measured")
         if not bad_local:
             return spread_sentence(_quantized(findings), None, fmt, findings) if poor else _rounding()
-        return Headline("spread", sentence)  # several locally bad nodes, none measured
+        assert top is not None  # several locally bad nodes, none measured: the worst is named
+        share, bad = _local_share(findings, top)
+        return Headline(
+            "spread",
+            (
+                f"no single root cause: {bad} nodes have bad local error and the worst, ",
+                *group_name(top.group.fp_nodes),
+                f", explains only {share:.0%} of it",
+            ),
+        )
     if confirmed:
         return _confirmed_headline(findings, check, check.best, bad_local)
     group = check.best_group
@@ -897,22 +909,26 @@ def _group_headline(findings: list[NodeFinding], check: EffectCheck, group: Grou
     g = group.group
     return Headline(
         "lever",
-        f"cause: {g.lever}: keeping {g.label} in float recovers {group.recovered:.0%} of the error of "
-        f"{check.target} on {check.samples} samples at optimization level {check.level}, one node alone at most "
-        f"{max(alone, 0.0):.0%}; fix: {g.fix}",
+        (
+            f"cause: {g.lever}: keeping {g.label} in float recovers {group.recovered:.0%} of the error of ",
+            Name(check.target),
+            f" on {check.samples} samples at optimization level {check.level}, one node alone at most "
+            f"{max(alone, 0.0):.0%}; fix: {g.fix}",
+        ),
     )
 
 
-def _unmeasured_local_sentence(findings: list[NodeFinding], poor: bool) -> str:
+def _unmeasured_local_sentence(findings: list[NodeFinding], poor: bool) -> Said:
     """``--no-local``: no claim about local error (none was measured), only where the accumulated error is worst."""
     measured = [f for f in findings if f.group.quantized and f.accumulated is not None]
     if not poor or not measured:
-        return "local error was not measured (--no-local), so no node is named"
+        return ("local error was not measured (--no-local), so no node is named",)
     worst = min(measured, key=lambda f: (f.accumulated.sqnr_db if f.accumulated else math.inf, f.index))
     assert worst.accumulated is not None
     return (
-        f"local error was not measured (--no-local), so no cause is named: the accumulated error is worst at "
-        f"{worst.group.label} ({worst.accumulated.sqnr_db:.1f} dB); run without --no-local to find where it starts"
+        "local error was not measured (--no-local), so no cause is named: the accumulated error is worst at ",
+        *group_name(worst.group.fp_nodes),
+        f" ({worst.accumulated.sqnr_db:.1f} dB); run without --no-local to find where it starts",
     )
 
 
@@ -931,12 +947,16 @@ def _make_root_cause(findings: list[NodeFinding], cause: NodeFinding) -> None:
 
 
 def _concat_headline(
-    findings: list[NodeFinding], check: EffectCheck | None, cause: NodeFinding, sentence: str
+    findings: list[NodeFinding], check: EffectCheck | None, cause: NodeFinding, sentence: Said
 ) -> Headline:
     """A Concat that destroys one part of an output is the cause, with its measured effect when there is one."""
     e = check.of(cause.group.label) if check is not None else None
     if e is not None and check is not None:
-        sentence += f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of {check.target})"
+        sentence += (
+            f" (keeping it in float recovers {max(e.recovered, 0.0):.0%} of the error of ",
+            Name(check.target),
+            ")",
+        )
     _make_root_cause(findings, cause)
     return Headline("single-cause", sentence, node=cause.group.label)
 
@@ -946,15 +966,14 @@ def _confirmed_headline(
 ) -> Headline:
     """The best-measured node is the cause; say so when the worst local node is another one."""
     top_local = min(bad_local or [best.finding], key=lambda f: (f.rank_local, f.index))
-    disagree = ""
-    if top_local is not best.finding:
+    disagree: Said = ()
+    if top_local is not best.finding and top_local.local is not None:
         e = check.of(top_local.group.label)
         measured = f"keeping it in float recovers only {max(e.recovered, 0):.0%}" if e else "it was not measured"
         disagree = (
-            f"; local error and output effect disagree: {top_local.group.label} has the worst local SQNR "
-            f"({top_local.local.sqnr_db:.1f} dB) but {measured}"
-            if top_local.local
-            else ""
+            "; local error and output effect disagree: ",
+            *group_name(top_local.group.fp_nodes),
+            f" has the worst local SQNR ({top_local.local.sqnr_db:.1f} dB) but {measured}",
         )
     f = best.finding
     if not disagree and f.local is not None and f.local.sqnr_db >= BAD_SQNR_DB:
@@ -963,13 +982,19 @@ def _confirmed_headline(
         disagree = (
             f"; found by its effect, not its local error: its local SQNR {f.local.sqnr_db:.1f} dB is above "
             f"the {BAD_SQNR_DB:.0f} dB rule (a per-tensor SQNR is set by the largest channels and can hide "
-            "error in the small ones)"
+            "error in the small ones)",
         )
     _make_root_cause(findings, f)
     return Headline(
         "single-cause",
-        f"single root cause: {f.group.label} (keeping it in float recovers {best.recovered:.0%} of the error "
-        f"of {check.target} on {check.samples} samples at optimization level {check.level}){disagree}",
+        (
+            "single root cause: ",
+            *group_name(f.group.fp_nodes),
+            f" (keeping it in float recovers {best.recovered:.0%} of the error of ",
+            Name(check.target),
+            f" on {check.samples} samples at optimization level {check.level})",
+            *disagree,
+        ),
         node=f.group.label,
     )
 
@@ -997,10 +1022,17 @@ def _unconfirmed_headline(
         share, bad = _local_share(findings, top_local)
         return Headline(
             "refuted",
-            f"no single node to keep in float: {top_local.group.label} has {share:.0%} of the local error of "
-            f"{bad} bad node(s), but keeping it alone in float recovers only {max(e.recovered, 0.0):.0%} of the "
-            f"error of {check.target} (measured on {check.samples} samples at optimization level {check.level}; "
-            f"see the remedies for its tensors){levels_clause(check)}{amplifier_clause(findings)}",
+            (
+                "no single node to keep in float: ",
+                *group_name(top_local.group.fp_nodes),
+                f" has {share:.0%} of the local error of {bad} bad node(s), but keeping it alone in float recovers "
+                f"only {max(e.recovered, 0.0):.0%} of the error of ",
+                Name(check.target),
+                f" (measured on {check.samples} samples at optimization level {check.level}; see the remedies for "
+                "its tensors)",
+                *levels_clause(check),
+                *amplifier_clause(findings),
+            ),
             node=top_local.group.label,
         )
     return spread_sentence(_quantized(findings), check, fmt, findings)
@@ -1008,10 +1040,10 @@ def _unconfirmed_headline(
 
 def _rounding() -> Headline:
     """Nothing is wrong: no node has a bad local error and the outputs grade well."""
-    return Headline("rounding", "no node has a bad local error: the INT8 model adds only rounding-level noise")
+    return Headline("rounding", ("no node has a bad local error: the INT8 model adds only rounding-level noise",))
 
 
-def levels_clause(check: EffectCheck | None) -> str:
+def levels_clause(check: EffectCheck | None) -> Said:
     """``; in exact mode keeping conv2 in float recovers 98%, as deployed 0%: ...``, or ``""``.
 
     A node whose float region works in exact mode but not as deployed (onnxruntime's fused integer
@@ -1019,15 +1051,16 @@ def levels_clause(check: EffectCheck | None) -> str:
     and see fail: said where the headline refutes the nodes (issue 46).
     """
     if check is None:
-        return ""
+        return ()
     hidden = [e for e in check.effects if e.levels_disagree and (e.exact_recovered or 0) >= CONFIRMED_SHARE]
     if not hidden:
-        return ""
+        return ()
     e = max(hidden, key=lambda x: x.exact_recovered or 0.0)
     return (
-        f"; in exact mode (optimizations off) keeping {e.finding.group.label} in float recovers "
-        f"{e.exact_recovered:.0%}, as deployed {max(e.recovered, 0.0):.0%}: onnxruntime's fused integer kernels "
-        "quantize its float region again"
+        "; in exact mode (optimizations off) keeping ",
+        *group_name(e.finding.group.fp_nodes),
+        f" in float recovers {e.exact_recovered:.0%}, as deployed {max(e.recovered, 0.0):.0%}: onnxruntime's fused "
+        "integer kernels quantize its float region again",
     )
 
 
@@ -1044,13 +1077,17 @@ def _likely_cause(findings: list[NodeFinding], top: NodeFinding, why: str) -> He
     share, bad = _local_share(findings, top)
     return Headline(
         "likely",
-        f"likely root cause (by local error): {top.group.label} ({share:.0%} of the local error of {bad} bad "
-        f"node(s)); not confirmed: {why} (see the remedies for its inputs)",
+        (
+            "likely root cause (by local error): ",
+            *group_name(top.group.fp_nodes),
+            f" ({share:.0%} of the local error of {bad} bad node(s)); not confirmed: {why} (see the remedies for "
+            "its inputs)",
+        ),
         node=top.group.label,
     )
 
 
-def amplifier_clause(findings: Sequence[NodeFinding]) -> str:
+def amplifier_clause(findings: Sequence[NodeFinding]) -> Said:
     """``; amplified by X (Softmax on near-tied logits): inputs at 33.0 dB, output at 6.0 dB``, or ``""``.
 
     The node that loses the most SQNR between its worst input and its output, when it loses at
@@ -1059,13 +1096,14 @@ def amplifier_clause(findings: Sequence[NodeFinding]) -> str:
     """
     amps = [f for f in findings if f.role == "amplifier" and f.amplification_db is not None and f.accumulated]
     if not amps:
-        return ""
+        return ()
     f = max(amps, key=lambda x: (x.amplification_db or 0.0, -x.index))
     assert f.accumulated is not None and f.input_sqnr_db is not None
     pattern = " (Softmax on near-tied logits)" if "Softmax" in f.group.op_types else f" ({f.group.op_type})"
     return (
-        f"; amplified by {f.group.label}{pattern}: inputs at {f.input_sqnr_db:.1f} dB, output at "
-        f"{f.accumulated.sqnr_db:.1f} dB"
+        "; amplified by ",
+        *group_name(f.group.fp_nodes),
+        f"{pattern}: inputs at {f.input_sqnr_db:.1f} dB, output at {f.accumulated.sqnr_db:.1f} dB",
     )
 
 
@@ -1075,27 +1113,52 @@ def spread_sentence(
     """ "No single root cause: error accumulates over N quantized nodes", with the biggest contributors;
     the remedies for the INT8 format ``fmt`` end it (:class:`diag.analysis.headline.SpreadRemedies`,
     made specific to the recipe once it is known)."""
+    tail: Said
     if check is not None and check.effects:
         top = [e for e in check.effects[:3] if e.recovered > 0]
-        contributors = ", ".join(f"{e.finding.group.label} ({e.recovered:.0%})" for e in top)
         tail = (
-            f"; keeping one node in float recovers at most {check.effects[0].recovered:.0%} of the error of "
-            f"{check.target}" + (f" (biggest contributors: {contributors})" if contributors else "")
+            f"; keeping one node in float recovers at most {check.effects[0].recovered:.0%} of the error of ",
+            Name(check.target),
         )
+        if top:
+            tail += (
+                " (biggest contributors: ",
+                *_listed([(e.finding.group.fp_nodes, f"{e.recovered:.0%}") for e in top]),
+                ")",
+            )
     else:
         worst = sorted(quantized, key=lambda f: f.local.sqnr_db if f.local else math.inf)[:3]
-        tail = "; worst local SQNR: " + ", ".join(
-            f"{f.group.label} ({f.local.sqnr_db:.1f} dB)" for f in worst if f.local
+        tail = (
+            "; worst local SQNR: ",
+            *_listed([(f.group.fp_nodes, f"{f.local.sqnr_db:.1f} dB") for f in worst if f.local]),
         )
     group = check.best_group if check is not None else None
     alone = max((e.recovered for e in check.effects), default=0.0) if check is not None else 0.0
     if group is not None and group.recovered > alone:
-        tail += f"; keeping {group.group.label} in float ({group.group.lever}) recovers {max(group.recovered, 0.0):.0%}"
-    tail += levels_clause(check) + amplifier_clause(findings)
+        tail += (
+            f"; keeping {group.group.label} in float ({group.group.lever}) recovers {max(group.recovered, 0.0):.0%}",
+        )
+    tail += (*levels_clause(check), *amplifier_clause(findings))
     # NOTE: the recipe is not known here (it is inferred on the fix side); diag.cli.verbs.diagnose
     # sets it on the remedies, which then list only what changes something for the model's recipe.
     return Headline(
         "spread",
-        f"no single root cause: error accumulates over {len(quantized)} quantized nodes{tail}",
+        (f"no single root cause: error accumulates over {len(quantized)} quantized nodes", *tail),
         spread=SpreadRemedies(fmt),
     )
+
+
+def _listed(items: list[tuple[Sequence[str], str]]) -> Said:
+    """``a (12%), b (5%)``: each node group's label as :func:`~diag.analysis.headline.group_name`
+    parts, its figure in parentheses.
+
+    Example:
+        >>> from diag.analysis.headline import plain
+        >>> plain(_listed([(["a"], "12%"), (["b", "c"], "5%")]))
+        'a (12%), b (+c) (5%)'
+    """
+    out: list[str | Name] = []
+    for i, (nodes, figure) in enumerate(items):
+        out += [", "] if i else []
+        out += [*group_name(nodes), f" ({figure})"]
+    return tuple(out)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diag.analysis.analyze import NodeFinding, nonfinite_origins
-from diag.analysis.headline import Headline
+from diag.analysis.headline import Headline, Name, group_name
 from diag.core.fp16 import Fp16Range
 
 
@@ -102,17 +102,22 @@ def nonfinite_cause(findings: list[NodeFinding], ranges: dict[str, Fp16Range]) -
         elif f.role == "root-cause":
             f.role = "contributor"
     count = origin.accumulated.nonfinite_int8 if origin.accumulated is not None else 0
-    head = f"single root cause: {origin.group.label} overflows FP16"
+    head = ("single root cause: ", *group_name(origin.group.fp_nodes), " overflows FP16")
     if fix.node_block_list:
         return Headline(
             "single-cause",
-            f"{head} inside the node (its FP32 output fits FP16): {count} NaN/Inf value(s) in "
-            f"'{origin.tensor}'; keep it in float32: node_block_list={fix.node_block_list!r}",
+            (
+                *head,
+                f" inside the node (its FP32 output fits FP16): {count} NaN/Inf value(s) in '",
+                Name(origin.tensor),
+                "'; keep it in float32: ",
+                Name(f"node_block_list={fix.node_block_list!r}"),
+            ),
             node=origin.group.label,
         )
     return Headline(
         "single-cause",
-        f"{head} in its output: {count} NaN/Inf value(s) in '{origin.tensor}'; {fix.why[0]}",
+        (*head, f" in its output: {count} NaN/Inf value(s) in '", Name(origin.tensor), f"'; {fix.why[0]}"),
         node=origin.group.label,
     )
 

@@ -12,11 +12,17 @@ spread-error remedies (:class:`SpreadRemedies`: the INT8 format, then the recipe
 known, then the remedies measured by re-quantizing) and the exclusion search it points to
 (:class:`NextSearch`). :meth:`Headline.text` words the whole sentence, in this module only;
 diag.json keeps both the sentence and the typed fields (``verdict.headline``).
+
+The user's names inside a sentence (nodes, tensors, outputs, the command to run) are
+:class:`Name` parts, never plain text: the terminal prints them as they are, summary.md as code
+spans (a name copied from the raw Markdown is the model's own, ``self_attn/v_proj``, not
+``self\\_attn``: issue 46) and report.html as ``<code>``, from the same parts.
 """
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -33,6 +39,47 @@ from diag.analysis.remedies import GENERIC_SPREAD, SEARCH_REMEDY, WEIGHT_ONLY_FO
 #: * ``rounding``: no node has a bad local error and the outputs grade well;
 #: * ``no-local``: local error was not measured (``--no-local``), so no cause is named.
 HeadlineKind = Literal["single-cause", "likely", "lever", "refuted", "spread", "rounding", "no-local"]
+
+
+@dataclass(frozen=True)
+class Name:
+    """A name from the user's model (or a command to run) inside a sentence: one part of :data:`Said`."""
+
+    text: str
+
+
+#: A sentence as parts: prose, and the names it mentions (:class:`Name`), in order.
+Said = tuple["str | Name", ...]
+
+
+def plain(said: Said) -> str:
+    """The parts as one plain string (the terminal's form).
+
+    Example:
+        >>> plain(("single root cause: ", Name("conv2"), " (89%)"))
+        'single root cause: conv2 (89%)'
+    """
+    return "".join(p.text if isinstance(p, Name) else p for p in said)
+
+
+def group_name(fp_nodes: Sequence[str]) -> Said:
+    """A node group's label (``conv3 (+relu3)``: the main node and what was fused into it) with each
+    FP32 node a :class:`Name`, so that each copies as the model's own name.
+
+    Example:
+        >>> group_name(["conv3", "relu3"])
+        (Name(text='conv3'), ' (+', Name(text='relu3'), ')')
+        >>> plain(group_name(["a", "b", "c"]))
+        'a (+b, c)'
+    """
+    first, *fused = fp_nodes
+    if not fused:
+        return (Name(first),)
+    rest: list[str | Name] = []
+    for i, node in enumerate(fused):
+        rest += [", "] if i else []
+        rest.append(Name(node))
+    return (Name(first), " (+", *rest, ")")
 
 
 @dataclass(frozen=True)
@@ -72,18 +119,18 @@ class NextSearch:
     command: ExcludeCommand | None = None
     held_here: bool = False
 
-    def words(self) -> str:
-        """The remedy's words in the headline.
+    def words(self) -> Said:
+        """The remedy's words in the headline; the command is a :class:`Name` (a code span in Markdown).
 
         Example:
-            >>> NextSearch().words(), NextSearch(held_here=True).words()
+            >>> plain(NextSearch().words()), plain(NextSearch(held_here=True).words())
             ('an exclusion search (diag exclude)', 'the exclusion search this report holds')
         """
         if self.held_here:
-            return "the exclusion search this report holds"
+            return ("the exclusion search this report holds",)
         if self.command is not None:
-            return f"an exclusion search: {self.command}"
-        return SEARCH_REMEDY
+            return ("an exclusion search: ", Name(str(self.command)))
+        return (SEARCH_REMEDY,)
 
 
 @dataclass
@@ -106,15 +153,20 @@ class SpreadRemedies:
     measured: str = ""
     measured_samples: int = 0
 
-    def words(self, search: NextSearch) -> str:
+    def words(self, search: NextSearch) -> Said:
         """The list, ``a, b, or c``, its last item the exclusion search as ``search`` words it."""
         if self.measured:
-            return f"{self.measured}, measured by re-quantizing on {self.measured_samples} samples; or {search.words()}"
+            return (
+                f"{self.measured}, measured by re-quantizing on {self.measured_samples} samples; or ",
+                *search.words(),
+            )
         if self.recipe_known or self.fmt in WEIGHT_ONLY_FORMATS:
-            items = [*spread_remedies(self.fmt, self.settings)[:-1], search.words()]
+            items = spread_remedies(self.fmt, self.settings)[:-1]
         else:
-            items = [*GENERIC_SPREAD, search.words()]
-        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", or " + items[-1]
+            items = list(GENERIC_SPREAD)
+        if not items:
+            return search.words()
+        return (", ".join(items) + ", or ", *search.words())
 
 
 @dataclass
@@ -133,8 +185,8 @@ class Headline:
     """
 
     kind: HeadlineKind
-    cause: str
-    subject: str = ""
+    cause: Said
+    subject: Said = ()
     spread: SpreadRemedies | None = None
     search: NextSearch = field(default_factory=NextSearch)
     node: str = ""
@@ -144,8 +196,18 @@ class Headline:
         """One node is the cause (not a hedged guess, not a group)."""
         return self.kind == "single-cause"
 
+    def said(self) -> Said:
+        """The whole sentence as parts: subject, cause, then the spread-error remedies."""
+        tail: Said = (". What fits spread error: ", *self.spread.words(self.search)) if self.spread is not None else ()
+        return (*self.subject, *self.cause, *tail)
+
+    def render(self, name: Callable[[str], str], prose: Callable[[str], str]) -> str:
+        """The sentence with each name and each piece of prose formatted for a medium (Markdown: a
+        code span and escaped text)."""
+        return "".join(name(p.text) if isinstance(p, Name) else prose(p) for p in self.said())
+
     def text(self) -> str:
-        """The sentence, worded here and nowhere else.
+        """The sentence, worded here and nowhere else (plain: the terminal's and diag.json's form).
 
         Example:
             >>> h = Headline("spread", "no single root cause",
@@ -153,16 +215,20 @@ class Headline:
             >>> h.text()  # doctest: +ELLIPSIS
             'no single root cause. What fits spread error: static calibration instead of dynamic, or an ...'
         """
-        tail = f". What fits spread error: {self.spread.words(self.search)}" if self.spread is not None else ""
-        return f"{self.subject}{self.cause}{tail}"
+        return plain(self.said())
 
     def to_dict(self) -> dict[str, Any]:
         """diag.json's ``verdict.headline``: the typed fields beside the sentence."""
         return {
             "kind": self.kind,
             "node": self.node or None,
-            "subject": self.subject,
-            "cause": self.cause,
+            "subject": plain(self.subject),
+            "cause": plain(self.cause),
+            # The sentence as parts: a name (node, tensor, output, command) or prose, in order.
+            "parts": [
+                {"text": p.text, "name": True} if isinstance(p, Name) else {"text": p, "name": False}
+                for p in self.said()
+            ],
             "spread": asdict(self.spread) if self.spread is not None else None,
             "search": {
                 "command": asdict(self.search.command) if self.search.command is not None else None,

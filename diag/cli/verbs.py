@@ -40,6 +40,7 @@ from diag.core.feeds import FeedSource, FeedSpec
 from diag.core.load import checked_path, model_summary
 from diag.core.precision import describe
 from diag.core.recipe import Recipe, recipe_file_text, recipe_from_option
+from diag.core.saturation import prediction_sentence
 from diag.core.taskmetrics import task_lines
 from diag.fix.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.fix.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
@@ -498,13 +499,8 @@ def _measured_lines(result: CompareResult) -> list[str]:
             f"worst node {node} {db:.1f} dB ({level.samples} samples)"
         )
     isa = result.deploy_isa
-    if isa is not None and not isa["u8s8_nodes"]:
-        lines.append("  on AVX2 without VNNI: no u8s8 node (no QInt8 weight meets u8 activations): nothing to saturate")
-    elif isa is not None:
-        lines.append(
-            f"  on AVX2 without VNNI (predicted, u8s8 int16 pairs simulated): {isa['saturating_nodes']} of "
-            f"{isa['u8s8_nodes']} u8s8 node(s) saturate"
-        )
+    if isa is not None:
+        lines.append(f"  {prediction_sentence(isa)}")  # the report's sentence too
         lines += [f"    {e['sentence']}" for e in isa["nodes"][:3] if e["saturated_pairs"]]
     effects = result.effects
     if effects is not None and effects.best is not None and result.headline.kind != "rounding":

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 
 from diag.core.match import QuantParams
 from diag.core.state import State, array_from_state, array_to_state, float_from_state, float_to_state, int_from_state
@@ -66,20 +67,86 @@ CHANNEL_FIRST_OPS = frozenset(
 )
 
 
+#: The layout hint of a tensor computed from a channel-first one by an op that keeps its layout
+#: (:func:`layout_hints`): a Relu after a Conv is NCHW too.
+CHANNEL_FIRST = "channel-first"
+#: The layout hint of attention scores and probabilities (``Q·Kᵀ`` and what follows it until ``P·V``):
+#: their last axis is key positions, not hidden dimensions, so they have no channel axis.
+POSITIONS = "positions"
+#: Ops whose output keeps the layout of their inputs: elementwise, activations, Concat / Split /
+#: Slice / Pad along the tensor, normalizations that do not move axes.
+LAYOUT_KEEPING_OPS = frozenset(
+    {
+        "Relu", "LeakyRelu", "PRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Elu", "Selu",
+        "Gelu", "Mish", "Softplus", "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Neg", "Abs", "Exp", "Erf",
+        "Max", "Min", "Sum", "Mean", "Concat", "Split", "Slice", "Pad", "Dropout", "Identity", "Cast",
+        "Where", "Softmax", "LpNormalization",
+    }
+)  # fmt: skip
+
+
+def layout_hints(graph: onnx.GraphProto) -> dict[str, str]:
+    """Tensor name -> the hint :func:`channel_axis` reads: :data:`CHANNEL_FIRST` for a tensor a
+    channel-first op wrote or a layout-keeping op computed from one, :data:`POSITIONS` for attention
+    scores (a MatMul of two activations, then what keeps its layout, until the MatMul that reads
+    them as its first input: ``P·V`` is hidden again), else its producer's op type.
+
+    A rank-4 tensor is NCHW only when a Conv (or pooling, BatchNormalization, Resize...) made it:
+    an attention tensor ``[batch, heads, seq, seq]`` has heads on axis 1 and key positions last,
+    and neither is a channel (issue 42 item 5: MiniLM's 12 heads were reported as outlier
+    "channels").
+
+    Example:
+        >>> node = onnx.helper.make_node
+        >>> nodes = [node("Conv", ["x", "w"], ["c"]), node("Relu", ["c"], ["r"]), node("Softmax", ["s"], ["p"])]
+        >>> layout_hints(onnx.helper.make_graph(nodes, "g", [], []))
+        {'c': 'channel-first', 'r': 'channel-first', 'p': 'Softmax'}
+    """
+    constants = {t.name for t in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output
+    }
+    hints: dict[str, str] = {}
+    for node in graph.node:
+        seen = {hints.get(i) for i in node.input}
+        if node.op_type in CHANNEL_FIRST_OPS:
+            hint = CHANNEL_FIRST
+        elif node.op_type == "MatMul" and len(node.input) == 2 and not set(node.input) & constants:
+            hint = node.op_type if hints.get(node.input[0]) == POSITIONS else POSITIONS
+        elif node.op_type in LAYOUT_KEEPING_OPS and POSITIONS in seen:
+            hint = POSITIONS
+        elif node.op_type in LAYOUT_KEEPING_OPS and CHANNEL_FIRST in seen:
+            hint = CHANNEL_FIRST
+        else:
+            hint = node.op_type
+        for out in node.output:
+            if out:
+                hints[out] = hint
+    return hints
+
+
 def channel_axis(rank: int, producer_op: str | None) -> int | None:
     """The axis that holds channels / hidden dimensions of an activation of ``rank``.
 
-    NCHW conv activations: axis 1; ``[batch, seq, hidden]`` and ``[batch, features]``: the last
-    axis; a rank-3 output of a conv-like op (NCL): axis 1. Scalars and vectors have none.
+    ``producer_op``: the tensor's :func:`layout_hints` entry (its producer's op type, or
+    :data:`CHANNEL_FIRST`); None for a model input. NCHW conv activations: axis 1;
+    ``[batch, seq, hidden]`` and ``[batch, features]``: the last axis; a rank-3 channel-first
+    tensor (NCL): axis 1. A rank-4 tensor no channel-first op made (attention's ``[batch, heads,
+    seq, seq]``) has no channel axis, nor has attention's :data:`POSITIONS`. Scalars and vectors
+    have none.
 
     Example:
-        >>> channel_axis(4, "Relu"), channel_axis(3, "MatMul"), channel_axis(3, "Conv")
+        >>> channel_axis(4, CHANNEL_FIRST), channel_axis(3, "MatMul"), channel_axis(3, "Conv")
         (1, 2, 1)
+        >>> channel_axis(4, "Softmax"), channel_axis(4, None)
+        (None, 1)
     """
+    if producer_op == POSITIONS or (producer_op == "Transpose" and rank >= 3):
+        return None  # attention scores; a transposed tensor (Kᵀ: its hidden axis is no longer last)
+    first = producer_op == CHANNEL_FIRST or producer_op in CHANNEL_FIRST_OPS
     if rank >= 4:
-        return 1
+        return 1 if first or producer_op is None else None
     if rank == 3:
-        return 1 if producer_op in CHANNEL_FIRST_OPS else 2
+        return 1 if first else 2
     if rank == 2:
         return 1
     return None

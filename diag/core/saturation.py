@@ -362,3 +362,23 @@ def predict_avx2(model_path: str, feeds: Iterable[dict[str, np.ndarray]]) -> lis
         if all(t.pred.rows >= MAX_ROWS for t in live):
             break
     return [t.pred for t in targets]
+
+
+def prediction_sentence(isa: dict[str, Any]) -> str:
+    """What ``--deploy-isa avx2`` predicts, in one sentence the terminal and the report both print.
+
+    ``isa``: the ``deploy_isa`` record of diag.json (``u8s8_nodes``, ``saturating_nodes``, ``nodes``).
+
+    Example:
+        >>> prediction_sentence({"u8s8_nodes": 0, "saturating_nodes": 0, "nodes": []})
+        'on AVX2 without VNNI: no u8s8 node (no QInt8 weight meets u8 activations): nothing saturates on any x86 CPU'
+    """
+    if not isa["u8s8_nodes"]:
+        return (
+            "on AVX2 without VNNI: no u8s8 node (no QInt8 weight meets u8 activations): nothing saturates on any "
+            "x86 CPU"
+        )
+    return (
+        f"on AVX2 without VNNI (predicted, u8s8 int16 pairs simulated): {isa['saturating_nodes']} of "
+        f"{isa['u8s8_nodes']} u8s8 node(s) saturate"
+    )

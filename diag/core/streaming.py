@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from diag.core import diagraph
-from diag.core.distributions import OUTLIER_FACTOR, DistributionAccumulator, GridInfo, TensorHealth
+from diag.core.distributions import OUTLIER_FACTOR, DistributionAccumulator, GridInfo, TensorHealth, layout_hints
 from diag.core.feeds import FeedSource, load_labels
 from diag.core.fp16 import Fp16Range
 from diag.core.instrument import (
@@ -46,7 +46,7 @@ from diag.core.load import LoadedModel
 from diag.core.match import Matching, TensorPair
 from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats, sum_of_squares
 from diag.core.outputs import channel_axes, output_specs
-from diag.core.protos import node_id, value_dtypes
+from diag.core.protos import value_dtypes
 from diag.core.run import (
     batch_tensor_bytes,
     default_threads,
@@ -447,10 +447,10 @@ def _start_state(
         state.deployed = {name: OutputAccumulator(spec, whole=True) for name, spec in specs.items()}
     state.task = start_task_metrics(fp.graph.output[0].name, labels, options.metric, options.shard is not None)
     if options.distributions:
-        ops = {node_id(n, i): n.op_type for i, n in enumerate(fp.graph.node)}
+        hints = layout_hints(fp.graph)  # which axis is a channel: NCHW only where a Conv made it
         for name, pair in pairs.items():
             grid = GridInfo.from_params(pair.grid) if pair.grid is not None else None
-            state.distributions[name] = DistributionAccumulator(grid, ops.get(pair.producer or ""), axes.get(name))
+            state.distributions[name] = DistributionAccumulator(grid, hints.get(name), axes.get(name))
     if q.format.family == "fp16":
         state.fp16_ranges = {name: Fp16Range() for name, p in pairs.items() if p.how == "fp16"}
     return state

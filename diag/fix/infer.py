@@ -35,7 +35,15 @@ rebuilds the same graph, and says so in the evidence. QDQ ignores the lever.
 NOTE: What the graph cannot tell is said, not guessed: ``calibrate_method`` (MinMax, Entropy and
 Percentile all end as a scale), calibration data, ``preprocess``, and whether a whole op type was
 skipped via ``op_types_to_quantize`` or node by node (both give the same graph; diag writes node
-names, which reproduce it either way).
+names, which reproduce it either way). A QDQ model that leaves every node of some types of
+onnxruntime's QDQ registry unquantized (``op_types_to_quantize=["MatMul"]`` leaves Add, Mul,
+Softmax, LayerNormalization, Gather...) gets ``op_types_to_quantize``: no node list can say it.
+
+NOTE: onnxruntime decides some things whatever the recipe says, and they are no evidence of it: QDQ
+makes every per-channel weight symmetric (only per-tensor weights tell ``WeightSymmetric``), and
+QOperator's per-channel QLinearConv weights are int8 (only its other weights tell
+``weight_type``). A grid of 24 recipes x 3 formats round-trips byte for byte
+(tests/test_roundtrip.py).
 """
 
 from __future__ import annotations
@@ -245,7 +253,7 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
                 f"TensorQuantOverrides: {len(overrides)} activation(s) on another grid than activation_type"
             )
     if weights:
-        w_types = Counter(q.data_type for q, _, _ in weights)
+        w_types = Counter(q.data_type for q, _, _ in _weight_type_evidence(graph, weights, kind))
         w_dtype = w_types.most_common(1)[0][0]
         recipe["weight_type"] = QUANT_TYPE_NAMES.get(w_dtype, str(w_dtype))
         recipe["per_channel"] = any(_size(s) > 1 for _, s, _ in weights if s is not None) or any(
@@ -254,6 +262,14 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
         recipe["reduce_range"] = all(_fits_reduced(q, base_dir) for q, _, _ in weights)
         evidence.append(f"weight_type, per_channel, reduce_range from {len(weights)} quantized weight(s)")
         w_zps = [z for _, _, z in weights if z is not None]
+        if kind == "qdq":
+            # onnxruntime's QDQ quantizer makes every per-channel weight symmetric whatever
+            # WeightSymmetric says ("always quantize per-channel initializers as symmetric",
+            # qdq_quantizer.py): only the per-tensor ones it quantizes as weights (Conv / MatMul /
+            # Gemm weights, a normalization's scale: operators/norm.py) tell the setting; its other
+            # constants are quantized as activations.
+            w_zps = [z for _, _, z in weights if z is not None and _size(z) == 1]
+            w_zps += _norm_scale_zero_points(graph, inits, producers, w_dtype)
         symmetric = bool(w_zps) and all(_is_symmetric(z, base_dir) for z in w_zps)
         default_symmetric = w_dtype in (onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.FLOAT8E4M3FN)
         if w_zps and symmetric != default_symmetric:
@@ -267,6 +283,8 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
         if act_zps and not float8 and all(_is_symmetric(z, base_dir) for z in act_zps):
             extra["ActivationSymmetric"] = True
     recipe["nodes_to_exclude"] = _exclusions(model, inits, producers, kind, extra, evidence)
+    if kind == "qdq":
+        _qdq_op_types(graph, producers, recipe, evidence)
     if extra:
         recipe["extra_options"] = extra
     unknown = dict(UNKNOWN_FIELDS) | untold
@@ -277,6 +295,82 @@ def _infer(model: onnx.ModelProto, kind: str, base_dir: str = "") -> InferredRec
         del unknown["calibrate_method"]
         evidence.append("calibrate_method: onnxruntime quantizes to float8 with Distribution only")
     return InferredRecipe(recipe, unknown, evidence)
+
+
+#: Activations onnxruntime's QDQ quantizer folds into the node before them: the output Q/DQ pair
+#: goes after the activation, which then reads no DequantizeLinear though it is quantized.
+_FUSED_ACTIVATIONS = ("Relu", "Clip")
+
+
+def _qdq_op_types(
+    graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto], recipe: dict[str, Any], evidence: list[str]
+) -> None:
+    """``op_types_to_quantize`` of a QDQ model that quantizes some op types and leaves others of
+    onnxruntime's QDQ registry entirely in float (``op_types_to_quantize=["MatMul"]`` on a
+    transformer: its Add, Mul, Softmax and Gather nodes read no DequantizeLinear). A node is
+    quantized when it reads a DequantizeLinear output, or is a Relu / Clip whose output a
+    QuantizeLinear reads (onnxruntime quantizes a Conv's output after its activation). Written only
+    when a present type is never
+    quantized; the nodes of those types leave ``nodes_to_exclude`` (the type says it)."""
+    from onnxruntime.quantization import registry
+
+    qdq_types = set(registry.QDQRegistry)
+    quantizing = {n.input[0] for n in graph.node if n.op_type == "QuantizeLinear" and n.input}
+    quantized = {
+        n.op_type
+        for n in graph.node
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear")
+        and (
+            any((p := producers.get(i)) is not None and p.op_type == "DequantizeLinear" for i in n.input)
+            or (n.op_type in _FUSED_ACTIVATIONS and any(o in quantizing for o in n.output))
+        )
+    }
+    present = {n.op_type for n in graph.node} & qdq_types
+    never = sorted(present - quantized)
+    if not never or not quantized & qdq_types:
+        return
+    recipe["op_types_to_quantize"] = sorted(quantized & qdq_types)
+    left = {n.name for n in graph.node if n.op_type in never}
+    recipe["nodes_to_exclude"] = [n for n in recipe["nodes_to_exclude"] if n not in left]
+    evidence.append(
+        f"op_types_to_quantize: {', '.join(never)} present and never quantized (no node of the type reads a "
+        "DequantizeLinear output)"
+    )
+
+
+def _weight_type_evidence(
+    graph: onnx.GraphProto,
+    weights: list[tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]],
+    kind: str,
+) -> list[tuple[onnx.TensorProto, onnx.TensorProto | None, onnx.TensorProto | None]]:
+    """The weights whose dtype is ``weight_type``'s: all of them, but in QOperator a per-channel
+    QLinearConv weight is int8 whatever ``weight_type`` says (onnxruntime's QLinearConv quantizer
+    hard-codes INT8 for per-channel weights, operators/conv.py), so it tells the type only when it
+    is all there is (a QUInt8 convnet read those as QInt8, and the rebuild's Gemm weight differed)."""
+    if kind != "qoperator":
+        return weights
+    conv_weights = {n.input[3] for n in graph.node if n.op_type == "QLinearConv" and len(n.input) > 3}
+    told = [w for w in weights if not (w[0].name in conv_weights and w[1] is not None and _size(w[1]) > 1)]
+    return told or weights
+
+
+#: Normalizations whose scale (input 1) onnxruntime's QDQ quantizer quantizes as a weight.
+_QDQ_NORMS = ("LayerNormalization", "InstanceNormalization", "BatchNormalization")
+
+
+def _norm_scale_zero_points(
+    graph: onnx.GraphProto, inits: dict[str, onnx.TensorProto], producers: dict[str, onnx.NodeProto], w_dtype: int
+) -> list[onnx.TensorProto]:
+    """Per-tensor zero points of the normalization scales a QDQ model quantized as weights (``w_dtype``)."""
+    out = []
+    for n in graph.node:
+        dq = producers.get(n.input[1]) if n.op_type in _QDQ_NORMS and len(n.input) > 1 else None
+        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
+            continue
+        q, zp = inits.get(dq.input[0]), inits.get(dq.input[2])
+        if q is not None and zp is not None and q.data_type == w_dtype and _size(zp) == 1:
+            out.append(zp)
+    return out
 
 
 def _dynamic_activation_symmetry(
@@ -480,12 +574,12 @@ def _excluded_nodes(
     """FP32 nodes onnxruntime would have quantized that are still float, in graph order.
 
     Weighted ops (all formats): a Conv / ConvTranspose / MatMul / Gemm still reading a float
-    weight initializer. QOperator only: an Add / Mul / Softmax / MatMul on float activations;
-    onnxruntime's QLinear quantizers for these types quantize their inputs
-    themselves, so a float one was skipped. Dynamic, where the graph proves ``MatMulConstBOnly``
-    off (``matmul_const_b_off``): a MatMul on two float activations. Without that proof such a
-    MatMul is never listed: the lever kept it in float, not the user. The quantizable op types
-    come from the installed onnxruntime's registries: IntegerOpsRegistry for dynamic, QDQRegistry /
+    weight initializer, and a Gather still reading a float table. QOperator only: an Add / Mul /
+    Softmax / MatMul on float activations; onnxruntime's QLinear quantizers for these types
+    quantize their inputs themselves, so a float one was skipped. Dynamic, where the graph proves
+    ``MatMulConstBOnly`` off (``matmul_const_b_off``): a MatMul on two float activations. Without
+    that proof such a MatMul is never listed: the lever kept it in float, not the user. The
+    quantizable op types come from the installed onnxruntime's registries: IntegerOpsRegistry for dynamic, QDQRegistry /
     QLinearOpsRegistry for static (its default op_types_to_quantize).
     """
     quantizable = set(quantizable_op_types(kind))
@@ -496,6 +590,13 @@ def _excluded_nodes(
         lever_kept = set(_float_activation_matmuls(graph, inits, dtypes))
     out = []
     for node in graph.node:
+        if node.op_type == "Gather" and "Gather" in quantizable and node.input and node.input[0] in inits:
+            # An embedding table still in float: onnxruntime quantizes a Gather's constant table in
+            # every format (dynamic and static alike), so this one was excluded (by node or by
+            # leaving Gather out of op_types_to_quantize: the same graph).
+            if inits[node.input[0]].data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                out.append(node.name)
+            continue
         if node.op_type in weighted and len(node.input) > 1 and node.input[1] in inits:
             w = inits[node.input[1]]
             if w.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):

@@ -22,6 +22,7 @@ import jinja2
 from diag.analysis.analyze import GRADES, first_nonfinite, shortened_path
 from diag.analysis.effects import LEVELS_DISAGREE
 from diag.core.precision import describe
+from diag.core.saturation import prediction_sentence
 from diag.core.taskmetrics import task_lines
 from diag.fix.fixcode import fix_snippet
 from diag.foundations.environment import templates_dir
@@ -31,6 +32,7 @@ from diag.foundations.files import out_dir as checked_out_dir
 from diag.foundations.jsonnum import number_from_json
 from diag.report.documents import read_document
 from diag.report.exclude_view import best_fix_call, report_section
+from diag.report.nodedata import OVERLAYS, node_data_texts, open_command
 from diag.report.plots import (
     NEIGHBOURHOOD_HOPS,
     channel_ranges,
@@ -385,6 +387,11 @@ class ReportView:
     model_noun: str
     grade: str
     cause: str
+    #: The headline as (text, is a name) parts: names are code in summary.md and report.html.
+    cause_parts: list[tuple[str, bool]]
+    #: The command that opens the FP32 model in Model Explorer with diag's overlays (run in the
+    #: report's folder), or "" for a document without nodes.
+    model_explorer: str
     single_cause: bool
     fp32_path: str
     int8_path: str
@@ -484,9 +491,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     return ReportView(
         title=f"diag: {Path(models['int8']['path']).name} vs {Path(models['fp32']['path']).name}",
         model_noun=model_noun(doc),
-        grade=verdict["grade"],
-        cause=verdict["cause"],
-        single_cause=verdict["single_cause"],
+        **_headline_fields(doc),
         fp32_path=models["fp32"]["path"],
         int8_path=models["int8"]["path"],
         int8_format=models["int8"]["format"] + _precision_note(models["int8"].get("precisions")),
@@ -500,7 +505,6 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         outputs=_output_rows(verdict["outputs"], verdict.get("exact_outputs") or []),
         outputs_note=_graded_at_note(verdict),
         root_causes=_root_cause_lines(doc),
-        root_causes_heading="Locally worst nodes" if _headline_kind(verdict) == "spread" else "Root causes",
         victims=victims,
         **_starting_point_fields(models, rec),
         nodes=[_node_row(n) for n in nodes],
@@ -632,12 +636,11 @@ def _deploy_isa_fields(isa: dict[str, Any] | None) -> dict[str, Any]:
     """The ``--deploy-isa avx2`` prediction: its summary sentence and the nodes, worst first."""
     if not isa:
         return {}
+    head = prediction_sentence(isa)  # the terminal's sentence too
     if not isa["u8s8_nodes"]:
-        head = "no u8s8 node (no QInt8 weight meets u8 activations): nothing saturates on any x86 CPU"
         return {"deploy_isa_head": head, "deploy_isa": []}
-    head = (
-        f"{isa['saturating_nodes']} of {isa['u8s8_nodes']} u8s8 node(s) saturate on an AVX2 CPU without VNNI, "
-        "where onnxruntime adds each pair of u8 x s8 products into a saturating int16; predicted by replaying "
+    head += (
+        ": there onnxruntime adds each pair of u8 x s8 products into a saturating int16; predicted by replaying "
         "that arithmetic on this run's inputs (this CPU's own figures are above)"
     )
     return {"deploy_isa_head": head, "deploy_isa": [str(e["sentence"]) for e in isa["nodes"]]}
@@ -742,6 +745,37 @@ def _graded_at_note(verdict: dict[str, Any]) -> str:
         "--deploy-level), against the exact FP32 outputs; an output whose exact-mode grade differs has a "
         "row of its own."
     )
+
+
+def _headline_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """The verdict's fields of the view: the grade, the headline as text and as parts, the title over
+    the root-cause list, and the command that opens the model in Model Explorer with the overlays."""
+    verdict = doc["verdict"]
+    return {
+        "grade": verdict["grade"],
+        "cause": verdict["cause"],
+        "cause_parts": _cause_parts(verdict),
+        "single_cause": verdict["single_cause"],
+        "root_causes_heading": "Locally worst nodes" if _headline_kind(verdict) == "spread" else "Root causes",
+        "model_explorer": open_command(doc) if doc.get("nodes") else "",
+    }
+
+
+def _cause_parts(verdict: dict[str, Any]) -> list[tuple[str, bool]]:
+    """The headline's parts (:meth:`diag.analysis.headline.Headline.to_dict`); a document written
+    before the headline had parts is one piece of prose.
+
+    Example:
+        >>> _cause_parts({"cause": "x", "headline": {"parts": [{"text": "root: ", "name": False},
+        ...                                                      {"text": "a_b", "name": True}]}})
+        [('root: ', False), ('a_b', True)]
+        >>> _cause_parts({"cause": "a sentence"})
+        [('a sentence', False)]
+    """
+    parts = (verdict.get("headline") or {}).get("parts")
+    if not parts:
+        return [(str(verdict["cause"]), False)]
+    return [(str(p["text"]), bool(p["name"])) for p in parts]
 
 
 def _headline_kind(verdict: dict[str, Any]) -> str:
@@ -1347,7 +1381,7 @@ def md_escape(text: str) -> str:
 
 
 #: The files of a diag compare / merge run, in the order they are printed.
-OUTPUT_NAMES = ("diag.json", "report.html", "summary.md")
+OUTPUT_NAMES = ("diag.json", "report.html", "summary.md", *OVERLAYS)
 
 
 def report_to_dir(json_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Path]:
@@ -1376,6 +1410,8 @@ def output_texts(doc: dict[str, Any]) -> dict[str, str]:
         "diag.json": json.dumps(doc, indent=1, sort_keys=False, ensure_ascii=False) + "\n",
         "report.html": render_html(view),
         "summary.md": render_markdown(view),
+        # Model Explorer overlays (diag.report.nodedata): the figures on the model's graph.
+        **node_data_texts(doc),
     }
 
 

@@ -1,0 +1,46 @@
+"""Model Explorer node data (issue 44 item 2): diag's per-node figures as overlays on the graph.
+
+The overlay files are written beside every diag.json, in the shape Model Explorer's
+``node_data_builder.GraphNodeData`` writes, keyed by FP32 node names (the node ids of its ONNX
+adapter), with the same figures as diag.json.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+from diag.cli import commands as cli
+from diag.report.nodedata import OVERLAYS
+
+
+@pytest.mark.parametrize(("fixture", "fmt"), [("convnet", "qdq"), ("transformer", "dynamic")])
+def test_overlays_name_the_fp32_nodes_with_diag_json_figures(built, tmp_path, capsys, fixture, fmt) -> None:
+    b = built(fixture)
+    out = tmp_path / "o"
+    args = ["compare", str(b.fp32), str(b.int8[fmt]), "--inputs", str(b.inputs_path), "--quiet", "--out", str(out)]
+    assert cli.main(args) in (0, 3)
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "diag.json").read_text())
+    names = {n.name for n in onnx.load(str(b.fp32)).graph.node if n.op_type != "Constant"}
+    overlays = {name: json.loads((out / name).read_text()) for name in OVERLAYS}
+    for name in OVERLAYS:
+        assert f"wrote {name}: " in printed
+    local, acc = overlays["modelexplorer.local.json"], overlays["modelexplorer.accumulated.json"]
+    assert set(acc["results"]) <= names and set(local["results"]) <= names
+    assert len(acc["results"]) >= 0.9 * len(names), (len(acc["results"]), len(names))
+    for n in doc["nodes"]:
+        for node in n["fp_nodes"]:
+            if isinstance((n["accumulated"] or {}).get("sqnr_db"), float):
+                assert acc["results"][node]["value"] == pytest.approx(n["accumulated"]["sqnr_db"], abs=0.006)
+            if n["local"] and isinstance(n["local"].get("sqnr_db"), float):
+                assert local["results"][node]["value"] == pytest.approx(n["local"]["sqnr_db"], abs=0.006)
+    effects = overlays["modelexplorer.effect.json"]["results"]
+    for e in (doc["effects"] or {}).get("effects") or []:
+        assert effects[e["fp_nodes"][0]]["value"] == pytest.approx(100 * max(e["recovered"], 0.0), abs=0.06)
+    # Model Explorer's thresholds: a value at or below one takes its colour; diag's bad band is < 20 dB.
+    assert [t["value"] for t in local["thresholds"]][:2] == [10, 20]
+    summary = (out / "summary.md").read_text()
+    assert f"`model-explorer {b.fp32} --node_data_paths=modelexplorer.local.json," in summary
