@@ -263,6 +263,8 @@ def _producer_model(kind: str, fp: Path, q: onnx.ModelProto, feeds: dict[str, np
 
     if kind == "modelopt":
         return producers.modelopt_style(q)
+    if kind == "modelopt-fp16":
+        return producers.modelopt_fp16_style(q)
     if kind == "nncf":
         return producers.nncf_style(q)
     return producers.smoothquant_style(onnx.load(fp), q, feeds)[1]
@@ -272,6 +274,7 @@ def _producer_model(kind: str, fp: Path, q: onnx.ModelProto, feeds: dict[str, np
     ("kind", "fixture"),
     [
         ("modelopt", "convnet"),
+        ("modelopt-fp16", "convnet"),
         ("nncf", "transformer"),
         ("smooth", "transformer"),
         ("nncf-real", "convnet"),
@@ -306,7 +309,7 @@ def test_exclude_int8_fixes_models_of_other_quantizers_in_place(kind, fixture, t
     assert code == 0, printed + err
     doc = json.loads((out / "exclusion.json").read_text())
     assert doc["method"] == "surgical" and doc["search"]["quantizations"] == 0
-    assert doc["producer"]["key"] == ("modelopt" if kind == "modelopt" else "nncf")
+    assert doc["producer"]["key"] == ("modelopt" if kind.startswith("modelopt") else "nncf")
     assert doc["metrics"]["before"]["cosine"] == pytest.approx(before, abs=1e-6)
     mixed = out / "m.mixed.onnx"
     assert doc["metrics"]["after"]["cosine"] == pytest.approx(_min_cosine(fp, mixed, feeds, 16, 8, exact), abs=1e-6)
@@ -318,7 +321,7 @@ def test_exclude_int8_fixes_models_of_other_quantizers_in_place(kind, fixture, t
     region = {i for g in groups if set(g.fp_nodes) & set(doc["nodes_to_exclude"]) for i in g.int8_nodes}
     _outside_regions_unchanged(users, written, _with_quantizers_only_it_reads(users, region))
     snippet = (out / "reproduce.py").read_text()
-    if kind != "modelopt":
+    if not kind.startswith("modelopt"):
         assert "nncf.IgnoredScope(names=[" in snippet
     for name in doc["nodes_to_exclude"]:
         assert repr(name) in snippet or json.dumps(name) in snippet
@@ -340,3 +343,29 @@ def test_exclude_max_memory_splits_the_ranking_pass_as_compare_does(const_b_off,
         doc = json.loads((out / "exclusion.json").read_text())
         answers[budget] = (doc["nodes_to_exclude"], doc["metrics"]["after"]["cosine"])
     assert answers[None] == answers["300KB"]
+
+
+def test_modelopts_default_float16_output_is_compared_locally_and_its_effects_measured(tmp_path, capsys) -> None:
+    """Issue 43 item 3: ModelOpt's default output (int8 QDQ around float16 compute) made ``diag
+    compare`` exit 2 ``invalid-model`` on diag's own cut model (float32 fed to a float16
+    QuantizeLinear) and blame the user's model. Now the cut and the float regions follow the
+    model's float16: every node's local error and effect is measured, and inspect names the
+    float16 nodes."""
+    from diag.fixtures import producers
+
+    fx = models.build("convnet")
+    fp, ort_q, user, x = tmp_path / "m.fp32.onnx", tmp_path / "m.ort.onnx", tmp_path / "m.mo16.onnx", tmp_path / "x.npz"
+    onnx.save(fx.model, fp)
+    np.savez(x, **fx.make_inputs(16, 12))
+    quantize(fp, ort_q, "qdq", calibration=fx.make_inputs(8, 3))
+    onnx.save(producers.modelopt_fp16_style(onnx.load(ort_q)), user)
+    code, printed, err = run_cli(["inspect", user], capsys)
+    assert code == 0 and "precision:  fp16 " in printed and "made by:    NVIDIA ModelOpt" in printed, printed
+    out = tmp_path / "o"
+    code, printed, err = run_cli(["compare", fp, user, "--inputs", x, "--batch", "8", "--quiet", "--out", out], capsys)
+    assert code in (0, 3), err
+    doc = json.loads((out / "diag.json").read_text())
+    convs = [n for n in doc["nodes"] if n["op_type"].startswith("Conv")]
+    assert len(convs) == 3 and all(isinstance(n["local"]["sqnr_db"], float) for n in convs)
+    assert doc["effects"]["skipped"] == {}, doc["effects"]["skipped"]
+    assert {e["node"] for e in doc["effects"]["effects"]} >= {n["name"] for n in convs}

@@ -303,6 +303,9 @@ def _wire_cut(b: _Builder, cut: CutModel, names: _Names) -> None:
     """Add the cut model, its inputs wired to the FP32 graph's tensors (quantized for integer cuts)."""
     for ci in cut.inputs:
         src = names.fp(ci.fp_name)
+        if ci.quant is None and ci.dtype == TensorProto.FLOAT16:  # a model computing in float16
+            names.wired[ci.name] = b.node("Cast", [src], CUT_PREFIX + ci.name, to=TensorProto.FLOAT16)
+            continue
         if ci.quant is None:
             names.wired[ci.name] = src
             continue

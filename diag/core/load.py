@@ -306,6 +306,12 @@ def detect_format(proto: onnx.ModelProto) -> ModelFormat:
         wide = qdq_breakdown(proto)
         if wide is not None:
             return ModelFormat(wide.kind, dict(sorted(evidence.items())), wide.nodes, "qdq")
+        half = fp16_breakdown(proto) if has_float16(proto) else None
+        if half is not None and half.nodes.get("fp16"):
+            # int8 QDQ around float16 compute (ModelOpt's default --high_precision_dtype fp16):
+            # QDQ, with the nodes that compute in float16 named as a precision.
+            evidence["float16 nodes"] = len(half.nodes["fp16"])
+            return ModelFormat("qdq", dict(sorted(evidence.items())), {"fp16": half.nodes["fp16"]})
     return ModelFormat(kinds[0] if len(kinds) == 1 else "mixed", dict(sorted(evidence.items())))
 
 

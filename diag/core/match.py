@@ -292,6 +292,26 @@ def _dynamic_scale_of(idx: _GraphIndex, name: str) -> str | None:
     return None
 
 
+def _qdq_pair(
+    q: _GraphIndex,
+    fp_name: str,
+    int8_name: str,
+    cut_name: str,
+    tail: list[onnx.NodeProto],
+    grid: QuantParams | None,
+    producer: str | None,
+) -> TensorPair:
+    """A QDQ pair: the INT8 value is the Q/DQ ``tail`` replayed on ``cut_name``, fed at its own dtype."""
+    dtype = _float_dtype(q, cut_name)
+    return TensorPair(fp_name, int8_name, "qdq", cut_name, cut_dtype=dtype, tail=tail, grid=grid, producer=producer)
+
+
+def _float_dtype(q: _GraphIndex, name: str) -> int:
+    """Element type of a float tensor the cut model is fed at: float16 where the INT8 model computes
+    in float16 (ModelOpt's default int8 QDQ with ``--high_precision_dtype fp16``), else float32."""
+    return onnx.TensorProto.FLOAT16 if q.dtypes.get(name) == onnx.TensorProto.FLOAT16 else onnx.TensorProto.FLOAT
+
+
 def _integer_dtype(q: _GraphIndex, name: str, grid: QuantParams | None) -> int:
     """Element type of a quantized tensor: declared, else its zero point's (QGemm outputs carry none)."""
     if name in q.dtypes:
@@ -313,7 +333,7 @@ def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair 
                 qnode = q.nodes[src_prod]
                 raw = qnode.input[0]
                 grid = _node_params(q, qnode, 1, 2)
-                return TensorPair(fp_name, fp_name, "qdq", raw, tail=[qnode, pnode], grid=grid, producer=producer)
+                return _qdq_pair(q, fp_name, fp_name, raw, [qnode, pnode], grid, producer)
             if src in q.producer:  # QOperator: an integer op's output dequantized to a float name
                 grid = _node_params(q, pnode, 1, 2)
                 return TensorPair(
@@ -331,7 +351,7 @@ def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair 
         if chain is not None:
             qnode, dq = chain
             grid = _node_params(q, qnode, 1, 2)
-            return TensorPair(fp_name, dq.output[0], "qdq", fp_name, tail=[qnode, dq], grid=grid, producer=producer)
+            return _qdq_pair(q, fp_name, dq.output[0], fp_name, [qnode, dq], grid, producer)
         grid = None
         for c in q.consumers.get(fp_name, []):
             if q.nodes[c].op_type == "QuantizeLinear" and q.nodes[c].input[0] == fp_name:

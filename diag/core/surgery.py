@@ -205,19 +205,30 @@ def _read_external(init: onnx.TensorProto, folder: Path) -> None:
     init.data_location = onnx.TensorProto.DEFAULT
 
 
+def _qdq_region_input(region: _Region, t: str, pair: TensorPair, concat_grid: bool) -> str:
+    """A QDQ input's value: the float one where the input leaves quantization with the region."""
+    if pair.tail and not region.stays_quantized(t):
+        # Nothing that still quantizes this tensor touches it: excluded, it stays float.
+        return pair.cut_name
+    if concat_grid and pair.tail:
+        # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
+        # quantization belongs to this node and goes with it (excluded, the input keeps
+        # its producer's own, finer grid; its float value is the closest stand-in).
+        return pair.cut_name
+    return pair.int8_name
+
+
 def _region_input(region: _Region, t: str, pair: TensorPair, concat_grid: bool) -> str:
     """The INT8 graph's value a float node reads for input ``t``, made outside the region.
 
     ``concat_grid``: the region is a Concat whose output grid this input shares.
     """
-    if pair.how == "qdq" and pair.tail and not region.stays_quantized(t):
-        # Nothing that still quantizes this tensor touches it: excluded, it stays float.
-        return pair.cut_name
-    if concat_grid and pair.how == "qdq" and pair.tail:
-        # onnxruntime's QDQ quantizer gives a Concat's inputs the output's scale: that
-        # quantization belongs to this node and goes with it (excluded, the input keeps
-        # its producer's own, finer grid; its float value is the closest stand-in).
-        return pair.cut_name
+    if pair.how == "qdq" and pair.cut_dtype == onnx.TensorProto.FLOAT16:
+        # A model computing in float16 around its Q/DQ pairs (ModelOpt's default): the float32
+        # node reads the float16 value cast up, as it does in an FP16 model.
+        return _cast_node(_qdq_region_input(region, t, pair, concat_grid), onnx.TensorProto.FLOAT, region.new_nodes)
+    if pair.how == "qdq" and pair.tail:
+        return _qdq_region_input(region, t, pair, concat_grid)
     if pair.how == "fp16":
         # What node_block_list does: the float32 node reads its float16 input cast up.
         return _cast_node(pair.int8_name, onnx.TensorProto.FLOAT, region.new_nodes)
@@ -267,11 +278,11 @@ def _splice_region_outputs(region: _Region, g: onnx.GraphProto, fp_consumed: set
             target = pair.int8_name
         elif pair.how == "qdq" and pair.tail and not region.stays_quantized(o):
             target = pair.int8_name  # no quantized consumer is left: its Q/DQ goes too
-        elif pair.cut_quant is not None:
+        if pair.cut_quant is not None and target == pair.cut_name:
             value = _grid_node(
                 "QuantizeLinear", value, pair.cut_quant, region.new_nodes, region.new_inits, pair.cut_dtype
             )
-        elif pair.cut_dtype == onnx.TensorProto.FLOAT16:
+        elif pair.cut_dtype == onnx.TensorProto.FLOAT16 and (target == pair.cut_name or pair.how == "qdq"):
             value = _cast_node(value, onnx.TensorProto.FLOAT16, region.new_nodes)  # and its output cast back down
         # NOTE: the region writes the very tensor the consumers read (its INT8 writer's output is
         # renamed, and that writer, read by nothing now, is dropped), so no node outside the region
