@@ -44,3 +44,27 @@ def test_overlays_name_the_fp32_nodes_with_diag_json_figures(built, tmp_path, ca
     assert [t["value"] for t in local["thresholds"]][:2] == [10, 20]
     summary = (out / "summary.md").read_text()
     assert f"`model-explorer {b.fp32} --node_data_paths=modelexplorer.local.json," in summary
+
+
+def test_an_exclusion_report_adds_the_nodes_its_fix_keeps_in_float(tmp_path, capsys) -> None:
+    """`diag exclude --int8`: a fourth overlay marks the nodes the verified fix keeps in float, and
+    summary.md's command opens it with the others."""
+    import numpy as np
+
+    from diag.fixtures import models
+    from diag.fixtures.quantize import quantize
+    from diag.report.nodedata import KEPT_IN_FLOAT
+
+    fx = models.build("transformer")
+    fp, q, x = tmp_path / "t.fp32.onnx", tmp_path / "t.int8.onnx", tmp_path / "x.npz"
+    onnx.save(fx.model, fp)
+    quantize(fp, q, "dynamic")
+    np.savez(x, **fx.make_inputs(32, 12))
+    out = tmp_path / "ex"
+    args = ["exclude", str(fp), "--int8", str(q), "--inputs", str(x), "--batch", "8", "--target", "cosine>=0.999"]
+    assert cli.main([*args, "--bench-runs", "0", "--quiet", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    kept = json.loads((out / "exclusion.json").read_text())["nodes_to_exclude"]
+    overlay = json.loads((out / KEPT_IN_FLOAT).read_text())
+    assert kept and sorted(overlay["results"]) == sorted(kept) and f"wrote {KEPT_IN_FLOAT}: " in printed
+    assert f",{KEPT_IN_FLOAT}`" in (out / "summary.md").read_text()

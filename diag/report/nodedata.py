@@ -26,6 +26,9 @@ OVERLAYS = {
     "modelexplorer.accumulated.json": "diag: accumulated SQNR (dB)",
     "modelexplorer.effect.json": "diag: measured effect (% of the output error removed in float)",
 }
+#: The fourth overlay, written with the diagnosis of `diag exclude`: the nodes its verified fix
+#: keeps in float (1), on the same graph.
+KEPT_IN_FLOAT = "modelexplorer.kept_in_float.json"
 #: SQNR colours, worst first: a value at or below a threshold takes its colour (Model Explorer's
 #: rule); the bands are diag's (bad below 20 dB, :data:`diag.analysis.analyze.BAD_SQNR_DB`).
 SQNR_THRESHOLDS = [
@@ -57,6 +60,8 @@ def node_data(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         {'conv1': {'value': 12.5}, 'relu1': {'value': 12.5}}
         >>> node_data(doc)["modelexplorer.effect.json"]["results"]["conv1"]
         {'value': 80.0}
+        >>> node_data({**doc, "exclusion": {"nodes_to_exclude": ["conv1"]}})[KEPT_IN_FLOAT]["results"]
+        {'conv1': {'value': 1}}
     """
     local: dict[str, dict[str, float]] = {}
     accumulated: dict[str, dict[str, float]] = {}
@@ -73,11 +78,19 @@ def node_data(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if value is not None:
             effect.update({name: {"value": round(100 * max(value, 0.0), 1)} for name in e["fp_nodes"]})
     names = list(OVERLAYS)
-    return {
+    out = {
         names[0]: {"name": OVERLAYS[names[0]], "results": local, "thresholds": SQNR_THRESHOLDS},
         names[1]: {"name": OVERLAYS[names[1]], "results": accumulated, "thresholds": SQNR_THRESHOLDS},
         names[2]: {"name": OVERLAYS[names[2]], "results": effect, "thresholds": EFFECT_THRESHOLDS},
     }
+    kept = (doc.get("exclusion") or {}).get("nodes_to_exclude") or []
+    if kept:
+        out[KEPT_IN_FLOAT] = {
+            "name": "diag: kept in float by the verified fix",
+            "results": {name: {"value": 1} for name in kept},
+            "thresholds": [{"value": 1, "bgColor": "#5dade2"}],
+        }
+    return out
 
 
 def node_data_texts(doc: dict[str, Any]) -> dict[str, str]:
@@ -86,12 +99,14 @@ def node_data_texts(doc: dict[str, Any]) -> dict[str, str]:
 
 
 def open_command(doc: dict[str, Any]) -> str:
-    """The command that opens the FP32 model in Model Explorer with diag's overlays, run in the
-    folder the overlays were written to (the FP32 path as the run was given it).
+    """The command that opens the FP32 model in Model Explorer with diag's overlays (the verified
+    fix's nodes too, beside an exclusion), the overlays named as in their folder and the FP32 path
+    as the run was given it.
 
     Example:
         >>> open_command({"models": {"fp32": {"path": "m.onnx"}}})  # doctest: +ELLIPSIS
         'model-explorer m.onnx --node_data_paths=modelexplorer.local.json,modelexplorer.accumulated.json,...'
     """
-    paths = ",".join(OVERLAYS)
+    kept = [KEPT_IN_FLOAT] if (doc.get("exclusion") or {}).get("nodes_to_exclude") else []
+    paths = ",".join([*OVERLAYS, *kept])
     return f"model-explorer {shlex.quote(str(doc['models']['fp32']['path']))} --node_data_paths={shlex.quote(paths)}"

@@ -32,7 +32,7 @@ from diag.foundations.files import out_dir as checked_out_dir
 from diag.foundations.jsonnum import number_from_json
 from diag.report.documents import read_document
 from diag.report.exclude_view import best_fix_call, report_section
-from diag.report.nodedata import OVERLAYS, node_data_texts, open_command
+from diag.report.nodedata import KEPT_IN_FLOAT, OVERLAYS, node_data_texts, open_command
 from diag.report.plots import (
     NEIGHBOURHOOD_HOPS,
     channel_ranges,
@@ -1381,7 +1381,7 @@ def md_escape(text: str) -> str:
 
 
 #: The files of a diag compare / merge run, in the order they are printed.
-OUTPUT_NAMES = ("diag.json", "report.html", "summary.md", *OVERLAYS)
+OUTPUT_NAMES = ("diag.json", "report.html", "summary.md", *OVERLAYS, KEPT_IN_FLOAT)
 
 
 def report_to_dir(json_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Path]:
