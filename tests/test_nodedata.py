@@ -68,3 +68,56 @@ def test_an_exclusion_report_adds_the_nodes_its_fix_keeps_in_float(tmp_path, cap
     overlay = json.loads((out / KEPT_IN_FLOAT).read_text())
     assert kept and sorted(overlay["results"]) == sorted(kept) and f"wrote {KEPT_IN_FLOAT}: " in printed
     assert f",{KEPT_IN_FLOAT}`" in (out / "summary.md").read_text()
+
+
+def test_summary_md_links_a_picture_of_the_error_path_beside_it(built, tmp_path, capsys) -> None:
+    """Issue 44 item 3: reviews read summary.md first. It links ``error_path.svg`` (a file beside it:
+    GitHub and GitLab render a linked SVG, not an inline one): the worst output's path, node by
+    node, each with its accumulated SQNR as diag.json has it."""
+    b = built("convnet")
+    out = tmp_path / "o"
+    args = [
+        "compare",
+        str(b.fp32),
+        str(b.int8["dynamic"]),
+        "--inputs",
+        str(b.inputs_path),
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    assert cli.main(args) in (0, 3)
+    assert "wrote error_path.svg: " in capsys.readouterr().out
+    doc = json.loads((out / "diag.json").read_text())
+    summary = (out / "summary.md").read_text()
+    assert "](error_path.svg)" in summary
+    svg = (out / "error_path.svg").read_text()
+    assert svg.startswith("<svg") and 'xmlns="http://www.w3.org/2000/svg"' in svg
+    path = next(o for o in doc["verdict"]["outputs"] if o["error_path"])["error_path"]
+    first = next(n for n in doc["nodes"] if n["name"] == path[0])
+    assert f">{path[0]}</text>" in svg and f">{first['accumulated']['sqnr_db']:.1f} dB</text>" in svg
+
+
+def test_a_node_name_that_looks_like_a_formula_stays_text_in_every_picture(tmp_path, capsys) -> None:
+    """Names come from untrusted models: matplotlib parsed ``$...$`` in one as mathtext, and an
+    invalid formula made it raise, so the whole report failed. The name is drawn as text."""
+    import numpy as np
+
+    from diag.fixtures import models
+    from diag.fixtures.quantize import quantize
+
+    fx = models.build("convnet")
+    evil = "conv$\\frac{3}{$<b>&"
+    for node in fx.model.graph.node:
+        if node.name == "conv3":  # the head of the error path
+            node.name = evil
+    fp, q, x = tmp_path / "m.fp32.onnx", tmp_path / "m.int8.onnx", tmp_path / "x.npz"
+    onnx.save(fx.model, fp)
+    quantize(fp, q, "dynamic")
+    np.savez(x, **fx.make_inputs(16, 12))
+    out = tmp_path / "o"
+    code = cli.main(["compare", str(fp), str(q), "--inputs", str(x), "--batch", "8", "--quiet", "--out", str(out)])
+    assert code in (0, 3), capsys.readouterr().err
+    svg = (out / "error_path.svg").read_text()
+    assert "<b>" not in svg and ">conv$\\frac{3}{$&lt;b&gt;&amp;</text>" in svg
+    assert "<b>&" not in (out / "report.html").read_text()

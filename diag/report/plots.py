@@ -12,6 +12,7 @@ from typing import Any
 
 import networkx as nx
 
+from diag.analysis.analyze import shortened_path
 from diag.core.distributions import BINS, Pow2Histogram
 
 
@@ -24,6 +25,9 @@ def pyplot() -> Any:
     # and faster to write than with every glyph as a path.
     matplotlib.rcParams["svg.fonttype"] = "none"
     matplotlib.rcParams["svg.hashsalt"] = "diag"  # stable ids: the same plot gives the same bytes
+    # Node names come from untrusted models: "$...$" in one must stay text, not become mathtext
+    # (an invalid formula made matplotlib raise and the whole report fail).
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     return plt
@@ -274,3 +278,47 @@ def _db_text(v: float | str | None) -> str:
     if isinstance(v, str):
         return "∞" if v == "inf" else v
     return f"{v:.0f}"
+
+
+#: Accumulated-SQNR colours of the error-path picture, worst first (upper bound in dB, colour).
+PATH_COLOURS = ((10.0, "#e74c3c"), (20.0, "#f39c12"), (30.0, "#f7dc6f"), (math.inf, "#abebc6"))
+
+
+def _path_colour(db: float) -> str:
+    return next(colour for bound, colour in PATH_COLOURS if db <= bound)
+
+
+def error_path_picture(doc: dict[str, Any]) -> str:
+    """The worst output's error path as a row of boxes, each node with its accumulated SQNR and
+    coloured by it, the output last: the picture summary.md shows (an SVG file beside it: GitHub
+    and GitLab render a linked image, not inline SVG). "" when no output has a path.
+
+    The path is shortened as the terminal prints it (:func:`diag.analysis.analyze.shortened_path`).
+    """
+    outputs = [o for o in doc["verdict"]["outputs"] if o.get("error_path")]
+    if not outputs:
+        return ""
+    worst = min(outputs, key=lambda o: _clip_db(o.get("sqnr_db")))
+    by_name = {n["name"]: n for n in doc["nodes"]}
+    steps = shortened_path(list(worst["error_path"]), 2, 6, "... {} more ...")
+    boxes = []
+    for label in steps:
+        node = by_name.get(label)
+        db = _clip_db(node["accumulated"]["sqnr_db"]) if node and node.get("accumulated") else None
+        boxes.append((label, db))
+    boxes.append((f"output {worst['name']}", _clip_db(worst.get("sqnr_db"))))
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(min(1.55 * len(boxes), 13), 1.1), dpi=80)
+    for i, (label, db) in enumerate(boxes):
+        shown = label if len(label) <= 24 else "..." + label[-21:]
+        text = shown if db is None else f"{shown}\n{db:.1f} dB"
+        face = "#eaeded" if db is None else _path_colour(db)
+        ax.text(
+            i, 0, text, ha="center", va="center", fontsize=7, bbox={"boxstyle": "round", "fc": face, "ec": "#7f8c8d"}
+        )
+        if i:
+            ax.annotate("", (i - 0.42, 0), (i - 0.58, 0), arrowprops={"arrowstyle": "->", "color": "#7f8c8d"})
+    ax.set_xlim(-0.6, len(boxes) - 0.4)
+    ax.set_ylim(-0.6, 0.6)
+    ax.axis("off")
+    return figure_svg(fig)

@@ -38,6 +38,7 @@ from diag.report.plots import (
     channel_ranges,
     distribution,
     error_along_graph,
+    error_path_picture,
     neighbourhood,
     per_layer,
 )
@@ -470,6 +471,9 @@ class ReportView:
     task_lines: list[str] = field(default_factory=list)
     #: Worst quantization blocks of block-wise weights (MatMulNBits, int4 QDQ).
     weight_blocks: list[BlockRow] = field(default_factory=list)
+    #: The error-path picture's file name beside summary.md, "" when none is written (set by
+    #: :func:`output_texts`, which writes it).
+    error_path_picture: str = ""
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
@@ -1381,7 +1385,9 @@ def md_escape(text: str) -> str:
 
 
 #: The files of a diag compare / merge run, in the order they are printed.
-OUTPUT_NAMES = ("diag.json", "report.html", "summary.md", *OVERLAYS, KEPT_IN_FLOAT)
+#: The picture of the worst output's error path summary.md links (:func:`diag.report.plots.error_path_picture`).
+ERROR_PATH_PICTURE = "error_path.svg"
+OUTPUT_NAMES = ("diag.json", "report.html", "summary.md", ERROR_PATH_PICTURE, *OVERLAYS, KEPT_IN_FLOAT)
 
 
 def report_to_dir(json_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, Path]:
@@ -1405,11 +1411,14 @@ def report_to_dir(json_path: str | os.PathLike[str], out: str | os.PathLike[str]
 
 def output_texts(doc: dict[str, Any]) -> dict[str, str]:
     """diag.json, report.html and summary.md of a document, rendered in memory (nothing written)."""
-    view = view_from_document(doc)
+    picture = error_path_picture(doc) if doc.get("nodes") else ""
+    view = dataclasses.replace(view_from_document(doc), error_path_picture=ERROR_PATH_PICTURE if picture else "")
     return {
         "diag.json": json.dumps(doc, indent=1, sort_keys=False, ensure_ascii=False) + "\n",
         "report.html": render_html(view),
         "summary.md": render_markdown(view),
+        # The error path as a picture summary.md links: GitHub and GitLab render it, not inline SVG.
+        **({ERROR_PATH_PICTURE: picture + "\n"} if picture else {}),
         # Model Explorer overlays (diag.report.nodedata): the figures on the model's graph.
         **node_data_texts(doc),
     }
