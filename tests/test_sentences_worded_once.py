@@ -143,3 +143,18 @@ def test_names_in_the_headline_copy_from_summary_md_and_the_report_as_the_models
     assert "<code>block_1/conv_2*down_proj</code>" in html
     # The plain sentence (terminal, diag.json) is the same words without the markup.
     assert doc["verdict"]["cause"] == "".join(p["text"] for p in headline["parts"])
+
+
+def test_a_merge_re_aims_the_shards_command_from_its_parts_and_ignores_a_malformed_one() -> None:
+    """The shards' exclude command is kept in parts (no ``rsplit(' --target ')`` of a sentence); a
+    shard file is untrusted, so parts that are not three strings give no command, not a crash."""
+    from diag.analysis.merge import _shard_command
+
+    parts = {"fp32": "m.onnx", "int8": "q q.onnx", "feeds": "--inputs x.npz --batch 8", "target": "cosine>=0.99"}
+    doc = {"verdict": {"headline": {"search": {"command": parts, "held_here": False}}}}
+    assert str(_shard_command(doc, "cosine>=0.999")) == (
+        "diag exclude m.onnx --int8 'q q.onnx' --inputs x.npz --batch 8 --target 'cosine>=0.999'"
+    )
+    for bad in ({"fp32": 1, "int8": "q", "feeds": ""}, ["m.onnx"], "diag exclude; rm -rf /", None):
+        assert _shard_command({"verdict": {"headline": {"search": {"command": bad}}}}, "cosine>=0.99") is None
+    assert _shard_command({}, "cosine>=0.99") is None

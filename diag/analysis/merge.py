@@ -170,11 +170,19 @@ def _merge_documents(
     result.fix_recipe = first.get("recommendation", {}).get("recipe")
     # The shards' command carries their paths and inputs; its target is the merged run's (each
     # shard chose one from its own samples' worst cosine).
-    search = first.get("verdict", {}).get("headline", {}).get("search", {}).get("command")
-    if search:
-        command = ExcludeCommand(**{**search, "target": exclusion_target(result.verdicts)})
-        result.headline.search = NextSearch(command)
+    result.headline.search = NextSearch(_shard_command(first, exclusion_target(result.verdicts)))
     return result
+
+
+def _shard_command(doc: dict[str, Any], target: str) -> ExcludeCommand | None:
+    """The exclude command a shard recorded, aimed at ``target``; None when the shard has none or
+    it is not the three strings diag writes (a shard file is read as untrusted input)."""
+    search = (((doc.get("verdict") or {}).get("headline") or {}).get("search") or {}).get("command")
+    parts = [search.get(k) for k in ("fp32", "int8", "feeds")] if isinstance(search, dict) else []
+    fp32, int8, feeds = parts if len(parts) == 3 else [None] * 3
+    if not (isinstance(fp32, str) and isinstance(int8, str) and isinstance(feeds, str)):
+        return None
+    return ExcludeCommand(fp32, int8, feeds, target)
 
 
 def _plugin_spec(doc: dict[str, Any]) -> Any:
