@@ -16,13 +16,14 @@ diag.json keeps both the sentence and the typed fields (``verdict.headline``).
 The user's names inside a sentence (nodes, tensors, outputs, the command to run) are
 :class:`Name` parts, never plain text: the terminal prints them as they are, summary.md as code
 spans (a name copied from the raw Markdown is the model's own, ``self_attn/v_proj``, not
-``self\\_attn``: issue 46) and report.html as ``<code>``, from the same parts.
+``self\\_attn``: issue 46) and report.html as ``<code>``, from the same parts (diag.json's
+``verdict.headline.parts``, which :mod:`diag.report.view` renders).
 """
 
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -200,11 +201,6 @@ class Headline:
         """The whole sentence as parts: subject, cause, then the spread-error remedies."""
         tail: Said = (". What fits spread error: ", *self.spread.words(self.search)) if self.spread is not None else ()
         return (*self.subject, *self.cause, *tail)
-
-    def render(self, name: Callable[[str], str], prose: Callable[[str], str]) -> str:
-        """The sentence with each name and each piece of prose formatted for a medium (Markdown: a
-        code span and escaped text)."""
-        return "".join(name(p.text) if isinstance(p, Name) else prose(p) for p in self.said())
 
     def text(self) -> str:
         """The sentence, worded here and nowhere else (plain: the terminal's and diag.json's form).
