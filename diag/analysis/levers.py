@@ -26,14 +26,13 @@ cannot set ``op_types_to_quantize``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
 import onnx
 
 from diag.analysis.analyze import NodeFinding
-from diag.foundations.producers import ORT_RECIPE_PRODUCERS, PRODUCERS, type_fix_call
+from diag.foundations.producers import ORT_RECIPE_PRODUCERS, PRODUCERS, op_types_change, type_fix_call
 
 #: Formats whose quantizer has the ``MatMulConstBOnly`` key, and its default there.
 CONST_B_ONLY_DEFAULT = {"dynamic": True, "qdq": False, "qoperator": False}
@@ -101,7 +100,12 @@ def group_candidates(
     act_act = _act_act_matmuls(fp, quantized)
     ort = producer in ORT_RECIPE_PRODUCERS
     if len(act_act) >= 2 and fmt in CONST_B_ONLY_DEFAULT and not nearly_all(len(act_act), len(quantized)):
-        groups.append(_const_b_group(act_act, fmt) if ort else _own_exclusion_group(act_act, producer))
+        if ort:
+            groups.append(_const_b_group(act_act, fmt))
+        else:
+            label = f"the {len(act_act)} activation x activation MatMuls"
+            what = "activation x activation MatMuls quantized"
+            groups.append(_own_exclusion_group(act_act, producer, "act_act_matmuls", label, what))
     by_type: dict[str, list[NodeFinding]] = {}
     for f in quantized:
         by_type.setdefault(f.group.op_types[0], []).append(f)
@@ -116,33 +120,20 @@ def group_candidates(
 
 
 def _op_type_group(op: str, members: list[NodeFinding], others: list[str], producer: str) -> GroupCandidate:
-    """Every quantized node of ``op``: onnxruntime's ``op_types_to_quantize`` without it, or the
-    producer's own switch for op types (:func:`diag.foundations.producers.type_fix_call`)."""
+    """Every quantized node of ``op``, switched by the producer's change for op types
+    (:func:`diag.foundations.producers.op_types_change`: onnxruntime's ``op_types_to_quantize``
+    without it, NNCF's ``IgnoredScope(types=...)``, ...), or as nodes for its own exclusion list."""
     label = f"every quantized {op} ({len(members)})"
-    if producer in ORT_RECIPE_PRODUCERS:
-        return GroupCandidate(
-            "op_type",
-            label,
-            f"op_types_to_quantize with {op}",
-            f"op_types_to_quantize={json.dumps(others)}",
-            tuple(members),
-        )
-    own = type_fix_call(producer, [op])
-    if own is None:
+    ort = producer in ORT_RECIPE_PRODUCERS
+    if not ort and type_fix_call(producer, [op]) is None:
         return _own_exclusion_group(members, producer, "op_type", label, f"{op} quantized")
-    return GroupCandidate("op_type", label, f"{PRODUCERS[producer].name} quantizes every {op}", own, tuple(members))
+    lever = f"op_types_to_quantize with {op}" if ort else f"{PRODUCERS[producer].name} quantizes every {op}"
+    return GroupCandidate("op_type", label, lever, op_types_change(producer, [op], others), tuple(members))
 
 
-def _own_exclusion_group(
-    members: list[NodeFinding],
-    producer: str,
-    kind: str = "act_act_matmuls",
-    label: str = "",
-    what: str = "activation x activation MatMuls quantized",
-) -> GroupCandidate:
+def _own_exclusion_group(members: list[NodeFinding], producer: str, kind: str, label: str, what: str) -> GroupCandidate:
     """A group whose switch diag knows only as a node list in the producer's own exclusion call."""
     name = PRODUCERS[producer].name
-    label = label or f"the {len(members)} activation x activation MatMuls"
     return GroupCandidate(
         kind,
         label,
