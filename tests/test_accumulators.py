@@ -118,6 +118,12 @@ def _feed_state(state: CompareState, b: dict[str, Any]) -> None:
     state.distributions.setdefault("t", DistributionAccumulator(GRID, "Conv")).update(b["x"], b["y"])
     state.fp16_ranges.setdefault("t", Fp16Range()).update(b["x"])
     state.numpy_reduced.setdefault("pass", "whole pass reduced in numpy: a test")
+    # Padding masked out: the all-positions errors beside the real positions' (diag.core.positions).
+    state.mask_input = "attention_mask"
+    state.positions += 2 * len(b["labels"])
+    state.padding += len(b["labels"])
+    state.all_positions.setdefault("t", ErrorAccumulator()).update(b["x"], b["y"] * 1.5, b["scale"])
+    state.all_positions_local.setdefault("t", ErrorAccumulator()).update(b["x"], b["x"] + 0.02, GRID.scale)
     for metric in state.task.values():
         _feed_task(metric, b)
     n = len(b["labels"])

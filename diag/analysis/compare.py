@@ -60,6 +60,7 @@ from diag.core.load import LoadedModel, model_from_path
 from diag.core.match import Matching, match_models
 from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputStats
 from diag.core.nbits import AccuracyLevelCheck, accuracy_level_nodes, check_accuracy_level
+from diag.core.positions import Padding
 from diag.core.recipe import Recipe
 from diag.core.run import check_memory
 from diag.core.saturation import predict_avx2
@@ -140,6 +141,11 @@ class CompareOptions:
     #: Samples the local error is measured on, the first ones: a count, ``"all"``, or ``"auto"``
     #: (all, but the first 16 for FP32 weights of 1 GiB and more: :func:`diag.core.streaming.local_sample_limit`).
     local_samples: int | str = "auto"
+    #: The input whose zeros mark padding that per-tensor errors leave out (``--mask-input``);
+    #: None: an input named ``attention_mask`` when the model has one (:mod:`diag.core.positions`).
+    mask_input: str | None = None
+    #: Count every position, padding included (``--no-mask``).
+    no_mask: bool = False
 
     @property
     def reference_samples(self) -> int | str:
@@ -206,6 +212,12 @@ class CompareResult:
     cluster: dict[str, Any] = field(default_factory=dict)
     #: ``--accuracy-level-check``: the MatMulNBits nodes at that accuracy_level vs 0 (diag.core.nbits).
     accuracy_level: AccuracyLevelCheck | None = None
+    #: The padding the per-tensor errors left out (``accumulated`` / ``local`` count real positions);
+    #: None when every position counted (no mask input, or ``--no-mask``).
+    padding: Padding | None = None
+    #: Errors over every position, padding included, of the tensors that have a sequence axis.
+    all_positions: dict[str, ErrorStats] = field(default_factory=dict)
+    all_positions_local: dict[str, ErrorStats] = field(default_factory=dict)
 
     @property
     def single_cause(self) -> bool:
@@ -546,6 +558,9 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
         state=state,
         exact_verdicts=exact_verdicts,
         task_metrics=grades.task_metrics,
+        padding=Padding(state.mask_input, state.positions, state.padding) if state.mask_input else None,
+        all_positions=figures.all_positions,
+        all_positions_local=figures.all_positions_local,
     )
     if weights is None:
         attach_weights(result, _weight_report(fp, q))

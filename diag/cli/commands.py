@@ -205,6 +205,8 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
         metric=args.metric,
         reductions=args.reductions,
         scheduler=args.scheduler,
+        mask_input=args.mask_input,
+        no_mask=args.no_mask,
     )
 
 
@@ -578,6 +580,14 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
         "in numpy (the reference); 'graph' computes them inside onnxruntime, one diagnostic graph per pass",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local-error pass (faster, no root causes)")
+    p.add_argument(
+        "--mask-input",
+        metavar="NAME",
+        help="the [batch, seq] input whose zeros mark padding: per-tensor errors count the real positions only "
+        "(default: an input named attention_mask, when the model has one); diag.json keeps the all-positions "
+        "figures beside them",
+    )
+    p.add_argument("--no-mask", action="store_true", help="count every position, padding included")
     p.add_argument(
         "--local-samples",
         default="auto",

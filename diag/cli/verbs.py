@@ -390,6 +390,8 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
             else ""
         )
     )
+    if result.padding is not None:
+        lines.append(f"  {result.padding.sentence()}")
     lines += [f"wrote {name}: {path}" for name, path in files.items()]
     return lines
 

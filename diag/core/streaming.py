@@ -46,6 +46,7 @@ from diag.core.load import LoadedModel
 from diag.core.match import Matching, TensorPair
 from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats, sum_of_squares
 from diag.core.outputs import channel_axes, output_specs
+from diag.core.positions import BatchPadding, PositionMask, kept_positions, kept_values, mask_for_model
 from diag.core.protos import value_dtypes
 from diag.core.run import (
     batch_tensor_bytes,
@@ -108,6 +109,10 @@ class StreamOptions(Protocol):
     def reference_samples(self) -> int | str: ...
     @property
     def local_samples(self) -> int | str: ...
+    @property
+    def mask_input(self) -> str | None: ...
+    @property
+    def no_mask(self) -> bool: ...
 
 
 @dataclass
@@ -131,6 +136,10 @@ class CompareState:
         health: dict[str, TensorHealth]
         task: dict[str, dict[str, float]]
         fp16_ranges: dict[str, dict[str, Any]]
+        #: Errors over every position of the tensors whose padding was masked out (the figures
+        #: above count real positions only): :mod:`diag.core.positions`.
+        all_positions: dict[str, ErrorStats] = field(default_factory=dict)
+        all_positions_local: dict[str, ErrorStats] = field(default_factory=dict)
 
     #: Version of the ``to_state`` layout. 2: a tensor's dynamic scales are a summary (count,
     #: sum, min, max) instead of one float per batch, FP16 range counts are saved; 1 is still read.
@@ -165,9 +174,23 @@ class CompareState:
     #: by the first pass for the effect check (:mod:`diag.core.spill`). A handle, not a figure:
     #: not part of the shard state, not merged.
     kept_outputs: SpilledBatches | None = None
+    #: The input whose zeros mark padding (:mod:`diag.core.positions`), None when every position counts.
+    mask_input: str | None = None
+    #: ``[batch, seq]`` positions the mask input covered, and how many of them it marked as padding.
+    positions: int = 0
+    padding: int = 0
+    #: Errors over every position of the tensors ``accumulated`` / ``local`` count real positions of.
+    all_positions: dict[str, ErrorAccumulator] = field(default_factory=dict)
+    all_positions_local: dict[str, ErrorAccumulator] = field(default_factory=dict)
 
     def merge(self, other: CompareState) -> CompareState:
-        for mine, theirs in ((self.accumulated, other.accumulated), (self.local, other.local)):
+        errors = (
+            (self.accumulated, other.accumulated),
+            (self.local, other.local),
+            (self.all_positions, other.all_positions),
+            (self.all_positions_local, other.all_positions_local),
+        )
+        for mine, theirs in errors:
             for k, acc in theirs.items():
                 mine.setdefault(k, ErrorAccumulator()).merge(acc)
         for k, oacc in other.outputs.items():
@@ -180,6 +203,9 @@ class CompareState:
         for k in self.labelled:
             self.labelled[k] += other.labelled.get(k, 0)
         self.samples += other.samples
+        self.positions += other.positions
+        self.padding += other.padding
+        self.mask_input = self.mask_input or other.mask_input
         self.local_samples += other.local_samples
         self.batches += other.batches
         self.passes = max(self.passes, other.passes)
@@ -206,6 +232,9 @@ class CompareState:
             health={k: d.finalize(outlier_factor) for k, d in self.distributions.items()},
             task={k: m.finalize() for k, m in self.task.items()},
             fp16_ranges={k: r.finalize() for k, r in self.fp16_ranges.items()},
+            # Without padding in any batch the all-positions figures are the figures: none kept.
+            all_positions={k: a.finalize() for k, a in self.all_positions.items()} if self.padding else {},
+            all_positions_local={k: a.finalize() for k, a in self.all_positions_local.items()} if self.padding else {},
         )
 
     def to_state(self) -> State:
@@ -226,6 +255,11 @@ class CompareState:
             # Task metrics (F1 counts, a --metric plugin's state() with its module:function).
             "task": task_to_state(self.task),
             "fp16_ranges": states_of(self.fp16_ranges),
+            "mask_input": self.mask_input,
+            "positions": self.positions,
+            "padding": self.padding,
+            "all_positions": states_of(self.all_positions),
+            "all_positions_local": states_of(self.all_positions_local),
         }
 
     @classmethod
@@ -246,6 +280,11 @@ class CompareState:
             fused=[FusedKernel(**k) for k in state["fused"]],
             task=task_from_state(state.get("task")),
             fp16_ranges=from_states(Fp16Range, state.get("fp16_ranges") or {}),
+            mask_input=state.get("mask_input"),
+            positions=int(state.get("positions") or 0),
+            padding=int(state.get("padding") or 0),
+            all_positions=from_states(ErrorAccumulator, state.get("all_positions") or {}),
+            all_positions_local=from_states(ErrorAccumulator, state.get("all_positions_local") or {}),
         )
 
 
@@ -280,6 +319,17 @@ def run_comparison(
         cut, unchanged = _local_model(fp, q, pairs)
     groups = _plan_passes(fp, pairs, feeds, options)
     state = _start_state(fp, q, pairs, labels, options, len(groups))
+    mask = mask_for_model(fp.graph, options.mask_input, options.no_mask)
+    if mask is not None and options.reductions == "graph":
+        # NOTE: the diagnostic graph sums over every position; masking there would need the mask
+        # broadcast into each reduction. Refused rather than silently counting the padding.
+        raise DiagError(
+            "bad-option",
+            "--reductions graph",
+            f"counts every position, but the input '{mask.input_name}' marks padding to leave out",
+            "add --no-mask to count the padding too, or use --reductions numpy",
+        )
+    state.mask_input = mask.input_name if mask is not None else None
     runtime_unmatched: dict[str, str] = {}
     deployed = _deployed_session(q, matching, options, state) if options.opt_level != "disabled" else None
     total = feeds.total_samples * len(groups) if feeds.total_samples is not None else None
@@ -305,6 +355,7 @@ def run_comparison(
                     labels=labels,
                     progress=progress,
                     deployed=deployed if i == 0 else None,
+                    mask=mask,
                 )
             )
     finally:
@@ -314,6 +365,8 @@ def run_comparison(
     for name in unchanged:
         if name in state.accumulated and name not in state.local:
             state.local[name] = ErrorAccumulator.of_unchanged(state.accumulated[name])
+            if name in state.all_positions:
+                state.all_positions_local[name] = ErrorAccumulator.of_unchanged(state.all_positions[name])
     return state, runtime_unmatched
 
 
@@ -477,6 +530,8 @@ class _Pass:
     progress: Progress
     #: The INT8 session at the deploy level (first pass only, and only when not disabled).
     deployed: ort.InferenceSession | None = None
+    #: The input whose zeros mark the padding the errors leave out (:mod:`diag.core.positions`).
+    mask: PositionMask | None = None
 
     def mine(self) -> dict[str, TensorPair]:
         """This pass's matched tensors (a new dict: a pass drops the pairs whose shapes differ from it)."""
@@ -489,10 +544,14 @@ class _Pass:
         """Whether batch ``index`` belongs to another shard (``--shard k/n``)."""
         return self.options.shard is not None and index % self.options.shard[1] != self.options.shard[0]
 
-    def done(self, size: int, local: bool) -> None:
+    def done(self, size: int, local: bool, feeds: dict[str, np.ndarray]) -> None:
         """A batch of ``size`` samples is reduced (counted once, by the first pass); ``local``: its
         local error too (when the run measures local error at all)."""
         if self.first:
+            if self.mask is not None and self.mask.input_name in feeds:
+                m = np.asarray(feeds[self.mask.input_name])
+                self.state.positions += int(m.size)
+                self.state.padding += int(m.size - np.count_nonzero(m))
             self.state.samples += size
             self.state.batches += 1
             self.state.local_samples += size if local and self.options.local else 0
@@ -524,8 +583,7 @@ def _run_pass(p: _Pass) -> None:
             # no more than that batch's values less its FP32 values: the FP32 run refills what
             # was freed, so about one batch of values is alive at a time (the peak of a
             # sequential loop), while the reductions fill the cores onnxruntime leaves idle.
-            # Each accumulator still sees its batches in order (:class:`_Reductions`).
-            reductions.wait_below(overlap)
+            reductions.wait_below(overlap)  # each accumulator sees its batches in order (:class:`_Reductions`)
             if mapped and index > 0:
                 resident = file_resident_bytes()
                 if working is None:
@@ -544,7 +602,8 @@ def _run_pass(p: _Pass) -> None:
             fp_bytes = sum(int(v.nbytes) for v in fp_out.values())
             if kept is not None and not kept.full:
                 kept.add({name: fp_out[name] for name in output_names}, batch.size)
-            fp_sides = reductions.submit(_fp_jobs(mine, fp_out, p.state))  # while the INT8 model runs
+            keep = kept_positions(batch.feeds, p.mask)
+            fp_sides = reductions.submit(_fp_jobs(mine, fp_out, p.state, keep))  # while the INT8 model runs
             # The last batch's tasks end before this batch's INT8 values arrive (its FP32 sides hold
             # nothing): one batch of values at most, as in a sequential loop.
             reductions.wait_below(0)
@@ -557,11 +616,11 @@ def _run_pass(p: _Pass) -> None:
                 local_out = {name: q_out.pop(name) for name in dict.fromkeys(lo.name for lo in cut.outputs)}
             else:
                 q_out = run_batch(q_sess, batch.feeds, f"INT8 model '{p.q.path.name}'")
-            for name in mine:
-                if name in p.state.fp16_ranges and name in fp_out:
-                    p.state.fp16_ranges[name].update(fp_out[name])
+            _update_fp16_ranges(p.state, mine, fp_out)
             # Each INT8 value is freed as soon as its reduction is done (the task holds the last reference).
-            reductions.submit(_accumulated_jobs(mine, p.pairs, fp_out, q_out, p.state, p.runtime_unmatched, fp_sides))
+            reductions.submit(
+                _accumulated_jobs(mine, p.pairs, fp_out, q_out, p.state, p.runtime_unmatched, fp_sides, keep)
+            )
             _update_outputs(p, output_names, batch.feeds, fp_out, q_out, offset, batch.size)
             del q_out
             if local_out is None and cut is not None and cut_sess is not None:
@@ -570,15 +629,22 @@ def _run_pass(p: _Pass) -> None:
             if local_out is not None and cut is not None:
                 # Local and accumulated reductions touch different accumulators: no wait between them.
                 _local_parts(cut, fp_out, local_out, p.state)
-                reductions.submit(_local_jobs(cut, mine, fp_out, local_out, p.state, fp_sides))
+                reductions.submit(_local_jobs(cut, mine, fp_out, local_out, p.state, fp_sides, keep))
                 del local_out
             del fp_out, fp_sides
             overlap = max(0, reductions.held - fp_bytes)
             offset += batch.size
-            p.done(batch.size, local)
+            p.done(batch.size, local, batch.feeds)
         reductions.wait()
     finally:
         reductions.close()
+
+
+def _update_fp16_ranges(state: CompareState, mine: dict[str, TensorPair], fp_out: dict[str, np.ndarray]) -> None:
+    """FP16 models: how this batch's FP32 tensors fit FP16's range."""
+    for name in mine:
+        if name in state.fp16_ranges and name in fp_out:
+            state.fp16_ranges[name].update(fp_out[name])
 
 
 def _exposed_sessions(
@@ -753,7 +819,7 @@ def _run_graph_pass(p: _Pass) -> None:
             _update_graph_outputs(p, dg, output_names, out, batch.feeds, offset, batch.size)
             del out
             offset += batch.size
-            p.done(batch.size, True)  # the diagnostic graph measures every sample
+            p.done(batch.size, True, batch.feeds)  # the diagnostic graph measures every sample
         if pending is not None:
             pending.result()
     finally:
@@ -948,9 +1014,15 @@ class Job(NamedTuple):
     shared: tuple[np.ndarray, ...] = ()
 
 
-def _fp_jobs(mine: dict[str, TensorPair], fp_out: dict[str, np.ndarray], state: CompareState) -> list[Job]:
+def _fp_jobs(
+    mine: dict[str, TensorPair], fp_out: dict[str, np.ndarray], state: CompareState, keep: BatchPadding | None = None
+) -> list[Job]:
     """One :func:`_reduce_fp` task per matched tensor of a batch: its FP32 side, ready before the INT8 run."""
-    return [Job(name, _reduce_fp, (state.distributions.get(name), fp_out[name])) for name in mine if name in fp_out]
+    return [
+        Job(name, _reduce_fp, (state.distributions.get(name), fp_out[name], _padding_axis(name, fp_out[name], keep)))
+        for name in mine
+        if name in fp_out
+    ]
 
 
 def _accumulated_jobs(
@@ -961,10 +1033,12 @@ def _accumulated_jobs(
     state: CompareState,
     runtime_unmatched: dict[str, str],
     fp_sides: dict[str, Future[tuple[float, bool]]] | None = None,
+    keep: BatchPadding | None = None,
 ) -> list[Job]:
     """One :func:`_reduce` task per matched tensor of a batch; drops pairs whose shapes differ.
 
     ``fp_sides``: the batch's :func:`_reduce_fp` tasks, when the FP32 sides were reduced apart.
+    ``keep``: the batch's real positions (:func:`diag.core.positions.kept_positions`), None: all.
     """
     jobs: list[Job] = []
     for name, pair in list(mine.items()):
@@ -983,7 +1057,8 @@ def _accumulated_jobs(
         acc = state.accumulated.setdefault(name, ErrorAccumulator())
         dist = state.distributions.get(name)
         fp_side = fp_sides.get(name) if fp_sides is not None else None
-        args = (acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None, fp_side)
+        whole = _padding_masked(state.all_positions, name, ref, keep)
+        args = (acc, dist, ref, value, pair.dequant, scale, scale if pair.dynamic_scale else None, fp_side, whole)
         jobs.append(Job(name, _reduce, args, holds=int(value.nbytes), shared=(ref,)))
     return jobs
 
@@ -995,6 +1070,7 @@ def _local_jobs(
     local_out: dict[str, np.ndarray],
     state: CompareState,
     fp_sides: dict[str, Future[tuple[float, bool]]] | None = None,
+    keep: BatchPadding | None = None,
 ) -> list[Job]:
     """One :func:`_reduce` task per locally recomputed tensor of a batch (error only, no distribution)."""
     jobs: list[Job] = []
@@ -1006,7 +1082,8 @@ def _local_jobs(
         if value.shape == ref.shape:
             acc = state.local.setdefault(lo.fp_name, ErrorAccumulator())
             fp_side = fp_sides.get(lo.fp_name) if fp_sides is not None else None
-            args = (acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None, fp_side)
+            whole = _padding_masked(state.all_positions_local, lo.fp_name, ref, keep)
+            args = (acc, None, ref, value, lo.dequant, _scale_for(mine[lo.fp_name], None), None, fp_side, whole)
             jobs.append(Job(f"local {lo.fp_name}", _reduce, args, holds=int(value.nbytes), shared=(ref,)))
     return jobs
 
@@ -1125,16 +1202,49 @@ def _after(before: Future[Any] | None, fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
-def _reduce_fp(dist: DistributionAccumulator | None, ref: np.ndarray) -> tuple[float, bool]:
+def _reduce_fp(
+    dist: DistributionAccumulator | None, ref: np.ndarray, padding: tuple[np.ndarray, int] | None = None
+) -> tuple[float, bool]:
     """The FP32 side of one tensor of one batch: Σx² for its errors, its distribution's FP32 half.
 
+    ``padding``: the batch's real positions and the tensor's sequence axis; the distribution
+    then counts the real positions only (Σx² stays every position's: the all-positions error).
     Returns Σx² and whether the distribution counted the batch (its INT8 half follows only then).
     """
-    counted = dist.update_fp(ref) if dist is not None else False
+    if dist is not None and padding is not None:
+        counted = dist.update_fp(kept_values(ref, *padding))
+    else:
+        counted = dist.update_fp(ref) if dist is not None else False
     return sum_of_squares(ref), counted
 
 
-def _reduce(
+class _Masked(NamedTuple):
+    """A tensor's padding for one batch: its all-positions accumulator, the real positions and their axis."""
+
+    whole: ErrorAccumulator
+    keep: np.ndarray
+    axis: int
+    #: No padding in this batch: both accumulators get every value (no copy).
+    all_kept: bool
+
+
+def _padding_axis(name: str, value: np.ndarray, keep: BatchPadding | None) -> tuple[np.ndarray, int] | None:
+    """The batch's real positions and the tensor's sequence axis, or None when it counts every value."""
+    axis = keep.axis(name, value.shape) if keep is not None else None
+    return (keep.keep, axis) if keep is not None and axis is not None else None
+
+
+def _padding_masked(
+    whole: dict[str, ErrorAccumulator], name: str, value: np.ndarray, keep: BatchPadding | None
+) -> _Masked | None:
+    """How one tensor of a batch leaves its padding out, or None when it counts every value."""
+    axis = keep.axis(name, value.shape) if keep is not None else None
+    if keep is None or axis is None:
+        return None
+    return _Masked(whole.setdefault(name, ErrorAccumulator()), keep.keep, axis, keep.all_kept)
+
+
+def _reduce(  # NOTE: nine parameters, because a pool task is a function and one tuple of arguments (Job)
     acc: ErrorAccumulator,
     dist: DistributionAccumulator | None,
     ref: np.ndarray,
@@ -1143,16 +1253,25 @@ def _reduce(
     scale: float | None,
     dynamic_scale: float | None,
     fp_side: Future[tuple[float, bool]] | None = None,
+    masked: _Masked | None = None,
 ) -> None:
     """Reduce one tensor of one batch into its accumulators (one task of the reduction pool).
 
     ``fp_side``: the batch's :func:`_reduce_fp` task of this tensor, when its FP32 side was
     reduced apart (its Σx² is reused, its distribution gets only the INT8 half here).
+    ``masked``: the batch has padding on this tensor's sequence axis: ``acc`` counts the real
+    positions, ``masked.whole`` every position; the distribution counts the real positions.
     """
     s_xx, counted = fp_side.result() if fp_side is not None else (None, False)
     if dequant is not None:
         value = dequant.dequantize(value)
-    acc.update(ref, value, scale, s_xx=s_xx)
+    if masked is not None:
+        masked.whole.update(ref, value, scale, s_xx=s_xx)
+    if masked is None or masked.all_kept:
+        acc.update(ref, value, scale, s_xx=s_xx)
+    else:
+        ref, value = kept_values(ref, masked.keep, masked.axis), kept_values(value, masked.keep, masked.axis)
+        acc.update(ref, value, scale)
     if dist is None:
         return
     if fp_side is None:

@@ -67,6 +67,8 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
             "local_samples": result.local_samples,
             "passes": result.passes,
             "kernel_path": kernel_path().to_dict(),
+            # The padding per-tensor errors left out (diag.core.positions); null: every position counted.
+            "positions": result.padding.to_dict() if result.padding is not None else None,
         },
         "deployed": _deployed(result),
         "thresholds": {"bad_sqnr_db": BAD_SQNR_DB, "amplify_db": AMPLIFY_DB, "inherit_db": INHERIT_DB, "bands": BANDS},
@@ -267,6 +269,15 @@ def _tensors(result: CompareResult) -> dict[str, Any]:
             "int8_name": m.pairs[name].int8_name,
             "accumulated": _stats(result.accumulated.get(name)),
             "local": _stats(result.local.get(name)),
+            # Padding masked out: the figures above count real positions, these every position.
+            **(
+                {
+                    "all_positions": _stats(result.all_positions[name]),
+                    "all_positions_local": _stats(result.all_positions_local.get(name)),
+                }
+                if name in result.all_positions
+                else {}
+            ),
         }
         for name in m.fp_float_tensors
         if name in result.accumulated

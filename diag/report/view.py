@@ -21,6 +21,7 @@ import jinja2
 
 from diag.analysis.analyze import GRADES, first_nonfinite, shortened_path
 from diag.analysis.effects import LEVELS_DISAGREE
+from diag.core.positions import Padding
 from diag.core.precision import describe
 from diag.core.saturation import prediction_sentence
 from diag.core.taskmetrics import task_lines
@@ -662,6 +663,8 @@ def _kernel_path_line(kp: dict[str, Any] | None) -> str:
 def _run_note(run: dict[str, Any]) -> str:
     passes = int(run.get("passes", 1))
     note = f" \u00b7 {passes} passes (memory budget)" if passes > 1 else ""
+    padding = Padding.from_dict(run.get("positions"))
+    note += f" \u00b7 {padding.sentence()}" if padding is not None else ""
     return note + local_samples_note(run, " \u00b7 ")
 
 
