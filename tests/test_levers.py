@@ -142,3 +142,48 @@ def test_levers_are_worded_in_the_terms_of_the_tool_that_made_the_model(lever, t
     act = next(g for g in groups if g.kind == "act_act_matmuls")
     assert sorted(act.fp_nodes) == sorted(ACT_ACT)
     assert ("MatMulConstBOnly" in act.lever + act.fix) == (producer == "onnxruntime"), (act.lever, act.fix)
+
+
+DOWN = [f"/model/layers.{i}/mlp/down_proj/MatMul" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def projection(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, dict[str, np.ndarray]]:
+    d = tmp_path_factory.mktemp("projection")
+    fx = models.projection_spread()
+    fp, q, x = d / "stack.fp32.onnx", d / "stack.int8.onnx", d / "stack.npz"
+    onnx.save(fx.model, fp)
+    quantize_dynamic(str(fp), str(q))
+    feeds = fx.make_inputs(32, 1)
+    np.savez(x, **feeds)
+    return fp, q, x, feeds
+
+
+def test_one_projection_in_every_layer_is_a_cause_named_with_its_measured_effect(projection, tmp_path, capsys) -> None:
+    """The down projection of every layer explains the error no node alone does; the fix keeps exactly
+    those 8 MatMuls in float, and quantize_dynamic with that nodes_to_exclude removes the error the
+    headline says, measured with plain onnxruntime on the samples the effect check ran."""
+    fp, q, x, feeds = projection
+    out = tmp_path / "out"
+    assert cli.main(["compare", str(fp), str(q), "--inputs", str(x), "--out", str(out), "--quiet"]) in (0, 3)
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "diag.json").read_text())
+    effects = doc["effects"]
+    assert max(e["recovered"] for e in effects["effects"]) < 0.5
+    group = effects["groups"][0]
+    assert group["kind"] == "projection" and group["fp_nodes"] == DOWN
+    assert group["label"] == "the mlp/down_proj projection of 8 layers"
+    headline = next(line for line in printed.splitlines() if line.startswith("verdict:"))
+    assert f"keeping the mlp/down_proj projection of 8 layers in float recovers {group['recovered']:.0%}" in headline
+    assert f"fix: nodes_to_exclude={json.dumps(DOWN)}" in headline
+    assert doc["verdict"]["headline"]["kind"] == "lever"
+    # The claim on the user's own call: the same quantize_dynamic with those nodes excluded.
+    fixed = tmp_path / "fixed.onnx"
+    quantize_dynamic(str(fp), str(fixed), nodes_to_exclude=DOWN)
+    first = {k: v[: effects["samples"]] for k, v in feeds.items()}
+    before, after = (10 ** (-_sqnr(fp, m, first) / 10) for m in (q, fixed))  # error over signal energy
+    assert 1 - after / before == pytest.approx(group["recovered"], abs=0.02)
+    assert group["recovered"] >= 0.9
+    # The up projections, which quantize well, are a group that does not explain it.
+    up = next(g for g in effects["groups"] if g["label"] == "the mlp/up_proj projection of 8 layers")
+    assert up["recovered"] < 0.2

@@ -13,7 +13,11 @@ The groups, each with the lever that switches it, in onnxruntime's terms:
 * **activation x activation MatMuls** (both inputs computed, not weights): quantized only when
   ``MatMulConstBOnly`` is False (quantize_dynamic's default is True; quantize_static's is False);
 * **every quantized node of one op type**, when the model quantizes several op types: what
-  ``op_types_to_quantize`` without that type leaves in float.
+  ``op_types_to_quantize`` without that type leaves in float;
+* **one projection in every layer** of a transformer stack (``mlp/down_proj`` of layers 0..7, read
+  off node names or torch's module scopes: :mod:`diag.analysis.decoder`), and **a whole layer**
+  (the :data:`LAYER_GROUPS` layers with the worst local error): no recipe key switches these, so
+  their fix is the ``nodes_to_exclude`` list that keeps exactly them in float.
 
 NOTE: a lever is worded from the INT8 format alone (dynamic vs static), never from a guess at the
 recipe: an act x act MatMul quantized in a dynamic model means the recipe set the key to False.
@@ -26,18 +30,22 @@ cannot set ``op_types_to_quantize``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
 import onnx
 
 from diag.analysis.analyze import NodeFinding
+from diag.analysis.decoder import layer_of, module_paths, projection_of
 from diag.foundations.producers import ORT_RECIPE_PRODUCERS, PRODUCERS, op_types_change, type_fix_call
 
 #: Formats whose quantizer has the ``MatMulConstBOnly`` key, and its default there.
 CONST_B_ONLY_DEFAULT = {"dynamic": True, "qdq": False, "qoperator": False}
 #: A lever group is a cause only when it holds less than this share of the quantized groups and weights.
 CAUSE_SHARE = 0.5
+#: Layers measured as one group each (the worst by local error): a layer group costs one effect run.
+LAYER_GROUPS = 2
 #: A fix may keep at most this share of the quantized groups in float (more is the FP32 model
 #: with a few quantized nodes left, not a fix): for exclusion lists and lever groups alike.
 MAX_FLOAT_SHARE = 0.9
@@ -58,7 +66,7 @@ class GroupCandidate:
     """Node groups the user switches with one recipe change, measured as one float region.
 
     Attributes:
-        kind: ``"act_act_matmuls"`` or ``"op_type"``.
+        kind: ``"act_act_matmuls"``, ``"op_type"``, ``"projection"`` or ``"layer"``.
         label: what the group is, for a sentence (``the 8 activation x activation MatMuls``).
         lever: the recipe setting that quantizes it (``MatMulConstBOnly=False``).
         fix: the change that leaves the group in float, in onnxruntime's terms.
@@ -114,6 +122,11 @@ def group_candidates(
             if len(members) < 2 or nearly_all(len(members), len(quantized)):
                 continue
             groups.append(_op_type_group(op, members, sorted(t for t in by_type if t != op), producer))
+    seen = {frozenset(g.fp_nodes) for g in groups}
+    for g in _structural_groups(fp, quantized, producer):
+        if frozenset(g.fp_nodes) not in seen:
+            seen.add(frozenset(g.fp_nodes))
+            groups.append(g)
     weights = _weight_sizes(fp)
     total = sum(weights.get(n, 0) for f in quantized for n in f.group.fp_nodes)
     return [dataclasses.replace(g, small=_small(g, len(quantized), total, weights)) for g in groups]
@@ -129,6 +142,53 @@ def _op_type_group(op: str, members: list[NodeFinding], others: list[str], produ
         return _own_exclusion_group(members, producer, "op_type", label, f"{op} quantized")
     lever = f"op_types_to_quantize with {op}" if ort else f"{PRODUCERS[producer].name} quantizes every {op}"
     return GroupCandidate("op_type", label, lever, op_types_change(producer, [op], others), tuple(members))
+
+
+def _structural_groups(fp: onnx.ModelProto, quantized: list[NodeFinding], producer: str) -> list[GroupCandidate]:
+    """One projection across the layers, and the worst whole layers, of a transformer stack (module doc)."""
+    paths = module_paths(fp)
+    by_layer: dict[int, list[NodeFinding]] = {}
+    by_projection: dict[str, dict[int, list[NodeFinding]]] = {}
+    for f in quantized:
+        first = f.group.fp_nodes[0] if f.group.fp_nodes else f.group.label
+        path = paths.get(first, first)
+        where = layer_of(path)
+        if where is None:
+            continue
+        by_layer.setdefault(where[0], []).append(f)
+        projection = projection_of(path)
+        if projection is not None:
+            by_projection.setdefault(projection, {}).setdefault(where[0], []).append(f)
+    if len(by_layer) < 2:
+        return []
+    groups = []
+    for projection, layers in sorted(by_projection.items()):
+        members = [f for i in sorted(layers) for f in layers[i]]
+        if len(layers) >= 2 and not nearly_all(len(members), len(quantized)):
+            label = f"the {projection} projection of {len(layers)} layers"
+            groups.append(
+                _node_list_group("projection", label, f"{projection} quantized in every layer", members, producer)
+            )
+    worst = sorted(by_layer.items(), key=lambda kv: min(_local_db(f) for f in kv[1]))[:LAYER_GROUPS]
+    for i, members in worst:
+        if len(members) >= 2 and not nearly_all(len(members), len(quantized)):
+            label = f"the {len(members)} quantized nodes of layer {i}"
+            groups.append(_node_list_group("layer", label, f"layer {i} quantized", members, producer))
+    return groups
+
+
+def _local_db(f: NodeFinding) -> float:
+    """A finding's local SQNR (inf when unmeasured), to find the worst layers."""
+    s = f.local if f.local is not None else f.accumulated
+    return s.sqnr_db if s is not None and not math.isnan(s.sqnr_db) else math.inf
+
+
+def _node_list_group(kind: str, label: str, what: str, members: list[NodeFinding], producer: str) -> GroupCandidate:
+    """A structural group: no recipe key switches it, its fix is the node list in the producer's terms."""
+    if producer not in ORT_RECIPE_PRODUCERS:
+        return _own_exclusion_group(members, producer, kind, label, what)
+    names = [n for f in members for n in f.group.fp_nodes]
+    return GroupCandidate(kind, label, what, f"nodes_to_exclude={json.dumps(names)}", tuple(members))
 
 
 def _own_exclusion_group(members: list[NodeFinding], producer: str, kind: str, label: str, what: str) -> GroupCandidate:
