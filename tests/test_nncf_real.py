@@ -74,3 +74,45 @@ def test_the_op_type_levers_of_an_nncf_model_are_worded_as_nncf_switches(compare
     assert not [g for g in groups if "op_types_to_quantize" in g["lever"] + g["fix"]], groups
     if doc["verdict"]["headline"]["kind"] == "lever":
         assert "op_types_to_quantize" not in doc["verdict"]["cause"], doc["verdict"]["cause"]
+
+
+def test_weights_nncf_smoothquant_rescaled_are_compared_as_rescaled() -> None:
+    """Issue 43 item 2 on a real NNCF run: ``ModelType.TRANSFORMER`` inserts ``nncf_smooth_quant``
+    Muls and quantizes ``W / v``. Every such weight's figure is its error against ``W / v``,
+    recomputed with numpy from NNCF's file (it read -12 dB against ``W`` before)."""
+    from diag.analysis.weights import weight_report
+    from diag.fixtures import models
+
+    fx = models.build("transformer")
+    q = thirdparty.nncf_quantized(fx.model, thirdparty.one_sample_batches(fx.make_inputs(16, 3)), transformer=True)
+    inits = {t.name: onnx.numpy_helper.to_array(t).astype(np.float64) for t in q.graph.initializer}
+    fp = {t.name: onnx.numpy_helper.to_array(t).astype(np.float64) for t in fx.model.graph.initializer}
+    producer = {o: n for n in q.graph.node for o in n.output}
+    report = weight_report(fx.model, q)
+    found = {w.fp_name: w for w in report.findings}
+    smoothed = 0
+    for mm in (n for n in q.graph.node if n.op_type == "MatMul" and n.input[1].startswith("dq_output_")):
+        act_q = producer[producer[mm.input[0]].input[0]]
+        mul = producer.get(act_q.input[0])
+        if mul is None or not mul.name.endswith("nncf_smooth_quant"):
+            continue
+        wdq = producer[mm.input[1]]
+        w_q, scale, zp = (inits[x] for x in wdq.input)
+        axis = next((a.i for a in wdq.attribute if a.name == "axis"), 1) % w_q.ndim
+        shape = [1, 1]
+        shape[axis] = -1
+        deq = (w_q - zp.reshape(shape)) * scale.reshape(shape)
+        name = wdq.input[0].removeprefix("q_output_").removesuffix("_1")
+        truth = fp[name] / inits[mul.input[1]].reshape(-1, 1)
+        want = 10 * np.log10((truth**2).sum() / ((deq - truth) ** 2).sum())
+        assert found[name].sqnr_db == pytest.approx(want, abs=0.1), name
+        assert found[name].sqnr_db > 35 and mul.name in (found[name].folded or "")
+        smoothed += 1
+    assert smoothed >= 8
+    # The inserted Muls are listed as NNCF's, strongest first, with the channel each shrinks most.
+    muls = {n.name: n for n in q.graph.node if n.name.endswith("nncf_smooth_quant")}
+    assert {s.mul for s in report.smoothing} == set(muls)
+    first = report.smoothing[0]
+    v = inits[muls[first.mul].input[1]].reshape(-1)
+    assert first.strongest_channel == int(np.argmin(v)) and first.divided_by == pytest.approx(1 / v.min())
+    assert first.divided_by == max(s.divided_by for s in report.smoothing)

@@ -186,3 +186,43 @@ def test_float_weights_before_a_quantizelinear_are_read_as_quantized_weights(tmp
             per_channel,
         )
     )
+
+
+def test_smoothquant_weights_are_compared_with_the_fp32_weight_as_smoothquant_rescaled_it(qdq):
+    """Issue 43 item 2: a SmoothQuant weight's figure is its error against ``W / v`` (the weight NNCF
+    quantized), recomputed here with numpy from the model file; against ``W`` it would be noise."""
+    from diag.analysis.weights import weight_errors
+
+    fx = qdq["transformer"]
+    fp32, m = producers.smoothquant_style(fx.fp32, fx.q, fx.calibration)
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    fp_inits = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in fp32.graph.initializer}
+    producer, consumers = _producer_of(m), {}
+    for node in m.graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    found = {w.fp_name: w for w in weight_errors(fp32, m)}
+    checked = 0
+    for mul in (n for n in m.graph.node if n.name.endswith("/nncf_smooth_quant")):
+        v = inits[mul.input[1]].astype(np.float64)
+        dq = consumers[consumers[mul.output[0]][0].output[0]][0]
+        for matmul in consumers[dq.output[0]]:
+            wdq = producer[matmul.input[1]]
+            q, scale, zp = (inits[x] for x in wdq.input)
+            deq = (q.astype(np.float64) - zp.reshape(-1, 1)) * scale.astype(np.float64).reshape(-1, 1)
+            name = wdq.input[0].removesuffix("_quantized").removeprefix("q_output_").removesuffix("_1")
+            truth = fp_inits[name] / v[:, None]
+            want = 10 * np.log10((truth**2).sum() / ((deq - truth) ** 2).sum())
+            assert found[name].sqnr_db == pytest.approx(want, abs=0.1), name
+            assert "SmoothQuant's" in (found[name].folded or "")
+            against_original = 10 * np.log10((fp_inits[name] ** 2).sum() / ((deq - fp_inits[name]) ** 2).sum())
+            assert found[name].sqnr_db > 25 and (against_original < found[name].sqnr_db - 3 or v.max() / v.min() < 2)
+            checked += 1
+    assert checked >= 8
+    # The outlier SmoothQuant moved into the weights is a finding: layer1's FFN LayerNorm dimension.
+    from diag.analysis.weights import weight_report
+
+    strongest = weight_report(fp32, m).smoothing[0]
+    assert strongest.strongest_channel == models.transformer().expected.outlier_channel
+    assert strongest.tensor == "layer1/ffn_norm/LayerNormalization_out" and strongest.divided_by >= 16
+    assert strongest.weights == ("layer1/ffn/fc1.weight",)

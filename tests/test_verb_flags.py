@@ -40,7 +40,8 @@ COMPARE_FLAGS += ["--outlier-factor", "9.5", "--sensitivity", "4", "--recipe", "
 COMPARE_FLAGS += ["--output-kind", "logits=probabilities", "--effects", "6", "--effect-samples", "11"]
 COMPARE_FLAGS += ["--accuracy-level-check", "4", "--labels", "y.npy", "--metric", "plug:metric"]
 COMPARE_FLAGS += ["--scheduler", "local:2", "--deploy-isa", "avx2", "--quiet", "--local-samples", "13"]
-COMPARE_FLAGS += ["--mask-input", "am", "--no-mask"]  # refused together by the run, not by the parser
+# --mask-input with --no-mask is refused by the run, not by the parser
+COMPARE_FLAGS += ["--mask-input", "am", "--no-mask", "--encodings", "m.encodings"]
 
 #: One value per metric gate (diag.foundations.metricnames' table: a new gate is tested without a new line here),
 #: each different from the others, so a flag wired to another gate's field fails.
@@ -76,6 +77,7 @@ CASES: list[tuple[str, list[str], Any, list[str], Any]] = [
             scheduler="local:2",
             mask_input="am",
             no_mask=True,
+            encodings="m.encodings",
         ),
         ["a.onnx", "b.onnx"],
         CompareOptions(),

@@ -53,6 +53,7 @@ from diag.analysis.remedies import Suggestion, all_suggestions
 from diag.analysis.taskgrade import attach_task_metrics
 from diag.analysis.weights import WeightReport, weight_report
 from diag.core.distributions import OUTLIER_FACTOR, PersistentOutlier, TensorHealth, persistent_outliers
+from diag.core.encodings import encodings_beside, model_from_encodings, not_quantized
 from diag.core.feeds import FeedSource, FeedSpec, input_specs
 from diag.core.graph import fp_graph
 from diag.core.instrument import FusedKernel
@@ -146,6 +147,9 @@ class CompareOptions:
     mask_input: str | None = None
     #: Count every position, padding included (``--no-mask``).
     no_mask: bool = False
+    #: AIMET's encodings file for an FP32 second model (``--encodings``); None: ``<stem>.encodings``
+    #: beside it when there is one (:mod:`diag.core.encodings`).
+    encodings: str | None = None
 
     @property
     def reference_samples(self) -> int | str:
@@ -237,10 +241,26 @@ class CompareResult:
         return "" if command is None or self.headline.search.held_here else str(command)
 
 
-def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel, LoadedModel]:
-    """Load both models and check they are an FP32 / INT8 pair of the same graph, in that order."""
+def load_pair(
+    fp32_path: str | Path, int8_path: str | Path, encodings: str | Path | None = None, read_encodings: bool = False
+) -> tuple[LoadedModel, LoadedModel]:
+    """Load both models and check they are an FP32 / INT8 pair of the same graph, in that order.
+
+    ``read_encodings``: an FP32 second model with AIMET's encodings beside it (``<stem>.encodings``),
+    or at ``encodings``, is the QDQ model they describe (:mod:`diag.core.encodings`).
+    """
     fp = model_from_path(fp32_path, "FP32 model")
     q = model_from_path(int8_path, "INT8 model")
+    if encodings is not None and q.format.kind != "fp32":
+        raise DiagError(
+            "bad-option",
+            f"--encodings {encodings}",
+            f"applies to AIMET's FP32 export, and '{q.path.name}' is already quantized ({q.format.kind})",
+            "drop --encodings, or pass the .onnx AIMET's export wrote beside the encodings",
+        )
+    beside = encodings_beside(q.path) if q.format.kind == "fp32" else None
+    if encodings is not None or (read_encodings and beside is not None):
+        q = model_from_encodings(q, Path(encodings) if encodings is not None else beside)  # type: ignore[arg-type]
     fk, qk = fp.format.kind, q.format.kind
     if fk != "fp32" and qk == "fp32":
         raise DiagError(
@@ -250,12 +270,7 @@ def load_pair(fp32_path: str | Path, int8_path: str | Path) -> tuple[LoadedModel
             "put the FP32 model first: diag compare FP32 INT8",
         )
     if qk == "fp32":
-        raise DiagError(
-            "not-quantized",
-            f"INT8 model '{q.path}'",
-            "contains no quantized operators",
-            "pass the output of quantize_dynamic / quantize_static as the second model",
-        )
+        raise not_quantized(q)
     if fk != "fp32":
         raise DiagError(
             "fp32-is-quantized",
@@ -327,7 +342,7 @@ def prepare_comparison(
 ) -> Prepared:
     """Load and check the pair, refuse what cannot fit or be matched, open the inputs: no model runs yet."""
     start = time.perf_counter()
-    fp, q = load_pair(fp32_path, int8_path)
+    fp, q = load_pair(fp32_path, int8_path, options.encodings, read_encodings=True)
     if options.accuracy_level_check:
         accuracy_level_nodes(q.proto, options.accuracy_level_check)  # a wrong flag fails before any work
     cpu_warning = saturation_warning(q.proto)
@@ -385,7 +400,10 @@ def analyze_comparison(
     if options.deploy_isa == "avx2" and options.shard is None:
         result.deploy_isa = deploy_isa_prediction(result, feeds)
         result.seconds = time.perf_counter() - run.start
-    result.headline.search = NextSearch(exclude_search(fp.path, q.path, run.spec, exclusion_target(result.verdicts)))
+    if q.source is None:  # diag exclude does not read AIMET encodings yet: no command that would fail
+        result.headline.search = NextSearch(
+            exclude_search(fp.path, q.path, run.spec, exclusion_target(result.verdicts))
+        )
     return result
 
 

@@ -36,6 +36,7 @@ NOTE: onnxruntime's own ``create_weight_matching`` + ``compute_weight_error`` cr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -234,11 +235,49 @@ class WeightFinding:
 
 
 @dataclass(frozen=True)
+class Smoothing:
+    """A SmoothQuant Mul the producer inserted (NNCF's ``nncf_smooth_quant``): the activation it
+    multiplies per channel by ``v`` and the weights whose input rows it divided by ``v``.
+
+    The channel it scales down most is where the activation had an outlier: SmoothQuant moved that
+    channel's range into the weights (a finding about the model, not an error of the quantizer).
+    """
+
+    mul: str
+    #: The FP32 tensor it multiplies.
+    tensor: str
+    channels: int
+    #: The channel with the smallest factor, and ``1 / v`` there (how much that channel shrank).
+    strongest_channel: int
+    divided_by: float
+    weights: tuple[str, ...]
+
+    def sentence(self) -> str:
+        """One line (terminal, report)."""
+        return (
+            f"SmoothQuant's {self.mul} divides channel {self.strongest_channel} of {self.tensor} by "
+            f"{self.divided_by:.3g} ({self.channels} channels) and multiplies it into {', '.join(self.weights)}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mul": self.mul,
+            "tensor": self.tensor,
+            "channels": self.channels,
+            "strongest_channel": self.strongest_channel,
+            "divided_by": _num(self.divided_by),
+            "weights": list(self.weights),
+        }
+
+
+@dataclass(frozen=True)
 class WeightReport:
     """All weight findings (worst first) and the quantized weights that could not be paired, with why."""
 
     findings: list[WeightFinding]
     unmatched: dict[str, str]
+    #: SmoothQuant Muls the producer inserted, strongest first (their weights are measured rescaled).
+    smoothing: list[Smoothing] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready.
@@ -248,8 +287,10 @@ class WeightReport:
             {'w_quantized': 'why'}
         """
         blocks = self.worst_blocks()
-        return {"findings": [f.to_dict() for f in self.findings], "unmatched": dict(self.unmatched)} | (
-            {"blocks": [b.to_dict() for b in blocks]} if blocks else {}
+        return (
+            {"findings": [f.to_dict() for f in self.findings], "unmatched": dict(self.unmatched)}
+            | ({"blocks": [b.to_dict() for b in blocks]} if blocks else {})
+            | ({"smoothing": [s.to_dict() for s in self.smoothing]} if self.smoothing else {})
         )
 
     def worst_blocks(self, top: int = 10) -> list[BlockError]:
@@ -300,16 +341,33 @@ def weight_report(
     q = _Graph(int8.graph, int8_dir)
     findings: list[WeightFinding] = []
     unmatched: dict[str, str] = {}
+    smoothing: dict[str, tuple[str, np.ndarray, list[str]]] = {}
     for qw in _quantized_weights(q):
         if qw.name in unmatched or any(x.int8_name == qw.name for x in findings):
             continue
         try:
-            findings.append(_finding(qw, f, q))
+            found = _finding(qw, f, q)
         except _Unmatched as e:
             unmatched[qw.name] = str(e)
+            continue
+        findings.append(found)
+        smoothed = _smoothing_of(qw, f, q, found.shape)
+        if smoothed is not None:
+            mul, v = smoothed
+            smoothing.setdefault(mul, (_data_input(q, mul), v, []))[2].append(found.fp_name)
     _blocked_findings(f, q, int8, findings, unmatched)
     findings.sort(key=lambda x: (math.isnan(x.worst_sqnr_db), x.worst_sqnr_db, x.sqnr_db, x.int8_name))
-    return WeightReport(findings, unmatched)
+    muls = [
+        Smoothing(mul, tensor, v.size, int(np.argmin(v)), float(1.0 / v.min()), tuple(weights))
+        for mul, (tensor, v, weights) in smoothing.items()
+    ]
+    return WeightReport(findings, unmatched, sorted(muls, key=lambda s: (-s.divided_by, s.mul)))
+
+
+def _data_input(q: _Graph, mul: str) -> str:
+    """The non-constant input of node ``mul`` (the activation a SmoothQuant Mul rescales)."""
+    node = next(n for n in q.nodes if n.name == mul)
+    return next((i for i in node.input if q.const(i) is None), node.input[0])
 
 
 def _blocked_findings(
@@ -723,11 +781,57 @@ def _finding(qw: _QuantizedWeight, f: _Graph, q: _Graph) -> WeightFinding:
         )
     else:
         ref = _folded_reference(qw, f, q, qarr.shape)
+    smoothing = _smoothing_of(qw, f, q, qarr.shape)
+    if smoothing is not None:
+        ref = _smoothed(ref, *smoothing)
     deq = _dequantize(qarr, qw.scale, qw.zero_point, qw.axis)
     # NOTE: only weights of ops with output channels (Conv, MatMul, Gemm) get a channel list. A
     # (C, 1, 1) operand of Mul/Add is a 1-d weight in disguise: one value per "channel" gives an
     # SQNR of 0 dB whenever that value rounds to zero, which is noise, not a finding.
     return _measure(ref, qw, qarr, deq)
+
+
+def _smoothing_of(qw: _QuantizedWeight, f: _Graph, q: _Graph, shape: tuple[int, ...]) -> tuple[str, np.ndarray] | None:
+    """The SmoothQuant Mul before a MatMul's activation (NNCF's ``nncf_smooth_quant``), and its factors.
+
+    SmoothQuant multiplies an activation by ``v`` per channel (a Mul the FP32 model does not
+    have) and the next weight's input rows by ``1 / v``, so the function is unchanged but the
+    quantized weight is ``W / v``, not ``W``. Found from the graph, not the name: a Mul between
+    an FP32 tensor and a constant vector as long as the weight's input axis, whose output exists
+    only in the INT8 model, reached from the consumer's activation input through Q/DQ.
+    """
+    if qw.is_bias or qw.fp_index != 1 or len(shape) != 2 or qw.consumer.op_type not in ("MatMul", "MatMulInteger"):
+        return None
+    x = qw.consumer.input[0]
+    for _ in range(3):  # DequantizeLinear <- QuantizeLinear <- the Mul
+        node = q.producer.get(x)
+        if node is None:
+            return None
+        if node.op_type == "Mul":
+            break
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"):
+            return None
+        x = node.input[0]
+    else:
+        return None
+    if node.output[0] in f.producer or node.output[0] in f.inits:
+        return None  # the FP32 model computes it: a Mul of the model, not an inserted one
+    data = [i for i in node.input if q.const(i) is None]
+    consts = [q.const(i) for i in node.input if q.const(i) is not None]
+    if len(data) != 1 or len(consts) != 1 or (data[0] not in f.producer and data[0] not in f.consumers):
+        return None
+    v = np.asarray(consts[0], np.float64).reshape(-1)
+    if v.size != shape[0] or not np.all(np.isfinite(v)) or np.any(v == 0):
+        return None
+    return node.name, v
+
+
+def _smoothed(ref: _Reference, mul: str, v: np.ndarray) -> _Reference:
+    """The FP32 weight as SmoothQuant rescaled it before quantizing: its input rows divided by ``v``."""
+    note = f"SmoothQuant's {mul} (input rows divided by its factors)"
+    return dataclasses.replace(
+        ref, value=ref.value / v[:, None], folded=f"{ref.folded}, {note}" if ref.folded else note
+    )
 
 
 @dataclass

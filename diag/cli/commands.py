@@ -207,6 +207,7 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
         scheduler=args.scheduler,
         mask_input=args.mask_input,
         no_mask=args.no_mask,
+        encodings=args.encodings,
     )
 
 
@@ -588,6 +589,12 @@ def _compare_flags(p: argparse.ArgumentParser) -> None:
         "figures beside them",
     )
     p.add_argument("--no-mask", action="store_true", help="count every position, padding included")
+    p.add_argument(
+        "--encodings",
+        metavar="PATH",
+        help="AIMET's .encodings JSON for an FP32 second model (AIMET's export): diag builds the QDQ model it "
+        "describes and diagnoses that (default: <stem>.encodings beside the second model, when there is one)",
+    )
     p.add_argument(
         "--local-samples",
         default="auto",

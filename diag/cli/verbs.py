@@ -36,6 +36,7 @@ from diag.analysis.decoder import decoder_layout, layer_sentence, module_paths
 from diag.analysis.fp16health import fp16_range_lines
 from diag.analysis.merge import add_shard_state, merge_shards
 from diag.analysis.remedies import applicable_suggestions
+from diag.core.encodings import encodings_beside, read_encodings
 from diag.core.feeds import FeedSource, FeedSpec
 from diag.core.load import checked_path, model_summary
 from diag.core.precision import describe
@@ -320,11 +321,28 @@ def model_summary_lines(model: str | os.PathLike[str]) -> list[str]:
         lines.append(f"precision:  {', '.join(f'{k} x{v}' for k, v in s.precision.items())}")
     if s.subgraph_nodes:
         lines.append(f"subgraphs:  {', '.join(s.subgraph_nodes)}")
+    if s.format.kind == "fp32":
+        lines += _encodings_lines(Path(model))
     lines += [f"warning:    {w}" for w in s.warnings]
     lines += [f"problem:    {p}" for p in s.problems]
     if not s.problems:
         lines.append("problems:   none found")
     return lines
+
+
+def _encodings_lines(model: Path) -> list[str]:
+    """An FP32 model with AIMET encodings beside it: what they hold and which verb reads them."""
+    path = encodings_beside(model)
+    if path is None:
+        return []
+    enc = read_encodings(path)
+    counts = f"{len(enc.activations)} activation and {len(enc.params)} parameter encodings"
+    if not enc.params:  # 2.x: one list
+        counts = f"{len(enc.activations)} encodings"
+    return [
+        f"encodings:  AIMET '{printable(path.name)}' beside it (version {printable(enc.version)}, {counts}): "
+        f"diag compare FP32 {printable(model.name)} diagnoses the QDQ model they describe"
+    ]
 
 
 def report(options: ReportOptions) -> Summary:
@@ -361,7 +379,8 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
     """What `diag compare` / `diag merge` / `diag demo` print about a result, in order: the
     verdict, then the few findings worth a line each (top-3 root causes, 2 outliers, 2 remedies,
     ...; the report has the rest), then coverage and the files written."""
-    lines = [f"warning: {w}" for model in (result.fp32, result.int8) for w in model.warnings]
+    lines = [f"note: INT8 model '{result.int8.shown_path.name}' {result.int8.origin}"] if result.int8.origin else []
+    lines += [f"warning: {w}" for model in (result.fp32, result.int8) for w in model.warnings]
     lines.append(f"verdict: {result.grade.upper()} - {result.cause_sentence}")
     answers = [v for v in result.verdicts if v.per_sample.cache_of is None]
     lines += [f"  output {v.name}: {v.grade} ({'; '.join(v.reasons)})" for v in answers]
@@ -485,6 +504,10 @@ def _health_lines(result: CompareResult) -> list[str]:
         f"error {b.rel_rmse:.2f}x the weight's rms, {b.levels} levels used, max |w| {b.peak_ratio:.0f}x the median"
         for b in blocks
     ]
+    smoothing = result.weights.smoothing if result.weights is not None else []
+    if smoothing:  # inserted by the producer (NNCF's SmoothQuant): the strongest one, and how many
+        more = f" (+{len(smoothing) - 1} more SmoothQuant Muls in diag.json)" if len(smoothing) > 1 else ""
+        lines.append(f"  {smoothing[0].sentence()}{more}")
     return lines
 
 

@@ -69,6 +69,15 @@ class LoadedModel:
     has_external_data: bool
     #: Findings that did not stop diag, e.g. an onnx.checker failure on a model onnxruntime runs.
     warnings: list[str] = field(default_factory=list)
+    #: The user's file this model was built from (AIMET's FP32 export plus its encodings:
+    #: :mod:`diag.core.encodings`), and the sentence that says how; None / "" for the file itself.
+    source: Path | None = None
+    origin: str = ""
+
+    @property
+    def shown_path(self) -> Path:
+        """The path reports and commands name: the user's file, never a model diag built in a temp folder."""
+        return self.source or self.path
 
     @property
     def graph(self) -> onnx.GraphProto:

@@ -59,6 +59,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from diag.core.encodings import not_quantized
 from diag.core.load import model_from_path
 from diag.core.precision import activation_overrides
 from diag.core.protos import value_dtypes  # element types via shape inference on a weight-free copy
@@ -161,7 +162,7 @@ def infer_recipe(path: str | os.PathLike[str]) -> InferredRecipe:
     kind: str = loaded.format.kind
     obj = f"INT8 model '{loaded.path}'"
     if kind == "fp32":
-        raise DiagError("not-quantized", obj, "contains no quantized operators", "pass a quantized model")
+        raise not_quantized(loaded)
     if loaded.format.family == "fp16":
         recipe, evidence = infer_fp16_recipe(loaded.proto)
         return InferredRecipe(recipe, {}, evidence)

@@ -152,8 +152,10 @@ def _models(result: CompareResult) -> dict[str, Any]:
             "external_data": result.fp32.has_external_data,
         },
         "int8": {
-            "path": str(result.int8.path),
+            "path": str(result.int8.shown_path),
             "format": int8_format.kind,
+            # Built by diag from the user's file (AIMET encodings: diag.core.encodings); absent otherwise.
+            **({"built": result.int8.origin} if result.int8.origin else {}),
             "evidence": int8_format.evidence,
             "warnings": list(result.int8.warnings),
             "external_data": result.int8.has_external_data,

@@ -398,6 +398,8 @@ class ReportView:
     fp32_path: str
     int8_path: str
     int8_format: str
+    #: How diag built the INT8 model from the user's file (AIMET encodings), "" for the file itself.
+    int8_built: str
     inputs: str
     samples: int
     seconds: str
@@ -500,6 +502,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         fp32_path=models["fp32"]["path"],
         int8_path=models["int8"]["path"],
         int8_format=models["int8"]["format"] + _precision_note(models["int8"].get("precisions")),
+        int8_built=str(models["int8"].get("built", "")),
         inputs=doc["run"]["inputs"],
         samples=doc["run"]["samples"],
         seconds=f"{doc['run']['seconds']:.1f}",

@@ -1,0 +1,496 @@
+"""AIMET's standard export, an FP32 ``.onnx`` plus a ``.encodings`` JSON, as the QDQ model it describes.
+
+AIMET's ``QuantizationSimModel.export()`` (the path to Qualcomm's QNN) writes the float graph and,
+beside it, every quantizer's encoding: scale and offset per tensor or per channel, bit width and
+symmetry. The INT8 model the user ships is what QNN builds from the pair, so diag builds the same
+quantization as ONNX QuantizeLinear / DequantizeLinear nodes (onnxruntime runs them) and diagnoses
+that model, saying so. Three versions of the file are read:
+
+* ``0.6.1``: ``activation_encodings`` / ``param_encodings`` are dicts keyed by tensor name, each a
+  list of encodings (one per channel for per-channel) with ``scale``, ``offset``, ``bitwidth``,
+  ``is_symmetric`` (the string ``"True"`` / ``"False"``), ``dtype`` (``int`` / ``float``);
+* ``1.0.0``: both are lists of ``{"name", "enc_type", "dtype", "bw", "is_sym", "scale": [...],
+  "offset": [...]}``;
+* ``2.0.0``: one ``encodings`` list of ``{"name", "output_dtype": "uint8", "y_scale",
+  "y_zero_point" (absent = 0), "axis"}``, already in ONNX's terms.
+
+AIMET quantizes ``q = clamp(round(x / scale) - offset, 0, 2^bw - 1)`` (``offset`` on the unsigned
+grid); its own ONNX export writes ``zero_point = -offset`` for an unsigned grid and ``-offset -
+2^(bw-1)`` for a signed one (a symmetric encoding is signed). The per-channel axis is not in the
+files before 2.0.0: it is the output channel of the consuming op (Conv: 0, ConvTranspose: 1,
+Gemm: 0 with ``transB``, else 1, MatMul: the last axis), as AIMET itself uses.
+
+Names in the file are untrusted: an encoding for a tensor the model does not have is counted and
+reported, never applied. Per-block / LPBQ encodings and 4-bit grids are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from diag.core.load import LoadedModel, checked_path, model_from_path
+from diag.foundations.errors import DiagError
+
+#: Suffixes AIMET's export uses beside ``<stem>.onnx``.
+SUFFIXES = (".encodings", ".encodings.json")
+#: Encodings files read, and the versions each key layout belongs to.
+VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
+
+#: Integer grid of each (bit width, signed) pair diag can write as Q/DQ, and the domain its ops need.
+_GRIDS: dict[tuple[int, bool], tuple[int, str]] = {
+    (8, False): (onnx.TensorProto.UINT8, ""),
+    (8, True): (onnx.TensorProto.INT8, ""),
+    (16, False): (onnx.TensorProto.UINT16, "com.microsoft"),
+    (16, True): (onnx.TensorProto.INT16, "com.microsoft"),
+    (32, True): (onnx.TensorProto.INT32, ""),
+}
+
+
+@dataclass(frozen=True)
+class TensorEncoding:
+    """One quantizer of the file, in ONNX's terms (QuantizeLinear's scale and zero point)."""
+
+    name: str
+    bitwidth: int
+    signed: bool
+    #: One value per tensor (length 1) or per channel.
+    scale: np.ndarray
+    zero_point: np.ndarray
+    #: The channel axis the file states (2.0.0), else None: implied by the consuming op.
+    axis: int | None = None
+    #: A float quantizer (fp16 simulation): the tensor stays float.
+    is_float: bool = False
+
+
+@dataclass(frozen=True)
+class Encodings:
+    """An AIMET encodings file, read and checked."""
+
+    path: Path
+    version: str
+    #: 0.6.1 / 1.0.0 say which encodings are activations and which parameters; 2.0.0 does not
+    #: (the model decides: an initializer is a parameter).
+    activations: dict[str, TensorEncoding]
+    params: dict[str, TensorEncoding]
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """The QDQ model an encodings file describes, and what was applied."""
+
+    model: onnx.ModelProto
+    encodings: Encodings
+    activations: int
+    params: int
+    #: Encodings left out, and why (a tensor the model does not have, a float quantizer).
+    skipped: dict[str, str]
+
+    def sentence(self) -> str:
+        """The one wording of where the INT8 model came from (terminal, report, diag.json)."""
+        left = f"; {len(self.skipped)} left out (diag.json lists why)" if self.skipped else ""
+        return (
+            f"built by diag from AIMET encodings '{self.encodings.path.name}' (version {self.encodings.version}): "
+            f"{self.activations} activation and {self.params} parameter encodings as QuantizeLinear/DequantizeLinear"
+            f"{left}; the figures are this model's, what QNN builds from the same encodings up to its kernels"
+        )
+
+
+def encodings_beside(model_path: Path) -> Path | None:
+    """The encodings file AIMET wrote beside ``model_path`` (``model.encodings``), if any."""
+    for suffix in SUFFIXES:
+        candidate = model_path.with_suffix(suffix)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _bad(path: Path, problem: str) -> DiagError:
+    return DiagError(
+        "bad-encodings",
+        f"encodings file '{path}'",
+        problem,
+        "pass the .encodings JSON AIMET's QuantizationSimModel.export() wrote (versions 0.6.1, 1.0.0, 2.0.0)",
+    )
+
+
+def read_encodings(path: str | Path) -> Encodings:
+    """Read an AIMET encodings file (any of :data:`VERSIONS`); a malformed one is ``bad-encodings``.
+
+    Example:
+        >>> enc = read_encodings("model.encodings")  # doctest: +SKIP
+        >>> enc.version, len(enc.activations), len(enc.params)  # doctest: +SKIP
+        ('1.0.0', 40, 12)
+    """
+    p = checked_path(path, "encodings file")
+    try:
+        doc = json.loads(p.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _bad(p, f"is not readable JSON ({type(e).__name__})") from e
+    if not isinstance(doc, dict):
+        raise _bad(p, "is not a JSON object")
+    version = str(doc.get("version", ""))
+    try:
+        if "encodings" in doc and version.startswith("2."):
+            entries = {e["name"]: _from_2(e) for e in _list(doc["encodings"])}
+            return Encodings(p, version, entries, {})
+        if "activation_encodings" not in doc or "param_encodings" not in doc:
+            raise _bad(p, "has neither activation_encodings / param_encodings nor a 2.x encodings list")
+        read = _section_1 if isinstance(doc["activation_encodings"], list) else _section_0
+        return Encodings(p, version or "0.6.1", read(doc["activation_encodings"]), read(doc["param_encodings"]))
+    except DiagError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise _bad(p, f"has an entry diag cannot read ({type(e).__name__}: {str(e)[:80]})") from e
+
+
+def _list(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in value):
+        raise TypeError("expected a list of objects with a 'name'")
+    return value
+
+
+def _zero_point(offset: np.ndarray, bitwidth: int, signed: bool) -> np.ndarray:
+    """AIMET's offset (unsigned grid) as QuantizeLinear's zero point (AIMET's own ONNX export rule)."""
+    zp = -np.round(offset).astype(np.int64)
+    return zp - (1 << (bitwidth - 1)) if signed else zp
+
+
+def _encoding(name: str, bw: int, signed: bool, scale: Any, offset: Any, is_float: bool) -> TensorEncoding:
+    if is_float:
+        return TensorEncoding(name, bw, signed, np.ones(1), np.zeros(1, np.int64), is_float=True)
+    scales = np.asarray(scale, np.float64).reshape(-1)
+    if scales.size == 0 or not np.all(np.isfinite(scales)) or np.any(scales <= 0):
+        raise ValueError(f"'{name[:80]}' has a scale that is not positive and finite")
+    zp = _zero_point(np.asarray(offset, np.float64).reshape(-1), bw, signed)
+    if zp.size != scales.size:
+        raise ValueError(f"'{name[:80]}' has {scales.size} scales and {zp.size} offsets")
+    return TensorEncoding(name, bw, signed, scales.astype(np.float32), zp)
+
+
+def _section_0(section: Any) -> dict[str, TensorEncoding]:
+    """0.6.1: ``{name: [ {scale, offset, bitwidth, is_symmetric, dtype}, ... one per channel ]}``."""
+    if not isinstance(section, dict):
+        raise TypeError("expected an object keyed by tensor name")
+    out = {}
+    for name, entries in section.items():
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+            raise TypeError(f"'{str(name)[:80]}' is not a list of encodings")
+        first = entries[0]
+        is_float = str(first.get("dtype", "int")).lower() == "float"
+        bw = int(first["bitwidth"])
+        signed = str(first.get("is_symmetric", "False")).lower() == "true"
+        scales = [] if is_float else [e["scale"] for e in entries]
+        offsets = [] if is_float else [e["offset"] for e in entries]
+        out[str(name)] = _encoding(str(name), bw, signed, scales, offsets, is_float)
+    return out
+
+
+def _section_1(section: Any) -> dict[str, TensorEncoding]:
+    """1.0.0: ``[{name, enc_type, dtype, bw, is_sym, scale: [...], offset: [...]}]``."""
+    out = {}
+    for e in _list(section):
+        kind = str(e.get("enc_type", "PER_TENSOR"))
+        if kind not in ("PER_TENSOR", "PER_CHANNEL"):
+            raise ValueError(f"'{e['name'][:80]}' is {kind[:20]}; diag reads per-tensor and per-channel encodings")
+        is_float = str(e.get("dtype", "INT")).upper() == "FLOAT"
+        out[e["name"]] = _encoding(
+            e["name"], int(e["bw"]), bool(e.get("is_sym")), e.get("scale"), e.get("offset"), is_float
+        )
+    return out
+
+
+def _from_2(e: dict[str, Any]) -> TensorEncoding:
+    """2.0.0: ``{name, output_dtype, y_scale, y_zero_point, axis}`` (already QuantizeLinear's terms)."""
+    if "block_size" in e or "per_block_int_scale" in e:
+        raise ValueError(f"'{e['name'][:80]}' is blocked; diag reads per-tensor and per-channel encodings")
+    dtype = str(e["output_dtype"])
+    signed = dtype.startswith("int")
+    bw = int(dtype.removeprefix("u").removeprefix("int"))
+    scales = np.asarray(e["y_scale"], np.float64).reshape(-1)
+    zp = np.asarray(e.get("y_zero_point", 0), np.int64).reshape(-1)
+    if zp.size == 1 and scales.size > 1:
+        zp = np.repeat(zp, scales.size)
+    enc = _encoding(e["name"], bw, signed, scales, np.zeros(scales.size), False)
+    axis = e.get("axis")
+    return TensorEncoding(enc.name, bw, signed, enc.scale, zp, None if axis is None else int(axis))
+
+
+def _grid(enc: TensorEncoding, where: str) -> tuple[int, str]:
+    grid = _GRIDS.get((enc.bitwidth, enc.signed if enc.bitwidth != 32 else True))
+    if grid is None:
+        raise DiagError(
+            "bad-encodings",
+            f"encoding of '{enc.name[:200]}' in {where}",
+            f"has a {'signed' if enc.signed else 'unsigned'} {enc.bitwidth}-bit grid",
+            "diag builds 8- and 16-bit activations, 8-, 16- and 32-bit (bias) parameters",
+        )
+    return grid
+
+
+def _implied_axis(consumers: list[onnx.NodeProto], w: str, rank: int) -> int:
+    """The output-channel axis of weight ``w`` for its consumer (AIMET's rule; module doc)."""
+    for node in consumers:
+        if node.op_type == "Conv":
+            return 0
+        if node.op_type == "ConvTranspose":
+            return 1
+        if node.op_type == "Gemm" and list(node.input).index(w) == 1:
+            trans = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            return 0 if trans else 1
+        if node.op_type == "MatMul":
+            return rank - 1
+    return 0
+
+
+def qdq_from_encodings(fp: onnx.ModelProto, enc: Encodings) -> BuiltModel:
+    """The FP32 model with every encoding applied as QuantizeLinear / DequantizeLinear (a new model).
+
+    Parameters become integer initializers ``<w>_quantized`` with ``<w>_scale`` / ``<w>_zero_point``
+    and a DequantizeLinear (onnxruntime's layout for weights); an activation ``t`` gets
+    ``t_QuantizeLinear_Output`` -> ``t_DequantizeLinear_Output`` feeding its consumers (a graph
+    output keeps its name: the DequantizeLinear writes it). Never modifies ``fp``.
+
+    Example:
+        >>> built = qdq_from_encodings(onnx.load("model.onnx"), read_encodings("model.encodings"))  # doctest: +SKIP
+        >>> built.activations, built.params  # doctest: +SKIP
+        (40, 12)
+    """
+    model = onnx.ModelProto()
+    model.CopyFrom(fp)
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    tensors = set(inits) | {i.name for i in g.input} | {o for n in g.node for o in n.output}
+    skipped: dict[str, str] = {}
+    params = dict(enc.params)
+    activations = dict(enc.activations)
+    if not params:  # 2.0.0: an initializer's encoding is a parameter's
+        params = {k: v for k, v in activations.items() if k in inits}
+        activations = {k: v for k, v in activations.items() if k not in inits}
+    domains: set[str] = set()
+    per_channel = False
+    new_nodes: list[onnx.NodeProto] = []
+    nested = _read_in_subgraphs(g)
+    for name, e in params.items():
+        if name not in inits or e.is_float or name in nested:
+            skipped[name] = (
+                "a float quantizer: stays float"
+                if e.is_float
+                else "read inside a subgraph: kept float"
+                if name in nested
+                else "no initializer of that name"
+            )
+            continue
+        node, channels = _quantized_param(g, inits[name], e, enc.path.name)
+        per_channel |= channels
+        domains.add(node.domain)
+        new_nodes.append(node)
+    applied_acts = 0
+    for name, e in activations.items():
+        if name not in tensors or e.is_float or name in inits:
+            skipped[name] = "a float quantizer: stays float" if e.is_float else "no tensor of that name"
+            continue
+        grid, domain = _grid(e, enc.path.name)
+        if e.scale.size != 1:
+            skipped[name] = "a per-channel activation encoding"
+            continue
+        new_nodes += _activation_qdq(g, name, e, grid, domain)
+        domains.add(domain)
+        applied_acts += 1
+    _insert_in_order(g, new_nodes)
+    _opsets(model, domains, per_channel, enc.path)
+    return BuiltModel(model, enc, applied_acts, len(params) - sum(k in params for k in skipped), skipped)
+
+
+def _read_in_subgraphs(g: onnx.GraphProto) -> set[str]:
+    """Names read by nodes of If / Loop / Scan bodies (a rewiring of the main graph would miss them)."""
+    names: set[str] = set()
+    for node in g.node:
+        for a in node.attribute:
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+                names.update(i for n in sub.node for i in n.input)
+                names |= _read_in_subgraphs(sub)
+    return names
+
+
+def _quantized_param(
+    g: onnx.GraphProto, init: onnx.TensorProto, e: TensorEncoding, where: str
+) -> tuple[onnx.NodeProto, bool]:
+    """Replace initializer ``init`` by its integer form and a DequantizeLinear; returns the node."""
+    grid, domain = _grid(e, where)
+    w = numpy_helper.to_array(init).astype(np.float64)
+    consumers = [n for n in g.node if init.name in n.input]
+    channels = e.scale.size > 1
+    axis = 0
+    shape = [1] * w.ndim  # a 0-d weight (a scalar constant) stays 0-d
+    if channels:
+        axis = e.axis if e.axis is not None else _implied_axis(consumers, init.name, w.ndim)
+        axis %= w.ndim
+        if w.shape[axis] != e.scale.size:
+            raise DiagError(
+                "bad-encodings",
+                f"encoding of '{init.name[:200]}' in {where}",
+                f"has {e.scale.size} channels but the weight has {w.shape[axis]} on axis {axis}",
+                "export the encodings with the model they were computed for",
+            )
+        shape[axis] = e.scale.size
+    info = np.iinfo(helper.tensor_dtype_to_np_dtype(grid))
+    scale = e.scale.astype(np.float64).reshape(shape)
+    zp = e.zero_point.reshape(shape)
+    q = np.clip(np.rint(w / scale) + zp, info.min, info.max).astype(info.dtype)
+    name = init.name
+    g.initializer.remove(init)
+    np_dtype = helper.tensor_dtype_to_np_dtype(grid)
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(q, f"{name}_quantized"),
+            numpy_helper.from_array(e.scale.reshape(-1) if channels else e.scale.reshape(()), f"{name}_scale"),
+            numpy_helper.from_array(
+                (e.zero_point.reshape(-1) if channels else e.zero_point.reshape(())).astype(np_dtype),
+                f"{name}_zero_point",
+            ),
+        ]
+    )
+    for consumer in consumers:  # onnxruntime's layout: consumers read <w>_DequantizeLinear_Output
+        for i, x in enumerate(consumer.input):
+            if x == name:
+                consumer.input[i] = f"{name}_DequantizeLinear_Output"
+    node = helper.make_node(
+        "DequantizeLinear",
+        [f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"],
+        [f"{name}_DequantizeLinear_Output"],
+        name=f"{name}_DequantizeLinear",
+        domain=domain,
+    )
+    if channels:
+        node.attribute.append(helper.make_attribute("axis", axis))
+    return node, channels
+
+
+def _activation_qdq(g: onnx.GraphProto, name: str, e: TensorEncoding, grid: int, domain: str) -> list[onnx.NodeProto]:
+    """Q -> DQ on activation ``name``; its consumers read the DequantizeLinear's output."""
+    scale, zp = f"{name}_scale", f"{name}_zero_point"
+    np_dtype = helper.tensor_dtype_to_np_dtype(grid)
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(e.scale.reshape(()), scale),
+            numpy_helper.from_array(e.zero_point.reshape(()).astype(np_dtype), zp),
+        ]
+    )
+    outputs = {o.name for o in g.output}
+    source, result = name, f"{name}_DequantizeLinear_Output"
+    if name in outputs:  # the DequantizeLinear writes the graph output; its producer a new name
+        source, result = f"{name}_QuantizeLinear_Input", name
+        for node in g.node:
+            for i, o in enumerate(node.output):
+                if o == name:
+                    node.output[i] = source
+    else:
+        for node in g.node:
+            for i, x in enumerate(node.input):
+                if x == name:
+                    node.input[i] = result
+    q_out = f"{name}_QuantizeLinear_Output"
+    return [
+        helper.make_node("QuantizeLinear", [source, scale, zp], [q_out], name=f"{name}_QuantizeLinear", domain=domain),
+        helper.make_node(
+            "DequantizeLinear", [q_out, scale, zp], [result], name=f"{name}_DequantizeLinear", domain=domain
+        ),
+    ]
+
+
+def _insert_in_order(g: onnx.GraphProto, new: list[onnx.NodeProto]) -> None:
+    """Put the new Q/DQ nodes where their inputs exist (a topological order onnxruntime accepts)."""
+    nodes = list(g.node) + new
+    produced = {i.name for i in g.input} | {i.name for i in g.initializer}
+    ordered: list[onnx.NodeProto] = []
+    pending = nodes
+    while pending:
+        rest = []
+        for n in pending:
+            if all(not i or i in produced for i in n.input):
+                ordered.append(n)
+                produced.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):  # inputs from outer scopes or unknown: keep their order
+            ordered += rest
+            break
+        pending = rest
+    del g.node[:]
+    g.node.extend(ordered)
+
+
+def _opsets(model: onnx.ModelProto, domains: set[str], per_channel: bool, path: Path) -> None:
+    """Opset imports the new nodes need: com.microsoft for 16-bit grids; ai.onnx >= 13 for an axis."""
+    opsets = {o.domain: o for o in model.opset_import}
+    if "com.microsoft" in domains and "com.microsoft" not in opsets:
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    default = opsets.get("") or opsets.get("ai.onnx")
+    if per_channel and default is not None and default.version < 13:
+        raise DiagError(
+            "bad-encodings",
+            f"encodings file '{path}'",
+            f"has per-channel encodings (DequantizeLinear takes an axis from opset 13); the model is opset "
+            f"{default.version}",
+            "convert the FP32 model first: onnx.version_converter.convert_version(model, 13)",
+        )
+
+
+def model_from_encodings(q: LoadedModel, path: Path) -> LoadedModel:
+    """The QDQ model AIMET's FP32 export ``q`` and its encodings file at ``path`` describe, loaded.
+
+    The model is written to a temporary folder removed at exit (sessions need a file); reports
+    and commands name the user's file (:attr:`LoadedModel.shown_path`), and
+    :attr:`LoadedModel.origin` says how the model was built. Never modifies the user's files.
+
+    Example:
+        >>> q = model_from_encodings(model_from_path("aimet.onnx"), Path("aimet.encodings"))  # doctest: +SKIP
+        >>> q.format.kind, q.shown_path.name  # doctest: +SKIP
+        ('qdq', 'aimet.onnx')
+    """
+    encodings = read_encodings(path)
+    try:
+        full = onnx.load(str(q.path))  # the weights too: they are quantized here
+    except Exception as e:  # read before, so only external data can fail here
+        raise DiagError(
+            "not-onnx",
+            f"INT8 model '{q.path}'",
+            f"has weights diag cannot read ({type(e).__name__})",
+            "check the model's external data files",
+        ) from e
+    built = qdq_from_encodings(full, encodings)
+    folder = Path(tempfile.mkdtemp(prefix="diag-aimet-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    target = folder / q.path.name
+    onnx.save(built.model, str(target), save_as_external_data=built.model.ByteSize() > (1 << 30))
+    loaded = model_from_path(target, "INT8 model")
+    loaded.source, loaded.origin = q.path, built.sentence()
+    return loaded
+
+
+def not_quantized(q: LoadedModel) -> DiagError:
+    """The ``not-quantized`` error for an FP32 second model, naming AIMET encodings beside it if any."""
+    beside = encodings_beside(q.path)
+    if beside is None:
+        return DiagError(
+            "not-quantized",
+            f"INT8 model '{q.path}'",
+            "contains no quantized operators",
+            "pass the output of quantize_dynamic / quantize_static as the second model",
+        )
+    return DiagError(
+        "not-quantized",
+        f"INT8 model '{q.path}'",
+        f"contains no quantized operators (AIMET encodings '{beside.name}' are beside it)",
+        "diag compare reads AIMET encodings beside the model or with --encodings; other verbs do not yet",
+    )
