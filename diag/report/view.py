@@ -33,6 +33,7 @@ from diag.foundations.files import out_dir as checked_out_dir
 from diag.foundations.jsonnum import number_from_json
 from diag.report.documents import read_document
 from diag.report.exclude_view import best_fix_call, report_section
+from diag.report.graphview import GRAPH_LIBRARY, graph_json
 from diag.report.nodedata import KEPT_IN_FLOAT, OVERLAYS, node_data_texts, open_command
 from diag.report.plots import (
     NEIGHBOURHOOD_HOPS,
@@ -477,6 +478,11 @@ class ReportView:
     #: The error-path picture's file name beside summary.md, "" when none is written (set by
     #: :func:`output_texts`, which writes it).
     error_path_picture: str = ""
+    #: The interactive graph's data (:func:`diag.report.graphview.graph_json`) and the layout
+    #: library the page inlines; "" without node findings.
+    graph_json: str = ""
+    graph_lib: str = ""
+    graph_units: int = 0
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
@@ -546,6 +552,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         error_paths=_error_paths(verdict["outputs"], nodes),
         decoder=_decoder_view(doc.get("decoder"), bad_db, with_plots),
         neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
+        **_graph_fields(doc),
         neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
         model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
         task_lines=_task_lines(doc.get("task_metrics") or {}),
@@ -913,6 +920,15 @@ def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[Neighbou
     roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
     drawn = [Neighbourhood(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
     return [d for d in drawn if d.svg]
+
+
+def _graph_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """The interactive graph's fields of :class:`ReportView` (none without node findings)."""
+    payload = graph_json(doc)
+    if not payload:
+        return {}
+    lib = (templates_dir() / GRAPH_LIBRARY).read_text("utf-8")
+    return {"graph_json": payload, "graph_lib": lib, "graph_units": len(doc.get("nodes") or [])}
 
 
 def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> list[str]:
