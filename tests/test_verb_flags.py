@@ -147,11 +147,11 @@ def _options(verb: str, argv: list[str]) -> Any:
 
 
 def _flags_of(verb: str) -> set[str]:
-    """Every option string of a verb's subparser (its --debug and -h are the CLI's own)."""
+    """Every option string of a verb's subparser (its --debug, --custom-op-library and -h are the CLI's own)."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     actions = sub.choices[verb]._actions
-    return {s for a in actions for s in a.option_strings if a.dest not in ("help", "debug")}
+    return {s for a in actions for s in a.option_strings if a.dest not in ("help", "debug", "custom_op_library")}
 
 
 @pytest.mark.parametrize(("verb", "argv", "expected", "bare", "defaults"), CASES, ids=[c[0] for c in CASES])

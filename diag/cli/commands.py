@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diag.foundations import files
-from diag.foundations.environment import __version__, printable
+from diag.foundations.environment import __version__, printable, use_custom_op_libraries
 from diag.foundations.errors import GATE_FAILED, INTERNAL_ERROR, INTERRUPTED, OK, USER_ERROR, DiagError
 from diag.foundations.metricnames import gates, objective_help, objective_names, target_help
 from diag.foundations.ortfacts import DEPLOY_LEVEL, OPT_LEVELS
@@ -970,6 +970,7 @@ class Verb:
             epilog=self.epilog,
         )
         p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+        p.add_argument("--custom-op-library", action="append", default=[], metavar="PATH", help=CUSTOM_OPS_HELP)
         self.add_flags(p)
         return p
 
@@ -994,6 +995,14 @@ VERBS: dict[str, Verb] = {
 }
 
 
+#: ``--custom-op-library``'s help, on ``diag`` and on every verb.
+CUSTOM_OPS_HELP = (
+    "a shared library of onnxruntime custom ops the models need (e.g. AMD Quark's libcustom_ops.so for "
+    "com.amd.quark Extended(De)QuantizeLinear); every session registers it (repeatable; also "
+    "DIAG_CUSTOM_OP_LIBRARIES, paths separated by ':')"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``diag`` parser: global flags, then one subparser per verb of :data:`VERBS`."""
     parser = argparse.ArgumentParser(
@@ -1003,6 +1012,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"diag {__version__}")
     parser.add_argument("--debug", dest="global_debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument(
+        "--custom-op-library",
+        dest="global_custom_ops",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help=CUSTOM_OPS_HELP,
+    )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for verb in VERBS.values():
         verb.add_parser(sub)
@@ -1019,6 +1036,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.debug = bool(args.debug or getattr(args, "global_debug", False))
     files.reset()
     try:
+        libraries = [*getattr(args, "global_custom_ops", []), *getattr(args, "custom_op_library", [])]
+        if libraries:  # every onnxruntime session of this run (and of its worker processes) registers them
+            use_custom_op_libraries(libraries)
         with warnings.catch_warnings(), files.sigterm_as_interrupt():
             if not args.debug:
                 # NOTE: library warnings (numpy overflow, matplotlib glyphs, onnxruntime advice) would

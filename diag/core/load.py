@@ -14,6 +14,7 @@ from pathlib import Path
 import onnx
 
 from diag.core.precision import fp16_breakdown, has_float16, precision_breakdown, qdq_breakdown
+from diag.foundations.environment import custom_op_libraries, session_options
 from diag.foundations.errors import DiagError
 from diag.foundations.files import input_file, remember_input
 from diag.foundations.ortfacts import FORMATS, FormatKind, ops_where
@@ -206,7 +207,7 @@ def _onnxruntime_loads(path: Path) -> tuple[bool, str]:
     """Whether onnxruntime creates a session for the model file (no optimizations); else why not."""
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
+    so = session_options()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
     try:
@@ -304,6 +305,10 @@ def detect_format(proto: onnx.ModelProto) -> ModelFormat:
     nbits = {op: ops[op] for op in NBITS_OPS if ops[op]}
     if nbits:
         kinds.append("matmulnbits")
+    foreign = Counter(f"{n.domain}:{n.op_type}" for n in iter_nodes(proto.graph) if n.op_type in FOREIGN_QDQ_OPS)
+    if foreign and "qdq" not in kinds:
+        kinds.append("qdq")
+        qdq = dict(foreign)
     blocked = _blocked_dequantize_count(proto.graph)
     if blocked:
         kinds.append("qdq-int4-blocked")
@@ -426,7 +431,10 @@ class ModelSummary:
     made_by: str = ""
 
 
-_QUANT_OP_TYPES = DYNAMIC_OPS | QOPERATOR_OPS | QDQ_OPS | NBITS_OPS
+#: Quantization ops of other tools' domains, which onnxruntime runs only with their custom-op
+#: library (AMD Quark's BF16 / BFP / MX formats): read as QDQ, named with their domain.
+FOREIGN_QDQ_OPS = frozenset({"ExtendedQuantizeLinear", "ExtendedDequantizeLinear"})
+_QUANT_OP_TYPES = DYNAMIC_OPS | QOPERATOR_OPS | QDQ_OPS | NBITS_OPS | FOREIGN_QDQ_OPS
 
 
 def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
@@ -457,9 +465,10 @@ def model_summary(path: str | os.PathLike[str]) -> ModelSummary:
     custom = sorted(used - onnxruntime_domains())
     if custom:
         custom_ops = sorted({n.op_type for n in nodes if (n.domain or "ai.onnx") in custom})
+        registered = len(custom_op_libraries())
         problems.append(
             f"custom op domains {custom} (ops {', '.join(custom_ops)}): onnxruntime needs their library to run "
-            "the model"
+            f"the model ({registered} registered; pass it with diag --custom-op-library PATH VERB ...)"
         )
     # Unnamed nodes matter only where nodes_to_exclude would have to name them: quantizable ones.
     # (Unnamed Constant, Shape, Reshape... nodes are common in exports and harmless.)

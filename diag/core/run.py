@@ -19,6 +19,7 @@ import onnx
 
 from diag.core.fp16 import float16_feeds, float32_outputs
 from diag.core.protos import structure_only
+from diag.foundations.environment import custom_op_libraries, session_options
 from diag.foundations.errors import DiagError
 
 
@@ -58,7 +59,7 @@ def session_from_model(
         "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     }
-    so = ort.SessionOptions()
+    so = session_options()
     so.graph_optimization_level = levels[opt_level]
     so.log_severity_level = 4  # errors reach the user as one DiagError line, not as onnxruntime's log
     if threads:
@@ -87,12 +88,31 @@ def session_from_model(
         source = str(model) if isinstance(model, Path) else model.SerializeToString()
         return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
     except Exception as e:
-        raise DiagError(
+        raise _load_failure(e, role) from e
+
+
+def _load_failure(e: Exception, role: str) -> DiagError:
+    """Why onnxruntime could not create a session, as one line: a custom op names its library flag."""
+    custom = _UNKNOWN_OP.search(str(e))
+    if custom is not None:
+        return DiagError(
             "invalid-model",
             role,
-            f"fails to load in onnxruntime: {_first_line(e)}",
-            "check the model runs with onnxruntime.InferenceSession; custom ops need their library",
-        ) from e
+            f"uses the custom op {custom.group(1)}:{custom.group(2)}, which onnxruntime runs only with "
+            f"its library ({len(custom_op_libraries())} registered)",
+            "register the library that implements it: diag --custom-op-library PATH VERB ... "
+            "(AMD Quark's Extended(De)QuantizeLinear: quark/onnx/operators/custom_ops/lib/libcustom_ops.so)",
+        )
+    return DiagError(
+        "invalid-model",
+        role,
+        f"fails to load in onnxruntime: {_first_line(e)}",
+        "check the model runs with onnxruntime.InferenceSession; custom ops need their library",
+    )
+
+
+#: onnxruntime's message for an op of a domain no registered library provides.
+_UNKNOWN_OP = re.compile(r"([\w.]+):(\w+)\(-?\d+\) is not a registered function/op")
 
 
 _ALLOCATOR_TUNED = False

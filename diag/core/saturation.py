@@ -28,6 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from diag.core.metrics import sqnr_db
+from diag.foundations.environment import session_options
 from diag.foundations.ortfacts import QUANTIZED_OPS
 
 #: Per node, at most this many rows of A (GEMM rows: tokens, output pixels) are simulated in total.
@@ -344,7 +345,7 @@ def predict_avx2(model_path: str, feeds: Iterable[dict[str, np.ndarray]]) -> lis
     for name in dict.fromkeys([t.a_name for t in live] + [t.a_zp_name for t in live if t.a_zp_name]):
         if name not in have:
             model.graph.output.append(helper.make_empty_tensor_value_info(name))
-    so = ort.SessionOptions()
+    so = session_options()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     names = list(dict.fromkeys([t.a_name for t in live] + [t.a_zp_name for t in live if t.a_zp_name]))

@@ -17,6 +17,7 @@ from pathlib import Path
 import onnx
 
 from diag.core.protos import default_opset
+from diag.foundations.environment import session_options
 from diag.foundations.errors import DiagError
 from diag.foundations.files import is_input, out_dir, output_file, write_set
 
@@ -180,7 +181,7 @@ def load_error(path: Path) -> str | None:
     """None when onnxruntime can build a session for the model, else the first line of its error."""
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
+    opts = session_options()
     opts.log_severity_level = 3
     try:
         ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])

@@ -7,10 +7,12 @@ Foundations: imports no other diag module but :mod:`diag.foundations.errors`, so
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from diag.foundations.errors import DiagError
 
@@ -49,6 +51,55 @@ def printable(text: object) -> str:
         'conv?[2J'
     """
     return "".join(ch if ch.isprintable() else "?" for ch in str(text))
+
+
+#: Environment variable holding the custom-op libraries every onnxruntime session registers
+#: (``os.pathsep``-separated; ``--custom-op-library`` sets it, so worker processes inherit it).
+CUSTOM_OPS_ENV = "DIAG_CUSTOM_OP_LIBRARIES"
+
+
+def use_custom_op_libraries(paths: list[str]) -> None:
+    """Register ``paths`` for every session this process (and its children) creates.
+
+    Raises ``missing-file`` for a path that is not a file, before any model is read.
+    """
+    checked = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.is_file():
+            raise DiagError(
+                "missing-file",
+                f"--custom-op-library {p}",
+                "is not a file",
+                "pass the shared library (.so / .dll / .dylib) that implements the model's custom ops",
+            )
+        checked.append(str(path.resolve()))
+    os.environ[CUSTOM_OPS_ENV] = os.pathsep.join(checked)
+
+
+def custom_op_libraries() -> list[str]:
+    """The custom-op libraries sessions register (:data:`CUSTOM_OPS_ENV`), in order."""
+    return [p for p in os.environ.get(CUSTOM_OPS_ENV, "").split(os.pathsep) if p]
+
+
+def session_options() -> Any:
+    """A new ``onnxruntime.SessionOptions`` with the custom-op libraries registered (the one place
+    every session of diag starts from, so ``--custom-op-library`` reaches each of them)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    for library in custom_op_libraries():
+        try:
+            so.register_custom_ops_library(library)
+        except Exception as e:  # onnxruntime cannot load it (wrong platform, missing symbols)
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise DiagError(
+                "bad-option",
+                f"--custom-op-library {library}",
+                f"cannot be registered by onnxruntime ({why})",
+                "pass a custom-op library built for this onnxruntime and platform",
+            ) from e
+    return so
 
 
 def package_dir() -> Path:

@@ -1,0 +1,134 @@
+"""Models with custom ops (issue 43 item 5): ``--custom-op-library`` on every verb, other domains' Q/DQ read.
+
+The library is a real one from PyPI: onnxruntime-extensions ships its custom ops (domain
+``ai.onnx.contrib``) as a shared library onnxruntime registers with ``register_custom_ops_library``,
+as AMD Quark ships ``com.amd.quark`` Extended(De)QuantizeLinear. Quark's own library does not
+install here, so its Q/DQ are checked as read (inspect, format) on a Quark-shaped graph.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+from onnxruntime.quantization import quantize_dynamic
+
+from diag.cli import commands as cli
+from diag.fixtures import models, quantize
+
+
+def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def contrib(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """An MLP with onnxruntime-extensions' NegPos between its MatMuls, and its quantize_dynamic model."""
+    import onnxruntime_extensions
+
+    d = tmp_path_factory.mktemp("contrib")
+    rng = np.random.default_rng(0)
+    w1 = helper.make_tensor("w1", TensorProto.FLOAT, [16, 32], rng.standard_normal((16, 32)).astype(np.float32).ravel())
+    w2 = helper.make_tensor("w2", TensorProto.FLOAT, [32, 4], rng.standard_normal((32, 4)).astype(np.float32).ravel())
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        helper.make_node("NegPos", ["h"], ["neg", "pos"], name="negpos", domain="ai.onnx.contrib"),
+        helper.make_node("MatMul", ["pos", "w2"], ["y"], name="fc2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "contrib",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[w1, w2],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=8), d / "fp32.onnx")
+    quantize_dynamic(str(d / "fp32.onnx"), str(d / "int8.onnx"))
+    np.savez(d / "x.npz", x=rng.standard_normal((16, 16)).astype(np.float32))
+    return {
+        "dir": d,
+        "fp32": d / "fp32.onnx",
+        "int8": d / "int8.onnx",
+        "x": d / "x.npz",
+        "lib": Path(onnxruntime_extensions.get_library_path()),
+    }
+
+
+def test_without_the_library_compare_names_the_op_and_the_flag(contrib, capsys) -> None:
+    code, _, err = run_cli(
+        ["compare", contrib["fp32"], contrib["int8"], "--inputs", contrib["x"], "--out", contrib["dir"] / "no"], capsys
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "error[invalid-model]" in err and "uses the custom op ai.onnx.contrib:NegPos" in err
+    assert "diag --custom-op-library PATH" in err and not (contrib["dir"] / "no").exists()
+
+
+@pytest.mark.parametrize("where", ["verb", "global"])
+def test_the_library_registered_on_the_command_line_runs_every_session(contrib, capsys, monkeypatch, where) -> None:
+    monkeypatch.delenv("DIAG_CUSTOM_OP_LIBRARIES", raising=False)
+    out = contrib["dir"] / where
+    args = ["compare", contrib["fp32"], contrib["int8"], "--inputs", contrib["x"], "--out", out, "--quiet"]
+    flag = ["--custom-op-library", contrib["lib"]]
+    code, _, err = run_cli([*args, *flag] if where == "verb" else [*flag, *args], capsys)
+    assert code in (0, 3), err
+    doc = json.loads((out / "diag.json").read_text())
+    # The output's figure is plain onnxruntime's, with the same library registered.
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(contrib["lib"]))
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # per-tensor figures: exact mode
+    x = np.load(contrib["x"])["x"]
+    ref, got = (
+        np.concatenate(  # one sample at a time, as diag ran them (dynamic quantization scales each run)
+            [
+                ort.InferenceSession(str(contrib[k]), so, providers=["CPUExecutionProvider"]).run(None, {"x": r[None]})[
+                    0
+                ]
+                for r in x
+            ]
+        ).astype(np.float64)
+        for k in ("fp32", "int8")
+    )
+    sqnr = 10 * np.log10((ref**2).sum() / ((got - ref) ** 2).sum())
+    assert doc["tensors"]["y"]["accumulated"]["sqnr_db"] == pytest.approx(sqnr, abs=1e-3)
+    assert {"fc1", "fc2"} <= {n for node in doc["nodes"] for n in node["fp_nodes"]}
+
+
+def test_a_library_that_is_not_a_file_is_a_one_line_error(contrib, capsys) -> None:
+    code, _, err = run_cli(["inspect", contrib["fp32"], "--custom-op-library", contrib["dir"] / "nope.so"], capsys)
+    assert code == 2 and "error[missing-file]: --custom-op-library" in err and len(err.strip().splitlines()) == 1
+
+
+def test_quarks_extended_qdq_is_read_as_qdq_and_the_missing_library_is_named(tmp_path, capsys, monkeypatch) -> None:
+    """A Quark-shaped model: onnxruntime's QDQ convnet with Quark's com.amd.quark Extended(De)QuantizeLinear."""
+    monkeypatch.delenv("DIAG_CUSTOM_OP_LIBRARIES", raising=False)
+    fx = models.convnet()
+    onnx.save(fx.model, tmp_path / "fp32.onnx")
+    quantize.quantize(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", "qdq", fx.make_inputs(8, 1))
+    m = onnx.load(str(tmp_path / "qdq.onnx"))
+    count = 0
+    for n in m.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            n.op_type, n.domain = f"Extended{n.op_type}", "com.amd.quark"
+            count += 1
+    m.opset_import.append(helper.make_opsetid("com.amd.quark", 1))
+    onnx.save(m, tmp_path / "quark.onnx")
+    code, out, _ = run_cli(["inspect", tmp_path / "quark.onnx"], capsys)
+    assert code == 0
+    assert "format:     qdq  (com.amd.quark:ExtendedDequantizeLinear x" in out
+    assert f"({count} quantization ops" in out
+    assert (
+        "problem:    custom op domains ['com.amd.quark']" in out
+        and "(0 registered; pass it with diag --custom-op-library" in out
+    )
+    code, _, err = run_cli(
+        ["compare", tmp_path / "fp32.onnx", tmp_path / "quark.onnx", "--random", "--out", tmp_path / "o"], capsys
+    )
+    assert code == 2 and "uses the custom op com.amd.quark:Extended" in err and "libcustom_ops.so" in err
