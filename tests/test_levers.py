@@ -9,6 +9,7 @@ own quantize_dynamic call, must remove the error when measured with plain onnxru
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +188,47 @@ def test_one_projection_in_every_layer_is_a_cause_named_with_its_measured_effect
     # The up projections, which quantize well, are a group that does not explain it.
     up = next(g for g in effects["groups"] if g["label"] == "the mlp/up_proj projection of 8 layers")
     assert up["recovered"] < 0.2
+
+
+def test_compare_with_the_recipe_measures_each_of_its_lines_as_lint_does(lever, tmp_path, capsys) -> None:
+    """Issue 42 item 4, lint inside compare: with ``--recipe FILE`` each line is measured on the model
+    it builds, in the words ``diag lint --model`` prints (the same findings)."""
+    fp, q, x, _ = lever
+    recipe = tmp_path / "recipe.json"
+    settings = {"MatMulConstBOnly": False, "ActivationSymmetric": True}
+    recipe.write_text(
+        json.dumps({"mode": "dynamic", "weight_type": "QUInt8", "per_channel": True, "extra_options": settings})
+    )
+    out = tmp_path / "out"
+    args = [
+        "compare",
+        fp,
+        q,
+        "--inputs",
+        x,
+        "--batch",
+        "8",
+        "--recipe",
+        recipe,
+        "--out",
+        out,
+        "--quiet",
+        "--effects",
+        "0",
+    ]
+    assert cli.main([str(a) for a in args]) in (0, 3)
+    printed = capsys.readouterr().out
+    doc = json.loads((out / "diag.json").read_text())
+    lines = {f["where"]: f for f in doc["recipe_lines"]}
+    const_b = lines["extra_options.MatMulConstBOnly"]
+    assert const_b["code"] == "measured" and "output SQNR" in const_b["message"]
+    figures = re.search(r"output SQNR ([-\d.]+) dB with it, ([-\d.]+) dB without", const_b["message"])
+    assert figures is not None
+    with_it, without = float(figures[1]), float(figures[2])
+    assert without > with_it + 10
+    assert lines["extra_options.ActivationSymmetric"]["code"] == "no-effect"
+    assert "  recipe line: note[measured] extra_options.MatMulConstBOnly: changes the model" in printed
+    assert "  recipe line: warning[no-effect] extra_options.ActivationSymmetric" in printed
+    assert cli.main(["lint", str(recipe), "--model", str(fp), "--inputs", str(x), "--batch", "8"]) in (0, 1, 2, 3)
+    linted = capsys.readouterr().out
+    assert f"note[measured] extra_options.MatMulConstBOnly: {const_b['message']}" in linted

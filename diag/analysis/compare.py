@@ -216,6 +216,9 @@ class CompareResult:
     cluster: dict[str, Any] = field(default_factory=dict)
     #: ``--accuracy-level-check``: the MatMulNBits nodes at that accuracy_level vs 0 (diag.core.nbits).
     accuracy_level: AccuracyLevelCheck | None = None
+    #: ``--recipe FILE``: each line of the recipe measured on the model it builds (quantized with
+    #: and without the line: :func:`diag.fix.linecheck.measure_lines`); empty otherwise.
+    recipe_lines: list[Any] = field(default_factory=list)
     #: The padding the per-tensor errors left out (``accumulated`` / ``local`` count real positions);
     #: None when every position counted (no mask input, or ``--no-mask``).
     padding: Padding | None = None

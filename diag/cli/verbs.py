@@ -171,6 +171,10 @@ def diagnose(
     _drop_remedies_in_effect(result)
     if options.recipe is not None:
         _measure_weight_only_remedies(result, run, options)
+    if isinstance(options.recipe, str) and Path(options.recipe).is_file():
+        # lint inside compare (issue 42 item 4): what each line of the given recipe does to this model
+        result.recipe_lines = measure_lines(options.recipe, fp32_path, run.spec, options.threads)
+        result.seconds = time.perf_counter() - run.start
     if options.sensitivity > 0:
         result.sensitivity = _sensitivity(fp32_path, int8_path, run.feeds, result, options, run.spec)
         result.seconds = time.perf_counter() - run.start
@@ -409,6 +413,7 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
             else ""
         )
     )
+    lines += [f"  recipe line: {f.line()}" for f in result.recipe_lines if f.severity != "note" or f.code == "measured"]
     if result.padding is not None:
         lines.append(f"  {result.padding.sentence()}")
     lines += [f"wrote {name}: {path}" for name, path in files.items()]

@@ -8,6 +8,7 @@ is ``reports_templates/diag.schema.json`` (:mod:`diag.report.documents` validate
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from diag.analysis.analyze import (
@@ -100,6 +101,8 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
         "sensitivity": result.sensitivity.to_dict() if result.sensitivity is not None else None,
         "effects": result.effects.to_dict() if result.effects is not None else None,
         "tensors": _tensors(result),
+        # --recipe FILE: each recipe line measured on the model it builds (diag.fix.linecheck); absent otherwise.
+        **({"recipe_lines": [dataclasses.asdict(f) for f in result.recipe_lines]} if result.recipe_lines else {}),
         # Transformer stacks only (an optional key: documents without it stay valid).
         **_decoder(result),
     }
