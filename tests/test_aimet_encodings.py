@@ -16,18 +16,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import run_cli
 
-from diag.cli import commands as cli
 from diag.core.encodings import qdq_from_encodings, read_encodings
 from diag.fixtures import models, producers, quantize
 
 VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _outputs(model: onnx.ModelProto | Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

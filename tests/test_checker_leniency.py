@@ -13,17 +13,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from cli_run import run_cli
 from onnx import helper
 
-from diag.cli import commands as cli
 from diag.fixtures import models
 from diag.foundations.errors import OK, USER_ERROR
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from cli_run import run_cli
 
 from diag.cli import commands as cli
 from diag.foundations.errors import SLUGS, USER_ERROR
-
-
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture()

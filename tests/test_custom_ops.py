@@ -15,17 +15,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import run_cli
 from onnx import TensorProto, helper
 from onnxruntime.quantization import quantize_dynamic
 
-from diag.cli import commands as cli
 from diag.fixtures import models, quantize
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

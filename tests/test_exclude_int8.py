@@ -14,17 +14,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import run_cli
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from diag.cli import commands as cli
 from diag.fixtures import models
 from diag.foundations.errors import USER_ERROR
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _min_cosine(fp32: Path, int8: Path, feeds: dict[str, np.ndarray], first: int, batch: int) -> float:

@@ -11,17 +11,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from cli_run import run_cli
 
-from diag.cli import commands as cli
 from diag.fix.infer import infer_recipe
 from diag.fixtures import models
 from diag.foundations.errors import OK
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 class _Reader:

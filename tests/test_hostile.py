@@ -24,20 +24,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from cli_run import run_cli
 from onnx import TensorProto, helper, numpy_helper
 
-from diag.cli import commands as cli
 from diag.fixtures import models, quantize
 from diag.foundations.errors import INTERRUPTED, OK, USER_ERROR
 from diag.report.nodedata import OVERLAYS
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _sha(path: Path) -> str:

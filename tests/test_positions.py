@@ -15,18 +15,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import run_cli
 
-from diag.cli import commands as cli
 from diag.fixtures import models, quantize
 
 TENSOR = "relu0_out"  # fc0's output: the first tensor the clipped padding reaches
 INT8_TENSOR = "relu0_out_DequantizeLinear_Output"  # its value in the QDQ model
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

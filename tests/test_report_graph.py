@@ -134,3 +134,24 @@ def test_collapsed_blocks_expand_and_search_opens_the_block_it_finds(browser, tm
     assert page.page.locator(collapsed).count() == 0
     assert len(page.data_nodes() & _fp32_nodes(out)) >= 0.9 * len(_fp32_nodes(out))
     page.close()
+
+
+def test_layers_come_from_torchs_module_paths_when_node_names_carry_none() -> None:
+    """torch's dynamo exporter names nodes ``node_linear_3``: the layer is read from the module path
+    diag.json records for the node (``pkg.torch.onnx.name_scopes``), as the per-layer view reads it."""
+    from diag.report.graphview import graph_data
+
+    def node(i: int, layer: int) -> dict[str, Any]:
+        name = f"node_linear_{i}"
+        module = f"model.layers.{layer}.mlp.down_proj/linear_{i}"
+        return {"name": name, "fp_nodes": [name], "tensor": f"t{i}", "inputs": [], "module": module, "local": None}
+
+    g = graph_data({"nodes": [node(i, i // 2) for i in range(6)]})
+    assert g is not None and [u["block"] for u in g["units"]] == [
+        "layer 0",
+        "layer 0",
+        "layer 1",
+        "layer 1",
+        "layer 2",
+        "layer 2",
+    ]

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import run_cli
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
-from diag.cli import commands as cli
 from diag.core.match import match_models
 from diag.core.protos import node_id
 from diag.core.surgery import PREFIX, spliced_model
@@ -116,12 +116,6 @@ def test_spliced_model_differs_from_the_users_only_inside_the_region(fixture, no
     x = fx.make_inputs(2, 5)
     onnx.save(mixed, tmp_path / "mixed.onnx")
     _session(tmp_path / "mixed.onnx", ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, x)
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

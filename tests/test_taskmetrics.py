@@ -10,9 +10,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import run_cli
 from onnxruntime.quantization import quantize_dynamic
 
-from diag.cli import commands as cli
 from diag.core.feeds import FeedSpec
 from diag.core.recipe import Recipe
 from diag.core.taskmetrics import F1Metric, TaskMetric
@@ -27,12 +27,6 @@ PLUGIN = "taskmetric_plugins:rel_error"
 @pytest.fixture(autouse=True)
 def _plugins_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-
-
-def run_cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _f1_by_hand(truth: np.ndarray, pred: np.ndarray) -> tuple[float, float]:

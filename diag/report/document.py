@@ -118,6 +118,7 @@ def _node_dicts(result: CompareResult) -> list[dict[str, Any]]:
     """Every node finding, in accumulated-rank order."""
     pattern_of = _innermost_patterns(result.patterns)
     reaching = {id(f) for f in reaching_nonfinite(result.findings)}
+    paths = module_paths(result.fp32.proto)  # torch's module scopes, where node names carry none
     nodes = []
     for f in sorted(result.findings, key=lambda f: f.rank_accumulated):
         g = f.group
@@ -140,6 +141,9 @@ def _node_dicts(result: CompareResult) -> list[dict[str, Any]]:
                 "local": _stats(f.local),
                 "int8_nodes": g.int8_nodes,
                 "nonfinite_reaches": id(f) in reaching,
+                # The module path torch's exporter recorded for the group's first node (layers of a
+                # stack whose nodes are named node_linear_3); absent otherwise.
+                **({"module": paths[g.fp_nodes[0]]} if g.fp_nodes and g.fp_nodes[0] in paths else {}),
             }
         )
     return nodes

@@ -71,7 +71,9 @@ def graph_data(doc: dict[str, Any]) -> dict[str, Any] | None:
     }
     on_path = {p for o in (doc.get("verdict") or {}).get("outputs") or [] for p in o.get("error_path") or []}
     kept = set((doc.get("exclusion") or {}).get("nodes_to_exclude") or [])
-    layers = {i: layer_of(n["fp_nodes"][0]) if n.get("fp_nodes") else None for i, n in enumerate(nodes)}
+    layers = {  # a stack's layer, from the module path torch recorded, else from the node's name
+        i: layer_of(n.get("module") or n["fp_nodes"][0]) if n.get("fp_nodes") else None for i, n in enumerate(nodes)
+    }
     blocks = {w[0] for w in layers.values() if w is not None}
     units = []
     for i, n in enumerate(nodes):
