@@ -116,3 +116,21 @@ def test_weights_nncf_smoothquant_rescaled_are_compared_as_rescaled() -> None:
     v = inits[muls[first.mul].input[1]].reshape(-1)
     assert first.strongest_channel == int(np.argmin(v)) and first.divided_by == pytest.approx(1 / v.min())
     assert first.divided_by == max(s.divided_by for s in report.smoothing)
+
+
+def test_nncfs_bias_correction_is_reported_as_the_producers_not_as_error() -> None:
+    """Issue 43 item 3: NNCF's fast bias correction changes float biases on purpose; diag lists exactly
+    the biases that differ from the FP32 model's, with the change numpy measures on the two files."""
+    from diag.analysis.weights import weight_report
+    from diag.fixtures import models
+
+    fx = models.build("transformer")
+    q = thirdparty.nncf_quantized(fx.model, thirdparty.one_sample_batches(fx.make_inputs(16, 3)), transformer=True)
+    fp = {t.name: onnx.numpy_helper.to_array(t) for t in fx.model.graph.initializer}
+    mine = {t.name: onnx.numpy_helper.to_array(t) for t in q.graph.initializer}
+    changed = {k for k in fp if k.endswith(".bias") and k in mine and not np.array_equal(fp[k], mine[k])}
+    report = weight_report(fx.model, q)
+    assert changed and {b.name for b in report.bias_corrections} == changed
+    for b in report.bias_corrections:
+        assert b.max_change == pytest.approx(float(np.abs(mine[b.name].astype(np.float64) - fp[b.name]).max()))
+        assert b.name not in {w.fp_name for w in report.findings}  # not counted as quantization error

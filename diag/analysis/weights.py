@@ -271,6 +271,27 @@ class Smoothing:
 
 
 @dataclass(frozen=True)
+class BiasCorrection:
+    """A float bias the producer changed on purpose (NNCF's fast bias correction): the INT8 model's
+    bias of the same name as the FP32 one, with other values. Not quantization error: the producer
+    moved the bias to cancel the mean shift quantization causes."""
+
+    name: str
+    fp_nodes: tuple[str, ...]
+    #: The largest |change|, and it over the FP32 bias's largest |value|.
+    max_change: float
+    relative: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "fp_nodes": list(self.fp_nodes),
+            "max_change": _num(self.max_change),
+            "relative": _num(self.relative),
+        }
+
+
+@dataclass(frozen=True)
 class WeightReport:
     """All weight findings (worst first) and the quantized weights that could not be paired, with why."""
 
@@ -278,6 +299,8 @@ class WeightReport:
     unmatched: dict[str, str]
     #: SmoothQuant Muls the producer inserted, strongest first (their weights are measured rescaled).
     smoothing: list[Smoothing] = field(default_factory=list)
+    #: Float biases the producer corrected, largest relative change first.
+    bias_corrections: list[BiasCorrection] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready.
@@ -291,6 +314,7 @@ class WeightReport:
             {"findings": [f.to_dict() for f in self.findings], "unmatched": dict(self.unmatched)}
             | ({"blocks": [b.to_dict() for b in blocks]} if blocks else {})
             | ({"smoothing": [s.to_dict() for s in self.smoothing]} if self.smoothing else {})
+            | ({"bias_corrections": [b.to_dict() for b in self.bias_corrections]} if self.bias_corrections else {})
         )
 
     def worst_blocks(self, top: int = 10) -> list[BlockError]:
@@ -361,7 +385,31 @@ def weight_report(
         Smoothing(mul, tensor, v.size, int(np.argmin(v)), float(1.0 / v.min()), tuple(weights))
         for mul, (tensor, v, weights) in smoothing.items()
     ]
-    return WeightReport(findings, unmatched, sorted(muls, key=lambda s: (-s.divided_by, s.mul)))
+    strongest_first = sorted(muls, key=lambda s: (-s.divided_by, s.mul))
+    return WeightReport(findings, unmatched, strongest_first, _bias_corrections(f, q))
+
+
+#: Ops whose third input is a bias, and Add (a bias added after a MatMul).
+_BIAS_READERS = {"Conv": 2, "Gemm": 2, "ConvTranspose": 2}
+
+
+def _bias_corrections(f: _Graph, q: _Graph) -> list[BiasCorrection]:
+    """Float 1-D biases both models hold under one name whose values differ (module doc of BiasCorrection)."""
+    out = []
+    for name, t in q.inits.items():
+        if len(t.dims) != 1 or t.data_type != onnx.TensorProto.FLOAT or name not in f.inits:
+            continue
+        readers = q.consumers.get(name, [])
+        if not readers or not all(n.op_type == "Add" or _BIAS_READERS.get(n.op_type) == i for n, i in readers):
+            continue
+        mine, theirs = q.const(name), f.const(name)
+        if mine is None or theirs is None or mine.shape != theirs.shape or np.array_equal(mine, theirs):
+            continue
+        change = float(np.abs(mine.astype(np.float64) - theirs).max())
+        peak = float(np.abs(theirs).max())
+        nodes = tuple(n.name for n, _ in f.consumers.get(name, []))
+        out.append(BiasCorrection(name, nodes, change, change / peak if peak > 0 else math.inf))
+    return sorted(out, key=lambda b: (-b.relative, b.name))
 
 
 def _data_input(q: _Graph, mul: str) -> str:

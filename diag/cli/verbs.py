@@ -513,6 +513,14 @@ def _health_lines(result: CompareResult) -> list[str]:
     if smoothing:  # inserted by the producer (NNCF's SmoothQuant): the strongest one, and how many
         more = f" (+{len(smoothing) - 1} more SmoothQuant Muls in diag.json)" if len(smoothing) > 1 else ""
         lines.append(f"  {smoothing[0].sentence()}{more}")
+    corrected = result.weights.bias_corrections if result.weights is not None else []
+    if corrected:
+        top = corrected[0]
+        lines.append(
+            f"  bias correction: {len(corrected)} float bias(es) differ from the FP32 model's on purpose (the "
+            f"producer's bias correction, not quantization error); the largest, {top.name}, by {top.max_change:.3g} "
+            f"({top.relative:.1%} of its largest value)"
+        )
     return lines
 
 
