@@ -470,6 +470,12 @@ def _unmatched_reason(name: str, f: _GraphIndex, q: _GraphIndex) -> str:
         c = f.nodes[consumers[0]]
         p = f.nodes[prod]
         if c.op_type in ("Relu", "Clip", "BatchNormalization") and c.output and q.exists(c.output[0]):
+            renamed = _still_computed(p.op_type, c, q)
+            if renamed is not None:  # the INT8 model still has both nodes: nothing was fused
+                return (
+                    f"renamed, not fused: INT8 {p.op_type} '{q.ids[renamed]}' still computes it, as "
+                    f"'{q.nodes[renamed].output[0]}' (the exporter or the quantizer named it differently)"
+                )
             how = "folded" if c.op_type == "BatchNormalization" else "fused"
             return (
                 f"{how} away by the quantizer: {p.op_type} '{f.ids[prod]}' + {c.op_type} "
@@ -479,6 +485,25 @@ def _unmatched_reason(name: str, f: _GraphIndex, q: _GraphIndex) -> str:
         f"no INT8 tensor named '{name}', '{name}_quantized' or "
         f"'{name}_DequantizeLinear_Output'; the quantizer removed or renamed it"
     )
+
+
+def _still_computed(op_type: str, consumer: onnx.NodeProto, q: _GraphIndex) -> int | None:
+    """The INT8 node of ``op_type`` that feeds the INT8 copy of ``consumer`` (through Q/DQ), if the
+    INT8 model still runs ``consumer`` as its own node; None when the two became one node."""
+    at = q.producer.get(consumer.output[0])
+    if at is None or q.nodes[at].op_type != consumer.op_type or not q.nodes[at].input:
+        return None
+    x = q.nodes[at].input[0]
+    for _ in range(3):  # DequantizeLinear <- QuantizeLinear <- the producer
+        node = q.producer.get(x)
+        if node is None:
+            return None
+        if q.nodes[node].op_type == op_type:
+            return node
+        if q.nodes[node].op_type not in ("QuantizeLinear", "DequantizeLinear") or not q.nodes[node].input:
+            return None
+        x = q.nodes[node].input[0]
+    return None
 
 
 def _node_groups(
