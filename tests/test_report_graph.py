@@ -97,6 +97,14 @@ def test_root_cause_figures_and_error_path_on_the_graph(browser, tmp_path) -> No
         "#graph-svg g.gn.onpath", "es => es.map(e => e.getAttribute('data-node'))"
     )
     assert sorted(highlighted) == sorted(first[p] for p in path) and len(path) >= 2
+    # The output's health on its grid, as diag.json has it, for a box whose output is quantized.
+    health = page.doc["distributions"]["tensors"]
+    first_by_tensor = {n["tensor"]: n["fp_nodes"][0] for n in page.doc["nodes"] if n["tensor"] in health}
+    graded = next(t for t, h in health.items() if h["grid"] != "none" and t in first_by_tensor)
+    page.page.fill("#graph-search", first_by_tensor[graded])
+    page.page.press("#graph-search", "Enter")
+    bits = health[graded]["effective_bits"]
+    assert f"output on the grid: {bits:.1f} of " in page.page.locator("#graph-detail").inner_text()
     # Colour by effect: the root cause, which removes most of the error, is the reddest box.
     page.page.select_option("#graph-metric", "effect")
     fill = page.page.locator("#graph-svg g.gn.root rect").get_attribute("fill")

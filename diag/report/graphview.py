@@ -75,6 +75,8 @@ def graph_data(doc: dict[str, Any]) -> dict[str, Any] | None:
         i: layer_of(n.get("module") or n["fp_nodes"][0]) if n.get("fp_nodes") else None for i, n in enumerate(nodes)
     }
     blocks = {w[0] for w in layers.values() if w is not None}
+    health = (doc.get("distributions") or {}).get("tensors") or {}
+    plotted = set((doc.get("distributions") or {}).get("plotted") or {})
     units = []
     for i, n in enumerate(nodes):
         effect = effects.get(tuple(n.get("fp_nodes") or ()))
@@ -95,6 +97,7 @@ def graph_data(doc: dict[str, Any]) -> dict[str, Any] | None:
                 "kept": any(m in kept for m in n.get("fp_nodes") or ()),
                 "block": f"layer {where[0]}" if where is not None else None,
                 "int8": list(n.get("int8_nodes") or [])[:INT8_SHOWN],
+                "health": _health(health.get(n.get("tensor") or ""), n.get("tensor") in plotted),
             }
         )
     edges = sorted(
@@ -105,6 +108,21 @@ def graph_data(doc: dict[str, Any]) -> dict[str, Any] | None:
         "edges": [list(e) for e in edges],
         "collapsed": len(nodes) > COLLAPSE_ABOVE and len(blocks) >= 2,
         "bad_db": (doc.get("thresholds") or {}).get("bad_sqnr_db", 20),
+    }
+
+
+def _health(h: dict[str, Any] | None, plotted: bool) -> dict[str, Any] | None:
+    """The output tensor's quantization health, as the detail panel shows it (None: not measured)."""
+    if not h or h.get("grid") in (None, "none"):  # a float tensor: no grid to be healthy on
+        return None
+    bits, grid = h.get("effective_bits"), h.get("grid_bits")
+    return {
+        "bits": round(float(bits), 1) if isinstance(bits, (int, float)) and math.isfinite(bits) else None,
+        "grid_bits": grid if isinstance(grid, (int, float)) else None,
+        "clipped": round(100 * float(h.get("clip_fraction") or 0.0), 3),
+        "outliers": [int(o["index"]) for o in h.get("outliers") or [] if isinstance(o, dict) and "index" in o][:4],
+        "reasons": [str(r) for r in h.get("reasons") or []][:3],
+        "plotted": plotted,
     }
 
 
