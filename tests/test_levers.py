@@ -229,6 +229,10 @@ def test_compare_with_the_recipe_measures_each_of_its_lines_as_lint_does(lever, 
     assert lines["extra_options.ActivationSymmetric"]["code"] == "no-effect"
     assert "  recipe line: note[measured] extra_options.MatMulConstBOnly: changes the model" in printed
     assert "  recipe line: warning[no-effect] extra_options.ActivationSymmetric" in printed
+    # The same words in summary.md and report.html (worded once, by lint's Finding.line).
+    worded = f"note[measured] extra_options.MatMulConstBOnly: {const_b['message']}"
+    assert worded in (out / "report.html").read_text()
+    assert "extra_options.MatMulConstBOnly" in (out / "summary.md").read_text()
     assert cli.main(["lint", str(recipe), "--model", str(fp), "--inputs", str(x), "--batch", "8"]) in (0, 1, 2, 3)
     linted = capsys.readouterr().out
     assert f"note[measured] extra_options.MatMulConstBOnly: {const_b['message']}" in linted

@@ -26,6 +26,7 @@ from diag.core.precision import describe
 from diag.core.saturation import prediction_sentence
 from diag.core.taskmetrics import task_lines
 from diag.fix.fixcode import fix_snippet
+from diag.fix.lint import Finding
 from diag.foundations.environment import templates_dir
 from diag.foundations.errors import DiagError
 from diag.foundations.files import check_outputs, input_file, out_dir, output_file, write_set
@@ -481,6 +482,8 @@ class ReportView:
     #: The interactive graph's data (:func:`diag.report.graphview.graph_json`) and the layout
     #: library the page inlines; "" without node findings.
     graph_json: str = ""
+    #: ``compare --recipe FILE``: each recipe line measured on the model it builds, as lint words it.
+    recipe_lines: list[str] = field(default_factory=list)
     graph_lib: str = ""
     graph_units: int = 0
 
@@ -553,6 +556,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         decoder=_decoder_view(doc.get("decoder"), bad_db, with_plots),
         neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
         **_graph_fields(doc),
+        recipe_lines=[Finding(**f).line() for f in doc.get("recipe_lines") or []],
         neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
         model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
         task_lines=_task_lines(doc.get("task_metrics") or {}),
