@@ -126,3 +126,24 @@ def test_quarks_extended_qdq_is_read_as_qdq_and_the_missing_library_is_named(tmp
         ["compare", tmp_path / "fp32.onnx", tmp_path / "quark.onnx", "--random", "--out", tmp_path / "o"], capsys
     )
     assert code == 2 and "uses the custom op com.amd.quark:Extended" in err and "libcustom_ops.so" in err
+
+
+def test_quarks_extended_qdq_pairs_as_onnxruntimes_qdq_without_the_library(tmp_path) -> None:
+    """Pairing reads Quark's Extended Q/DQ as Q/DQ: the same FP32 tensors pair with the same INT8
+    tensors as in the onnxruntime model the Quark-shaped one was made from (no library needed to read)."""
+    from diag.core.match import match_models
+
+    fx = models.convnet()
+    onnx.save(fx.model, tmp_path / "fp32.onnx")
+    quantize.quantize(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", "qdq", fx.make_inputs(8, 1))
+    ort_model = onnx.load(str(tmp_path / "qdq.onnx"))
+    quark = onnx.load(str(tmp_path / "qdq.onnx"))
+    for n in quark.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            n.op_type, n.domain = f"Extended{n.op_type}", "com.amd.quark"
+    quark.opset_import.append(helper.make_opsetid("com.amd.quark", 1))
+    theirs, ours = match_models(fx.model, ort_model), match_models(fx.model, quark)
+    assert {k: (p.how, p.int8_name) for k, p in ours.pairs.items()} == {
+        k: (p.how, p.int8_name) for k, p in theirs.pairs.items()
+    }
+    assert sum(p.how == "qdq" for p in ours.pairs.values()) >= 5

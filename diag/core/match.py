@@ -267,16 +267,23 @@ def _quantized_tensor_params(idx: _GraphIndex, name: str) -> QuantParams | None:
     return None
 
 
+#: Quantize / dequantize ops pairing reads: onnxruntime's (either domain: ``UseQDQContribOps``
+#: writes com.microsoft ones under the same names) and AMD Quark's Extended ones (BF16, BFP, MX),
+#: which pair the same way whether or not Quark's custom-op library is there to run them.
+Q_OPS = frozenset({"QuantizeLinear", "ExtendedQuantizeLinear"})
+DQ_OPS = frozenset({"DequantizeLinear", "ExtendedDequantizeLinear"})
+
+
 def _qdq_chain_after(idx: _GraphIndex, name: str) -> tuple[onnx.NodeProto, onnx.NodeProto] | None:
     """A QuantizeLinear consuming ``name`` followed by a DequantizeLinear, if present."""
     candidates = []
     for c in idx.consumers.get(name, []):
         q = idx.nodes[c]
-        if q.op_type != "QuantizeLinear" or q.input[0] != name:
+        if q.op_type not in Q_OPS or q.input[0] != name:
             continue
         for d in idx.consumers.get(q.output[0], []):
             dq = idx.nodes[d]
-            if dq.op_type == "DequantizeLinear":
+            if dq.op_type in DQ_OPS:
                 candidates.append((q, dq))
     if not candidates:
         return None
@@ -326,10 +333,10 @@ def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair 
     if q.exists(fp_name):
         prod = q.producer.get(fp_name)
         pnode = q.nodes[prod] if prod is not None else None
-        if pnode is not None and pnode.op_type == "DequantizeLinear":
+        if pnode is not None and pnode.op_type in DQ_OPS:
             src = pnode.input[0]
             src_prod = q.producer.get(src)
-            if src_prod is not None and q.nodes[src_prod].op_type == "QuantizeLinear":
+            if src_prod is not None and q.nodes[src_prod].op_type in Q_OPS:
                 qnode = q.nodes[src_prod]
                 raw = qnode.input[0]
                 grid = _node_params(q, qnode, 1, 2)
@@ -354,7 +361,7 @@ def _pair_for(fp_name: str, producer: str | None, q: _GraphIndex) -> TensorPair 
             return _qdq_pair(q, fp_name, dq.output[0], fp_name, [qnode, dq], grid, producer)
         grid = None
         for c in q.consumers.get(fp_name, []):
-            if q.nodes[c].op_type == "QuantizeLinear" and q.nodes[c].input[0] == fp_name:
+            if q.nodes[c].op_type in Q_OPS and q.nodes[c].input[0] == fp_name:
                 grid = _node_params(q, q.nodes[c], 1, 2)
         fp16 = q.dtypes.get(fp_name) == onnx.TensorProto.FLOAT16
         return TensorPair(
@@ -450,7 +457,7 @@ def _move_fused_activations(
         if len(f.consumers.get(t, [])) != 1:
             continue
         prod = q.producer.get(pair.cut_name)
-        if prod is None or q.nodes[prod].op_type in ("QuantizeLinear", "DynamicQuantizeLinear"):
+        if prod is None or q.nodes[prod].op_type in Q_OPS | {"DynamicQuantizeLinear"}:
             continue
         del pairs[t]
         pair.fp_name = u
@@ -500,7 +507,7 @@ def _still_computed(op_type: str, consumer: onnx.NodeProto, q: _GraphIndex) -> i
             return None
         if q.nodes[node].op_type == op_type:
             return node
-        if q.nodes[node].op_type not in ("QuantizeLinear", "DequantizeLinear") or not q.nodes[node].input:
+        if q.nodes[node].op_type not in Q_OPS | DQ_OPS or not q.nodes[node].input:
             return None
         x = q.nodes[node].input[0]
     return None
