@@ -913,7 +913,8 @@ def _group_headline(findings: list[NodeFinding], check: EffectCheck, group: Grou
             f"cause: {g.lever}: keeping {g.label} in float recovers {group.recovered:.0%} of the error of ",
             Name(check.target),
             f" on {check.samples} samples at optimization level {check.level}, one node alone at most "
-            f"{max(alone, 0.0):.0%}; fix: {g.fix}",
+            f"{max(alone, 0.0):.0%}; fix: ",
+            Name(g.fix) if g.fix_is_code else g.fix,
         ),
     )
 

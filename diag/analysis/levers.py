@@ -82,6 +82,8 @@ class GroupCandidate:
     #: :data:`CAUSE_SHARE` of the quantized node groups and of their weights. Only such a group is
     #: named as the cause (every Conv of a 3-Conv net in float is the FP32 net, not a fix).
     small: bool = True
+    #: ``fix`` is code the user pastes (``nodes_to_exclude=[...]``), not a sentence: shown as code.
+    fix_is_code: bool = False
 
     @property
     def fp_nodes(self) -> list[str]:
@@ -188,7 +190,7 @@ def _node_list_group(kind: str, label: str, what: str, members: list[NodeFinding
     if producer not in ORT_RECIPE_PRODUCERS:
         return _own_exclusion_group(members, producer, kind, label, what)
     names = [n for f in members for n in f.group.fp_nodes]
-    return GroupCandidate(kind, label, what, f"nodes_to_exclude={json.dumps(names)}", tuple(members))
+    return GroupCandidate(kind, label, what, f"nodes_to_exclude={json.dumps(names)}", tuple(members), fix_is_code=True)
 
 
 def _own_exclusion_group(members: list[NodeFinding], producer: str, kind: str, label: str, what: str) -> GroupCandidate:
