@@ -56,7 +56,8 @@ def contrib(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def test_without_the_library_compare_names_the_op_and_the_flag(contrib, capsys) -> None:
+def test_without_the_library_compare_names_the_op_and_the_flag(contrib, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("DIAG_CUSTOM_OP_LIBRARIES", "")
     code, _, err = run_cli(
         ["compare", contrib["fp32"], contrib["int8"], "--inputs", contrib["x"], "--out", contrib["dir"] / "no"], capsys
     )
@@ -67,7 +68,7 @@ def test_without_the_library_compare_names_the_op_and_the_flag(contrib, capsys) 
 
 @pytest.mark.parametrize("where", ["verb", "global"])
 def test_the_library_registered_on_the_command_line_runs_every_session(contrib, capsys, monkeypatch, where) -> None:
-    monkeypatch.delenv("DIAG_CUSTOM_OP_LIBRARIES", raising=False)
+    monkeypatch.setenv("DIAG_CUSTOM_OP_LIBRARIES", "")  # none; restored after the test (the CLI sets it)
     out = contrib["dir"] / where
     args = ["compare", contrib["fp32"], contrib["int8"], "--inputs", contrib["x"], "--out", out, "--quiet"]
     flag = ["--custom-op-library", contrib["lib"]]
@@ -95,14 +96,15 @@ def test_the_library_registered_on_the_command_line_runs_every_session(contrib, 
     assert {"fc1", "fc2"} <= {n for node in doc["nodes"] for n in node["fp_nodes"]}
 
 
-def test_a_library_that_is_not_a_file_is_a_one_line_error(contrib, capsys) -> None:
+def test_a_library_that_is_not_a_file_is_a_one_line_error(contrib, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("DIAG_CUSTOM_OP_LIBRARIES", "")
     code, _, err = run_cli(["inspect", contrib["fp32"], "--custom-op-library", contrib["dir"] / "nope.so"], capsys)
     assert code == 2 and "error[missing-file]: --custom-op-library" in err and len(err.strip().splitlines()) == 1
 
 
 def test_quarks_extended_qdq_is_read_as_qdq_and_the_missing_library_is_named(tmp_path, capsys, monkeypatch) -> None:
     """A Quark-shaped model: onnxruntime's QDQ convnet with Quark's com.amd.quark Extended(De)QuantizeLinear."""
-    monkeypatch.delenv("DIAG_CUSTOM_OP_LIBRARIES", raising=False)
+    monkeypatch.setenv("DIAG_CUSTOM_OP_LIBRARIES", "")  # none; restored after the test (the CLI sets it)
     fx = models.convnet()
     onnx.save(fx.model, tmp_path / "fp32.onnx")
     quantize.quantize(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", "qdq", fx.make_inputs(8, 1))
@@ -147,3 +149,11 @@ def test_quarks_extended_qdq_pairs_as_onnxruntimes_qdq_without_the_library(tmp_p
         k: (p.how, p.int8_name) for k, p in theirs.pairs.items()
     }
     assert sum(p.how == "qdq" for p in ours.pairs.values()) >= 5
+
+
+def test_the_library_does_not_outlive_the_test_that_registered_it() -> None:
+    """The CLI sets DIAG_CUSTOM_OP_LIBRARIES for its process; the tests above restore it, so every
+    later test's sessions run without the extensions library (as a user's would)."""
+    import os
+
+    assert not os.environ.get("DIAG_CUSTOM_OP_LIBRARIES")
