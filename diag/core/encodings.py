@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from diag.core.load import LoadedModel, checked_path, model_from_path
+from diag.core.load import LoadedModel, checked_path, model_from_path, outer_scope_inputs
 from diag.foundations.errors import DiagError
 
 #: Suffixes AIMET's export uses beside ``<stem>.onnx``.
@@ -312,14 +312,8 @@ def qdq_from_encodings(fp: onnx.ModelProto, enc: Encodings) -> BuiltModel:
 
 
 def _read_in_subgraphs(g: onnx.GraphProto) -> set[str]:
-    """Names read by nodes of If / Loop / Scan bodies (a rewiring of the main graph would miss them)."""
-    names: set[str] = set()
-    for node in g.node:
-        for a in node.attribute:
-            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
-                names.update(i for n in sub.node for i in n.input)
-                names |= _read_in_subgraphs(sub)
-    return names
+    """Names If / Loop / Scan bodies read from the main graph (a rewiring of the main graph would miss them)."""
+    return {name for node in g.node for name in outer_scope_inputs(node)}
 
 
 def _quantized_param(

@@ -63,10 +63,8 @@ class BatchPadding:
     keep: np.ndarray
     #: :attr:`PositionMask.derived`: never masked.
     derived: frozenset[str]
-
-    @property
-    def all_kept(self) -> bool:
-        return bool(self.keep.all())
+    #: No padding in this batch (read once per batch, not once per tensor).
+    all_kept: bool = False
 
     def axis(self, name: str, shape: tuple[int, ...]) -> int | None:
         """The axis of tensor ``name`` the padding is masked along, or None when it counts every value."""
@@ -173,7 +171,10 @@ def kept_positions(feeds: dict[str, np.ndarray], mask: PositionMask | None) -> B
     if mask is None or mask.input_name not in feeds:
         return None
     value = np.asarray(feeds[mask.input_name])
-    return BatchPadding(value != 0, mask.derived) if value.ndim == 2 else None
+    if value.ndim != 2:
+        return None
+    keep = value != 0
+    return BatchPadding(keep, mask.derived, bool(keep.all()))
 
 
 def sequence_axis(shape: tuple[int, ...], keep: np.ndarray) -> int | None:

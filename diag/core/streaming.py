@@ -1238,10 +1238,10 @@ def _padding_masked(
     whole: dict[str, ErrorAccumulator], name: str, value: np.ndarray, keep: BatchPadding | None
 ) -> _Masked | None:
     """How one tensor of a batch leaves its padding out, or None when it counts every value."""
-    axis = keep.axis(name, value.shape) if keep is not None else None
-    if keep is None or axis is None:
+    padding = _padding_axis(name, value, keep)
+    if padding is None or keep is None:
         return None
-    return _Masked(whole.setdefault(name, ErrorAccumulator()), keep.keep, axis, keep.all_kept)
+    return _Masked(whole.setdefault(name, ErrorAccumulator()), *padding, keep.all_kept)
 
 
 def _reduce(  # NOTE: nine parameters, because a pool task is a function and one tuple of arguments (Job)
