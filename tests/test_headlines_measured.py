@@ -33,13 +33,17 @@ def _error_energy(fp32: Path, q: Path, feeds: dict[str, np.ndarray]) -> float:
     return total
 
 
-def _compare(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, Path, dict, str]:
+def _compare(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str
+) -> tuple[Path, Path, dict, str]:
     fx = models.build(name)
     fp, q, x = tmp_path / f"{name}.fp32.onnx", tmp_path / f"{name}.int8.onnx", tmp_path / "x.npz"
     onnx.save(fx.model, fp)
     quantize_dynamic(str(fp), str(q))
     np.savez(x, **fx.make_inputs(32, 5))
-    code = cli.main(["compare", str(fp), str(q), "--inputs", str(x), "--batch", "8", "--out", str(tmp_path / "out")])
+    code = cli.main(
+        ["compare", str(fp), str(q), "--inputs", str(x), "--batch", "8", "--out", str(tmp_path / "out"), *flags]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     return fp, q, json.loads((tmp_path / "out" / "diag.json").read_text()), printed
@@ -74,7 +78,9 @@ def test_a_measured_effect_outranks_the_local_error_rule(tmp_path, capsys) -> No
 
 
 def test_spread_error_amplified_by_softmax_names_the_pattern_and_no_root_cause(tmp_path, capsys) -> None:
-    _, _, doc, printed = _compare("softmax_amplifier", tmp_path, capsys)
+    # --no-settings: the node-level headline; with the settings measured, per_channel=True removes over
+    # half of this fixture's error (its weights are heavy-tailed) and becomes the cause (test below).
+    _, _, doc, printed = _compare("softmax_amplifier", tmp_path, capsys, "--no-settings")
     assert doc["verdict"]["grade"] in ("marginal", "reject")
     cause = doc["verdict"]["cause"]
     assert cause.startswith("no single root cause: error accumulates over 8 quantized nodes"), cause
@@ -85,6 +91,17 @@ def test_spread_error_amplified_by_softmax_names_the_pattern_and_no_root_cause(t
         assert "root cause:" not in text.replace("no single root cause:", ""), text
     softmax = next(n for n in doc["nodes"] if n["name"] == "attn/Softmax")
     assert softmax["role"] == "amplifier"
+
+
+def test_a_setting_cause_keeps_the_amplifier_clause(tmp_path, capsys) -> None:
+    _, _, doc, _ = _compare("softmax_amplifier", tmp_path, capsys)
+    cause = doc["verdict"]["cause"]
+    assert doc["verdict"]["headline"]["kind"] == "setting"
+    assert cause.startswith("cause: per_channel=False: the recipe read back from your model with per_channel=True"), (
+        cause
+    )
+    assert "amplified by attn/Softmax (Softmax on near-tied logits): inputs at " in cause
+    assert [n["role"] for n in doc["nodes"] if n["role"] == "root-cause"] == []
 
 
 def test_without_local_error_the_headline_claims_nothing_about_it(tmp_path, capsys) -> None:

@@ -48,6 +48,7 @@ from diag.analysis.effects import (
 )
 from diag.analysis.fp16health import nonfinite_cause
 from diag.analysis.headline import ExcludeCommand, Headline, NextSearch
+from diag.analysis.levers import RecipeLevers
 from diag.analysis.patterns import PatternInstance, PatternTotal, find_patterns, pattern_totals
 from diag.analysis.remedies import Suggestion, all_suggestions
 from diag.analysis.taskgrade import attach_task_metrics
@@ -150,6 +151,10 @@ class CompareOptions:
     #: AIMET's encodings file for an FP32 second model (``--encodings``); None: ``<stem>.encodings``
     #: beside it when there is one (:mod:`diag.core.encodings`).
     encodings: str | None = None
+    #: Measure the recipe's settings (per_channel, reduce_range, weight_type, symmetry) as causes by
+    #: re-quantizing each changed alone, when the effect check finds no single node and the recipe
+    #: rebuilds the INT8 model exactly (``--no-settings``: off; :mod:`diag.fix.levercheck`).
+    settings: bool = True
 
     @property
     def reference_samples(self) -> int | str:
@@ -225,6 +230,9 @@ class CompareResult:
     #: Errors over every position, padding included, of the tensors that have a sequence axis.
     all_positions: dict[str, ErrorStats] = field(default_factory=dict)
     all_positions_local: dict[str, ErrorStats] = field(default_factory=dict)
+    #: The recipe's settings, each changed alone, re-quantized and measured (:mod:`diag.fix.levercheck`);
+    #: None when not tried (a node is the cause, no effect check, ``--no-settings``).
+    recipe_settings: RecipeLevers | None = None
 
     @property
     def single_cause(self) -> bool:
@@ -337,7 +345,10 @@ def compare_models(
     options = options or CompareOptions()
     run = prepare_comparison(fp32_path, int8_path, feeds, options)
     state, runtime_unmatched = run_comparison(run.fp, run.q, run.matching, run.feeds, options)
-    return analyze_comparison(run, state, runtime_unmatched, options)
+    result = analyze_comparison(run, state, runtime_unmatched, options)
+    if result.effects is not None:
+        result.effects.reference = None  # kept for the settings' check, which is diagnose's
+    return result
 
 
 def prepare_comparison(
@@ -437,8 +448,8 @@ def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, o
         )
         suggested, _unnamed = recommended_nodes(result.findings)
         result.list_estimate = estimate_list(fp, q, matching, feeds, suggested, result.effects, specs, options.threads)
-        if result.effects is not None:
-            result.effects.reference = None  # the FP32 outputs it kept for the estimate
+        if result.effects is not None and not options.settings:
+            result.effects.reference = None  # the FP32 outputs it kept (diagnose measures the settings on them)
     if state.kept_outputs is not None:
         state.kept_outputs.close()  # the maps the check read are dropped with it
 

@@ -43,7 +43,7 @@ from diag.analysis.analyze import (
     upstream_of,
 )
 from diag.analysis.headline import Headline, Name, Said, SpreadRemedies, group_name
-from diag.analysis.levers import GroupCandidate, group_candidates
+from diag.analysis.levers import HELPS_SHARE, GroupCandidate, RecipeLevers, group_candidates
 from diag.analysis.remedies import Suggestion
 from diag.core.feeds import FeedSource
 from diag.core.instrument import exposed_model
@@ -160,6 +160,17 @@ class EffectCheck:
 
     def of(self, label: str) -> Effect | None:
         return next((e for e in self.effects if e.finding.group.label == label), None)
+
+    def measure_model(self, model: Path, role: str, threads: int | None = None) -> tuple[float, dict[str, float]]:
+        """Another INT8 model of the same FP32 model (the recipe re-quantized with one setting
+        changed), run whole on this check's samples at its level, scored as a candidate: the share
+        of the target's error it removes, and its SQNR per output (and part). Needs :attr:`reference`.
+        """
+        if self.reference is None:
+            raise ValueError("the effect check's FP32 outputs are no longer kept")
+        sess = session_from_model(model, role, self.level, threads or default_threads(), model.parent, takes_turns=True)
+        got = self.reference.stats(sess, role)
+        return _share_removed(self.base[self.target], got[self.target]), {k: s.sqnr_db for k, s in got.items()}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -466,10 +477,6 @@ def check_effects(  # NOTE: 9 parameters: the comparison's parts, as compare hol
     check = EffectCheck(target, effects, taken, time.perf_counter() - start, skipped, base, measure, EFFECT_OPT_LEVEL)
     check.groups = groups
     return check
-
-
-#: A remedy whose measured effect removes no more than this share of the error does not help.
-HELPS_SHARE = 0.01
 
 
 def judge_remedies(suggestions: list[Suggestion], check: EffectCheck | None) -> None:
@@ -917,6 +924,45 @@ def _group_headline(findings: list[NodeFinding], check: EffectCheck, group: Grou
             Name(g.fix) if g.fix_is_code else g.fix,
         ),
     )
+
+
+def setting_headline(
+    findings: list[NodeFinding], check: EffectCheck, levers: RecipeLevers, headline: Headline
+) -> Headline:
+    """The headline once the recipe's settings were measured (:class:`diag.analysis.levers.RecipeLevers`).
+
+    A setting that, changed alone, removes at least :data:`CONFIRMED_SHARE` of the error, and at
+    least as much as the node or group the headline names, is the cause: it keeps every node
+    quantized, the cheapest fix there is. Otherwise a spread-error headline lists the settings with
+    their measured shares instead of unmeasured advice. A single measured node stays the cause.
+    """
+    best = levers.best
+    if headline.single_cause:
+        return headline
+    alone = max((e.recovered for e in check.effects), default=0.0)
+    group = check.best_group
+    named = group.recovered if headline.kind == "lever" and group is not None else alone
+    if best is None or best.recovered is None or best.recovered < max(CONFIRMED_SHARE, named):
+        if headline.spread is not None and levers.remedies():
+            headline.spread.measured, headline.spread.measured_samples = levers.remedies(), levers.samples
+        return headline
+    for f in findings:
+        if f.role == "root-cause":
+            f.role = "contributor"
+    cause: Said = (
+        "cause: ",
+        Name(best.change.lever),
+        f": {levers.recipe_words} with ",
+        Name(best.change.setting),
+        f" instead, re-quantized, recovers {best.recovered:.0%} of the error of ",
+        Name(check.target),
+        f" on {check.samples} samples at optimization level {check.level}, one node alone at most "
+        f"{max(alone, 0.0):.0%}; fix: ",
+        Name(best.change.setting),
+        f"; round trip: {levers.proof}",
+        *amplifier_clause(findings),
+    )
+    return dataclasses.replace(headline, kind="setting", cause=cause, spread=None, node="")
 
 
 def _unmeasured_local_sentence(findings: list[NodeFinding], poor: bool) -> Said:

@@ -35,11 +35,12 @@ from diag.analysis.remedies import GENERIC_SPREAD, SEARCH_REMEDY, WEIGHT_ONLY_FO
 #:   first FP16 node to overflow);
 #: * ``likely``: the locally worst node, hedged: its effect on the outputs was not measured;
 #: * ``lever``: a recipe lever's group of nodes is the measured cause (``MatMulConstBOnly=False``);
+#: * ``setting``: a recipe setting, changed alone and re-quantized, is the measured cause (``per_channel=False``);
 #: * ``refuted``: the locally worst node was measured and does not fix the outputs;
 #: * ``spread``: no single root cause: the error accumulates over many nodes;
 #: * ``rounding``: no node has a bad local error and the outputs grade well;
 #: * ``no-local``: local error was not measured (``--no-local``), so no cause is named.
-HeadlineKind = Literal["single-cause", "likely", "lever", "refuted", "spread", "rounding", "no-local"]
+HeadlineKind = Literal["single-cause", "likely", "lever", "setting", "refuted", "spread", "rounding", "no-local"]
 
 
 @dataclass(frozen=True)

@@ -33,17 +33,21 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import onnx
 
 from diag.analysis.analyze import NodeFinding
 from diag.analysis.decoder import layer_of, module_paths, projection_of
+from diag.foundations.jsonnum import json_number
 from diag.foundations.producers import ORT_RECIPE_PRODUCERS, PRODUCERS, op_types_change, type_fix_call
 
 #: Formats whose quantizer has the ``MatMulConstBOnly`` key, and its default there.
 CONST_B_ONLY_DEFAULT = {"dynamic": True, "qdq": False, "qoperator": False}
 #: A lever group is a cause only when it holds less than this share of the quantized groups and weights.
 CAUSE_SHARE = 0.5
+#: A change (a float region or a recipe setting) that removes no more than this share of the error does not help.
+HELPS_SHARE = 0.01
 #: Layers measured as one group each (the worst by local error): a layer group costs one effect run.
 LAYER_GROUPS = 2
 #: A fix may keep at most this share of the quantized groups in float (more is the FP32 model
@@ -253,3 +257,222 @@ def _const_b_group(members: list[NodeFinding], fmt: str) -> GroupCandidate:
         "extra_options={'MatMulConstBOnly': True} (quantize_static then keeps them in float)",
         tuple(members),
     )
+
+
+# ---------------------------------------------------------------- recipe settings, re-quantized
+
+
+#: The other 8-bit type of a ``QuantType`` name: what a ``weight_type`` / ``activation_type`` change tries.
+OTHER_8BIT = {"QInt8": "QUInt8", "QUInt8": "QInt8"}
+
+
+@dataclass(frozen=True)
+class RecipeChange:
+    """One setting of an onnxruntime recipe changed (``per_channel``: False -> True).
+
+    Attributes:
+        key: the ``quantize_*`` argument, or ``extra_options.<Key>`` for an extra option.
+        before: the value the recipe has (onnxruntime's default when it does not set it).
+        after: the value the change measures.
+    """
+
+    key: str
+    before: Any
+    after: Any
+
+    @property
+    def name(self) -> str:
+        """The setting's name as the user writes it (``WeightSymmetric``, ``per_channel``)."""
+        return self.key.removeprefix("extra_options.")
+
+    @property
+    def lever(self) -> str:
+        """The setting as the recipe has it: ``per_channel=False``."""
+        return f"{self.name}={self.before}"
+
+    @property
+    def setting(self) -> str:
+        """The setting as the change makes it: ``per_channel=True``."""
+        return f"{self.name}={self.after}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "before": self.before, "after": self.after}
+
+
+def recipe_changes(settings: dict[str, Any]) -> list[RecipeChange]:
+    """The one-setting changes of an INT8 recipe worth measuring against spread error.
+
+    The levers onnxruntime's quantizers read for every weight or activation, each in the direction
+    that can help: ``per_channel`` off -> on, ``reduce_range`` on -> off (7-bit weights), the other
+    8-bit ``weight_type`` (and ``activation_type``, static), and each symmetry switched
+    (``WeightSymmetric``'s default follows the weight type: signed types are symmetric). Weight-only
+    and fp16 recipes have their own family (:func:`diag.analysis.remedies.weight_only_changes`).
+
+    Example:
+        >>> [c.setting for c in recipe_changes({"mode": "dynamic", "weight_type": "QInt8"})]
+        ['per_channel=True', 'weight_type=QUInt8', 'ActivationSymmetric=True', 'WeightSymmetric=False']
+    """
+    mode = settings.get("mode")
+    if mode not in ("dynamic", "static"):
+        return []
+    out = []
+    if not settings.get("per_channel"):
+        out.append(RecipeChange("per_channel", False, True))
+    if settings.get("reduce_range"):
+        out.append(RecipeChange("reduce_range", True, False))
+    weight_type = str(settings.get("weight_type") or "QInt8")
+    if weight_type in OTHER_8BIT:
+        out.append(RecipeChange("weight_type", weight_type, OTHER_8BIT[weight_type]))
+    activation_type = str(settings.get("activation_type") or "QInt8")
+    if mode == "static" and activation_type in OTHER_8BIT:
+        out.append(RecipeChange("activation_type", activation_type, OTHER_8BIT[activation_type]))
+    extra = settings.get("extra_options") or {}
+    activation_symmetric = bool(extra.get("ActivationSymmetric", False))
+    out.append(RecipeChange("extra_options.ActivationSymmetric", activation_symmetric, not activation_symmetric))
+    weight_symmetric = bool(extra.get("WeightSymmetric", weight_type in ("QInt8", "QInt16", "QInt4")))
+    out.append(RecipeChange("extra_options.WeightSymmetric", weight_symmetric, not weight_symmetric))
+    return out
+
+
+@dataclass(frozen=True)
+class RecipeChangeEffect:
+    """One recipe change re-quantized and measured on the effect check's samples and target.
+
+    Attributes:
+        change: the setting changed.
+        recovered: share of the target's error energy removed (as an effect's); None: not measured.
+        sqnr_after: per output (and part), the SQNR of the re-quantized model.
+        identical: the change rebuilds the user's INT8 model byte for byte: it does nothing here.
+        error: why it could not be measured ("" when it was).
+    """
+
+    change: RecipeChange
+    recovered: float | None
+    sqnr_after: dict[str, float] = dataclasses.field(default_factory=dict)
+    identical: bool = False
+    error: str = ""
+
+    def clause(self) -> str:
+        """``per_channel=True removes 97 %``-style words for a list (the target is said once, by the list)."""
+        if self.identical:
+            return f"{self.change.setting} changes nothing in this model (byte-identical)"
+        if self.recovered is None:
+            return f"{self.change.setting} could not be measured ({self.error})"
+        if math.isinf(self.recovered):
+            return f"{self.change.setting} creates NaN/Inf"
+        if self.recovered < 0:
+            return f"{self.change.setting} adds {-self.recovered:.0%}"
+        return f"{self.change.setting} removes {self.recovered:.0%}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.change.to_dict(),
+            "recovered": json_number(self.recovered) if self.recovered is not None else None,
+            "sqnr_after": {k: json_number(v) for k, v in self.sqnr_after.items()},
+            "identical": self.identical,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RecipeChangeEffect:
+        recovered = d.get("recovered")
+        return cls(
+            RecipeChange(str(d["key"]), d.get("before"), d.get("after")),
+            float(recovered) if recovered is not None else None,
+            {k: float(v) for k, v in (d.get("sqnr_after") or {}).items() if v is not None},
+            bool(d.get("identical")),
+            str(d.get("error") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class RecipeLevers:
+    """The recipe's settings measured as causes: each changed alone, re-quantized, run on the effect
+    check's samples (issue 42 item 1). Measured only after the recipe is proved to rebuild the
+    user's INT8 model exactly: a change's "before" is then the user's model itself.
+
+    Attributes:
+        source: ``"given"`` (``--recipe``) or ``"inferred"`` (read back from the INT8 model).
+        proof: the round trip's verdict in one line (:func:`diag.fix.roundtrip.roundtrip_line`), or
+            why no round trip was tried.
+        proved: the recipe rebuilds the user's INT8 model exactly; nothing is measured otherwise.
+        target: the output (or part) the shares are of: the effect check's.
+        samples: the effect check's samples.
+        level: the onnxruntime optimization level the models ran at.
+        effects: the changes, best first.
+    """
+
+    source: str
+    proof: str
+    proved: bool
+    target: str
+    samples: int
+    level: str
+    effects: tuple[RecipeChangeEffect, ...] = ()
+
+    @property
+    def best(self) -> RecipeChangeEffect | None:
+        """The change that removes the most error, when it removes any."""
+        measured = [e for e in self.effects if e.recovered is not None and not e.identical and e.recovered > 0]
+        return max(measured, key=lambda e: e.recovered or 0.0) if measured else None
+
+    @property
+    def recipe_words(self) -> str:
+        """Whose recipe was re-quantized, for a sentence."""
+        return "your recipe" if self.source == "given" else "the recipe read back from your model"
+
+    def line(self) -> str:
+        """The one line terminal, summary.md and the report show; worded here and nowhere else.
+
+        Example:
+            >>> change = RecipeChangeEffect(RecipeChange("per_channel", False, True), 0.97)
+            >>> RecipeLevers("inferred", "the recipe rebuilds your INT8 model exactly (6 quantized nodes)",
+            ...     True, "y", 8, "all", (change,)).line()  # doctest: +NORMALIZE_WHITESPACE
+            'recipe settings, each changed alone and re-quantized, on the error of y (8 samples, optimization level
+            all): per_channel=True removes 97%; round trip: the recipe rebuilds your INT8 model exactly
+            (6 quantized nodes)'
+        """
+        if not self.proved:
+            return f"recipe settings not measured: {self.proof}"
+        if not self.effects:
+            return f"recipe settings: none to change ({self.proof})"
+        listed = "; ".join(e.clause() for e in self.effects)
+        return (
+            f"recipe settings, each changed alone and re-quantized, on the error of {self.target} ({self.samples} "
+            f"samples, optimization level {self.level}): {listed}; round trip: {self.proof}"
+        )
+
+    def remedies(self) -> str:
+        """The spread-error headline's measured list: the changes that help, with their share, then
+        those measured not to (issue 42 item 2: no advice without a measurement); "" when not measured."""
+        if not self.proved or not self.effects:
+            return ""
+        helps = [e for e in self.effects if e.recovered is not None and not e.identical and e.recovered > HELPS_SHARE]
+        rest = [e.change.setting for e in self.effects if e not in helps]
+        said = [f"{e.change.setting} (removes {e.recovered or 0.0:.0%} of the error of {self.target})" for e in helps]
+        if rest:
+            said.append(f"{'no recipe setting helps' if not helps else 'measured, does not help'}: {', '.join(rest)}")
+        return "; ".join(said)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "proof": self.proof,
+            "proved": self.proved,
+            "target": self.target,
+            "samples": self.samples,
+            "level": self.level,
+            "effects": [e.to_dict() for e in self.effects],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RecipeLevers:
+        return cls(
+            str(d.get("source") or ""),
+            str(d.get("proof") or ""),
+            bool(d.get("proved")),
+            str(d.get("target") or ""),
+            int(d.get("samples") or 0),
+            str(d.get("level") or ""),
+            tuple(RecipeChangeEffect.from_dict(e) for e in d.get("effects") or []),
+        )

@@ -33,6 +33,7 @@ from diag.analysis import compare as pipeline
 from diag.analysis.analyze import cache_verdicts, caches_line, nonfinite_origins, shortened_path
 from diag.analysis.compare import CompareOptions, CompareResult
 from diag.analysis.decoder import decoder_layout, layer_sentence, module_paths
+from diag.analysis.effects import setting_headline
 from diag.analysis.fp16health import fp16_range_lines
 from diag.analysis.merge import add_shard_state, merge_shards
 from diag.analysis.remedies import applicable_suggestions
@@ -49,6 +50,7 @@ from diag.fix.exclude import ExcludeOptions, ExclusionResult, SearchOptions, cou
 from diag.fix.exclude import summary_lines as exclude_lines
 from diag.fix.fixcode import reproduce_snippet, splice_snippet
 from diag.fix.infer import fix_recipe, recipe_to_file, recipe_to_toml, search_recipe
+from diag.fix.levercheck import measure_recipe_levers
 from diag.fix.linecheck import measure_lines
 from diag.fix.lint import lint_recipe_file
 from diag.fix.lint import summary_line as lint_summary_line
@@ -76,6 +78,7 @@ from diag.foundations.errors import DiagError
 from diag.foundations.files import check_outputs, internal_writes, output_file, resume_file, work_dir, write_set
 from diag.foundations.files import out_dir as checked_out_dir
 from diag.foundations.jsonnum import number_from_json
+from diag.foundations.producers import ORT_RECIPE_PRODUCERS, detect_producer
 from diag.foundations.summary import Summary
 from diag.report.document import document_from_result
 from diag.report.documents import read_document
@@ -169,6 +172,7 @@ def diagnose(
     result.cluster = cluster
     result.fix_recipe = fix_recipe(run.q.path, options.recipe)
     _drop_remedies_in_effect(result)
+    _measure_settings(fp32_path, result, run, options)
     if options.recipe is not None:
         _measure_weight_only_remedies(result, run, options)
     if isinstance(options.recipe, str) and Path(options.recipe).is_file():
@@ -190,6 +194,50 @@ def _drop_remedies_in_effect(result: CompareResult) -> None:
     spread = result.headline.spread
     if spread is not None:
         spread.settings, spread.recipe_known = settings, True
+
+
+def _measure_settings(
+    fp32_path: str | Path, result: CompareResult, run: pipeline.Prepared, options: CompareOptions
+) -> None:
+    """The recipe's settings as causes (issue 42 item 1), when the effect check found no node that
+    explains the error: each changed alone, re-quantized and measured on the check's samples, once
+    the recipe is proved to rebuild the INT8 model (:mod:`diag.fix.levercheck`). The headline then
+    names a setting that explains the error, or lists the measured ones. Tried for recipes given
+    (``--recipe``) or read back from a dynamic model: a static recipe read back has no calibration
+    data, so it cannot rebuild the model's activation scales."""
+    check = result.effects
+    try:
+        if not _settings_worth_measuring(result, options) or check is None or check.reference is None:
+            return
+        settings = (result.fix_recipe or {}).get("settings") or {}
+        given = options.recipe
+        if given is not None:
+            recipe, source = (given if isinstance(given, Recipe) else recipe_from_option(given)), "given"
+        elif settings.get("mode") == "dynamic":
+            recipe, source = Recipe.from_dict(settings, "the recipe read back from the INT8 model"), "inferred"
+        else:
+            return
+        result.recipe_settings = measure_recipe_levers(
+            fp32_path, run.q.path, recipe, source, check, run.spec, options.threads, options.progress
+        )
+        result.headline = setting_headline(result.findings, check, result.recipe_settings, result.headline)
+        result.seconds = time.perf_counter() - run.start
+    finally:
+        if check is not None:
+            check.reference = None  # the FP32 outputs the check kept: not needed any more
+
+
+def _settings_worth_measuring(result: CompareResult, options: CompareOptions) -> bool:
+    """No node alone is the cause, the outputs are not excellent, and onnxruntime's quantizer could
+    have made the model (another tool's model has no onnxruntime recipe to rebuild it)."""
+    q = result.int8
+    return (
+        options.settings
+        and not result.headline.single_cause
+        and result.grade != "excellent"
+        and q.source is None
+        and detect_producer(q.proto, q.path).key in ORT_RECIPE_PRODUCERS
+    )
 
 
 def _measure_weight_only_remedies(result: CompareResult, run: pipeline.Prepared, options: CompareOptions) -> None:
@@ -558,6 +606,8 @@ def _measured_lines(result: CompareResult) -> list[str]:
             f"  effect on {effects.target} of keeping a recipe-lever group in float: "
             + ", ".join(f"{g.group.label} ({g.group.lever}) {max(g.recovered, 0.0):.0%}" for g in effects.groups[:3])
         )
+    if result.recipe_settings is not None:
+        lines.append(f"  {result.recipe_settings.line()}")
     for v in result.verdicts:
         for label, (part, acc, local) in v.per_sample.parts.items():
             lines.append(

@@ -103,6 +103,8 @@ def document_from_result(result: CompareResult) -> dict[str, Any]:
         "tensors": _tensors(result),
         # --recipe FILE: each recipe line measured on the model it builds (diag.fix.linecheck); absent otherwise.
         **({"recipe_lines": [dataclasses.asdict(f) for f in result.recipe_lines]} if result.recipe_lines else {}),
+        # The recipe's settings changed alone and re-quantized (diag.fix.levercheck); absent when not tried.
+        **({"recipe_settings": result.recipe_settings.to_dict()} if result.recipe_settings is not None else {}),
         # Transformer stacks only (an optional key: documents without it stay valid).
         **_decoder(result),
     }

@@ -21,6 +21,7 @@ import jinja2
 
 from diag.analysis.analyze import GRADES, first_nonfinite, shortened_path
 from diag.analysis.effects import LEVELS_DISAGREE
+from diag.analysis.levers import RecipeLevers
 from diag.core.positions import Padding
 from diag.core.precision import describe
 from diag.core.saturation import prediction_sentence
@@ -484,8 +485,51 @@ class ReportView:
     graph_json: str = ""
     #: ``compare --recipe FILE``: each recipe line measured on the model it builds, as lint words it.
     recipe_lines: list[str] = field(default_factory=list)
+    #: The recipe's settings changed alone and re-quantized (:mod:`diag.fix.levercheck`): their one line
+    #: and one row per setting; empty when not tried.
+    recipe_settings_line: str = ""
+    recipe_settings: list[SettingRow] = field(default_factory=list)
     graph_lib: str = ""
     graph_units: int = 0
+
+
+@dataclass
+class SettingRow:
+    """One recipe setting changed alone, re-quantized and measured, for the report's table."""
+
+    setting: str
+    recipe_has: str
+    recovered: str
+    recovered_key: float
+    sqnr_after: str
+
+
+def _recipe_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's lines measured (``--recipe FILE``, as lint words them), and its settings' line and
+    rows (:class:`diag.analysis.levers.RecipeLevers`), from diag.json."""
+    lines = [Finding(**f).line() for f in doc.get("recipe_lines") or []]
+    section = doc.get("recipe_settings")
+    if not section:
+        return {"recipe_lines": lines}
+    levers = RecipeLevers.from_dict(section)
+    rows = []
+    for e in levers.effects:
+        after = e.sqnr_after.get(levers.target)
+        if e.identical or e.recovered is None:
+            shown, key = ("byte-identical" if e.identical else "not measured"), -math.inf
+        else:
+            shown, key = _share(e.recovered), e.recovered
+        rows.append(
+            SettingRow(e.change.setting, e.change.lever, shown, key, f"{after:.1f}" if after is not None else "")
+        )
+    return {"recipe_lines": lines, "recipe_settings_line": levers.line(), "recipe_settings": rows}
+
+
+def _share(recovered: float) -> str:
+    """A measured share of the error removed, as the report's tables show it."""
+    if math.isinf(recovered):
+        return "NaN/Inf"
+    return f"{recovered:.0%}" if recovered >= 0 else f"adds {-recovered:.0%}"
 
 
 def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportView:
@@ -556,7 +600,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         decoder=_decoder_view(doc.get("decoder"), bad_db, with_plots),
         neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
         **_graph_fields(doc),
-        recipe_lines=[Finding(**f).line() for f in doc.get("recipe_lines") or []],
+        **_recipe_fields(doc),
         neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
         model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
         task_lines=_task_lines(doc.get("task_metrics") or {}),
