@@ -151,6 +151,28 @@ def test_quarks_extended_qdq_pairs_as_onnxruntimes_qdq_without_the_library(tmp_p
     assert sum(p.how == "qdq" for p in ours.pairs.values()) >= 5
 
 
+def test_quarks_extended_qdq_weights_are_in_the_weight_table(tmp_path) -> None:
+    """Issue 43 item 2: Quark's Extended DequantizeLinear of an integer weight is a quantized weight,
+    read without the library (numpy only): the same table, figure for figure, as the onnxruntime QDQ
+    model the Quark-shaped one was made from, with per-channel weights (an axis) too."""
+    from diag.analysis.weights import weight_report
+
+    fx = models.convnet()
+    onnx.save(fx.model, tmp_path / "fp32.onnx")
+    quantize.quantize(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", "qdq", fx.make_inputs(8, 1), per_channel=True)
+    ort_model = onnx.load(str(tmp_path / "qdq.onnx"))
+    quark = onnx.load(str(tmp_path / "qdq.onnx"))
+    for n in quark.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            n.op_type, n.domain = f"Extended{n.op_type}", "com.amd.quark"
+    quark.opset_import.append(helper.make_opsetid("com.amd.quark", 1))
+    theirs, ours = weight_report(fx.model, ort_model), weight_report(fx.model, quark)
+    rows = [(f.fp_name, f.int8_name, f.axis, f.sqnr_db, f.is_bias) for f in ours.findings]
+    assert rows == [(f.fp_name, f.int8_name, f.axis, f.sqnr_db, f.is_bias) for f in theirs.findings]
+    assert sum(1 for f in ours.findings if not f.is_bias and f.axis is not None) >= 3  # every Conv, per channel
+    assert ours.unmatched == theirs.unmatched
+
+
 def test_the_library_does_not_outlive_the_test_that_registered_it() -> None:
     """The CLI sets DIAG_CUSTOM_OP_LIBRARIES for its process; the tests above restore it, so every
     later test's sessions run without the extensions library (as a user's would)."""

@@ -78,9 +78,9 @@ def test_a_measured_effect_outranks_the_local_error_rule(tmp_path, capsys) -> No
 
 
 def test_spread_error_amplified_by_softmax_names_the_pattern_and_no_root_cause(tmp_path, capsys) -> None:
-    # --no-settings: the node-level headline; with the settings measured, per_channel=True removes over
+    # --settings off: the node-level headline; with the settings measured, per_channel=True removes over
     # half of this fixture's error (its weights are heavy-tailed) and becomes the cause (test below).
-    _, _, doc, printed = _compare("softmax_amplifier", tmp_path, capsys, "--no-settings")
+    _, _, doc, printed = _compare("softmax_amplifier", tmp_path, capsys, "--settings", "off")
     assert doc["verdict"]["grade"] in ("marginal", "reject")
     cause = doc["verdict"]["cause"]
     assert cause.startswith("no single root cause: error accumulates over 8 quantized nodes"), cause

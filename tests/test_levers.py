@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import run_cli
 from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 from plain_ort import Rows
 
@@ -236,3 +237,71 @@ def test_compare_with_the_recipe_measures_each_of_its_lines_as_lint_does(lever, 
     assert cli.main(["lint", str(recipe), "--model", str(fp), "--inputs", str(x), "--batch", "8"]) in (0, 1, 2, 3)
     linted = capsys.readouterr().out
     assert f"note[measured] extra_options.MatMulConstBOnly: {const_b['message']}" in linted
+
+
+def test_exclude_with_the_recipe_measures_each_of_its_lines_too(lever, tmp_path, capsys) -> None:
+    """Issue 42 item 4, lint inside exclude: the same findings, printed, in exclusion.json and the report."""
+    fp, q, x, _ = lever
+    recipe = tmp_path / "recipe.json"
+    settings = {"MatMulConstBOnly": False, "ActivationSymmetric": True}
+    recipe.write_text(
+        json.dumps({"mode": "dynamic", "weight_type": "QUInt8", "per_channel": True, "extra_options": settings})
+    )
+    out = tmp_path / "out"
+    args = ["exclude", fp, "--int8", q, "--recipe", recipe, "--inputs", x, "--target", "cosine>=0.999"]
+    assert cli.main([str(a) for a in [*args, "--out", out, "--quiet"]]) in (0, 1)
+    printed = capsys.readouterr().out
+    found = json.loads((out / "exclusion.json").read_text())["recipe_lines"]
+    lines = {f["where"]: f for f in found}
+    assert lines["extra_options.MatMulConstBOnly"]["code"] == "measured"
+    assert lines["extra_options.ActivationSymmetric"]["code"] == "no-effect"
+    assert "  recipe line: warning[no-effect] extra_options.ActivationSymmetric" in printed
+    message = lines["extra_options.MatMulConstBOnly"]["message"]
+    assert f"note[measured] extra_options.MatMulConstBOnly: {message}" in (out / "report.html").read_text()
+    assert cli.main(["lint", str(recipe), "--model", str(fp), "--inputs", str(x)]) in (0, 1, 2, 3)
+    assert f"note[measured] extra_options.MatMulConstBOnly: {message}" in capsys.readouterr().out
+
+
+def test_the_residual_adds_of_a_qdq_stack_are_measured_as_one_group(tmp_path, capsys) -> None:
+    """Issue 42 item 1, a graph pattern: the residual Adds. A hidden dimension that dominates the
+    residual stream (BERT's outlier features) is quantized at every residual Add of a QDQ model;
+    the group is measured in the user's model, and its share is what onnxruntime's own
+    ``nodes_to_exclude`` with those Adds gives (same calibration data, plain onnxruntime)."""
+    from diag.fixtures.quantize import _ArrayReader
+
+    fx = models.transformer(outlier_dim=None, stream_outlier_dim=3, layers=4)
+    fp, q, x = tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", tmp_path / "x.npz"
+    onnx.save(fx.model, fp)
+    calibration = fx.make_inputs(32, 7)
+
+    def static(out: Path, exclude: list[str]) -> None:
+        quantize_static(
+            str(fp),
+            str(out),
+            _ArrayReader(calibration),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            nodes_to_exclude=exclude,
+        )
+
+    static(q, [])
+    feeds = fx.make_inputs(64, 1)
+    np.savez(x, **feeds)
+    code, _, _ = run_cli(["compare", fp, q, "--inputs", x, "--out", tmp_path / "o", "--quiet"], capsys)
+    assert code in (0, 3)
+    doc = json.loads((tmp_path / "o" / "diag.json").read_text())
+    group = next(g for g in doc["effects"]["groups"] if g["kind"] == "residual_adds")
+    adds = [f"layer{i}/{part}/residual" for i in range(4) for part in ("attn", "ffn")]
+    assert group["fp_nodes"] == adds and group["label"] == "the 8 residual Adds"
+    assert group["fix"] == f"nodes_to_exclude={json.dumps(adds)}"
+    excluded = tmp_path / "excluded.onnx"
+    static(excluded, adds)
+    first = {k: v[: doc["effects"]["samples"]] for k, v in feeds.items()}
+    ref = ort.InferenceSession(str(fp), providers=["CPUExecutionProvider"]).run(None, first)[0].astype(np.float64)
+
+    def energy(model: Path) -> float:
+        got = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, first)[0]
+        return float(((got - ref) ** 2).sum())
+
+    assert group["recovered"] == pytest.approx(1 - energy(excluded) / energy(q), abs=0.05)
+    assert group["recovered"] > 0.1  # the stream's outlier dimension costs a real share at the Adds

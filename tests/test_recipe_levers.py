@@ -124,7 +124,7 @@ def test_a_recipe_that_does_not_rebuild_the_model_measures_nothing(spread, tmp_p
 def test_no_settings_turns_the_check_off(spread, tmp_path, capsys) -> None:
     fp, q, x, _ = spread
     code, out, _ = run_cli(
-        ["compare", fp, q, "--inputs", x, "--no-settings", "--out", tmp_path / "o", "--quiet"], capsys
+        ["compare", fp, q, "--inputs", x, "--settings", "off", "--out", tmp_path / "o", "--quiet"], capsys
     )
     assert code in (0, 3)
     doc = json.loads((tmp_path / "o" / "diag.json").read_text())

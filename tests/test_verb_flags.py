@@ -41,7 +41,7 @@ COMPARE_FLAGS += ["--output-kind", "logits=probabilities", "--effects", "6", "--
 COMPARE_FLAGS += ["--accuracy-level-check", "4", "--labels", "y.npy", "--metric", "plug:metric"]
 COMPARE_FLAGS += ["--scheduler", "local:2", "--deploy-isa", "avx2", "--quiet", "--local-samples", "13"]
 # --mask-input with --no-mask is refused by the run, not by the parser
-COMPARE_FLAGS += ["--mask-input", "am", "--no-mask", "--encodings", "m.encodings", "--no-settings"]
+COMPARE_FLAGS += ["--mask-input", "am", "--no-mask", "--encodings", "m.encodings", "--settings", "always"]
 
 #: One value per metric gate (diag.foundations.metricnames' table: a new gate is tested without a new line here),
 #: each different from the others, so a flag wired to another gate's field fails.
@@ -78,7 +78,7 @@ CASES: list[tuple[str, list[str], Any, list[str], Any]] = [
             mask_input="am",
             no_mask=True,
             encodings="m.encodings",
-            settings=False,
+            settings="always",
         ),
         ["a.onnx", "b.onnx"],
         CompareOptions(),

@@ -153,8 +153,9 @@ class CompareOptions:
     encodings: str | None = None
     #: Measure the recipe's settings (per_channel, reduce_range, weight_type, symmetry) as causes by
     #: re-quantizing each changed alone, when the effect check finds no single node and the recipe
-    #: rebuilds the INT8 model exactly (``--no-settings``: off; :mod:`diag.fix.levercheck`).
-    settings: bool = True
+    #: rebuilds the INT8 model exactly (:mod:`diag.fix.levercheck`), ``--settings``: ``"auto"`` (for
+    #: FP32 weights under LARGE_MODEL_BYTES: each setting re-quantizes the whole model), ``"always"``, ``"off"``.
+    settings: str = "auto"
 
     @property
     def reference_samples(self) -> int | str:
@@ -231,7 +232,7 @@ class CompareResult:
     all_positions: dict[str, ErrorStats] = field(default_factory=dict)
     all_positions_local: dict[str, ErrorStats] = field(default_factory=dict)
     #: The recipe's settings, each changed alone, re-quantized and measured (:mod:`diag.fix.levercheck`);
-    #: None when not tried (a node is the cause, no effect check, ``--no-settings``).
+    #: None when not tried (a node is the cause, no effect check, ``--settings off``).
     recipe_settings: RecipeLevers | None = None
 
     @property
@@ -448,7 +449,7 @@ def _confirm_causes(run: Prepared, state: CompareState, result: CompareResult, o
         )
         suggested, _unnamed = recommended_nodes(result.findings)
         result.list_estimate = estimate_list(fp, q, matching, feeds, suggested, result.effects, specs, options.threads)
-        if result.effects is not None and not options.settings:
+        if result.effects is not None and options.settings == "off":
             result.effects.reference = None  # the FP32 outputs it kept (diagnose measures the settings on them)
     if state.kept_outputs is not None:
         state.kept_outputs.close()  # the maps the check read are dropped with it

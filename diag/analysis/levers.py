@@ -17,7 +17,11 @@ The groups, each with the lever that switches it, in onnxruntime's terms:
 * **one projection in every layer** of a transformer stack (``mlp/down_proj`` of layers 0..7, read
   off node names or torch's module scopes: :mod:`diag.analysis.decoder`), and **a whole layer**
   (the :data:`LAYER_GROUPS` layers with the worst local error): no recipe key switches these, so
-  their fix is the ``nodes_to_exclude`` list that keeps exactly them in float.
+  their fix is the ``nodes_to_exclude`` list that keeps exactly them in float;
+* two **graph patterns**: the residual Adds (a transformer's residual stream, quantized at every
+  Add in QDQ models) and the embedding Gathers (constant tables), their fix a node list as well.
+  LayerNorm-adjacent MatMuls are not a group: in a pre-LN stack they are 4 of every 6 linear
+  layers, over :data:`CAUSE_SHARE` of the model, which no fix keeps in float.
 
 NOTE: a lever is worded from the INT8 format alone (dynamic vs static), never from a guess at the
 recipe: an act x act MatMul quantized in a dynamic model means the recipe set the key to False.
@@ -70,7 +74,8 @@ class GroupCandidate:
     """Node groups the user switches with one recipe change, measured as one float region.
 
     Attributes:
-        kind: ``"act_act_matmuls"``, ``"op_type"``, ``"projection"`` or ``"layer"``.
+        kind: ``"act_act_matmuls"``, ``"op_type"``, ``"projection"``, ``"layer"``, ``"residual_adds"`` or
+            ``"embeddings"``.
         label: what the group is, for a sentence (``the 8 activation x activation MatMuls``).
         lever: the recipe setting that quantizes it (``MatMulConstBOnly=False``).
         fix: the change that leaves the group in float, in onnxruntime's terms.
@@ -129,7 +134,7 @@ def group_candidates(
                 continue
             groups.append(_op_type_group(op, members, sorted(t for t in by_type if t != op), producer))
     seen = {frozenset(g.fp_nodes) for g in groups}
-    for g in _structural_groups(fp, quantized, producer):
+    for g in [*_structural_groups(fp, quantized, producer), *_pattern_groups(fp, quantized, producer)]:
         if frozenset(g.fp_nodes) not in seen:
             seen.add(frozenset(g.fp_nodes))
             groups.append(g)
@@ -180,6 +185,42 @@ def _structural_groups(fp: onnx.ModelProto, quantized: list[NodeFinding], produc
         if len(members) >= 2 and not nearly_all(len(members), len(quantized)):
             label = f"the {len(members)} quantized nodes of layer {i}"
             groups.append(_node_list_group("layer", label, f"layer {i} quantized", members, producer))
+    return groups
+
+
+def _pattern_groups(fp: onnx.ModelProto, quantized: list[NodeFinding], producer: str) -> list[GroupCandidate]:
+    """Graph patterns quantized as a whole, each measured as one float region (module doc).
+
+    * **residual Adds**: an Add of two computed tensors, one of which also feeds another node (the
+      skip path fans out): a transformer's residual stream carries its outlier dimensions through
+      every such Add, and a per-tensor scale on the stream rounds the other dimensions away;
+    * **embedding Gathers**: a Gather reading a constant table (word, position and type embeddings).
+    """
+    constants = {i.name for i in fp.graph.initializer} | {
+        o for n in fp.graph.node if n.op_type == "Constant" for o in n.output
+    }
+    readers: dict[str, int] = {}
+    for n in fp.graph.node:
+        for t in set(n.input):
+            readers[t] = readers.get(t, 0) + 1
+    by_name = {n.name: n for n in fp.graph.node if n.name}
+
+    def residual(n: onnx.NodeProto) -> bool:
+        computed = [t for t in n.input if t and t not in constants]
+        return n.op_type == "Add" and len(computed) == 2 and any(readers.get(t, 0) >= 2 for t in computed)
+
+    def embedding(n: onnx.NodeProto) -> bool:
+        return n.op_type == "Gather" and len(n.input) == 2 and n.input[0] in constants
+
+    groups = []
+    for kind, test, noun in (
+        ("residual_adds", residual, "residual Adds"),
+        ("embeddings", embedding, "embedding Gathers"),
+    ):
+        members = [f for f in quantized if any(test(by_name[x]) for x in f.group.fp_nodes if x in by_name)]
+        if len(members) >= 2 and not nearly_all(len(members), len(quantized)):
+            label = f"the {len(members)} {noun}"
+            groups.append(_node_list_group(kind, label, f"{noun} quantized", members, producer))
     return groups
 
 

@@ -49,6 +49,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from diag.core.match import DQ_OPS, Q_OPS
 from diag.core.metrics import cosine, sqnr_db
 from diag.core.nbits import (
     CHUNK_COLUMNS,
@@ -78,7 +79,7 @@ _MATMUL_OPS = {
 #: FP32 ops onnxruntime's optimizer folds into a preceding Conv (ConvBNFusion, ConvMulFusion, ConvAddFusion).
 _FOLDABLE = {"BatchNormalization", "Mul", "Add", "Sub", "Div"}
 #: Ops a quantized compute node's result flows through before it is the FP32 tensor again.
-_INT8_TAIL = {"QuantizeLinear", "DequantizeLinear", "Cast", "Mul", "Add", "Relu", "Clip"}
+_INT8_TAIL = {*Q_OPS, *DQ_OPS, "Cast", "Mul", "Add", "Relu", "Clip"}
 #: FP32 activations the quantizer fuses into the producer's output range (no effect on weights).
 _FUSED_ACTIVATIONS = {"Relu", "Clip"}
 #: Initializers up to this size (scales, zero points, BN parameters) are converted once and cached.
@@ -672,13 +673,14 @@ def _quantized_weights(q: _Graph) -> Iterable[_QuantizedWeight]:
     for node in q.nodes:
         op = node.op_type
         inputs = list(node.input) + [""] * 9  # optional inputs read as ""
-        if op == "DequantizeLinear" and node.input[0] in q.inits:
+        # Quark's com.amd.quark Extended(De)QuantizeLinear compute the same affine grid (match.DQ_OPS)
+        if op in DQ_OPS and node.input[0] in q.inits:
             yield from _qdq_weight(q, node, node.input[0])
-        elif op == "DequantizeLinear" and node.input[0] in q.producer:
+        elif op in DQ_OPS and node.input[0] in q.producer:
             before = q.producer[node.input[0]]
             if before.op_type == "Gather" and before.input[0] in q.inits:
                 yield from _qdq_weight(q, node, before.input[0], via=before)
-            elif before.op_type == "QuantizeLinear" and _float_init(q, before.input[0]):
+            elif before.op_type in Q_OPS and _float_init(q, before.input[0]):
                 # A float weight quantized at run time (ModelOpt, AIMET, NNCF on Constant weights).
                 yield from _qdq_weight(q, node, before.input[0], quantized_by=before)
         elif op in _QOP_INPUTS or op in _INTEGER_INPUTS:
@@ -743,6 +745,8 @@ def _qdq_weight(
         assert zp is not None
     else:
         zp = _zero_point(q, zp_name, name)
+    if dq.op_type != "DequantizeLinear" and zp.dtype.name in ("bfloat16", "float16", "float32"):
+        return  # Quark's BF16 Extended Q/DQ: a float "grid", not a quantized weight to compare
     ndim = len(q.inits[name].dims)
     if _attr(dq, "block_size", 0):
         return  # block-wise weights: see _blocked_findings
@@ -857,7 +861,7 @@ def _smoothing_of(qw: _QuantizedWeight, f: _Graph, q: _Graph, shape: tuple[int, 
             return None
         if node.op_type == "Mul":
             break
-        if node.op_type not in ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"):
+        if node.op_type not in Q_OPS | DQ_OPS | {"DynamicQuantizeLinear"}:
             return None
         x = node.input[0]
     else:

@@ -208,7 +208,7 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
         mask_input=args.mask_input,
         no_mask=args.no_mask,
         encodings=args.encodings,
-        settings=not args.no_settings,
+        settings=args.settings,
     )
 
 
@@ -649,11 +649,13 @@ def _compare_analysis_flags(p: argparse.ArgumentParser) -> None:
         "output heads) in float in the INT8 model and measure how much output error it removes (default 8; 0 off)",
     )
     p.add_argument(
-        "--no-settings",
-        action="store_true",
-        help="do not measure the recipe's settings (per_channel, reduce_range, weight_type, symmetry) as causes; "
-        "by default, when no node alone explains the error and the recipe (--recipe, or the one read back from "
-        "a dynamic model) rebuilds the INT8 model exactly, each is changed alone, re-quantized and measured",
+        "--settings",
+        choices=["auto", "always", "off"],
+        default="auto",
+        help="measure the recipe's settings (per_channel, reduce_range, weight_type, symmetry) as causes: when no "
+        "node alone explains the error and the recipe (--recipe, or the one read back from a dynamic model) "
+        "rebuilds the INT8 model exactly, each is changed alone, re-quantized and measured (default auto: for "
+        "FP32 weights under 1 GiB, as each setting re-quantizes the model; always; off)",
     )
     p.add_argument(
         "--effect-samples",

@@ -35,6 +35,7 @@ from diag.analysis.compare import CompareOptions, CompareResult
 from diag.analysis.decoder import decoder_layout, layer_sentence, module_paths
 from diag.analysis.effects import setting_headline
 from diag.analysis.fp16health import fp16_range_lines
+from diag.analysis.levers import recipe_changes
 from diag.analysis.merge import add_shard_state, merge_shards
 from diag.analysis.remedies import applicable_suggestions
 from diag.core.encodings import encodings_beside, read_encodings
@@ -43,6 +44,7 @@ from diag.core.load import checked_path, model_summary
 from diag.core.precision import describe
 from diag.core.recipe import Recipe, recipe_file_text, recipe_from_option
 from diag.core.saturation import prediction_sentence
+from diag.core.streaming import LARGE_MODEL_BYTES
 from diag.core.taskmetrics import task_lines
 from diag.fix.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.fix.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
@@ -50,8 +52,8 @@ from diag.fix.exclude import ExcludeOptions, ExclusionResult, SearchOptions, cou
 from diag.fix.exclude import summary_lines as exclude_lines
 from diag.fix.fixcode import reproduce_snippet, splice_snippet
 from diag.fix.infer import fix_recipe, recipe_to_file, recipe_to_toml, search_recipe
-from diag.fix.levercheck import measure_recipe_levers
-from diag.fix.linecheck import measure_lines
+from diag.fix.levercheck import measure_recipe_levers, settings_skipped
+from diag.fix.linecheck import measure_lines, shown_lines
 from diag.fix.lint import lint_recipe_file
 from diag.fix.lint import summary_line as lint_summary_line
 from diag.fix.modelprep import copy_model
@@ -217,6 +219,11 @@ def _measure_settings(
             recipe, source = Recipe.from_dict(settings, "the recipe read back from the INT8 model"), "inferred"
         else:
             return
+        if not recipe_changes(recipe.to_dict()):
+            return  # a weight-only or fp16 recipe: its own remedies are measured elsewhere
+        if options.settings == "auto" and run.fp.weight_bytes >= LARGE_MODEL_BYTES:
+            result.recipe_settings = settings_skipped(source, check, run.fp.weight_bytes)
+            return
         result.recipe_settings = measure_recipe_levers(
             fp32_path, run.q.path, recipe, source, check, run.spec, options.threads, options.progress
         )
@@ -232,7 +239,7 @@ def _settings_worth_measuring(result: CompareResult, options: CompareOptions) ->
     have made the model (another tool's model has no onnxruntime recipe to rebuild it)."""
     q = result.int8
     return (
-        options.settings
+        options.settings != "off"
         and not result.headline.single_cause
         and result.grade != "excellent"
         and q.source is None
@@ -461,7 +468,7 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
             else ""
         )
     )
-    lines += [f"  recipe line: {f.line()}" for f in result.recipe_lines if f.severity != "note" or f.code == "measured"]
+    lines += [f"  {line}" for line in shown_lines(result.recipe_lines)]
     if result.padding is not None:
         lines.append(f"  {result.padding.sentence()}")
     lines += [f"wrote {name}: {path}" for name, path in files.items()]
@@ -671,6 +678,11 @@ def exclude_to_dir(
         trials = ClusterTrialRunner(options.scheduler, fp32_path, recipe, feeds, options) if options.scheduler else None
         with internal_writes():  # candidate models are not this verb's outputs
             result = derive_exclusions(fp32_path, recipe, feeds, options, str(work), trials)
+        if isinstance(given, (str, Path)) and Path(given).is_file():
+            # lint inside exclude (issue 42 item 4): what each line of the given recipe does to this model
+            result.recipe_lines = measure_lines(given, fp32_path, feeds, options.threads)
+            if result.diagnosis is not None:
+                result.diagnosis.recipe_lines = result.recipe_lines
         result.recipe_origin = dataclasses.replace(origin, spliced=result.method == "surgical").to_dict()
         result.warnings[:0] = proof
         answer = _exclusion_files(result, recipe, feeds, out, stem)

@@ -71,6 +71,8 @@ from diag.fix.evaluate import (
     split_feeds,
 )
 from diag.fix.evaluate import format_metric as _fmt
+from diag.fix.linecheck import shown_lines
+from diag.fix.lint import Finding
 from diag.fix.modelprep import copy_model
 from diag.fix.quantize import quantize_model
 from diag.fix.search import BudgetExhausted, Candidate, SearchAlgorithm, ranked_candidates
@@ -249,6 +251,9 @@ class ExclusionResult:
     #: The CompareResult of the ranking pass (None when the baseline already met the target);
     #: not part of exclusion.json, it becomes the diagnosis half of the exclusion's report.
     diagnosis: CompareResult | None = None
+    #: ``--recipe FILE``: each line of the recipe measured on the model it builds
+    #: (:func:`diag.fix.linecheck.measure_lines`, set by the verb); empty otherwise.
+    recipe_lines: list[Finding] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -285,6 +290,7 @@ class ExclusionResult:
             "excluded": [c.to_dict() for c in self.excluded],
             "recipe": self.recipe,
             "recipe_origin": self.recipe_origin,
+            **({"recipe_lines": [dataclasses.asdict(f) for f in self.recipe_lines]} if self.recipe_lines else {}),
             "op_type_suggestions": self.op_type_suggestions,
             "fixes": ranked_fixes(self),
             # the before/after metrics come from onnxruntime's integer kernels on this CPU
@@ -1361,6 +1367,7 @@ def summary_lines(result: ExclusionResult) -> list[str]:
         )
         lines.append(f"  latency p50 {p}")
     lines.extend(f"  {w}" for w in result.warnings)
+    lines.extend(f"  {line}" for line in shown_lines(result.recipe_lines))
     lines.append(
         f"  ranked on {result.split['ranking']}, verified on {result.split['held_out']}; "
         f"{trials_phrase(result.method, result.quantizations, result.splices, result.calibrations)}, "

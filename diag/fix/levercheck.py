@@ -99,6 +99,20 @@ def measure_recipe_levers(  # NOTE: 7 parameters: the two models, the recipe and
     return RecipeLevers(proof=proof, proved=True, effects=tuple(effects), **header)
 
 
+def settings_skipped(source: str, check: EffectCheck, weight_bytes: int) -> RecipeLevers:
+    """The settings not measured by default on a large model: each would re-quantize all of it.
+
+    Example:
+        >>> settings_skipped("inferred", EffectCheck("logits", [], 4, 0.0), 3 << 30).line()  # doctest: +ELLIPSIS
+        'recipe settings not measured: FP32 weights of 3.0 GiB, and each setting re-quantizes the whole model (...)'
+    """
+    why = (
+        f"FP32 weights of {weight_bytes / 2**30:.1f} GiB, and each setting re-quantizes the whole model "
+        "(--settings always measures them)"
+    )
+    return RecipeLevers(source, why, False, check.target, check.samples, check.level)
+
+
 def _measured(  # NOTE: 9 parameters: one change's quantization inputs and the check it is scored on
     fp32_path: str | os.PathLike[str],
     user: onnx.ModelProto,

@@ -190,3 +190,15 @@ class _Reference:
                 if np.shape(x) == np.shape(y) and np.issubdtype(np.asarray(x).dtype, np.floating):
                     acc.update(np.asarray(x), np.asarray(y))
         return acc.finalize().sqnr_db
+
+
+def shown_lines(findings: list[Finding]) -> list[str]:
+    """The measured recipe lines a verb prints (compare and exclude alike): warnings, and the notes
+    that carry a measurement; the plain notes stay in the JSON and the report.
+
+    Example:
+        >>> unused = Finding("warning", "no-effect", "extra_options.EnableSubgraph", "changes nothing", "remove it")
+        >>> shown_lines([unused, Finding("note", "hint", "recipe", "a note", "")])  # doctest: +ELLIPSIS
+        ['recipe line: warning[no-effect] extra_options.EnableSubgraph: changes nothing...']
+    """
+    return [f"recipe line: {f.line()}" for f in findings if f.severity != "note" or f.code == "measured"]
