@@ -163,3 +163,25 @@ def test_layers_come_from_torchs_module_paths_when_node_names_carry_none() -> No
         "layer 2",
         "layer 2",
     ]
+
+
+def test_a_clicked_node_shows_its_output_histogram_over_the_grid(browser, tmp_path) -> None:
+    """Issue 44 item 1: the detail panel draws the output's FP32 and INT8 values (diag.json's small
+    histogram, bar for bar) and the INT8 grid's range, for the conv whose output channel 5 is 40x."""
+    out = _report(tmp_path, models.convnet(), "qdq")
+    page = Page(browser, out)
+    health = page.doc["distributions"]["tensors"]
+    node = next(n for n in page.doc["nodes"] if n["fp_nodes"] and n["fp_nodes"][0] == "conv2")
+    hist, grid = health[node["tensor"]]["histogram"], health[node["tensor"]]["grid_range"]
+    assert len(hist["fp32"]) == len(hist["int8"]) <= 32 and sum(hist["fp32"]) > 0 and sum(hist["int8"]) > 0
+    page.page.fill("#graph-search", "conv2")
+    page.page.press("#graph-search", "Enter")
+    bars = page.page.eval_on_selector_all(
+        "#graph-hist rect", "es => es.map(e => [e.getAttribute('data-series'), +e.getAttribute('data-count')])"
+    )
+    assert [c for s, c in bars if s == "fp"] == [c for c in hist["fp32"] if c]
+    assert [c for s, c in bars if s == "q"] == [c for c in hist["int8"] if c]
+    lines = page.page.eval_on_selector_all("#graph-hist line", "es => es.map(e => +e.getAttribute('data-grid'))")
+    assert lines == pytest.approx(grid)
+    assert "dashed: the INT8 grid's range" in page.page.locator("#graph-detail").inner_text()
+    page.close()

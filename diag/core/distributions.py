@@ -288,6 +288,52 @@ class Pow2Histogram:
         return h
 
 
+#: Bins of the small histograms every tensor gets in diag.json (the report's graph panel draws them).
+COMPACT_BINS = 32
+
+
+def compact_histograms(fp: Pow2Histogram, int8: Pow2Histogram, bins: int = COMPACT_BINS) -> State | None:
+    """Both histograms of a tensor on one axis, cut to the range holding values, in ``bins`` bins.
+
+    The full histograms (:data:`BINS` bins over ``[-2^k, 2^k]``) are for the plotted tensors only;
+    this small form is for every tensor: copies of both are grown to one exponent (counts are
+    exact: bins only merge), the bins from the first to the last non-empty one in either are
+    kept, and runs of them are summed into at most ``bins`` bars. Returns ``{"lo", "hi", "fp32",
+    "int8"}`` (the bars' range and counts), or None when both are empty.
+
+    Example:
+        >>> a, b = Pow2Histogram(), Pow2Histogram()
+        >>> a.update(np.array([0.1, 0.2, 0.3, 0.9], np.float32))
+        >>> b.update(np.array([0.0, 0.25, 0.25, 1.0], np.float32))
+        >>> h = compact_histograms(a, b, bins=4)  # 513 bins of 1/512 from 0 to 1: 4 bars of 129
+        >>> h["lo"], round(h["hi"], 4), h["fp32"], h["int8"]
+        (0.0, 1.0078, [2, 1, 0, 1], [3, 0, 0, 1])
+    """
+    if fp.exponent is None and int8.exponent is None:
+        return None
+    exponent = max(e for e in (fp.exponent, int8.exponent) if e is not None)
+    grown = []
+    for h in (fp, int8):
+        copy = Pow2Histogram()
+        copy.counts, copy.exponent = h.counts.copy(), h.exponent
+        if copy.exponent is not None:
+            copy._grow_to(exponent)
+        grown.append(copy.counts)
+    nonzero = np.nonzero(grown[0] + grown[1])[0]
+    first, span = int(nonzero[0]), int(nonzero[-1]) + 1 - int(nonzero[0])
+    group = -(-span // bins)  # ceil: histogram bins per bar
+    count = -(-span // group)
+    width = math.ldexp(1.0, exponent) * 2 / BINS
+    lo = -math.ldexp(1.0, exponent) + first * width
+    bars = [np.pad(c[first : first + span], (0, group * count - span)).reshape(count, group).sum(axis=1) for c in grown]
+    return {
+        "lo": lo,
+        "hi": lo + group * count * width,
+        "fp32": [int(v) for v in bars[0]],
+        "int8": [int(v) for v in bars[1]],
+    }
+
+
 def _sample(x: np.ndarray, limit: int = SAMPLE_MAX) -> np.ndarray:
     """A deterministic strided subsample of at most ``limit`` values of ``x``."""
     flat = x.reshape(-1)

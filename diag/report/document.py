@@ -25,7 +25,7 @@ from diag.analysis.decoder import decoder_layout, module_paths
 from diag.analysis.fp16health import fp16_fix
 from diag.analysis.patterns import PatternInstance, PatternTotal
 from diag.analysis.weights import WeightReport
-from diag.core.distributions import TensorHealth, worst_tensors
+from diag.core.distributions import TensorHealth, compact_histograms, worst_tensors
 from diag.core.metrics import ErrorStats, OutputStats
 from diag.core.taskmetrics import json_values
 from diag.foundations.cpu import kernel_path
@@ -404,8 +404,10 @@ def _patterns(result: CompareResult) -> dict[str, Any]:
 
 
 def _health_dict(h: TensorHealth) -> dict[str, Any]:
+    small = compact_histograms(h.fp_hist, h.int8_hist) if h.fp_hist is not None and h.int8_hist is not None else None
     return {
         "grid": h.grid,
+        "histogram": {**small, "lo": _num(small["lo"]), "hi": _num(small["hi"])} if small is not None else None,
         "scale": _num(h.scale),
         "zero_point": _num(h.zero_point),
         "zero_point_position": _num(h.zero_point_position),

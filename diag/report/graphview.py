@@ -123,6 +123,24 @@ def _health(h: dict[str, Any] | None, plotted: bool) -> dict[str, Any] | None:
         "outliers": [int(o["index"]) for o in h.get("outliers") or [] if isinstance(o, dict) and "index" in o][:4],
         "reasons": [str(r) for r in h.get("reasons") or []][:3],
         "plotted": plotted,
+        "hist": _histogram(h.get("histogram"), h.get("grid_range")),
+    }
+
+
+def _histogram(hist: dict[str, Any] | None, grid_range: list[Any] | None) -> dict[str, Any] | None:
+    """The output's FP32 and INT8 bars and the grid's range, for the panel's picture (None: no bars)."""
+    if not isinstance(hist, dict) or not hist.get("fp32"):
+        return None
+    lo, hi = hist.get("lo"), hist.get("hi")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lo, hi)) or hi <= lo:
+        return None
+    grid = [float(v) for v in grid_range or [] if isinstance(v, (int, float)) and math.isfinite(v)]
+    return {
+        "lo": lo,
+        "hi": hi,
+        "fp": [int(v) for v in hist["fp32"]],
+        "q": [int(v) for v in hist.get("int8") or []],
+        "grid": grid if len(grid) == 2 else None,
     }
 
 
