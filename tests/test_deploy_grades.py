@@ -21,6 +21,7 @@ from onnxruntime.quantization import QuantFormat, quantize_static
 from plain_ort import Rows
 
 from diag.cli import commands as cli
+from diag.fix.evaluate import macro_f1
 from diag.fixtures import models
 from diag.foundations.errors import GATE_FAILED
 
@@ -95,3 +96,41 @@ def test_check_gates_the_model_as_deployed(excluded, tmp_path, capsys) -> None:
         assert code == GATE_FAILED and "FAIL max-abs" in printed, printed  # passes exact, fails as deployed
     else:
         assert code == 0, printed  # fails exact, passes as deployed: deployment is what counts
+
+
+def test_the_f1_gate_reads_the_f1_drop_as_deployed_with_exact_mode_beside(excluded, tmp_path, capsys) -> None:
+    """Issue 42 item 3: compare's macro-F1 drop is the deployed model's (plain onnxruntime at its
+    default level agrees), the exact-mode drop is kept beside it, and a ``--max-f1-drop`` between
+    the two fails the model: it passes in exact mode, and fails as the user runs it."""
+    fp, q, _, _ = excluded
+    feeds = models.build("transformer").make_inputs(512, 3)
+    exact_opts = ort.SessionOptions()
+    exact_opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
+    def argmax(path: Path, opts: ort.SessionOptions | None) -> np.ndarray:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"]).run(None, feeds)[0].argmax(-1)
+
+    reference = argmax(fp, exact_opts)
+    rng = np.random.default_rng(0)
+    labels = reference.copy()  # the FP32 predictions with 10 % of them wrong: an F1 below 1 to lose
+    flip = rng.random(len(labels)) < 0.1
+    labels[flip] = rng.integers(0, 4, int(flip.sum()))
+    np.savez(tmp_path / "x.npz", **feeds)
+    np.save(tmp_path / "y.npy", labels)
+
+    def drop(pred: np.ndarray) -> float:
+        return macro_f1(labels, reference) - macro_f1(labels, pred)
+
+    deployed, exact = drop(argmax(q, None)), drop(argmax(q, exact_opts))
+    assert deployed > exact + 0.003, "the fixture must lose more F1 as deployed"
+    out = tmp_path / "out"
+    args = ["compare", fp, q, "--inputs", tmp_path / "x.npz", "--labels", tmp_path / "y.npy", "--effects", "0"]
+    cli.main([str(a) for a in [*args, "--out", out, "--quiet"]])
+    capsys.readouterr()
+    doc = json.loads((out / "diag.json").read_text())
+    assert doc["verdict"]["outputs"][0]["f1_macro_drop"] == pytest.approx(deployed, abs=1e-6)
+    assert doc["verdict"]["exact_outputs"][0]["f1_macro_drop"] == pytest.approx(exact, abs=1e-6)
+    assert doc["task_metrics"]["f1"]["exact"]["f1_macro_drop"] == pytest.approx(exact, abs=1e-6)
+    between = f"{(deployed + exact) / 2:.6f}"
+    code = cli.main(["check", str(out / "diag.json"), "--max-f1-drop", between])
+    assert code == GATE_FAILED and "FAIL" in capsys.readouterr().out

@@ -552,7 +552,7 @@ def finish(  # NOTE: a shard merge's eight parameters, and the report computed b
     verdicts, exact_verdicts = _graded_outputs(state, figures, accumulated)
     # Every grade is final before any headline is decided from it: the F1 drop joins them here.
     grades = _Grades(verdicts, overall_grade(verdicts))
-    attach_task_metrics(grades, state.task, options.metric)
+    attach_task_metrics(grades, state.task, options.metric, exact_verdicts)
     specs = {k: a.spec for k, a in state.outputs.items()}
     headline = confirmed_cause(findings, None, grades.grade, verdicts, specs, matching, q.format.family)
     headline = _fp16_headline(findings, state, headline)

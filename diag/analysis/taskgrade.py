@@ -44,7 +44,12 @@ def f1_drop_grade(drop: float) -> str:
     return "reject" if drop > F1_DROP_BAND["reject_above"] else "marginal"
 
 
-def attach_task_metrics(result: Graded, task: dict[str, TaskAccumulator], spec: str | None) -> None:
+def attach_task_metrics(
+    result: Graded,
+    task: dict[str, TaskAccumulator],
+    spec: str | None,
+    exact_verdicts: list[OutputVerdict] | None = None,
+) -> None:
     """Finalize ``task`` (a state's accumulators) into ``result.task_metrics``; grade the first output's F1 drop.
 
     The F1 drop is graded with :data:`F1_DROP_BAND` and joins the first output's reasons; the
@@ -60,17 +65,28 @@ def attach_task_metrics(result: Graded, task: dict[str, TaskAccumulator], spec: 
     f1 = task.get("f1")
     if isinstance(f1, F1Metric) and f1.samples:
         values = f1.finalize()
-        grade = f1_drop_grade(values["f1_macro_drop"])
         out["f1"] = {"output": f1.output, "samples": f1.samples, "values": values, "better": dict(f1.better)}
-        v = next((v for v in result.verdicts if v.name == f1.output), None)
-        if v is not None:
-            v.reasons.append(
-                f"macro-F1 {values['f1_macro_fp32']:.2%} -> {values['f1_macro_int8']:.2%}, drop "
-                f"{values['f1_macro_drop']:.2%} ({grade}); micro-F1 drop {values['f1_micro_drop']:.2%}"
-            )
-            v.grade = GRADES[max(GRADES.index(v.grade), GRADES.index(grade))]
-            result.grade = overall_grade(result.verdicts)
+        _grade_f1(result.verdicts, f1.output, values)
+        result.grade = overall_grade(result.verdicts)
+        exact = task.get("f1_exact")
+        if isinstance(exact, F1Metric) and exact.samples:
+            # the same F1 of the exact-mode INT8 outputs, beside the deployed one (issue 42 item 3)
+            out["f1"]["exact"] = exact.finalize()
+            _grade_f1(exact_verdicts or [], exact.output, out["f1"]["exact"])
     plugin = task.get("plugin")
     if isinstance(plugin, PluginMetric) and spec:
         out["plugin"] = {"spec": spec, "values": plugin.finalize(), "better": dict(plugin.better)}
     result.task_metrics = out
+
+
+def _grade_f1(verdicts: list[OutputVerdict], output: str, values: dict[str, float]) -> None:
+    """``output``'s verdict gets the F1 figures as a reason, and the worse of its grade and the F1 drop's."""
+    v = next((v for v in verdicts if v.name == output), None)
+    if v is None:
+        return
+    grade = f1_drop_grade(values["f1_macro_drop"])
+    v.reasons.append(
+        f"macro-F1 {values['f1_macro_fp32']:.2%} -> {values['f1_macro_int8']:.2%}, drop "
+        f"{values['f1_macro_drop']:.2%} ({grade}); micro-F1 drop {values['f1_micro_drop']:.2%}"
+    )
+    v.grade = GRADES[max(GRADES.index(v.grade), GRADES.index(grade))]

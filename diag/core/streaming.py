@@ -498,7 +498,9 @@ def _start_state(
     state.outputs = {name: OutputAccumulator(spec) for name, spec in specs.items()}
     if options.opt_level != "disabled":
         state.deployed = {name: OutputAccumulator(spec, whole=True) for name, spec in specs.items()}
-    state.task = start_task_metrics(fp.graph.output[0].name, labels, options.metric, options.shard is not None)
+    state.task = start_task_metrics(
+        fp.graph.output[0].name, labels, options.metric, options.shard is not None, options.opt_level != "disabled"
+    )
     if options.distributions:
         hints = layout_hints(fp.graph)  # which axis is a channel: NCHW only where a Conv made it
         for name, pair in pairs.items():
@@ -748,7 +750,7 @@ def _update_outputs(
         first = output_names[0]
         _count_correct(state, p.labels, fp_out[first], graded[first], q_out[first], size, offset)
     if state.task and p.first:
-        _update_task(state, p.options, output_names, fp_out, graded, p.labels, offset, size)
+        _update_task(state, p.options, output_names, fp_out, (graded, q_out), p.labels, offset, size)
 
 
 def _run_cut(
@@ -900,7 +902,7 @@ def _update_graph_outputs(
     if p.deployed is not None:
         graded = _update_deployed(state, p.deployed, feeds, fp_vals, p.q, p.options.opt_level, output_names)
     if state.task and p.first:
-        _update_task(state, p.options, output_names, fp_vals, graded, p.labels, offset, size)
+        _update_task(state, p.options, output_names, fp_vals, (graded, q_vals), p.labels, offset, size)
     if p.labels is not None and p.first:
         first = output_names[0]
         _count_correct(state, p.labels, fp_vals[first], graded[first], q_vals[first], size, offset)
@@ -1328,16 +1330,18 @@ def _update_task(
     options: StreamOptions,
     names: list[str],
     fp_out: dict[str, np.ndarray],
-    q_out: dict[str, np.ndarray],
+    q_out: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
     labels: np.ndarray | None,
     start: int,
     size: int,
 ) -> None:
-    """Feed one batch of model outputs (and its labels) to the task metrics."""
+    """Feed one batch of model outputs (and its labels) to the task metrics; ``q_out``: the INT8
+    outputs as graded (deployed) and in exact mode (``f1_exact`` reads those)."""
     fp = {n: fp_out[n] for n in names}
-    q = {n: q_out[n] for n in names}
+    graded, exact = ({n: out[n] for n in names} for out in q_out)
     truth = labels[start : start + size] if labels is not None else None
     for key, metric in state.task.items():
+        q = exact if key == "f1_exact" else graded
         call_update(metric, options.metric if key == "plugin" and options.metric else "f1", fp, q, truth)
 
 

@@ -345,7 +345,7 @@ class PluginMetric:
         return cls(spec, metric_from_state(metric_factory(spec), spec, state["state"]))
 
 
-#: What ``CompareState.task`` holds: ``f1`` with --labels, ``plugin`` with --metric.
+#: What ``CompareState.task`` holds: ``f1`` (and ``f1_exact``) with --labels, ``plugin`` with --metric.
 TaskAccumulator = F1Metric | PluginMetric
 
 
@@ -353,9 +353,12 @@ TaskAccumulator = F1Metric | PluginMetric
 
 
 def start_task_metrics(
-    first_output: str, labels: np.ndarray | None, spec: str | None, shard: bool
+    first_output: str, labels: np.ndarray | None, spec: str | None, shard: bool, exact_beside: bool = False
 ) -> dict[str, TaskAccumulator]:
     """The task metrics of one comparison: ``f1`` with labels, ``plugin`` with ``--metric``.
+
+    ``exact_beside``: the outputs are graded as deployed, so ``f1`` is the deployed model's and
+    ``f1_exact`` the same F1 of the exact-mode INT8 outputs, kept beside it (issue 42 item 3).
 
     With ``shard`` a plugin must be serializable (see :func:`metric_state`): refused here, before
     any model runs.
@@ -363,6 +366,8 @@ def start_task_metrics(
     task: dict[str, TaskAccumulator] = {}
     if labels is not None:
         task["f1"] = F1Metric(first_output)
+        if exact_beside:
+            task["f1_exact"] = F1Metric(first_output)
     if spec:
         plugin = PluginMetric(spec, metric_factory(spec)())
         if shard:
@@ -393,6 +398,8 @@ def json_values(task_metrics: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, entry in task_metrics.items():
         out[key] = {**entry, "values": {k: json_number(v) for k, v in entry["values"].items()}}
+        if "exact" in entry:  # the exact-mode figures beside the deployed ones
+            out[key]["exact"] = {k: json_number(v) for k, v in entry["exact"].items()}
     return out
 
 
@@ -425,8 +432,9 @@ def task_from_state(state: State | None) -> dict[str, TaskAccumulator]:
     task: dict[str, TaskAccumulator] = {}
     if not state:
         return task
-    if "f1" in state:
-        task["f1"] = F1Metric.from_state(state["f1"])
+    for key in ("f1", "f1_exact"):
+        if key in state:
+            task[key] = F1Metric.from_state(state[key])
     if "plugin" in state:
         task["plugin"] = PluginMetric.from_state(state["plugin"])
     return task

@@ -231,12 +231,13 @@ def _output_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
 #: The figures ``verdict.exact_outputs`` keeps of an output graded in exact mode.
 _EXACT_KEYS = (
     "name", "grade", "reasons", "sqnr_db", "cosine_min", "max_abs", "top1_agreement", "accuracy_int8", "accuracy_drop",
+    "f1_macro_int8", "f1_macro_drop", "f1_micro_int8", "f1_micro_drop",
 )  # fmt: skip
 
 
 def _exact_dict(result: CompareResult, v: OutputVerdict) -> dict[str, Any]:
     """An output's exact-mode grade and figures (``verdict.exact_outputs``): those of :func:`_output_dict`."""
-    full = _output_dict(result, v)
+    full = {**_output_dict(result, v), **_f1_fields(result, v.name, exact=True)}
     return {k: full[k] for k in _EXACT_KEYS}
 
 
@@ -295,13 +296,15 @@ def _tensors(result: CompareResult) -> dict[str, Any]:
     }
 
 
-def _f1_fields(result: CompareResult, output: str) -> dict[str, Any]:
-    """``f1_macro_*`` / ``f1_micro_*`` of the labelled output (None elsewhere: ``diag check`` skips those)."""
+def _f1_fields(result: CompareResult, output: str, exact: bool = False) -> dict[str, Any]:
+    """``f1_macro_*`` / ``f1_micro_*`` of the labelled output (None elsewhere: ``diag check`` skips those);
+    ``exact``: those of the exact-mode INT8 outputs (``verdict.exact_outputs``)."""
     f1 = (result.task_metrics or {}).get("f1")
     keys = ("f1_macro_fp32", "f1_macro_int8", "f1_macro_drop", "f1_micro_fp32", "f1_micro_int8", "f1_micro_drop")
-    if not f1 or f1["output"] != output:
+    values = (f1 or {}).get("exact" if exact else "values")
+    if not f1 or f1["output"] != output or not values:
         return dict.fromkeys(keys)
-    return {k: _num(f1["values"][k]) for k in keys}
+    return {k: _num(values[k]) for k in keys}
 
 
 def _deployed(result: CompareResult) -> dict[str, Any] | None:
