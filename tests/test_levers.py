@@ -177,8 +177,16 @@ def test_one_projection_in_every_layer_is_a_cause_named_with_its_measured_effect
     assert group["label"] == "the mlp/down_proj projection of 8 layers"
     headline = next(line for line in printed.splitlines() if line.startswith("verdict:"))
     assert f"keeping the mlp/down_proj projection of 8 layers in float recovers {group['recovered']:.0%}" in headline
-    assert f"fix: nodes_to_exclude={json.dumps(DOWN)}" in headline
-    assert doc["verdict"]["headline"]["kind"] == "lever"
+    # 8 names would bury the sentence: it counts them, and the whole list is the next line, copyable
+    assert headline.endswith("fix: keep its 8 nodes in float with nodes_to_exclude (the list is under this line)")
+    fix = f"nodes_to_exclude={json.dumps(DOWN)}"
+    assert printed.splitlines()[printed.splitlines().index(headline) + 1] == f"  fix: {fix}"
+    assert doc["verdict"]["headline"]["kind"] == "lever" and doc["verdict"]["headline"]["fix_code"] == fix
+    assert f"```python\n{fix}\n```" in (out / "summary.md").read_text()
+    assert (
+        f'<pre id="headline-fix" class="fixcode">{fix.replace(chr(34), "&#34;")}</pre>'
+        in (out / "report.html").read_text()
+    )
     # The claim on the user's own call: the same quantize_dynamic with those nodes excluded.
     fixed = tmp_path / "fixed.onnx"
     quantize_dynamic(str(fp), str(fixed), nodes_to_exclude=DOWN)

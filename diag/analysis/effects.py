@@ -42,7 +42,7 @@ from diag.analysis.analyze import (
     single_cause,
     upstream_of,
 )
-from diag.analysis.headline import Headline, Name, Said, SpreadRemedies, group_name
+from diag.analysis.headline import NAMES_IN_SENTENCE, Headline, Name, Said, SpreadRemedies, group_name
 from diag.analysis.levers import HELPS_SHARE, GroupCandidate, RecipeLevers, group_candidates
 from diag.analysis.remedies import Suggestion
 from diag.core.feeds import FeedSource
@@ -914,6 +914,10 @@ def _group_headline(findings: list[NodeFinding], check: EffectCheck, group: Grou
             f.role = "contributor"
     alone = max((e.recovered for e in check.effects), default=0.0)
     g = group.group
+    long_list = g.fix_is_code and len(g.fp_nodes) > NAMES_IN_SENTENCE
+    fix: Said = (Name(g.fix),) if g.fix_is_code and not long_list else (g.fix,)
+    if long_list:  # a 22-name list would bury the sentence: counted here, shown whole under it
+        fix = (f"keep its {len(g.fp_nodes)} nodes in float with nodes_to_exclude (the list is under this line)",)
     return Headline(
         "lever",
         (
@@ -921,8 +925,9 @@ def _group_headline(findings: list[NodeFinding], check: EffectCheck, group: Grou
             Name(check.target),
             f" on {check.samples} samples at optimization level {check.level}, one node alone at most "
             f"{max(alone, 0.0):.0%}; fix: ",
-            Name(g.fix) if g.fix_is_code else g.fix,
+            *fix,
         ),
+        fix_code=g.fix if long_list else "",
     )
 
 

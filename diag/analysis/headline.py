@@ -40,6 +40,9 @@ from diag.analysis.remedies import GENERIC_SPREAD, SEARCH_REMEDY, WEIGHT_ONLY_FO
 #: * ``spread``: no single root cause: the error accumulates over many nodes;
 #: * ``rounding``: no node has a bad local error and the outputs grade well;
 #: * ``no-local``: local error was not measured (``--no-local``), so no cause is named.
+#: A fix listing more nodes than this is not written into the headline's sentence (:attr:`Headline.fix_code`).
+NAMES_IN_SENTENCE = 4
+
 HeadlineKind = Literal["single-cause", "likely", "lever", "setting", "refuted", "spread", "rounding", "no-local"]
 
 
@@ -192,6 +195,10 @@ class Headline:
     spread: SpreadRemedies | None = None
     search: NextSearch = field(default_factory=NextSearch)
     node: str = ""
+    #: The fix as code too long for the sentence (a group's ``nodes_to_exclude`` list of more than
+    #: :data:`NAMES_IN_SENTENCE` nodes): the sentence counts the nodes and every surface shows this
+    #: on its own, copyable line under it; "" when the sentence holds the whole fix.
+    fix_code: str = ""
 
     @property
     def single_cause(self) -> bool:
@@ -227,6 +234,7 @@ class Headline:
                 for p in self.said()
             ],
             "spread": asdict(self.spread) if self.spread is not None else None,
+            "fix_code": self.fix_code or None,
             "search": {
                 "command": asdict(self.search.command) if self.search.command is not None else None,
                 "held_here": self.search.held_here,

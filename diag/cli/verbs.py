@@ -441,6 +441,8 @@ def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
     lines = [f"note: INT8 model '{result.int8.shown_path.name}' {result.int8.origin}"] if result.int8.origin else []
     lines += [f"warning: {w}" for model in (result.fp32, result.int8) for w in model.warnings]
     lines.append(f"verdict: {result.grade.upper()} - {result.cause_sentence}")
+    if result.headline.fix_code:
+        lines.append(f"  fix: {result.headline.fix_code}")
     answers = [v for v in result.verdicts if v.per_sample.cache_of is None]
     lines += [f"  output {v.name}: {v.grade} ({'; '.join(v.reasons)})" for v in answers]
     caches = caches_line(result.verdicts)

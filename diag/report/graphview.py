@@ -131,8 +131,11 @@ def _histogram(hist: dict[str, Any] | None, grid_range: list[Any] | None) -> dic
     """The output's FP32 and INT8 bars and the grid's range, for the panel's picture (None: no bars)."""
     if not isinstance(hist, dict) or not hist.get("fp32"):
         return None
-    lo, hi = hist.get("lo"), hist.get("hi")
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lo, hi)) or hi <= lo:
+    bounds = [hist.get("lo"), hist.get("hi")]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in bounds):
+        return None
+    lo, hi = (float(v) for v in bounds)  # type: ignore[arg-type]
+    if hi <= lo:
         return None
     grid = [float(v) for v in grid_range or [] if isinstance(v, (int, float)) and math.isfinite(v)]
     return {

@@ -488,6 +488,8 @@ class ReportView:
     #: The recipe's settings changed alone and re-quantized (:mod:`diag.fix.levercheck`): their one line
     #: and one row per setting; empty when not tried.
     recipe_settings_line: str = ""
+    #: The headline's fix when too long for its sentence (:attr:`diag.analysis.headline.Headline.fix_code`).
+    fix_code: str = ""
     recipe_settings: list[SettingRow] = field(default_factory=list)
     graph_lib: str = ""
     graph_units: int = 0
@@ -820,6 +822,7 @@ def _headline_fields(doc: dict[str, Any]) -> dict[str, Any]:
         "grade": verdict["grade"],
         "cause": verdict["cause"],
         "cause_parts": _cause_parts(verdict),
+        "fix_code": str((verdict.get("headline") or {}).get("fix_code") or ""),
         "single_cause": verdict["single_cause"],
         "root_causes_heading": "Locally worst nodes" if _headline_kind(verdict) == "spread" else "Root causes",
         "model_explorer": open_command(doc) if doc.get("nodes") else "",
