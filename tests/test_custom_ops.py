@@ -102,19 +102,27 @@ def test_a_library_that_is_not_a_file_is_a_one_line_error(contrib, capsys, monke
     assert code == 2 and "error[missing-file]: --custom-op-library" in err and len(err.strip().splitlines()) == 1
 
 
+def _quark_shaped(tmp_path: Path, per_channel: bool = False) -> tuple[models.Fixture, onnx.ModelProto, onnx.ModelProto]:
+    """The convnet quantized QDQ by onnxruntime, and the same model as Quark writes it: every Q/DQ
+    a com.amd.quark Extended(De)QuantizeLinear (the FP32 model is saved as ``fp32.onnx``)."""
+    fx = models.convnet()
+    onnx.save(fx.model, tmp_path / "fp32.onnx")
+    calibration = fx.make_inputs(8, 1)
+    quantize.quantize(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", "qdq", calibration, per_channel=per_channel)
+    ort_model = onnx.load(str(tmp_path / "qdq.onnx"))
+    quark = onnx.load(str(tmp_path / "qdq.onnx"))
+    for n in quark.graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            n.op_type, n.domain = f"Extended{n.op_type}", "com.amd.quark"
+    quark.opset_import.append(helper.make_opsetid("com.amd.quark", 1))
+    return fx, ort_model, quark
+
+
 def test_quarks_extended_qdq_is_read_as_qdq_and_the_missing_library_is_named(tmp_path, capsys, monkeypatch) -> None:
     """A Quark-shaped model: onnxruntime's QDQ convnet with Quark's com.amd.quark Extended(De)QuantizeLinear."""
     monkeypatch.setenv("DIAG_CUSTOM_OP_LIBRARIES", "")  # none; restored after the test (the CLI sets it)
-    fx = models.convnet()
-    onnx.save(fx.model, tmp_path / "fp32.onnx")
-    quantize.quantize(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", "qdq", fx.make_inputs(8, 1))
-    m = onnx.load(str(tmp_path / "qdq.onnx"))
-    count = 0
-    for n in m.graph.node:
-        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
-            n.op_type, n.domain = f"Extended{n.op_type}", "com.amd.quark"
-            count += 1
-    m.opset_import.append(helper.make_opsetid("com.amd.quark", 1))
+    _, _, m = _quark_shaped(tmp_path)
+    count = sum(n.domain == "com.amd.quark" for n in m.graph.node)
     onnx.save(m, tmp_path / "quark.onnx")
     code, out, _ = run_cli(["inspect", tmp_path / "quark.onnx"], capsys)
     assert code == 0
@@ -135,15 +143,7 @@ def test_quarks_extended_qdq_pairs_as_onnxruntimes_qdq_without_the_library(tmp_p
     tensors as in the onnxruntime model the Quark-shaped one was made from (no library needed to read)."""
     from diag.core.match import match_models
 
-    fx = models.convnet()
-    onnx.save(fx.model, tmp_path / "fp32.onnx")
-    quantize.quantize(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", "qdq", fx.make_inputs(8, 1))
-    ort_model = onnx.load(str(tmp_path / "qdq.onnx"))
-    quark = onnx.load(str(tmp_path / "qdq.onnx"))
-    for n in quark.graph.node:
-        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
-            n.op_type, n.domain = f"Extended{n.op_type}", "com.amd.quark"
-    quark.opset_import.append(helper.make_opsetid("com.amd.quark", 1))
+    fx, ort_model, quark = _quark_shaped(tmp_path)
     theirs, ours = match_models(fx.model, ort_model), match_models(fx.model, quark)
     assert {k: (p.how, p.int8_name) for k, p in ours.pairs.items()} == {
         k: (p.how, p.int8_name) for k, p in theirs.pairs.items()
@@ -157,15 +157,7 @@ def test_quarks_extended_qdq_weights_are_in_the_weight_table(tmp_path) -> None:
     model the Quark-shaped one was made from, with per-channel weights (an axis) too."""
     from diag.analysis.weights import weight_report
 
-    fx = models.convnet()
-    onnx.save(fx.model, tmp_path / "fp32.onnx")
-    quantize.quantize(tmp_path / "fp32.onnx", tmp_path / "qdq.onnx", "qdq", fx.make_inputs(8, 1), per_channel=True)
-    ort_model = onnx.load(str(tmp_path / "qdq.onnx"))
-    quark = onnx.load(str(tmp_path / "qdq.onnx"))
-    for n in quark.graph.node:
-        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
-            n.op_type, n.domain = f"Extended{n.op_type}", "com.amd.quark"
-    quark.opset_import.append(helper.make_opsetid("com.amd.quark", 1))
+    fx, ort_model, quark = _quark_shaped(tmp_path, per_channel=True)
     theirs, ours = weight_report(fx.model, ort_model), weight_report(fx.model, quark)
     rows = [(f.fp_name, f.int8_name, f.axis, f.sqnr_db, f.is_bias) for f in ours.findings]
     assert rows == [(f.fp_name, f.int8_name, f.axis, f.sqnr_db, f.is_bias) for f in theirs.findings]

@@ -199,15 +199,21 @@ def test_one_projection_in_every_layer_is_a_cause_named_with_its_measured_effect
     assert up["recovered"] < 0.2
 
 
-def test_compare_with_the_recipe_measures_each_of_its_lines_as_lint_does(lever, tmp_path, capsys) -> None:
-    """Issue 42 item 4, lint inside compare: with ``--recipe FILE`` each line is measured on the model
-    it builds, in the words ``diag lint --model`` prints (the same findings)."""
-    fp, q, x, _ = lever
-    recipe = tmp_path / "recipe.json"
+def _guide_recipe(folder: Path) -> Path:
+    """The recipe that made the ``lever`` fixture, with the guide's two lines in extra_options."""
+    recipe = folder / "recipe.json"
     settings = {"MatMulConstBOnly": False, "ActivationSymmetric": True}
     recipe.write_text(
         json.dumps({"mode": "dynamic", "weight_type": "QUInt8", "per_channel": True, "extra_options": settings})
     )
+    return recipe
+
+
+def test_compare_with_the_recipe_measures_each_of_its_lines_as_lint_does(lever, tmp_path, capsys) -> None:
+    """Issue 42 item 4, lint inside compare: with ``--recipe FILE`` each line is measured on the model
+    it builds, in the words ``diag lint --model`` prints (the same findings)."""
+    fp, q, x, _ = lever
+    recipe = _guide_recipe(tmp_path)
     out = tmp_path / "out"
     args = [
         "compare",
@@ -250,11 +256,7 @@ def test_compare_with_the_recipe_measures_each_of_its_lines_as_lint_does(lever, 
 def test_exclude_with_the_recipe_measures_each_of_its_lines_too(lever, tmp_path, capsys) -> None:
     """Issue 42 item 4, lint inside exclude: the same findings, printed, in exclusion.json and the report."""
     fp, q, x, _ = lever
-    recipe = tmp_path / "recipe.json"
-    settings = {"MatMulConstBOnly": False, "ActivationSymmetric": True}
-    recipe.write_text(
-        json.dumps({"mode": "dynamic", "weight_type": "QUInt8", "per_channel": True, "extra_options": settings})
-    )
+    recipe = _guide_recipe(tmp_path)
     out = tmp_path / "out"
     args = ["exclude", fp, "--int8", q, "--recipe", recipe, "--inputs", x, "--target", "cosine>=0.999"]
     assert cli.main([str(a) for a in [*args, "--out", out, "--quiet"]]) in (0, 1)

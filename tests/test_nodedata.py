@@ -43,7 +43,8 @@ def test_overlays_name_the_fp32_nodes_with_diag_json_figures(built, tmp_path, ca
     # Model Explorer's thresholds: a value at or below one takes its colour; diag's bad band is < 20 dB.
     assert [t["value"] for t in local["thresholds"]][:2] == [10, 20]
     summary = (out / "summary.md").read_text()
-    assert f"`model-explorer {b.fp32} --node_data_paths=modelexplorer.local.json," in summary
+    opened = f"`model-explorer {b.fp32} --extensions=model_explorer_onnx --node_data_paths=modelexplorer.local.json,"
+    assert opened in summary
 
 
 def test_an_exclusion_report_adds_the_nodes_its_fix_keeps_in_float(tmp_path, capsys) -> None:

@@ -101,12 +101,15 @@ def node_data_texts(doc: dict[str, Any]) -> dict[str, str]:
 def open_command(doc: dict[str, Any]) -> str:
     """The command that opens the FP32 model in Model Explorer with diag's overlays (the verified
     fix's nodes too, beside an exclusion), the overlays named as in their folder and the FP32 path
-    as the run was given it.
+    as the run was given it. NOTE: ``--extensions=model_explorer_onnx`` loads the ONNX adapter;
+    without it Model Explorer answers "Unsupported model format" (``tests/test_model_explorer.py``
+    runs this very command).
 
     Example:
         >>> open_command({"models": {"fp32": {"path": "m.onnx"}}})  # doctest: +ELLIPSIS
-        'model-explorer m.onnx --node_data_paths=modelexplorer.local.json,modelexplorer.accumulated.json,...'
+        'model-explorer m.onnx --extensions=model_explorer_onnx --node_data_paths=modelexplorer.local.json,...'
     """
     kept = [KEPT_IN_FLOAT] if (doc.get("exclusion") or {}).get("nodes_to_exclude") else []
     paths = ",".join([*OVERLAYS, *kept])
-    return f"model-explorer {shlex.quote(str(doc['models']['fp32']['path']))} --node_data_paths={shlex.quote(paths)}"
+    model = shlex.quote(str(doc["models"]["fp32"]["path"]))
+    return f"model-explorer {model} --extensions=model_explorer_onnx --node_data_paths={shlex.quote(paths)}"
