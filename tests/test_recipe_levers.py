@@ -215,3 +215,16 @@ def test_a_spread_headline_lists_the_settings_with_their_measured_share() -> Non
     assert named.text().startswith(
         "cause: per_channel=False: the recipe read back from your model with per_channel=True"
     )
+
+
+def test_a_recipe_onnxruntime_cannot_build_leaves_the_diagnosis_standing(spread, tmp_path, capsys) -> None:
+    fp, q, x, _ = spread
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"mode": "dynamic", "op_types_to_quantize": ["NoSuchOp"]}))
+    code, out, err = run_cli(
+        ["compare", fp, q, "--inputs", x, "--recipe", recipe, "--out", tmp_path / "o", "--quiet"], capsys
+    )
+    assert code in (0, 3), err
+    doc = json.loads((tmp_path / "o" / "diag.json").read_text())
+    assert doc["recipe_settings"]["proved"] is False and "'NoSuchOp'" in doc["recipe_settings"]["proof"]
+    assert "recipe settings not measured: the recipe could not be re-quantized: op_types_to_quantize" in out

@@ -78,7 +78,11 @@ def measure_recipe_levers(  # NOTE: 7 parameters: the two models, the recipe and
     changes = recipe_changes(recipe.to_dict())
     header: dict[str, Any] = {"source": source, "target": check.target, "samples": check.samples, "level": check.level}
     with tempfile.TemporaryDirectory(prefix="diag-settings-") as tmp, internal_writes():
-        rt = prove_roundtrip(fp32_path, int8_path, recipe, Path(tmp) / "roundtrip", calib)
+        try:
+            rt = prove_roundtrip(fp32_path, int8_path, recipe, Path(tmp) / "roundtrip", calib)
+        except DiagError as e:  # the diagnosis stands without this check: say why it is missing
+            why = f"the recipe could not be re-quantized: {e.obj}: {e.problem}"
+            return RecipeLevers(proof=why, proved=False, **header)
         proof = roundtrip_line(rt)
         if not rt.identical:
             return RecipeLevers(proof=proof, proved=False, **header)
