@@ -134,3 +134,36 @@ def test_the_f1_gate_reads_the_f1_drop_as_deployed_with_exact_mode_beside(exclud
     between = f"{(deployed + exact) / 2:.6f}"
     code = cli.main(["check", str(out / "diag.json"), "--max-f1-drop", between])
     assert code == GATE_FAILED and "FAIL" in capsys.readouterr().out
+
+
+def test_a_model_whose_f1_passes_in_exact_mode_fails_as_deployed(excluded, tmp_path, capsys) -> None:
+    """Issue 42, "done means": inputs built so that exact mode agrees with FP32 on every sample and
+    the deployed model does not on a few (chosen from 2048 candidates with plain onnxruntime): exact
+    F1 drop 0, deployed drop above the 2 % band. compare grades the output failing and ``diag check
+    --max-f1-drop 0.015`` exits 3."""
+    fp, q, _, _ = excluded
+    candidates = models.build("transformer").make_inputs(2048, 11)
+    exact_opts = ort.SessionOptions()
+    exact_opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
+    def argmax(path: Path, opts: ort.SessionOptions | None) -> np.ndarray:
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        return sess.run(None, candidates)[0].argmax(-1)
+
+    reference, exact, deployed = argmax(fp, exact_opts), argmax(q, exact_opts), argmax(q, None)
+    only_deployed = np.flatnonzero((deployed != reference) & (exact == reference))
+    agree = np.flatnonzero((deployed == reference) & (exact == reference))
+    assert len(only_deployed) >= 5, "the fixture must have samples only the deployed model gets wrong"
+    chosen = np.sort(np.concatenate([agree[: 20 * len(only_deployed)], only_deployed]))
+    np.savez(tmp_path / "x.npz", **{k: v[chosen] for k, v in candidates.items()})
+    np.save(tmp_path / "y.npy", reference[chosen])  # the FP32 predictions: FP32's F1 is 1
+    out = tmp_path / "out"
+    args = ["compare", fp, q, "--inputs", tmp_path / "x.npz", "--labels", tmp_path / "y.npy", "--effects", "0"]
+    cli.main([str(a) for a in [*args, "--out", out, "--quiet"]])
+    capsys.readouterr()
+    verdict = json.loads((out / "diag.json").read_text())["verdict"]
+    graded, exact_graded = verdict["outputs"][0], verdict["exact_outputs"][0]
+    assert exact_graded["f1_macro_drop"] == 0.0 and graded["f1_macro_drop"] > 0.02
+    assert graded["grade"] == "reject" and any("drop" in r and "(reject)" in r for r in graded["reasons"])
+    assert cli.main(["check", str(out / "diag.json"), "--max-f1-drop", "0.015"]) == GATE_FAILED
+    assert "FAIL" in capsys.readouterr().out
