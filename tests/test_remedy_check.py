@@ -68,6 +68,7 @@ def test_with_the_recipe_each_weight_only_remedy_is_measured_and_the_best_comes_
     doc, cause = _compare(q4, tmp_path / "o", "--recipe", json.dumps(RECIPE))
     assert "What fits spread error: " in cause and "measured by re-quantizing on 16 samples" in cause, cause
     checks = doc["remedy_checks"]
+    assert checks["proved"] and checks["proof"].startswith("the recipe rebuilds your INT8 model exactly")
     remedies = [c["remedy"] for c in checks["checks"]]
     last = next(iter(next(c for c in checks["checks"] if "node_bits" in c["change"])["change"]["node_bits"]))
     assert set(remedies) == {
@@ -87,6 +88,17 @@ def test_with_the_recipe_each_weight_only_remedy_is_measured_and_the_best_comes_
     assert block16["cosine"] == pytest.approx(_plain_min_cosine(q4["fp32"], plain16, x), abs=1e-5)
     assert block16["cosine"] > checks["baseline"]  # the top remedy improves the output
     assert not list(q4["folder"].glob(".diag-remedies-*"))  # its models were temporary
+
+
+def test_a_recipe_that_does_not_rebuild_the_model_measures_no_remedy(q4, tmp_path):
+    """The model was made with block_size 32; a recipe saying 64 would measure remedies of a model
+    nobody shipped: nothing is re-quantized, the round trip's difference is recorded, and the headline
+    lists the remedies unmeasured."""
+    doc, cause = _compare(q4, tmp_path / "o", "--recipe", json.dumps({**RECIPE, "block_size": 64}))
+    checks = doc["remedy_checks"]
+    assert checks["proved"] is False and checks["checks"] == []
+    assert checks["proof"].startswith("the recipe does not rebuild your INT8 model")
+    assert "measured by re-quantizing" not in cause and "What fits spread error: a smaller block_size" in cause
 
 
 def test_without_the_recipe_the_remedies_are_listed_not_measured(q4, tmp_path):

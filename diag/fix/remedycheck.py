@@ -8,8 +8,10 @@ models diag sees) and measures its outputs against FP32 on the compare's samples
 runs them by default, next to the INT8 model as given. The headline then lists them best first
 with their figures, and says which change nothing.
 
-NOTE: only with a recipe given. A recipe read back from the model cannot tell RTN from k_quant,
-HQQ or GPTQ (the graphs are the same), so re-quantizing from it would measure another baseline.
+NOTE: only with a recipe given, and only once it is proved to rebuild the user's model exactly
+(:func:`diag.fix.roundtrip.prove_roundtrip`): a remedy's "before" must be the model the user ships.
+A recipe read back from the model cannot tell RTN from k_quant, HQQ or GPTQ (the graphs are the
+same), so re-quantizing from it would measure another baseline.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from diag.core.load import LoadedModel
 from diag.core.recipe import Recipe
 from diag.fix.evaluate import HeldOutEvaluator
 from diag.fix.quantize import quantize_model
+from diag.fix.roundtrip import prove_roundtrip, roundtrip_line
 from diag.foundations.errors import DiagError
 from diag.foundations.ortfacts import DEPLOY_LEVEL
 
@@ -52,6 +55,10 @@ class RemedyChecks:
     baseline: float
     checks: list[RemedyCheck]
     samples: int
+    #: The round trip's verdict (:func:`diag.fix.roundtrip.roundtrip_line`): the remedies are measured
+    #: only when the recipe, unchanged, rebuilds the user's model exactly.
+    proof: str = ""
+    proved: bool = True
 
     def ranked(self) -> list[RemedyCheck]:
         """Measured remedies best first, then the ones that could not be measured."""
@@ -63,6 +70,8 @@ class RemedyChecks:
             "metric": "cosine",
             "samples": self.samples,
             "baseline": round(self.baseline, 6),
+            "proof": self.proof,
+            "proved": self.proved,
             "checks": [c.to_dict() for c in self.ranked()],
         }
 
@@ -94,6 +103,14 @@ def check_weight_only_remedies(
     last = _last_matmul(fp)
     checks = []
     with tempfile.TemporaryDirectory(prefix=".diag-remedies-", dir=str(int8_path.resolve().parent)) as tmp:
+        # A remedy's "before" must be the user's model: the recipe, unchanged, must rebuild it first.
+        try:
+            rt = prove_roundtrip(fp.path, int8_path, recipe, Path(tmp) / "roundtrip")
+        except DiagError as e:
+            return RemedyChecks(baseline.cosine, [], baseline.samples, f"{e.obj}: {e.problem}", proved=False)
+        proof = roundtrip_line(rt)
+        if not rt.identical:
+            return RemedyChecks(baseline.cosine, [], baseline.samples, proof, proved=False)
         for i, (remedy, change) in enumerate(weight_only_changes(recipe.to_dict(), last)):
             if not change:
                 continue
@@ -105,7 +122,7 @@ def check_weight_only_remedies(
                 checks.append(RemedyCheck(remedy, change, None, e.problem))
                 continue
             checks.append(RemedyCheck(remedy, change, got))
-    return RemedyChecks(baseline.cosine, checks, baseline.samples)
+    return RemedyChecks(baseline.cosine, checks, baseline.samples, proof)
 
 
 def _last_matmul(fp: LoadedModel) -> str | None:
