@@ -83,6 +83,21 @@ def test_the_headline_names_per_channel_with_the_share_it_removes(diagnosed) -> 
     assert not any(n["role"] == "root-cause" for n in doc["nodes"])
 
 
+def test_a_document_whose_cause_is_a_setting_reads_back(diagnosed, tmp_path, capsys) -> None:
+    """diag report / check read the document back (its schema knows the "setting" headline)."""
+    doc, _, _ = diagnosed
+    path = tmp_path / "diag.json"
+    path.write_text(json.dumps(doc))
+    code, _, err = run_cli(["report", path, "--out", tmp_path / "again"], capsys)
+    assert code == 0, err
+    assert (
+        "cause: `per_channel=False`: the recipe read back from your model"
+        in (tmp_path / "again" / "summary.md").read_text()
+    )
+    code, out, _ = run_cli(["check", path, "--max-grade", "marginal"], capsys)
+    assert code == 0, out
+
+
 def test_the_measured_share_is_what_plain_onnxruntime_gives_on_the_users_files(spread, diagnosed, tmp_path) -> None:
     fp, q, _, feeds = spread
     doc, _, _ = diagnosed
@@ -104,6 +119,8 @@ def test_every_surface_carries_the_same_line(diagnosed) -> None:
     assert f"  {line}\n" in printed
     assert line in rendered  # summary.md (plain text for this line) and report.html
     assert 'id="recipe-settings"' in rendered
+    # a byte-identical setting sorts last in the report's table, not first
+    assert '<td class="num" data-sort="-1e9">byte-identical</td>' in rendered
 
 
 def test_a_recipe_that_does_not_rebuild_the_model_measures_nothing(spread, tmp_path, capsys) -> None:
@@ -201,17 +218,23 @@ def test_a_spread_headline_lists_the_settings_with_their_measured_share() -> Non
             RecipeChangeEffect(RecipeChange("extra_options.ActivationSymmetric", False, True), 0.0, identical=True),
         ),
     )
+    failing = RecipeChangeEffect(RecipeChange("reduce_range", True, False), None, error="onnxruntime said no")
+    levers = dataclasses.replace(levers, effects=(*levers.effects, failing))
     headline = setting_headline([], EffectCheck("logits", [], 8, 0.0), levers, spread)
     assert headline.kind == "spread"
     assert headline.text().startswith(
         "no single root cause. What fits spread error: per_channel=True (removes 30% of the error of logits); "
-        "measured, does not help: weight_type=QUInt8, ActivationSymmetric=True, measured by re-quantizing on 8 samples"
+        "measured, does not help: weight_type=QUInt8, ActivationSymmetric=True; could not be measured: "
+        "reduce_range=False, measured by re-quantizing on 8 samples"
     )
     # above the confirmation share, the setting is the cause
     best = dataclasses.replace(levers, effects=(RecipeChangeEffect(RecipeChange("per_channel", False, True), 0.8),))
     spread = Headline("spread", ("no single root cause",), spread=SpreadRemedies("dynamic", {}, recipe_known=True))
+    lever = Headline("lever", ("cause: a group",), fix_code='nodes_to_exclude=["a", "b", "c", "d", "e"]')
     named = setting_headline([], EffectCheck("logits", [], 8, 0.0), best, spread)
     assert named.kind == "setting" and named.spread is None
+    # a group's long node list never stays under a headline whose fix is a setting
+    assert setting_headline([], EffectCheck("logits", [], 8, 0.0), best, lever).fix_code == ""
     assert named.text().startswith(
         "cause: per_channel=False: the recipe read back from your model with per_channel=True"
     )

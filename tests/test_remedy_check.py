@@ -90,11 +90,12 @@ def test_with_the_recipe_each_weight_only_remedy_is_measured_and_the_best_comes_
     assert not list(q4["folder"].glob(".diag-remedies-*"))  # its models were temporary
 
 
-def test_a_recipe_that_does_not_rebuild_the_model_measures_no_remedy(q4, tmp_path):
+def test_a_recipe_that_does_not_rebuild_the_model_measures_no_remedy(q4, tmp_path, capsys):
     """The model was made with block_size 32; a recipe saying 64 would measure remedies of a model
     nobody shipped: nothing is re-quantized, the round trip's difference is recorded, and the headline
     lists the remedies unmeasured."""
     doc, cause = _compare(q4, tmp_path / "o", "--recipe", json.dumps({**RECIPE, "block_size": 64}))
+    assert "  weight-only remedies not measured: the recipe does not rebuild your INT8 model" in capsys.readouterr().out
     checks = doc["remedy_checks"]
     assert checks["proved"] is False and checks["checks"] == []
     assert checks["proof"].startswith("the recipe does not rebuild your INT8 model")

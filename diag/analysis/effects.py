@@ -967,7 +967,7 @@ def setting_headline(
         f"; round trip: {levers.proof}",
         *amplifier_clause(findings),
     )
-    return dataclasses.replace(headline, kind="setting", cause=cause, spread=None, node="")
+    return dataclasses.replace(headline, kind="setting", cause=cause, spread=None, node="", fix_code="")
 
 
 def _unmeasured_local_sentence(findings: list[NodeFinding], poor: bool) -> Said:

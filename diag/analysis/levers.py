@@ -489,10 +489,13 @@ class RecipeLevers:
         if not self.proved or not self.effects:
             return ""
         helps = [e for e in self.effects if e.recovered is not None and not e.identical and e.recovered > HELPS_SHARE]
-        rest = [e.change.setting for e in self.effects if e not in helps]
+        failed = [e.change.setting for e in self.effects if e.recovered is None]
+        rest = [e.change.setting for e in self.effects if e not in helps and e.recovered is not None]
         said = [f"{e.change.setting} (removes {e.recovered or 0.0:.0%} of the error of {self.target})" for e in helps]
         if rest:
             said.append(f"{'no recipe setting helps' if not helps else 'measured, does not help'}: {', '.join(rest)}")
+        if failed:
+            said.append(f"could not be measured: {', '.join(failed)}")
         return "; ".join(said)
 
     def to_dict(self) -> dict[str, Any]:

@@ -72,7 +72,9 @@ def attach_task_metrics(
         if isinstance(exact, F1Metric) and exact.samples:
             # the same F1 of the exact-mode INT8 outputs, beside the deployed one (issue 42 item 3)
             out["f1"]["exact"] = exact.finalize()
-            _grade_f1(exact_verdicts or [], exact.output, out["f1"]["exact"])
+            # an output graded exact only (a KV cache) is the same object in both lists: graded once
+            own = [v for v in exact_verdicts or [] if not any(v is g for g in result.verdicts)]
+            _grade_f1(own, exact.output, out["f1"]["exact"])
     plugin = task.get("plugin")
     if isinstance(plugin, PluginMetric) and spec:
         out["plugin"] = {"spec": spec, "values": plugin.finalize(), "better": dict(plugin.better)}

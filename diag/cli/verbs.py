@@ -617,6 +617,9 @@ def _measured_lines(result: CompareResult) -> list[str]:
         )
     if result.recipe_settings is not None:
         lines.append(f"  {result.recipe_settings.line()}")
+    remedies = result.remedy_checks or {}
+    if remedies and not remedies.get("proved", True):
+        lines.append(f"  weight-only remedies not measured: {remedies.get('proof', '')}")
     for v in result.verdicts:
         for label, (part, acc, local) in v.per_sample.parts.items():
             lines.append(

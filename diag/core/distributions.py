@@ -308,6 +308,9 @@ def compact_histograms(fp: Pow2Histogram, int8: Pow2Histogram, bins: int = COMPA
         >>> h = compact_histograms(a, b, bins=4)  # 513 bins of 1/512 from 0 to 1: 4 bars of 129
         >>> h["lo"], round(h["hi"], 4), h["fp32"], h["int8"]
         (0.0, 1.0078, [2, 1, 0, 1], [3, 0, 0, 1])
+        >>> empty = Pow2Histogram.from_state({"exponent": 3, "first": 0, "counts": []})  # a shard's, say
+        >>> compact_histograms(empty, Pow2Histogram()) is None
+        True
     """
     if fp.exponent is None and int8.exponent is None:
         return None
@@ -320,6 +323,8 @@ def compact_histograms(fp: Pow2Histogram, int8: Pow2Histogram, bins: int = COMPA
             copy._grow_to(exponent)
         grown.append(copy.counts)
     nonzero = np.nonzero(grown[0] + grown[1])[0]
+    if nonzero.size == 0:  # a shard's histogram can hold an exponent and no count
+        return None
     first, span = int(nonzero[0]), int(nonzero[-1]) + 1 - int(nonzero[0])
     group = -(-span // bins)  # ceil: histogram bins per bar
     count = -(-span // group)

@@ -17,6 +17,7 @@ says why. A change that rebuilds the user's model byte for byte does nothing her
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -50,7 +51,7 @@ def changed_recipe(recipe: Recipe, change: RecipeChange) -> Recipe:
     return replace(recipe, **{change.key: change.after})
 
 
-def measure_recipe_levers(  # NOTE: 7 parameters: the two models, the recipe and its origin, the check it scores on
+def measure_recipe_levers(  # NOTE: 8 parameters: the two models, the recipe and its origin, the check, run knobs
     fp32_path: str | os.PathLike[str],
     int8_path: str | os.PathLike[str],
     recipe: Recipe,
@@ -80,8 +81,9 @@ def measure_recipe_levers(  # NOTE: 7 parameters: the two models, the recipe and
     with tempfile.TemporaryDirectory(prefix="diag-settings-") as tmp, internal_writes():
         try:
             rt = prove_roundtrip(fp32_path, int8_path, recipe, Path(tmp) / "roundtrip", calib)
-        except DiagError as e:  # the diagnosis stands without this check: say why it is missing
-            why = f"the recipe could not be re-quantized: {e.obj}: {e.problem}"
+        except Exception as e:  # the diagnosis stands without this check: say why it is missing
+            said = f"{e.obj}: {e.problem}" if isinstance(e, DiagError) else str(e).splitlines()[0][:200]
+            why = f"the recipe could not be re-quantized: {said}"
             return RecipeLevers(proof=why, proved=False, **header)
         proof = roundtrip_line(rt)
         if not rt.identical:
@@ -96,6 +98,7 @@ def measure_recipe_levers(  # NOTE: 7 parameters: the two models, the recipe and
                 effects.append(
                     _measured(fp32_path, user.proto, user.external_dir, recipe, change, out, check, calib, threads)
                 )
+                shutil.rmtree(out.parent, ignore_errors=True)  # one re-quantized model on disk at a time
                 bar.advance(1)
         finally:
             bar.close()
@@ -131,10 +134,11 @@ def _measured(  # NOTE: 9 parameters: one change's quantization inputs and the c
     """One change re-quantized into ``out`` and scored; a change onnxruntime cannot build is reported."""
     try:
         quantize_model(fp32_path, changed_recipe(recipe, change), out, calibration=calibration)
-    except DiagError as e:
-        return RecipeChangeEffect(change, None, error=e.problem)
-    rebuilt = onnx.load(str(out), load_external_data=False)
-    if roundtrip_difference(user, rebuilt, user_dir, out.parent).identical:
-        return RecipeChangeEffect(change, 0.0, identical=True)
-    recovered, after = check.measure_model(out, f"INT8 model with {change.setting}", threads)
+        rebuilt = onnx.load(str(out), load_external_data=False)
+        if roundtrip_difference(user, rebuilt, user_dir, out.parent).identical:
+            return RecipeChangeEffect(change, 0.0, identical=True)
+        recovered, after = check.measure_model(out, f"INT8 model with {change.setting}", threads)
+    except Exception as e:  # a setting onnxruntime cannot build or run is reported, never fatal
+        problem = e.problem if isinstance(e, DiagError) else str(e).splitlines()[0][:200]
+        return RecipeChangeEffect(change, None, error=problem)
     return RecipeChangeEffect(change, recovered, after)

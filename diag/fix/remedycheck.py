@@ -107,7 +107,8 @@ def check_weight_only_remedies(
         try:
             rt = prove_roundtrip(fp.path, int8_path, recipe, Path(tmp) / "roundtrip")
         except DiagError as e:
-            return RemedyChecks(baseline.cosine, [], baseline.samples, f"{e.obj}: {e.problem}", proved=False)
+            why = f"the recipe could not be re-quantized: {e.obj}: {e.problem}"
+            return RemedyChecks(baseline.cosine, [], baseline.samples, why, proved=False)
         proof = roundtrip_line(rt)
         if not rt.identical:
             return RemedyChecks(baseline.cosine, [], baseline.samples, proof, proved=False)

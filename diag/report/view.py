@@ -502,7 +502,7 @@ class SettingRow:
     setting: str
     recipe_has: str
     recovered: str
-    recovered_key: float
+    recovered_key: str
     sqnr_after: str
 
 
@@ -518,9 +518,9 @@ def _recipe_fields(doc: dict[str, Any]) -> dict[str, Any]:
     for e in levers.effects:
         after = e.sqnr_after.get(levers.target)
         if e.identical or e.recovered is None:
-            shown, key = ("byte-identical" if e.identical else "not measured"), -math.inf
+            shown, key = ("byte-identical" if e.identical else "not measured"), "-1e9"
         else:
-            shown, key = _share(e.recovered), e.recovered
+            shown, key = _share(e.recovered), _sortable(e.recovered if math.isfinite(e.recovered) else "-inf")
         rows.append(
             SettingRow(e.change.setting, e.change.lever, shown, key, f"{after:.1f}" if after is not None else "")
         )
