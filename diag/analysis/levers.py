@@ -196,9 +196,7 @@ def _pattern_groups(fp: onnx.ModelProto, quantized: list[NodeFinding], producer:
       every such Add, and a per-tensor scale on the stream rounds the other dimensions away;
     * **embedding Gathers**: a Gather reading a constant table (word, position and type embeddings).
     """
-    constants = {i.name for i in fp.graph.initializer} | {
-        o for n in fp.graph.node if n.op_type == "Constant" for o in n.output
-    }
+    constants = _constant_names(fp)
     readers: dict[str, int] = {}
     for n in fp.graph.node:
         for t in set(n.input):
@@ -222,6 +220,13 @@ def _pattern_groups(fp: onnx.ModelProto, quantized: list[NodeFinding], producer:
             label = f"the {len(members)} {noun}"
             groups.append(_node_list_group(kind, label, f"{noun} quantized", members, producer))
     return groups
+
+
+def _constant_names(fp: onnx.ModelProto) -> set[str]:
+    """Tensors the FP32 graph holds as constants: initializers and Constant node outputs."""
+    return {i.name for i in fp.graph.initializer} | {
+        o for n in fp.graph.node if n.op_type == "Constant" for o in n.output
+    }
 
 
 def _local_db(f: NodeFinding) -> float:
@@ -265,9 +270,7 @@ def _small(g: GroupCandidate, quantized: int, weights_total: int, weights: dict[
 
 def _act_act_matmuls(fp: onnx.ModelProto, quantized: list[NodeFinding]) -> list[NodeFinding]:
     """Quantized MatMul groups whose FP32 MatMul reads two computed tensors (no weight)."""
-    constants = {i.name for i in fp.graph.initializer} | {
-        o for n in fp.graph.node if n.op_type == "Constant" for o in n.output
-    }
+    constants = _constant_names(fp)
     by_name = {n.name: n for n in fp.graph.node if n.name}
     out = []
     for f in quantized:
