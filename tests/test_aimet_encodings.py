@@ -84,8 +84,8 @@ def test_compare_reads_the_encodings_beside_aimets_export_and_reports_that_model
     int8 = ours["models"]["int8"]
     assert int8["path"] == str(aimet) and int8["format"] == "qdq"
     assert "built by diag from AIMET encodings 'aimet.encodings' (version 1.0.0)" in int8["built"]
-    assert out.startswith("note: INT8 model 'aimet.onnx' built by diag from AIMET encodings")
-    assert "INT8 model built by diag from AIMET encodings" in (d / "a" / "summary.md").read_text()
+    assert out.startswith("verdict: ") and "\n  note: INT8 model aimet.onnx built by diag from AIMET encodings" in out
+    assert "- note: INT8 model `aimet.onnx` built by diag from AIMET encodings" in (d / "a" / "summary.md").read_text()
     # Every tensor both runs measure, the outputs and the weights: the same figures.
     shared = set(ours["tensors"]) & set(theirs["tensors"])
     assert len(shared) >= 0.6 * len(theirs["tensors"])

@@ -15,6 +15,7 @@ from cli_run import run_cli
 
 from diag.cli import commands as cli
 from diag.foundations.errors import SLUGS, USER_ERROR
+from diag.report.view import SUMMARY_MAX_LINES
 
 
 @pytest.fixture()
@@ -139,7 +140,7 @@ def test_compare_writes_all_three_files_and_replaces_them_atomically(conv, tmp_p
     assert doc["nodes"][0]["name"] == "conv3 (+relu3)"
     assert doc["recommendation"]["nodes_to_exclude"] == ["conv3", "relu3"]
     assert "conv3" in (out / "report.html").read_text()
-    assert len((out / "summary.md").read_text().splitlines()) <= 60
+    assert len((out / "summary.md").read_text().splitlines()) <= SUMMARY_MAX_LINES
     old = (out / "report.html").read_text()
     # A failing second run (bad inputs) leaves the previous report intact.
     np.savez(tmp_path / "bad.npz", image=np.zeros((1, 3, 8, 8), np.float32))

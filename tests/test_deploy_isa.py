@@ -50,7 +50,7 @@ def test_every_u8s8_node_is_predicted_next_to_its_measured_sqnr(built, tmp_path,
     assert f"{isa['saturating_nodes']} of {isa['u8s8_nodes']} u8s8 node(s) saturate" in printed
     assert worst["sentence"] in printed and "on AVX2 without VNNI this node's output SQNR drops from" in printed
     summary = (tmp_path / "o" / "summary.md").read_text()
-    assert "**On AVX2 without VNNI** (predicted):" in summary
+    assert "\n- on AVX2 without VNNI (predicted" in summary and f"  - {worst['sentence']}" in summary, summary
     html = (tmp_path / "o" / "report.html").read_text()
     assert "<h2>On AVX2 without VNNI (predicted)</h2>" in html and 'id="deploy-isa"' in html
 

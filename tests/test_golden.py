@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from diag.report.view import render_html, render_markdown, view_from_document
+from diag.report.view import SUMMARY_MAX_LINES, render_html, render_markdown, view_from_document
 
 GOLDEN = Path(__file__).parent / "golden"
 DOC = GOLDEN / "convnet.qdq.diag.json"
@@ -68,7 +68,7 @@ def test_summary_md_matches_the_golden_file(built):
     if UPDATE:
         golden.write_text(md)
     assert md == golden.read_text()
-    assert len(md.splitlines()) <= 60
+    assert len(md.splitlines()) <= SUMMARY_MAX_LINES
 
 
 def test_a_long_summary_is_cut_in_the_middle_never_the_verdict_or_the_fix(monkeypatch):

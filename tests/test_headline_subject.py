@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+from brief_text import summary_brief, terminal_brief
 
 from diag.analysis.compare import CompareOptions, compare_models
 from diag.analysis.effects import HELPS_SHARE, effect_target, judge_remedies
@@ -14,6 +15,8 @@ from diag.cli.verbs import result_lines
 from diag.core.feeds import FeedSpec
 from diag.core.metrics import ErrorAccumulator
 from diag.fixtures import models
+from diag.report.document import document_from_result
+from diag.report.view import render_markdown, view_from_document
 
 FORMATS = ("dynamic", "qdq", "qoperator")
 
@@ -71,7 +74,7 @@ def test_summary_and_report_title_the_list_by_the_headline(built, tmp_path):
     assert main([*args, "--quiet"]) == 0  # compare reports; diag check is the gate
     summary = (out / "summary.md").read_text()
     assert "output `state` (top-1 agreement" in summary  # the output's name is a code span (issue 46)
-    assert "**Root causes**" in summary and "b/MatMul (+b/Relu) (MatMul+Relu): local SQNR" in summary
+    assert "\n- root cause: `b/MatMul (+b/Relu)` (MatMul+Relu): local SQNR" in summary, summary
     assert "<h2>Root causes</h2>" in (out / "report.html").read_text()
 
 
@@ -83,8 +86,8 @@ def test_under_no_single_root_cause_the_list_is_titled_locally_worst(built, tmp_
     assert main([*args, "--effects", "0", "--quiet"]) == 0
     summary = (out / "summary.md").read_text()
     assert "no single root cause" in summary.split("\n\n")[1], summary[:400]
-    assert "**Root causes**" not in summary and "**Locally worst nodes**" in summary
-    assert "fc4 (MatMul): local SQNR" in summary
+    assert "- root cause:" not in summary and "\n- locally worst: " in summary, summary
+    assert "`fc4` (MatMul): local SQNR" in summary
     html = (out / "report.html").read_text()
     assert "<h2>Root causes</h2>" not in html and "<h2>Locally worst nodes</h2>" in html
 
@@ -98,7 +101,11 @@ ALL = sorted(models.ALL_BUILDERS)
 @pytest.mark.parametrize("name", ALL)
 def test_lines_under_the_headline_agree_with_it(built, name, fmt, effects):
     r = _compare(built, name, fmt, samples=16, effects=effects)
-    lines = result_lines(r, {})
+    doc = document_from_result(r)
+    lines = result_lines(doc, {})
+    # One wording, three renderings (issue 42 item 6): summary.md lists what the terminal printed.
+    summary = render_markdown(view_from_document(doc, with_plots=False))
+    assert summary_brief(summary) == terminal_brief("\n".join(lines)), summary
     headline = next(line for line in lines if line.startswith("verdict:"))
     roots = [line for line in lines if line.startswith("  root cause:")]
     if "no single root cause" in headline:

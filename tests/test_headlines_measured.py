@@ -73,7 +73,8 @@ def test_a_measured_effect_outranks_the_local_error_rule(tmp_path, capsys) -> No
         line.startswith("  effect on logits") and "optimization level all" in line for line in printed.splitlines()
     )
     summary = (tmp_path / "out" / "summary.md").read_text()
-    assert "- `branch0`: " in summary  # a name copied from the raw Markdown is the model's name
+    # the effect line under the headline, a name copied from the raw Markdown is the model's name
+    assert "\n- effect on logits of keeping one node in float: `branch0` " in summary, summary
     assert "optimization level all" in (tmp_path / "out" / "report.html").read_text()
 
 

@@ -155,7 +155,7 @@ def test_effect_check_scores_nodes_on_the_logits_not_on_the_worse_cache(two_cach
 
 def test_caches_get_one_line_named_by_the_worst(two_caches, tmp_path):
     r, _ = two_caches
-    lines = result_lines(r, {})
+    lines = result_lines(document_from_result(r), {})
     assert [line for line in lines if line.startswith("  output ")] == [
         line for line in lines if line.startswith("  output logits:")
     ]
@@ -168,7 +168,7 @@ def test_caches_get_one_line_named_by_the_worst(two_caches, tmp_path):
     ]
     files = {p.name: p for p in write_outputs(document_from_result(r), tmp_path).values()}
     summary = files["summary.md"].read_text()
-    assert summary.count("Error path: ") == 2 and "Error path: present_value" not in summary
+    assert summary.count("- error path to ") == 2 and "error path to `present_value`" not in summary
     doc = json.loads(files["diag.json"].read_text())
     assert {o["name"]: o["cache_of"] for o in doc["verdict"]["outputs"]} == {
         "logits": None,

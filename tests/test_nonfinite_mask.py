@@ -10,9 +10,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from diag.analysis.analyze import nonfinite_origins
 from diag.analysis.compare import CompareOptions, compare_models
-from diag.cli.verbs import _cause_lines as _finding_lines
+from diag.cli.verbs import result_lines
 from diag.core.feeds import FeedSpec
 from diag.fixtures.quantize import quantize
+from diag.report.document import document_from_result
 
 SEQ, DIM = 4, 8
 
@@ -73,6 +74,11 @@ def test_causal_mask_where_writing_minus_inf_is_not_a_nonfinite_finding(tmp_path
     assert where.accumulated is not None and where.accumulated.nonfinite_fp > 0  # the mask really is -inf
     assert nonfinite_origins(r.findings) == {}
     assert not [line for line in _finding_lines(r) if "NaN/Inf" in line]
+
+
+def _finding_lines(r) -> list[str]:
+    """What `diag compare` prints about ``r`` (the lines under the verdict, from its document)."""
+    return result_lines(document_from_result(r), {})
 
 
 def test_real_nan_reaching_an_output_is_still_reported(tmp_path):

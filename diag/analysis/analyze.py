@@ -555,7 +555,7 @@ def overall_grade(verdicts: list[OutputVerdict]) -> str:
 MAX_PATH = 500
 
 
-def shortened_path(steps: list[str], ends: int, longest: int, more: str) -> list[str]:
+def shortened_path(steps: list[T], ends: int, longest: int, more: str) -> list[T | str]:
     """The one rule for printing an error path: all of it up to ``longest`` steps, else the first
     and last ``ends`` steps around one ``more.format(n)`` step that counts the ``n`` left out.
 
@@ -564,7 +564,7 @@ def shortened_path(steps: list[str], ends: int, longest: int, more: str) -> list
         ['a', 'b', '... 3 more ...', 'f', 'g']
     """
     if len(steps) <= longest:
-        return steps
+        return list(steps)
     return [*steps[:ends], more.format(len(steps) - 2 * ends), *steps[-ends:]]
 
 

@@ -253,13 +253,6 @@ class Smoothing:
     divided_by: float
     weights: tuple[str, ...]
 
-    def sentence(self) -> str:
-        """One line (terminal, report)."""
-        return (
-            f"SmoothQuant's {self.mul} divides channel {self.strongest_channel} of {self.tensor} by "
-            f"{self.divided_by:.3g} ({self.channels} channels) and multiplies it into {', '.join(self.weights)}"
-        )
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "mul": self.mul,

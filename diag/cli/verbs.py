@@ -30,11 +30,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from diag.analysis import compare as pipeline
-from diag.analysis.analyze import cache_verdicts, caches_line, nonfinite_origins, shortened_path
 from diag.analysis.compare import CompareOptions, CompareResult
-from diag.analysis.decoder import decoder_layout, layer_sentence, module_paths
 from diag.analysis.effects import setting_headline
-from diag.analysis.fp16health import fp16_range_lines
 from diag.analysis.levers import recipe_changes
 from diag.analysis.merge import add_shard_state, merge_shards
 from diag.analysis.remedies import applicable_suggestions
@@ -43,9 +40,7 @@ from diag.core.feeds import FeedSource, FeedSpec
 from diag.core.load import checked_path, model_summary
 from diag.core.precision import describe
 from diag.core.recipe import Recipe, recipe_file_text, recipe_from_option
-from diag.core.saturation import prediction_sentence
 from diag.core.streaming import LARGE_MODEL_BYTES
-from diag.core.taskmetrics import task_lines
 from diag.fix.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_models, format_table
 from diag.fix.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
 from diag.fix.exclude import ExcludeOptions, ExclusionResult, SearchOptions, count_phrase, derive_exclusions
@@ -53,7 +48,7 @@ from diag.fix.exclude import summary_lines as exclude_lines
 from diag.fix.fixcode import reproduce_snippet, splice_snippet
 from diag.fix.infer import fix_recipe, recipe_to_file, recipe_to_toml, search_recipe
 from diag.fix.levercheck import measure_recipe_levers, settings_skipped
-from diag.fix.linecheck import measure_lines, shown_lines
+from diag.fix.linecheck import measure_lines
 from diag.fix.lint import lint_recipe_file
 from diag.fix.lint import summary_line as lint_summary_line
 from diag.fix.modelprep import copy_model
@@ -79,9 +74,9 @@ from diag.foundations.environment import environment, printable
 from diag.foundations.errors import DiagError
 from diag.foundations.files import check_outputs, internal_writes, output_file, resume_file, work_dir, write_set
 from diag.foundations.files import out_dir as checked_out_dir
-from diag.foundations.jsonnum import number_from_json
 from diag.foundations.producers import ORT_RECIPE_PRODUCERS, detect_producer
 from diag.foundations.summary import Summary
+from diag.report.brief import brief, cluster_line
 from diag.report.document import document_from_result
 from diag.report.documents import read_document
 from diag.report.plots_sweep import pareto_plot
@@ -317,7 +312,7 @@ def compare_to_dir(
     if result.options.shard is not None:
         add_shard_state(doc, result)
     files = write_outputs(doc, out_dir)
-    return Summary(result_lines(result, files), result=result, files=files)
+    return Summary(result_lines(doc, files), result=result, files=files)
 
 
 def merge_to_dir(
@@ -337,8 +332,9 @@ def merge_to_dir(
     """
     check_outputs(out_dir, OUTPUT_NAMES, [*paths, fp32, int8])
     result = merge_shards([(str(p), read_document(p)) for p in paths], fp32, int8)
-    files = write_outputs(document_from_result(result), out_dir)
-    return Summary(result_lines(result, files), result=result, files=files)
+    doc = document_from_result(result)
+    files = write_outputs(doc, out_dir)
+    return Summary(result_lines(doc, files), result=result, files=files)
 
 
 def merge(options: MergeOptions) -> Summary[CompareResult]:
@@ -421,219 +417,16 @@ def lint(options: LintOptions) -> Summary:
     return Summary(lines, any(f.severity == "error" for f in findings))
 
 
-def cluster_line(info: dict[str, Any], indent: str = "") -> str | None:
-    """One line on what ``--scheduler`` did: workers, tasks, retries, where latency was measured."""
-    if not info:
-        return None
-    shards = f"{info['shards']} shards, " if "shards" in info else ""
-    unused = f", {info['unused_tasks']} computed ahead and not needed" if info.get("unused_tasks") else ""
-    where = f"; latency measured on {info['latency_measured_on']}" if "latency_measured_on" in info else ""
-    return (
-        f"{indent}cluster: {info['workers']} worker(s) at {info['scheduler']}, {shards}{info['tasks']} tasks"
-        f"{unused}, {info['retries']} retried after a worker died{where}"
-    )
-
-
-def result_lines(result: CompareResult, files: dict[str, Path]) -> list[str]:
-    """What `diag compare` / `diag merge` / `diag demo` print about a result, in order: the
-    verdict, then the few findings worth a line each (top-3 root causes, 2 outliers, 2 remedies,
-    ...; the report has the rest), then coverage and the files written."""
-    lines = [f"note: INT8 model '{result.int8.shown_path.name}' {result.int8.origin}"] if result.int8.origin else []
-    lines += [f"warning: {w}" for model in (result.fp32, result.int8) for w in model.warnings]
-    lines.append(f"verdict: {result.grade.upper()} - {result.cause_sentence}")
-    if result.headline.fix_code:
-        lines.append(f"  fix: {result.headline.fix_code}")
-    answers = [v for v in result.verdicts if v.per_sample.cache_of is None]
-    lines += [f"  output {v.name}: {v.grade} ({'; '.join(v.reasons)})" for v in answers]
-    caches = caches_line(result.verdicts)
-    if caches is not None:
-        lines.append(f"  {caches}")
-    lines += [f"  {line}" for line in task_lines(result.task_metrics or {})]
-    lines += _deployed_lines(result)
-    lines += _cause_lines(result)
-    lines += _health_lines(result)
-    lines += _measured_lines(result)
-    cluster = cluster_line(result.cluster, "  ")
-    if cluster is not None:
-        lines.append(cluster)
-    m = result.matching
-    lines.append(
-        f"  matched {len(result.accumulated)}/{len(m.fp_float_tensors)} FP32 float tensors "
-        f"({len(m.unmatched_tensors)} unmatched, listed in the report); outputs graded "
-        + (f"as deployed (level {result.options.opt_level}); " if result.exact_verdicts else "in exact mode; ")
-        + f"{result.samples} samples "
-        + (f"({result.passes} passes, memory budget) " if result.passes > 1 else "")
-        + f"in {result.seconds:.1f} s"
-        + (
-            f" (local error on the first {result.local_samples}; --local-samples all for every one)"
-            if result.options.local and result.local_samples < result.samples
-            else ""
-        )
-    )
-    lines += [f"  {line}" for line in shown_lines(result.recipe_lines)]
-    if result.padding is not None:
-        lines.append(f"  {result.padding.sentence()}")
+def result_lines(doc: dict[str, Any], files: dict[str, Path]) -> list[str]:
+    """What `diag compare` / `diag merge` / `diag demo` print about a diagnosis: the verdict, its fix
+    when too long for the sentence, then the lines under it as summary.md and report.html word them
+    (:func:`diag.report.brief.brief`, from the same document), then the files written."""
+    headline = doc["verdict"].get("headline") or {}
+    lines = [f"verdict: {doc['verdict']['grade'].upper()} - {doc['verdict']['cause']}"]
+    if headline.get("fix_code"):
+        lines.append(f"  fix: {headline['fix_code']}")
+    lines += [f"  {'  ' * line.depth}{line.text}" for line in brief(doc)]
     lines += [f"wrote {name}: {path}" for name, path in files.items()]
-    return lines
-
-
-def _deployed_lines(result: CompareResult) -> list[str]:
-    """The outputs are graded as deployed: an output whose exact-mode grade differs says it (the
-    fused integer kernels change the verdict), with the fused kernels behind the difference."""
-    graded = {v.name: v for v in result.verdicts}
-    lines = []
-    for e in result.exact_verdicts:
-        v = graded.get(e.name)
-        if v is not None and v.grade != e.grade and e.per_sample.cache_of is None:
-            lines.append(
-                f"  output {e.name} in exact mode (optimizations off): {e.grade} ({'; '.join(e.reasons)}); graded "
-                f"{v.grade} as onnxruntime runs it at level {result.options.opt_level}"
-            )
-    if lines and result.fused:
-        hidden = {n for k in result.fused for n in k.fp_nodes}
-        lines.append(
-            f"  {len(result.fused)} fused onnxruntime kernel(s) hide {len(hidden)} FP32 node(s) at level "
-            f"{result.options.opt_level} (diag.json deployed.fused_kernels)"
-        )
-    return lines
-
-
-def _cause_lines(result: CompareResult) -> list[str]:
-    """The top-3 root causes, where NaN/Inf first appear, FP16 range facts, the error paths."""
-    lines = []
-    roots = sorted((f for f in result.findings if f.role == "root-cause"), key=lambda f: f.rank_local)
-    for f in roots[:3]:
-        local, acc = f.local, f.accumulated
-        assert local is not None and acc is not None  # a root cause is ranked by both errors
-        # A "no single root cause" headline lists no root cause under it (issue 25, item 5).
-        role = "locally worst" if result.headline.kind == "spread" else "root cause"
-        lines.append(
-            f"  {role}: {f.group.label} ({f.group.op_type}) local SQNR "
-            f"{local.sqnr_db:.1f} dB, accumulated {acc.sqnr_db:.1f} dB"
-            # SQNR is over finite values: say when the node writes NaN/Inf even fed FP32 inputs.
-            + (
-                f" (its own NaN/Inf: {local.nonfinite_int8 - local.nonfinite_fp} with FP32 inputs)"
-                if local.nonfinite_int8 > local.nonfinite_fp
-                else ""
-            )
-        )
-    for model, f in nonfinite_origins(result.findings).items():
-        acc = f.accumulated
-        assert acc is not None  # an origin is found by its accumulated NaN/Inf counts
-        count = acc.nonfinite_fp if model == "FP32" else acc.nonfinite_int8
-        lines.append(
-            f"  NaN/Inf: first produced in the {model} model by {f.group.label} ({f.group.op_type}): "
-            f"{count} value(s) in '{f.tensor}'"
-        )
-    if result.state is not None and result.state.fp16_ranges:
-        lines += [f"  {line}" for line in fp16_range_lines(result.findings, result.state.fp16_ranges)]
-    caches = cache_verdicts(result.verdicts)
-    hidden = {v.name for v in caches[1:]}
-    for out, path in result.paths.items():
-        if out in hidden:
-            continue
-        labels = shortened_path([f.group.label for f in path], 2, 5, "... {} more ...")
-        more = f" (the worst of {len(caches)} KV-cache outputs)" if len(caches) > 1 and out == caches[0].name else ""
-        lines.append(f"  error path to {out}{more}: {' -> '.join(labels)}")
-    layout = decoder_layout(result.findings, module_paths(result.fp32.proto))
-    if layout is not None:
-        lines.append(f"  {layer_sentence(layout)}")
-    return lines
-
-
-def _health_lines(result: CompareResult) -> list[str]:
-    """The 2 worst outlier channels, the persistent one, 2 remedies, the worst weight block."""
-    lines = []
-    flagged = [(k, h) for k, h in result.health.items() if h.outliers and h.grid != "none"]
-    for name, h in sorted(flagged, key=lambda kv: -kv[1].outliers[0].times_median)[:2]:
-        o = h.outliers[0]
-        lines.append(f"  outlier: channel {o.index} of {name} is {o.times_median:.0f}x the median channel")
-    lines += [
-        f"  persistent outlier: channel {p.index} in {len(p.tensors)} of {p.of_tensors} tensors of width {p.channels}"
-        for p in result.persistent[:1]
-    ]
-    advised = [s for s in result.suggestions if s.advised]
-    lines += [
-        f"  remedy for {s.tensor}: {s.python}" + (f" ({s.measured_note})" if s.measured_note else "")
-        for s in advised[:2]
-    ]
-    lines += [
-        f"  not advised for {s.tensor}: {s.python} ({s.measured_note})" for s in result.suggestions if not s.advised
-    ][:2]
-    blocks = result.weights.worst_blocks(1) if result.weights is not None else []
-    lines += [  # block-wise weights (MatMulNBits, int4 QDQ): see diag.core.nbits
-        f"  worst weight block: {b.weight} {b.where()}: "
-        f"error {b.rel_rmse:.2f}x the weight's rms, {b.levels} levels used, max |w| {b.peak_ratio:.0f}x the median"
-        for b in blocks
-    ]
-    smoothing = result.weights.smoothing if result.weights is not None else []
-    if smoothing:  # inserted by the producer (NNCF's SmoothQuant): the strongest one, and how many
-        more = f" (+{len(smoothing) - 1} more SmoothQuant Muls in diag.json)" if len(smoothing) > 1 else ""
-        lines.append(f"  {smoothing[0].sentence()}{more}")
-    corrected = result.weights.bias_corrections if result.weights is not None else []
-    if corrected:
-        top = corrected[0]
-        lines.append(
-            f"  bias correction: {len(corrected)} float bias(es) differ from the FP32 model's on purpose (the "
-            f"producer's bias correction, not quantization error); the largest, {top.name}, by {top.max_change:.3g} "
-            f"({top.relative:.1%} of its largest value)"
-        )
-    return lines
-
-
-def _measured_lines(result: CompareResult) -> list[str]:
-    """What was measured beyond the error: accuracy_level, effects, output parts, sensitivity."""
-    lines = []
-    level = result.accuracy_level
-    worst = level.worst_node() if level is not None else None
-    if level is not None and worst is not None:
-        node, db = worst
-        outs = ", ".join(f"{k} {v:.1f} dB" for k, v in level.outputs.items())
-        lines.append(
-            f"  accuracy_level {level.level} vs 0 (MatMulNBits inputs quantized inside the kernel): SQNR {outs}; "
-            f"worst node {node} {db:.1f} dB ({level.samples} samples)"
-        )
-    isa = result.deploy_isa
-    if isa is not None:
-        lines.append(f"  {prediction_sentence(isa)}")  # the report's sentence too
-        lines += [f"    {e['sentence']}" for e in isa["nodes"][:3] if e["saturated_pairs"]]
-    effects = result.effects
-    if effects is not None and effects.best is not None and result.headline.kind != "rounding":
-        shown = [e for e in effects.effects[:3] if e.recovered > 0.01 or e.levels_disagree]
-        if shown:
-            lines.append(
-                f"  effect on {effects.target} of keeping one node in float: "
-                + ", ".join(
-                    f"{e.finding.group.label} {e.recovered:.0%}"
-                    + (f" (exact mode {e.exact_recovered:.0%})" if e.levels_disagree and e.exact_recovered else "")
-                    for e in shown
-                )
-                + f" ({effects.samples} samples, optimization level {effects.level})"
-            )
-    if effects is not None and effects.groups:
-        lines.append(
-            f"  effect on {effects.target} of keeping a recipe-lever group in float: "
-            + ", ".join(f"{g.group.label} ({g.group.lever}) {max(g.recovered, 0.0):.0%}" for g in effects.groups[:3])
-        )
-    if result.recipe_settings is not None:
-        lines.append(f"  {result.recipe_settings.line()}")
-    remedies = result.remedy_checks or {}
-    if remedies and not remedies.get("proved", True):
-        lines.append(f"  weight-only remedies not measured: {remedies.get('proof', '')}")
-    for v in result.verdicts:
-        for label, (part, acc, local) in v.per_sample.parts.items():
-            lines.append(
-                f"  output {v.name} part {label}: SQNR {acc.sqnr_db:.1f} dB, min cosine "
-                f"{part.cosine_min:.4f}" + (f", local SQNR {local.sqnr_db:.1f} dB" if local is not None else "")
-            )
-    section = result.sensitivity.to_dict() if result.sensitivity is not None else {}
-    if section.get("rows"):
-        best = section["rows"][0]
-        recovered = number_from_json(best["cosine_recovered"])
-        lines.append(
-            f"  sensitivity: keeping {best['label']} in float recovers "
-            f"{recovered:+.4f} output cosine ({section['quantizations']} quantizations)"
-        )
     return lines
 
 

@@ -1,13 +1,15 @@
 """Numbers as text: the one rule the exclusion and sweep outputs print metrics with.
 
-NOTE: the other formatters stay apart because their rules differ: the report's tables use
-``view.fmt_num`` (3 significant digits, an en dash for none) and ``view.fmt_db`` (dB, one decimal,
-"∞"); ``diff`` prints 6 significant digits, the ``--tiers`` summary 4 significant digits.
+NOTE: the other formatters stay apart because their rules differ: the report's tables and the lines
+under the verdict use :func:`fmt_num` (3 significant digits, an en dash for none) and :func:`fmt_db`
+(dB, one decimal, "∞"); ``diff`` prints 6 significant digits, the ``--tiers`` summary 4 significant digits.
 
 A foundation module: it imports nothing from diag.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 def fixed_number(v: float, decimals: int) -> str:
@@ -47,3 +49,47 @@ def byte_size(n: int) -> str:
         ('39.9 KB', '1979.13 MB')
     """
     return f"{n / 2**20:.2f} MB" if n >= 2**20 else f"{n / 2**10:.1f} KB"
+
+
+#: What a missing number prints as.
+NO_VALUE = "\u2013"  # an en dash
+
+
+def fmt_db(v: Any) -> str:
+    """An SQNR from diag.json: one decimal, "∞" for "inf", an en dash for none.
+
+    Example:
+        >>> fmt_db(12.345), fmt_db("inf"), fmt_db(None)
+        ('12.3', '∞', '–')
+    """
+    if v in ("inf", None):
+        return "\u221e" if v == "inf" else NO_VALUE
+    if v in ("-inf", "nan"):
+        return str(v)
+    return f"{float(v):.1f}"
+
+
+def fmt_num(v: Any, digits: int = 3) -> str:
+    """A figure from diag.json with ``digits`` significant digits; text (``"nan"``) as it is.
+
+    Example:
+        >>> fmt_num(0.123456), fmt_num(0), fmt_num("nan")
+        ('0.123', '0', 'nan')
+    """
+    if v is None:
+        return NO_VALUE
+    if isinstance(v, str):
+        return v
+    if v == 0:
+        return "0"
+    return f"{float(v):.{digits}g}"
+
+
+def fmt_pct(v: Any) -> str:
+    """A share as a percentage with two decimals.
+
+    Example:
+        >>> fmt_pct(0.9612)
+        '96.12%'
+    """
+    return NO_VALUE if v is None or isinstance(v, str) else f"{100 * float(v):.2f}%"

@@ -378,8 +378,12 @@ def _weights(report: WeightReport | None) -> dict[str, Any] | None:
         d["channels"] = chans[:WEIGHT_CHANNELS]
         weights.append(d)
     blocks = report.worst_blocks()
-    return {"findings": weights, "unmatched": dict(sorted(report.unmatched.items()))} | (
-        {"blocks": [b.to_dict() for b in blocks]} if blocks else {}
+    return (
+        {"findings": weights, "unmatched": dict(sorted(report.unmatched.items()))}
+        | ({"blocks": [b.to_dict() for b in blocks]} if blocks else {})
+        # What the producer changed on purpose (NNCF): its SmoothQuant Muls and corrected biases.
+        | ({"smoothing": [s.to_dict() for s in report.smoothing]} if report.smoothing else {})
+        | ({"bias_corrections": [b.to_dict() for b in report.bias_corrections]} if report.bias_corrections else {})
     )
 
 

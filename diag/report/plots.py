@@ -293,7 +293,8 @@ def error_path_picture(doc: dict[str, Any]) -> str:
     coloured by it, the output last: the picture summary.md shows (an SVG file beside it: GitHub
     and GitLab render a linked image, not inline SVG). "" when no output has a path.
 
-    The path is shortened as the terminal prints it (:func:`diag.analysis.analyze.shortened_path`).
+    A long path keeps its first and last two nodes (:func:`diag.analysis.analyze.shortened_path`):
+    boxes, not a line of text, so fewer than the terminal's sentence keeps.
     """
     outputs = [o for o in doc["verdict"]["outputs"] if o.get("error_path")]
     if not outputs:

@@ -19,13 +19,12 @@ from typing import Any
 
 import jinja2
 
-from diag.analysis.analyze import GRADES, first_nonfinite, shortened_path
 from diag.analysis.effects import LEVELS_DISAGREE
+from diag.analysis.headline import Name, Said, plain
 from diag.analysis.levers import RecipeLevers
 from diag.core.positions import Padding
 from diag.core.precision import describe
 from diag.core.saturation import prediction_sentence
-from diag.core.taskmetrics import task_lines
 from diag.fix.fixcode import fix_snippet
 from diag.fix.lint import Finding
 from diag.foundations.environment import templates_dir
@@ -33,6 +32,16 @@ from diag.foundations.errors import DiagError
 from diag.foundations.files import check_outputs, input_file, out_dir, output_file, write_set
 from diag.foundations.files import out_dir as checked_out_dir
 from diag.foundations.jsonnum import number_from_json
+from diag.foundations.numfmt import NO_VALUE, fmt_db, fmt_num, fmt_pct
+from diag.report.brief import (
+    brief,
+    error_paths,
+    nonfinite_lines,
+    persistent_said,
+    root_cause_said,
+    root_causes,
+    task_metric_lines,
+)
 from diag.report.documents import read_document
 from diag.report.exclude_view import best_fix_call, report_section
 from diag.report.graphview import GRAPH_LIBRARY, graph_json
@@ -48,7 +57,9 @@ from diag.report.plots import (
 )
 from diag.report.tiers_view import report_section as tier_section
 
-SUMMARY_MAX_LINES = 60
+#: summary.md's length as a PR comment: the lines under the verdict (about ten, :mod:`diag.report.brief`),
+#: then the tables and lists; longer, the lists keep one item each, then the middle is cut.
+SUMMARY_MAX_LINES = 70
 
 
 def view_from_file(path: str | os.PathLike[str]) -> ReportView:
@@ -76,31 +87,6 @@ def load_document(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- formatting
-
-#: What a missing number prints as.
-NO_VALUE = "\u2013"  # an en dash
-
-
-def fmt_db(v: Any) -> str:
-    if v in ("inf", None):
-        return "\u221e" if v == "inf" else NO_VALUE
-    if v in ("-inf", "nan"):
-        return str(v)
-    return f"{float(v):.1f}"
-
-
-def fmt_num(v: Any, digits: int = 3) -> str:
-    if v is None:
-        return NO_VALUE
-    if isinstance(v, str):
-        return v
-    if v == 0:
-        return "0"
-    return f"{float(v):.{digits}g}"
-
-
-def fmt_pct(v: Any) -> str:
-    return NO_VALUE if v is None or isinstance(v, str) else f"{100 * float(v):.2f}%"
 
 
 def _sortable(v: Any) -> str:
@@ -371,6 +357,36 @@ class ExclusionView:
     after_label: str = "with the exclusions"
 
 
+@dataclass(frozen=True)
+class BriefItem:
+    """One line under the verdict (:class:`diag.report.brief.BriefLine`) for the templates: its
+    (text, is a name) parts, names rendered as code, and its depth (1: a detail of the line before)."""
+
+    parts: list[tuple[str, bool]]
+    depth: int = 0
+
+
+def _brief_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """The lines under the verdict (:mod:`diag.report.brief`), and the two the report also shows apart:
+    where NaN/Inf first appear (in the verdict's banner) and the error paths (over the picture)."""
+    nodes = doc["nodes"]
+    return {
+        "brief": [BriefItem(_parts(line.parts), line.depth) for line in brief(doc)],
+        "nonfinite": [plain(line) for line in nonfinite_lines(nodes)],
+        "error_paths": [plain(p) for p in error_paths(doc["verdict"]["outputs"], nodes)],
+    }
+
+
+def _parts(said: Said) -> list[tuple[str, bool]]:
+    """Said parts as (text, is a name) pairs, empty prose dropped.
+
+    Example:
+        >>> _parts(("root cause: ", Name("fc1"), ""))
+        [('root cause: ', False), ('fc1', True)]
+    """
+    return [(p.text, True) if isinstance(p, Name) else (p, False) for p in said if isinstance(p, Name) or p]
+
+
 @dataclass
 class SummaryView:
     """What summary.md repeats of the report: the first :data:`SUMMARY_ITEMS` of each list."""
@@ -491,6 +507,8 @@ class ReportView:
     #: The headline's fix when too long for its sentence (:attr:`diag.analysis.headline.Headline.fix_code`).
     fix_code: str = ""
     recipe_settings: list[SettingRow] = field(default_factory=list)
+    #: The lines under the verdict, as the terminal prints them (:func:`diag.report.brief.brief`).
+    brief: list[BriefItem] = field(default_factory=list)
     graph_lib: str = ""
     graph_units: int = 0
 
@@ -548,7 +566,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
     _mark_remedies_off_the_list(remedy_groups, doc)
     weights, weights_total = _weight_rows(doc.get("weights")), len((doc.get("weights") or {}).get("findings", []))
     effects, sensitivity = _effect_rows(doc.get("effects")), _sensitivity_rows(doc.get("sensitivity"))
-    victims, persistent = _victim_lines(nodes), _persistent_lines(dist)
+    victims, persistent = _victim_lines(nodes), [plain(p) for p in persistent_said(dist)]
     shown_groups = remedy_groups[:REMEDY_GROUPS]
     return ReportView(
         title=f"diag: {Path(models['int8']['path']).name} vs {Path(models['fp32']['path']).name}",
@@ -567,7 +585,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         environment=sorted((k, str(v)) for k, v in doc["environment"].items()),
         outputs=_output_rows(verdict["outputs"], verdict.get("exact_outputs") or []),
         outputs_note=_graded_at_note(verdict),
-        root_causes=_root_cause_lines(doc),
+        root_causes=[plain(root_cause_said(n, dist.get("tensors", {}))) for n in root_causes(nodes)][:CAUSE_LINES],
         victims=victims,
         **_starting_point_fields(models, rec),
         nodes=[_node_row(n) for n in nodes],
@@ -597,15 +615,14 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         effects=effects,
         effects_note=_effects_note(doc.get("effects")),
         versions=_versions(doc["environment"]),
-        nonfinite=_nonfinite(nodes),
-        error_paths=_error_paths(verdict["outputs"], nodes),
+        **_brief_fields(doc),
         decoder=_decoder_view(doc.get("decoder"), bad_db, with_plots),
         neighbourhoods=_neighbourhoods(nodes, bad_db) if with_plots else [],
         **_graph_fields(doc),
         **_recipe_fields(doc),
         neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
         model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
-        task_lines=_task_lines(doc.get("task_metrics") or {}),
+        task_lines=task_metric_lines(doc.get("task_metrics") or {}),
         summary=SummaryView(
             victims[:SUMMARY_ITEMS],
             effects[:SUMMARY_ITEMS],
@@ -764,18 +781,6 @@ def _node_row(n: dict[str, Any]) -> NodeRow:
         tensor=n["tensor"],
         pattern=n.get("pattern") or "",
     )
-
-
-def _root_cause_lines(doc: dict[str, Any]) -> list[str]:
-    """The first :data:`CAUSE_LINES` root causes by local rank, with their SQNRs and input outliers."""
-    dist_tensors = (doc.get("distributions") or {}).get("tensors", {})
-    return [
-        (f"{n['pattern']}: " if n.get("pattern") else "")
-        + f"{n['name']} ({n['op_type']}): local SQNR {fmt_db(n['local']['sqnr_db'])} dB, "
-        f"accumulated {fmt_db(n['accumulated']['sqnr_db'])} dB" + _input_outliers(n, dist_tensors)
-        for n in sorted(doc["nodes"], key=lambda n: n["rank_local"])
-        if n["role"] == "root-cause"
-    ][:CAUSE_LINES]
 
 
 def _victim_lines(nodes: list[dict[str, Any]]) -> list[str]:
@@ -954,19 +959,6 @@ def _effect_rows(effects: dict[str, Any] | None) -> list[EffectRow]:
     return rows
 
 
-def _persistent_lines(dist: dict[str, Any]) -> list[str]:
-    """One sentence per channel index that is an outlier in several tensors."""
-    lines = []
-    for p in dist.get("persistent_outliers", []):
-        tensors = p["tensors"]
-        named = ", ".join(tensors[:PERSISTENT_TENSORS]) + (" ..." if len(tensors) > PERSISTENT_TENSORS else "")
-        lines.append(
-            f"channel {p['index']} is an outlier in {len(tensors)} of the {p['of_tensors']} tensors "
-            f"with {p['channels']} channels: " + named
-        )
-    return lines
-
-
 def _neighbourhoods(nodes: list[dict[str, Any]], bad_db: float) -> list[Neighbourhood]:
     roots = [n for n in sorted(nodes, key=lambda n: n["rank_local"]) if n["role"] == "root-cause"]
     drawn = [Neighbourhood(n["name"], neighbourhood(nodes, n["name"], bad_db)) for n in roots[:NEIGHBOURHOODS]]
@@ -980,70 +972,6 @@ def _graph_fields(doc: dict[str, Any]) -> dict[str, Any]:
         return {}
     lib = (templates_dir() / GRAPH_LIBRARY).read_text("utf-8")
     return {"graph_json": payload, "graph_lib": lib, "graph_units": len(doc.get("nodes") or [])}
-
-
-def _error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> list[str]:
-    """ "logits: conv3 (+relu3) [root cause, 9.5 dB] → pool [17.6 dB] → … → fc [18.4 dB]".
-
-    Of the KV-cache outputs (``present.*``, one per layer and per key / value) only the one with
-    the lowest SQNR gets a line, saying how many it stands for.
-    """
-    by_name = {n["name"]: n for n in nodes}
-    caches = sorted(
-        (o for o in outputs if o.get("cache_of")),
-        key=lambda o: (-GRADES.index(o["grade"]) if o.get("grade") in GRADES else 0, _db(o.get("sqnr_db")), o["name"]),
-    )
-    shown = [o for o in outputs if not o.get("cache_of")] + caches[:1]
-    lines = []
-    for o in shown:
-        path = [by_name[p] for p in o.get("error_path", []) if p in by_name]
-        if not path:
-            continue
-        steps = []
-        for n in path:
-            role = f"{n['role']}, " if n["role"] not in ("ok", "victim") else ""
-            steps.append(f"{n['name']} [{role}{fmt_db(n['accumulated']['sqnr_db'])} dB]")
-        steps = shortened_path(steps, 3, PATH_STEPS, "\u2026 {} more \u2026")
-        more = f" (the worst of {len(caches)} KV-cache outputs)" if o.get("cache_of") and len(caches) > 1 else ""
-        lines.append(f"{o['name']}{more}: " + " \u2192 ".join(steps))
-    return lines
-
-
-def _db(value: Any) -> float:
-    """An SQNR from the document (None, or a string such as ``"inf"``) as a float to sort on."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.inf
-
-
-def _nonfinite(nodes: list[dict[str, Any]]) -> list[str]:
-    """Where NaN/Inf first appear in each model (:func:`diag.analysis.analyze.first_nonfinite` on the document).
-
-    Only over the nodes whose NaN/Inf reach an output or a quantized input
-    (:func:`diag.analysis.analyze.reaching_nonfinite`): a causal mask's -inf, which Softmax absorbs, is no
-    finding. Documents older than that flag count every node.
-    """
-    ordered = sorted((n for n in nodes if n.get("nonfinite_reaches", True)), key=lambda n: n["index"])
-    counts = (
-        (n, (n["accumulated"] or {}).get("nonfinite_fp") or 0, (n["accumulated"] or {}).get("nonfinite_int8") or 0)
-        for n in ordered
-    )
-    lines = []
-    for model, n in first_nonfinite(counts).items():
-        a = n["accumulated"] or {}
-        if model == "FP32":
-            lines.append(
-                f"NaN/Inf first produced in the FP32 model by {n['name']} ({n['op_type']}): "
-                f"{a.get('nonfinite_fp') or 0} value(s); "
-                "the float model itself is broken on these inputs, so its errors are not quantization's"
-            )
-        else:
-            lines.append(
-                f"NaN/Inf first produced in the INT8 model by {n['name']} ({n['op_type']}): "
-                f"{a.get('nonfinite_int8') or 0} value(s)"
-            )
-    return lines
 
 
 def _effects_note(effects: dict[str, Any] | None) -> str:
@@ -1228,17 +1156,6 @@ def _block_rows(weights: dict[str, Any] | None) -> list[BlockRow]:
     ]
 
 
-def _input_outliers(node: dict[str, Any], dist_tensors: dict[str, Any]) -> str:
-    """ "; input 'x' has outlier channel 7 (42x the median)" for a root cause, when it does."""
-    parts = []
-    for t in node.get("inputs", []):
-        h = dist_tensors.get(t)
-        if h and h["outliers"]:
-            o = h["outliers"][0]
-            parts.append(f"input '{t}' has outlier channel {o['index']} ({fmt_num(o['times_median'], 3)}x the median)")
-    return "; " + "; ".join(parts[:2]) if parts else ""
-
-
 def _outlier_rows(dist_tensors: dict[str, Any]) -> list[OutlierRow]:
     rows = []
     for name, h in dist_tensors.items():
@@ -1316,25 +1233,6 @@ def _precision_note(precisions: dict[str, list[str]] | None) -> str:
     if not precisions:
         return ""
     return f" ({describe(precisions)})"
-
-
-def _task_lines(task_metrics: dict[str, Any]) -> list[str]:
-    lines = []
-    f1 = task_metrics.get("f1")
-    if f1:
-        v = {k: number_from_json(x) for k, x in f1["values"].items()}
-        macro, micro = (
-            f"{fmt_pct(v[f'f1_{k}_fp32'])} → {fmt_pct(v[f'f1_{k}_int8'])} (drop {fmt_pct(v[f'f1_{k}_drop'])})"
-            for k in ("macro", "micro")
-        )
-        lines.append(
-            f"F1 of output {f1['output']} against --labels ({f1['samples']} samples): macro {macro}, micro {micro}"
-        )
-    plugin = task_metrics.get("plugin")
-    if plugin:
-        values = {k: number_from_json(v) for k, v in plugin["values"].items()}
-        lines += task_lines({"plugin": {**plugin, "values": values}})
-    return lines
 
 
 # ---------------------------------------------------------------- rendering
