@@ -54,7 +54,8 @@ def test_compare_prints_what_summary_md_and_report_html_list(built, tmp_path, ca
     assert texts[-1].startswith("matched 75/75 FP32 float tensors")
     # diag report re-renders the same lines from diag.json alone.
     again = tmp_path / "again"
-    assert run_cli(["report", out / "diag.json", "--out", again], capsys)[0] == 0
+    code, reprinted, _ = run_cli(["report", out / "diag.json", "--out", again], capsys)
+    assert code == 0 and terminal_brief(reprinted) == terminal  # without the models
     assert summary_brief((again / "summary.md").read_text()) == summary
 
 
@@ -100,6 +101,38 @@ def test_rarer_sections_are_worded_from_the_document_too():
         "worst node fc/MatMulNBits 31.2 dB (8 samples)"
     ) in texts
     summary = output_texts(doc)["summary.md"]
+    assert summary_brief(summary) == terminal_brief("\n".join(result_lines(doc, {})))
+
+
+def test_document_edge_cases_are_worded_not_crashed_on():
+    """Found in review: a transposed Gather table's block is a row, not a column (the document's own
+    ``where``); an "inf" outlier ratio or an all-zero bias is worded, not a TypeError; names inside
+    a line (persistent tensors, the effect target) are names, so summary.md shows them as code."""
+    doc = json.loads(GOLDEN.read_text())
+    doc["weights"]["blocks"] = [
+        {"weight": "emb", "channel": 3, "block": 1, "rows": [32, 64], "rmse": 0.1, "rel_rmse": 0.5, "max_abs": 0.2,
+         "levels": 2, "peak_ratio": 40.0, "where": "row 3 columns 32-63"},
+    ]  # fmt: skip
+    doc["weights"]["bias_corrections"] = [{"name": "fc.bias", "fp_nodes": ["fc"], "max_change": 0.5, "relative": "inf"}]
+    tensors = doc["distributions"]["tensors"]
+    name = next(k for k, h in tensors.items() if h.get("outliers"))
+    tensors[name]["outliers"][0]["times_median"] = "inf"
+    doc["distributions"]["persistent_outliers"] = [
+        {"index": 5, "channels": 8, "tensors": ["a_b", "c"], "of_tensors": 3}
+    ]
+    texts = [line.text for line in brief(doc)]
+    assert (
+        "worst weight block: emb row 3 columns 32-63: error 0.5x the weight's rms, 2 levels used, "
+        "max |w| 40x the median" in texts
+    )
+    assert any(
+        t.startswith("bias correction: 1 float bias(es)") and t.endswith("by 0.5 (the FP32 bias is all zero)")
+        for t in texts
+    )
+    assert f"outlier: channel {tensors[name]['outliers'][0]['index']} of {name} is infx the median channel" in texts
+    summary = output_texts(doc)["summary.md"]
+    assert "- persistent outlier: channel 5 is an outlier in 2 of the 3 tensors with 8 channels: `a_b`, `c`" in summary
+    assert "- effect on `logits` of keeping one node in float: " in summary
     assert summary_brief(summary) == terminal_brief("\n".join(result_lines(doc, {})))
 
 

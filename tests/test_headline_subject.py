@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 import pytest
-from brief_text import summary_brief, terminal_brief
+from brief_text import report_brief, summary_brief, terminal_brief
 
 from diag.analysis.compare import CompareOptions, compare_models
 from diag.analysis.effects import HELPS_SHARE, effect_target, judge_remedies
@@ -16,7 +16,7 @@ from diag.core.feeds import FeedSpec
 from diag.core.metrics import ErrorAccumulator
 from diag.fixtures import models
 from diag.report.document import document_from_result
-from diag.report.view import render_markdown, view_from_document
+from diag.report.view import render_html, render_markdown, view_from_document
 
 FORMATS = ("dynamic", "qdq", "qoperator")
 
@@ -104,8 +104,9 @@ def test_lines_under_the_headline_agree_with_it(built, name, fmt, effects):
     doc = document_from_result(r)
     lines = result_lines(doc, {})
     # One wording, three renderings (issue 42 item 6): summary.md lists what the terminal printed.
-    summary = render_markdown(view_from_document(doc, with_plots=False))
-    assert summary_brief(summary) == terminal_brief("\n".join(lines)), summary
+    view = view_from_document(doc, with_plots=False)
+    summary = render_markdown(view)
+    assert summary_brief(summary) == terminal_brief("\n".join(lines)) == report_brief(render_html(view)), summary
     headline = next(line for line in lines if line.startswith("verdict:"))
     roots = [line for line in lines if line.startswith("  root cause:")]
     if "no single root cause" in headline:

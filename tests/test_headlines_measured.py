@@ -74,7 +74,7 @@ def test_a_measured_effect_outranks_the_local_error_rule(tmp_path, capsys) -> No
     )
     summary = (tmp_path / "out" / "summary.md").read_text()
     # the effect line under the headline, a name copied from the raw Markdown is the model's name
-    assert "\n- effect on logits of keeping one node in float: `branch0` " in summary, summary
+    assert "\n- effect on `logits` of keeping one node in float: `branch0` " in summary, summary
     assert "optimization level all" in (tmp_path / "out" / "report.html").read_text()
 
 

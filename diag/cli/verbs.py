@@ -81,7 +81,7 @@ from diag.report.document import document_from_result
 from diag.report.documents import read_document
 from diag.report.plots_sweep import pareto_plot
 from diag.report.sweep_report import render_html, render_markdown, sweep_view
-from diag.report.view import OUTPUT_NAMES, output_texts, report_to_dir, write_outputs
+from diag.report.view import OUTPUT_NAMES, load_document, output_texts, report_to_dir, write_outputs
 
 # --- diagnosing verbs ---
 
@@ -401,8 +401,11 @@ def _encodings_lines(model: Path) -> list[str]:
 
 
 def report(options: ReportOptions) -> Summary:
-    """`diag report`: re-render a diag.json into a folder (report.html + summary.md) or one .html file."""
-    return Summary([f"wrote {path}" for path in report_to_dir(options.json, options.out).values()])
+    """`diag report`: re-render a diag.json into a folder (report.html + summary.md) or one .html file,
+    and print its verdict and the lines under it, as `diag compare` printed them (from the file alone)."""
+    files = report_to_dir(options.json, options.out)
+    said = result_lines(load_document(options.json), {})
+    return Summary([*said, *(f"wrote {path}" for path in files.values())])
 
 
 def lint(options: LintOptions) -> Summary:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -150,6 +151,26 @@ class NodeGroup:
         return "+".join(self.op_types)
 
 
+#: Why an FP32 tensor has no INT8 counterpart, as the summary groups them (one sentence per cause):
+#:
+#: * ``fused``: the node writing it and the Relu / Clip after it became one INT8 node;
+#: * ``folded``: the node writing it and the BatchNormalization after it became one INT8 node;
+#: * ``renamed``: the INT8 model still computes it, under another name (an exporter's renaming);
+#: * ``missing``: no INT8 tensor of that name or its quantized forms: removed or renamed;
+#: * ``shape``: paired, but its shape differs between the models at run time (found while running).
+UnmatchedKind = Literal["fused", "folded", "renamed", "missing", "shape"]
+
+
+@dataclass(frozen=True)
+class UnmatchedCause:
+    """Why one FP32 tensor is unmatched, as typed data: its kind, the FP32 op that writes it
+    (``""`` for a graph input) and, when fused or folded, the op it was merged with."""
+
+    kind: UnmatchedKind
+    op_type: str
+    merged_with: str = ""
+
+
 @dataclass
 class Matching:
     """Everything the matcher decided, including what it could not pair and why."""
@@ -161,11 +182,13 @@ class Matching:
     unmatched_nodes: dict[str, str]
     int8_only_nodes: list[str]
     fp_float_tensors: list[str]
+    #: The cause of each unmatched tensor (the key set of ``unmatched_tensors``), for the summary.
+    unmatched_causes: dict[str, UnmatchedCause] = field(default_factory=dict)
 
     @property
     def fused_away(self) -> list[str]:
         """Unmatched FP32 tensors the quantizer fused or folded away (structurally explained)."""
-        return [t for t, why in self.unmatched_tensors.items() if why.startswith(FUSED_PREFIXES)]
+        return [t for t, c in self.unmatched_causes.items() if c.kind in ("fused", "folded")]
 
     @property
     def coverage(self) -> float:
@@ -407,6 +430,7 @@ def match_models(fp: onnx.ModelProto, int8: onnx.ModelProto) -> Matching:
     q = _GraphIndex(int8)
     pairs: dict[str, TensorPair] = {}
     unmatched: dict[str, str] = {}
+    causes: dict[str, UnmatchedCause] = {}
     skipped: dict[str, str] = {}
     float_tensors: list[str] = []
 
@@ -426,23 +450,25 @@ def match_models(fp: onnx.ModelProto, int8: onnx.ModelProto) -> Matching:
         float_tensors.append(name)
         pair = _pair_for(name, producer, q)
         if pair is None:
-            unmatched[name] = _unmatched_reason(name, f, q)
+            unmatched[name], causes[name] = _unmatched_reason(name, f, q)
         else:
             pairs[name] = pair
 
-    _move_fused_activations(f, q, pairs, unmatched)
+    _move_fused_activations(f, q, pairs, unmatched, causes)
     groups, unmatched_nodes, covered = _node_groups(f, q, pairs)
     int8_only = [q.ids[i] for i in range(len(q.nodes)) if i not in covered]
-    return Matching(pairs, unmatched, skipped, groups, unmatched_nodes, int8_only, float_tensors)
+    return Matching(pairs, unmatched, skipped, groups, unmatched_nodes, int8_only, float_tensors, causes)
 
 
 _FUSABLE_ACTIVATIONS = ("Relu", "Clip")
-#: Every reason for a fused/folded tensor starts with one of these (see ``Matching.fused_away``).
-FUSED_PREFIXES = ("fused away", "folded away")
 
 
 def _move_fused_activations(
-    f: _GraphIndex, q: _GraphIndex, pairs: dict[str, TensorPair], unmatched: dict[str, str]
+    f: _GraphIndex,
+    q: _GraphIndex,
+    pairs: dict[str, TensorPair],
+    unmatched: dict[str, str],
+    causes: dict[str, UnmatchedCause],
 ) -> None:
     """QOperator fuses Relu/Clip into the producer's output range: ``t_quantized`` then holds
     the activation's output ``u``, not ``t``. Re-pair it with ``u`` instead of reporting a
@@ -464,14 +490,19 @@ def _move_fused_activations(
         pair.producer = f.ids[i]
         pairs[u] = pair
         unmatched.pop(u, None)
+        causes.pop(u, None)
+        writer = f.producer.get(t)
+        causes[t] = UnmatchedCause("fused", f.nodes[writer].op_type if writer is not None else "", node.op_type)
         unmatched[t] = (
             f"fused away by the quantizer: {node.op_type} '{f.ids[i]}' was folded into "
             f"the output range of INT8 node '{q.ids[prod]}'; compared at '{u}'"
         )
 
 
-def _unmatched_reason(name: str, f: _GraphIndex, q: _GraphIndex) -> str:
+def _unmatched_reason(name: str, f: _GraphIndex, q: _GraphIndex) -> tuple[str, UnmatchedCause]:
+    """Why ``name`` has no INT8 counterpart: the sentence for this tensor and its typed cause."""
     prod = f.producer.get(name)
+    writer = f.nodes[prod].op_type if prod is not None else ""
     consumers = f.consumers.get(name, [])
     if prod is not None and len(consumers) == 1:
         c = f.nodes[consumers[0]]
@@ -482,16 +513,16 @@ def _unmatched_reason(name: str, f: _GraphIndex, q: _GraphIndex) -> str:
                 return (
                     f"renamed, not fused: INT8 {p.op_type} '{q.ids[renamed]}' still computes it, as "
                     f"'{q.nodes[renamed].output[0]}' (the exporter or the quantizer named it differently)"
-                )
-            how = "folded" if c.op_type == "BatchNormalization" else "fused"
+                ), UnmatchedCause("renamed", writer)
+            how: UnmatchedKind = "folded" if c.op_type == "BatchNormalization" else "fused"
             return (
                 f"{how} away by the quantizer: {p.op_type} '{f.ids[prod]}' + {c.op_type} "
                 f"'{f.ids[consumers[0]]}' became one INT8 node; compared at '{c.output[0]}'"
-            )
+            ), UnmatchedCause(how, writer, c.op_type)
     return (
         f"no INT8 tensor named '{name}', '{name}_quantized' or "
         f"'{name}_DequantizeLinear_Output'; the quantizer removed or renamed it"
-    )
+    ), UnmatchedCause("missing", writer)
 
 
 def _still_computed(op_type: str, consumer: onnx.NodeProto, q: _GraphIndex) -> int | None:

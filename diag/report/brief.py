@@ -49,6 +49,9 @@ EFFECTS = 3
 PATH_STEPS = 7
 #: Tensors named in a persistent-outlier sentence.
 PERSISTENT_TENSORS = 8
+#: Causes of unmatched tensors given a sentence each (the largest groups), and tensors named in one.
+UNMATCHED_CAUSES = 4
+NAMED_TENSORS = 3
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ def brief(doc: dict[str, Any]) -> list[BriefLine]:
     said: list[Said] = []
     said += _model_lines(doc["models"])
     said += _output_lines(doc)
-    said += [(line,) for line in task_metric_lines(doc.get("task_metrics") or {})]
+    said += task_metric_lines(doc.get("task_metrics") or {})
     said += _deployed_lines(doc)
     said += _cause_lines(doc)
     said += _activation_lines(doc)
@@ -135,9 +138,9 @@ def cache_outputs(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
 
 
-def task_metric_lines(task_metrics: dict[str, Any]) -> list[str]:
+def task_metric_lines(task_metrics: dict[str, Any]) -> list[Said]:
     """F1 against ``--labels`` (macro and micro, as deployed) and each ``--metric`` plugin value."""
-    lines = []
+    lines: list[Said] = []
     f1 = task_metrics.get("f1")
     if f1:
         v = {k: number_from_json(x) for k, x in f1["values"].items()}
@@ -146,12 +149,16 @@ def task_metric_lines(task_metrics: dict[str, Any]) -> list[str]:
             for k in ("macro", "micro")
         )
         lines.append(
-            f"F1 of output {f1['output']} against --labels ({f1['samples']} samples): macro {macro}, micro {micro}"
+            (
+                "F1 of output ",
+                Name(f1["output"]),
+                f" against --labels ({f1['samples']} samples): macro {macro}, micro {micro}",
+            )
         )
     plugin = task_metrics.get("plugin")
     if plugin:
         values = {k: number_from_json(v) for k, v in plugin["values"].items()}
-        lines += task_lines({"plugin": {**plugin, "values": values}})
+        lines += [(line,) for line in task_lines({"plugin": {**plugin, "values": values}})]
     return lines
 
 
@@ -164,7 +171,7 @@ def _deployed_lines(doc: dict[str, Any]) -> list[Said]:
     lines: list[Said] = []
     for e in verdict.get("exact_outputs") or []:
         o = graded.get(e["name"])
-        if o is not None and o["grade"] != e["grade"] and not e.get("cache_of"):
+        if o is not None and o["grade"] != e["grade"] and not o.get("cache_of"):
             lines.append(
                 (
                     "output ",
@@ -226,18 +233,28 @@ def root_cause_said(n: dict[str, Any], dist_tensors: dict[str, Any]) -> Said:
 
 
 def _input_outliers(node: dict[str, Any], dist_tensors: dict[str, Any]) -> Said:
-    """ "; input 'x' has outlier channel 7 (88.2x the median)" for each input with an outlier."""
+    """ "; input 'x' has outlier channel 7 (88.2x the median)" for the first two inputs with an outlier."""
     said: list[str | Name] = []
-    for name in node.get("inputs") or []:
-        outliers = (dist_tensors.get(name) or {}).get("outliers") or []
-        if outliers:
-            o = outliers[0]
-            said += [
-                "; input '",
-                Name(name),
-                f"' has outlier channel {o['index']} ({o['times_median']:.1f}x the median)",
-            ]
+    flagged = [n for n in node.get("inputs") or [] if (dist_tensors.get(n) or {}).get("outliers")]
+    for name in flagged[:2]:
+        o = dist_tensors[name]["outliers"][0]
+        said += [
+            "; input '",
+            Name(name),
+            f"' has outlier channel {o['index']} ({_ratio(o['times_median'], 1)}x the median)",
+        ]
     return tuple(said)
+
+
+def _ratio(value: Any, decimals: int) -> str:
+    """A ratio from the document with ``decimals`` decimals; "inf", "nan" or none as :func:`fmt_num` shows them.
+
+    Example:
+        >>> _ratio(88.23, 1), _ratio("inf", 1)
+        ('88.2', 'inf')
+    """
+    v = number_from_json(value) if isinstance(value, (int, float, str)) else math.nan
+    return f"{v:.{decimals}f}" if math.isfinite(v) else fmt_num(value)
 
 
 def nonfinite_lines(nodes: list[dict[str, Any]]) -> list[Said]:
@@ -313,7 +330,7 @@ def error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> l
         steps: list[Said] = []
         for n in path:
             role = f"{n['role']}, " if n["role"] not in ("ok", "victim") else ""
-            steps.append((Name(n["name"]), f" [{role}{fmt_db(n['accumulated']['sqnr_db'])} dB]"))
+            steps.append((Name(n["name"]), f" [{role}{fmt_db((n['accumulated'] or {}).get('sqnr_db'))} dB]"))
         cut = shortened_path(steps, 3, PATH_STEPS, "\u2026 {} more \u2026")
         more = f" (the worst of {len(caches)} KV-cache outputs)" if o.get("cache_of") and len(caches) > 1 else ""
         said: list[str | Name] = [Name(o["name"]), f"{more}: "]
@@ -372,12 +389,12 @@ def _activation_lines(doc: dict[str, Any]) -> list[Said]:
     dist = doc.get("distributions") or {}
     tensors = dist.get("tensors", {})
     flagged = [(k, h) for k, h in tensors.items() if h.get("outliers") and h.get("grid") != "none"]
-    flagged.sort(key=lambda kv: -kv[1]["outliers"][0]["times_median"])
+    flagged.sort(key=lambda kv: -_share(kv[1]["outliers"][0]["times_median"]))
     lines: list[Said] = [
         (
             f"outlier: channel {h['outliers'][0]['index']} of ",
             Name(k),
-            f" is {h['outliers'][0]['times_median']:.0f}x the median channel",
+            f" is {_ratio(h['outliers'][0]['times_median'], 0)}x the median channel",
         )
         for k, h in flagged[:OUTLIER_TENSORS]
     ]
@@ -407,12 +424,13 @@ def persistent_said(dist: dict[str, Any]) -> list[Said]:
     lines: list[Said] = []
     for p in dist.get("persistent_outliers", []):
         tensors = p["tensors"]
-        named = ", ".join(tensors[:PERSISTENT_TENSORS]) + (" ..." if len(tensors) > PERSISTENT_TENSORS else "")
+        more = (" ...",) if len(tensors) > PERSISTENT_TENSORS else ()
         lines.append(
             (
                 f"channel {p['index']} is an outlier in {len(tensors)} of the {p['of_tensors']} tensors "
                 f"with {p['channels']} channels: ",
-                named,
+                *names(tensors[:PERSISTENT_TENSORS]),
+                *more,
             )
         )
     return lines
@@ -426,8 +444,8 @@ def _weight_lines(weights: dict[str, Any]) -> list[Said]:
             (
                 "worst weight block: ",
                 Name(b["weight"]),
-                f" {block_where(b)}: error {fmt_num(b['rel_rmse'], 3)}x the weight's rms, {b['levels']} levels used, "
-                f"max |w| {fmt_num(b['peak_ratio'], 3)}x the median",
+                f" {b.get('where') or block_where(b)}: error {fmt_num(b['rel_rmse'], 3)}x the weight's rms, "
+                f"{b['levels']} levels used, max |w| {fmt_num(b['peak_ratio'], 3)}x the median",
             )
         )
     smoothing = weights.get("smoothing") or []
@@ -440,9 +458,9 @@ def _weight_lines(weights: dict[str, Any]) -> list[Said]:
                 Name(s["mul"]),
                 f" divides channel {s['strongest_channel']} of ",
                 Name(s["tensor"]),
-                f" by {fmt_num(s['divided_by'], 3)} ({s['channels']} channels) and multiplies it into "
-                + ", ".join(s["weights"])
-                + more,
+                f" by {fmt_num(s['divided_by'], 3)} ({s['channels']} channels) and multiplies it into ",
+                *names(s["weights"]),
+                more,
             )
         )
     corrected = weights.get("bias_corrections") or []
@@ -453,10 +471,29 @@ def _weight_lines(weights: dict[str, Any]) -> list[Said]:
                 f"bias correction: {len(corrected)} float bias(es) differ from the FP32 model's on purpose (the "
                 "producer's bias correction, not quantization error); the largest, ",
                 Name(top["name"]),
-                f", by {fmt_num(top['max_change'], 3)} ({fmt_pct(top['relative'])} of its largest value)",
+                f", by {fmt_num(top['max_change'], 3)} "
+                + (
+                    f"({fmt_pct(top['relative'])} of its largest value)"
+                    if isinstance(top.get("relative"), (int, float))
+                    else "(the FP32 bias is all zero)"
+                ),
             )
         )
     return lines
+
+
+def names(items: Iterable[str]) -> Said:
+    """Names joined with ", ", each a :class:`~diag.analysis.headline.Name`.
+
+    Example:
+        >>> plain(names(["a", "b"]))
+        'a, b'
+    """
+    said: list[str | Name] = []
+    for i, item in enumerate(items):
+        said += [", "] if i else []
+        said.append(Name(item))
+    return tuple(said)
 
 
 def block_where(b: dict[str, Any]) -> str:
@@ -516,11 +553,14 @@ def _accuracy_level_lines(level: dict[str, Any] | None) -> list[Said]:
     if not level or not level.get("nodes"):
         return []
     node, node_db = next(iter(level["nodes"].items()))
-    outs = ", ".join(f"{k} {fmt_db(v)} dB" for k, v in level["outputs"].items())
+    outs: list[str | Name] = []
+    for i, (k, v) in enumerate(level["outputs"].items()):
+        outs += [", " if i else "", Name(k), f" {fmt_db(v)} dB"]
     return [
         (
-            f"accuracy_level {level['level']} vs 0 (MatMulNBits inputs quantized inside the kernel): "
-            f"SQNR {outs}; worst node ",
+            f"accuracy_level {level['level']} vs 0 (MatMulNBits inputs quantized inside the kernel): SQNR ",
+            *outs,
+            "; worst node ",
             Name(node),
             f" {fmt_db(node_db)} dB ({level['samples']} samples)",
         )
@@ -535,7 +575,7 @@ def _effect_lines(doc: dict[str, Any]) -> list[Said]:
     rows = effects.get("effects") or []
     shown = [e for e in rows[:EFFECTS] if _share(e.get("recovered")) > 0.01 or _disagree(e)]
     if shown and kind != "rounding":
-        said: list[str | Name] = [f"effect on {effects['target']} of keeping one node in float: "]
+        said: list[str | Name] = ["effect on ", Name(effects["target"]), " of keeping one node in float: "]
         for i, e in enumerate(shown):
             exact = f" (exact mode {_share(e['exact_recovered']):.0%})" if _disagree(e) else ""
             said += ([", "] if i else []) + [Name(e["node"]), f" {_share(e.get('recovered')):.0%}{exact}"]
@@ -545,7 +585,9 @@ def _effect_lines(doc: dict[str, Any]) -> list[Said]:
     if groups:
         lines.append(
             (
-                f"effect on {effects['target']} of keeping a recipe-lever group in float: "
+                "effect on ",
+                Name(effects["target"]),
+                " of keeping a recipe-lever group in float: "
                 + ", ".join(
                     f"{g['label']} ({g['lever']}) {max(_share(g.get('recovered')), 0.0):.0%}" for g in groups[:EFFECTS]
                 ),
@@ -594,10 +636,47 @@ def _run_lines(doc: dict[str, Any]) -> list[Said]:
             ),
         )
     )
+    lines += unmatched_lines(m.get("unmatched_causes") or [], doc["models"]["int8"].get("producer"))
     lines += [(line,) for line in shown_lines(recipe_findings(doc.get("recipe_lines") or []))]
     padding = Padding.from_dict(run.get("positions"))
     if padding is not None:
         lines.append((padding.sentence(),))
+    return lines
+
+
+def unmatched_lines(causes: list[dict[str, Any]], producer: str | None) -> list[Said]:
+    """One sentence per cause of the unmatched tensors (diag.json ``matching.unmatched_causes``),
+    the largest first, in the producer's name when its marks say which tool made the model: what
+    was fused, folded, renamed or removed, instead of one reason per tensor.
+
+    Example:
+        >>> cause = {"kind": "folded", "op_type": "Conv", "merged_with": "BatchNormalization", "tensors": ["c1", "c2"]}
+        >>> plain(unmatched_lines([cause], "AMD Quark")[0])  # doctest: +NORMALIZE_WHITESPACE
+        'unmatched: 2 Conv outputs folded with the BatchNormalization after them into one INT8 node by
+        AMD Quark; compared after the BatchNormalization: c1, c2'
+    """
+    who = producer or "the quantizer"
+    lines: list[Said] = []
+    for c in causes[:UNMATCHED_CAUSES]:
+        n, tensors, merged = len(c["tensors"]), c["tensors"], c.get("merged_with") or ""
+        what = f"{n} {c['op_type']} output{'s' if n > 1 else ''}" if c["op_type"] else f"{n} graph input(s)"
+        them = "them" if n > 1 else "it"
+        merged_by = f"into one INT8 node by {who}; compared after the {merged}"
+        head = {
+            "fused": f"{what} fused with the {merged} after {them} {merged_by}",
+            "folded": f"{what} folded with the {merged} after {them} {merged_by}",
+            "renamed": f"{what} renamed, not fused: the INT8 model still computes {them}, under other names",
+            "missing": f"{what} without an INT8 tensor of the same name: {who} removed or renamed {them}",
+            "shape": f"{what} whose shape differs in the INT8 model at run time",
+        }.get(c["kind"], f"{what} ({c['kind']})")
+        said: list[str | Name] = [f"unmatched: {head}: ", *names(tensors[:NAMED_TENSORS])]
+        if n > NAMED_TENSORS:
+            said.append(f" and {n - NAMED_TENSORS} more (diag.json matching.unmatched_tensors)")
+        lines.append(tuple(said))
+    rest = causes[UNMATCHED_CAUSES:]
+    if rest:
+        count = sum(len(c["tensors"]) for c in rest)
+        lines.append((f"unmatched: {count} more tensor(s) of {len(rest)} other cause(s), listed in the report",))
     return lines
 
 

@@ -26,10 +26,12 @@ from diag.analysis.fp16health import fp16_fix
 from diag.analysis.patterns import PatternInstance, PatternTotal
 from diag.analysis.weights import WeightReport
 from diag.core.distributions import TensorHealth, compact_histograms, worst_tensors
+from diag.core.match import Matching, UnmatchedCause
 from diag.core.metrics import ErrorStats, OutputStats
 from diag.core.taskmetrics import json_values
 from diag.foundations.cpu import kernel_path
 from diag.foundations.jsonnum import json_number as _num
+from diag.foundations.producers import detect_producer
 from diag.report.documents import SCHEMA, SCHEMA_VERSION
 
 
@@ -170,8 +172,16 @@ def _models(result: CompareResult) -> dict[str, Any]:
             "external_data": result.int8.has_external_data,
             # Which nodes run at which precision (FP16, 16-bit activations); absent otherwise.
             **({"precisions": int8_format.precisions} if int8_format.precisions else {}),
+            # The tool that made it (diag.foundations.producers), when its marks say; absent otherwise.
+            **_producer(result),
         },
     }
+
+
+def _producer(result: CompareResult) -> dict[str, str]:
+    """``{"producer": "AMD Quark"}`` when the INT8 model's marks name the tool that made it."""
+    detection = detect_producer(result.int8.proto, result.int8.shown_path)
+    return {} if detection.key == "unknown" else {"producer": detection.producer.name}
 
 
 def _first_divergence(per_sample: OutputStats) -> dict[str, Any] | None:
@@ -266,6 +276,8 @@ def _matching(result: CompareResult) -> dict[str, Any]:
         "accounted": len(m.pairs) + len(m.fused_away),
         "coverage": _num(m.coverage),
         "unmatched_tensors": dict(sorted({**m.unmatched_tensors, **result.runtime_unmatched}.items())),
+        # One entry per cause (kind, the FP32 op writing the tensors): one sentence each (diag.report.brief).
+        "unmatched_causes": _unmatched_causes(m, result.runtime_unmatched),
         "skipped_tensors": dict(sorted(m.skipped_tensors.items())),
         "unmatched_nodes": dict(sorted(m.unmatched_nodes.items())),
         "int8_only_nodes": m.int8_only_nodes,
@@ -355,6 +367,19 @@ def _fp16(result: CompareResult) -> dict[str, Any]:
 PLOTTED_TENSORS = 6
 #: Per-channel entries kept per weight in diag.json (the worst ones).
 WEIGHT_CHANNELS = 8
+
+
+def _unmatched_causes(m: Matching, runtime: dict[str, str]) -> list[dict[str, Any]]:
+    """The unmatched tensors grouped by cause: kind, the FP32 op that writes them, the op it was
+    merged with (fused / folded), and the tensors, the largest group first."""
+    causes = {**m.unmatched_causes, **{t: UnmatchedCause("shape", "") for t in runtime}}
+    groups: dict[UnmatchedCause, list[str]] = {}
+    for tensor, cause in causes.items():
+        groups.setdefault(cause, []).append(tensor)
+    return [
+        {"kind": c.kind, "op_type": c.op_type, "merged_with": c.merged_with, "tensors": sorted(tensors)}
+        for c, tensors in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0].kind, kv[0].op_type))
+    ]
 
 
 def _innermost_patterns(instances: list[PatternInstance]) -> dict[str, str]:

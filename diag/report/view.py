@@ -622,7 +622,7 @@ def view_from_document(doc: dict[str, Any], with_plots: bool = True) -> ReportVi
         **_recipe_fields(doc),
         neighbourhood_hops=_NUMBER_WORDS.get(NEIGHBOURHOOD_HOPS, str(NEIGHBOURHOOD_HOPS)),
         model_warnings=[w for k in ("fp32", "int8") for w in models[k].get("warnings", [])],
-        task_lines=task_metric_lines(doc.get("task_metrics") or {}),
+        task_lines=[plain(line) for line in task_metric_lines(doc.get("task_metrics") or {})],
         summary=SummaryView(
             victims[:SUMMARY_ITEMS],
             effects[:SUMMARY_ITEMS],
