@@ -31,14 +31,24 @@ def _outputs(model: onnx.ModelProto | Path, feeds: dict[str, np.ndarray]) -> lis
     return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
-@pytest.fixture(scope="module", params=[("convnet", True), ("convnet", False), ("transformer", True)], ids=str)
+#: (fixture, per-channel weights, weight type): onnxruntime's QInt4 model is a w4a8 export (4-bit
+#: weights, 8-bit activations, com.microsoft Q/DQ), as AIMET writes 4-bit parameter encodings.
+PAIRS = [
+    ("convnet", True, "QInt8"),
+    ("convnet", False, "QInt8"),
+    ("transformer", True, "QInt8"),
+    ("convnet", True, "QInt4"),
+]
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=str)
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    name, per_channel = request.param
-    d = tmp_path_factory.mktemp(f"aimet-{name}-{per_channel}")
+    name, per_channel, weight_type = request.param
+    d = tmp_path_factory.mktemp(f"aimet-{name}-{per_channel}-{weight_type}")
     fx = models.build(name)
     fp32, qdq = d / "fp32.onnx", d / "qdq.onnx"
     onnx.save(fx.model, fp32)
-    quantize.quantize(fp32, qdq, "qdq", fx.make_inputs(16, 3), per_channel=per_channel)
+    quantize.quantize(fp32, qdq, "qdq", fx.make_inputs(16, 3), per_channel=per_channel, weight_type=weight_type)
     feeds = fx.make_inputs(8, 5)
     np.savez(d / "feeds.npz", **feeds)
     for version in VERSIONS:
@@ -125,6 +135,14 @@ def test_inspect_names_the_encodings_beside_an_fp32_export(pair, capsys: pytest.
             {"name": "image", "enc_type": "PER_TENSOR", "bw": 8, "is_sym": False, "scale": [0.0], "offset": [0]},
             "not positive",
         ),
+        (  # 4-, 8-, 16- and 32-bit grids are built; no Q/DQ type holds 12 bits
+            {"name": "logits", "enc_type": "PER_TENSOR", "bw": 12, "is_sym": False, "scale": [0.1], "offset": [0]},
+            "has an unsigned 12-bit grid",
+        ),
+        (  # names no tensor of the model: said of the user's files, never of diag's built copy
+            {"name": "no_such", "enc_type": "PER_TENSOR", "bw": 8, "is_sym": False, "scale": [0.1], "offset": [0]},
+            "quantize no tensor of 'bad.onnx' (1 left out; 'no_such': no tensor of that name)",
+        ),
     ],
 )
 def test_encodings_diag_cannot_build_are_one_line_errors(pair, capsys, entry, says) -> None:
@@ -135,7 +153,7 @@ def test_encodings_diag_cannot_build_are_one_line_errors(pair, capsys, entry, sa
         json.dumps({"version": "1.0.0", "activation_encodings": [entry], "param_encodings": []})
     )
     code, _, err = run_cli(["compare", pair["fp32"], bad, "--inputs", d / "feeds.npz", "--out", d / "bad"], capsys)
-    assert code == 2 and "error[bad-encodings]: encodings file" in err and says in err
+    assert code == 2 and "error[bad-encodings]: encoding" in err and says in err
     assert len(err.strip().splitlines()) == 1 and not (d / "bad").exists()
 
 

@@ -21,7 +21,9 @@ files before 2.0.0: it is the output channel of the consuming op (Conv: 0, ConvT
 Gemm: 0 with ``transB``, else 1, MatMul: the last axis), as AIMET itself uses.
 
 Names in the file are untrusted: an encoding for a tensor the model does not have is counted and
-reported, never applied. Per-block / LPBQ encodings and 4-bit grids are refused with a clear error.
+reported, never applied. 4-bit grids (a w4a8 or w4a16 export) are written as ``com.microsoft``
+Q/DQ of INT4 / UINT4 tensors, as onnxruntime's own ``weight_type=QInt4`` QDQ model holds them;
+per-block / LPBQ encodings are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ VERSIONS = ("0.6.1", "1.0.0", "2.0.0")
 
 #: Integer grid of each (bit width, signed) pair diag can write as Q/DQ, and the domain its ops need.
 _GRIDS: dict[tuple[int, bool], tuple[int, str]] = {
+    (4, False): (onnx.TensorProto.UINT4, "com.microsoft"),
+    (4, True): (onnx.TensorProto.INT4, "com.microsoft"),
     (8, False): (onnx.TensorProto.UINT8, ""),
     (8, True): (onnx.TensorProto.INT8, ""),
     (16, False): (onnx.TensorProto.UINT16, "com.microsoft"),
@@ -231,8 +235,8 @@ def _grid(enc: TensorEncoding, where: str) -> tuple[int, str]:
         raise DiagError(
             "bad-encodings",
             f"encoding of '{enc.name[:200]}' in {where}",
-            f"has a {'signed' if enc.signed else 'unsigned'} {enc.bitwidth}-bit grid",
-            "diag builds 8- and 16-bit activations, 8-, 16- and 32-bit (bias) parameters",
+            f"has {'a signed' if enc.signed else 'an unsigned'} {enc.bitwidth}-bit grid",
+            "diag builds 4-, 8- and 16-bit activations, 4-, 8-, 16- and 32-bit (bias) parameters",
         )
     return grid
 
@@ -321,7 +325,9 @@ def _quantized_param(
 ) -> tuple[onnx.NodeProto, bool]:
     """Replace initializer ``init`` by its integer form and a DequantizeLinear; returns the node."""
     grid, domain = _grid(e, where)
-    w = numpy_helper.to_array(init).astype(np.float64)
+    # float32 arithmetic, as QuantizeLinear and onnxruntime's quantizer divide: in float64 a value
+    # exactly halfway between two levels in float32 (-7.5) can land a hair off and round the other way
+    w = numpy_helper.to_array(init).astype(np.float32)
     consumers = [n for n in g.node if init.name in n.input]
     channels = e.scale.size > 1
     axis = 0
@@ -337,20 +343,18 @@ def _quantized_param(
                 "export the encodings with the model they were computed for",
             )
         shape[axis] = e.scale.size
-    info = np.iinfo(helper.tensor_dtype_to_np_dtype(grid))
-    scale = e.scale.astype(np.float64).reshape(shape)
+    low, high = _limits(grid)
+    scale = e.scale.astype(np.float32).reshape(shape)
     zp = e.zero_point.reshape(shape)
-    q = np.clip(np.rint(w / scale) + zp, info.min, info.max).astype(info.dtype)
+    q = np.clip(np.rint(w / scale) + zp, low, high).astype(np.int64)
     name = init.name
     g.initializer.remove(init)
-    np_dtype = helper.tensor_dtype_to_np_dtype(grid)
     g.initializer.extend(
         [
-            numpy_helper.from_array(q, f"{name}_quantized"),
+            _integer_tensor(q, grid, f"{name}_quantized"),
             numpy_helper.from_array(e.scale.reshape(-1) if channels else e.scale.reshape(()), f"{name}_scale"),
-            numpy_helper.from_array(
-                (e.zero_point.reshape(-1) if channels else e.zero_point.reshape(())).astype(np_dtype),
-                f"{name}_zero_point",
+            _integer_tensor(
+                e.zero_point.reshape(-1) if channels else e.zero_point.reshape(()), grid, f"{name}_zero_point"
             ),
         ]
     )
@@ -370,15 +374,31 @@ def _quantized_param(
     return node, channels
 
 
+def _limits(grid: int) -> tuple[int, int]:
+    """The integer range of a grid's element type (numpy has no 4-bit integers).
+
+    Example:
+        >>> _limits(onnx.TensorProto.INT4), _limits(onnx.TensorProto.UINT8)
+        ((-8, 7), (0, 255))
+    """
+    if grid in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return (-8, 7) if grid == onnx.TensorProto.INT4 else (0, 15)
+    info = np.iinfo(helper.tensor_dtype_to_np_dtype(grid))
+    return int(info.min), int(info.max)
+
+
+def _integer_tensor(values: np.ndarray, grid: int, name: str) -> onnx.TensorProto:
+    """An initializer of element type ``grid``; 4-bit values packed two to a byte, as ONNX stores them."""
+    if grid in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return helper.make_tensor(name, grid, list(values.shape), values.reshape(-1).astype(np.int64).tolist())
+    return numpy_helper.from_array(values.astype(helper.tensor_dtype_to_np_dtype(grid)), name)
+
+
 def _activation_qdq(g: onnx.GraphProto, name: str, e: TensorEncoding, grid: int, domain: str) -> list[onnx.NodeProto]:
     """Q -> DQ on activation ``name``; its consumers read the DequantizeLinear's output."""
     scale, zp = f"{name}_scale", f"{name}_zero_point"
-    np_dtype = helper.tensor_dtype_to_np_dtype(grid)
     g.initializer.extend(
-        [
-            numpy_helper.from_array(e.scale.reshape(()), scale),
-            numpy_helper.from_array(e.zero_point.reshape(()).astype(np_dtype), zp),
-        ]
+        [numpy_helper.from_array(e.scale.reshape(()), scale), _integer_tensor(e.zero_point.reshape(()), grid, zp)]
     )
     outputs = {o.name for o in g.output}
     source, result = name, f"{name}_DequantizeLinear_Output"
@@ -463,6 +483,14 @@ def model_from_encodings(q: LoadedModel, path: Path) -> LoadedModel:
             "check the model's external data files",
         ) from e
     built = qdq_from_encodings(full, encodings)
+    if not built.activations and not built.params:  # else "not quantized" would name diag's temp copy
+        name, why = next(iter(built.skipped.items()), ("", "the file holds no encoding"))
+        raise DiagError(
+            "bad-encodings",
+            f"encodings file '{path}'",
+            f"quantize no tensor of '{q.path.name}' ({len(built.skipped)} left out; '{name[:80]}': {why})",
+            "export the encodings with the model they were computed for",
+        )
     folder = Path(tempfile.mkdtemp(prefix="diag-aimet-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     target = folder / q.path.name
