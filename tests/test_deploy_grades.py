@@ -37,6 +37,10 @@ def _max_abs(fp32: Path, model: Path, feeds: dict[str, np.ndarray], level: ort.G
     return float(np.abs(a.astype(np.float64) - b).max())
 
 
+#: compare's flags for a run that grades the outputs and measures nothing else.
+GRADES_ONLY = ("--effects", "0", "--no-local", "--settings", "off")
+
+
 @pytest.fixture(scope="module")
 def excluded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, dict[str, np.ndarray]]:
     d = tmp_path_factory.mktemp("deploy")
@@ -124,7 +128,8 @@ def test_the_f1_gate_reads_the_f1_drop_as_deployed_with_exact_mode_beside(exclud
     deployed, exact = drop(argmax(q, None)), drop(argmax(q, exact_opts))
     assert deployed > exact + 0.003, "the fixture must lose more F1 as deployed"
     out = tmp_path / "out"
-    args = ["compare", fp, q, "--inputs", tmp_path / "x.npz", "--labels", tmp_path / "y.npy", "--effects", "0"]
+    # grades only: no local error, no effect check, no recipe settings (each costs runs this test needs not)
+    args = ["compare", fp, q, "--inputs", tmp_path / "x.npz", "--labels", tmp_path / "y.npy", *GRADES_ONLY]
     cli.main([str(a) for a in [*args, "--out", out, "--quiet"]])
     capsys.readouterr()
     doc = json.loads((out / "diag.json").read_text())
@@ -158,7 +163,8 @@ def test_a_model_whose_f1_passes_in_exact_mode_fails_as_deployed(excluded, tmp_p
     np.savez(tmp_path / "x.npz", **{k: v[chosen] for k, v in candidates.items()})
     np.save(tmp_path / "y.npy", reference[chosen])  # the FP32 predictions: FP32's F1 is 1
     out = tmp_path / "out"
-    args = ["compare", fp, q, "--inputs", tmp_path / "x.npz", "--labels", tmp_path / "y.npy", "--effects", "0"]
+    # grades only: no local error, no effect check, no recipe settings (each costs runs this test needs not)
+    args = ["compare", fp, q, "--inputs", tmp_path / "x.npz", "--labels", tmp_path / "y.npy", *GRADES_ONLY]
     cli.main([str(a) for a in [*args, "--out", out, "--quiet"]])
     capsys.readouterr()
     verdict = json.loads((out / "diag.json").read_text())["verdict"]
