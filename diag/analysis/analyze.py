@@ -18,7 +18,6 @@ Roles (for nodes whose accumulated SQNR is below the "bad" threshold):
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -287,33 +286,6 @@ def aimed_outputs(verdicts: list[OutputVerdict]) -> list[str]:
     subject = [v.name for v in failing_outputs(verdicts)] or [v.name for v in verdicts]
     caches = {v.name for v in verdicts if v.per_sample.cache_of is not None}
     return [n for n in subject if n not in caches] or subject
-
-
-def cache_verdicts(verdicts: list[OutputVerdict]) -> list[OutputVerdict]:
-    """The KV-cache outputs (``present.*``), worst first (grade, then SQNR): the terminal and the
-    report give them one line, named by the first, instead of one per layer and per key / value."""
-    caches = [v for v in verdicts if v.per_sample.cache_of is not None]
-    return sorted(caches, key=lambda v: (-GRADES.index(v.grade), v.stats.sqnr_db, v.name))
-
-
-def caches_line(verdicts: list[OutputVerdict]) -> str | None:
-    """ "8 KV-cache outputs (present.*): 6 marginal, 2 acceptable; worst present.2.value: ..." (None: no cache).
-
-    Example:
-        >>> from diag.core.metrics import ErrorAccumulator, OutputStats
-        >>> def v(name, grade):
-        ...     stats = OutputStats(4, .9, .9, 0, None, cache_of="past")
-        ...     return OutputVerdict(name, ErrorAccumulator().finalize(), stats, grade, [f"cosine 0.9 ({grade})"])
-        >>> print(caches_line([v("present.0.key", "acceptable"), v("present.1.key", "marginal")]))
-        2 KV-cache outputs: 1 marginal, 1 acceptable; worst present.1.key: marginal (cosine 0.9 (marginal))
-    """
-    caches = cache_verdicts(verdicts)
-    if not caches:
-        return None
-    worst = caches[0]
-    counts = Counter(v.grade for v in caches)
-    grades = ", ".join(f"{counts[g]} {g}" for g in reversed(GRADES) if counts[g])
-    return f"{len(caches)} KV-cache outputs: {grades}; worst {worst.name}: {worst.grade} ({'; '.join(worst.reasons)})"
 
 
 def failing_clause(failing: list[OutputVerdict]) -> Said:

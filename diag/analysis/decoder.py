@@ -268,32 +268,6 @@ def stack_kind(names: list[str]) -> str:
     return "transformer"
 
 
-def layer_sentence(layout: DecoderLayout) -> str:
-    """One line for the terminal: the worst layer and projection, and the residual stream's loss.
-
-    Example:
-        >>> layer_sentence(layout)  # doctest: +SKIP
-        'per layer (4 layers): worst layers.2 mlp/down_proj, local SQNR 10.8 dB (the others 20.8-21.5 dB); ...'
-    """
-    worst = layout.worst_layer
-    first, last = layout.layers[0], layout.layers[-1]
-    stream = (
-        f"accumulated SQNR {first.accumulated_sqnr_db:.1f} dB after layer {first.index}, "
-        f"{last.accumulated_sqnr_db:.1f} dB after layer {last.index}"
-    )
-    if worst is None or worst.worst_local_node is None or worst.worst_local_sqnr_db is None:
-        return f"per layer ({len(layout.layers)} layers): {stream}"
-    others = [s for r in layout.layers if r is not worst and (s := r.worst_local_sqnr_db) is not None]
-    spread = f" (worst node of the other layers: {min(others):.1f}-{max(others):.1f} dB)" if others else ""
-    where = worst.worst_local_projection or worst.worst_local_node
-    if worst.worst_local_projection and worst.worst_local_projection not in worst.worst_local_node:
-        where = f"{worst.worst_local_projection}: {worst.worst_local_node}"  # node_linear_17 says nothing alone
-    return (
-        f"per layer ({len(layout.layers)} layers): worst is layer {worst.index} ({where}, local SQNR "
-        f"{worst.worst_local_sqnr_db:.1f} dB){spread}; {stream}"
-    )
-
-
 def projection_phrase(nodes: list[str], universe: list[str], paths: dict[str, str] | None = None) -> str | None:
     """``nodes`` named by projection (``mlp/down_proj in every layer (4)``) when at least one
     projection is whole and the phrase is shorter than the node list, else None (a few scattered

@@ -120,28 +120,3 @@ def nonfinite_cause(findings: list[NodeFinding], ranges: dict[str, Fp16Range]) -
         (*head, f" in its output: {count} NaN/Inf value(s) in '", Name(origin.tensor), f"'; {fix.why[0]}"),
         node=origin.group.label,
     )
-
-
-def fp16_range_lines(findings: list[NodeFinding], ranges: dict[str, Fp16Range], top: int = 3) -> list[str]:
-    """What `diag compare` prints about an FP16 model: the fix, then the tensors out of FP16's range.
-
-    Example:
-        >>> fp16_range_lines(result.findings, result.state.fp16_ranges)  # doctest: +SKIP
-        ["FP16 fix: convert_float_to_float16(..., node_block_list=['attn/Attention'])"]
-    """
-    lines: list[str] = []
-    fix = fp16_fix(findings, ranges)
-    if fix is not None and fix.node_block_list:
-        lines.append(f"FP16 fix: convert_float_to_float16(..., node_block_list={fix.node_block_list!r})")
-    over = sorted((r.overflow, n) for n, r in ranges.items() if r.overflow)
-    for count, name in over[::-1][:top]:
-        r = ranges[name]
-        lines.append(f"FP16 range: '{name}' reaches {r.peak:.3g} in FP32: {count} of {r.count} values overflow to inf")
-    under = sorted((r.flushed / r.count, n) for n, r in ranges.items() if r.count and r.flushed)
-    for share, name in under[::-1][:top]:
-        r = ranges[name]
-        lines.append(
-            f"FP16 range: '{name}': {r.flushed} of {r.count} values ({share:.1%}) flush to zero, "
-            f"{r.subnormal} are subnormal"
-        )
-    return lines
