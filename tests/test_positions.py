@@ -178,3 +178,25 @@ def test_sequence_axis_follows_the_mask_shape() -> None:
     real = kept_values(x, keep, 2)
     assert real.shape == (1, 4, 3, 5)  # heads stay on axis 1
     assert real[0, 1, 2].tolist() == x[1, 1, 0].tolist()
+
+
+@pytest.mark.parametrize("named_seq", [True, False], ids=["named", "fixed"])
+def test_named_dimensions_decide_the_sequence_axis_where_the_shape_rule_cannot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], named_seq: bool
+) -> None:
+    """Width equal to the sequence's length (16): the pooled ``[batch, width]`` sum has an axis of
+    the sequence's length that is no sequence. With the export's named dims the inferred shapes
+    say so and it counts every value; with fixed dims the shape rule masks it (the documented
+    ambiguity, kept where the names say nothing). The token tensors are masked either way."""
+    fx = models.padded_encoder(width=16, seq=16, named_seq=named_seq)
+    fp32, qdq = tmp_path / "fp32.onnx", tmp_path / "qdq.onnx"
+    onnx.save(fx.model, fp32)
+    quantize.quantize(fp32, qdq, "qdq", fx.make_inputs(16, 7, padded=False))
+    np.savez(tmp_path / "feeds.npz", **fx.make_inputs(8, 1))
+    args = ["compare", fp32, qdq, "--inputs", tmp_path / "feeds.npz", "--effects", 0, "--settings", "off"]
+    code, _, err = run_cli([*args, "--out", tmp_path / "o", "--quiet"], capsys)
+    assert code == 0, err
+    tensors = json.loads((tmp_path / "o" / "diag.json").read_text())["tensors"]
+    assert "all_positions" in tensors[TENSOR]  # [batch, sequence, width]: masked on the sequence
+    pooled = "pool/ReduceSum_out"
+    assert ("all_positions" in tensors[pooled]) is not named_seq

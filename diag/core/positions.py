@@ -15,16 +15,24 @@ seq]`` and ``[batch, heads, seq, head_dim]``: axis 2, the query positions). Key 
 attention scores are not masked: the mask's large negative value makes them equal in both models.
 A tensor without such an axis (a pooled ``[batch, hidden]``) counts every value.
 
+When the export names its dimensions (``attention_mask: [batch, sequence]``, as torch's exporters
+and Optimum write it), the shapes ONNX infers from those names decide first
+(:func:`symbolic_axes`): a ``[batch, heads, head_dim, sequence]`` Kᵀ whose head_dim equals the
+sequence's length is masked on its last axis, and a pooled ``[batch, hidden]`` whose width equals
+it counts every value; the shape rule above only decides where the names say nothing.
+
 Guarantees: never changes a value; a batch whose mask keeps every position costs nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
+from diag.core.protos import structure_only
 from diag.foundations.errors import DiagError
 
 #: Input names read as an attention mask when ``--mask-input`` is not given (Hugging Face's name,
@@ -53,6 +61,9 @@ class PositionMask:
     #: Tensors computed from the mask alone (its casts, its extended ``[batch, 1, 1, seq]`` form):
     #: counted at every position, since over the real positions they are a constant.
     derived: frozenset[str] = frozenset()
+    #: The sequence axis of the tensors whose inferred shapes say it (:func:`symbolic_axes`);
+    #: None: the shape says the tensor has none.
+    axes: Mapping[str, int | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,10 +76,26 @@ class BatchPadding:
     derived: frozenset[str]
     #: No padding in this batch (read once per batch, not once per tensor).
     all_kept: bool = False
+    #: :attr:`PositionMask.axes`.
+    axes: Mapping[str, int | None] = field(default_factory=dict)
 
     def axis(self, name: str, shape: tuple[int, ...]) -> int | None:
-        """The axis of tensor ``name`` the padding is masked along, or None when it counts every value."""
-        return None if name in self.derived else sequence_axis(shape, self.keep)
+        """The axis of tensor ``name`` the padding is masked along, or None when it counts every value.
+
+        Example:
+            >>> keep = np.ones((2, 4), bool)
+            >>> BatchPadding(keep, frozenset(), axes={"kt": 3, "pooled": None}).axis("kt", (2, 2, 4, 4))
+            3
+            >>> BatchPadding(keep, frozenset(), axes={"pooled": None}).axis("pooled", (2, 4))  # shape rule: 1
+        """
+        if name in self.derived:
+            return None
+        if name in self.axes:
+            axis = self.axes[name]
+            batch, seq = self.keep.shape
+            if axis is None or (len(shape) > axis and shape[0] == batch and shape[axis] == seq):
+                return axis
+        return sequence_axis(shape, self.keep)
 
 
 @dataclass(frozen=True)
@@ -174,7 +201,52 @@ def kept_positions(feeds: dict[str, np.ndarray], mask: PositionMask | None) -> B
     if value.ndim != 2:
         return None
     keep = value != 0
-    return BatchPadding(keep, mask.derived, bool(keep.all()))
+    return BatchPadding(keep, mask.derived, bool(keep.all()), mask.axes)
+
+
+def symbolic_axes(model: onnx.ModelProto, mask_input: str) -> dict[str, int | None]:
+    """The sequence axis of every tensor whose inferred shape names it, from the mask's named dims.
+
+    The mask input must be ``[B, S]`` with two different dimension names. A tensor whose inferred
+    shape starts with ``B`` gets the first later axis named ``S``; one whose dims are all known
+    and none is ``S`` gets None (it has no sequence axis). A tensor with a dimension ONNX could not
+    name (``unk__3``) or no inferred shape is left to the shape rule. Empty when the mask's dims
+    are not named or shape inference fails.
+
+    Example:
+        >>> from onnx import TensorProto, helper
+        >>> x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 8])
+        >>> m = helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["b", "s"])
+        >>> y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 8])
+        >>> mean = helper.make_node("ReduceMean", ["x"], ["y"], axes=[1], keepdims=0)
+        >>> g = helper.make_graph([mean], "g", [x, m], [y])
+        >>> symbolic_axes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), "attention_mask")
+        {'x': 1, 'y': None}
+    """
+    inputs = {i.name: i for i in model.graph.input}
+    mask = inputs.get(mask_input)
+    dims = list(mask.type.tensor_type.shape.dim) if mask is not None else []
+    if len(dims) != 2 or not dims[0].dim_param or not dims[1].dim_param or dims[0].dim_param == dims[1].dim_param:
+        return {}
+    batch, seq = dims[0].dim_param, dims[1].dim_param
+    try:
+        graph = onnx.shape_inference.infer_shapes(structure_only(model), strict_mode=False).graph
+    except Exception:  # inference is a help, not a requirement: the shape rule decides
+        return {}
+    axes: dict[str, int | None] = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        t = value.type.tensor_type
+        if value.name == mask_input or not value.type.HasField("tensor_type") or not t.HasField("shape"):
+            continue
+        shape = list(t.shape.dim)
+        if not shape or shape[0].dim_param != batch:
+            continue
+        named = [i for i, d in enumerate(shape) if i > 0 and d.dim_param == seq]
+        if named:
+            axes[value.name] = named[0]
+        elif all(d.HasField("dim_value") or (d.dim_param and not d.dim_param.startswith("unk__")) for d in shape):
+            axes[value.name] = None
+    return axes
 
 
 def sequence_axis(shape: tuple[int, ...], keep: np.ndarray) -> int | None:

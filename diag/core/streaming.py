@@ -16,6 +16,7 @@ INT8 run once they are all done.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import tempfile
@@ -46,7 +47,7 @@ from diag.core.load import LoadedModel
 from diag.core.match import Matching, TensorPair
 from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputAccumulator, OutputStats, sum_of_squares
 from diag.core.outputs import channel_axes, output_specs
-from diag.core.positions import BatchPadding, PositionMask, kept_positions, kept_values, mask_for_model
+from diag.core.positions import BatchPadding, PositionMask, kept_positions, kept_values, mask_for_model, symbolic_axes
 from diag.core.protos import value_dtypes
 from diag.core.run import (
     batch_tensor_bytes,
@@ -320,6 +321,8 @@ def run_comparison(
     groups = _plan_passes(fp, pairs, feeds, options)
     state = _start_state(fp, q, pairs, labels, options, len(groups))
     mask = mask_for_model(fp.graph, options.mask_input, options.no_mask)
+    if mask is not None:  # the dims the export names decide the sequence axis first
+        mask = dataclasses.replace(mask, axes=symbolic_axes(fp.proto, mask.input_name))
     if mask is not None and options.reductions == "graph":
         # NOTE: the diagnostic graph sums over every position; masking there would need the mask
         # broadcast into each reduction. Refused rather than silently counting the padding.
