@@ -320,18 +320,7 @@ def run_comparison(
         cut, unchanged = _local_model(fp, q, pairs)
     groups = _plan_passes(fp, pairs, feeds, options)
     state = _start_state(fp, q, pairs, labels, options, len(groups))
-    mask = mask_for_model(fp.graph, options.mask_input, options.no_mask)
-    if mask is not None:  # the dims the export names decide the sequence axis first
-        mask = dataclasses.replace(mask, axes=symbolic_axes(fp.proto, mask.input_name))
-    if mask is not None and options.reductions == "graph":
-        # NOTE: the diagnostic graph sums over every position; masking there would need the mask
-        # broadcast into each reduction. Refused rather than silently counting the padding.
-        raise DiagError(
-            "bad-option",
-            "--reductions graph",
-            f"counts every position, but the input '{mask.input_name}' marks padding to leave out",
-            "add --no-mask to count the padding too, or use --reductions numpy",
-        )
+    mask = _position_mask(fp, options)
     state.mask_input = mask.input_name if mask is not None else None
     runtime_unmatched: dict[str, str] = {}
     deployed = _deployed_session(q, matching, options, state) if options.opt_level != "disabled" else None
@@ -561,6 +550,24 @@ class _Pass:
             self.state.batches += 1
             self.state.local_samples += size if local and self.options.local else 0
         self.progress.advance(size)
+
+
+def _position_mask(fp: LoadedModel, options: StreamOptions) -> PositionMask | None:
+    """The padding mask of the run (:mod:`diag.core.positions`), its sequence axes read from the
+    dims the export names; ``bad-option`` with ``--reductions graph``, which cannot mask."""
+    mask = mask_for_model(fp.graph, options.mask_input, options.no_mask)
+    if mask is None:
+        return None
+    if options.reductions == "graph":
+        # NOTE: the diagnostic graph sums over every position; masking there would need the mask
+        # broadcast into each reduction. Refused rather than silently counting the padding.
+        raise DiagError(
+            "bad-option",
+            "--reductions graph",
+            f"counts every position, but the input '{mask.input_name}' marks padding to leave out",
+            "add --no-mask to count the padding too, or use --reductions numpy",
+        )
+    return dataclasses.replace(mask, axes=symbolic_axes(fp.proto, mask.input_name))
 
 
 def _run_pass(p: _Pass) -> None:
