@@ -94,6 +94,7 @@ def test_compare_reads_the_encodings_beside_aimets_export_and_reports_that_model
     int8 = ours["models"]["int8"]
     assert int8["path"] == str(aimet) and int8["format"] == "qdq"
     assert "built by diag from AIMET encodings 'aimet.encodings' (version 1.0.0)" in int8["built"]
+    assert int8["producer"] == "Qualcomm AIMET (aimet-onnx)"  # not the onnxruntime layout diag built it in
     assert out.startswith("verdict: ") and "\n  note: INT8 model aimet.onnx built by diag from AIMET encodings" in out
     assert "- note: INT8 model `aimet.onnx` built by diag from AIMET encodings" in (d / "a" / "summary.md").read_text()
     # Every tensor both runs measure, the outputs and the weights: the same figures.
@@ -138,6 +139,10 @@ def test_inspect_names_the_encodings_beside_an_fp32_export(pair, capsys: pytest.
         (  # 4-, 8-, 16- and 32-bit grids are built; no Q/DQ type holds 12 bits
             {"name": "logits", "enc_type": "PER_TENSOR", "bw": 12, "is_sym": False, "scale": [0.1], "offset": [0]},
             "has an unsigned 12-bit grid",
+        ),
+        (  # an offset off the 4-bit grid would wrap when stored (9 as INT4 reads back as -7)
+            {"name": "logits", "enc_type": "PER_TENSOR", "bw": 4, "is_sym": True, "scale": [0.1], "offset": [-17]},
+            "has an offset outside its 4-bit grid (zero point 9..9, the grid -8..7)",
         ),
         (  # names no tensor of the model: said of the user's files, never of diag's built copy
             {"name": "no_such", "enc_type": "PER_TENSOR", "bw": 8, "is_sym": False, "scale": [0.1], "offset": [0]},

@@ -127,3 +127,16 @@ def test_onnxruntime_fusions_group_into_one_sentence_and_name_the_tensors(built,
         "unmatched: 3 Conv outputs fused with the Relu after them into one INT8 node by onnxruntime; compared "
         "after the Relu: conv1_out, conv2_out, conv3_out"
     ]
+
+
+def test_a_tensor_whose_shape_differs_at_run_time_is_called_a_tensor_not_a_graph_input():
+    """A run-time shape mismatch has no op type recorded: it is worded as tensors (review finding)."""
+    from diag.analysis.headline import plain
+    from diag.report.brief import unmatched_lines
+
+    shape = {"kind": "shape", "op_type": "", "merged_with": "", "tensors": ["a", "b"]}
+    missing = {"kind": "missing", "op_type": "", "merged_with": "", "tensors": ["ids"]}
+    assert [plain(s) for s in unmatched_lines([shape, missing], None)] == [
+        "unmatched: 2 tensor(s) whose shape differs in the INT8 model at run time: a, b",
+        "unmatched: 1 graph input(s) without an INT8 tensor of the same name: the quantizer removed or renamed it: ids",
+    ]

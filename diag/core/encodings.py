@@ -304,6 +304,7 @@ def qdq_from_encodings(fp: onnx.ModelProto, enc: Encodings) -> BuiltModel:
             skipped[name] = "a float quantizer: stays float" if e.is_float else "no tensor of that name"
             continue
         grid, domain = _grid(e, enc.path.name)
+        _on_grid(e, grid, enc.path.name)
         if e.scale.size != 1:
             skipped[name] = "a per-channel activation encoding"
             continue
@@ -325,9 +326,11 @@ def _quantized_param(
 ) -> tuple[onnx.NodeProto, bool]:
     """Replace initializer ``init`` by its integer form and a DequantizeLinear; returns the node."""
     grid, domain = _grid(e, where)
-    # float32 arithmetic, as QuantizeLinear and onnxruntime's quantizer divide: in float64 a value
-    # exactly halfway between two levels in float32 (-7.5) can land a hair off and round the other way
-    w = numpy_helper.to_array(init).astype(np.float32)
+    # Weights in float32 arithmetic, as QuantizeLinear and onnxruntime's quantizer divide (in float64
+    # a value exactly halfway between two levels in float32, -7.5, can land a hair off and round the
+    # other way); a 32-bit bias in float64, as onnxruntime's quantize_bias_static_impl divides it.
+    arithmetic: type[np.floating[Any]] = np.float64 if grid == onnx.TensorProto.INT32 else np.float32
+    w = numpy_helper.to_array(init).astype(arithmetic)
     consumers = [n for n in g.node if init.name in n.input]
     channels = e.scale.size > 1
     axis = 0
@@ -343,8 +346,8 @@ def _quantized_param(
                 "export the encodings with the model they were computed for",
             )
         shape[axis] = e.scale.size
-    low, high = _limits(grid)
-    scale = e.scale.astype(np.float32).reshape(shape)
+    low, high = _on_grid(e, grid, where)
+    scale = e.scale.astype(arithmetic).reshape(shape)
     zp = e.zero_point.reshape(shape)
     q = np.clip(np.rint(w / scale) + zp, low, high).astype(np.int64)
     name = init.name
@@ -372,6 +375,21 @@ def _quantized_param(
     if channels:
         node.attribute.append(helper.make_attribute("axis", axis))
     return node, channels
+
+
+def _on_grid(e: TensorEncoding, grid: int, where: str) -> tuple[int, int]:
+    """The grid's integer range, once ``e``'s zero points are checked to lie in it (stored as they
+    are, an out-of-range zero point would wrap: 9 as INT4 reads back as -7)."""
+    low, high = _limits(grid)
+    if np.any(e.zero_point < low) or np.any(e.zero_point > high):
+        raise DiagError(
+            "bad-encodings",
+            f"encoding of '{e.name[:200]}' in {where}",
+            f"has an offset outside its {e.bitwidth}-bit grid (zero point {int(e.zero_point.min())}.."
+            f"{int(e.zero_point.max())}, the grid {low}..{high})",
+            "export the encodings again from AIMET: its offsets lie on the grid",
+        )
+    return low, high
 
 
 def _limits(grid: int) -> tuple[int, int]:

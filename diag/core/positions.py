@@ -208,10 +208,11 @@ def symbolic_axes(model: onnx.ModelProto, mask_input: str) -> dict[str, int | No
     """The sequence axis of every tensor whose inferred shape names it, from the mask's named dims.
 
     The mask input must be ``[B, S]`` with two different dimension names. A tensor whose inferred
-    shape starts with ``B`` gets the first later axis named ``S``; one whose dims are all known
-    and none is ``S`` gets None (it has no sequence axis). A tensor with a dimension ONNX could not
-    name (``unk__3``) or no inferred shape is left to the shape rule. Empty when the mask's dims
-    are not named or shape inference fails.
+    shape starts with ``B`` gets the first later axis named ``S``; one whose other dims are all
+    fixed numbers gets None (it has no sequence axis). Any other tensor (a dim named otherwise, as
+    ``past_sequence_length + sequence_length`` or a ``seq_len`` beside the mask's ``seq``, or one
+    ONNX could not name) is left to the shape rule. Empty when the mask's dims are not named or
+    shape inference fails.
 
     Example:
         >>> from onnx import TensorProto, helper
@@ -222,6 +223,9 @@ def symbolic_axes(model: onnx.ModelProto, mask_input: str) -> dict[str, int | No
         >>> g = helper.make_graph([mean], "g", [x, m], [y])
         >>> symbolic_axes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), "attention_mask")
         {'x': 1, 'y': None}
+        >>> g.input[0].type.tensor_type.shape.dim[1].dim_param = "seq_len"  # named otherwise: the shape rule
+        >>> symbolic_axes(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), "attention_mask")
+        {'y': None}
     """
     inputs = {i.name: i for i in model.graph.input}
     mask = inputs.get(mask_input)
@@ -244,7 +248,7 @@ def symbolic_axes(model: onnx.ModelProto, mask_input: str) -> dict[str, int | No
         named = [i for i, d in enumerate(shape) if i > 0 and d.dim_param == seq]
         if named:
             axes[value.name] = named[0]
-        elif all(d.HasField("dim_value") or (d.dim_param and not d.dim_param.startswith("unk__")) for d in shape):
+        elif all(d.HasField("dim_value") for d in shape[1:]):  # [batch, 768]: no sequence axis at all
             axes[value.name] = None
     return axes
 

@@ -659,7 +659,8 @@ def unmatched_lines(causes: list[dict[str, Any]], producer: str | None) -> list[
     lines: list[Said] = []
     for c in causes[:UNMATCHED_CAUSES]:
         n, tensors, merged = len(c["tensors"]), c["tensors"], c.get("merged_with") or ""
-        what = f"{n} {c['op_type']} output{'s' if n > 1 else ''}" if c["op_type"] else f"{n} graph input(s)"
+        nameless = f"{n} tensor(s)" if c["kind"] == "shape" else f"{n} graph input(s)"
+        what = f"{n} {c['op_type']} output{'s' if n > 1 else ''}" if c["op_type"] else nameless
         them = "them" if n > 1 else "it"
         merged_by = f"into one INT8 node by {who}; compared after the {merged}"
         head = {
