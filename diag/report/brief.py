@@ -23,6 +23,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from diag.analysis.analyze import GRADES, first_nonfinite, shortened_path
@@ -98,13 +99,9 @@ def _model_lines(models: dict[str, Any]) -> list[Said]:
     int8 = models["int8"]
     lines: list[Said] = []
     if int8.get("built"):
-        lines.append(("note: INT8 model ", Name(_file_name(int8["path"])), f" {int8['built']}"))
+        lines.append(("note: INT8 model ", Name(Path(int8["path"]).name), f" {int8['built']}"))
     lines += [(f"warning: {w}",) for k in ("fp32", "int8") for w in models[k].get("warnings", [])]
     return lines
-
-
-def _file_name(path: str) -> str:
-    return path.replace("\\", "/").rsplit("/", 1)[-1]
 
 
 def _output_lines(doc: dict[str, Any]) -> list[Said]:
@@ -253,8 +250,8 @@ def _ratio(value: Any, decimals: int) -> str:
         >>> _ratio(88.23, 1), _ratio("inf", 1)
         ('88.2', 'inf')
     """
-    v = number_from_json(value) if isinstance(value, (int, float, str)) else math.nan
-    return f"{v:.{decimals}f}" if math.isfinite(v) else fmt_num(value)
+    v = _finite(value)
+    return f"{v:.{decimals}f}" if v is not None else fmt_num(value)
 
 
 def nonfinite_lines(nodes: list[dict[str, Any]]) -> list[Said]:
@@ -294,23 +291,21 @@ def _fp16_lines(fp16: dict[str, Any] | None, top: int = 3) -> list[Said]:
     for count, name in over[::-1][:top]:
         r = ranges[name]
         lines.append(
-            (
-                "FP16 range: '",
-                Name(name),
-                f"' reaches {r['peak']:.3g} in FP32: {count} of {r['count']} values overflow to inf",
-            )
+            _range_line(name, f"' reaches {r['peak']:.3g} in FP32: {count} of {r['count']} values overflow to inf")
         )
     under = sorted((r["flushed"] / r["count"], n) for n, r in ranges.items() if r["count"] and r["flushed"])
     for share, name in under[::-1][:top]:
         r = ranges[name]
-        lines.append(
-            (
-                "FP16 range: '",
-                Name(name),
-                f"': {r['flushed']} of {r['count']} values ({share:.1%}) flush to zero, {r['subnormal']} are subnormal",
-            )
+        flushed = (
+            f"': {r['flushed']} of {r['count']} values ({share:.1%}) flush to zero, {r['subnormal']} are subnormal"
         )
+        lines.append(_range_line(name, flushed))
     return lines
+
+
+def _range_line(tensor: str, rest: str) -> Said:
+    """ "FP16 range: 'x' ...": one tensor out of FP16's range, ``rest`` worded after its name."""
+    return ("FP16 range: '", Name(tensor), rest)
 
 
 def error_paths(outputs: list[dict[str, Any]], nodes: list[dict[str, Any]]) -> list[Said]:
@@ -389,7 +384,7 @@ def _activation_lines(doc: dict[str, Any]) -> list[Said]:
     dist = doc.get("distributions") or {}
     tensors = dist.get("tensors", {})
     flagged = [(k, h) for k, h in tensors.items() if h.get("outliers") and h.get("grid") != "none"]
-    flagged.sort(key=lambda kv: -_share(kv[1]["outliers"][0]["times_median"]))
+    flagged.sort(key=lambda kv: -(_finite(kv[1]["outliers"][0]["times_median"]) or 0.0))
     lines: list[Said] = [
         (
             f"outlier: channel {h['outliers'][0]['index']} of ",
@@ -598,8 +593,14 @@ def _effect_lines(doc: dict[str, Any]) -> list[Said]:
 
 def _share(value: Any) -> float:
     """A recovered share from the document ("nan", None: nothing recovered)."""
-    v = number_from_json(value) if value is not None else 0.0
-    return v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+    v = _finite(value)
+    return 0.0 if v is None else v
+
+
+def _finite(value: Any) -> float | None:
+    """A number from the document as a finite float; None for "inf", "nan", None or text."""
+    v = number_from_json(value) if isinstance(value, (int, float, str)) else math.nan
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
 def _disagree(e: dict[str, Any]) -> bool:
