@@ -109,8 +109,8 @@ def test_compare_reads_the_encodings_beside_aimets_export_and_reports_that_model
     assert weights and weights == pytest.approx(
         {w["fp_name"]: w["sqnr_db"] for w in theirs["weights"]["findings"]}, abs=1e-4
     )
-    # diag exclude does not read encodings yet: no command that would fail is suggested.
-    assert ours["recommendation"]["verify_command"] == ""
+    # The command that fixes it names the user's export (diag exclude reads the encodings beside it).
+    assert ours["recommendation"]["verify_command"].startswith(f"diag exclude {pair['fp32']} --int8 {aimet} --inputs")
 
 
 def test_inspect_names_the_encodings_beside_an_fp32_export(pair, capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,27 +175,14 @@ def test_a_weight_encoding_of_the_wrong_width_is_refused(pair, capsys) -> None:
     assert f"encoding of '{weight['name']}' in wrong.encodings | has 3 channels but the weight has" in err
 
 
-def test_other_verbs_say_they_do_not_read_encodings_yet(pair, capsys) -> None:
+def test_a_verb_that_does_not_read_encodings_says_which_do(pair, capsys) -> None:
     d = Path(str(pair["dir"]))
     model = d / "ex.onnx"
     model.write_bytes(Path(str(pair["fp32"])).read_bytes())
     (d / "ex.encodings").write_text((d / "2.0.0.encodings").read_text())
-    code, _, err = run_cli(
-        [
-            "exclude",
-            pair["fp32"],
-            "--int8",
-            model,
-            "--inputs",
-            d / "feeds.npz",
-            "--target",
-            "cosine>=0.99",
-            "--out",
-            d / "ex",
-        ],
-        capsys,
-    )
+    code, _, err = run_cli(["inspect", model, "--recipe"], capsys)
     assert code == 2 and "error[not-quantized]" in err and "(AIMET encodings 'ex.encodings' are beside it)" in err
+    assert "Hint: diag compare and diag exclude --int8 read AIMET encodings beside the model" in err
     code, _, err = run_cli(
         [
             "compare",

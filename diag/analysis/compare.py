@@ -15,6 +15,7 @@ that ``from diag.analysis.compare import run_comparison, CompareState`` keeps wo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import shlex
 import time
@@ -54,7 +55,7 @@ from diag.analysis.remedies import Suggestion, all_suggestions
 from diag.analysis.taskgrade import attach_task_metrics
 from diag.analysis.weights import WeightReport, weight_report
 from diag.core.distributions import OUTLIER_FACTOR, PersistentOutlier, TensorHealth, persistent_outliers
-from diag.core.encodings import encodings_beside, model_from_encodings, not_quantized
+from diag.core.encodings import encodings_of, model_from_encodings, not_quantized
 from diag.core.feeds import FeedSource, FeedSpec, input_specs
 from diag.core.graph import fp_graph
 from diag.core.instrument import FusedKernel
@@ -263,16 +264,9 @@ def load_pair(
     """
     fp = model_from_path(fp32_path, "FP32 model")
     q = model_from_path(int8_path, "INT8 model")
-    if encodings is not None and q.format.kind != "fp32":
-        raise DiagError(
-            "bad-option",
-            f"--encodings {encodings}",
-            f"applies to AIMET's FP32 export, and '{q.path.name}' is already quantized ({q.format.kind})",
-            "drop --encodings, or pass the .onnx AIMET's export wrote beside the encodings",
-        )
-    beside = encodings_beside(q.path) if q.format.kind == "fp32" else None
-    if encodings is not None or (read_encodings and beside is not None):
-        q = model_from_encodings(q, Path(encodings) if encodings is not None else beside)  # type: ignore[arg-type]
+    where = encodings_of(q, encodings)
+    if where is not None and (encodings is not None or read_encodings):
+        q = model_from_encodings(q, where)
     fk, qk = fp.format.kind, q.format.kind
     if fk != "fp32" and qk == "fp32":
         raise DiagError(
@@ -415,10 +409,8 @@ def analyze_comparison(
     if options.deploy_isa == "avx2" and options.shard is None:
         result.deploy_isa = deploy_isa_prediction(result, feeds)
         result.seconds = time.perf_counter() - run.start
-    if q.source is None:  # diag exclude does not read AIMET encodings yet: no command that would fail
-        result.headline.search = NextSearch(
-            exclude_search(fp.path, q.path, run.spec, exclusion_target(result.verdicts))
-        )
+    command = exclude_search(fp.path, q.shown_path, run.spec, exclusion_target(result.verdicts))
+    result.headline.search = NextSearch(dataclasses.replace(command, encodings=options.encodings))
     return result
 
 

@@ -102,10 +102,13 @@ class ExcludeCommand:
     #: The input flags, already shell-quoted (``--inputs x.npz --batch 8``).
     feeds: str
     target: str
+    #: ``--encodings``: AIMET's encodings file, when given elsewhere than beside ``int8``.
+    encodings: str | None = None
 
     def __str__(self) -> str:
+        encodings = f" --encodings {shlex.quote(self.encodings)}" if self.encodings else ""
         return (
-            f"diag exclude {shlex.quote(self.fp32)} --int8 {shlex.quote(self.int8)} {self.feeds} "
+            f"diag exclude {shlex.quote(self.fp32)} --int8 {shlex.quote(self.int8)}{encodings} {self.feeds} "
             f"--target {shlex.quote(self.target)}"
         )
 

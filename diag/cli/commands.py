@@ -403,6 +403,13 @@ def _search_options(args: argparse.Namespace) -> dict[str, Any]:
             "needs --int8 (the model whose recipe is re-applied)",
             "add --int8 YOUR_INT8.onnx",
         )
+    if args.encodings and not args.int8:
+        raise DiagError(
+            "bad-option",
+            "--encodings",
+            "needs --int8 (AIMET's FP32 export the encodings belong to)",
+            "add --int8 YOUR_EXPORT.onnx",
+        )
     return {
         "target": args.target,
         "holdout": args.holdout,
@@ -417,6 +424,7 @@ def _search_options(args: argparse.Namespace) -> dict[str, Any]:
         "deploy_level": args.deploy_level,
         "max_memory": parse_size(args.max_memory) if args.max_memory else None,
         "requantize": args.requantize,
+        "encodings": args.encodings,
     }
 
 
@@ -732,6 +740,13 @@ def _add_int8_flags(p: argparse.ArgumentParser) -> None:
         "calibration sees the exclusions; refused (recipe-mismatch, exit 2) unless the recipe rebuilds your "
         "INT8 model exactly",
     )
+    p.add_argument(
+        "--encodings",
+        metavar="PATH",
+        help="with --int8 AIMET's FP32 export: its .encodings JSON (default: <stem>.encodings beside it); every "
+        "trial is the QDQ model your encodings describe with the float nodes' encodings taken out, and the fix "
+        "is written as your encodings file, edited",
+    )
 
 
 def _exclude_flags(p: argparse.ArgumentParser) -> None:
@@ -822,8 +837,10 @@ def _demo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
         default=None,
-        choices=["dynamic", "qdq", "qoperator", "int4"],
-        help="quantization format to demonstrate (default: int4 for llama, dynamic for the others)",
+        choices=["dynamic", "qdq", "qoperator", "int4", "aimet"],
+        help="quantization format to demonstrate (default: int4 for llama, dynamic for the others; aimet: AIMET's "
+        "export, the FP32 graph plus a .encodings file holding onnxruntime's static QDQ quantization, fixed in "
+        "its encodings)",
     )
     p.add_argument("--samples", type=int, default=32, help="samples to compare (default 32)")
     p.add_argument("--no-fix", action="store_true", help="diagnose only; skip the verified exclusion in DIR/fix")

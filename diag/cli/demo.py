@@ -21,7 +21,7 @@ from diag.core.recipe import Recipe
 from diag.fix.exclude import ExcludeOptions, ExclusionResult, ranked_fixes
 from diag.fix.tiers import TierOptions, TierPlan
 from diag.fix.tiers import summary_lines as tier_lines
-from diag.fixtures import llm_models, models, quantize
+from diag.fixtures import llm_models, models, producers, quantize
 from diag.foundations.errors import DiagError
 from diag.foundations.files import out_dir as checked_out_dir
 from diag.foundations.summary import Summary
@@ -58,6 +58,13 @@ def build_fixture_files(folder: Path, fixture: str, fmt: str, samples: int = 32)
     q = folder / f"{fixture}.{fmt}.onnx"
     if fmt == INT4:
         llm_models.quantize_int4(fp, q)
+    elif fmt == AIMET:  # AIMET's export: the FP32 graph, and beside it the encodings of a static QDQ model
+        qdq = folder / f"{fixture}.qdq.onnx"
+        quantize.quantize(fp, qdq, "qdq", calib, weight_type=DEMO_DYNAMIC_WEIGHTS)  # u8u8: exact on every CPU
+        q.write_bytes(fp.read_bytes())
+        encodings = producers.aimet_encodings(onnx.load(str(qdq)), "1.0.0")
+        q.with_suffix(".encodings").write_text(json.dumps(encodings, indent=1) + "\n")
+        qdq.unlink()
     else:
         quantize.quantize(fp, q, fmt, calib, weight_type=DEMO_DYNAMIC_WEIGHTS if fmt == "dynamic" else "QInt8")
     return {"fp32": fp, "int8": q, "calib": folder / "calib.npz", "inputs": folder / "inputs.npz"}
@@ -73,6 +80,9 @@ DEMO_DYNAMIC_WEIGHTS = "QUInt8"
 #: bands (top-1 agreement 90.6 %: marginal) and its fix passes them (issue 45: at the fixture's
 #: default 40x the demo "fixed" a model its own bands call excellent).
 DEMO_OUTLIER_FACTOR = 80.0
+
+#: ``--format aimet``: AIMET's standard export (an FP32 ``.onnx`` and its ``.encodings``), fixed in its encodings.
+AIMET = "aimet"
 
 #: The accuracy target the demo's exclusion must meet on held-out samples.
 DEMO_TARGET = "cosine>=0.999"
@@ -130,6 +140,9 @@ def run_demo(
     if fix and fmt == INT4:
         tiers = TierOptions(LLM_TARGET, tiers="int4,int8,fp32", progress=progress)
         fixed = tier_plan_to_dir(files["fp32"], LLM_RECIPE, feeds, tiers, out / "fix")
+    elif fix and fmt == AIMET:  # the fix is made in the user's encodings, not by a quantizer
+        options = ExcludeOptions(DEMO_TARGET, bench_runs=10, progress=progress, int8=str(files["int8"]))
+        fixed = exclude_to_dir(files["fp32"], None, feeds, options, out / "fix")
     elif fix:
         recipe = (
             Recipe(mode="dynamic", weight_type=DEMO_DYNAMIC_WEIGHTS)
@@ -166,7 +179,9 @@ def _fix_lines(fix: ExclusionResult | TierPlan, out: str | Path) -> list[str]:
         line = f"verified fix: {change}: held-out cosine {before:.4f} -> {f['metric']:.4f} ({fix.target})"
     else:
         line = f"verified fix: {fix.verdict} ({fix.target}, held-out cosine {before:.4f})"
-    return [line, f"wrote the fix's report: {out}/fix/report.html"]
+    # AIMET's export: the fix is the user's encodings file, edited (the answer a QNN build reads)
+    edited = [f"wrote the fixed encodings: {fix.encodings.file}"] if fix.encodings and fix.encodings.file else []
+    return [line, *edited, f"wrote the fix's report: {out}/fix/report.html"]
 
 
 def demo(options: DemoOptions) -> Summary[DemoResult]:

@@ -35,9 +35,9 @@ from diag.analysis.effects import setting_headline
 from diag.analysis.levers import recipe_changes
 from diag.analysis.merge import add_shard_state, merge_shards
 from diag.analysis.remedies import applicable_suggestions
-from diag.core.encodings import encodings_beside, read_encodings
+from diag.core.encodings import encodings_beside, encodings_of, read_encodings
 from diag.core.feeds import FeedSource, FeedSpec
-from diag.core.load import checked_path, model_summary
+from diag.core.load import checked_path, model_from_path, model_summary
 from diag.core.precision import describe
 from diag.core.recipe import Recipe, recipe_file_text, recipe_from_option
 from diag.core.streaming import LARGE_MODEL_BYTES
@@ -45,7 +45,7 @@ from diag.fix.bench import DEPLOY_OPT_LEVEL, BenchOptions, LatencyStats, bench_m
 from diag.fix.cluster import ClusterRecipes, ClusterSkipOne, ClusterTrialRunner, compare_on_cluster, require_scheduler
 from diag.fix.exclude import ExcludeOptions, ExclusionResult, SearchOptions, count_phrase, derive_exclusions
 from diag.fix.exclude import summary_lines as exclude_lines
-from diag.fix.fixcode import reproduce_snippet, splice_snippet
+from diag.fix.fixcode import encodings_snippet, reproduce_snippet, splice_snippet
 from diag.fix.infer import fix_recipe, recipe_to_file, recipe_to_toml, search_recipe
 from diag.fix.levercheck import measure_recipe_levers, settings_skipped
 from diag.fix.linecheck import measure_lines
@@ -466,10 +466,12 @@ def exclude_to_dir(
     """
     given = recipe
     # A recipe given with --int8 is the one to prove against the model, not to infer again.
-    recipe, origin = search_recipe(given) if given is not None else search_recipe(None, options.int8)
+    recipe, origin = search_recipe(given) if given is not None else search_recipe(None, options.int8, options.encodings)
     stem = Path(fp32_path).name.removesuffix(".onnx").removesuffix(".fp32")
     names_out = ["exclusion.json", f"{stem}.mixed.onnx", "reproduce.py", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
-    inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]
+    if origin.encodings is not None:  # AIMET's export: the fix is its encodings, edited
+        names_out += [Path(origin.encodings).name, _reproduced_encodings(origin.encodings)]
+    inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8, origin.encodings]
     check_outputs(out_dir, names_out, inputs)
     out = checked_out_dir(out_dir)
     with work_dir(out, "exclude") as work:
@@ -484,14 +486,14 @@ def exclude_to_dir(
             result.recipe_lines = measure_lines(given, fp32_path, feeds, options.threads)
             if result.diagnosis is not None:
                 result.diagnosis.recipe_lines = result.recipe_lines
-        result.recipe_origin = dataclasses.replace(origin, spliced=result.method == "surgical").to_dict()
+        result.recipe_origin = dataclasses.replace(origin, spliced=result.method != "requantized").to_dict()
         result.warnings[:0] = proof
         answer = _exclusion_files(result, recipe, feeds, out, stem)
         # One report: the diagnosis of the baseline INT8 model, then the verified fix. The diagnosed
         # model is the recipe's baseline, quantized in a temp folder now gone.
         note = (
             f"your INT8 model {result.int8}"
-            if result.method == "surgical"
+            if result.method != "requantized"
             else "baseline INT8 (the recipe as given, quantized by diag exclude)"
         )
         record = ("exclusion.json", result.to_dict())
@@ -513,6 +515,15 @@ def _prove_recipe(
     back to splicing float regions into the user's model, with the difference in one line. A
     rebuilt model's figure is never printed as the user's (issue 41 item 2).
     """
+    where = encodings_of(model_from_path(str(options.int8), "INT8 model"), options.encodings)
+    if where is not None:
+        raise DiagError(
+            "bad-option",
+            f"--int8 '{options.int8}' with {'--recipe' if options.requantize is False else '--requantize'}",
+            f"is AIMET's export (encodings {where.name}): an onnxruntime recipe cannot rebuild it, and diag fixes it "
+            "in its encodings",
+            "drop --recipe and --requantize",
+        )
     static = str(getattr(recipe.mode, "name", recipe.mode)) == "static"
     calibration = feeds if static and not recipe.calibration else None
     with internal_writes():
@@ -542,14 +553,28 @@ def _exclusion_files(result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, o
     mixed, reproduce, again = out / f"{stem}.mixed.onnx", out / "reproduce.py", out / f"{stem}.reproduced.onnx"
     contents: dict[Path, str | bytes | Path] = {}
     names: dict[str, Path] = {}
+    edited = result.encodings
     if not (result.reachable and result.model):
-        return contents, names, [mixed, reproduce, again]
+        stale = [out / Path(edited.source).name] if edited is not None else []
+        return contents, names, [mixed, reproduce, again, *stale]
     staged = Path(result.model)
     for written in copy_model(staged, staged.with_name(mixed.name)):  # its external data renamed with it
         contents[out / written.name] = written
     result.model = str(mixed)
     names["mixed model"] = mixed
-    if result.method == "surgical" and result.int8 is not None:
+    if edited is not None:  # AIMET: the fix is the user's encodings file, edited; reproduce.py edits it
+        fixed = out / Path(edited.source).name
+        edited.file = str(fixed)
+        contents[fixed] = json.dumps(edited.document, indent=2, ensure_ascii=False) + "\n"
+        names["encodings"] = fixed
+        header = (
+            f"# Rebuilds the encodings `diag exclude --int8` verified (target {result.target}: {result.verdict}):\n"
+            f"# your AIMET encodings with the quantizers of {len(result.nodes_to_exclude)} node(s) taken out."
+        )
+        again_enc = str(out / _reproduced_encodings(edited.source))
+        call = result.producer["fix_call"]
+        result.snippet = encodings_snippet(edited.source, edited.removed, again_enc, header, call)
+    elif result.method == "surgical" and result.int8 is not None:
         header = (
             f"# Rebuilds the model `diag exclude --int8` verified (target {result.target}: {result.verdict}):\n"
             f"# your INT8 model with {len(result.nodes_to_exclude)} node(s) kept in float."
@@ -563,6 +588,18 @@ def _exclusion_files(result: ExclusionResult, recipe: Recipe, feeds: FeedSpec, o
     contents[reproduce] = result.snippet
     names["reproduce.py"] = reproduce
     return contents, names, []
+
+
+def _reproduced_encodings(source: str) -> str:
+    """The file reproduce.py writes for an AIMET fix (never the verified one's name).
+
+    Example:
+        >>> _reproduced_encodings("dir/model.encodings")
+        'model.reproduced.encodings'
+    """
+    name = Path(source).name
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}.reproduced.{suffix}" if dot else f"{name}.reproduced"
 
 
 def _write_search_set(
@@ -645,7 +682,15 @@ def tier_plan_to_dir(
     plan_name = f"{stem}.plan.onnx"
     names_out = ["tiers.json", plan_name, "reproduce.py", "recipe.json", f"{stem}.reproduced.onnx", *OUTPUT_NAMES]
     given = recipe
-    recipe, origin = search_recipe(given) if given is not None else search_recipe(None, options.int8)
+    recipe, origin = search_recipe(given) if given is not None else search_recipe(None, options.int8, options.encodings)
+    if origin.encodings is not None:
+        raise DiagError(
+            "bad-option",
+            f"--tiers with --int8 '{options.int8}'",
+            f"is AIMET's export (encodings {Path(origin.encodings).name}): a tier plan re-blocks or re-quantizes "
+            "weights, and an AIMET model is fixed in its encodings",
+            "drop --tiers: diag exclude --int8 writes the fix as your encodings file, edited",
+        )
     inputs = [fp32_path, feeds.inputs, options.labels, recipe.calibration_path(), options.int8]
     check_outputs(out_dir, names_out, inputs)
     out = checked_out_dir(out_dir)

@@ -20,6 +20,10 @@ grid); its own ONNX export writes ``zero_point = -offset`` for an unsigned grid 
 files before 2.0.0: it is the output channel of the consuming op (Conv: 0, ConvTranspose: 1,
 Gemm: 0 with ``transB``, else 1, MatMul: the last axis), as AIMET itself uses.
 
+A fix of such a model is made in its encodings (:class:`AimetExport`): `diag exclude --int8` takes
+out the encodings of the float nodes' quantizers, measures the model the edited document describes,
+and writes that document (:func:`document_without`) as the user's file, edited.
+
 Names in the file are untrusted: an encoding for a tensor the model does not have is counted and
 reported, never applied. 4-bit grids (a w4a8 or w4a16 export) are written as ``com.microsoft``
 Q/DQ of INT4 / UINT4 tensors, as onnxruntime's own ``weight_type=QInt4`` QDQ model holds them;
@@ -32,6 +36,7 @@ import atexit
 import json
 import shutil
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,12 +141,23 @@ def read_encodings(path: str | Path) -> Encodings:
         ('1.0.0', 40, 12)
     """
     p = checked_path(path, "encodings file")
+    return encodings_from_document(_document(p), p)
+
+
+def _document(p: Path) -> dict[str, Any]:
+    """The JSON object of encodings file ``p``, as written (the layout an edited copy keeps)."""
     try:
         doc = json.loads(p.read_text("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise _bad(p, f"is not readable JSON ({type(e).__name__})") from e
     if not isinstance(doc, dict):
         raise _bad(p, "is not a JSON object")
+    return doc
+
+
+def encodings_from_document(doc: dict[str, Any], p: Path) -> Encodings:
+    """The encodings of an already parsed file (``p`` names it in errors): the one reader of a
+    document, so a fix written as an edited document is read exactly as it was measured."""
     version = str(doc.get("version", ""))
     try:
         if "encodings" in doc and version.startswith("2."):
@@ -478,6 +494,140 @@ def _opsets(model: onnx.ModelProto, domains: set[str], per_channel: bool, path: 
         )
 
 
+#: The sections of an encodings document that hold encodings (0.6.1 / 1.0.0: the first two; 2.0.0: the last).
+SECTIONS = ("activation_encodings", "param_encodings", "encodings")
+
+
+def document_without(doc: dict[str, Any], names: Collection[str]) -> dict[str, Any]:
+    """A copy of encodings document ``doc`` without the encodings of ``names``, in any version's layout;
+    every other key and entry stays as written (AIMET's ``quantizer_args``, ``excluded_layers``...).
+
+    Example:
+        >>> document_without({"version": "2.0.0", "encodings": [{"name": "a"}, {"name": "b"}]}, ["a"])
+        {'version': '2.0.0', 'encodings': [{'name': 'b'}]}
+    """
+    drop = set(names)
+    out = dict(doc)
+    for key in SECTIONS:
+        section = doc.get(key)
+        if isinstance(section, dict):
+            out[key] = {k: v for k, v in section.items() if k not in drop}
+        elif isinstance(section, list):
+            out[key] = [e for e in section if not (isinstance(e, dict) and e.get("name") in drop)]
+    return out
+
+
+@dataclass(frozen=True)
+class AimetExport:
+    """AIMET's export (the FP32 ``.onnx`` and its ``.encodings``), the model the user ships to QNN.
+
+    A fix of such a model is made in its encodings: keeping a node in float is taking out of the
+    file the encodings its op's quantizers own (what disabling the quantizers of AIMET's
+    ``get_op_quantizers(op)`` leaves in an export), and the model measured is the one built from
+    the edited document (:meth:`build`), so the file diag writes is exactly the model it verified.
+    """
+
+    #: The user's files: AIMET's FP32 graph and the encodings beside it (or ``--encodings``).
+    model: Path
+    encodings: Path
+    #: The encodings file as written (edited copies keep its layout).
+    document: dict[str, Any]
+    #: The FP32 graph with its weights (each build quantizes them); never modified.
+    proto: onnx.ModelProto
+
+    def build(self, document: dict[str, Any] | None = None) -> BuiltModel:
+        """The QDQ model ``document`` (default: the user's) describes; ``bad-encodings`` when it
+        quantizes nothing (a "not quantized" error would name diag's temporary copy)."""
+        built = qdq_from_encodings(self.proto, encodings_from_document(document or self.document, self.encodings))
+        if document is None and not built.activations and not built.params:
+            name, why = next(iter(built.skipped.items()), ("", "the file holds no encoding"))
+            raise DiagError(
+                "bad-encodings",
+                f"encodings file '{self.encodings}'",
+                f"quantize no tensor of '{self.model.name}' ({len(built.skipped)} left out; '{name[:80]}': {why})",
+                "export the encodings with the model they were computed for",
+            )
+        return built
+
+    def owned(self, nodes: Collection[str]) -> list[str]:
+        """The encodings the quantizers of ``nodes`` (node names of the export) own, in graph order:
+        their outputs', their parameters' (an initializer only they read), and a graph input's
+        that only they read (AIMET's input quantizers sit on model inputs only).
+
+        Example:
+            >>> export.owned(["/fc1/MatMul"])  # doctest: +SKIP
+            ['/fc1/MatMul_output_0', 'fc1.weight']
+        """
+        enc = encodings_from_document(self.document, self.encodings)
+        names = set(enc.activations) | set(enc.params)
+        g = self.proto.graph
+        region = set(nodes)
+        produced = {o for n in g.node for o in n.output}
+        readers: dict[str, set[str]] = {}
+        for n in g.node:
+            for x in n.input:
+                readers.setdefault(x, set()).add(n.name)
+        owned = []
+        for n in g.node:
+            if n.name not in region:
+                continue
+            owned += [t for t in n.output if t in names]
+            owned += [t for t in n.input if t in names and t not in produced and readers[t] <= region]
+        return list(dict.fromkeys(owned))
+
+    def without(self, nodes: Collection[str]) -> dict[str, Any]:
+        """The user's encodings document with ``nodes`` in float: the fix, as AIMET's file."""
+        return document_without(self.document, self.owned(nodes))
+
+
+def encodings_of(q: LoadedModel, encodings: str | Path | None = None) -> Path | None:
+    """The encodings file of second model ``q``: ``--encodings`` (refused for a model already
+    quantized), else the one AIMET wrote beside an FP32 ``q``; None when there is none."""
+    if encodings is not None and q.format.kind != "fp32":
+        raise DiagError(
+            "bad-option",
+            f"--encodings {encodings}",
+            f"applies to AIMET's FP32 export, and '{q.path.name}' is already quantized ({q.format.kind})",
+            "drop --encodings, or pass the .onnx AIMET's export wrote beside the encodings",
+        )
+    if encodings is not None:
+        return Path(encodings)
+    return encodings_beside(q.path) if q.format.kind == "fp32" else None
+
+
+def aimet_export(q: LoadedModel, path: Path) -> AimetExport:
+    """AIMET's FP32 export ``q`` (loaded for its structure) with its encodings file at ``path``,
+    read and checked: the weights loaded, the encodings readable and quantizing some tensor."""
+    p = checked_path(path, "encodings file")
+    document = _document(p)
+    encodings_from_document(document, p)  # a malformed file fails here, before the weights load
+    try:
+        full = onnx.load(str(q.path))  # the weights too: they are quantized here
+    except Exception as e:  # read before, so only external data can fail here
+        raise DiagError(
+            "not-onnx",
+            f"INT8 model '{q.path}'",
+            f"has weights diag cannot read ({type(e).__name__})",
+            "check the model's external data files",
+        ) from e
+    export = AimetExport(q.path, p, document, full)
+    export.build()  # quantizes some tensor, or says so in the user's terms
+    return export
+
+
+def aimet_export_at(path: str | Path, encodings: str | Path | None = None) -> AimetExport | None:
+    """``--int8 PATH`` as AIMET's export: an FP32 graph with its encodings beside it (or at
+    ``encodings``); None for a quantized model or an FP32 one with no encodings.
+
+    Example:
+        >>> aimet_export_at("aimet.onnx").encodings.name  # doctest: +SKIP
+        'aimet.encodings'
+    """
+    q = model_from_path(path, "INT8 model")
+    where = encodings_of(q, encodings)
+    return None if where is None else aimet_export(q, where)
+
+
 def model_from_encodings(q: LoadedModel, path: Path) -> LoadedModel:
     """The QDQ model AIMET's FP32 export ``q`` and its encodings file at ``path`` describe, loaded.
 
@@ -490,25 +640,7 @@ def model_from_encodings(q: LoadedModel, path: Path) -> LoadedModel:
         >>> q.format.kind, q.shown_path.name  # doctest: +SKIP
         ('qdq', 'aimet.onnx')
     """
-    encodings = read_encodings(path)
-    try:
-        full = onnx.load(str(q.path))  # the weights too: they are quantized here
-    except Exception as e:  # read before, so only external data can fail here
-        raise DiagError(
-            "not-onnx",
-            f"INT8 model '{q.path}'",
-            f"has weights diag cannot read ({type(e).__name__})",
-            "check the model's external data files",
-        ) from e
-    built = qdq_from_encodings(full, encodings)
-    if not built.activations and not built.params:  # else "not quantized" would name diag's temp copy
-        name, why = next(iter(built.skipped.items()), ("", "the file holds no encoding"))
-        raise DiagError(
-            "bad-encodings",
-            f"encodings file '{path}'",
-            f"quantize no tensor of '{q.path.name}' ({len(built.skipped)} left out; '{name[:80]}': {why})",
-            "export the encodings with the model they were computed for",
-        )
+    built = aimet_export(q, path).build()
     folder = Path(tempfile.mkdtemp(prefix="diag-aimet-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     target = folder / q.path.name
@@ -532,5 +664,6 @@ def not_quantized(q: LoadedModel) -> DiagError:
         "not-quantized",
         f"INT8 model '{q.path}'",
         f"contains no quantized operators (AIMET encodings '{beside.name}' are beside it)",
-        "diag compare reads AIMET encodings beside the model or with --encodings; other verbs do not yet",
+        "diag compare and diag exclude --int8 read AIMET encodings beside the model (or --encodings); this verb "
+        "does not",
     )

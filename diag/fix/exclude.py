@@ -55,6 +55,7 @@ import onnx
 
 from diag.analysis.compare import CompareOptions, CompareResult, compare_models, load_pair
 from diag.analysis.levers import nearly_all
+from diag.core.encodings import AimetExport, aimet_export_at
 from diag.core.feeds import FeedSource, FeedSpec, load_labels
 from diag.core.load import LoadedModel, float_model_from_path
 from diag.core.match import Matching, match_models
@@ -81,7 +82,13 @@ from diag.foundations.errors import DiagError
 from diag.foundations.jsonnum import json_number
 from diag.foundations.metricnames import labelled_names
 from diag.foundations.ortfacts import DEPLOY_LEVEL
-from diag.foundations.producers import detect_producer, fix_call, op_types_change
+from diag.foundations.producers import (
+    ORT_RECIPE_PRODUCERS,
+    PRODUCERS,
+    detect_producer,
+    fix_call,
+    op_types_change,
+)
 from diag.foundations.progress import Progress
 
 #: An op type is suggested for exclusion when more than this share of its nodes end up excluded.
@@ -133,6 +140,9 @@ class SearchOptions:
     #: ``--max-memory``: the ranking pass's budget for one batch's exposed tensors (split into passes
     #: above it), as in `diag compare`; None: no budget (the pre-flight still refuses what cannot fit).
     max_memory: int | None = None
+    #: ``--encodings``: AIMET's encodings file when ``int8`` is AIMET's FP32 export (default: the
+    #: ``<stem>.encodings`` beside it). The fix is then made in the encodings (:class:`AimetExport`).
+    encodings: str | None = None
 
     @property
     def surgical(self) -> bool:
@@ -181,6 +191,22 @@ class Step:
         d["metric"] = json_number(self.metric, digits=None, nan=None)
         d["deployed_metric"] = json_number(self.deployed_metric, digits=None, nan=None)
         return d
+
+
+@dataclass
+class EditedEncodings:
+    """The fix of an AIMET export, in AIMET's file: the user's encodings without those the float
+    nodes' quantizers own (:meth:`diag.core.encodings.AimetExport.without`), the model measured."""
+
+    #: The user's encodings file, and the names taken out of it.
+    source: str
+    removed: list[str]
+    #: The edited document (written whole by the verb, as ``file``; not in exclusion.json).
+    document: dict[str, Any]
+    file: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "removed": list(self.removed), "file": self.file}
 
 
 @dataclass
@@ -235,6 +261,8 @@ class ExclusionResult:
     #: Sessions run at the deploy level (met-in-exact-mode lists only).
     deployed_checks: int = 0
     #: ``"surgical"``: every trial was the user's INT8 model (``int8``) with float regions spliced in;
+    #: ``"encodings"``: ``int8`` is AIMET's export, and every trial the QDQ model its encodings describe
+    #: with the float nodes' encodings taken out (``encodings`` holds the answer's file);
     #: ``"requantized"``: every trial was quantized from ``recipe`` by onnxruntime.
     method: str = "requantized"
     #: The user's INT8 model the surgical trials were spliced into.
@@ -254,6 +282,8 @@ class ExclusionResult:
     #: ``--recipe FILE``: each line of the recipe measured on the model it builds
     #: (:func:`diag.fix.linecheck.measure_lines`, set by the verb); empty otherwise.
     recipe_lines: list[Finding] = field(default_factory=list)
+    #: The user's model is AIMET's export: the answer as its edited encodings (None otherwise).
+    encodings: EditedEncodings | None = None
 
     @property
     def verdict(self) -> str:
@@ -282,6 +312,7 @@ class ExclusionResult:
             "int8": self.int8,
             "producer": self.producer,
             "nodes_to_exclude": list(self.nodes_to_exclude),
+            **({"encodings": self.encodings.to_dict()} if self.encodings is not None else {}),
             "stays_int8": {
                 "groups": self.quantized_groups - len(self.excluded),
                 "of": self.quantized_groups,
@@ -442,6 +473,25 @@ class _Search(SearchAlgorithm):
         #: What the splices are built from (set by the ranking pass, which pairs the two models).
         self.surgery: EstimateSource | None = None
         self.splices = 0
+        #: The user's model is AIMET's export: a float region is its encodings taken out of the file,
+        #: and ``user_int8`` the QDQ model the user's encodings describe (:meth:`use_export`).
+        self.export: AimetExport | None = None
+
+    def use_export(self, export: AimetExport | None) -> None:
+        """Fix AIMET's export in its encodings: the baseline is the model the user's file describes."""
+        if export is None:
+            return
+        self.export = export
+        self.user_int8 = save_spliced(export.build().model, self.work / export.model.name, None)
+
+    def export_nodes(self, fp_nodes: list[str]) -> list[str]:
+        """The export's nodes that compute FP32 nodes ``fp_nodes`` (AIMET's graph is the FP32 graph)."""
+        assert self.export is not None and self.surgery is not None
+        wanted = set(fp_nodes)
+        for g in self.surgery.matching.groups:
+            if wanted & set(g.fp_nodes):
+                wanted.update(g.int8_nodes)
+        return [n.name for n in self.export.proto.graph.node if n.name in wanted]
 
     @property
     def trials_made(self) -> int:
@@ -477,6 +527,8 @@ class _Search(SearchAlgorithm):
         """
         src = self.surgery
         assert src is not None, "the ranking pass pairs the models before any splice"
+        if self.export is not None:  # AIMET: the model the edited encodings describe
+            return self.export.build(self.export.without(self.export_nodes(fp_nodes))).model
         return spliced_model(src.fp, src.q, fp_nodes, src.matching, src.fp_dir)
 
     def model_path(self, groups: frozenset[int]) -> Path:
@@ -896,6 +948,8 @@ def derive_exclusions(
     started = False
     try:
         search = _Search(setup, recipe, tmp, o)
+        if o.surgical:
+            search.use_export(aimet_export_at(str(o.int8), o.encodings))
         before, met0 = search.try_groups(frozenset(), "baseline")
         _check_measurable(before, tgt)
         outcome = _Outcome(before, met0, search.cache[frozenset()][1], chosen=frozenset() if met0 else None)
@@ -917,11 +971,17 @@ def derive_exclusions(
 
 def _rank(setup: SearchSetup, search: _Search, outcome: _Outcome, options: ExcludeOptions) -> None:
     """The ranking pass: compare the baseline INT8 model with FP32 on the ranking split."""
+    export = search.export  # AIMET: diagnosed as compare diagnoses it, from the user's files
     outcome.compared = compare_models(
         setup.fp32,
-        outcome.baseline,
+        outcome.baseline if export is None else export.model,
         setup.split.ranking,
-        CompareOptions(progress=False, threads=options.threads, max_memory=options.max_memory),
+        CompareOptions(
+            progress=False,
+            threads=options.threads,
+            max_memory=options.max_memory,
+            encodings=None if export is None else str(export.encodings),
+        ),
     )
     outcome.candidates = ranked_candidates(outcome.compared.findings, set(search.base))
     search.candidates = outcome.candidates
@@ -1065,9 +1125,14 @@ def _exclusion_result(
         alternatives=[] if chosen is not None else alternatives(recipe, candidates),
         latency=outcome.latency,
         model=str(outcome.model) if outcome.model else None,
-        method="surgical" if search.user_int8 is not None else "requantized",
-        producer=_producer(search.user_int8, nodes) if search.user_int8 is not None else {},
-        int8=str(search.user_int8) if search.user_int8 is not None else None,
+        method="encodings"
+        if search.export is not None
+        else "surgical"
+        if search.user_int8 is not None
+        else "requantized",
+        producer=_producer(search.user_int8, nodes, search.export) if search.user_int8 is not None else {},
+        int8=str(options.int8) if search.user_int8 is not None else None,
+        encodings=_edited_encodings(search, nodes) if search.export is not None and chosen is not None else None,
         splices=search.splices,
         quantized_groups=len(candidates),
         all_but_float=all_but_float,
@@ -1076,8 +1141,16 @@ def _exclusion_result(
     return result
 
 
-def _producer(int8: Path, nodes: list[str]) -> dict[str, Any]:
+def _producer(int8: Path, nodes: list[str], export: AimetExport | None = None) -> dict[str, Any]:
     """Who made the user's model, by the marks it carries, and the fix in that tool's own call."""
+    if export is not None:  # diag built the model it measured; the user's files are AIMET's
+        aimet = PRODUCERS["aimet"]
+        return {
+            "key": "aimet",
+            "name": aimet.name,
+            "evidence": f"an FP32 export with AIMET encodings ({export.encodings.name})",
+            "fix_call": fix_call(aimet, nodes) if nodes else "",
+        }
     detection = detect_producer(onnx.load(str(int8), load_external_data=False), int8)
     mark = detection.decided_by
     return {
@@ -1086,6 +1159,14 @@ def _producer(int8: Path, nodes: list[str]) -> dict[str, Any]:
         "evidence": f"{mark.mark.means} ({mark.found})" if mark is not None else (detection.note or ""),
         "fix_call": fix_call(detection.producer, nodes) if nodes else "",
     }
+
+
+def _edited_encodings(search: _Search, nodes: list[str]) -> EditedEncodings:
+    """The fix of an AIMET export: its encodings without those the float nodes' quantizers own."""
+    export = search.export
+    assert export is not None
+    region = search.export_nodes(nodes)
+    return EditedEncodings(str(export.encodings), export.owned(region), export.without(region))
 
 
 def _nearly_all(in_float: int, quantized: int) -> bool:
@@ -1386,6 +1467,8 @@ def trials_phrase(method: str, quantizations: int, splices: int, calibrations: i
         >>> trials_phrase("requantized", 5, 0, 1)
         '5 quantizations (1 calibration pass)'
     """
+    if method == "encodings":
+        return f"{count_phrase(splices, 'model')} built from your AIMET encodings, edited (no re-quantization)"
     if method == "surgical":
         return f"{count_phrase(splices, 'model')} spliced from your INT8 model (no re-quantization)"
     return f"{count_phrase(quantizations, 'quantization')}{calibrations_phrase(calibrations)}"
@@ -1413,8 +1496,16 @@ def _met_lines(result: ExclusionResult, b: float | None, b_note: str) -> list[st
     if fixes and fixes[0]["kind"] == "op_types_to_quantize":
         # The best fix leads (issue 25 item 3): a one-argument change beats a long node list.
         f = fixes[0]
-        also = f" with nodes_to_exclude={f['nodes_to_exclude']}" if f["nodes_to_exclude"] else ""
-        change = op_types_change(result.producer.get("key", "onnxruntime"), [f["op_type"]], f["op_types_to_quantize"])
+        key = result.producer.get("key", "onnxruntime")
+        rest = f["nodes_to_exclude"]
+        also = (
+            ""
+            if not rest
+            else f" with nodes_to_exclude={rest}"
+            if key in ORT_RECIPE_PRODUCERS
+            else f" with {', '.join(rest)} also in float"  # another tool: its own list, not onnxruntime's argument
+        )
+        change = op_types_change(key, [f["op_type"]], f["op_types_to_quantize"])
         lines.append(
             f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> "
             f"{_fmt(f['metric'], t)}{_level_note(result.deploy_level, f.get('deployed_metric'), t)} "
@@ -1426,7 +1517,9 @@ def _met_lines(result: ExclusionResult, b: float | None, b_note: str) -> list[st
             f"target {t} met on {held} held-out samples: {t.metric} {_fmt(b, t)}{b_note} -> {_fmt(a, t)}"
             f"{_deployed_note(result)} by {keeping}"
         )
-    where = "inside your INT8 model" if result.method == "surgical" else "re-quantized from the recipe"
+    where = {"surgical": "inside your INT8 model", "encodings": "in your AIMET encodings"}.get(
+        result.method, "re-quantized from the recipe"
+    )
     lines.append(f"  {where}: {stays_int8_phrase(len(result.excluded), result.quantized_groups)}")
     if result.producer.get("fix_call"):
         lines.append(f"  made by {result.producer['name']}: reproduce.py also words the list in its terms")

@@ -500,3 +500,50 @@ def splice_snippet(
         call = "diag.splice_to_file(FP32, INT8, NODES, OUT, bits=BITS)"
     lines += ["", call, "print('wrote', OUT)"]
     return "\n".join(lines) + "\n"
+
+
+def encodings_snippet(encodings: str, removed: list[str], out: str, header: str, aimet_call: str) -> str:
+    """reproduce.py of an AIMET fix: the user's encodings file without ``removed``, in plain Python.
+
+    The fix of an AIMET export is a file, not a model: the encodings the float nodes' quantizers
+    own are taken out (:meth:`diag.core.encodings.AimetExport.without`), in any version's layout,
+    everything else kept as written. ``aimet_call`` (the same nodes' quantizers disabled in AIMET,
+    before computing encodings again) is shown as a comment: that is another calibration.
+
+    Example:
+        >>> print(encodings_snippet("m.encodings", ["t"], "m.reproduced.encodings", "# met", "").splitlines()[-1])
+        print("wrote", OUT)
+    """
+    lines = [
+        header,
+        "# Every other encoding, and every other key of the file, is kept as written: no quantizer runs.",
+        "import json",
+        "import os",
+        "",
+        f"ENCODINGS = os.path.abspath({encodings!r})",
+        f"OUT = os.path.abspath({out!r})",
+        f"REMOVE = set({json.dumps(list(removed), ensure_ascii=False)})",
+    ]
+    if aimet_call:
+        lines += [
+            "",
+            "# The same nodes in float in AIMET itself (a new QuantizationSimModel, calibrated again: another",
+            "# model than the one verified):",
+            *[f"#   {x}".rstrip() for x in aimet_call.splitlines()],
+        ]
+    lines += [
+        "",
+        'with open(ENCODINGS, encoding="utf-8") as f:',
+        "    doc = json.load(f)",
+        'for key in ("activation_encodings", "param_encodings", "encodings"):  # 0.6.1 / 1.0.0 / 2.0.0',
+        "    section = doc.get(key)",
+        "    if isinstance(section, dict):",
+        "        doc[key] = {k: v for k, v in section.items() if k not in REMOVE}",
+        "    elif isinstance(section, list):",
+        '        doc[key] = [e for e in section if not (isinstance(e, dict) and e.get("name") in REMOVE)]',
+        'with open(OUT, "w", encoding="utf-8") as f:',
+        "    json.dump(doc, f, indent=2, ensure_ascii=False)",
+        '    f.write("\\n")',
+        'print("wrote", OUT)',
+    ]
+    return "\n".join(lines) + "\n"

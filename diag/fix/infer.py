@@ -48,6 +48,7 @@ QOperator's per-channel QLinearConv weights are int8 (only its other weights tel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import Counter
@@ -59,7 +60,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from diag.core.encodings import not_quantized
+from diag.core.encodings import encodings_of, model_from_encodings, not_quantized
 from diag.core.load import model_from_path
 from diag.core.precision import activation_overrides
 from diag.core.protos import value_dtypes  # element types via shape inference on a weight-free copy
@@ -771,6 +772,9 @@ class RecipeOrigin:
     settings: dict[str, Any]
     unknown: dict[str, str] = field(default_factory=dict)
     spliced: bool = False
+    #: The INT8 model is AIMET's export: the encodings file the recipe was read back through
+    #: (from the QDQ model they describe); None otherwise.
+    encodings: str | None = None
 
     def line(self) -> str:
         """One line for the terminal and summary.md, starting ``recipe:``.
@@ -780,6 +784,12 @@ class RecipeOrigin:
             'recipe: as given in r.json {"mode": "dynamic", "per_channel": true}'
         """
         settings = json.dumps(_beyond_defaults(self.settings), ensure_ascii=False)
+        if self.spliced and self.encodings is not None:
+            return (
+                f"recipe: read back from the QDQ model AIMET encodings {self.encodings} describe {settings}, in "
+                "onnxruntime's terms; nothing was re-quantized with it: every trial is built from your encodings "
+                "with the float nodes' encodings taken out"
+            )
         if self.spliced:
             where = f"read back from the INT8 model {self.path}" if self.source == "inferred" else "as given"
             return (
@@ -817,7 +827,9 @@ def _beyond_defaults(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def search_recipe(
-    recipe: Recipe | str | os.PathLike[str] | None, int8: str | os.PathLike[str] | None = None
+    recipe: Recipe | str | os.PathLike[str] | None,
+    int8: str | os.PathLike[str] | None = None,
+    encodings: str | os.PathLike[str] | None = None,
 ) -> tuple[Recipe, RecipeOrigin]:
     """The recipe a search starts from: ``--recipe`` as given, else the one that made ``--int8``, else defaults.
 
@@ -843,8 +855,12 @@ def search_recipe(
         inline = str(recipe).lstrip().startswith("{")
         return loaded, RecipeOrigin("given", None if inline else str(recipe), loaded.to_dict())
     if int8 is not None:
-        inferred = infer_recipe(int8)
+        # AIMET's export (an FP32 graph and its encodings): the recipe of the QDQ model they describe
+        q = model_from_path(int8, "INT8 model")
+        where = encodings_of(q, None if encodings is None else Path(encodings))
+        inferred = infer_recipe(int8 if where is None else model_from_encodings(q, where).path)
         loaded = Recipe.from_dict(dict(inferred.recipe), f"recipe inferred from INT8 model '{int8}'")
-        return loaded, RecipeOrigin("inferred", str(int8), loaded.to_dict(), dict(inferred.unknown))
+        origin = RecipeOrigin("inferred", str(int8), loaded.to_dict(), dict(inferred.unknown))
+        return loaded, dataclasses.replace(origin, encodings=None if where is None else str(where))
     default = Recipe(mode="dynamic")
     return default, RecipeOrigin("default", None, {"mode": "dynamic"})

@@ -66,8 +66,11 @@ def report_section(doc: dict[str, Any], with_plots: bool = True) -> dict[str, An
         "fix_lines": fix_lines(doc),
         "recipe_line": (doc.get("recipe_origin") or {}).get("line", ""),
         "alternatives": [f"{a['change']}: {a['why']}" for a in doc["alternatives"]],
-        "before_label": "your INT8 model" if method == "surgical" else "the recipe, quantized by diag",
-        "after_label": "with float regions spliced in" if method == "surgical" else "with the exclusions",
+        "before_label": "the recipe, quantized by diag" if method == "requantized" else "your INT8 model",
+        "after_label": {
+            "surgical": "with float regions spliced in",
+            "encodings": "with the float nodes' encodings taken out",
+        }.get(method, "with the exclusions"),
     }
 
 
