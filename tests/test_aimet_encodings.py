@@ -129,8 +129,8 @@ def test_inspect_names_the_encodings_beside_an_fp32_export(pair, capsys: pytest.
     ("entry", "says"),
     [
         (
-            {"name": "image", "enc_type": "PER_BLOCK", "bw": 4, "is_sym": True, "scale": [1.0], "offset": [0]},
-            "is PER_BLOCK",
+            {"name": "image", "enc_type": "VECTOR", "bw": 4, "is_sym": True, "scale": [1.0], "offset": [0]},
+            "is VECTOR; diag reads per-tensor, per-channel, per-block, LPBQ",
         ),
         (
             {"name": "image", "enc_type": "PER_TENSOR", "bw": 8, "is_sym": False, "scale": [0.0], "offset": [0]},

@@ -26,8 +26,13 @@ and writes that document (:func:`document_without`) as the user's file, edited.
 
 Names in the file are untrusted: an encoding for a tensor the model does not have is counted and
 reported, never applied. 4-bit grids (a w4a8 or w4a16 export) are written as ``com.microsoft``
-Q/DQ of INT4 / UINT4 tensors, as onnxruntime's own ``weight_type=QInt4`` QDQ model holds them;
-per-block / LPBQ encodings are refused with a clear error.
+Q/DQ of INT4 / UINT4 tensors, as onnxruntime's own ``weight_type=QInt4`` QDQ model holds them.
+Per-block weights (1.0.0 ``PER_BLOCK``, 2.0.0 ``block_size``) and LPBQ weights (integer block
+scales times a float scale per channel, their float32 product the block scale) become a blocked
+DequantizeLinear (opset 21's ``block_size``; the model is converted to opset 21 when older). The
+blocks run along the consumer's input channels (AIMET's ``_get_quantization_axes``); 1.0.0 lists
+them channel-major, as AIMET's current ``_encoding.py`` writes them (older releases wrote a
+MatMul's block-major, which the file does not say).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +77,17 @@ class TensorEncoding:
     name: str
     bitwidth: int
     signed: bool
-    #: One value per tensor (length 1) or per channel.
+    #: One value per tensor (length 1) or per channel; per block, as the file lays them out: 1.0.0
+    #: flat, channel-major (``C * blocks``), 2.0.0 in the weight's rank with the blocks on ``axis``.
     scale: np.ndarray
     zero_point: np.ndarray
-    #: The channel axis the file states (2.0.0), else None: implied by the consuming op.
+    #: The axis the file states (2.0.0: the channel axis, or the block axis of a per-block
+    #: encoding), else None: implied by the consuming op.
     axis: int | None = None
     #: A float quantizer (fp16 simulation): the tensor stays float.
     is_float: bool = False
+    #: Per-block (and LPBQ) weights: values per block along the block axis; None otherwise.
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -216,33 +225,83 @@ def _section_0(section: Any) -> dict[str, TensorEncoding]:
 
 
 def _section_1(section: Any) -> dict[str, TensorEncoding]:
-    """1.0.0: ``[{name, enc_type, dtype, bw, is_sym, scale: [...], offset: [...]}]``."""
+    """1.0.0: ``[{name, enc_type, dtype, bw, is_sym, scale: [...], offset: [...]}]``; ``PER_BLOCK`` adds
+    ``block_size`` (``scale`` / ``offset`` flat, channel-major), ``LPBQ`` also ``compressed_bw`` and
+    ``per_block_int_scale`` (module doc)."""
     out = {}
     for e in _list(section):
         kind = str(e.get("enc_type", "PER_TENSOR"))
-        if kind not in ("PER_TENSOR", "PER_CHANNEL"):
-            raise ValueError(f"'{e['name'][:80]}' is {kind[:20]}; diag reads per-tensor and per-channel encodings")
+        if kind not in ("PER_TENSOR", "PER_CHANNEL", "PER_BLOCK", "LPBQ"):
+            raise ValueError(f"'{e['name'][:80]}' is {kind[:20]}; diag reads per-tensor, per-channel, per-block, LPBQ")
         is_float = str(e.get("dtype", "INT")).upper() == "FLOAT"
-        out[e["name"]] = _encoding(
-            e["name"], int(e["bw"]), bool(e.get("is_sym")), e.get("scale"), e.get("offset"), is_float
-        )
+        if kind == "LPBQ":
+            out[e["name"]] = _lpbq_1(e)
+            continue
+        enc = _encoding(e["name"], int(e["bw"]), bool(e.get("is_sym")), e.get("scale"), e.get("offset"), is_float)
+        out[e["name"]] = replace(enc, block_size=_block_size(e)) if kind == "PER_BLOCK" else enc
     return out
 
 
+def _block_size(e: dict[str, Any]) -> int:
+    size = int(e["block_size"])
+    if size < 1:
+        raise ValueError(f"'{e['name'][:80]}' has block_size {size}")
+    return size
+
+
+def _lpbq_1(e: dict[str, Any]) -> TensorEncoding:
+    """1.0.0 LPBQ: a weight on a ``compressed_bw`` grid whose block scales are small integers times a
+    float scale per channel (``scale``); ``bw`` is the width those integers decompress to, ``offset``
+    its symmetric ``-2^(bw-1)``. The block scale is their product in float32, as AIMET computes it."""
+    name, bw, narrow = e["name"], int(e["bw"]), int(e["compressed_bw"])
+    channel = np.asarray(e["scale"], np.float32).reshape(-1)
+    ints = np.asarray(e["per_block_int_scale"], np.float32).reshape(-1)
+    offsets = np.asarray(e.get("offset", [-(1 << (bw - 1))] * channel.size), np.float64).reshape(-1)
+    if channel.size == 0 or ints.size % channel.size:
+        raise ValueError(f"'{name[:80]}' has {ints.size} block scales for {channel.size} channels")
+    if np.any(offsets != -(1 << (bw - 1))):
+        raise ValueError(f"'{name[:80]}' is LPBQ with an offset other than {-(1 << (bw - 1))} (LPBQ is symmetric)")
+    scales = (ints.reshape(channel.size, -1) * channel.reshape(-1, 1)).reshape(-1)
+    enc = _encoding(name, narrow, True, scales, np.full(scales.size, -(1 << (narrow - 1))), False)
+    return replace(enc, block_size=_block_size(e))
+
+
 def _from_2(e: dict[str, Any]) -> TensorEncoding:
-    """2.0.0: ``{name, output_dtype, y_scale, y_zero_point, axis}`` (already QuantizeLinear's terms)."""
-    if "block_size" in e or "per_block_int_scale" in e:
-        raise ValueError(f"'{e['name'][:80]}' is blocked; diag reads per-tensor and per-channel encodings")
+    """2.0.0: ``{name, output_dtype, y_scale, y_zero_point, axis}`` (already QuantizeLinear's terms); a
+    per-block weight adds ``block_size`` (``y_scale`` in the weight's rank, ``axis`` the block axis);
+    LPBQ has ``per_block_int_scale`` and ``per_channel_float_scale`` instead of ``y_scale`` (2.1.0:
+    ``y_scale: {x, x_scale, axis}``), their float32 product the block scale."""
     dtype = str(e["output_dtype"])
     signed = dtype.startswith("int")
     bw = int(dtype.removeprefix("u").removeprefix("int"))
-    scales = np.asarray(e["y_scale"], np.float64).reshape(-1)
-    zp = np.asarray(e.get("y_zero_point", 0), np.int64).reshape(-1)
-    if zp.size == 1 and scales.size > 1:
-        zp = np.repeat(zp, scales.size)
+    blocked = "block_size" in e
+    if "per_block_int_scale" in e:  # LPBQ 2.0.0
+        shaped = np.asarray(e["per_block_int_scale"], np.float32) * np.asarray(e["per_channel_float_scale"], np.float32)
+    elif isinstance(e["y_scale"], dict):  # LPBQ 2.1.0: integers x, the float scale per channel along its axis
+        ints = np.asarray(e["y_scale"]["x"], np.float32)
+        channel = np.asarray(e["y_scale"]["x_scale"], np.float32).reshape(-1)
+        along = [1] * ints.ndim
+        along[int(e["y_scale"]["axis"]) % max(ints.ndim, 1)] = channel.size
+        shaped = ints * channel.reshape(along)
+    else:
+        shaped = np.asarray(e["y_scale"], np.float64)
+    scales = shaped.reshape(-1)
+    zp = np.asarray(e.get("y_zero_point", 0), np.int64)
+    zp = np.broadcast_to(zp, shaped.shape).reshape(-1) if zp.size == 1 else zp.reshape(-1)
     enc = _encoding(e["name"], bw, signed, scales, np.zeros(scales.size), False)
+    if zp.size != scales.size:
+        raise ValueError(f"'{e['name'][:80]}' has {scales.size} scales and {zp.size} zero points")
     axis = e.get("axis")
-    return TensorEncoding(enc.name, bw, signed, enc.scale, zp, None if axis is None else int(axis))
+    keep = shaped.shape if blocked else (-1,)
+    return TensorEncoding(
+        enc.name,
+        bw,
+        signed,
+        enc.scale.reshape(keep),
+        zp.reshape(keep),
+        None if axis is None else int(axis),
+        block_size=_block_size(e) if blocked else None,
+    )
 
 
 def _grid(enc: TensorEncoding, where: str) -> tuple[int, str]:
@@ -287,6 +346,8 @@ def qdq_from_encodings(fp: onnx.ModelProto, enc: Encodings) -> BuiltModel:
     """
     model = onnx.ModelProto()
     model.CopyFrom(fp)
+    if any(e.block_size for e in (*enc.params.values(), *enc.activations.values())):
+        model = _at_opset_21(model, enc.path)
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     tensors = set(inits) | {i.name for i in g.input} | {o for n in g.node for o in n.output}
@@ -341,6 +402,8 @@ def _quantized_param(
     g: onnx.GraphProto, init: onnx.TensorProto, e: TensorEncoding, where: str
 ) -> tuple[onnx.NodeProto, bool]:
     """Replace initializer ``init`` by its integer form and a DequantizeLinear; returns the node."""
+    if e.block_size:
+        return _blocked_param(g, init, e, where), False
     grid, domain = _grid(e, where)
     # Weights in float32 arithmetic, as QuantizeLinear and onnxruntime's quantizer divide (in float64
     # a value exactly halfway between two levels in float32, -7.5, can land a hair off and round the
@@ -391,6 +454,110 @@ def _quantized_param(
     if channels:
         node.attribute.append(helper.make_attribute("axis", axis))
     return node, channels
+
+
+def _blocked_param(g: onnx.GraphProto, init: onnx.TensorProto, e: TensorEncoding, where: str) -> onnx.NodeProto:
+    """A per-block (or LPBQ) weight as a blocked DequantizeLinear (opset 21's ``block_size``): the
+    scale and zero point hold one value per block along the block axis, repeated along the others
+    (a Conv kernel's spatial axes), as ONNX wants them shaped like the weight."""
+    grid, _ = _grid(e, where)
+    assert e.block_size is not None
+    w = numpy_helper.to_array(init).astype(np.float32)  # float32 arithmetic, as QuantizeLinear divides
+    consumers = [n for n in g.node if init.name in n.input]
+    bad = f"encoding of '{init.name[:200]}' in {where}"
+    if w.ndim < 2:
+        raise DiagError("bad-encodings", bad, f"is per-block on a {w.ndim}-d tensor", "export it per channel")
+    if e.axis is not None:  # 2.0.0: the file's own shape, the blocks on `axis`
+        block_axis = e.axis % w.ndim
+        scale, zp = e.scale, e.zero_point
+        if scale.ndim != w.ndim:
+            raise DiagError("bad-encodings", bad, f"has {scale.ndim}-d block scales for a {w.ndim}-d weight", _EXPORT)
+    else:  # 1.0.0: flat, channel-major; the axes are the consumer's (AIMET's rule)
+        channel_axis, block_axis = _implied_block_axes(consumers, init.name, w.ndim)
+        blocks = -(-w.shape[block_axis] // e.block_size)
+        channels = w.shape[channel_axis]
+        if e.scale.size != channels * blocks:
+            raise DiagError(
+                "bad-encodings",
+                bad,
+                f"has {e.scale.size} block scales; the weight has {channels} channels x {blocks} blocks",
+                _EXPORT,
+            )
+        shape = [1] * w.ndim
+        shape[channel_axis], shape[block_axis] = channels, blocks
+        order = (0, 1) if channel_axis < block_axis else (1, 0)
+        scale = e.scale.reshape(channels, blocks).transpose(order).reshape(shape)
+        zp = e.zero_point.reshape(channels, blocks).transpose(order).reshape(shape)
+    full = list(w.shape)
+    full[block_axis] = -(-w.shape[block_axis] // e.block_size)
+    try:
+        scale, zp = np.broadcast_to(scale, full), np.broadcast_to(zp, full)
+    except ValueError:
+        shapes = f"has block scales of shape {list(e.scale.shape)} for a weight of {list(w.shape)}"
+        raise DiagError("bad-encodings", bad, shapes, _EXPORT) from None
+    low, high = _on_grid(e, grid, where)
+    take = np.arange(w.shape[block_axis]) // e.block_size  # each element's block
+    q = np.clip(np.rint(w / np.take(scale, take, block_axis)) + np.take(zp, take, block_axis), low, high)
+    name = init.name
+    g.initializer.remove(init)
+    g.initializer.extend(
+        [
+            _integer_tensor(q.astype(np.int64), grid, f"{name}_quantized"),
+            numpy_helper.from_array(np.ascontiguousarray(scale, np.float32), f"{name}_scale"),
+            _integer_tensor(np.ascontiguousarray(zp), grid, f"{name}_zero_point"),
+        ]
+    )
+    for consumer in consumers:
+        for i, x in enumerate(consumer.input):
+            if x == name:
+                consumer.input[i] = f"{name}_DequantizeLinear_Output"
+    return helper.make_node(
+        "DequantizeLinear",
+        [f"{name}_quantized", f"{name}_scale", f"{name}_zero_point"],
+        [f"{name}_DequantizeLinear_Output"],
+        name=f"{name}_DequantizeLinear",
+        axis=block_axis,
+        block_size=e.block_size,
+    )
+
+
+#: The hint of a per-block encoding that does not fit its weight.
+_EXPORT = "export the encodings with the model they were computed for"
+
+
+def _implied_block_axes(consumers: list[onnx.NodeProto], w: str, rank: int) -> tuple[int, int]:
+    """(channel axis, block axis) of per-block weight ``w`` for its consumer, as AIMET picks them:
+    blocks run along the input channels (Conv 1, ConvTranspose 0, MatMul the second-to-last axis)."""
+    for node in consumers:
+        if node.op_type == "Conv":
+            return 0, 1
+        if node.op_type == "ConvTranspose":
+            return 1, 0
+        if node.op_type == "Gemm" and list(node.input).index(w) == 1:
+            trans = next((a.i for a in node.attribute if a.name == "transB"), 0)
+            return (0, 1) if trans else (1, 0)
+        if node.op_type == "MatMul":
+            return rank - 1, rank - 2
+    return 0, 1
+
+
+def _at_opset_21(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+    """The model at opset 21, where DequantizeLinear takes ``block_size`` (converted when older)."""
+    default = next((o for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if default is not None and default.version >= 21:
+        return model
+    try:
+        from onnx import version_converter
+
+        return version_converter.convert_version(model, 21)
+    except Exception as e:  # the converter's own errors name no type worth catching one by one
+        raise DiagError(
+            "bad-encodings",
+            f"encodings file '{path}'",
+            f"has per-block encodings (DequantizeLinear takes block_size from opset 21), and the model (opset "
+            f"{default.version if default else '?'}) does not convert to 21 ({type(e).__name__})",
+            "convert the FP32 model first: onnx.version_converter.convert_version(model, 21)",
+        ) from e
 
 
 def _on_grid(e: TensorEncoding, grid: int, where: str) -> tuple[int, int]:

@@ -47,8 +47,8 @@ SLUGS: dict[str, str] = {
     "missing-templates": "the report templates are not installed with the package",
     "bad-recipe": "a recipe file is not valid JSON/TOML or has an unknown key or value",
     "bad-encodings": (
-        "an AIMET .encodings file is unreadable, or holds encodings diag cannot build (per-block, a bit width it "
-        "does not build, a shape that does not fit its tensor)"
+        "an AIMET .encodings file is unreadable, or holds encodings diag cannot build (a bit width it does not "
+        "build, scales or blocks that do not fit their tensor, a per-block model that does not convert to opset 21)"
     ),
     "recipe-mismatch": (
         "a recipe does not rebuild the user's INT8 model exactly, so re-quantizing from it would fix another model"
