@@ -64,6 +64,7 @@ from diag.core.match import Matching, match_models
 from diag.core.metrics import ErrorAccumulator, ErrorStats, OutputStats
 from diag.core.nbits import AccuracyLevelCheck, accuracy_level_nodes, check_accuracy_level
 from diag.core.positions import Padding
+from diag.core.protos import default_opset
 from diag.core.recipe import Recipe
 from diag.core.run import check_memory
 from diag.core.saturation import predict_avx2
@@ -74,6 +75,7 @@ from diag.foundations.cpu import saturation_warning
 from diag.foundations.environment import environment
 from diag.foundations.errors import DiagError
 from diag.foundations.ortfacts import DEPLOY_LEVEL
+from diag.foundations.producers import detect_producer
 
 
 class SensitivitySection(Protocol):
@@ -637,7 +639,10 @@ def attach_weights(result: CompareResult, report: WeightReport) -> None:
     suggestions that depend on it."""
     result.weights = report
     fp, q = result.fp32, result.int8
-    result.suggestions = all_suggestions(fp.proto, result.matching, result.health, q.format.family, report.findings)
+    producer = detect_producer(q.proto, q.shown_path).key if q.source is None else "aimet"
+    result.suggestions = all_suggestions(
+        fp.proto, result.matching, result.health, q.format.family, report.findings, producer, default_opset(q.proto, 13)
+    )
     judge_remedies(result.suggestions, result.effects)  # no advice against its own measurement
 
 

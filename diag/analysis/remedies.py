@@ -288,8 +288,11 @@ def _exclude(name: str, problem: str, consumers: list[str], fmt: str) -> Suggest
 BAD_CHANNEL_DB = 20.0
 
 
-def per_channel_suggestions(weights: list[WeightFinding], fmt: str) -> list[Suggestion]:
-    """``per_channel=True`` when per-tensor weights ruin some output channels.
+def per_channel_suggestions(
+    weights: list[WeightFinding], fmt: str, producer: str = "onnxruntime", opset: int = 13
+) -> list[Suggestion]:
+    """``per_channel=True`` when per-tensor weights ruin some output channels, in the terms of the
+    tool that made the model (``producer``, a :data:`diag.foundations.producers.PRODUCERS` key).
 
     One suggestion (it is a model-wide switch) naming the worst weights.
 
@@ -307,7 +310,7 @@ def per_channel_suggestions(weights: list[WeightFinding], fmt: str) -> list[Sugg
     worst = ruined[0]
     ch = min(worst.channels, key=lambda c: c.sqnr_db)
     names = ", ".join(w.fp_name for w in ruined[:3]) + (f" and {len(ruined) - 3} more" if len(ruined) > 3 else "")
-    api = "quantize_dynamic" if fmt == "dynamic" else "quantize_static"
+    python, api, note = _per_channel_switch(fmt, producer, opset)
     return [
         Suggestion(
             worst.fp_name,
@@ -315,12 +318,33 @@ def per_channel_suggestions(weights: list[WeightFinding], fmt: str) -> list[Sugg
             f"(whole tensor {worst.sqnr_db:.1f} dB); {len(ruined)} weight(s) affected: {names}",
             "per-channel-weights",
             {"per_channel": True},
-            "per_channel=True",
+            python,
             api,
-            "one scale per output channel; onnxruntime needs opset >= 13 for per-channel QDQ",
+            note,
             list(worst.fp_nodes),
         )
     ]
+
+
+def _per_channel_switch(fmt: str, producer: str, opset: int) -> tuple[str, str, str]:
+    """(the change, the call it goes to, why) of per-channel weights for the tool that made the model.
+
+    NNCF has no per-channel switch to turn on: it quantizes weights per channel from opset 13 and
+    falls back to one scale per tensor below it, so its fix is the FP32 model's opset.
+
+    Example:
+        >>> _per_channel_switch("qdq", "nncf", 11)[0]
+        'model = onnx.version_converter.convert_version(model, 13)  # then nncf.quantize(model, ...)'
+    """
+    if producer == "nncf" and opset < 13:
+        return (
+            "model = onnx.version_converter.convert_version(model, 13)  # then nncf.quantize(model, ...)",
+            "nncf.quantize",
+            f"NNCF quantizes weights per channel from opset 13 and falls back to one scale per tensor below it "
+            f"(your FP32 model: opset {opset}); upgrade the model, then quantize it again",
+        )
+    api = "quantize_dynamic" if fmt == "dynamic" else "quantize_static"
+    return "per_channel=True", api, "one scale per output channel; onnxruntime needs opset >= 13 for per-channel QDQ"
 
 
 def all_suggestions(
@@ -329,9 +353,12 @@ def all_suggestions(
     health: dict[str, TensorHealth],
     fmt: str,
     weights: list[WeightFinding] | None = None,
+    producer: str = "onnxruntime",
+    opset: int = 13,
 ) -> list[Suggestion]:
     """Suggestions for every unhealthy tensor, worst first (outliers, then clipping, then tails),
-    then ``per_channel=True`` when per-tensor weights ruin channels."""
+    then per-channel weights when per-tensor weights ruin channels (worded for ``producer``, the
+    tool that made the model, whose ``opset`` it was)."""
 
     def badness(item: tuple[str, TensorHealth]) -> tuple[int, float]:
         h = item[1]
@@ -351,7 +378,7 @@ def all_suggestions(
         if fmt == "dynamic":
             nodes = nodes[: len(ops)] if ops else nodes  # dynamic quantizes activations at the consumer only
         out.extend(suggestions_for(name, h, fmt, nodes, ops))
-    return out + per_channel_suggestions(weights or [], fmt)
+    return out + per_channel_suggestions(weights or [], fmt, producer, opset)
 
 
 #: Formats whose weights alone are quantized (``MatMulNBits``, block-wise int4 ``DequantizeLinear``):
