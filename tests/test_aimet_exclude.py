@@ -193,6 +193,13 @@ def test_compare_on_an_aimet_export_suggests_the_exclude_command_that_fixes_it(e
     assert code == 0
     summary = (d / "cmp" / "summary.md").read_text()
     assert f"`diag exclude {fp32} --int8 {aimet} --inputs {d / 'feeds.npz'} --target" in summary
+    # A node exclusion remedy is AIMET's own switch, not onnxruntime's nodes_to_exclude argument.
+    doc = json.loads((d / "cmp" / "diag.json").read_text())
+    exclusions = [s for s in doc["suggestions"] if s["remedy"] == "exclude-consumers"]
+    assert exclusions and all(
+        s["python"].startswith("the quantizers of [") and s["applies_to"] == "Qualcomm AIMET (aimet-onnx)"
+        for s in exclusions
+    )
 
 
 def test_the_demo_writes_an_aimet_export_and_its_fixed_encodings(tmp_path, capsys) -> None:

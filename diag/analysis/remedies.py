@@ -14,7 +14,7 @@ caveat and never as the first remedy.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import onnx
@@ -24,6 +24,7 @@ from diag.core.distributions import TensorHealth
 from diag.core.match import Matching, NodeGroup, TopLevelIndex
 from diag.foundations.jsonnum import json_number
 from diag.foundations.ortfacts import kinds_where
+from diag.foundations.producers import ORT_RECIPE_PRODUCERS, PRODUCERS, node_fix_call
 
 #: Effective bits this far below the grid's bits mean the tails waste the grid.
 WASTED_BITS = 3.0
@@ -51,6 +52,9 @@ class Suggestion:
     #: False when measured and it does not help: shown as "measured, does not help", never advised
     #: (issue 42 item 2: a remedy with a negative measured effect was the report's remedy 2).
     advised: bool = True
+    #: The tool that made the model (a :data:`~diag.foundations.producers.PRODUCERS` key): a node
+    #: exclusion is worded in its terms (:func:`in_producer_terms`). Not in the JSON: ``python`` is.
+    producer: str = "onnxruntime"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -378,7 +382,26 @@ def all_suggestions(
         if fmt == "dynamic":
             nodes = nodes[: len(ops)] if ops else nodes  # dynamic quantizes activations at the consumer only
         out.extend(suggestions_for(name, h, fmt, nodes, ops))
-    return out + per_channel_suggestions(weights or [], fmt, producer, opset)
+    out += per_channel_suggestions(weights or [], fmt, producer, opset)
+    return [in_producer_terms(s, producer) for s in out]
+
+
+def in_producer_terms(suggestion: Suggestion, producer: str) -> Suggestion:
+    """``suggestion`` for a model ``producer`` made: a node exclusion becomes that tool's own switch
+    (``nncf.IgnoredScope(names=[...])``, Quark's ``exclude``...); onnxruntime's recipe remedies stay
+    as they are, and say so by their ``applies_to``.
+
+    Example:
+        >>> s = Suggestion("t", "p", "exclude-consumers", {"nodes_to_exclude": ["fc"]}, "", "quantize_static")
+        >>> in_producer_terms(s, "nncf").python
+        "nncf.IgnoredScope(names=['fc']) in your nncf.quantize call"
+    """
+    nodes = suggestion.recipe.get("nodes_to_exclude")
+    mine = replace(suggestion, producer=producer)
+    if nodes is None or set(suggestion.recipe) != {"nodes_to_exclude"} or producer in ORT_RECIPE_PRODUCERS:
+        return mine
+    name = PRODUCERS[producer].name if producer in PRODUCERS else mine.applies_to
+    return replace(mine, python=node_fix_call(producer, list(nodes)), applies_to=name)
 
 
 #: Formats whose weights alone are quantized (``MatMulNBits``, block-wise int4 ``DequantizeLinear``):
@@ -477,16 +500,20 @@ def applicable_suggestions(suggestions: list[Suggestion], settings: dict[str, An
             out.append(s)
         elif s.remedy == "per-channel-weights" and s.consumers:
             out.append(
-                Suggestion(
-                    s.tensor,
-                    s.problem,
-                    "exclude-consumers",
-                    {"nodes_to_exclude": list(s.consumers)},
-                    f"nodes_to_exclude={_py(list(s.consumers))}",
-                    s.applies_to,
-                    "per_channel=True is already in effect: this weight kept one scale because onnxruntime has "
-                    "no per-channel path for its op (or it is a scalar); keep the node in float instead",
-                    list(s.consumers),
+                in_producer_terms(
+                    Suggestion(
+                        s.tensor,
+                        s.problem,
+                        "exclude-consumers",
+                        {"nodes_to_exclude": list(s.consumers)},
+                        f"nodes_to_exclude={_py(list(s.consumers))}",
+                        s.applies_to,
+                        "per-channel weights are already in effect: this weight kept one scale because its "
+                        "quantizer has no per-channel path for its op (or it is a scalar); keep the node in float "
+                        "instead",
+                        list(s.consumers),
+                    ),
+                    s.producer,
                 )
             )
     return out

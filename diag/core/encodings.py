@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper, numpy_helper, version_converter
 
 from diag.core.load import LoadedModel, checked_path, model_from_path, outer_scope_inputs
 from diag.foundations.errors import DiagError
@@ -547,8 +547,6 @@ def _at_opset_21(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     if default is not None and default.version >= 21:
         return model
     try:
-        from onnx import version_converter
-
         return version_converter.convert_version(model, 21)
     except Exception as e:  # the converter's own errors name no type worth catching one by one
         raise DiagError(

@@ -118,6 +118,9 @@ class Producer:
         type_fix: its own switch that keeps every node of some op types in float, ``$types`` where
             the op types go (a list literal); None when diag knows none (onnxruntime's is
             ``op_types_to_quantize``, the complement, worded where the op types present are known).
+        node_fix: :attr:`fix` in one line, ``$names`` where the node names go (a list literal;
+            ``$patterns``: regular expressions matching exactly them), for a remedy's line; None:
+            onnxruntime's ``nodes_to_exclude=[...]`` (the tools that call it, and :attr:`fix_with`).
         source: where the marks and the fix's vocabulary were read (a file of the tool's own code,
             or an assumption, said as such).
     """
@@ -130,6 +133,7 @@ class Producer:
     fix_with: str | None = None
     fix_note: str | None = None
     type_fix: str | None = None
+    node_fix: str | None = None
     source: str = ""
 
 
@@ -280,6 +284,7 @@ quantized_model = nncf.quantize(
 """,
             ),
             type_fix="nncf.IgnoredScope(types=$types) in your nncf.quantize call",
+            node_fix="nncf.IgnoredScope(names=$names) in your nncf.quantize call",
             source="openvinotoolkit/nncf: src/nncf/onnx/graph/model_transformer.py (q_output_/dq_output_ "
             "<edge>_<n>, QuantizeLinear_/DequantizeLinear_ node names, scale_/zero_point_ initializers, "
             "<mul>_scale / <mul>_output of inserted Mul nodes), quantization/algorithms/smooth_quant/"
@@ -323,6 +328,7 @@ quantized_model = nncf.quantize(
 """,
             ),
             type_fix="op_types_to_exclude=$types in your modelopt.onnx.quantization.quantize call",
+            node_fix="nodes_to_exclude=$patterns in your modelopt.onnx.quantization.quantize call",
             source="NVIDIA/Model-Optimizer: modelopt/onnx/quantization/int8.py (onnxruntime's quantize_static; "
             "producer_name stays 'onnx.quantize'), ort_utils.py configure_ort (AddQDQPairToWeight=True, "
             "ActivationSymmetric=True, DedicatedQDQPair=False), quantize.py (<model>.quant.onnx, fp16 by "
@@ -358,6 +364,7 @@ config = QConfig(
 ModelQuantizer(config).quantize_model("model.onnx", "model.quant.onnx", calibration_data_reader)
 """,
             ),
+            node_fix="exclude=$names in your quark.onnx QConfig",
             source="amd/Quark: quark/onnx/quantization/config/config.py (QConfig(global_config, ..., exclude)), "
             "config/maps.py (_map_q_config: each str of exclude -> nodes_to_exclude), quant_utils.py "
             "(__producer__ = 'quark.onnx'), quantizers' set_parameters_and_domain (com.microsoft and "
@@ -396,6 +403,8 @@ for name in $nodes:
         quantizer.enabled = False
 """,
             ),
+            node_fix="the quantizers of $names disabled (sim.get_op_quantizers(op), enabled = False) before "
+            "sim.compute_encodings",
             source="quic/aimet: aimet_onnx/quantsim.py (_to_onnx_qdq: metadata producer='aimet-onnx <version>', "
             "<tensor>_updated / <tensor>_qdq names, get_op_quantizers(op)), aimet_onnx/meta/connectedgraph.py "
             "(ops keyed by ONNX node name), qc_quantize_op.py (enabled setter); aimet_common/onnx/_utils.py "
@@ -662,6 +671,25 @@ def type_fix_call(producer: str | Producer, op_types: Sequence[str]) -> str | No
     """
     row = PRODUCERS[producer] if isinstance(producer, str) else producer
     return None if row.type_fix is None else string.Template(row.type_fix).substitute(types=repr(list(op_types)))
+
+
+def node_fix_call(producer: str, nodes: Sequence[str]) -> str:
+    """``producer``'s own switch that keeps ``nodes`` in float, in one line (a remedy's line; the
+    full call is :func:`fix_call`). Names are list literals (``repr``), never pasted raw.
+
+    Example:
+        >>> node_fix_call("nncf", ["conv3"])
+        "nncf.IgnoredScope(names=['conv3']) in your nncf.quantize call"
+        >>> node_fix_call("modelopt", ["conv3"])
+        "nodes_to_exclude=['conv3$'] in your modelopt.onnx.quantization.quantize call"
+        >>> node_fix_call("onnxruntime", ["conv3"])
+        'nodes_to_exclude=["conv3"]'
+    """
+    row = PRODUCERS.get(producer)
+    if row is None or row.node_fix is None:
+        return f"nodes_to_exclude={json.dumps(list(nodes), ensure_ascii=False)}"
+    patterns = [re.escape(n) + "$" for n in nodes]
+    return string.Template(row.node_fix).substitute(names=repr(list(nodes)), patterns=repr(patterns))
 
 
 def fix_call(producer: str | Producer, nodes: Sequence[str]) -> str:
