@@ -200,6 +200,9 @@ def test_compare_on_an_aimet_export_suggests_the_exclude_command_that_fixes_it(e
         s["python"].startswith("the quantizers of [") and s["applies_to"] == "Qualcomm AIMET (aimet-onnx)"
         for s in exclusions
     )
+    # Per-tensor weights: per-channel weights as AIMET's quantsim config says it, not per_channel=True.
+    per_channel = next(s for s in doc["suggestions"] if s["remedy"] == "per-channel-weights")
+    assert per_channel["python"].startswith('"per_channel_quantization": "True" in the defaults of your quantsim')
 
 
 def test_the_demo_writes_an_aimet_export_and_its_fixed_encodings(tmp_path, capsys) -> None:

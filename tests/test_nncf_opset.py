@@ -61,7 +61,7 @@ def test_nncf_below_opset_13_is_told_to_upgrade_the_model_and_that_advice_holds(
     assert doc["models"]["int8"]["producer"] == "NNCF"
     advice = next(s for s in doc["suggestions"] if s["remedy"] == "per-channel-weights")
     assert advice["python"] == UPGRADE
-    assert advice["applies_to"] == "nncf.quantize" and "(your FP32 model: opset 11)" in advice["note"]
+    assert advice["applies_to"] == "NNCF" and "(your FP32 model: opset 11)" in advice["note"]
     assert "per_channel=True" not in json.dumps(doc["suggestions"])  # not a line an NNCF user can write
     # The advice holds: NNCF at opset 13 gives per-channel weights (an axis on the weight
     # DequantizeLinears) and a smaller error than at opset 11, by plain onnxruntime.

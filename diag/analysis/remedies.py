@@ -331,7 +331,8 @@ def per_channel_suggestions(
 
 
 def _per_channel_switch(fmt: str, producer: str, opset: int) -> tuple[str, str, str]:
-    """(the change, the call it goes to, why) of per-channel weights for the tool that made the model.
+    """(the change, the tool it is made in, why) of per-channel weights for the tool that made the
+    model (:attr:`diag.foundations.producers.Producer.per_channel_fix`).
 
     NNCF has no per-channel switch to turn on: it quantizes weights per channel from opset 13 and
     falls back to one scale per tensor below it, so its fix is the FP32 model's opset.
@@ -339,14 +340,20 @@ def _per_channel_switch(fmt: str, producer: str, opset: int) -> tuple[str, str, 
     Example:
         >>> _per_channel_switch("qdq", "nncf", 11)[0]
         'model = onnx.version_converter.convert_version(model, 13)  # then nncf.quantize(model, ...)'
+        >>> _per_channel_switch("qdq", "quark", 17)[0]
+        'QLayerConfig(weight=Int8Spec(quant_granularity=QuantGranularity.Channel)) in your QConfig'
+        >>> _per_channel_switch("qdq", "onnxruntime", 17)[0]
+        'per_channel=True'
     """
-    if producer == "nncf" and opset < 13:
-        return (
-            "model = onnx.version_converter.convert_version(model, 13)  # then nncf.quantize(model, ...)",
-            "nncf.quantize",
+    row = PRODUCERS.get(producer)
+    if row is not None and row.per_channel_fix is not None and (producer != "nncf" or opset < 13):
+        why = (
             f"NNCF quantizes weights per channel from opset 13 and falls back to one scale per tensor below it "
-            f"(your FP32 model: opset {opset}); upgrade the model, then quantize it again",
+            f"(your FP32 model: opset {opset}); upgrade the model, then quantize it again"
+            if producer == "nncf"
+            else f"one scale per output channel, with {row.name}'s own setting; then quantize again"
         )
+        return row.per_channel_fix, row.name, why
     api = "quantize_dynamic" if fmt == "dynamic" else "quantize_static"
     return "per_channel=True", api, "one scale per output channel; onnxruntime needs opset >= 13 for per-channel QDQ"
 

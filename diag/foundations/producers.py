@@ -121,6 +121,8 @@ class Producer:
         node_fix: :attr:`fix` in one line, ``$names`` where the node names go (a list literal;
             ``$patterns``: regular expressions matching exactly them), for a remedy's line; None:
             onnxruntime's ``nodes_to_exclude=[...]`` (the tools that call it, and :attr:`fix_with`).
+        per_channel_fix: its own way to per-channel weights, in one line; None: onnxruntime's
+            ``per_channel=True`` (NNCF has no switch: per channel is its default from opset 13).
         source: where the marks and the fix's vocabulary were read (a file of the tool's own code,
             or an assumption, said as such).
     """
@@ -134,6 +136,7 @@ class Producer:
     fix_note: str | None = None
     type_fix: str | None = None
     node_fix: str | None = None
+    per_channel_fix: str | None = None
     source: str = ""
 
 
@@ -285,6 +288,8 @@ quantized_model = nncf.quantize(
             ),
             type_fix="nncf.IgnoredScope(types=$types) in your nncf.quantize call",
             node_fix="nncf.IgnoredScope(names=$names) in your nncf.quantize call",
+            per_channel_fix="model = onnx.version_converter.convert_version(model, 13)  "
+            "# then nncf.quantize(model, ...)",
             source="openvinotoolkit/nncf: src/nncf/onnx/graph/model_transformer.py (q_output_/dq_output_ "
             "<edge>_<n>, QuantizeLinear_/DequantizeLinear_ node names, scale_/zero_point_ initializers, "
             "<mul>_scale / <mul>_output of inserted Mul nodes), quantization/algorithms/smooth_quant/"
@@ -365,6 +370,7 @@ ModelQuantizer(config).quantize_model("model.onnx", "model.quant.onnx", calibrat
 """,
             ),
             node_fix="exclude=$names in your quark.onnx QConfig",
+            per_channel_fix="QLayerConfig(weight=Int8Spec(quant_granularity=QuantGranularity.Channel)) in your QConfig",
             source="amd/Quark: quark/onnx/quantization/config/config.py (QConfig(global_config, ..., exclude)), "
             "config/maps.py (_map_q_config: each str of exclude -> nodes_to_exclude), quant_utils.py "
             "(__producer__ = 'quark.onnx'), quantizers' set_parameters_and_domain (com.microsoft and "
@@ -405,6 +411,8 @@ for name in $nodes:
             ),
             node_fix="the quantizers of $names disabled (sim.get_op_quantizers(op), enabled = False) before "
             "sim.compute_encodings",
+            per_channel_fix='"per_channel_quantization": "True" in the defaults of your quantsim config '
+            "(QuantizationSimModel(..., config_file=...))",
             source="quic/aimet: aimet_onnx/quantsim.py (_to_onnx_qdq: metadata producer='aimet-onnx <version>', "
             "<tensor>_updated / <tensor>_qdq names, get_op_quantizers(op)), aimet_onnx/meta/connectedgraph.py "
             "(ops keyed by ONNX node name), qc_quantize_op.py (enabled setter); aimet_common/onnx/_utils.py "
