@@ -2,7 +2,7 @@
 
 AMD Quark folds each BatchNormalization into the Conv before it and drops Reshapes a graph does not
 need; diag listed one reason per tensor. Now each unmatched tensor carries a typed cause
-(:class:`diag.core.match.UnmatchedCause`: fused, folded, renamed, missing, shape), diag.json groups
+(:class:`diag.core.match.UnmatchedCause`: fused, folded, renamed, identity, missing, shape), diag.json groups
 them (``matching.unmatched_causes``) and the terminal, summary.md and report.html say one sentence
 per group. Ground truth: a Conv → BatchNormalization → Reshape → Reshape → MatMul model, and its
 Quark-shaped INT8 version built here: BN folded into the Conv (which then writes the BN's output,
@@ -139,4 +139,57 @@ def test_a_tensor_whose_shape_differs_at_run_time_is_called_a_tensor_not_a_graph
     assert [plain(s) for s in unmatched_lines([shape, missing], None)] == [
         "unmatched: 2 tensor(s) whose shape differs in the INT8 model at run time: a, b",
         "unmatched: 1 graph input(s) without an INT8 tensor of the same name: the quantizer removed or renamed it: ids",
+    ]
+
+
+def test_identities_quark_removes_are_said_as_identities_not_as_missing(tmp_path):
+    """Quark drops ``x * 1`` and ``x + 0`` (a LayerNorm whose gamma is 1 and beta 0; seen on a real
+    Quark 0.13 run): the Div before them then writes the Add's output. The Mul's output is an
+    identity's, the Div's is passed on by identities and compared after them; a Mul by 2 stays."""
+    rng = np.random.default_rng(1)
+    fc = rng.standard_normal((8, 10)).astype(np.float32)
+    one, zero, two = np.ones(8, np.float32), np.zeros(8, np.float32), np.full(8, 2.0, np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])
+    fp32 = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Div", ["x", "two"], ["div_out"], "div"),
+                helper.make_node("Mul", ["div_out", "one"], ["mul_out"], "mul"),
+                helper.make_node("Add", ["mul_out", "zero"], ["add_out"], "add"),
+                helper.make_node("Mul", ["add_out", "two"], ["scaled"], "scale"),
+                helper.make_node("MatMul", ["scaled", "fc"], ["y"], "fc"),
+            ],
+            "g", [x], [y],
+            [numpy_helper.from_array(v, k) for k, v in {"one": one, "zero": zero, "two": two, "fc": fc}.items()],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )  # fmt: skip
+    quark = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("Div", ["x", "two"], ["add_out"], "div"),
+                helper.make_node("MatMul", ["add_out", "fc"], ["y"], "fc"),
+            ],
+            "g", [x], [y],
+            [numpy_helper.from_array(two, "two"), numpy_helper.from_array(fc * 2, "fc")],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )  # fmt: skip
+    causes = match_models(fp32, quark).unmatched_causes
+    assert causes == {
+        "div_out": UnmatchedCause("identity", "Div", "Mul"),
+        "mul_out": UnmatchedCause("identity", "Mul"),
+        "scaled": UnmatchedCause("missing", "Mul"),  # a Mul by 2 is not an identity
+    }
+    from diag.analysis.headline import plain
+    from diag.report.brief import unmatched_lines
+
+    grouped = [
+        {"kind": c.kind, "op_type": c.op_type, "merged_with": c.merged_with, "tensors": [t]} for t, c in causes.items()
+    ]
+    assert [plain(s) for s in unmatched_lines(grouped, "AMD Quark")][:2] == [
+        "unmatched: 1 Div output passed on by an identity Mul (x * 1, x + 0) removed by AMD Quark; compared after "
+        "it: div_out",
+        "unmatched: 1 Mul output of an identity (x * 1, x + 0), removed by AMD Quark: mul_out",
     ]

@@ -156,9 +156,12 @@ class NodeGroup:
 #: * ``fused``: the node writing it and the Relu / Clip after it became one INT8 node;
 #: * ``folded``: the node writing it and the BatchNormalization after it became one INT8 node;
 #: * ``renamed``: the INT8 model still computes it, under another name (an exporter's renaming);
+#: * ``identity``: the node writing it multiplies or divides by 1, or adds or subtracts 0 (a
+#:   LayerNorm whose gamma is 1 and beta 0), and the quantizer removed it; or (``merged_with`` the
+#:   identity's op type) it flows through such removed nodes into a tensor the INT8 model has;
 #: * ``missing``: no INT8 tensor of that name or its quantized forms: removed or renamed;
 #: * ``shape``: paired, but its shape differs between the models at run time (found while running).
-UnmatchedKind = Literal["fused", "folded", "renamed", "missing", "shape"]
+UnmatchedKind = Literal["fused", "folded", "renamed", "identity", "missing", "shape"]
 
 
 @dataclass(frozen=True)
@@ -519,10 +522,53 @@ def _unmatched_reason(name: str, f: _GraphIndex, q: _GraphIndex) -> tuple[str, U
                 f"{how} away by the quantizer: {p.op_type} '{f.ids[prod]}' + {c.op_type} "
                 f"'{f.ids[consumers[0]]}' became one INT8 node; compared at '{c.output[0]}'"
             ), UnmatchedCause(how, writer, c.op_type)
+    if prod is not None and _is_identity(f.nodes[prod], f):
+        return (
+            f"removed by the quantizer: {writer} '{f.ids[prod]}' "
+            f"{'multiplies or divides by 1' if writer in ('Mul', 'Div') else 'adds or subtracts 0'}, an identity"
+        ), UnmatchedCause("identity", writer)
+    through = _through_identities(name, f, q)
+    if through is not None:
+        first, end = through
+        return (
+            f"passed on by identity node(s) the quantizer removed ({first} by 1 or 0 ...): compared as '{end}'"
+        ), UnmatchedCause("identity", writer, first)
     return (
         f"no INT8 tensor named '{name}', '{name}_quantized' or "
         f"'{name}_DequantizeLinear_Output'; the quantizer removed or renamed it"
     ), UnmatchedCause("missing", writer)
+
+
+def _through_identities(name: str, f: _GraphIndex, q: _GraphIndex) -> tuple[str, str] | None:
+    """(the first identity's op type, the tensor the INT8 model has) when ``name`` flows, as the
+    only input of a chain of identity nodes (:func:`_is_identity`), into a tensor the INT8 model
+    computes; None otherwise."""
+    first, t = "", name
+    for _ in range(8):  # a LayerNorm's Mul by 1 then Add of 0; longer chains are not identities' work
+        consumers = f.consumers.get(t, [])
+        if len(consumers) != 1 or not _is_identity(f.nodes[consumers[0]], f):
+            return None
+        node = f.nodes[consumers[0]]
+        first, t = first or node.op_type, node.output[0]
+        if q.exists(t):
+            return first, t
+    return None
+
+
+def _is_identity(node: onnx.NodeProto, f: _GraphIndex) -> bool:
+    """Does ``node`` pass its computed input through unchanged: ``x * 1``, ``x / 1``, ``x + 0``,
+    ``x - 0`` with a constant operand that does not broadcast ``x`` to a bigger shape? (Quark and
+    onnxruntime's optimizer remove such nodes.)"""
+    neutral = {"Mul": 1.0, "Div": 1.0, "Add": 0.0, "Sub": 0.0}.get(node.op_type)
+    if neutral is None or len(node.input) != 2:
+        return False
+    constants = [f.array(x) for x in node.input]
+    sides = [i for i, c in enumerate(constants) if c is not None]
+    if len(sides) != 1 or (node.op_type in ("Div", "Sub") and sides[0] != 1):
+        return False
+    c = constants[sides[0]]
+    assert c is not None
+    return bool(c.size) and c.ndim <= 1 and bool(np.all(c == neutral))
 
 
 def _still_computed(op_type: str, consumer: onnx.NodeProto, q: _GraphIndex) -> int | None:

@@ -668,6 +668,9 @@ def unmatched_lines(causes: list[dict[str, Any]], producer: str | None) -> list[
             "fused": f"{what} fused with the {merged} after {them} {merged_by}",
             "folded": f"{what} folded with the {merged} after {them} {merged_by}",
             "renamed": f"{what} renamed, not fused: the INT8 model still computes {them}, under other names",
+            "identity": f"{what} passed on by an identity {merged} (x * 1, x + 0) removed by {who}; compared after it"
+            if merged
+            else f"{what} of an identity (x * 1, x + 0), removed by {who}",
             "missing": f"{what} without an INT8 tensor of the same name: {who} removed or renamed {them}",
             "shape": f"{what} whose shape differs in the INT8 model at run time",
         }.get(c["kind"], f"{what} ({c['kind']})")
