@@ -216,3 +216,19 @@ def test_the_demo_writes_an_aimet_export_and_its_fixed_encodings(tmp_path, capsy
     mine = json.loads((models_dir / "convnet.aimet.encodings").read_text())
     fixed = json.loads((fix / "convnet.aimet.encodings").read_text())
     assert fixed == document_without(mine, ex["encodings"]["removed"]) != mine
+
+
+def test_an_aimet_export_that_no_list_fixes_is_told_aimets_own_alternatives(export, capsys) -> None:
+    d, fp32, aimet = Path(str(export["dir"])), export["fp32"], export["aimet"]
+    args = ["exclude", fp32, "--int8", aimet, "--inputs", d / "feeds.npz", "--target", "cosine>=0.9999999"]
+    code, out, _ = run_cli([*args, "--bench-runs", "0", "--out", d / "nr", "--quiet"], capsys)
+    assert code == 3 and "NOT REACHABLE" in out
+    ex = json.loads((d / "nr" / "exclusion.json").read_text())
+    assert not (d / "nr" / "aimet.encodings").exists()  # no fix, no edited file
+    changes = [a["change"] for a in ex["alternatives"]]
+    assert changes[0].startswith('"per_channel_quantization": "True" in the defaults of your quantsim config')
+    assert "per_channel=True" not in changes
+    assert all(
+        "(onnxruntime's recipe; Qualcomm AIMET (aimet-onnx) has its own setting" in a["why"]
+        for a in ex["alternatives"][1:]
+    )

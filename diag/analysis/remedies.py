@@ -314,7 +314,7 @@ def per_channel_suggestions(
     worst = ruined[0]
     ch = min(worst.channels, key=lambda c: c.sqnr_db)
     names = ", ".join(w.fp_name for w in ruined[:3]) + (f" and {len(ruined) - 3} more" if len(ruined) > 3 else "")
-    python, api, note = _per_channel_switch(fmt, producer, opset)
+    python, api, note = per_channel_switch(fmt, producer, opset)
     return [
         Suggestion(
             worst.fp_name,
@@ -330,7 +330,7 @@ def per_channel_suggestions(
     ]
 
 
-def _per_channel_switch(fmt: str, producer: str, opset: int) -> tuple[str, str, str]:
+def per_channel_switch(fmt: str, producer: str, opset: int) -> tuple[str, str, str]:
     """(the change, the tool it is made in, why) of per-channel weights for the tool that made the
     model (:attr:`diag.foundations.producers.Producer.per_channel_fix`).
 
@@ -338,11 +338,11 @@ def _per_channel_switch(fmt: str, producer: str, opset: int) -> tuple[str, str, 
     falls back to one scale per tensor below it, so its fix is the FP32 model's opset.
 
     Example:
-        >>> _per_channel_switch("qdq", "nncf", 11)[0]
+        >>> per_channel_switch("qdq", "nncf", 11)[0]
         'model = onnx.version_converter.convert_version(model, 13)  # then nncf.quantize(model, ...)'
-        >>> _per_channel_switch("qdq", "quark", 17)[0]
+        >>> per_channel_switch("qdq", "quark", 17)[0]
         'QLayerConfig(weight=Int8Spec(quant_granularity=QuantGranularity.Channel)) in your QConfig'
-        >>> _per_channel_switch("qdq", "onnxruntime", 17)[0]
+        >>> per_channel_switch("qdq", "onnxruntime", 17)[0]
         'per_channel=True'
     """
     row = PRODUCERS.get(producer)

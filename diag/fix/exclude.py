@@ -55,10 +55,12 @@ import onnx
 
 from diag.analysis.compare import CompareOptions, CompareResult, compare_models, load_pair
 from diag.analysis.levers import nearly_all
+from diag.analysis.remedies import per_channel_switch
 from diag.core.encodings import AimetExport, aimet_export_at
 from diag.core.feeds import FeedSource, FeedSpec, load_labels
 from diag.core.load import LoadedModel, float_model_from_path
 from diag.core.match import Matching, match_models
+from diag.core.protos import default_opset
 from diag.core.recipe import Recipe
 from diag.core.surgery import float_region_model, region_dirs, save_spliced, spliced_model
 from diag.core.taskmetrics import metric_factory
@@ -1094,6 +1096,8 @@ def _exclusion_result(
         outcome.model = None
     nodes = search.nodes(chosen) if chosen is not None else []
     final_recipe = recipe.with_excluded(nodes) if chosen is not None else recipe
+    producer = _producer(search.user_int8, nodes, search.export) if search.user_int8 is not None else {}
+    tool = (producer.get("key", "onnxruntime"), default_opset(setup.fp.proto, 13))
     result = ExclusionResult(
         fp32=str(setup.fp32),
         target=setup.target,
@@ -1122,7 +1126,7 @@ def _exclusion_result(
         seconds=time.perf_counter() - setup.start,
         split=setup.split.to_dict(),
         calibration=setup.calibration_note,
-        alternatives=[] if chosen is not None else alternatives(recipe, candidates),
+        alternatives=[] if chosen is not None else alternatives(recipe, candidates, *tool),
         latency=outcome.latency,
         model=str(outcome.model) if outcome.model else None,
         method="encodings"
@@ -1130,7 +1134,7 @@ def _exclusion_result(
         else "surgical"
         if search.user_int8 is not None
         else "requantized",
-        producer=_producer(search.user_int8, nodes, search.export) if search.user_int8 is not None else {},
+        producer=producer,
         int8=str(options.int8) if search.user_int8 is not None else None,
         encodings=_edited_encodings(search, nodes) if search.export is not None and chosen is not None else None,
         splices=search.splices,
@@ -1305,22 +1309,25 @@ def _op_type_suggestions(
     return out
 
 
-def alternatives(recipe: Recipe, candidates: list[Candidate]) -> list[dict[str, Any]]:
-    """Cheaper changes worth trying when node exclusion cannot meet the target.
+def alternatives(
+    recipe: Recipe, candidates: list[Candidate], producer: str = "onnxruntime", opset: int = 13
+) -> list[dict[str, Any]]:
+    """Cheaper changes worth trying when node exclusion cannot meet the target, for a model
+    ``producer`` made (per-channel weights in its own terms; the other changes are onnxruntime's
+    recipe arguments, and say so when another tool made the model).
 
     Example:
-        >>> [a["change"] for a in alternatives(Recipe(mode="dynamic"), [])]  # doctest: +SKIP
-        ['per_channel=True', 'static QDQ instead of dynamic', ...]
+        >>> [a["change"] for a in alternatives(Recipe(mode="dynamic"), [])]
+        ['per_channel=True', 'static QDQ instead of dynamic']
+        >>> alternatives(Recipe(mode="static"), [], "nncf", 11)[0]["change"]
+        'model = onnx.version_converter.convert_version(model, 13)  # then nncf.quantize(model, ...)'
     """
     out: list[dict[str, Any]] = []
     mode = _name(recipe.mode)
     if not recipe.per_channel:
-        out.append(
-            {
-                "change": "per_channel=True",
-                "why": "one scale per output channel of each weight: outlier channels stop crushing the others",
-            }
-        )
+        change, _, why = per_channel_switch(mode or "static", producer, opset)
+        ort_why = "one scale per output channel of each weight: outlier channels stop crushing the others"
+        out.append({"change": change, "why": ort_why if change == "per_channel=True" else why})
     if mode == "dynamic":
         out.append(
             {
@@ -1346,6 +1353,12 @@ def alternatives(recipe: Recipe, candidates: list[Candidate]) -> list[dict[str, 
                 "UseQDQContribOps for the inputs/outputs of " + ", ".join(tensors),
             }
         )
+    if producer not in ORT_RECIPE_PRODUCERS and producer in PRODUCERS:
+        name = PRODUCERS[producer].name
+        own = PRODUCERS[producer].per_channel_fix
+        for alt in out:
+            if alt["change"] != own:
+                alt["why"] += f" (onnxruntime's recipe; {name} has its own setting for it)"
     return out
 
 
