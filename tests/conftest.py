@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import doctest
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 from _pytest.doctest import DoctestItem
 
 import diag
+from diag.analysis.compare import CompareOptions, CompareResult, compare_models
+from diag.core.feeds import FeedSpec
 from diag.fixtures import models, quantize
 
 FORMATS = ("dynamic", "qdq", "qoperator")
@@ -71,6 +74,17 @@ class Built:
             path = folder / f"{fx.name}.{fmt}.onnx"
             quantize.quantize(self.fp32, path, fmt, self.calib)
             self.int8[fmt] = path
+        self._compared: dict[tuple[str, int], CompareResult] = {}
+
+    def compared(self, fmt: str, samples: int = 32) -> CompareResult:
+        """``compare_models`` of the FP32 model and its ``fmt`` INT8 model on the first ``samples``
+        inputs (batch 8, default options): run once per session, and every caller gets its own deep
+        copy, so no test sees what another did to its result."""
+        if (fmt, samples) not in self._compared:
+            spec = FeedSpec(inputs=str(self.inputs_path), samples=samples, batch=8)
+            options = CompareOptions(progress=False)
+            self._compared[fmt, samples] = compare_models(self.fp32, self.int8[fmt], spec, options)
+        return copy.deepcopy(self._compared[fmt, samples])
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,9 @@ onnxruntime picks its int8 kernels from the CPU (u8s8 pairs saturate in int16 on
 are exact with VNNI) and offers no switch. ``qemu-x86_64 -cpu Haswell`` (Debian's qemu-user, QEMU
 >= 7.2 emulates AVX2) gives onnxruntime a real AVX2-only CPU, so the tests marked ``kernel_path``
 run in CI a second time as ``QEMU_CPU=Haswell qemu-x86_64 python -m pytest -m kernel_path``.
-qemu-user does not follow ``exec``: a test that starts ``diag`` in a subprocess takes its command
-from :func:`diag_command`, which keeps the subprocess on the emulated CPU.
+qemu-user does not follow ``exec``: a test that starts ``diag`` in a subprocess takes its interpreter
+from :func:`python_command` (directly or through ``diag_forks.DiagForks``), which keeps the
+subprocess on the emulated CPU.
 
 NOTE: QEMU 7.2 crashes in numpy's AVX2 sort (``np.argsort`` on some arrays, a segmentation fault);
 the emulated leg runs with numpy's own AVX2/AVX-512 paths off (``NPY_DISABLE_CPU_FEATURES``).
@@ -24,11 +25,11 @@ def emulated_cpu() -> str | None:
     return os.environ.get("QEMU_CPU") or None
 
 
-def diag_command() -> list[str]:
-    """``python -m diag`` on the CPU this test runs on, emulated or real."""
+def python_command() -> list[str]:
+    """``python`` on the CPU this test runs on, emulated or real."""
     cpu = emulated_cpu()
     if cpu is None:
-        return [sys.executable, "-m", "diag"]
+        return [sys.executable]
     qemu = shutil.which("qemu-x86_64")
     assert qemu, "QEMU_CPU is set but qemu-x86_64 is not installed"
-    return [qemu, "-cpu", cpu, sys.executable, "-m", "diag"]
+    return [qemu, "-cpu", cpu, sys.executable]

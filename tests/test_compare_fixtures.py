@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from diag.analysis.compare import CompareOptions, compare_models
-from diag.core.feeds import FeedSpec
 from diag.fixtures.quantize import FORMATS  # every 8-bit kind of diag.foundations.ortfacts.FORMATS
 
 DEFECT_FIXTURES = ("transformer", "convnet")
@@ -16,13 +14,8 @@ NAMED_BY_EFFECT = {("convnet", "dynamic"): "conv2"}
 
 
 def _compare(built, name: str, fmt: str, samples: int = 32):
-    b = built(name)
-    return compare_models(
-        b.fp32,
-        b.int8[fmt],
-        FeedSpec(inputs=str(b.inputs_path), samples=samples, batch=8),
-        CompareOptions(progress=False),
-    )
+    """``compare_models`` on the built pair (batch 8, default options), run once per session (conftest)."""
+    return built(name).compared(fmt, samples)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -130,7 +130,7 @@ def test_the_f1_gate_reads_the_f1_drop_as_deployed_with_exact_mode_beside(exclud
     out = tmp_path / "out"
     # grades only: no local error, no effect check, no recipe settings (each costs runs this test needs not)
     args = ["compare", fp, q, "--inputs", tmp_path / "x.npz", "--labels", tmp_path / "y.npy", *GRADES_ONLY]
-    cli.main([str(a) for a in [*args, "--out", out, "--quiet"]])
+    cli.main([str(a) for a in [*args, "--batch", "512", "--out", out, "--quiet"]])
     capsys.readouterr()
     doc = json.loads((out / "diag.json").read_text())
     assert doc["verdict"]["outputs"][0]["f1_macro_drop"] == pytest.approx(deployed, abs=1e-6)

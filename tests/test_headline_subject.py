@@ -23,6 +23,8 @@ FORMATS = ("dynamic", "qdq", "qoperator")
 
 def _compare(built, name: str, fmt: str, samples: int = 32, **options: int):
     b = built(name)
+    if not options:
+        return b.compared(fmt, samples)  # default options: run once per session (conftest)
     spec = FeedSpec(inputs=str(b.inputs_path), samples=samples, batch=8)
     return compare_models(b.fp32, b.int8[fmt], spec, CompareOptions(progress=False, **options))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import onnx
 import onnxruntime
 import pytest
+from cli_run import run_cli
 from onnx import TensorProto, helper, numpy_helper
 
 from diag.cli import commands as cli
@@ -201,33 +202,30 @@ def test_cli_exit_code_is_3_on_errors_and_0_on_warnings(bert, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "warn.json: 0 errors, 1 warning"
 
 
-def test_readme_lint_example_prints_what_the_readme_shows(tmp_path):
-    """diag lint's page's failing-recipe example (exit 3, so test_readme cannot run it) runs here."""
+def test_readme_lint_example_prints_what_the_readme_shows(tmp_path, monkeypatch, capsys):
+    """diag lint's page's failing-recipe example (exit 3, so test_readme cannot run it) runs here,
+    from the folder the page's paths are relative to."""
     section = LINT_PAGE.read_text()
     recipe = section[section.index("```json\n") + 8 : section.index("```", section.index("```json\n") + 8)]
     block = section[section.index("```\ndiag lint recipe.json") + 4 :]
     block = block[: block.index("```")].splitlines()
-    import subprocess
-    import sys
-
     from diag.cli.demo import build_fixture_files
 
     build_fixture_files(tmp_path / "demo" / "models", "transformer", "dynamic")
     (tmp_path / "recipe.json").write_text(recipe)
+    monkeypatch.chdir(tmp_path)
     argv = block[0].split()[1:]  # no '$ ': test_readme runs only examples that exit 0
-    out = subprocess.run([sys.executable, "-m", "diag", *argv], cwd=tmp_path, capture_output=True, text=True)
-    assert out.returncode == GATE_FAILED, out.stderr
-    assert out.stdout.splitlines() == block[1:]
+    code, out, err = run_cli(argv, capsys)
+    assert code == GATE_FAILED, err
+    assert out.splitlines() == block[1:]
     # The measured example: the golden config's lines, each quantized with and without (exit 0).
     start = section.index("```json\n", section.index("(`golden.json`)")) + 8
     (tmp_path / "golden.json").write_text(section[start : section.index("```", start)])
     block = section[section.index("```\ndiag lint golden.json") + 4 :]
     block = block[: block.index("```")].splitlines()
-    out = subprocess.run(
-        [sys.executable, "-m", "diag", *block[0].split()[1:]], cwd=tmp_path, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == block[1:]
+    code, out, err = run_cli(block[0].split()[1:], capsys)
+    assert code == 0, err
+    assert out.splitlines() == block[1:]
 
 
 def test_names_are_checked_against_a_float_model_only(built, tmp_path):

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from cli_run import run_cli
 
 from diag.analysis.decoder import layer_of, projection_of
 from diag.core.metrics import OutputAccumulator, OutputSpec
@@ -213,16 +214,17 @@ def test_inferred_recipe_excludes_only_matmuls_the_quantizer_would_have_quantize
     assert evidence[-1] == f"1 MatMul node(s) left in float: {kept}"
 
 
-def test_fix_snippet_and_kept_models_are_whole_with_external_data(llm, tmp_path):
+def test_fix_snippet_and_kept_models_are_whole_with_external_data(llm, tmp_path, capsys):
     summary = (llm["out"] / "summary.md").read_text()
     assert "save_as_external_data=True, location='int4.fixed.onnx.data'" in summary
     # the starting point is measured with external data (the effect check reads the region's weights)
     assert "estimated on 8 samples with the list in float inside the INT8 model" in summary
     out = tmp_path / "ex"
-    args = ["--inputs", llm["ids32"], "--target", "cosine>=0.97", "--out", out, "--bench-runs", "0"]
-    run = _diag("exclude", llm["fp32"], "--int8", llm["int4"], *args)
+    args = ["--inputs", llm["ids32"], "--target", "cosine>=0.97", "--out", out, "--bench-runs", "0", "--quiet"]
+    code, printed, err = run_cli(["exclude", llm["fp32"], "--int8", llm["int4"], *args], capsys)
+    assert code == 0, err
     # every trial is the user's int4 model with float regions spliced in, external data and all
-    assert "spliced from your INT8 model (no re-quantization)" in run.stdout
+    assert "spliced from your INT8 model (no re-quantization)" in printed
     mixed = out / "fp32.mixed.onnx"
     assert _locations(mixed) == {"fp32.mixed.onnx.data"} and (out / "fp32.mixed.onnx.data").exists()
     excluded = json.loads((out / "exclusion.json").read_text())["nodes_to_exclude"]
@@ -232,7 +234,7 @@ def test_fix_snippet_and_kept_models_are_whole_with_external_data(llm, tmp_path)
     assert sess.run(None, {"input_ids": ids})[0].shape == (1, 16, 512)
 
 
-def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path):
+def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path, capsys):
     """Every layer's down_proj has the planted channel: the plan is "mlp/down_proj in every layer"."""
     f = llama_decoder(outlier_layer=None)
     fp32 = save_with_external_data(f.model, tmp_path / "fp32.onnx")
@@ -240,11 +242,12 @@ def test_tier_plan_names_a_whole_projection_and_its_model_is_whole(tmp_path):
     np.savez(tmp_path / "ids.npz", **f.make_inputs(32, seed=2))
     out = tmp_path / "tiers"
     args = ["--inputs", tmp_path / "ids.npz", "--target", "cosine>=0.97", "--tiers", "int4,int8,fp32", "--out", out]
-    run = _diag("exclude", fp32, "--int8", int4, *args, "--bench-runs", "0")
+    code, printed, err = run_cli(["exclude", fp32, "--int8", int4, *args, "--bench-runs", "0", "--quiet"], capsys)
+    assert code == 0, err
     plan = json.loads((out / "tiers.json").read_text())
     assert sorted(plan["by_tier"]["int8"]) == [f"/model/layers.{i}/mlp/down_proj/MatMul" for i in range(4)]
     assert plan["by_projection"] == {"int8": "mlp/down_proj in every layer (4)"}
-    assert "  int8 (4 nodes): mlp/down_proj in every layer (4)" in run.stdout
+    assert "  int8 (4 nodes): mlp/down_proj in every layer (4)" in printed
     # The plan's report diagnoses the all-int4 model: weight-only remedies, and no command naming
     # the search's deleted work folder (it once named the temp diag-tiers-*/plan000.onnx).
     summary = (out / "summary.md").read_text()
@@ -290,15 +293,17 @@ def test_projection_phrase_names_whole_projections():
     assert projection_phrase(named, named, paths) == "mlp/down_proj in every layer (4), lm_head (node_linear_9)"
 
 
-def test_accuracy_level_check_reads_external_data_from_the_models_folder(llm, tmp_path):
+def test_accuracy_level_check_reads_external_data_from_the_models_folder(llm, tmp_path, monkeypatch, capsys):
     """--accuracy-level-check builds its sessions from memory: onnxruntime must be told where the
     weights are, not find them by chance in the current folder (it used to fail with 'External
     data path ... escapes working directory' unless run from the model's folder)."""
     out = tmp_path / "o"
-    _diag(
+    monkeypatch.chdir(tmp_path)  # not the models' folder
+    code, _, err = run_cli([
         "compare", llm["fp32"], llm["int4"], "--inputs", llm["ids"], "--samples", "2", "--effects", "0",
-        "--accuracy-level-check", "4", "--out", out, cwd=tmp_path,
-    )  # fmt: skip
+        "--accuracy-level-check", "4", "--out", out, "--quiet",
+    ], capsys)  # fmt: skip
+    assert code == 0, err
     check = json.loads((out / "diag.json").read_text())["accuracy_level"]
     assert check["level"] == 4 and check["samples"] == 2
     # every MatMulNBits node (7 projections a layer, and lm_head), each named as in the FP32 graph
@@ -308,44 +313,46 @@ def test_accuracy_level_check_reads_external_data_from_the_models_folder(llm, tm
 
 
 @pytest.mark.slow
-def test_a_tier_search_stopped_by_its_budget_keeps_the_plan_it_met_and_claims_nothing_it_did_not_test(llm, tmp_path):
+def test_a_tier_search_stopped_by_its_budget_keeps_the_plan_it_met_and_claims_nothing_it_did_not_test(
+    llm, tmp_path, capsys
+):
     """At 500M the tier search met cosine>=0.99 with every MatMul at int8, then ran out of time
     while narrowing: it said "not reachable ... no plan short of every node at fp32 meets it".
     A met trial is a plan (not the smallest: said so); a search stopped before any met claims nothing."""
     base = ["exclude", llm["fp32"], "--int8", llm["int4"], "--inputs", llm["ids"], "--target", "cosine>=0.995"]
     base += ["--tiers", "int4,int8,fp32", "--bench-runs", "0"]
 
-    def tiers(out: str, *more: str) -> tuple[subprocess.CompletedProcess, dict]:
-        argv = [sys.executable, "-m", "diag", *map(str, base), *more, "--out", str(tmp_path / out)]
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-        return run, json.loads((tmp_path / out / "tiers.json").read_text())
+    def tiers(out: str, *more: str) -> tuple[int, str, dict]:
+        """The exit code and stdout of one ``diag exclude --tiers`` run, and its tiers.json."""
+        code, printed, _ = run_cli([*base, *more, "--out", tmp_path / out], capsys)
+        return code, printed, json.loads((tmp_path / out / "tiers.json").read_text())
 
-    run, full = tiers("full")
-    assert run.returncode == 0 and full["reachable"] and full["budget"] is None
+    code, printed, full = tiers("full")
+    assert code == 0 and full["reachable"] and full["budget"] is None
     # --max-trials counts quantizations, the baseline's among them: stop right after the first met trial
     limit = next(i for i, t in enumerate(full["trials"]) if t["met"]) + 1
     assert len(full["trials"]) > limit, "the search narrows after its first met trial"
-    run, plan = tiers("met", "--max-trials", str(limit))
+    code, printed, plan = tiers("met", "--max-trials", str(limit))
     assert plan["budget"] == f"--max-trials {limit} reached"
-    assert run.returncode == 0 and plan["reachable"]
+    assert code == 0 and plan["reachable"]
     assert plan["trials"][-1]["met"] and plan["after"]["cosine"] >= 0.995
     assert len(plan["plan"]) == sum(plan["trials"][-1]["promoted"].values()) >= len(full["plan"])
-    assert "met on" in run.stdout and f"not the smallest plan: --max-trials {limit} reached" in run.stdout
+    assert "met on" in printed and f"not the smallest plan: --max-trials {limit} reached" in printed
     assert (tmp_path / "met" / "fp32.plan.onnx").exists()
     # Stopped while pruning (a met plan, not every group tried one tier lower): said too. It used
     # to be kept silently, as if the plan were the smallest.
     pruning = next(i for i, t in enumerate(full["trials"]) if t["phase"] == "prune") + 2
     assert sum(t["phase"] == "prune" for t in full["trials"]) > 2
-    run, pruned = tiers("pruned", "--max-trials", str(pruning))
+    code, printed, pruned = tiers("pruned", "--max-trials", str(pruning))
     assert [t["phase"] for t in pruned["trials"]][-2:] == ["prune", "prune"] and pruned["reachable"]
     assert pruned["budget"] == f"--max-trials {pruning} reached" and pruned["after"]["cosine"] >= 0.995
-    assert f"not the smallest plan: --max-trials {pruning} reached" in run.stdout
+    assert f"not the smallest plan: --max-trials {pruning} reached" in printed
     summary = (tmp_path / "pruned" / "summary.md").read_text()
     assert f"**Verified fix**: met (--max-trials {pruning} reached: verified, not the smallest plan)" in summary
-    run, short = tiers("short", "--max-trials", "2")
-    assert run.returncode == 3 and not short["reachable"]
-    assert "not reached (--max-trials 2 reached)" in run.stdout and "stopped before any plan met it" in run.stdout
-    assert "no plan short of" not in run.stdout
+    code, printed, short = tiers("short", "--max-trials", "2")
+    assert code == 3 and not short["reachable"]
+    assert "not reached (--max-trials 2 reached)" in printed and "stopped before any plan met it" in printed
+    assert "no plan short of" not in printed
     summary = (tmp_path / "short" / "summary.md").read_text()
     assert "**Verified fix**: not reached (--max-trials 2 reached before any plan met the target)" in summary
     verdict = summary.split("**Verified fix**")[1].split("INT8 format")[0]

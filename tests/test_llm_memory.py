@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,20 +39,37 @@ atexit.register(_peak)
 DOUBLE = "import onnx, sys\n_weights = onnx.load(sys.argv[1])  # the FP32 weights, held once more\n"
 RUN = "from diag.cli.commands import main\nsys.exit(main(sys.argv[2:]))\n"
 
+#: A decoder fixture's ``make_inputs``: sample count -> the model's feeds.
+Inputs = Callable[[int], dict[str, np.ndarray]]
+
 pytestmark = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs util-linux prlimit")
 
 
-def _decoder(d: Path, hidden: int, ffn: int, vocab: int, samples: int = 4) -> tuple[Path, Path, Path]:
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Inputs]]:
+    """The tiny and the large decoder (FP32 with external data, its int4 model), built once for both
+    tests: each test runs in its own folder beside them, with its own inputs. Only the files and the
+    inputs' maker are kept, not the model in memory."""
+    d = tmp_path_factory.mktemp("decoders")
+    made = {}
+    for size, (hidden, ffn, vocab) in {"small": (64, 128, 256), "large": (768, 2048, 8192)}.items():
+        (d / size).mkdir()
+        f = llama_decoder(layers=6, hidden=hidden, heads=8, ffn=ffn, vocab=vocab, outlier_layer=1)
+        fp32 = save_with_external_data(f.model, d / size / "fp32.onnx")
+        made[size] = (fp32, quantize_int4(fp32, d / size / "int4.onnx"), f.make_inputs)
+    return made
+
+
+def _decoder(decoders: dict[str, tuple[Path, Path, Inputs]], size: str, d: Path, samples: int = 4) -> tuple[Path, ...]:
+    """``size``'s decoder and ``samples`` inputs; the runs write their output folders in ``d``."""
+    fp32, int4, make_inputs = decoders[size]
     d.mkdir()
-    f = llama_decoder(layers=6, hidden=hidden, heads=8, ffn=ffn, vocab=vocab, outlier_layer=1)
-    fp32 = save_with_external_data(f.model, d / "fp32.onnx")
-    int4 = quantize_int4(fp32, d / "int4.onnx")
-    np.savez(d / "ids.npz", **f.make_inputs(samples))
+    np.savez(d / "ids.npz", **make_inputs(samples))
     return fp32, int4, d / "ids.npz"
 
 
 def _compare(fp32: Path, int4: Path, ids: Path, prelude: str, limit: int | None = None) -> subprocess.CompletedProcess:
-    argv = ["compare", str(fp32), str(int4), "--inputs", str(ids), "--out", str(fp32.parent / "out"), "--quiet"]
+    argv = ["compare", str(fp32), str(int4), "--inputs", str(ids), "--out", str(ids.parent / "out"), "--quiet"]
     return _diag(fp32, argv, prelude, limit)
 
 
@@ -60,7 +78,7 @@ def _tiers(fp32: Path, int4: Path, ids: Path, prelude: str, limit: int | None = 
     # enough to reach every phase of a search (evaluators built, a weight re-blocked, plan evaluated).
     argv = ["exclude", str(fp32), "--int8", str(int4), "--inputs", str(ids), "--tiers", "int4,int8,fp32",
             "--target", "cosine>=0.99999", "--max-trials", "2", "--bench-runs", "0",
-            "--out", str(fp32.parent / "tiers"), "--quiet"]  # fmt: skip
+            "--out", str(ids.parent / "tiers"), "--quiet"]  # fmt: skip
     return _diag(fp32, argv, prelude, limit)
 
 
@@ -77,9 +95,9 @@ def _weights(*paths: Path) -> int:
 
 
 @pytest.mark.slow
-def test_large_decoder_fits_a_limit_that_weights_loaded_twice_do_not(tmp_path):
-    small = _decoder(tmp_path / "small", 64, 128, 256)
-    large = _decoder(tmp_path / "large", 768, 2048, 8192)
+def test_large_decoder_fits_a_limit_that_weights_loaded_twice_do_not(decoders, tmp_path):
+    small = _decoder(decoders, "small", tmp_path / "small")
+    large = _decoder(decoders, "large", tmp_path / "large")
     base = _compare(*small, PEAK)
     assert base.returncode == 0, base.stderr
     fixed = int(base.stderr.split("VMPEAK ")[1].split()[0])
@@ -97,19 +115,19 @@ def test_large_decoder_fits_a_limit_that_weights_loaded_twice_do_not(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_tier_search_on_the_large_decoder_fits_the_same_limit(tmp_path):
+def test_a_tier_search_on_the_large_decoder_fits_the_same_limit(decoders, tmp_path):
     """The search keeps held-out evaluators (exact and deploy level) alive through every
     re-quantization; they used to hold an FP32 session each beside the quantizer's own copy of
     the FP32 model (500M: 8.9 GB for 2.4 GB of files). They keep the FP32 outputs instead."""
-    small = _decoder(tmp_path / "small", 64, 128, 256, samples=8)
-    large = _decoder(tmp_path / "large", 768, 2048, 8192, samples=8)
+    small = _decoder(decoders, "small", tmp_path / "small", samples=8)
+    large = _decoder(decoders, "large", tmp_path / "large", samples=8)
     base = _tiers(*small, PEAK)
     assert base.returncode in (0, 3), base.stderr
     fixed = int(base.stderr.split("VMPEAK ")[1].split()[0])
     limit = fixed + int(1.5 * _weights(large[0], large[1])) + MARGIN
     fits = _tiers(*large, "import sys\n", limit)
     assert fits.returncode in (0, 3), f"limit {limit >> 20} MB (fixed {fixed >> 20} MB): {fits.stderr[-2000:]}"
-    plan = json.loads((large[0].parent / "tiers" / "tiers.json").read_text())
+    plan = json.loads((large[2].parent / "tiers" / "tiers.json").read_text())
     # Surgical (issue 41 item 6): the user's int4 model is the baseline, the plan one splice of it.
     assert plan["method"] == "surgical" and plan["quantizations"] == 0 and plan["splices"] == 1
     assert [t["phase"] for t in plan["trials"]] == ["baseline", "search"]

@@ -10,11 +10,10 @@ sessions, shards, the ``auto`` rule for large models and the CLI are covered.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from cli_run import run_cli
 
 import diag.core.streaming
 from diag.analysis.compare import CompareOptions, load_pair, run_comparison
@@ -89,24 +88,24 @@ def test_auto_limits_only_large_models_and_shards_add_up(decoder, monkeypatch):
     assert _state(fp, q, inputs, local=False).local_samples == 0
 
 
-def test_the_cli_says_where_local_error_was_measured_and_refuses_a_bad_count(decoder, tmp_path):
+def test_the_cli_says_where_local_error_was_measured_and_refuses_a_bad_count(decoder, tmp_path, capsys):
     folder, _ = decoder
-    cmd = [sys.executable, "-m", "diag", "compare", str(folder / "fp32.onnx"), str(folder / "int4.onnx")]
-    cmd += ["--inputs", str(folder / "ids.npz"), "--effects", "0", "--quiet"]
-    run = subprocess.run([*cmd, "--local-samples", "2", "--out", str(tmp_path / "a")], capture_output=True, text=True)
-    assert run.returncode in (0, 1), run.stderr
-    assert f"{SAMPLES} samples in" in run.stdout
-    assert "(local error on the first 2; --local-samples all for every one)" in run.stdout
+    cmd = ["compare", folder / "fp32.onnx", folder / "int4.onnx", "--inputs", folder / "ids.npz", "--effects", "0"]
+    cmd += ["--quiet"]
+    code, printed, err = run_cli([*cmd, "--local-samples", "2", "--out", tmp_path / "a"], capsys)
+    assert code in (0, 1), err
+    assert f"{SAMPLES} samples in" in printed
+    assert "(local error on the first 2; --local-samples all for every one)" in printed
     doc = json.loads((tmp_path / "a" / "diag.json").read_text())
     assert doc["run"]["local_samples"] == 2 and doc["run"]["samples"] == SAMPLES
     assert "local error on the first 2 samples" in (tmp_path / "a" / "summary.md").read_text()
     assert "local error on the first 2 samples" in (tmp_path / "a" / "report.html").read_text()
-    every = subprocess.run([*cmd, "--out", str(tmp_path / "b")], capture_output=True, text=True)
-    assert "local error on the first" not in every.stdout
+    _, printed, _ = run_cli([*cmd, "--out", tmp_path / "b"], capsys)
+    assert "local error on the first" not in printed
     assert json.loads((tmp_path / "b" / "diag.json").read_text())["run"]["local_samples"] == SAMPLES
-    bad = subprocess.run([*cmd, "--local-samples", "0", "--out", str(tmp_path / "c")], capture_output=True, text=True)
-    assert bad.returncode == 2 and "bad-option" in bad.stderr and "--local-samples '0'" in bad.stderr
-    assert "Traceback" not in bad.stderr and not (tmp_path / "c").exists()
-    bad = subprocess.run([*cmd, "--effect-samples", "x", "--out", str(tmp_path / "d")], capture_output=True, text=True)
-    assert bad.returncode == 2 and "bad-option" in bad.stderr and "--effect-samples 'x'" in bad.stderr
-    assert "Traceback" not in bad.stderr and not (tmp_path / "d").exists()
+    code, _, err = run_cli([*cmd, "--local-samples", "0", "--out", tmp_path / "c"], capsys)
+    assert code == 2 and "bad-option" in err and "--local-samples '0'" in err
+    assert "Traceback" not in err and not (tmp_path / "c").exists()
+    code, _, err = run_cli([*cmd, "--effect-samples", "x", "--out", tmp_path / "d"], capsys)
+    assert code == 2 and "bad-option" in err and "--effect-samples 'x'" in err
+    assert "Traceback" not in err and not (tmp_path / "d").exists()

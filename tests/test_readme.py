@@ -7,12 +7,11 @@ import importlib.util
 import os
 import re
 import shlex
-import subprocess
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from kernel_path import diag_command
+from diag_forks import DiagForks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -150,19 +149,19 @@ def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path):
     for name, text in _python_files().items():
         (tmp_path / name).write_text(text)
     printed: dict[str, list[str]] = {}
-    for cmd, expected in examples:
-        env, argv = _split(cmd)
-        if cmd not in printed:
-            if "PYTHONPATH" in env:
-                env["PYTHONPATH"] = str(tmp_path / env["PYTHONPATH"])
-            out = subprocess.run(
-                [*diag_command(), *argv[1:]], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, **env}
-            )
-            assert out.returncode == 0, (cmd, out.stderr)
-            printed[cmd] = out.stdout.splitlines()
-        scrub = _scrub_numbers if argv[1] in ("bench", "sweep") else _scrub
-        got = [scrub(x) for x in printed[cmd]]
-        assert got == [scrub(x) for x in expected], cmd
+    (tmp_path / "forks").mkdir()
+    with DiagForks(tmp_path / "forks") as diag:  # each command its own `python -m diag` process
+        for cmd, expected in examples:
+            env, argv = _split(cmd)
+            if cmd not in printed:
+                if "PYTHONPATH" in env:
+                    env["PYTHONPATH"] = str(tmp_path / env["PYTHONPATH"])
+                out = diag.run(argv[1:], cwd=tmp_path, env={**os.environ, **env})
+                assert out.returncode == 0, (cmd, out.stderr)
+                printed[cmd] = out.stdout.splitlines()
+            scrub = _scrub_numbers if argv[1] in ("bench", "sweep") else _scrub
+            got = [scrub(x) for x in printed[cmd]]
+            assert got == [scrub(x) for x in expected], cmd
 
 
 def test_readme_runs_its_plugin_examples_with_the_files_it_shows():

@@ -6,13 +6,15 @@ The wheel is fetched once into ``$DIAG_CACHE`` (default ``~/.cache/diag``) with
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 
-from diag.analysis.compare import CompareOptions, compare_models
+from diag.analysis.compare import CompareOptions, CompareResult, compare_models
 from diag.core.feeds import FeedSpec
 from diag.fixtures import quantize, thirdparty
 
@@ -47,10 +49,26 @@ def real(tmp_path_factory):
     return made
 
 
+@pytest.fixture(scope="module")
+def real_compared(real) -> Callable[[str, str], CompareResult]:
+    """``real_compared("det", "qdq")``: compare_models of that pair on 4 samples, run once for the
+    module; every caller gets its own deep copy."""
+    cache: dict[tuple[str, str], CompareResult] = {}
+
+    def get(which: str, fmt: str) -> CompareResult:
+        if (which, fmt) not in cache:
+            fp, q, inputs = real[(which, fmt)]
+            cache[which, fmt] = compare_models(
+                fp, q, FeedSpec(inputs=str(inputs), samples=4), CompareOptions(progress=False)
+            )
+        return copy.deepcopy(cache[which, fmt])
+
+    return get
+
+
 @pytest.mark.parametrize(("which", "fmt"), list(CASES))
-def test_compare_runs_on_real_ocr_models_with_concrete_matching_counts(real, which, fmt):
-    fp, q, inputs = real[(which, fmt)]
-    r = compare_models(fp, q, FeedSpec(inputs=str(inputs), samples=4), CompareOptions(progress=False))
+def test_compare_runs_on_real_ocr_models_with_concrete_matching_counts(real_compared, which, fmt):
+    r = real_compared(which, fmt)
     m = r.matching
     counts = (len(m.fp_float_tensors), len(r.accumulated))
     expected = {
@@ -75,10 +93,9 @@ EXPECTED_DET_QDQ = 295
 
 
 @pytest.mark.parametrize(("which", "fmt"), [("det", "qdq"), ("cls", "dynamic")])
-def test_real_outputs_are_graded_by_their_kind(real, which, fmt):
+def test_real_outputs_are_graded_by_their_kind(real_compared, which, fmt):
     """The DBNet map is a probability map (mask IoU, no argmax over image width); cls is a softmax."""
-    fp, q, inputs = real[(which, fmt)]
-    r = compare_models(fp, q, FeedSpec(inputs=str(inputs), samples=4), CompareOptions(progress=False))
+    r = real_compared(which, fmt)
     (v,) = r.verdicts
     if which == "det":
         assert v.per_sample.kind == "probability-map"

@@ -13,7 +13,7 @@ from typing import Any
 
 from diag.foundations.numfmt import byte_size, table_cell
 from diag.report.plots_sweep import pareto_plot
-from diag.report.view import jinja_environment, md_code, md_escape
+from diag.report.view import md_code, md_escape, page_environment
 
 #: sweep.md never exceeds this many lines (a PR comment).
 MD_MAX_LINES = 60
@@ -195,7 +195,7 @@ def _note(e: dict[str, Any], entries: dict[str, dict[str, Any]]) -> str:
 
 def render_html(view: SweepView) -> str:
     """``sweep.html``: one self-contained file (CSS, SVG inline; CSP forbids network), autoescaped."""
-    return str(jinja_environment().get_template("sweep.html.j2").render(v=view))
+    return str(page_environment().get_template("sweep.html.j2").render(v=view))
 
 
 def render_markdown(view: SweepView) -> str:

@@ -9,6 +9,7 @@ never see a CompareResult. Numbers are formatted here; templates only loop and p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -1245,12 +1246,15 @@ def _printable(value: Any) -> Any:
     return value
 
 
-def jinja_environment() -> jinja2.Environment:
-    """The templates' jinja2 environment: autoescaped, StrictUndefined, control characters dropped."""
+def jinja_environment(folder: Path | None = None) -> jinja2.Environment:
+    """The templates' jinja2 environment: autoescaped, StrictUndefined, control characters dropped.
+
+    ``folder``: where the templates are (default: :func:`templates_dir`).
+    """
 
     return jinja2.Environment(
         finalize=_printable,
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        loader=jinja2.FileSystemLoader(str(folder or templates_dir())),
         autoescape=True,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
@@ -1259,8 +1263,27 @@ def jinja_environment() -> jinja2.Environment:
     )
 
 
+def page_environment(markdown: bool = False) -> jinja2.Environment:
+    """:func:`jinja_environment` for the HTML pages, or set up for Markdown (no autoescape, the
+    ``md``/``mdcode``/``mdfence`` filters): one per templates folder and kind of page, so each
+    template is compiled once per process instead of on every render. A template file changed
+    on disk is still read again (jinja2's ``auto_reload``)."""
+    return _environment_for(templates_dir(), markdown)
+
+
+@functools.cache
+def _environment_for(folder: Path, markdown: bool) -> jinja2.Environment:
+    env = jinja_environment(folder)
+    if markdown:
+        env.autoescape = False
+        env.filters["md"] = md_escape
+        env.filters["mdcode"] = md_code
+        env.filters["mdfence"] = md_fence
+    return env
+
+
 def render_html(view: ReportView) -> str:
-    return str(jinja_environment().get_template("report.html.j2").render(v=view))
+    return str(page_environment().get_template("report.html.j2").render(v=view))
 
 
 #: Where summary.md's closing fix block starts: the lines from it on are never cut.
@@ -1290,11 +1313,7 @@ def _cut_middle(lines: list[str], limit: int) -> list[str]:
 
 def render_markdown(view: ReportView) -> str:
     """The PR-comment summary; Markdown control characters in names are escaped."""
-    env = jinja_environment()
-    env.autoescape = False
-    env.filters["md"] = md_escape
-    env.filters["mdcode"] = md_code
-    env.filters["mdfence"] = md_fence
+    env = page_environment(markdown=True)
     text = str(env.get_template("summary.md.j2").render(v=view))
     if len(text.splitlines()) > SUMMARY_MAX_LINES:
         # Fewer items per list before any cut: one victim, effect, remedy group, ...
