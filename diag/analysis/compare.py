@@ -75,7 +75,6 @@ from diag.foundations.cpu import saturation_warning
 from diag.foundations.environment import environment
 from diag.foundations.errors import DiagError
 from diag.foundations.ortfacts import DEPLOY_LEVEL
-from diag.foundations.producers import detect_producer
 
 
 class SensitivitySection(Protocol):
@@ -639,7 +638,7 @@ def attach_weights(result: CompareResult, report: WeightReport) -> None:
     suggestions that depend on it."""
     result.weights = report
     fp, q = result.fp32, result.int8
-    producer = detect_producer(q.proto, q.shown_path).key if q.source is None else "aimet"
+    producer = q.producer_key()
     result.suggestions = all_suggestions(
         fp.proto, result.matching, result.health, q.format.family, report.findings, producer, default_opset(q.proto, 13)
     )

@@ -55,7 +55,6 @@ from diag.core.streaming import EFFECT_SAMPLES
 from diag.core.surgery import float_region_model, node_reads, region_dirs
 from diag.foundations.jsonnum import json_number
 from diag.foundations.ortfacts import DEPLOY_LEVEL, EXACT_LEVEL
-from diag.foundations.producers import detect_producer
 from diag.foundations.progress import Progress
 
 #: Candidates checked by default: enough for the worst local nodes, the path roots and the heads.
@@ -463,7 +462,7 @@ def check_effects(  # NOTE: 9 parameters: the comparison's parts, as compare hol
     groups: list[GroupEffect] = []
     if not effects or effects[0].recovered < CONFIRMED_SHARE:
         # No node alone explains the error: measure the groups one recipe change switches.
-        for g in group_candidates(fp.proto, findings, q.format.family, detect_producer(q.proto, q.path).key):
+        for g in group_candidates(fp.proto, findings, q.format.family, q.producer_key()):
             role = f"INT8 model with {g.label} in float"
             try:
                 model = float_region_model(fp.proto, q.proto, g.fp_nodes, matching, fp_dir=fp_dir)

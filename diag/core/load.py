@@ -80,6 +80,11 @@ class LoadedModel:
         """The path reports and commands name: the user's file, never a model diag built in a temp folder."""
         return self.source or self.path
 
+    def producer_key(self) -> str:
+        """The tool that made the model (a :data:`diag.foundations.producers.PRODUCERS` key), by its
+        marks; ``aimet`` for a model diag built from AIMET encodings (onnxruntime's layout, AIMET's model)."""
+        return "aimet" if self.source is not None else detect_producer(self.proto, self.shown_path).key
+
     @property
     def graph(self) -> onnx.GraphProto:
         return self.proto.graph

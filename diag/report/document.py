@@ -31,7 +31,7 @@ from diag.core.metrics import ErrorStats, OutputStats
 from diag.core.taskmetrics import json_values
 from diag.foundations.cpu import kernel_path
 from diag.foundations.jsonnum import json_number as _num
-from diag.foundations.producers import PRODUCERS, detect_producer
+from diag.foundations.producers import PRODUCERS
 from diag.report.documents import SCHEMA, SCHEMA_VERSION
 
 
@@ -180,10 +180,8 @@ def _models(result: CompareResult) -> dict[str, Any]:
 
 def _producer(result: CompareResult) -> dict[str, str]:
     """``{"producer": "AMD Quark"}`` when the INT8 model's marks name the tool that made it."""
-    if result.int8.source is not None:  # built by diag from AIMET's encodings: onnxruntime's layout, AIMET's model
-        return {"producer": PRODUCERS["aimet"].name}
-    detection = detect_producer(result.int8.proto, result.int8.shown_path)
-    return {} if detection.key == "unknown" else {"producer": detection.producer.name}
+    key = result.int8.producer_key()  # AIMET for a model diag built from AIMET's encodings
+    return {} if key == "unknown" else {"producer": PRODUCERS[key].name}
 
 
 def _first_divergence(per_sample: OutputStats) -> dict[str, Any] | None:
